@@ -1,0 +1,3 @@
+"""ringdit: context-parallel Diffusion Transformers."""
+
+__version__ = "0.1.0"

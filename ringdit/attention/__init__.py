@@ -1,0 +1,54 @@
+"""Attention: backend registry, ring / Ulysses context parallelism, and the ``USPAttention`` layer.
+
+``RING_CAPABLE_ATTENTION_BACKENDS`` is computed on access from the registered classes, so a backend registered
+later (``@register_backend``) appears in it too.
+"""
+
+from ringdit.attention.backend import AttentionBackend
+from ringdit.attention.backends.flash_attn import FlashAttnBackend
+from ringdit.attention.backends.math_backend import MathBackend
+from ringdit.attention.backends.torch_flash import TorchFlashBackend
+from ringdit.attention.backends.torch_sdpa import TorchSDPABackend
+from ringdit.attention.layer import USPAttention, local_attention
+from ringdit.attention.registry import (
+    check_ring_capable,
+    describe_backends,
+    get_attn_backend,
+    list_backends,
+    register_backend,
+    ring_capable_backends,
+    validate_attention_config,
+)
+
+from ringdit.attention.ring import RingAttentionFunction, merge_attention_chunk, ring_attention  # noqa: E402
+
+for _backend in (TorchFlashBackend, TorchSDPABackend, FlashAttnBackend, MathBackend):
+    register_backend(_backend)
+
+
+def __getattr__(name: str):
+    if name == "RING_CAPABLE_ATTENTION_BACKENDS":
+        return ring_capable_backends()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "AttentionBackend",
+    "FlashAttnBackend",
+    "MathBackend",
+    "RING_CAPABLE_ATTENTION_BACKENDS",
+    "TorchFlashBackend",
+    "TorchSDPABackend",
+    "USPAttention",
+    "RingAttentionFunction",
+    "local_attention",
+    "merge_attention_chunk",
+    "ring_attention",
+    "check_ring_capable",
+    "describe_backends",
+    "get_attn_backend",
+    "list_backends",
+    "register_backend",
+    "ring_capable_backends",
+    "validate_attention_config",
+]

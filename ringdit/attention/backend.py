@@ -1,0 +1,145 @@
+"""The attention-backend contract: one class per kernel family.
+
+Every backend computes plain softmax attention in the ``[B, S, H, D]`` layout. Backends whose kernel also returns
+the softmax log-sum-exp (LSE) can take part in ring attention: ``forward_ring_kv_chunk`` attends the local queries
+to ONE chunk of keys/values and returns ``(out, lse)``, so that the chunks of a ring can be merged exactly, and
+``backward_ring_kv_chunk`` returns that chunk's share of the gradient given the FINAL merged ``out`` and ``lse``
+(this is how flash-attention's backward composes across chunks: ``P = exp(S - lse_final)`` is the chunk's slice of
+the full softmax, and ``rowsum(dout * out_final)`` is the full-row correction term).
+
+Ring capability is never declared by hand: ``supports_ring_rotation()`` is True exactly when a class overrides
+``forward_ring_kv_chunk`` (and ``supports_ring_backward()`` when it overrides ``backward_ring_kv_chunk``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, ClassVar
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype softmax statistics and merges run in: fp32, or fp64 for fp64 inputs (the reference)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def accepts_packed_layout(chunk_fn: Callable) -> Callable:
+    """Let a batched ``[B, S, H, D]`` chunk hook also take the packed ``[T, H, D]`` layout of the seeds.
+
+    Packed inputs are viewed as a batch of one; ``out`` comes back as ``[Tq, H, D]`` and ``lse`` as ``[H, Tq]``.
+    Every tensor argument is packed or none is.
+    """
+
+    @functools.wraps(chunk_fn)
+    def wrapper(self, *tensors: Tensor, **kwargs):
+        if tensors[0].dim() == 4:
+            return chunk_fn(self, *tensors, **kwargs)
+        if tensors[0].dim() != 3:
+            raise ValueError(
+                f"attention expects [B, S, H, D] or packed [T, H, D] tensors, got shape {tuple(tensors[0].shape)}"
+            )
+        # lse is the one argument with a different rank: [H, Tq] packed, [B, H, Tq] batched.
+        batched = [t.unsqueeze(0) for t in tensors]
+        results = chunk_fn(self, *batched, **kwargs)
+        return tuple(r.squeeze(0) for r in results)
+
+    return wrapper
+
+
+class AttentionBackend:
+    """Base class of attention kernels. Subclasses set ``name`` and implement ``forward``.
+
+    Layout: ``q [B, Sq, H, D]``, ``k, v [B, Sk, H, D]``; ``lse [B, H, Sq]`` in fp32 (fp64 for fp64 inputs).
+    """
+
+    name: ClassVar[str] = ""
+    # Lower is preferred when a backend is picked automatically (and orders RING_CAPABLE_ATTENTION_BACKENDS).
+    priority: ClassVar[int] = 100
+    # What the README's backend table says; ``is_available`` is the authority on this machine.
+    device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
+
+    # ---- availability ------------------------------------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls, device_type: str | None = None) -> str | None:
+        """Why this backend cannot run on ``device_type`` here (None when it can)."""
+        device_type = device_type or default_device_type()
+        if device_type not in cls.device_types:
+            return f"{cls.name} runs on {'/'.join(cls.device_types)}, not {device_type}"
+        if device_type == "cuda" and not torch.cuda.is_available():
+            return "no CUDA device is visible"
+        return None
+
+    @classmethod
+    def is_available(cls, device_type: str | None = None) -> bool:
+        return cls.unavailable_reason(device_type) is None
+
+    # ---- capabilities (derived, never declared) ---------------------------------------------------------------
+    @classmethod
+    def supports_ring_rotation(cls) -> bool:
+        """True when the kernel exposes the softmax LSE, i.e. the class implements ``forward_ring_kv_chunk``."""
+        return cls.forward_ring_kv_chunk is not AttentionBackend.forward_ring_kv_chunk
+
+    @classmethod
+    def supports_ring_backward(cls) -> bool:
+        """True when ring attention can be trained with this backend (it implements ``backward_ring_kv_chunk``)."""
+        return cls.backward_ring_kv_chunk is not AttentionBackend.backward_ring_kv_chunk
+
+    @classmethod
+    def enum_name(cls) -> str:
+        return cls.name.upper()
+
+    # ---- kernels ----------------------------------------------------------------------------------------------
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None = None) -> Tensor:
+        """Plain local attention ``[B, Sq, H, D] -> [B, Sq, H, D]``, differentiable."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement attention forward")
+
+    def forward_ring_kv_chunk(
+        self, q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Attend local queries to one rotated K/V chunk for ring merging: returns ``(out, lse)``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement ring KV-chunk attention")
+
+    def backward_ring_kv_chunk(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        *,
+        softmax_scale: float | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """This K/V chunk's ``(dq, dk, dv)`` given the FINAL merged ``out`` and ``lse`` of the whole row."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement ring KV-chunk attention backward")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class ChunkKernelAttention(torch.autograd.Function):
+    """Plain attention built from a backend's own chunk kernels: forward = one chunk, backward = its gradient.
+
+    Lets LSE-returning kernels (which are not differentiable ops themselves) serve ``AttentionBackend.forward``.
+    """
+
+    @staticmethod
+    def forward(ctx, backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None):
+        out, lse = backend.forward_ring_kv_chunk(q, k, v, softmax_scale=softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backend, ctx.softmax_scale = backend, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.backend.backward_ring_kv_chunk(dout, q, k, v, out, lse, softmax_scale=ctx.softmax_scale)
+        return None, dq, dk, dv, None

@@ -1,0 +1,1 @@
+"""The built-in attention backends. Importing this package registers them (in ``ringdit.attention``)."""

@@ -1,0 +1,50 @@
+"""``math``: attention written out in plain PyTorch. Any device, any dtype including fp64: the reference."""
+
+from __future__ import annotations
+
+import torch
+
+from ringdit.attention.backend import AttentionBackend, Tensor, accepts_packed_layout, accumulation_dtype
+
+
+def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """Scaled attention logits in the accumulation dtype: (B, H, Sq, Sk)."""
+    acc = accumulation_dtype(q.dtype)
+    return torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k.to(acc)) * scale
+
+
+class MathBackend(AttentionBackend):
+    name = "math"
+    priority = 90  # correct everywhere, fast nowhere: the last automatic choice
+    dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+    def forward(self, q, k, v, *, softmax_scale=None):
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        probs = _scores(q, k, scale).softmax(dim=-1)  # (B, H, Sq, Sk)
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, v.to(probs.dtype))
+        return out.to(q.dtype)
+
+    @accepts_packed_layout
+    def forward_ring_kv_chunk(self, q, k, v, *, softmax_scale=None):
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        scores = _scores(q, k, scale)  # (B, H, Sq, Sk)
+        lse = scores.logsumexp(dim=-1)  # (B, H, Sq)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, v.to(probs.dtype))
+        return out.to(q.dtype), lse
+
+    @accepts_packed_layout
+    def backward_ring_kv_chunk(self, dout, q, k, v, out, lse, *, softmax_scale=None):
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        acc = accumulation_dtype(q.dtype)
+        dout, out = dout.to(acc), out.to(acc)
+        # This chunk's slice of the FULL row softmax, normalised by the final lse.
+        probs = torch.exp(_scores(q, k, scale) - lse.to(acc).unsqueeze(-1))  # (B, H, Sq, Sk)
+        dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout)
+        dprobs = torch.einsum("bqhd,bkhd->bhqk", dout, v.to(acc))
+        # rowsum(dout * out) over the whole row: the softmax-Jacobian correction, shared by all chunks.
+        delta = (dout * out).sum(dim=-1).transpose(1, 2).unsqueeze(-1)  # (B, H, Sq, 1)
+        dscores = probs * (dprobs - delta) * scale
+        dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k.to(acc))
+        dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.to(acc))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,151 @@
+"""Config-time checks shared by train.py and infer.py.
+
+Everything that can be wrong with the settings is found here, in the launching process, before Lightning spawns
+any rank: a typo costs seconds, not a hung cluster. Errors name the setting, the value and what would work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
+
+from ringdit.attention import validate_attention_config
+from ringdit.parallel import check_degrees, check_heads_divisible
+from ringdit.weights import CheckpointError, check_compatible, read_weights
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work."""
+
+
+def register_resolvers() -> None:
+    """``${mul:a,b,c}``: the product, used for the default device count dp x ring x ulysses."""
+    OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs), replace=True)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Show a user mistake as its one-line cause and exit with code 2; ``HYDRA_FULL_ERROR=1`` shows the traceback."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, InstantiationException, TypeError) as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        message = str(error).strip()
+        if isinstance(error, InstantiationException) and error.__cause__ is not None:
+            message = f"{message.splitlines()[0]} {error.__cause__}"
+        print(f"Error: {message}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def require_positive(setting: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{setting} must be a positive integer, got {value!r}")
+
+
+def device_type(trainer_cfg: DictConfig) -> str:
+    accelerator = str(trainer_cfg.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"trainer.accelerator={accelerator} but no CUDA device is visible; use trainer=cpu")
+        return "cuda"
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator != "cpu":
+        raise ConfigError(f"trainer.accelerator must be auto, cpu or gpu, got {accelerator!r}")
+    return "cpu"
+
+
+def world_size(trainer_cfg: DictConfig) -> int:
+    """Processes the trainer will run: devices per node x nodes."""
+    devices, nodes = trainer_cfg.get("devices", 1), trainer_cfg.get("num_nodes", 1)
+    if devices in ("auto", -1, "-1"):
+        devices = torch.cuda.device_count() if device_type(trainer_cfg) == "cuda" else 1
+    elif isinstance(devices, str) and "," in devices:
+        devices = len([d for d in devices.split(",") if d.strip()])
+    elif OmegaConf.is_list(devices) or isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    try:
+        devices = int(devices)
+    except (TypeError, ValueError):
+        raise ConfigError(f"trainer.devices must be a count, a list of ids or 'auto', got {devices!r}") from None
+    require_positive("trainer.devices", devices)
+    require_positive("trainer.num_nodes", nodes)
+    return devices * nodes
+
+
+def validate_parallel(cfg: DictConfig, *, training: bool) -> str:
+    """Check degrees, world size and attention backend; return the backend to use."""
+    check_degrees(cfg.ring_degree, cfg.ulysses_degree)
+    world = world_size(cfg.trainer)
+    try:
+        check_degrees(cfg.ring_degree, cfg.ulysses_degree, world)
+    except ValueError as error:
+        raise ConfigError(f"{error} (trainer.devices={cfg.trainer.devices}, trainer.num_nodes={cfg.trainer.num_nodes})") from None
+    return validate_attention_config(
+        cfg.attention_backend, ring_degree=cfg.ring_degree, training=training, device_type=device_type(cfg.trainer)
+    )
+
+
+def model_config(model_cfg: DictConfig | dict, data_info: dict) -> dict:
+    """The DiT config with the data's shape and classes filled in (in_channels, input_size, num_classes)."""
+    config = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    from_data = {"in_channels": data_info["channels"], "input_size": list(data_info["image_size"]),
+                 "num_classes": data_info["num_classes"]}
+    for key, value in from_data.items():
+        given = config.get(key)
+        if given is not None and given != value and not (key == "input_size" and [given] * 2 == value):
+            raise ConfigError(f"model.{key}={given!r} does not match the data ({value!r}); leave it unset")
+        config[key] = value
+    return config
+
+
+def build_on_meta(config: dict, ulysses_degree: int = 1):
+    """Instantiate the model without memory to check its settings (sizes, heads, patches) before any spawn."""
+    import hydra
+
+    require_positive("model.num_heads", config.get("num_heads", 1))
+    check_heads_divisible(config.get("num_heads", 16), ulysses_degree)
+    with torch.device("meta"):
+        try:
+            return hydra.utils.instantiate(config, attention_backend="math")
+        except InstantiationException as error:
+            raise ConfigError(f"model: {error.__cause__ or error}") from None
+
+
+def check_weights_file(setting: str, path: str, model, prefer: str = "ema") -> dict:
+    """``path`` exists, is safely readable and fits ``model``; returns what it says about itself."""
+    try:
+        state, info = read_weights(path, prefer)
+        check_compatible(model, state, source=f"{setting}={path}")
+    except CheckpointError as error:
+        raise ConfigError(f"{setting}: {error}") from None
+    return info
+
+
+def resolve_ckpt_path(ckpt_path: str | None, log_dir: str, task_name: str) -> str | None:
+    """``last`` -> the newest ``checkpoints/last.ckpt`` of this task's earlier runs; a path must exist."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        candidates = sorted(Path(log_dir, task_name).glob("*/*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        candidates += sorted(Path(log_dir, task_name).glob("*/*/*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not candidates:
+            raise ConfigError(f"ckpt_path=last: no checkpoints/last.ckpt under {Path(log_dir, task_name)}; "
+                              f"pass the checkpoint's path instead")
+        newest = max(candidates, key=lambda p: p.stat().st_mtime)
+        log.info("ckpt_path=last resolved to %s", newest)
+        return str(newest)
+    if not Path(ckpt_path).is_file():
+        raise ConfigError(f"ckpt_path={ckpt_path!r} does not exist")
+    return ckpt_path

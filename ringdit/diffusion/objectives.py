@@ -1,0 +1,82 @@
+"""Training objectives: what a noised sample looks like at time t and what the model should predict.
+
+Both are plain classes of formulas (no nn.Module, no randomness of their own: the caller passes a generator, so
+every rank of a sequence-parallel group draws the same t and noise).
+
+- ``FlowMatching`` (rectified flow, the default): ``x_t = (1 - t) x0 + t noise``, target velocity
+  ``noise - x0``, t uniform or logit-normal in (0, 1), optionally shifted towards noise for large resolutions
+  (SD3's ``t' = s t / (1 + (s - 1) t)``). The model sees ``1000 t``.
+- ``DDPM``: epsilon prediction on the original DiT's linear beta schedule (1e-4 .. 0.02, 1000 steps), so original
+  DiT checkpoints can be fine-tuned. The model sees the integer step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _broadcast(values: Tensor, like: Tensor) -> Tensor:
+    """(B,) -> (B, 1, 1, ...) matching ``like``'s rank."""
+    return values.reshape(-1, *([1] * (like.dim() - 1))).to(like.dtype)
+
+
+def shift_time(t: Tensor, shift: float) -> Tensor:
+    """Move t in [0, 1] towards 1 (more noise) for shift > 1: ``s t / (1 + (s - 1) t)``."""
+    return t if shift == 1.0 else shift * t / (1 + (shift - 1) * t)
+
+
+class FlowMatching:
+    kind = "flow"
+    prediction = "velocity"
+
+    def __init__(self, time_sampling: str = "logit_normal", logit_mean: float = 0.0, logit_std: float = 1.0,
+                 shift: float = 1.0):
+        if time_sampling not in ("uniform", "logit_normal"):
+            raise ValueError(f"time_sampling must be 'uniform' or 'logit_normal', got {time_sampling!r}")
+        if shift <= 0:
+            raise ValueError(f"shift must be > 0, got {shift}")
+        self.time_sampling, self.logit_mean, self.logit_std, self.shift = time_sampling, logit_mean, logit_std, shift
+
+    def sample_time(self, batch: int, generator: torch.Generator) -> Tensor:
+        """(B,) training times in (0, 1)."""
+        if self.time_sampling == "uniform":
+            t = torch.rand(batch, generator=generator)
+        else:
+            t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(batch, generator=generator))
+        return shift_time(t, self.shift)
+
+    def add_noise(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
+        t = _broadcast(t, x0)
+        return (1 - t) * x0 + t * noise
+
+    def target(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
+        return noise - x0
+
+    def model_time(self, t: Tensor) -> Tensor:
+        return t * 1000.0
+
+
+class DDPM:
+    kind = "ddpm"
+    prediction = "epsilon"
+
+    def __init__(self, num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02):
+        self.num_timesteps = num_timesteps
+        betas = torch.linspace(beta_start, beta_end, num_timesteps, dtype=torch.float64)  # the original's "linear"
+        self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+
+    def sample_time(self, batch: int, generator: torch.Generator) -> Tensor:
+        """(B,) integer training steps in [0, num_timesteps)."""
+        return torch.randint(0, self.num_timesteps, (batch,), generator=generator)
+
+    def add_noise(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
+        alpha_bar = self.alphas_cumprod.to(x0.device)[t.to(x0.device)]
+        return _broadcast(alpha_bar.sqrt(), x0) * x0 + _broadcast((1 - alpha_bar).sqrt(), x0) * noise
+
+    def target(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
+        return noise
+
+    def model_time(self, t: Tensor) -> Tensor:
+        return t.float()

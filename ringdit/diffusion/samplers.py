@@ -1,0 +1,103 @@
+"""Samplers: Euler and Heun for flow matching, DDIM for DDPM; classifier-free guidance in one batched forward.
+
+A model here is any callable ``model(x, t, y) -> prediction`` with ``x`` shaped like the samples (the DiT's
+extra learned-sigma channels already dropped: DDIM ignores a learned variance). Sampling is deterministic given the
+initial noise (and, for DDIM with eta > 0, the generator).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ringdit.diffusion.objectives import DDPM, FlowMatching, shift_time
+
+Tensor = torch.Tensor
+Model = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def classifier_free_guidance(model: Model, labels: Tensor, null_label: int | None, scale: float):
+    """``(x, t) -> uncond + scale * (cond - uncond)``: the conditional and unconditional halves share ONE forward.
+
+    With scale 1 guidance is the conditional prediction, so only that is computed.
+    """
+    if scale == 1.0:
+        return lambda x, t: model(x, t, labels)
+    if null_label is None:
+        raise ValueError("classifier-free guidance needs a model trained with label dropout (a null class)")
+    null = torch.full_like(labels, null_label)
+
+    def guided(x: Tensor, t: Tensor) -> Tensor:
+        both = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, null]))
+        cond, uncond = both.chunk(2)
+        return uncond + scale * (cond - uncond)
+
+    return guided
+
+
+@torch.no_grad()
+def sample_flow(denoiser, noise: Tensor, steps: int, method: str = "euler", shift: float = 1.0) -> Tensor:
+    """Integrate dx/dt = v from t = 1 (noise) to t = 0 (data). ``denoiser(x, model_time) -> velocity``."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if method not in ("euler", "heun"):
+        raise ValueError(f"flow sampler must be 'euler' or 'heun', got {method!r}")
+    times = shift_time(torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64), shift)
+    x = noise
+    batch = noise.shape[0]
+    for t, t_next in zip(times[:-1].tolist(), times[1:].tolist()):
+        velocity = denoiser(x, torch.full((batch,), t * 1000.0, device=x.device))
+        x_next = x + (t_next - t) * velocity
+        if method == "heun" and t_next > 0:  # Heun's correction; the last step to t = 0 stays Euler (as in EDM)
+            velocity_next = denoiser(x_next, torch.full((batch,), t_next * 1000.0, device=x.device))
+            x_next = x + (t_next - t) * 0.5 * (velocity + velocity_next)
+        x = x_next
+    return x
+
+
+@torch.no_grad()
+def sample_ddim(denoiser, noise: Tensor, steps: int, schedule: DDPM, eta: float = 0.0,
+                generator: torch.Generator | None = None, clip_denoised: bool = False) -> Tensor:
+    """DDIM (Song et al., 2021) over ``steps`` evenly spaced steps. ``denoiser(x, step) -> epsilon``."""
+    if not 1 <= steps <= schedule.num_timesteps:
+        raise ValueError(f"steps must be in [1, {schedule.num_timesteps}], got {steps}")
+    alphas = schedule.alphas_cumprod
+    timesteps = torch.linspace(schedule.num_timesteps - 1, 0, steps, dtype=torch.float64).round().long().tolist()
+    x = noise
+    batch = noise.shape[0]
+    for i, step in enumerate(timesteps):
+        alpha = alphas[step].item()
+        alpha_prev = alphas[timesteps[i + 1]].item() if i + 1 < len(timesteps) else 1.0
+        eps = denoiser(x, torch.full((batch,), float(step), device=x.device))
+        x0 = (x - (1 - alpha) ** 0.5 * eps) / alpha**0.5
+        if clip_denoised:
+            x0 = x0.clamp(-1, 1)
+            eps = (x - alpha**0.5 * x0) / (1 - alpha) ** 0.5
+        sigma = eta * ((1 - alpha_prev) / (1 - alpha) * (1 - alpha / alpha_prev)) ** 0.5
+        x = alpha_prev**0.5 * x0 + (1 - alpha_prev - sigma**2) ** 0.5 * eps
+        if sigma > 0:
+            x = x + sigma * torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+    return x
+
+
+def initial_noise(shape: tuple[int, ...], seeds: list[int], device=None, dtype=torch.float32) -> Tensor:
+    """One N(0, 1) sample per seed: sample i depends only on seeds[i], not on batch size or rank layout."""
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(
+        device=device, dtype=dtype
+    )
+
+
+def sample(model: Model, objective, noise: Tensor, labels: Tensor, *, steps: int, cfg_scale: float = 1.0,
+           null_label: int | None = None, sampler: str | None = None, shift: float = 1.0, eta: float = 0.0,
+           generator: torch.Generator | None = None, clip_denoised: bool = False) -> Tensor:
+    """Draw samples for ``labels`` starting from ``noise`` with the sampler that fits the objective."""
+    denoiser = classifier_free_guidance(model, labels, null_label, cfg_scale)
+    if isinstance(objective, FlowMatching):
+        return sample_flow(denoiser, noise, steps, method=sampler or "euler", shift=shift)
+    if isinstance(objective, DDPM):
+        if sampler not in (None, "ddim"):
+            raise ValueError(f"the DDPM objective samples with 'ddim', got sampler={sampler!r}")
+        return sample_ddim(denoiser, noise, steps, objective, eta=eta, generator=generator,
+                           clip_denoised=clip_denoised)
+    raise TypeError(f"unknown objective {type(objective).__name__}")

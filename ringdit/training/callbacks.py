@@ -1,0 +1,54 @@
+"""Callbacks: preview sample grids during training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+from ringdit.images import grid_image, save_samples, to_uint8
+
+
+class SampleGrid(L.Callback):
+    """Every ``every_n_steps`` optimizer steps (and at the end), sample a grid with the EMA weights through the
+    same sharded model, save it under ``<output_dir>/samples/`` and log it to wandb / TensorBoard.
+
+    All ranks sample (the model is sharded across them); only global rank 0 writes. One row per class
+    (up to ``max_classes``), ``per_class`` samples each, from fixed seeds so grids are comparable across steps.
+    """
+
+    def __init__(self, output_dir: str, every_n_steps: int = 500, per_class: int = 8, max_classes: int = 10,
+                 steps: int | None = None, cfg_scale: float | None = None, seed: int = 0):
+        if every_n_steps < 1:
+            raise ValueError(f"callbacks.sample_grid.every_n_steps must be >= 1, got {every_n_steps}")
+        self.output_dir = Path(output_dir)
+        self.every_n_steps, self.per_class, self.max_classes = every_n_steps, per_class, max_classes
+        self.steps, self.cfg_scale, self.seed = steps, cfg_scale, seed
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps == 0 and step != self._last_step:
+            self.make_grid(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_step != self._last_step:
+            self.make_grid(trainer, pl_module)
+
+    def make_grid(self, trainer: L.Trainer, pl_module) -> Path | None:
+        self._last_step = step = trainer.global_step
+        classes = min(pl_module.hparams.data["num_classes"], self.max_classes)
+        labels = torch.arange(classes).repeat_interleave(self.per_class)
+        seeds = [self.seed * 1_000_003 + i for i in range(len(labels))]
+        images = to_uint8(pl_module.generate(labels, seeds, steps=self.steps, cfg_scale=self.cfg_scale)).numpy()
+        if not trainer.is_global_zero:
+            return None
+        path = save_samples(images, self.output_dir / "samples" / f"step_{step:07d}", columns=self.per_class)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_image(key="samples", images=[grid_image(images, self.per_class)], step=step)
+            elif isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_image("samples", grid_image(images, self.per_class), step, dataformats="HWC")
+        return path

@@ -1,0 +1,49 @@
+"""Checkpoint files written atomically: a kill during saving never replaces a good checkpoint with a torn one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from ringdit.weights import safe_torch_load
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write to a temporary file in the same folder, fsync, then ``os.replace`` onto the final name (atomic on
+    POSIX). Loading never unpickles code: ``weights_only`` loading (see ``ringdit.weights.safe_torch_load``)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+
+    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None):
+        return safe_torch_load(path, map_location=map_location or "cpu")
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,185 @@
+"""``DiTModule``: the LightningModule that fine-tunes and samples a (sequence-parallel) DiT.
+
+Randomness that must agree across a sequence-parallel group -- diffusion time, noise, which labels are dropped for
+classifier-free guidance -- is drawn from a generator seeded by (seed, step, data-parallel rank): every rank of a
+group draws the same values, different data-parallel replicas draw different ones, and a resumed run draws what
+the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import hydra
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import grad_norm
+from torch.optim.swa_utils import AveragedModel
+
+from ringdit.attention import validate_attention_config
+from ringdit.diffusion import initial_noise, sample
+from ringdit.images import to_uint8
+from ringdit.models import DiT
+from ringdit.parallel import current_parallel_dims, shard_sequence, sharded_mean
+
+Tensor = torch.Tensor
+
+
+def step_generator(*key: int) -> torch.Generator:
+    """A CPU generator whose stream depends only on ``key`` (e.g. seed, step, dp rank)."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0] >> 1))
+
+
+def ema_update(decay: float) -> Callable:
+    """AveragedModel's ``avg_fn`` for an EMA whose decay ramps up as (1 + n) / (10 + n) before reaching ``decay``:
+    early weights are not frozen into a long average of the random init."""
+
+    def update(averaged: Tensor, current: Tensor, num_averaged: Tensor) -> Tensor:
+        n = float(num_averaged)
+        d = min(decay, (1 + n) / (10 + n))
+        return averaged * d + current * (1 - d)
+
+    return update
+
+
+class DiTModule(L.LightningModule):
+    """Trains ``model`` (a DiT config with ``_target_``) with ``objective`` (FlowMatching / DDPM config).
+
+    ``sampling``: defaults for preview grids and ``infer.py`` (``steps``, ``cfg_scale``, ``sampler``, ``shift``).
+    ``data``: what the data module describes (channels, image_size, num_classes, class_names).
+    """
+
+    def __init__(
+        self,
+        model: dict,
+        objective: dict,
+        data: dict,
+        sampling: dict | None = None,
+        optimizer: Callable | None = None,
+        scheduler: Callable | None = None,
+        ema_decay: float = 0.9999,
+        seed: int = 0,
+        attention_backend: str | None = None,
+        compile: bool = False,
+        init_from: str | None = None,
+        init_weights: str = "ema",
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.objective = hydra.utils.instantiate(objective)
+        self.sampling = {"steps": 50, "cfg_scale": 1.0, "sampler": None, "shift": 1.0, **(sampling or {})}
+        self.model: DiT | None = None
+        self.ema: AveragedModel | None = None
+        self._step_start: float | None = None
+
+    # ---- model ----------------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Built here, not in __init__: the sequence-parallel mesh exists only once the strategy set it up, and
+        each USPAttention checks its backend against it."""
+        if self.model is not None:
+            return
+        dims = current_parallel_dims()
+        device_type = self.trainer.strategy.root_device.type if self._trainer is not None else self.device.type
+        backend = validate_attention_config(
+            self.hparams.attention_backend, ring_degree=dims.ring_degree,
+            training=self.optimizer_factory is not None, device_type=device_type,
+        )
+        self.model = hydra.utils.instantiate(self.hparams.model, attention_backend=backend)
+        if self.hparams.init_from:
+            from ringdit.weights import load_model_weights
+
+            load_model_weights(self.model, self.hparams.init_from, prefer=self.hparams.init_weights)
+        self.ema = AveragedModel(self.model, avg_fn=ema_update(self.hparams.ema_decay), use_buffers=True)
+        self.ema.requires_grad_(False)
+        if self.hparams.compile:
+            for block in self.model.blocks:  # regional compilation: one graph per block, reused by all blocks
+                block.compile()
+
+    @property
+    def tokens_per_sample(self) -> int:
+        grid = [s // p for s, p in zip(self.hparams.data["image_size"], self.model.x_embedder.patch_shape)]
+        return int(np.prod(grid))
+
+    # ---- training ---------------------------------------------------------------------------------------------------
+    def diffusion_loss(self, model: DiT, x0: Tensor, labels: Tensor, generator: torch.Generator) -> Tensor:
+        """This rank's share of the batch's mean squared error (see ``sharded_mean``)."""
+        batch = x0.shape[0]
+        t = self.objective.sample_time(batch, generator)
+        noise = torch.randn(x0.shape, generator=generator)
+        drop = torch.rand(batch, generator=generator) < model.class_dropout_prob
+        t, noise, drop = t.to(x0.device), noise.to(x0.device, x0.dtype), drop.to(x0.device)
+        x_t = self.objective.add_noise(x0, noise, t)
+        target = model.patchify(self.objective.target(x0, noise, t))  # (B, N, patch_volume * C)
+        pred = model.forward_tokens(x_t, self.objective.model_time(t), labels, drop)  # (B, N_local, P * C_out)
+        if model.learn_sigma:  # the variance channels get no loss: flow matching and DDIM ignore them
+            pred = pred.unflatten(-1, (-1, model.out_channels))[..., : model.in_channels].flatten(2)
+        error = (pred.float() - shard_sequence(target).float()).square()
+        return sharded_mean(error, length=target.shape[1])
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        x0, labels = batch
+        dims = current_parallel_dims()
+        generator = step_generator(self.hparams.seed, self.trainer.global_step, batch_idx, dims.dp_rank)
+        loss = self.diffusion_loss(self.model, x0, labels, generator)
+        # Each rank holds sp x its share; the mean over all ranks is the batch loss averaged over replicas.
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x0, labels = batch
+        dims = current_parallel_dims()
+        generator = step_generator(self.hparams.seed, 2**31 - 1, batch_idx, dims.dp_rank)  # same draws every time
+        loss = self.diffusion_loss(self.ema.module, x0, labels, generator)
+        self.log("val/loss", loss, sync_dist=True, batch_size=x0.shape[0])
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+            self.ema.update_parameters(self.model)
+        seconds = time.perf_counter() - self._step_start
+        samples = batch[0].shape[0] * current_parallel_dims().dp_degree
+        self.log_dict({"train/samples_per_sec": samples / seconds,
+                       "train/tokens_per_sec": samples * self.tokens_per_sample / seconds})
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        norms = grad_norm(self.model, norm_type=2)
+        if norms:
+            self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+
+    def configure_optimizers(self):
+        if self.optimizer_factory is None:
+            raise ValueError("DiTModule needs an optimizer (a partial, e.g. torch.optim.AdamW) to train")
+        optimizer = self.optimizer_factory(params=[p for p in self.model.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer=optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- sampling ---------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, labels: Tensor, seeds: list[int], *, use_ema: bool = True, **overrides: Any) -> Tensor:
+        """Samples ``(N, C, [T,] H, W)`` in [-1, 1] for ``labels``, sample i drawn from noise seeded by seeds[i].
+
+        Collective under sequence parallelism: every rank of the group must call it with the same arguments.
+        """
+        settings = {**self.sampling, **{k: v for k, v in overrides.items() if v is not None}}
+        model = self.ema.module if use_ema else self.model
+        channels = model.in_channels
+        noise = initial_noise((channels, *self.hparams.data["image_size"]), seeds, device=self.device)
+        null = model.y_embedder.null_label if settings["cfg_scale"] != 1.0 else None
+        labels = labels.to(self.device)
+        return sample(
+            lambda x, t, y: model(x, t, y)[:, :channels], self.objective, noise, labels,
+            steps=settings["steps"], cfg_scale=settings["cfg_scale"], null_label=null, sampler=settings["sampler"],
+            shift=settings["shift"], clip_denoised=True,
+        ).clamp(-1, 1)
+
+    def predict_step(self, batch, batch_idx: int) -> dict:
+        indices, labels, seeds = batch
+        images = self.generate(labels, seeds.tolist())
+        return {"index": indices, "labels": labels, "images": to_uint8(images)}

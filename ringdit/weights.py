@@ -1,0 +1,137 @@
+"""Reading and writing model weights safely: Lightning checkpoints, safetensors exports, original DiT ``.pt`` files.
+
+Nothing here unpickles code: ``.ckpt``/``.pt`` files load with ``torch.load(weights_only=True)``, which only builds
+tensors and plain containers, and exports are safetensors. A file that would need arbitrary Python objects is
+refused with an error that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+Tensor = torch.Tensor
+
+
+class CheckpointError(ValueError):
+    """A weights file that is missing, unreadable, unsafe or does not fit the model."""
+
+
+def safe_torch_load(path: str | Path, map_location: Any = "cpu") -> Any:
+    """``torch.load`` restricted to tensors and plain containers, with errors that say what is wrong."""
+    path = _existing_file(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"refusing to load {path}: it contains Python objects that would run code when unpickled "
+            f"({_first_line(error)}). ringdit loads only weights (tensors and plain containers); if you trust the "
+            f"file, re-save its state_dict with torch.save, or export it to .safetensors"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
+        raise CheckpointError(
+            f"{path} is not a readable PyTorch checkpoint (truncated, still being written, or another format): "
+            f"{_first_line(error)}"
+        ) from None
+
+
+def _existing_file(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
+    return path
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+# ---- reading any supported format as a plain model state dict ------------------------------------------------------
+
+
+def read_weights(path: str | Path, prefer: str = "ema") -> tuple[dict[str, Tensor], dict]:
+    """``(state_dict, info)`` for the DiT in ``path``; ``info`` holds what the file says about the model
+    (``model``, ``data``, ``objective``, ``sampling`` configs) where it says anything.
+
+    - ``.safetensors``: a ringdit export (EMA weights, configs in the metadata) or any plain DiT state dict;
+    - a ringdit Lightning checkpoint: ``prefer="ema"`` (default) or ``"model"`` (the raw trained weights);
+    - an original facebookresearch/DiT ``.pt``: a bare state dict, or its training checkpoint ``{"model", "ema"}``.
+    """
+    if prefer not in ("ema", "model"):
+        raise ValueError(f"prefer must be 'ema' or 'model', got {prefer!r}")
+    path = _existing_file(path)
+    if path.suffix == ".safetensors":
+        return _read_safetensors(path)
+    content = safe_torch_load(path)
+    if not isinstance(content, dict):
+        raise CheckpointError(f"{path} holds a {type(content).__name__}, not a state dict or checkpoint")
+    if "state_dict" in content:  # Lightning checkpoint written by ringdit
+        prefix = "ema.module." if prefer == "ema" else "model."
+        state = _strip_prefix(content["state_dict"], prefix)
+        if not state:
+            raise CheckpointError(f"{path} is a Lightning checkpoint without '{prefix}*' weights: not from ringdit")
+        hparams = content.get("hyper_parameters", {})
+        info = {key: hparams[key] for key in ("model", "data", "objective", "sampling") if key in hparams}
+        return state, info
+    if prefer in content and isinstance(content[prefer], dict):  # original DiT training checkpoint
+        return content[prefer], {}
+    if all(isinstance(v, Tensor) for v in content.values()):
+        return content, {}
+    raise CheckpointError(f"{path} is neither a ringdit checkpoint nor a DiT state dict (keys: {sorted(content)[:8]})")
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            state = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {_first_line(error)}") from None
+    info = {key: json.loads(value) for key, value in metadata.items() if key in ("model", "data", "objective", "sampling")}
+    return state, info
+
+
+def _strip_prefix(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    return {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+
+
+# ---- loading into a model ------------------------------------------------------------------------------------------
+
+
+def check_compatible(model: nn.Module, state: dict[str, Tensor], source: str = "checkpoint") -> None:
+    """Raise one error listing every missing key, unexpected key and shape mismatch."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mismatched = [
+        f"{key}: {tuple(state[key].shape)} in the {source}, {tuple(expected[key].shape)} in the model"
+        for key in sorted(set(expected) & set(state))
+        if state[key].shape != expected[key].shape
+    ]
+    if missing or unexpected or mismatched:
+        parts = []
+        if mismatched:
+            parts.append(f"shape mismatches ({len(mismatched)}): " + "; ".join(mismatched[:10]))
+        if missing:
+            parts.append(f"missing keys ({len(missing)}): " + ", ".join(missing[:10]))
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): " + ", ".join(unexpected[:10]))
+        raise CheckpointError(
+            f"the {source} does not fit this model (a different model size or layout?) -- " + " | ".join(parts)
+        )
+
+
+def load_model_weights(model: nn.Module, path: str | Path, prefer: str = "ema") -> dict:
+    """Load ``path``'s weights into ``model`` with strict key and shape checks; returns the file's info."""
+    state, info = read_weights(path, prefer)
+    check_compatible(model, state, source=str(path))
+    model.load_state_dict(state, strict=True)
+    return info

@@ -1,0 +1,195 @@
+"""The DiT: original-checkpoint compatibility, shapes, and sharded-equals-unsharded on CPU ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringdit.models import DIT_MODELS, DiT, sincos_pos_embed
+from ringdit.parallel import init_sequence_parallel, shard_sequence, sharded_mean
+from tests.distributed import run_ranks
+
+
+def tiny_dit(video=False, **overrides) -> DiT:
+    config = dict(input_size=(4, 8, 8) if video else 8, patch_size=2, in_channels=3, hidden_size=64, depth=2,
+                  num_heads=4, num_classes=10, learn_sigma=True, attention_backend="torch_flash")
+    if video:
+        config["temporal_patch_size"] = 2
+    config.update(overrides)
+    torch.manual_seed(0)
+    model = DiT(**config)
+    # adaLN-Zero starts as the identity: perturb the zeroed layers so every parameter gets a gradient
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.abs().sum() == 0:
+                p.normal_(std=0.05)
+    return model
+
+
+# ---- original checkpoints ---------------------------------------------------------------------------------------
+
+
+def original_dit_state_dict_shapes(depth, hidden, heads, patch, input_size=32, in_channels=4, num_classes=1000):
+    """Key -> shape of a facebookresearch/DiT checkpoint, written out from the published models.py (timm
+    PatchEmbed/Attention/Mlp, learn_sigma=True, class_dropout_prob=0.1), independent of ringdit's classes."""
+    shapes = {
+        "pos_embed": (1, (input_size // patch) ** 2, hidden),
+        "x_embedder.proj.weight": (hidden, in_channels, patch, patch),
+        "x_embedder.proj.bias": (hidden,),
+        "t_embedder.mlp.0.weight": (hidden, 256),
+        "t_embedder.mlp.0.bias": (hidden,),
+        "t_embedder.mlp.2.weight": (hidden, hidden),
+        "t_embedder.mlp.2.bias": (hidden,),
+        "y_embedder.embedding_table.weight": (num_classes + 1, hidden),
+        "final_layer.linear.weight": (patch * patch * in_channels * 2, hidden),
+        "final_layer.linear.bias": (patch * patch * in_channels * 2,),
+        "final_layer.adaLN_modulation.1.weight": (2 * hidden, hidden),
+        "final_layer.adaLN_modulation.1.bias": (2 * hidden,),
+    }
+    for i in range(depth):
+        b = f"blocks.{i}."
+        shapes |= {
+            b + "attn.qkv.weight": (3 * hidden, hidden),
+            b + "attn.qkv.bias": (3 * hidden,),
+            b + "attn.proj.weight": (hidden, hidden),
+            b + "attn.proj.bias": (hidden,),
+            b + "mlp.fc1.weight": (4 * hidden, hidden),
+            b + "mlp.fc1.bias": (4 * hidden,),
+            b + "mlp.fc2.weight": (hidden, 4 * hidden),
+            b + "mlp.fc2.bias": (hidden,),
+            b + "adaLN_modulation.1.weight": (6 * hidden, hidden),
+            b + "adaLN_modulation.1.bias": (6 * hidden,),
+        }
+    return shapes
+
+
+@pytest.mark.parametrize(("name", "depth", "hidden", "heads", "patch"), [("DiT-S/2", 12, 384, 6, 2), ("DiT-B/4", 12, 768, 12, 4)])
+def test_original_dit_state_dict_loads_strictly(name, depth, hidden, heads, patch):
+    shapes = original_dit_state_dict_shapes(depth, hidden, heads, patch)
+    state = {key: torch.randn(shape) for key, shape in shapes.items()}
+    model = DIT_MODELS[name](input_size=32, in_channels=4, num_classes=1000)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes
+    model.load_state_dict(state, strict=True)
+    torch.testing.assert_close(model.blocks[3].attn.qkv.weight, state["blocks.3.attn.qkv.weight"])
+
+
+def test_original_size_table():
+    assert {name for name in DIT_MODELS if not name.split("-")[1].startswith(("T", "XT"))} == {
+        f"DiT-{s}/{p}" for s in ("XL", "L", "B", "S") for p in (2, 4, 8)
+    }
+    xl = DIT_MODELS["DiT-XL/2"]()
+    assert sum(p.numel() for p in xl.parameters() if p.requires_grad) == pytest.approx(675e6, rel=0.01)
+
+
+def test_pos_embed_matches_the_original_formula_on_square_grids():
+    """The original get_2d_sincos_pos_embed, transcribed in numpy (first half: column index, then row)."""
+    import numpy as np
+
+    def original(embed_dim, grid_size):
+        def one_d(dim, pos):
+            omega = 1.0 / 10000 ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
+            out = np.einsum("m,d->md", pos.reshape(-1), omega)
+            return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+        grid = np.stack(np.meshgrid(np.arange(grid_size, dtype=np.float32), np.arange(grid_size, dtype=np.float32)))
+        grid = grid.reshape([2, 1, grid_size, grid_size])
+        return np.concatenate([one_d(embed_dim // 2, grid[0]), one_d(embed_dim // 2, grid[1])], axis=1)
+
+    ours = sincos_pos_embed(64, (5, 5))[0].numpy()
+    np.testing.assert_allclose(ours, original(64, 5).astype(np.float32), atol=1e-6)
+
+
+def test_any_grid_and_video_shapes():
+    model = tiny_dit()
+    x = torch.randn(2, 3, 6, 10)  # non-square, not the configured 8x8
+    out = model(x, torch.tensor([10.0, 500.0]), torch.tensor([1, 2]))
+    assert out.shape == (2, 6, 6, 10)
+    video = tiny_dit(video=True)
+    x = torch.randn(2, 3, 6, 8, 4)
+    assert video(x, torch.tensor([1.0, 2.0]), torch.tensor([0, 9])).shape == (2, 6, 6, 8, 4)
+    tokens = video.patchify(x)
+    assert tokens.shape == (2, 3 * 4 * 2, 2 * 2 * 2 * 3)
+    torch.testing.assert_close(video.unpatchify(tokens, (3, 4, 2), channels=3), x)
+
+
+def test_shape_errors_are_clear():
+    with pytest.raises(ValueError, match=r"input size \(7, 8\) is not divisible by the patch size \(2, 2\)"):
+        tiny_dit()(torch.randn(1, 3, 7, 8), torch.zeros(1), torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="hidden_size=64 is not divisible by num_heads=5"):
+        tiny_dit(num_heads=5)
+    with pytest.raises(ValueError, match=r"input_size \(9, 9\) is not divisible by the patch size"):
+        tiny_dit(input_size=9)
+
+
+def test_label_drop_uses_the_null_class():
+    model = tiny_dit()
+    x, t = torch.randn(2, 3, 8, 8), torch.tensor([3.0, 3.0])
+    dropped = model(x, t, torch.tensor([4, 5]), drop_labels=torch.tensor([True, True]))
+    null = model(x, t, torch.tensor([model.null_label] * 2))
+    torch.testing.assert_close(dropped, null)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    plain, ckpt = tiny_dit(), tiny_dit(gradient_checkpointing=True)
+    x, t, y = torch.randn(2, 3, 8, 8), torch.tensor([5.0, 900.0]), torch.tensor([1, 2])
+    for model in (plain, ckpt):
+        model(x, t, y).square().mean().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+# ---- sharded equals unsharded -----------------------------------------------------------------------------------
+
+
+def one_device_loss(model, x, t, y, drop, target):
+    """Mean squared error of the output tokens over the whole sample."""
+    pred = model.forward_tokens(x, t, y, drop)
+    return (pred - model.patchify(target)).square().mean(), model(x, t, y, drop)
+
+
+def check_sharded_dit(rank, world, ring, ulysses, video, spatial):
+    model = tiny_dit(video=video)
+    g = torch.Generator().manual_seed(1)
+    shape = (2, 3, *spatial)
+    x, target = torch.randn(shape, generator=g), torch.randn(2, 6, *spatial, generator=g)
+    t, y, drop = torch.tensor([37.0, 912.0]), torch.tensor([3, 7]), torch.tensor([False, True])
+
+    reference = copy.deepcopy(model)  # one device: no mesh yet
+    ref_loss, ref_out = one_device_loss(reference, x, t, y, drop, target)
+    ref_loss.backward()
+
+    dims = init_sequence_parallel(ring, ulysses)
+    out = model(x, t, y, drop)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=2e-6)
+    pred = model.forward_tokens(x, t, y, drop)  # this rank's tokens
+    target_tokens = model.patchify(target)
+    loss = sharded_mean((pred - shard_sequence(target_tokens)).square(), length=target_tokens.shape[1])
+    logged = loss.detach().clone()
+    dist.all_reduce(logged)
+    torch.testing.assert_close(logged / world, ref_loss.detach(), rtol=1e-5, atol=1e-7)  # what gets logged
+    loss.backward()
+    for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        if not p.requires_grad:
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # DDP: average over every rank, sequence-parallel ranks included
+        torch.testing.assert_close(grad / world, ref.grad, rtol=1e-4, atol=1e-6, msg=f"{name} ({ring}x{ulysses})")
+    assert dims.sp_degree == ring * ulysses
+
+
+@pytest.mark.parametrize(
+    ("ring", "ulysses", "video", "spatial"),
+    [
+        (2, 1, False, (10, 6)),  # 15 tokens over 2 ranks: padded
+        (4, 1, False, (8, 8)),  # 16 tokens
+        (2, 2, False, (6, 10)),  # 15 tokens over 4 ranks
+        (4, 1, True, (6, 8, 4)),  # video: 3 x 4 x 2 = 24 tokens
+        (2, 2, True, (4, 6, 6)),  # video: 2 x 3 x 3 = 18 tokens, padded
+    ],
+)
+def test_sharded_dit_equals_one_device(ring, ulysses, video, spatial):
+    run_ranks(check_sharded_dit, 4, ring, ulysses, video, spatial)

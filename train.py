@@ -1,0 +1,98 @@
+"""Fine-tune / train a DiT with ring + Ulysses context parallelism.
+
+    python train.py                                  # tiny DiT on the built-in digits, CPU or GPU
+    python train.py ring_degree=4                    # the same sequence sharded over 4 ranks
+    python train.py ring_degree=2 ulysses_degree=2 dp_degree=2 trainer.max_steps=100 logger=csv
+    python train.py ckpt_path=last                   # resume the newest run
+    python train.py --cfg job                        # show the composed config
+
+Settings live in conf/ (Hydra); outputs (checkpoints, sample grids, logs) go to the run's output directory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+import lightning as L
+from omegaconf import DictConfig, OmegaConf
+
+from ringdit.config import (
+    build_on_meta,
+    check_weights_file,
+    model_config,
+    register_resolvers,
+    require_positive,
+    resolve_ckpt_path,
+    user_errors,
+    validate_parallel,
+)
+from ringdit.training import DiTModule
+
+log = logging.getLogger("ringdit.train")
+register_resolvers()
+
+
+def train(cfg: DictConfig) -> None:
+    # ---- everything that can be wrong is checked here, before Lightning spawns any rank --------------------------
+    require_positive("trainer.max_steps", cfg.trainer.max_steps)
+    require_positive("data.batch_size", cfg.data.batch_size)
+    backend = validate_parallel(cfg, training=True)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    data_info = datamodule.describe()
+    model_cfg = model_config(cfg.model, data_info)
+    meta_model = build_on_meta(model_cfg, cfg.ulysses_degree)
+    if cfg.init_from:
+        check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
+    if ckpt_path:
+        check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
+
+    L.seed_everything(cfg.seed, workers=True)
+    module = DiTModule(
+        model=model_cfg,
+        objective=OmegaConf.to_container(cfg.diffusion.objective, resolve=True),
+        data=data_info,
+        sampling=OmegaConf.to_container(cfg.diffusion.sampling, resolve=True),
+        optimizer=hydra.utils.instantiate(cfg.optimizer),
+        scheduler=hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+        ema_decay=cfg.ema_decay,
+        seed=cfg.seed,
+        attention_backend=backend,
+        compile=cfg.compile,
+        init_from=cfg.init_from,
+        init_weights=cfg.init_weights,
+    )
+    callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    for logger in trainer.loggers:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+
+    if trainer.is_global_zero:
+        log.info("DiT %s on %s, %d tokens per sample; ring %d x ulysses %d x dp %d; attention %s",
+                 {k: v for k, v in model_cfg.items() if k != "_target_"}, type(datamodule).__name__,
+                 _tokens(model_cfg), cfg.ring_degree, cfg.ulysses_degree,
+                 trainer.world_size // (cfg.ring_degree * cfg.ulysses_degree), backend)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if trainer.is_global_zero:
+        log.info("outputs in %s (checkpoints/last.ckpt, samples/)", cfg.paths.output_dir)
+
+
+def _tokens(model_cfg: dict) -> int:
+    patch = [model_cfg.get("temporal_patch_size") or 1] * (len(model_cfg["input_size"]) - 2)
+    patch += [model_cfg["patch_size"]] * 2
+    tokens = 1
+    for size, p in zip(model_cfg["input_size"], patch):
+        tokens *= size // p
+    return tokens
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    with user_errors():
+        train(cfg)
+
+
+if __name__ == "__main__":
+    main()
