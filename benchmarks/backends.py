@@ -15,13 +15,19 @@ from ringdit.attention.registry import backend_class
 
 
 def time_forward(backend, q, k, v, repeat: int) -> float:
-    backend.forward(q, k, v)  # warm-up
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        with torch.no_grad():
+    def sync():
+        if q.is_cuda:
+            torch.cuda.synchronize()
+
+    with torch.no_grad():
+        backend.forward(q, k, v)  # warm-up
+        best = float("inf")
+        for _ in range(repeat):
+            sync()
+            start = time.perf_counter()
             backend.forward(q, k, v)
-        best = min(best, time.perf_counter() - start)
+            sync()
+            best = min(best, time.perf_counter() - start)
     return best
 
 

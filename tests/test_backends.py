@@ -271,16 +271,17 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("name", ["torch_flash", "flash_attn"])
-def test_cuda_kernels_split_contract(name, dtype):
+def test_cuda_kernels_split_contract(name, dtype, head_size):
     cls = registry.backend_class(name)
     if not cls.is_available("cuda"):
         pytest.skip(cls.unavailable_reason("cuda"))
     if dtype not in cls.dtypes:
         pytest.skip(f"{name} has no {dtype}")
     backend = get_attn_backend(name, device_type="cuda")
-    q, k, v, dout = (t.cuda() for t in random_qkv(2, 100, 300, 4, 64, dtype))
+    q, k, v, dout = (t.cuda() for t in random_qkv(2, 100, 300, 4, head_size, dtype))
     ref_out, ref_lse, ref_grads = reference(q.cpu(), k.cpu(), v.cpu(), dout.cpu())
     out = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
     lse = torch.full((2, 4, 100), float("-inf"), device="cuda")

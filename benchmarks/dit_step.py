@@ -1,0 +1,80 @@
+"""Training-step time of one DiT on one device (forward + backward + AdamW), eager or compiled.
+
+    python benchmarks/dit_step.py --model DiT-XL/2 --input-size 32 --batch 8 --device cuda --dtype bfloat16
+    python benchmarks/dit_step.py --model DiT-T/2 --input-size 16 --batch 32 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from ringdit.models import DIT_MODELS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="DiT-S/2", choices=sorted(DIT_MODELS))
+    parser.add_argument("--input-size", type=int, nargs="+", default=[32], help="H W, or T H W with --temporal-patch")
+    parser.add_argument("--in-channels", type=int, default=4)
+    parser.add_argument("--temporal-patch", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help="autocast dtype on CUDA (bfloat16), float32 = off")
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block (regional)")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+
+    size = args.input_size[0] if len(args.input_size) == 1 else tuple(args.input_size)
+    model = DIT_MODELS[args.model](input_size=size, in_channels=args.in_channels, num_classes=1000,
+                                   temporal_patch_size=args.temporal_patch, attention_backend=args.backend)
+    model.to(args.device)
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    spatial = (size, size) if isinstance(size, int) else size
+    x = torch.randn(args.batch, args.in_channels, *spatial, device=args.device)
+    t = torch.rand(args.batch, device=args.device) * 1000
+    y = torch.randint(0, 1000, (args.batch,), device=args.device)
+    autocast = torch.autocast(args.device.split(":")[0], dtype=getattr(torch, args.dtype),
+                              enabled=args.dtype != "float32")
+
+    def step():
+        with autocast:
+            loss = model(x, t, y).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def sync():
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    step()
+    sync()
+    first = time.perf_counter() - start
+    for _ in range(2):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync()
+    seconds = (time.perf_counter() - start) / args.steps
+    tokens = args.batch * model.x_embedder(x[:1]).shape[1]
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"| {args.model} | {tuple(x.shape)} | {tokens // args.batch} tok/sample | {args.device} {args.dtype} | "
+          f"backend {model.blocks[0].attn.attn.backend.name} | compile {args.compile} | first step {first:.2f} s | "
+          f"{seconds * 1e3:.1f} ms/step | {tokens / seconds:,.0f} tok/s | {6 * params * tokens / seconds / 1e12:.2f} "
+          f"TFLOP/s (6 N D) |")
+    if args.device.startswith("cuda"):
+        print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
