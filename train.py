@@ -15,6 +15,7 @@ import logging
 
 import hydra
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.config import (
@@ -55,7 +56,7 @@ def train(cfg: DictConfig) -> None:
         data=data_info,
         sampling=OmegaConf.to_container(cfg.diffusion.sampling, resolve=True),
         optimizer=hydra.utils.instantiate(cfg.optimizer),
-        scheduler=hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+        scheduler=hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,  # scheduler=constant
         ema_decay=cfg.ema_decay,
         seed=cfg.seed,
         attention_backend=backend,
@@ -65,7 +66,10 @@ def train(cfg: DictConfig) -> None:
     )
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files
+    )
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 

@@ -29,8 +29,9 @@ class ConfigError(ValueError):
 
 
 def register_resolvers() -> None:
-    """``${mul:a,b,c}``: the product, used for the default device count dp x ring x ulysses."""
+    """``${mul:a,b,c}``: the product (the default device count dp x ring x ulysses); ``${min:a,b}``."""
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs), replace=True)
+    OmegaConf.register_new_resolver("min", lambda *xs: min(int(x) for x in xs), replace=True)
 
 
 @contextlib.contextmanager
@@ -123,14 +124,22 @@ def build_on_meta(config: dict, ulysses_degree: int = 1):
             raise ConfigError(f"model: {error.__cause__ or error}") from None
 
 
-def check_weights_file(setting: str, path: str, model, prefer: str = "ema") -> dict:
-    """``path`` exists, is safely readable and fits ``model``; returns what it says about itself."""
+def read_weights_file(setting: str, path: str, prefer: str = "ema") -> tuple[dict, dict]:
+    """``read_weights`` with its errors attributed to the setting that named the file."""
     try:
-        state, info = read_weights(path, prefer)
+        return read_weights(path, prefer)
+    except CheckpointError as error:
+        raise ConfigError(f"{setting}: {error}") from None
+
+
+def check_weights_file(setting: str, path: str, model, prefer: str = "ema", state: dict | None = None) -> None:
+    """``path`` exists, is safely readable and fits ``model`` (pass ``state`` if it was read already)."""
+    if state is None:
+        state, _ = read_weights_file(setting, path, prefer)
+    try:
         check_compatible(model, state, source=f"{setting}={path}")
     except CheckpointError as error:
         raise ConfigError(f"{setting}: {error}") from None
-    return info
 
 
 def resolve_ckpt_path(ckpt_path: str | None, log_dir: str, task_name: str) -> str | None:

@@ -80,7 +80,8 @@ def test_original_size_table():
     assert {name for name in DIT_MODELS if not name.split("-")[1].startswith(("T", "XT"))} == {
         f"DiT-{s}/{p}" for s in ("XL", "L", "B", "S") for p in (2, 4, 8)
     }
-    xl = DIT_MODELS["DiT-XL/2"]()
+    with torch.device("meta"):  # sizes only
+        xl = DIT_MODELS["DiT-XL/2"]()
     assert sum(p.numel() for p in xl.parameters() if p.requires_grad) == pytest.approx(675e6, rel=0.01)
 
 

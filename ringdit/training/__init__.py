@@ -1,11 +1,18 @@
 """Lightning integration: the module, the ring-DDP strategy, callbacks, loggers, schedules, checkpoint IO."""
 
-from ringdit.training.callbacks import SampleGrid
+import warnings
+
+# Lightning 2.6 on torch 2.13 warns about its own pytree use on every step; nothing for users to act on.
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+# StepBatches gives every DataLoader worker its own steps, so its __len__ is exact with any num_workers.
+warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+
+from ringdit.training.callbacks import SampleGrid, StepCheckpoint
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from ringdit.training.loggers import wandb_logger
 from ringdit.training.module import DiTModule
 from ringdit.training.schedules import WarmupCosine, warmup_cosine
 from ringdit.training.strategy import RingDDPStrategy
 
-__all__ = ["AtomicCheckpointIO", "DiTModule", "RingDDPStrategy", "SampleGrid", "WarmupCosine", "wandb_logger",
+__all__ = ["AtomicCheckpointIO", "DiTModule", "RingDDPStrategy", "SampleGrid", "StepCheckpoint", "WarmupCosine", "wandb_logger",
            "warmup_cosine"]

@@ -1,4 +1,4 @@
-"""Callbacks: preview sample grids during training."""
+"""Callbacks: checkpoints that always include the final step, and preview sample grids during training."""
 
 from __future__ import annotations
 
@@ -6,9 +6,20 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from ringdit.images import grid_image, save_samples, to_uint8
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, plus ``last.ckpt`` at the end of training when the final step fell between two
+    periodic saves (Lightning writes it at the end only if nothing was saved before)."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self.save_last and getattr(self, "_last_global_step_saved", -1) != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 class SampleGrid(L.Callback):

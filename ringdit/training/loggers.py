@@ -41,7 +41,7 @@ def wandb_logger(save_dir: str, project: str = "ringdit", name: str | None = Non
     """
     if mode not in ("auto", "online", "offline", "disabled"):
         raise ValueError(f"logger.mode must be auto, online, offline or disabled, got {mode!r}")
-    mode = os.environ.get("WANDB_MODE", mode)
+    mode = os.environ.get("WANDB_MODE") or mode
     if mode == "auto":
         online = _wandb_api_key() is not None and _reachable(os.environ.get("WANDB_HOST", "api.wandb.ai"))
         mode = "online" if online else "offline"

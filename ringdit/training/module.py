@@ -1,9 +1,9 @@
 """``DiTModule``: the LightningModule that fine-tunes and samples a (sequence-parallel) DiT.
 
 Randomness that must agree across a sequence-parallel group -- diffusion time, noise, which labels are dropped for
-classifier-free guidance -- is drawn from a generator seeded by (seed, step, data-parallel rank): every rank of a
-group draws the same values, different data-parallel replicas draw different ones, and a resumed run draws what
-the uninterrupted run would have.
+classifier-free guidance -- is drawn per sample from a generator seeded by (seed, step, the sample's position in the
+global batch): every rank of a group draws the same values, a resumed run draws what the uninterrupted run would
+have, and how the global batch is split over data-parallel replicas changes nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ringdit.diffusion import initial_noise, sample
 from ringdit.images import to_uint8
 from ringdit.models import DiT
 from ringdit.parallel import current_parallel_dims, shard_sequence, sharded_mean
+from ringdit.weights import load_model_weights
 
 Tensor = torch.Tensor
 
@@ -89,11 +90,10 @@ class DiTModule(L.LightningModule):
         )
         self.model = hydra.utils.instantiate(self.hparams.model, attention_backend=backend)
         if self.hparams.init_from:
-            from ringdit.weights import load_model_weights
-
             load_model_weights(self.model, self.hparams.init_from, prefer=self.hparams.init_weights)
-        self.ema = AveragedModel(self.model, avg_fn=ema_update(self.hparams.ema_decay), use_buffers=True)
-        self.ema.requires_grad_(False)
+        if self.optimizer_factory is not None:  # training keeps an EMA of the weights; sampling uses what it loaded
+            self.ema = AveragedModel(self.model, avg_fn=ema_update(self.hparams.ema_decay), use_buffers=True)
+            self.ema.requires_grad_(False)
         if self.hparams.compile:
             for block in self.model.blocks:  # regional compilation: one graph per block, reused by all blocks
                 block.compile()
@@ -104,13 +104,12 @@ class DiTModule(L.LightningModule):
         return int(np.prod(grid))
 
     # ---- training ---------------------------------------------------------------------------------------------------
-    def diffusion_loss(self, model: DiT, x0: Tensor, labels: Tensor, generator: torch.Generator) -> Tensor:
-        """This rank's share of the batch's mean squared error (see ``sharded_mean``)."""
-        batch = x0.shape[0]
-        t = self.objective.sample_time(batch, generator)
-        noise = torch.randn(x0.shape, generator=generator)
-        drop = torch.rand(batch, generator=generator) < model.class_dropout_prob
-        t, noise, drop = t.to(x0.device), noise.to(x0.device, x0.dtype), drop.to(x0.device)
+    def diffusion_loss(self, model: DiT, x0: Tensor, labels: Tensor, generators: list[torch.Generator]) -> Tensor:
+        """This rank's share of the batch's mean squared error (see ``sharded_mean``); ``generators[i]`` draws
+        sample i's time, noise and label drop."""
+        t = torch.cat([self.objective.sample_time(1, g) for g in generators]).to(x0.device)
+        noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in generators]).to(x0.device, x0.dtype)
+        drop = torch.cat([torch.rand(1, generator=g) for g in generators]).to(x0.device) < model.class_dropout_prob
         x_t = self.objective.add_noise(x0, noise, t)
         target = model.patchify(self.objective.target(x0, noise, t))  # (B, N, patch_volume * C)
         pred = model.forward_tokens(x_t, self.objective.model_time(t), labels, drop)  # (B, N_local, P * C_out)
@@ -119,20 +118,25 @@ class DiTModule(L.LightningModule):
         error = (pred.float() - shard_sequence(target).float()).square()
         return sharded_mean(error, length=target.shape[1])
 
+    def sample_generators(self, stream: int, micro_batch: int, batch_size: int) -> list[torch.Generator]:
+        """One generator per local sample, keyed by its position in the global batch (dp rank-major)."""
+        first = current_parallel_dims().dp_rank * batch_size
+        return [step_generator(self.hparams.seed, stream, micro_batch, first + i) for i in range(batch_size)]
+
     def training_step(self, batch, batch_idx: int) -> Tensor:
         x0, labels = batch
-        dims = current_parallel_dims()
-        generator = step_generator(self.hparams.seed, self.trainer.global_step, batch_idx, dims.dp_rank)
-        loss = self.diffusion_loss(self.model, x0, labels, generator)
+        # (step, micro-batch within gradient accumulation): the same after a resume, which starts at a step boundary
+        micro_batch = batch_idx % self.trainer.accumulate_grad_batches
+        generators = self.sample_generators(self.trainer.global_step, micro_batch, x0.shape[0])
+        loss = self.diffusion_loss(self.model, x0, labels, generators)
         # Each rank holds sp x its share; the mean over all ranks is the batch loss averaged over replicas.
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x0, labels = batch
-        dims = current_parallel_dims()
-        generator = step_generator(self.hparams.seed, 2**31 - 1, batch_idx, dims.dp_rank)  # same draws every time
-        loss = self.diffusion_loss(self.ema.module, x0, labels, generator)
+        generators = self.sample_generators(2**31 - 1, batch_idx, x0.shape[0])  # the same draws at every validation
+        loss = self.diffusion_loss(self.sampling_model(), x0, labels, generators)
         self.log("val/loss", loss, sync_dist=True, batch_size=x0.shape[0])
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
@@ -161,6 +165,10 @@ class DiTModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- sampling ---------------------------------------------------------------------------------------------------
+    def sampling_model(self, use_ema: bool = True) -> DiT:
+        """The EMA weights while training (the ones worth sampling), else the loaded weights."""
+        return self.ema.module if use_ema and self.ema is not None else self.model
+
     @torch.no_grad()
     def generate(self, labels: Tensor, seeds: list[int], *, use_ema: bool = True, **overrides: Any) -> Tensor:
         """Samples ``(N, C, [T,] H, W)`` in [-1, 1] for ``labels``, sample i drawn from noise seeded by seeds[i].
@@ -168,7 +176,7 @@ class DiTModule(L.LightningModule):
         Collective under sequence parallelism: every rank of the group must call it with the same arguments.
         """
         settings = {**self.sampling, **{k: v for k, v in overrides.items() if v is not None}}
-        model = self.ema.module if use_ema else self.model
+        model = self.sampling_model(use_ema)
         channels = model.in_channels
         noise = initial_noise((channels, *self.hparams.data["image_size"]), seeds, device=self.device)
         null = model.y_embedder.null_label if settings["cfg_scale"] != 1.0 else None

@@ -1,0 +1,72 @@
+"""Sample from a trained DiT, sequence-parallel over ring / Ulysses ranks and data-parallel over the rest.
+
+    python infer.py ckpt_path=outputs/train/runs/<run>/checkpoints/last.ckpt num_samples=100
+    python infer.py ckpt_path=weights.safetensors labels=[3,3,7] cfg_scale=2 steps=100 ring_degree=2
+
+Writes samples.png (videos: samples.gif) and samples.npz (images uint8 (N, [T,] H, W, C), labels int64 (N,)) into
+the run's output directory. Sample i starts from noise seeded by seed + i, so the same seed gives the same samples
+for any ring / Ulysses / data-parallel layout.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+import lightning as L
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
+
+from ringdit.config import (
+    ConfigError,
+    build_on_meta,
+    check_weights_file,
+    read_weights_file,
+    register_resolvers,
+    require_positive,
+    user_errors,
+    validate_parallel,
+)
+from ringdit.sampling import SampleRequests, SampleWriter, resolve_labels
+from ringdit.training import DiTModule
+
+log = logging.getLogger("ringdit.infer")
+register_resolvers()
+
+
+def infer(cfg: DictConfig) -> list:
+    # ---- checks before any rank is spawned ---------------------------------------------------------------------
+    require_positive("num_samples", cfg.num_samples)
+    require_positive("batch_size", cfg.batch_size)
+    if cfg.steps is not None:
+        require_positive("steps", cfg.steps)
+    backend = validate_parallel(cfg, training=False)
+    state, info = read_weights_file("ckpt_path", cfg.ckpt_path, prefer=cfg.weights)
+    if "model" not in info or "data" not in info:
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not say which model it holds: sample from a ringdit "
+                          f"checkpoint (.ckpt) or export (.safetensors), or fine-tune it first with init_from")
+    meta_model = build_on_meta(info["model"], cfg.ulysses_degree)
+    check_weights_file("ckpt_path", cfg.ckpt_path, meta_model, state=state)
+    del state
+    labels = resolve_labels(OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels,
+                            cfg.num_samples, info["data"])
+
+    sampling = {**info.get("sampling", {}),
+                **{k: cfg[k] for k in ("steps", "cfg_scale", "sampler") if cfg[k] is not None}}
+    module = DiTModule(model=info["model"], objective=info["objective"], data=info["data"], sampling=sampling,
+                       attention_backend=backend, init_from=cfg.ckpt_path, init_weights=cfg.weights)
+    writer = SampleWriter(cfg.paths.output_dir)
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=[writer], logger=False)
+    requests = DataLoader(SampleRequests(labels, cfg.seed), batch_size=cfg.batch_size)
+    trainer.predict(module, dataloaders=requests, return_predictions=False)
+    return writer.written
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="infer")
+def main(cfg: DictConfig) -> None:
+    with user_errors():
+        infer(cfg)
+
+
+if __name__ == "__main__":
+    main()

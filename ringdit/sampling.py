@@ -1,0 +1,83 @@
+"""Sampling jobs for ``infer.py``: which samples to draw, and collecting them from every rank into files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ringdit.images import save_samples
+
+
+def resolve_labels(labels, num_samples: int, data_info: dict) -> list[int]:
+    """Class ids for ``num_samples`` samples: the given ids or class names, cycled; all classes when None."""
+    names = [str(n) for n in data_info.get("class_names") or []]
+    num_classes = data_info["num_classes"]
+    if labels is None:
+        labels = list(range(num_classes))
+    elif isinstance(labels, (int, str)):
+        labels = [labels]
+    ids = []
+    for label in labels:
+        if isinstance(label, str) and label in names and not label.isdigit():
+            ids.append(names.index(label))
+            continue
+        try:
+            value = int(label)
+        except (TypeError, ValueError):
+            raise ValueError(f"labels: {label!r} is neither a class id nor one of the class names {names}") from None
+        if not 0 <= value < num_classes:
+            raise ValueError(f"labels: class id {value} is out of range; this model has classes 0..{num_classes - 1}")
+        ids.append(value)
+    if not ids:
+        raise ValueError("labels is empty; give class ids, class names, or null for all classes")
+    return [ids[i % len(ids)] for i in range(num_samples)]
+
+
+class SampleRequests(Dataset):
+    """Item i = (i, label_i, seed + i): what sample i is, independent of how samples are split over ranks."""
+
+    def __init__(self, labels: list[int], seed: int):
+        self.labels, self.seed = labels, seed
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return i, self.labels[i], self.seed + i
+
+
+class SampleWriter(L.Callback):
+    """Collect every rank's samples after ``predict`` and write ``samples.png`` (video: ``samples.gif``) and
+    ``samples.npz`` (``images`` uint8 ``(N, [T,] H, W, C)``, ``labels`` int64 ``(N,)``) into ``output_dir``."""
+
+    def __init__(self, output_dir: str | Path, columns: int | None = None):
+        self.output_dir, self.columns = Path(output_dir), columns
+        self.batches: list[dict] = []
+        self.written: list[Path] = []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.batches.append(outputs)
+
+    def on_predict_epoch_end(self, trainer, pl_module) -> None:
+        local = {key: torch.cat([b[key] for b in self.batches]) for key in ("index", "labels", "images")}
+        # every rank holds the same number of samples (the distributed sampler pads), so all_gather stacks them
+        gathered = {key: pl_module.all_gather(value.to(pl_module.device)).cpu() for key, value in local.items()}
+        if not trainer.is_global_zero:
+            return
+        index = gathered["index"].reshape(-1)
+        images = gathered["images"].reshape(-1, *local["images"].shape[1:])
+        labels = gathered["labels"].reshape(-1)
+        _, first = np.unique(index.numpy(), return_index=True)  # padding and sequence-parallel ranks repeat samples
+        order = torch.from_numpy(first)
+        images, labels = images[order].numpy(), labels[order].numpy().astype(np.int64)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        npz = self.output_dir / "samples.npz"
+        np.savez_compressed(npz, images=images, labels=labels)
+        columns = self.columns or min(len(images), 10)
+        grid = save_samples(images, self.output_dir / "samples", columns=columns)
+        self.written = [grid, npz]
+        print(f"wrote {len(images)} samples to {grid} and {npz}", flush=True)

@@ -1,0 +1,176 @@
+"""train.py and infer.py end to end on CPU ranks, and the configs they compose."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+
+from ringdit.config import build_on_meta, model_config, register_resolvers
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+# A model and run small enough for seconds per run on 2 cores; 16 tokens per sample (8x8 digits, 2x2 patches).
+TINY = [
+    "model.hidden_size=32", "model.depth=2", "model.num_heads=4", "data.batch_size=16", "trainer.max_steps=3",
+    "logger=csv", "callbacks.sample_grid.steps=2", "callbacks.sample_grid.per_class=1",
+    "callbacks.model_checkpoint.every_n_train_steps=2", "scheduler=constant",
+]
+
+
+def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 300):
+    """Run train.py / infer.py with ``overrides``; fail with its output if it fails."""
+    command = [sys.executable, script, f"hydra.run.dir={run_dir}", *overrides]
+    environment = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environment)
+    assert proc.returncode == 0, f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")}
+
+
+def model_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+# ---- configs -----------------------------------------------------------------------------------------------------
+
+
+def group_options():
+    for group in sorted(p for p in CONF.iterdir() if p.is_dir()):
+        for option in sorted(group.glob("*.yaml")):
+            yield group.name, option.stem
+
+
+@pytest.mark.parametrize(("group", "option"), list(group_options()))
+def test_every_config_option_composes_and_instantiates(group, option, tmp_path):
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[f"{group}={option}", f"hydra.run.dir={tmp_path}"], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        cfg.paths.output_dir = str(tmp_path)
+        datamodule = instantiate(cfg.data)
+        if group in ("model", "data"):
+            model = build_on_meta(model_config(cfg.model, datamodule.describe()))  # shapes only: DiT-XL in ms
+            assert model.in_channels == datamodule.channels
+        instantiate(cfg.diffusion.objective)
+        for node in ("logger", "callbacks"):
+            for item in (cfg.get(node) or {}).values():
+                if node == "logger" and "wandb" in item._target_:
+                    item.mode = "disabled"
+                instantiate(item)
+        if cfg.get("optimizer"):
+            optimizer = instantiate(cfg.optimizer)(params=[torch.nn.Parameter(torch.zeros(1))])
+            if cfg.get("scheduler"):
+                instantiate(cfg.scheduler)(optimizer=optimizer)
+        if cfg.trainer.accelerator != "gpu" or torch.cuda.is_available():
+            instantiate(cfg.trainer, logger=False, callbacks=[])
+
+
+def test_cfg_job_shows_the_composed_config():
+    proc = subprocess.run([sys.executable, "train.py", "--cfg", "job", "ring_degree=4"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ring_degree: 4" in proc.stdout and "_target_: ringdit.models.DiT" in proc.stdout
+
+
+# ---- end to end ----------------------------------------------------------------------------------------------------
+
+
+SGD = ["optimizer=sgd", "optimizer.lr=0.5"]
+
+
+@pytest.fixture(scope="module")
+def sgd_runs(tmp_path_factory):
+    """The same 3 SGD steps on the same global batch under different parallel layouts."""
+    root = tmp_path_factory.mktemp("sgd")
+    layouts = {
+        "ring1": [],
+        "ring2": ["ring_degree=2"],
+        "ulysses2": ["ulysses_degree=2"],
+        "ring4": ["ring_degree=4"],
+        "ring2_ulysses2": ["ring_degree=2", "ulysses_degree=2"],
+        "dp2_ring2": ["dp_degree=2", "ring_degree=2", "data.batch_size=8"],  # same 16-sample global batch
+    }
+    for name, overrides in layouts.items():
+        run("train.py", root / name, *TINY, *SGD, *overrides)
+    return root
+
+
+@pytest.mark.parametrize("layout", ["ring2", "ulysses2", "ring4", "ring2_ulysses2", "dp2_ring2"])
+def test_sgd_steps_equal_one_device(sgd_runs, layout):
+    """Plain SGD shows a wrongly scaled gradient at once (Adam would normalise it away)."""
+    reference, parallel = logged_losses(sgd_runs / "ring1"), logged_losses(sgd_runs / layout)
+    assert sorted(reference) == sorted(parallel) == [0, 1, 2]
+    for step in reference:
+        assert parallel[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
+    assert reference[2] != pytest.approx(reference[0], rel=1e-3)  # the steps did change the model
+    ref_weights, weights = model_weights(sgd_runs / "ring1"), model_weights(sgd_runs / layout)
+    for key, value in ref_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_run_outputs(sgd_runs):
+    run_dir = sgd_runs / "ring2_ulysses2"
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert (run_dir / "checkpoints" / "step_0000002.ckpt").is_file()
+    assert (run_dir / "samples" / "step_0000003.png").is_file()  # the final preview grid
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+
+
+def test_infer_from_the_trained_checkpoint_is_layout_independent(sgd_runs, tmp_path):
+    ckpt = sgd_runs / "ring2" / "checkpoints" / "last.ckpt"
+    common = [f"ckpt_path={ckpt}", "num_samples=6", "labels=[1,7]", "steps=3", "cfg_scale=2.0", "batch_size=4"]
+    outputs = {}
+    for name, layout in {"ring1": [], "ring2": ["ring_degree=2"], "ring4": ["ring_degree=4"],
+                         "dp2_ulysses2": ["dp_degree=2", "ulysses_degree=2"]}.items():
+        proc = run("infer.py", tmp_path / name, *common, *layout)
+        assert "wrote 6 samples" in proc.stdout
+        outputs[name] = np.load(tmp_path / name / "samples.npz")
+        assert (tmp_path / name / "samples.png").is_file()
+    reference = outputs["ring1"]
+    assert reference["images"].shape == (6, 8, 8, 1) and reference["images"].dtype == np.uint8
+    assert reference["labels"].tolist() == [1, 7, 1, 7, 1, 7] and reference["labels"].dtype == np.int64
+    for name, out in outputs.items():
+        diff = np.abs(out["images"].astype(int) - reference["images"].astype(int)).max()
+        assert diff <= 1, f"{name}: samples differ by {diff} / 255"  # fp32 reordering may flip a rounding
+
+
+def test_resume_continues_the_step_count(sgd_runs, tmp_path):
+    ckpt = sgd_runs / "ring1" / "checkpoints" / "last.ckpt"
+    run("train.py", tmp_path / "resumed", *TINY, *SGD, "trainer.max_steps=5", f"ckpt_path={ckpt}")
+    losses = logged_losses(tmp_path / "resumed")
+    assert sorted(losses) == [3, 4]
+    assert torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
+
+
+def test_multirun_sweep(tmp_path):
+    command = [sys.executable, "train.py", "-m", "seed=1,2", *TINY, "trainer.max_steps=1",
+               f"hydra.sweep.dir={tmp_path}"]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(logged_losses(tmp_path / job) for job in ("0", "1"))
+    assert logged_losses(tmp_path / "0")[0] != logged_losses(tmp_path / "1")[0]  # the seeds differ
+
+
+def test_wandb_offline_run_writes_its_files(tmp_path):
+    env = {"WANDB_API_KEY": "", "WANDB_MODE": ""}  # no key: the logger must go offline by itself
+    run("train.py", tmp_path, *TINY, "logger=wandb", "trainer.max_steps=2", env=env)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((tmp_path / "wandb").iterdir()) if (tmp_path / "wandb").exists() else "no wandb dir"
+    assert list(runs[0].glob("*.wandb")), list(runs[0].iterdir())
