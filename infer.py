@@ -56,7 +56,8 @@ def infer(cfg: DictConfig) -> list:
     module = DiTModule(model=info["model"], objective=info["objective"], data=info["data"], sampling=sampling,
                        attention_backend=backend, init_from=cfg.ckpt_path, init_weights=cfg.weights)
     writer = SampleWriter(cfg.paths.output_dir)
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=[writer], logger=False)
+    callbacks = [writer, *(hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values())]
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False)
     requests = DataLoader(SampleRequests(labels, cfg.seed), batch_size=cfg.batch_size)
     trainer.predict(module, dataloaders=requests, return_predictions=False)
     return writer.written

@@ -14,8 +14,6 @@ from __future__ import annotations
 import logging
 
 import hydra
-import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.config import (
@@ -28,8 +26,6 @@ from ringdit.config import (
     user_errors,
     validate_parallel,
 )
-from ringdit.training import DiTModule
-
 log = logging.getLogger("ringdit.train")
 register_resolvers()
 
@@ -44,10 +40,16 @@ def train(cfg: DictConfig) -> None:
     model_cfg = model_config(cfg.model, data_info)
     meta_model = build_on_meta(model_cfg, cfg.ulysses_degree)
     if cfg.init_from:
-        check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights)
+        check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
+                           resize_labels=cfg.init_resize_labels)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
     if ckpt_path:
         check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
+
+    import lightning as L  # imported after the checks, so that a typo fails without loading Lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ringdit.training import DiTModule
 
     L.seed_everything(cfg.seed, workers=True)
     module = DiTModule(
@@ -63,10 +65,12 @@ def train(cfg: DictConfig) -> None:
         compile=cfg.compile,
         init_from=cfg.init_from,
         init_weights=cfg.init_weights,
+        init_resize_labels=cfg.init_resize_labels,
+        nonfinite_loss=cfg.nonfinite_loss,
     )
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
-    trainer: L.Trainer = hydra.utils.instantiate(
+    trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files
     )

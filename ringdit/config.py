@@ -18,14 +18,11 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.attention import validate_attention_config
+from ringdit.errors import ConfigError, NonFiniteLossError
 from ringdit.parallel import check_degrees, check_heads_divisible
-from ringdit.weights import CheckpointError, check_compatible, read_weights
+from ringdit.weights import LABEL_TABLE, CheckpointError, check_compatible, read_weights, resize_label_embedding
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work."""
 
 
 def register_resolvers() -> None:
@@ -39,7 +36,7 @@ def user_errors():
     """Show a user mistake as its one-line cause and exit with code 2; ``HYDRA_FULL_ERROR=1`` shows the traceback."""
     try:
         yield
-    except (ValueError, FileNotFoundError, InstantiationException, TypeError) as error:
+    except (ValueError, FileNotFoundError, InstantiationException, TypeError, NonFiniteLossError) as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         message = str(error).strip()
@@ -101,6 +98,14 @@ def validate_parallel(cfg: DictConfig, *, training: bool) -> str:
 def model_config(model_cfg: DictConfig | dict, data_info: dict) -> dict:
     """The DiT config with the data's shape and classes filled in (in_channels, input_size, num_classes)."""
     config = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    video_data, video_model = len(data_info["image_size"]) == 3, config.get("temporal_patch_size") is not None
+    if video_data != video_model:
+        raise ConfigError(
+            f"the data gives {'videos (T, H, W)' if video_data else 'images (H, W)'} = {list(data_info['image_size'])} "
+            f"but the model is {'a video' if video_model else 'an image'} model; "
+            + ("use a video model: model=dit_video, or set model.temporal_patch_size" if video_data
+               else "use an image model (model.temporal_patch_size=null) or video data")
+        )
     from_data = {"in_channels": data_info["channels"], "input_size": list(data_info["image_size"]),
                  "num_classes": data_info["num_classes"]}
     for key, value in from_data.items():
@@ -132,10 +137,13 @@ def read_weights_file(setting: str, path: str, prefer: str = "ema") -> tuple[dic
         raise ConfigError(f"{setting}: {error}") from None
 
 
-def check_weights_file(setting: str, path: str, model, prefer: str = "ema", state: dict | None = None) -> None:
+def check_weights_file(setting: str, path: str, model, prefer: str = "ema", state: dict | None = None,
+                       resize_labels: bool = False) -> None:
     """``path`` exists, is safely readable and fits ``model`` (pass ``state`` if it was read already)."""
     if state is None:
         state, _ = read_weights_file(setting, path, prefer)
+    if resize_labels:
+        state = resize_label_embedding(state, model.state_dict()[LABEL_TABLE].shape[0])
     try:
         check_compatible(model, state, source=f"{setting}={path}")
     except CheckpointError as error:

@@ -52,7 +52,11 @@ class SampleRequests(Dataset):
 
 class SampleWriter(L.Callback):
     """Collect every rank's samples after ``predict`` and write ``samples.png`` (video: ``samples.gif``) and
-    ``samples.npz`` (``images`` uint8 ``(N, [T,] H, W, C)``, ``labels`` int64 ``(N,)``) into ``output_dir``."""
+    ``samples.npz`` (``images`` uint8 ``(N, [T,] H, W, C)``, ``labels`` int64 ``(N,)``) into ``output_dir``.
+
+    A model trained on latents (data=latents) gets ``samples.npz`` with ``latents`` float32 ``(N, C, [T,] H, W)``
+    in its VAE's scale instead, and no picture: decode them with the VAE that encoded the data.
+    """
 
     def __init__(self, output_dir: str | Path, columns: int | None = None):
         self.output_dir, self.columns = Path(output_dir), columns
@@ -63,21 +67,23 @@ class SampleWriter(L.Callback):
         self.batches.append(outputs)
 
     def on_predict_epoch_end(self, trainer, pl_module) -> None:
-        local = {key: torch.cat([b[key] for b in self.batches]) for key in ("index", "labels", "images")}
+        kind = "images" if "images" in self.batches[0] else "latents"
+        local = {key: torch.cat([b[key] for b in self.batches]) for key in ("index", "labels", kind)}
         # every rank holds the same number of samples (the distributed sampler pads), so all_gather stacks them
         gathered = {key: pl_module.all_gather(value.to(pl_module.device)).cpu() for key, value in local.items()}
         if not trainer.is_global_zero:
             return
         index = gathered["index"].reshape(-1)
-        images = gathered["images"].reshape(-1, *local["images"].shape[1:])
+        samples = gathered[kind].reshape(-1, *local[kind].shape[1:])
         labels = gathered["labels"].reshape(-1)
         _, first = np.unique(index.numpy(), return_index=True)  # padding and sequence-parallel ranks repeat samples
         order = torch.from_numpy(first)
-        images, labels = images[order].numpy(), labels[order].numpy().astype(np.int64)
+        samples, labels = samples[order].numpy(), labels[order].numpy().astype(np.int64)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         npz = self.output_dir / "samples.npz"
-        np.savez_compressed(npz, images=images, labels=labels)
-        columns = self.columns or min(len(images), 10)
-        grid = save_samples(images, self.output_dir / "samples", columns=columns)
-        self.written = [grid, npz]
-        print(f"wrote {len(images)} samples to {grid} and {npz}", flush=True)
+        np.savez_compressed(npz, **{kind: samples, "labels": labels})
+        self.written = [npz]
+        if kind == "images":
+            columns = self.columns or min(len(samples), 10)
+            self.written.insert(0, save_samples(samples, self.output_dir / "samples", columns=columns))
+        print(f"wrote {len(samples)} samples to {' and '.join(map(str, self.written))}", flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,12 @@ def safe_torch_load(path: str | Path, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
+        unsafe = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if unsafe is None:  # not a pickle of objects at all: garbage, text, another format
+            raise CheckpointError(f"{path} is not a readable PyTorch checkpoint (not a torch.save file)") from None
         raise CheckpointError(
             f"refusing to load {path}: it contains Python objects that would run code when unpickled "
-            f"({_first_line(error)}). ringdit loads only weights (tensors and plain containers); if you trust the "
+            f"({unsafe.group(1)}). ringdit loads only weights (tensors and plain containers); if you trust the "
             f"file, re-save its state_dict with torch.save, or export it to .safetensors"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
@@ -107,31 +111,77 @@ def _strip_prefix(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
 
 
 def check_compatible(model: nn.Module, state: dict[str, Tensor], source: str = "checkpoint") -> None:
-    """Raise one error listing every missing key, unexpected key and shape mismatch."""
+    """Raise one error listing the missing keys, unexpected keys and shape mismatches (the first 10 of each)."""
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+
+    def ordered(keys):  # embedders and final layer first: they tell the model size; the repeated blocks after
+        return sorted(keys, key=lambda key: (key.startswith("blocks."), key))
+
+    missing = ordered(set(expected) - set(state))
+    unexpected = ordered(set(state) - set(expected))
     mismatched = [
-        f"{key}: {tuple(state[key].shape)} in the {source}, {tuple(expected[key].shape)} in the model"
-        for key in sorted(set(expected) & set(state))
+        f"{key} {tuple(state[key].shape)} vs {tuple(expected[key].shape)}"
+        for key in ordered(set(expected) & set(state))
         if state[key].shape != expected[key].shape
     ]
-    if missing or unexpected or mismatched:
-        parts = []
-        if mismatched:
-            parts.append(f"shape mismatches ({len(mismatched)}): " + "; ".join(mismatched[:10]))
-        if missing:
-            parts.append(f"missing keys ({len(missing)}): " + ", ".join(missing[:10]))
-        if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): " + ", ".join(unexpected[:10]))
-        raise CheckpointError(
-            f"the {source} does not fit this model (a different model size or layout?) -- " + " | ".join(parts)
-        )
+    parts = [
+        f"{what} ({len(items)}): " + ", ".join(items[:10]) + (", ..." if len(items) > 10 else "")
+        for what, items in (("shape mismatches, file vs model", mismatched), ("missing keys", missing),
+                            ("unexpected keys", unexpected))
+        if items
+    ]
+    if parts:
+        raise CheckpointError(f"{source} does not fit this model (another model size or layout?) -- " + "; ".join(parts))
 
 
-def load_model_weights(model: nn.Module, path: str | Path, prefer: str = "ema") -> dict:
-    """Load ``path``'s weights into ``model`` with strict key and shape checks; returns the file's info."""
+LABEL_TABLE = "y_embedder.embedding_table.weight"
+
+
+def resize_label_embedding(state: dict[str, Tensor], rows: int, generator: torch.Generator | None = None) -> dict:
+    """Fit a label table of another class count to ``rows`` rows (classes + the null row of CFG).
+
+    Kept: the first classes both tables share, and the null (last) row, which carries what the model learned about
+    unconditional generation. New classes start like the original's init (N(0, 0.02)).
+    """
+    table = state.get(LABEL_TABLE)
+    if table is None or table.shape[0] == rows:
+        return state
+    old_classes, new_classes = table.shape[0] - 1, rows - 1
+    resized = torch.randn(rows, table.shape[1], generator=generator, dtype=torch.float32).to(table.dtype) * 0.02
+    shared = min(old_classes, new_classes)
+    resized[:shared] = table[:shared]
+    resized[-1] = table[-1]
+    return {**state, LABEL_TABLE: resized}
+
+
+def load_model_weights(model: nn.Module, path: str | Path, prefer: str = "ema", resize_labels: bool = False) -> dict:
+    """Load ``path``'s weights into ``model`` with strict key and shape checks; returns the file's info.
+
+    ``resize_labels``: accept a label embedder trained for another number of classes (see
+    ``resize_label_embedding``), for fine-tuning on new classes.
+    """
     state, info = read_weights(path, prefer)
+    if resize_labels:
+        state = resize_label_embedding(state, model.state_dict()[LABEL_TABLE].shape[0])
     check_compatible(model, state, source=str(path))
     model.load_state_dict(state, strict=True)
     return info
+
+
+def export_safetensors(ckpt_path: str | Path, out: str | Path, prefer: str = "ema") -> Path:
+    """Write a checkpoint's weights (EMA by default) and its configs (as metadata) to a safetensors file that
+    ``infer.py ckpt_path=`` and ``train.py init_from=`` read without Lightning."""
+    from safetensors.torch import save_file
+
+    state, info = read_weights(ckpt_path, prefer)
+    if "model" not in info:
+        raise CheckpointError(f"{ckpt_path} carries no model config: only ringdit checkpoints can be exported")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {key: json.dumps(value) for key, value in info.items()}
+    metadata["format"] = "ringdit"
+    tensors = {key: value.detach().contiguous().clone() for key, value in state.items()}  # no shared storage
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(out)
+    return out

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ringdit.models import DIT_MODELS, DiT, sincos_pos_embed
-from ringdit.parallel import init_sequence_parallel, shard_sequence, sharded_mean
+from ringdit.parallel import init_sequence_parallel, reset_sequence_parallel, shard_sequence, sharded_mean
 from tests.distributed import run_ranks
 
 
@@ -182,15 +182,20 @@ def check_sharded_dit(rank, world, ring, ulysses, video, spatial):
     assert dims.sp_degree == ring * ulysses
 
 
-@pytest.mark.parametrize(
-    ("ring", "ulysses", "video", "spatial"),
-    [
-        (2, 1, False, (10, 6)),  # 15 tokens over 2 ranks: padded
-        (4, 1, False, (8, 8)),  # 16 tokens
-        (2, 2, False, (6, 10)),  # 15 tokens over 4 ranks
-        (4, 1, True, (6, 8, 4)),  # video: 3 x 4 x 2 = 24 tokens
-        (2, 2, True, (4, 6, 6)),  # video: 2 x 3 x 3 = 18 tokens, padded
-    ],
-)
-def test_sharded_dit_equals_one_device(ring, ulysses, video, spatial):
-    run_ranks(check_sharded_dit, 4, ring, ulysses, video, spatial)
+SHARDED_CASES = [  # (ring, ulysses, video, spatial size)
+    (2, 1, False, (10, 6)),  # 15 tokens over 2 ranks: padded
+    (4, 1, False, (8, 8)),  # 16 tokens
+    (2, 2, False, (6, 10)),  # 15 tokens over 4 ranks
+    (4, 1, True, (6, 8, 4)),  # video: 3 x 4 x 2 = 24 tokens
+    (2, 2, True, (4, 6, 6)),  # video: 2 x 3 x 3 = 18 tokens, padded
+]
+
+
+def check_all_sharded_cases(rank, world):
+    for case in SHARDED_CASES:  # one group of processes for all cases: spawning dominates the test's time
+        check_sharded_dit(rank, world, *case)
+        reset_sequence_parallel()  # the next case's one-device reference runs without a mesh
+
+
+def test_sharded_dit_equals_one_device():
+    run_ranks(check_all_sharded_cases, 4)

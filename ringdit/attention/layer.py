@@ -52,6 +52,7 @@ class USPAttention(nn.Module):
         self.softmax_scale = head_size**-0.5 if softmax_scale is None else softmax_scale
         self.backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
         self._check_parallel_layout()
+        _keep_communication_out_of_compiled_graphs()
 
     def _check_parallel_layout(self) -> None:
         dims = current_parallel_dims()
@@ -63,6 +64,9 @@ class USPAttention(nn.Module):
         dims = current_parallel_dims()
         if dims.sp_degree == 1:
             return local_attention(self.backend, q, k, v, softmax_scale=self.softmax_scale, valid_len=valid_len)
+        return self._parallel_forward(q, k, v, valid_len, dims)
+
+    def _parallel_forward(self, q: Tensor, k: Tensor, v: Tensor, valid_len: int | None, dims) -> Tensor:
         self._check_parallel_layout()  # the mesh may have been built after this layer
 
         if dims.ulysses_degree > 1:
@@ -81,3 +85,10 @@ class USPAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_size={self.head_size}, backend={self.backend.name}"
 
+
+def _keep_communication_out_of_compiled_graphs() -> None:
+    """A torch.compile'd block breaks its graph at the sharded path and runs it eagerly: point-to-point transfers
+    and all-to-alls stay outside compiled graphs. Marked at the first layer's construction, not at import, because
+    importing Dynamo costs every process about a second, also those that never compile."""
+    if not getattr(USPAttention._parallel_forward, "_torchdynamo_disable", False):
+        USPAttention._parallel_forward = torch.compiler.disable(USPAttention._parallel_forward)

@@ -11,7 +11,8 @@ from ringdit.data.steps import StepBatches
 
 class ImageDataModule(L.LightningDataModule):
     """Subclasses set ``channels``, ``image_size`` ((H, W) or (T, H, W)), ``num_classes``, ``class_names`` and
-    implement ``build_dataset()`` returning a map-style dataset of ``(x, label)`` with x in [-1, 1]."""
+    implement ``build_dataset()`` returning a map-style dataset of ``(x, label)``: pixels scaled to [-1, 1], or
+    latents as the user's VAE made them (data=latents, whose description adds ``latent_scale``)."""
 
     channels: int
     image_size: tuple[int, ...]

@@ -86,7 +86,9 @@ class PatchEmbed(nn.Module):
         return tuple(size // patch for size, patch in zip(spatial, self.patch_shape))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)  # (B, D, *grid) -> (B, N, D)
+        # (B, D, *grid) -> (B, N, D), contiguous: cheaper for every later op, and torch.compile'd blocks (inductor
+        # on CPU, torch 2.13) compute wrong LayerNorm input gradients for the transposed layout.
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()
 
 
 class TimestepEmbedder(nn.Module):

@@ -10,9 +10,9 @@ warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__`
 from ringdit.training.callbacks import SampleGrid, StepCheckpoint
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from ringdit.training.loggers import wandb_logger
-from ringdit.training.module import DiTModule
+from ringdit.training.module import DiTModule, NonFiniteLossError
 from ringdit.training.schedules import WarmupCosine, warmup_cosine
 from ringdit.training.strategy import RingDDPStrategy
 
-__all__ = ["AtomicCheckpointIO", "DiTModule", "RingDDPStrategy", "SampleGrid", "StepCheckpoint", "WarmupCosine", "wandb_logger",
+__all__ = ["AtomicCheckpointIO", "DiTModule", "NonFiniteLossError", "RingDDPStrategy", "SampleGrid", "StepCheckpoint", "WarmupCosine", "wandb_logger",
            "warmup_cosine"]

@@ -50,6 +50,8 @@ class SampleGrid(L.Callback):
 
     def make_grid(self, trainer: L.Trainer, pl_module) -> Path | None:
         self._last_step = step = trainer.global_step
+        if not pl_module.samples_are_pixels:  # latents need the user's VAE to become pictures
+            return None
         classes = min(pl_module.hparams.data["num_classes"], self.max_classes)
         labels = torch.arange(classes).repeat_interleave(self.per_class)
         seeds = [self.seed * 1_000_003 + i for i in range(len(labels))]

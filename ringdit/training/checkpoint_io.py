@@ -21,6 +21,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a save that was killed
+            stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:

@@ -15,11 +15,12 @@ import hydra
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.utilities import grad_norm
+from lightning.pytorch.utilities import grad_norm, rank_zero_warn
 from torch.optim.swa_utils import AveragedModel
 
 from ringdit.attention import validate_attention_config
 from ringdit.diffusion import initial_noise, sample
+from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
 from ringdit.models import DiT
 from ringdit.parallel import current_parallel_dims, shard_sequence, sharded_mean
@@ -66,8 +67,14 @@ class DiTModule(L.LightningModule):
         compile: bool = False,
         init_from: str | None = None,
         init_weights: str = "ema",
+        init_resize_labels: bool = False,
+        nonfinite_loss: str = "stop",
     ):
         super().__init__()
+        if nonfinite_loss not in ("stop", "skip"):
+            raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
+        self.skipped_steps = 0
+        self._step_skipped = False
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.objective = hydra.utils.instantiate(objective)
@@ -90,7 +97,8 @@ class DiTModule(L.LightningModule):
         )
         self.model = hydra.utils.instantiate(self.hparams.model, attention_backend=backend)
         if self.hparams.init_from:
-            load_model_weights(self.model, self.hparams.init_from, prefer=self.hparams.init_weights)
+            load_model_weights(self.model, self.hparams.init_from, prefer=self.hparams.init_weights,
+                               resize_labels=self.hparams.init_resize_labels)
         if self.optimizer_factory is not None:  # training keeps an EMA of the weights; sampling uses what it loaded
             self.ema = AveragedModel(self.model, avg_fn=ema_update(self.hparams.ema_decay), use_buffers=True)
             self.ema.requires_grad_(False)
@@ -123,15 +131,34 @@ class DiTModule(L.LightningModule):
         first = current_parallel_dims().dp_rank * batch_size
         return [step_generator(self.hparams.seed, stream, micro_batch, first + i) for i in range(batch_size)]
 
-    def training_step(self, batch, batch_idx: int) -> Tensor:
+    def training_step(self, batch, batch_idx: int) -> Tensor | None:
         x0, labels = batch
         # (step, micro-batch within gradient accumulation): the same after a resume, which starts at a step boundary
         micro_batch = batch_idx % self.trainer.accumulate_grad_batches
         generators = self.sample_generators(self.trainer.global_step, micro_batch, x0.shape[0])
         loss = self.diffusion_loss(self.model, x0, labels, generators)
-        # Each rank holds sp x its share; the mean over all ranks is the batch loss averaged over replicas.
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        # Each rank holds sp x its share: the mean over all ranks is the batch loss (averaged over replicas), and
+        # every rank sees the same value, so they all take the same decision about a non-finite loss.
+        batch_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        self.log("train/loss", batch_loss, prog_bar=True)
+        self._step_skipped = not torch.isfinite(batch_loss)
+        if self._step_skipped:
+            return self._on_nonfinite_loss(batch_loss.item())
         return loss
+
+    def _on_nonfinite_loss(self, value: float) -> None:
+        step = self.trainer.global_step
+        if self.hparams.nonfinite_loss == "skip":
+            self.skipped_steps += 1
+            rank_zero_warn(f"step {step}: the loss is {value}; skipping this step (nonfinite_loss=skip), "
+                           f"{self.skipped_steps} skipped so far")
+            return None
+        checkpoint = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none was saved yet"
+        raise NonFiniteLossError(
+            f"step {step}: the loss is {value}; training stopped before updating the weights with it. The last "
+            f"checkpoint written before is kept: {checkpoint}. Lower the learning rate or clip gradients "
+            f"(trainer.gradient_clip_val), or set nonfinite_loss=skip to skip such steps"
+        )
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x0, labels = batch
@@ -142,9 +169,13 @@ class DiTModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
 
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # Here, not in on_train_batch_end: callbacks (checkpoints) see the step before this module's batch-end hook.
+        if not self._step_skipped:
             self.ema.update_parameters(self.model)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._step_start
         samples = batch[0].shape[0] * current_parallel_dims().dp_degree
         self.log_dict({"train/samples_per_sec": samples / seconds,
@@ -165,13 +196,18 @@ class DiTModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- sampling ---------------------------------------------------------------------------------------------------
+    @property
+    def samples_are_pixels(self) -> bool:
+        """Pixels live in [-1, 1] and become images; latents (data=latents) are kept as numbers for your VAE."""
+        return "latent_scale" not in self.hparams.data
+
     def sampling_model(self, use_ema: bool = True) -> DiT:
         """The EMA weights while training (the ones worth sampling), else the loaded weights."""
         return self.ema.module if use_ema and self.ema is not None else self.model
 
     @torch.no_grad()
     def generate(self, labels: Tensor, seeds: list[int], *, use_ema: bool = True, **overrides: Any) -> Tensor:
-        """Samples ``(N, C, [T,] H, W)`` in [-1, 1] for ``labels``, sample i drawn from noise seeded by seeds[i].
+        """Samples ``(N, C, [T,] H, W)`` for ``labels`` (pixels in [-1, 1]), sample i from noise seeded by seeds[i].
 
         Collective under sequence parallelism: every rank of the group must call it with the same arguments.
         """
@@ -181,13 +217,17 @@ class DiTModule(L.LightningModule):
         noise = initial_noise((channels, *self.hparams.data["image_size"]), seeds, device=self.device)
         null = model.y_embedder.null_label if settings["cfg_scale"] != 1.0 else None
         labels = labels.to(self.device)
-        return sample(
+        samples = sample(
             lambda x, t, y: model(x, t, y)[:, :channels], self.objective, noise, labels,
             steps=settings["steps"], cfg_scale=settings["cfg_scale"], null_label=null, sampler=settings["sampler"],
-            shift=settings["shift"], clip_denoised=True,
-        ).clamp(-1, 1)
+            shift=settings["shift"], clip_denoised=self.samples_are_pixels,
+        )
+        return samples.clamp(-1, 1) if self.samples_are_pixels else samples
 
     def predict_step(self, batch, batch_idx: int) -> dict:
         indices, labels, seeds = batch
-        images = self.generate(labels, seeds.tolist())
-        return {"index": indices, "labels": labels, "images": to_uint8(images)}
+        samples = self.generate(labels, seeds.tolist())
+        if self.samples_are_pixels:
+            return {"index": indices, "labels": labels, "images": to_uint8(samples)}
+        # back to the VAE's own scale (data.scale multiplied it in): ready to decode
+        return {"index": indices, "labels": labels, "latents": samples.float() / self.hparams.data["latent_scale"]}

@@ -1,0 +1,184 @@
+"""Pre-encoded latents, for training on the output of your own VAE (or any encoder) instead of on pixels.
+
+Encoding is the expensive, model-specific part, so it is done once, outside ringdit, and saved in one of two layouts
+(``data.path``):
+
+- a ``.safetensors`` file holding
+    ``latents``  floating point, ``(N, C, H, W)`` for images or ``(N, C, T, H, W)`` for videos
+    ``labels``   integer class ids ``(N,)``, 0 .. K-1
+  and optionally the metadata key ``class_names``, a JSON list of the K names::
+
+      safetensors.torch.save_file({"latents": z, "labels": y}, "train.safetensors",
+                                  metadata={"class_names": json.dumps(names)})
+
+- a folder holding ``latents.npy`` and ``labels.npy`` (the same shapes) and optionally ``class_names.json``.
+
+``data.scale`` multiplies the latents as they are read (0.18215 for Stable Diffusion's VAE, which brings its latents
+to about unit variance); unlike pixels, latents are not mapped to [-1, 1]. The scale is recorded with the checkpoint
+(``latent_scale`` in the data description): divide samples by it before decoding them with the same VAE.
+
+Only shapes, dtypes and labels are read in ``__init__`` (train.py describes the data before it spawns any rank);
+latents are read one sample at a time from a memory map, so a dataset larger than RAM trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from torch.utils.data import Dataset
+
+from ringdit.data.base import ImageDataModule
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names (F8_* are storage formats, not for training)
+INTEGER_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
+LAYOUT = "a .safetensors file with 'latents' and 'labels', or a folder with latents.npy and labels.npy"
+
+
+class LatentRows(Dataset):
+    """Sample i = (latents[i] * scale as float32, labels[i]), read on access.
+
+    The memory map is opened lazily in each process that reads (file handles do not pickle into DataLoader workers).
+    """
+
+    def __init__(self, path: Path, labels: torch.Tensor, scale: float):
+        self.path, self.labels, self.scale = path, labels, scale
+        self._handle = self._latents = None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_handle": None, "_latents": None}
+
+    def _open(self) -> None:
+        if self.path.suffix == ".safetensors":
+            self._handle = safe_open(str(self.path), framework="pt")
+            self._latents = self._handle.get_slice("latents")
+        else:
+            self._latents = np.load(self.path / "latents.npy", mmap_mode="r")
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._latents is None:
+            self._open()
+        row = self._latents[index : index + 1]  # (1, C, [T,] H, W): a torch tensor or a numpy memory-map view
+        x = row if isinstance(row, torch.Tensor) else torch.from_numpy(np.array(row))
+        return x[0].float() * self.scale, self.labels[index]  # (C, [T,] H, W)
+
+
+class LatentsDataModule(ImageDataModule):
+    """Class-conditional latents from ``data.path`` (see the module docstring for the layout), times ``scale``."""
+
+    def __init__(self, path: str, scale: float = 1.0, batch_size: int = 64, num_workers: int = 0,
+                 val_fraction: float = 0.05, val_batches: int = 4, seed: int = 0):
+        super().__init__(batch_size, num_workers, val_fraction, val_batches, seed)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"data.scale must be a positive number (e.g. 0.18215 for the SD VAE), got {scale!r}")
+        self.scale = float(scale)
+        self.path = _latents_path(path)
+        shape, dtype, labels, names = _read_safetensors(self.path) if self.path.is_file() else _read_npy(self.path)
+        self.labels, self.class_names = _check(self.path, shape, dtype, labels, names)
+        self.channels, self.image_size = shape[1], tuple(shape[2:])
+        self.num_classes = len(self.class_names)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "latent_scale": self.scale}
+
+    def build_dataset(self) -> LatentRows:
+        return LatentRows(self.path, self.labels, self.scale)
+
+
+def _latents_path(path) -> Path:
+    if path is None or str(path) == "":
+        raise ValueError(f"data.path is not set; pass data.path=... ({LAYOUT})")
+    resolved = Path(os.path.expanduser(str(path)))
+    if not resolved.exists():
+        raise ValueError(f"data.path={path} does not exist; pass {LAYOUT}")
+    if resolved.is_file() and resolved.suffix != ".safetensors":
+        raise ValueError(f"data.path={path} is a {resolved.suffix or 'suffix-less'} file; pass {LAYOUT}")
+    return resolved
+
+
+def _read_safetensors(path: Path) -> tuple[tuple[int, ...], str, np.ndarray, list | None]:
+    """Shape and dtype of ``latents`` (without reading them), ``labels``, and the class names if recorded."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            missing = [k for k in ("latents", "labels") if k not in keys]
+            if missing:
+                raise ValueError(f"data.path={path} has no tensor {' or '.join(map(repr, missing))} (it holds "
+                                 f"{sorted(keys)}); save latents (N, C, [T,] H, W) as 'latents' and class ids (N,) "
+                                 f"as 'labels'")
+            latents = f.get_slice("latents")
+            shape, dtype = tuple(latents.get_shape()), latents.get_dtype()
+            label_dtype = f.get_slice("labels").get_dtype()
+            labels = f.get_tensor("labels")
+            metadata = f.metadata() or {}
+    except SafetensorError as error:
+        raise ValueError(f"data.path={path} is not a readable .safetensors file ({error})") from None
+    if label_dtype not in INTEGER_DTYPES:
+        raise ValueError(f"data.path={path}: labels are {label_dtype}; store integer class ids (N,), "
+                         f"e.g. labels.long()")
+    names = _parse_names(path, "the metadata key class_names", metadata["class_names"]) \
+        if "class_names" in metadata else None
+    return shape, dtype, labels.numpy(), names
+
+
+def _read_npy(folder: Path) -> tuple[tuple[int, ...], str, np.ndarray, list | None]:
+    arrays = {}
+    for name in ("latents", "labels"):
+        file = folder / f"{name}.npy"
+        if not file.is_file():
+            raise ValueError(f"data.path={folder} has no {name}.npy; a latents folder holds latents.npy "
+                             f"(N, C, [T,] H, W), labels.npy (N,) and optionally class_names.json")
+        try:
+            arrays[name] = np.load(file, mmap_mode="r")  # reads the header only
+        except (ValueError, OSError) as error:
+            raise ValueError(f"data.path={folder}: {file.name} is not a plain .npy array ({error})") from None
+    latents, labels = arrays["latents"], arrays["labels"]
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"data.path={folder}: labels.npy holds {labels.dtype}; store integer class ids (N,), "
+                         f"e.g. labels.astype(np.int64)")
+    names_file = folder / "class_names.json"
+    names = _parse_names(folder, names_file.name, names_file.read_text()) if names_file.is_file() else None
+    return tuple(latents.shape), str(latents.dtype), np.asarray(labels), names
+
+
+def _parse_names(path: Path, where: str, text: str) -> list:
+    try:
+        names = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"data.path={path}: {where} is not valid JSON ({error}); give a list like "
+                         f'["cat", "dog"]') from None
+    if not isinstance(names, list) or not names or not all(isinstance(n, (str, int)) for n in names):
+        raise ValueError(f"data.path={path}: {where} must be a non-empty JSON list of names, got {text[:100]!r}")
+    return names
+
+
+def _check(path: Path, shape: tuple[int, ...], dtype: str, labels: np.ndarray,
+           names: list | None) -> tuple[torch.Tensor, list[str]]:
+    """Validate shapes and labels; return the labels (N,) int64 and the class names."""
+    if len(shape) not in (4, 5):
+        raise ValueError(f"data.path={path}: latents have shape {shape}; expected (N, C, H, W) for images or "
+                         f"(N, C, T, H, W) for videos")
+    if not (dtype in FLOAT_DTYPES or dtype.startswith("float")):  # safetensors' or numpy's names
+        raise ValueError(f"data.path={path}: latents are {dtype}; store the encoder's floating-point output")
+    if labels.ndim != 1:
+        raise ValueError(f"data.path={path}: labels have shape {labels.shape}; expected (N,) class ids")
+    if len(labels) != shape[0]:
+        raise ValueError(f"data.path={path}: latents hold {shape[0]} samples (shape {shape}) but labels hold "
+                         f"{len(labels)} (shape {labels.shape}); give one label per latent")
+    if len(labels) == 0:
+        raise ValueError(f"data.path={path}: no samples (latents shape {shape})")
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0:
+        raise ValueError(f"data.path={path}: labels include {low}; class ids must be 0 .. num_classes - 1")
+    if names is not None and high >= len(names):
+        raise ValueError(f"data.path={path}: labels go up to {high} but class_names lists {len(names)} names; "
+                         f"give one name per class id")
+    class_names = [str(n) for n in names] if names is not None else [str(i) for i in range(high + 1)]
+    return torch.from_numpy(labels.astype(np.int64)), class_names

@@ -1,0 +1,67 @@
+"""Faults to inject into real runs from the command line (Hydra targets), for the reliability tests."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+from torch.utils.data import Dataset
+
+from ringdit.data import DigitsDataModule
+
+
+class RaiseOnRank(L.Callback):
+    """Raise on global rank ``rank`` when training reaches ``step`` (``stage="train"``) or at the first sampling
+    batch (``stage="predict"``)."""
+
+    def __init__(self, rank: int, step: int = 1, stage: str = "train"):
+        self.rank, self.step, self.stage = rank, step, stage
+
+    def _maybe_raise(self, trainer: L.Trainer) -> None:
+        if trainer.global_rank == self.rank:
+            raise RuntimeError(f"injected fault on rank {self.rank} ({self.stage}, step {trainer.global_step})")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.stage == "train" and trainer.global_step == self.step:
+            self._maybe_raise(trainer)
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.stage == "predict":
+            self._maybe_raise(trainer)
+
+
+class SlowSteps(L.Callback):
+    """Sleep after every step, so a test can kill a run between two known points."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        time.sleep(self.seconds)
+
+
+class _Failing(Dataset):
+    def __init__(self, dataset: Dataset, after: int):
+        self.dataset, self.after, self.reads = dataset, after, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        if self.reads > self.after:
+            raise OSError(f"injected data-loading fault after {self.after} reads")
+        return self.dataset[index]
+
+
+class FailingDigitsDataModule(DigitsDataModule):
+    """The digits, whose loading fails on global rank ``fail_rank`` after ``after`` samples."""
+
+    def __init__(self, fail_rank: int, after: int = 40, **kwargs):
+        super().__init__(**kwargs)
+        self.fail_rank, self.after = fail_rank, after
+
+    def setup(self, stage=None) -> None:
+        super().setup(stage)
+        if self.trainer is not None and self.trainer.global_rank == self.fail_rank:
+            self.train_set = _Failing(self.train_set, self.after)

@@ -1,0 +1,275 @@
+"""Bad input fails fast with a clear message; faults end runs instead of hanging them; killed runs resume exactly;
+checkpoints are written atomically and loaded without running code."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringdit.training.checkpoint_io import AtomicCheckpointIO
+from ringdit.weights import CheckpointError, safe_torch_load
+from tests.test_training import REPO, TINY, logged_losses, model_weights, run
+
+FAST_FAIL_SECONDS = 30  # generous for a loaded CI machine; these runs stop before any rank is spawned
+
+
+def launch(script: str, *overrides: str, timeout: int = 240) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": ""}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, script, *overrides], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    return proc, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("tiny")
+    run("train.py", run_dir, *TINY, "trainer.max_steps=1")
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, tiny_checkpoint) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("bad")
+    truncated = folder / "truncated.ckpt"
+    data = tiny_checkpoint.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    text = folder / "notes.ckpt"
+    text.write_text("not a checkpoint\n")
+    return {"truncated": truncated, "text": text, "tiny": tiny_checkpoint}
+
+
+BAD_TRAIN_INPUTS = {
+    "ring_degree zero": (["ring_degree=0"], r"ring_degree must be an integer >= 1, got 0"),
+    "ring_degree not an integer": (["ring_degree=1.5"], r"ring_degree must be an integer >= 1, got 1.5"),
+    "ulysses_degree negative": (["ulysses_degree=-2"], r"ulysses_degree must be an integer >= 1, got -2"),
+    "world not divisible": (["ring_degree=2", "trainer.devices=3"],
+                            r"world size 3 \(devices x nodes\) is not divisible by ring_degree x ulysses_degree = 2 x 1 = 2"),
+    "heads not divisible": (["ulysses_degree=3"], r"num_heads=4 is not divisible by ulysses_degree=3"),
+    "non-ring backend": (["ring_degree=2", "attention_backend=torch_sdpa"],
+                         r"Ring Attention requires one of the ring-capable backends \(torch_flash, flash_attn, math\), "
+                         r"got 'torch_sdpa'"),
+    "unknown backend": (["attention_backend=flash"], r"unknown attention backend 'flash'.*torch_flash \(available\)"),
+    "unavailable backend": (["ring_degree=2", "attention_backend=flash_attn"],
+                            r"'flash_attn' is not available on cpu.*torch_flash \(available\)"),
+    "missing ckpt_path": (["ckpt_path=/nonexistent/last.ckpt"], r"ckpt_path='/nonexistent/last.ckpt' does not exist"),
+    "missing init_from": (["init_from=/nonexistent/w.safetensors"],
+                          r"init_from: checkpoint '/nonexistent/w.safetensors' does not exist"),
+    "patch does not divide the image": (["model.patch_size=3"], r"input_size \(8, 8\) is not divisible by the patch size"),
+    "hidden not divisible by heads": (["model.num_heads=5"], r"hidden_size=128 is not divisible by num_heads=5"),
+    "batch size zero": (["data.batch_size=0"], r"data.batch_size must be a positive integer, got 0"),
+    "no steps": (["trainer.max_steps=0"], r"trainer.max_steps must be a positive integer, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TRAIN_INPUTS))
+def test_bad_train_input_fails_fast_and_clearly(case, tmp_path):
+    overrides, message = BAD_TRAIN_INPUTS[case]
+    proc, seconds = launch("train.py", *overrides, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr  # one line for a user mistake
+    assert seconds < FAST_FAIL_SECONDS
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    ("setting", "file", "message"),
+    [
+        ("ckpt_path", "truncated", r"ckpt_path: .*truncated.ckpt is not a readable PyTorch checkpoint"),
+        ("ckpt_path", "text", r"ckpt_path: .*notes.ckpt is not a readable PyTorch checkpoint"),
+        ("init_from", "truncated", r"init_from: .*truncated.ckpt is not a readable PyTorch checkpoint"),
+        ("ckpt_path", "tiny", r"ckpt_path: ckpt_path=.*last.ckpt does not fit this model .*shape mismatches, file vs "
+                              r"model \(31\): final_layer.adaLN_modulation.1.bias \(64,\) vs \(256,\).*missing keys \(40\)"),
+    ],
+)
+def test_bad_checkpoint_files(setting, file, message, bad_files, tmp_path):
+    proc, seconds = launch("train.py", f"{setting}={bad_files[file]}", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert seconds < FAST_FAIL_SECONDS
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["num_samples=0"], r"num_samples must be a positive integer, got 0"),
+        (["steps=0"], r"steps must be a positive integer, got 0"),
+        (["labels=[12]"], r"labels: class id 12 is out of range; this model has classes 0..9"),
+        (["ring_degree=2", "attention_backend=torch_sdpa"], r"Ring Attention requires one of the ring-capable"),
+    ],
+)
+def test_bad_infer_input(overrides, message, tiny_checkpoint, tmp_path):
+    proc, seconds = launch("infer.py", f"ckpt_path={tiny_checkpoint}", *overrides, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert seconds < FAST_FAIL_SECONDS
+
+
+def test_full_traceback_on_request(tmp_path):
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run([sys.executable, "train.py", "ring_degree=0", f"hydra.run.dir={tmp_path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+# ---- faults ---------------------------------------------------------------------------------------------------------
+
+FAULT_BOUND_SECONDS = 120
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "message"),
+    [
+        ("step", ["ring_degree=2", "+callbacks.fault._target_=tests.faults.RaiseOnRank", "+callbacks.fault.rank=1",
+                  "+callbacks.fault.step=2"], "injected fault on rank 1 (train, step 2)"),
+        ("data", ["ring_degree=2", "data._target_=tests.faults.FailingDigitsDataModule", "+data.fail_rank=1",
+                  "+data.after=40"], "injected data-loading fault after 40 reads"),
+    ],
+)
+def test_a_failing_rank_ends_the_run(name, overrides, message, tmp_path):
+    proc, seconds = launch("train.py", *TINY, "trainer.max_steps=50", "trainer.strategy.timeout_s=30", *overrides,
+                           f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert seconds < FAULT_BOUND_SECONDS
+
+
+def test_a_failing_rank_ends_sampling(tiny_checkpoint, tmp_path):
+    proc, seconds = launch("infer.py", f"ckpt_path={tiny_checkpoint}", "ring_degree=2", "num_samples=4", "steps=2",
+                           "trainer.strategy.timeout_s=30", "+callbacks.fault._target_=tests.faults.RaiseOnRank",
+                           "+callbacks.fault.rank=1", "+callbacks.fault.stage=predict", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0 and "injected fault on rank 1 (predict" in proc.stderr, proc.stderr[-3000:]
+    assert seconds < FAULT_BOUND_SECONDS
+    assert not (tmp_path / "samples.npz").exists()
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nonfinite_loss(policy, tmp_path):
+    explode = ["optimizer=sgd", "optimizer.lr=1e30", "trainer.gradient_clip_val=null", "trainer.max_steps=4",
+               "callbacks.model_checkpoint.every_n_train_steps=1", f"nonfinite_loss={policy}"]
+    proc, _ = launch("train.py", *TINY, *explode, f"hydra.run.dir={tmp_path}")
+    if policy == "stop":
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "step 1: the loss is inf; training stopped before updating the weights" in proc.stderr
+        assert "The last checkpoint written before is kept" in proc.stderr
+        kept = safe_torch_load(tmp_path / "checkpoints" / "last.ckpt")
+        assert kept["global_step"] == 1
+        assert all(torch.isfinite(v).all() for v in kept["state_dict"].values() if v.is_floating_point())
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "skipping this step (nonfinite_loss=skip)" in proc.stderr
+        # every later loss is inf too: all skipped, so the weights are still those of step 1
+        after_one = safe_torch_load(tmp_path / "checkpoints" / "step_0000001.ckpt")["state_dict"]
+        final = safe_torch_load(tmp_path / "checkpoints" / "last.ckpt")
+        assert final["global_step"] == 4
+        for key, value in after_one.items():
+            torch.testing.assert_close(final["state_dict"][key], value, msg=key)
+
+
+def test_killed_run_resumes_on_the_same_loss_curve(tmp_path):
+    common = [*TINY, "trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=2", "optimizer=adamw",
+              "scheduler=warmup_cosine", "scheduler.warmup_steps=2"]
+    run("train.py", tmp_path / "straight", *common)
+
+    killed = tmp_path / "killed"
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *common, "+callbacks.slow._target_=tests.faults.SlowSteps",
+         "+callbacks.slow.seconds=0.4", f"hydra.run.dir={killed}"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not (killed / "checkpoints" / "step_0000004.ckpt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run to kill ended early"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "checkpoints" / "step_0000008.ckpt").exists()
+
+    last = killed / "checkpoints" / "last.ckpt"
+    saved_step = safe_torch_load(last)["global_step"]  # 2 or more: the kill may fall between two files' saves
+    run("train.py", tmp_path / "resumed", *common, f"ckpt_path={last}")
+    straight, resumed = logged_losses(tmp_path / "straight"), logged_losses(tmp_path / "resumed")
+    assert saved_step >= 2 and min(resumed) == saved_step and max(resumed) == 7
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(straight[step], rel=1e-6, abs=1e-7), f"step {step}"
+    final_straight = safe_torch_load(tmp_path / "straight" / "checkpoints" / "last.ckpt")["state_dict"]
+    final_resumed = safe_torch_load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["state_dict"]
+    for key, value in final_straight.items():  # model, EMA and its counter
+        torch.testing.assert_close(final_resumed[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_resume_from_last(tmp_path):
+    """``ckpt_path=last`` finds the newest run's last.ckpt under the log dir."""
+    logs = tmp_path / "logs"
+    first = logs / "train" / "runs" / "first"
+    run("train.py", first, *TINY, "trainer.max_steps=2", f"paths.log_dir={logs}")
+    run("train.py", logs / "train" / "runs" / "second", *TINY, "trainer.max_steps=3", "ckpt_path=last",
+        f"paths.log_dir={logs}")
+    assert sorted(logged_losses(logs / "train" / "runs" / "second")) == [2]
+
+
+# ---- checkpoint files -------------------------------------------------------------------------------------------------
+
+
+class _ExplodingPickle:
+    def __reduce__(self):
+        raise RuntimeError("disk full (simulated)")
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+    with pytest.raises(RuntimeError, match="disk full"):
+        io.save_checkpoint({"step": 2, "w": torch.zeros(3), "boom": _ExplodingPickle()}, path)
+    assert safe_torch_load(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, path)
+    writer = (
+        "import sys, torch; from ringdit.training.checkpoint_io import AtomicCheckpointIO\n"
+        "big = {'step': 2, 'w': torch.randn(150_000_000)}\n"  # 600 MB: seconds to write
+        "print('saving', flush=True); AtomicCheckpointIO().save_checkpoint(big, sys.argv[1])\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer, str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "saving"
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".last.ckpt.*.tmp")):  # the write has begun
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    assert safe_torch_load(path) == {"step": 1}
+    AtomicCheckpointIO().save_checkpoint({"step": 3}, path)  # the next save also clears the torn temporary file
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_malicious_pickle_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": Payload()}, evil)
+    with pytest.raises(CheckpointError, match=r"refusing to load .*evil.ckpt: it contains Python objects"):
+        safe_torch_load(evil)
+    assert not marker.exists()
+    proc, _ = launch("train.py", f"init_from={evil}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "refusing to load" in proc.stderr
+    proc, _ = launch("infer.py", f"ckpt_path={evil}", f"hydra.run.dir={tmp_path / 'infer'}")
+    assert proc.returncode == 2 and "refusing to load" in proc.stderr
+    assert not marker.exists()
