@@ -20,7 +20,9 @@ from torch.utils.data import DataLoader
 from ringdit.config import (
     ConfigError,
     build_on_meta,
+    check_sampling,
     check_weights_file,
+    group_targets,
     read_weights_file,
     register_resolvers,
     require_positive,
@@ -34,39 +36,40 @@ log = logging.getLogger("ringdit.infer")
 register_resolvers()
 
 
-def infer(cfg: DictConfig) -> list:
-    # ---- checks before any rank is spawned ---------------------------------------------------------------------
+def prepare(cfg: DictConfig):
+    """Check every setting and the checkpoint, then build the trainer, module and sample requests."""
     require_positive("num_samples", cfg.num_samples)
     require_positive("batch_size", cfg.batch_size)
-    if cfg.steps is not None:
-        require_positive("steps", cfg.steps)
     backend = validate_parallel(cfg, training=False)
     state, info = read_weights_file("ckpt_path", cfg.ckpt_path, prefer=cfg.weights)
-    if "model" not in info or "data" not in info:
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not say which model it holds: sample from a ringdit "
-                          f"checkpoint (.ckpt) or export (.safetensors), or fine-tune it first with init_from")
+    missing = [key for key in ("model", "data", "objective") if key not in info]
+    if missing:
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not say which model it holds (no {', '.join(missing)}): "
+                          f"sample from a ringdit checkpoint (.ckpt) or export (.safetensors), or fine-tune it "
+                          f"first with init_from")
     meta_model = build_on_meta(info["model"], cfg.ulysses_degree)
     check_weights_file("ckpt_path", cfg.ckpt_path, meta_model, state=state)
     del state
     labels = resolve_labels(OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels,
                             cfg.num_samples, info["data"])
-
     sampling = {**info.get("sampling", {}),
                 **{k: cfg[k] for k in ("steps", "cfg_scale", "sampler") if cfg[k] is not None}}
+    check_sampling(info["model"], info["objective"], sampling)
+
     module = DiTModule(model=info["model"], objective=info["objective"], data=info["data"], sampling=sampling,
                        attention_backend=backend, init_from=cfg.ckpt_path, init_weights=cfg.weights)
     writer = SampleWriter(cfg.paths.output_dir)
-    callbacks = [writer, *(hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values())]
+    callbacks = [writer, *(hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks"))]
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False)
     requests = DataLoader(SampleRequests(labels, cfg.seed), batch_size=cfg.batch_size)
-    trainer.predict(module, dataloaders=requests, return_predictions=False)
-    return writer.written
+    return trainer, module, requests
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="infer")
 def main(cfg: DictConfig) -> None:
-    with user_errors():
-        infer(cfg)
+    with user_errors():  # a mistake in the settings: one line, exit code 2
+        trainer, module, requests = prepare(cfg)
+    trainer.predict(module, dataloaders=requests, return_predictions=False)
 
 
 if __name__ == "__main__":

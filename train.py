@@ -12,13 +12,16 @@ Settings live in conf/ (Hydra); outputs (checkpoints, sample grids, logs) go to 
 from __future__ import annotations
 
 import logging
+import math
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.config import (
     build_on_meta,
+    check_sampling,
     check_weights_file,
+    group_targets,
     model_config,
     register_resolvers,
     require_positive,
@@ -26,12 +29,14 @@ from ringdit.config import (
     user_errors,
     validate_parallel,
 )
+from ringdit.errors import NonFiniteLossError
+
 log = logging.getLogger("ringdit.train")
 register_resolvers()
 
 
-def train(cfg: DictConfig) -> None:
-    # ---- everything that can be wrong is checked here, before Lightning spawns any rank --------------------------
+def prepare(cfg: DictConfig):
+    """Check every setting, then build the trainer, module and data; nothing is spawned yet."""
     require_positive("trainer.max_steps", cfg.trainer.max_steps)
     require_positive("data.batch_size", cfg.data.batch_size)
     backend = validate_parallel(cfg, training=True)
@@ -39,12 +44,17 @@ def train(cfg: DictConfig) -> None:
     data_info = datamodule.describe()
     model_cfg = model_config(cfg.model, data_info)
     meta_model = build_on_meta(model_cfg, cfg.ulysses_degree)
-    if cfg.init_from:
-        check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
-                           resize_labels=cfg.init_resize_labels)
+    sampling = OmegaConf.to_container(cfg.diffusion.sampling, resolve=True)
+    check_sampling(model_cfg, cfg.diffusion.objective, sampling)
+    grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
+    if grid_cfg_scale is not None:
+        check_sampling(model_cfg, cfg.diffusion.objective, {**sampling, "cfg_scale": grid_cfg_scale})
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
     if ckpt_path:
         check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
+    elif cfg.init_from:  # a resumed run takes its weights from ckpt_path
+        check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
+                           resize_labels=cfg.init_resize_labels)
 
     import lightning as L  # imported after the checks, so that a typo fails without loading Lightning
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -56,50 +66,42 @@ def train(cfg: DictConfig) -> None:
         model=model_cfg,
         objective=OmegaConf.to_container(cfg.diffusion.objective, resolve=True),
         data=data_info,
-        sampling=OmegaConf.to_container(cfg.diffusion.sampling, resolve=True),
+        sampling=sampling,
         optimizer=hydra.utils.instantiate(cfg.optimizer),
         scheduler=hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,  # scheduler=constant
         ema_decay=cfg.ema_decay,
         seed=cfg.seed,
         attention_backend=backend,
         compile=cfg.compile,
-        init_from=cfg.init_from,
+        init_from=None if ckpt_path else cfg.init_from,
         init_weights=cfg.init_weights,
         init_resize_labels=cfg.init_resize_labels,
         nonfinite_loss=cfg.nonfinite_loss,
     )
-    callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
-    loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    callbacks = [hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks")]
+    loggers = [hydra.utils.instantiate(c) for c in group_targets(cfg, "logger")]
     trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files
     )
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-
     if trainer.is_global_zero:
         log.info("DiT %s on %s, %d tokens per sample; ring %d x ulysses %d x dp %d; attention %s",
                  {k: v for k, v in model_cfg.items() if k != "_target_"}, type(datamodule).__name__,
-                 _tokens(model_cfg), cfg.ring_degree, cfg.ulysses_degree,
+                 math.prod(meta_model.default_grid), cfg.ring_degree, cfg.ulysses_degree,
                  trainer.world_size // (cfg.ring_degree * cfg.ulysses_degree), backend)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    if trainer.is_global_zero:
-        log.info("outputs in %s (checkpoints/last.ckpt, samples/)", cfg.paths.output_dir)
-
-
-def _tokens(model_cfg: dict) -> int:
-    patch = [model_cfg.get("temporal_patch_size") or 1] * (len(model_cfg["input_size"]) - 2)
-    patch += [model_cfg["patch_size"]] * 2
-    tokens = 1
-    for size, p in zip(model_cfg["input_size"], patch):
-        tokens *= size // p
-    return tokens
+    return trainer, module, datamodule, ckpt_path
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    with user_errors():
-        train(cfg)
+    with user_errors():  # a mistake in the settings: one line, exit code 2
+        trainer, module, datamodule, ckpt_path = prepare(cfg)
+    with user_errors(NonFiniteLossError):  # anything else during training is a fault: full traceback
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if trainer.is_global_zero:
+        log.info("outputs in %s (checkpoints/last.ckpt, samples/)", cfg.paths.output_dir)
 
 
 if __name__ == "__main__":

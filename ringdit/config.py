@@ -18,7 +18,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.attention import validate_attention_config
-from ringdit.errors import ConfigError, NonFiniteLossError
+from ringdit.errors import ConfigError
 from ringdit.parallel import check_degrees, check_heads_divisible
 from ringdit.weights import LABEL_TABLE, CheckpointError, check_compatible, read_weights, resize_label_embedding
 
@@ -31,12 +31,16 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("min", lambda *xs: min(int(x) for x in xs), replace=True)
 
 
+SETTINGS_ERRORS = (ValueError, TypeError, FileNotFoundError, InstantiationException)
+
+
 @contextlib.contextmanager
-def user_errors():
-    """Show a user mistake as its one-line cause and exit with code 2; ``HYDRA_FULL_ERROR=1`` shows the traceback."""
+def user_errors(*kinds: type[BaseException]):
+    """Show an error of ``kinds`` (default: what checking settings raises) as its one-line cause and exit with code
+    2; ``HYDRA_FULL_ERROR=1`` shows the traceback. Wrap only the phase where such errors mean a user mistake."""
     try:
         yield
-    except (ValueError, FileNotFoundError, InstantiationException, TypeError, NonFiniteLossError) as error:
+    except kinds or SETTINGS_ERRORS as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         message = str(error).strip()
@@ -150,13 +154,41 @@ def check_weights_file(setting: str, path: str, model, prefer: str = "ema", stat
         raise ConfigError(f"{setting}: {error}") from None
 
 
+def group_targets(cfg: DictConfig, group: str) -> list:
+    """The entries of a ``callbacks`` / ``logger`` group; an entry without ``_target_`` is a leftover setting."""
+    entries = cfg.get(group) or {}
+    for name, entry in entries.items():
+        if "_target_" not in entry:
+            raise ConfigError(f"{group}.{name} has settings ({', '.join(entry)}) but no _target_: its config was "
+                              f"removed (e.g. {group}=none with an experiment that tunes it); drop the settings or "
+                              f"keep the {group} config")
+    return list(entries.values())
+
+
+SAMPLERS = {"FlowMatching": ("euler", "heun"), "DDPM": ("ddim",)}
+
+
+def check_sampling(model_cfg: dict, objective_cfg, sampling: dict) -> None:
+    """The sampler fits the objective, steps are positive, and guidance has a null class to guide with."""
+    objective = str(objective_cfg["_target_"]).rsplit(".", 1)[-1]
+    allowed = SAMPLERS.get(objective, ())
+    if sampling.get("sampler") is not None and sampling["sampler"] not in allowed:
+        raise ConfigError(f"sampler={sampling['sampler']!r} does not fit the {objective} objective; use one of {allowed}")
+    if sampling.get("steps") is not None:
+        require_positive("steps", sampling["steps"])
+    cfg_scale = sampling.get("cfg_scale")
+    if cfg_scale is not None and cfg_scale != 1.0 and not model_cfg.get("class_dropout_prob", 0.1) > 0:
+        raise ConfigError(f"cfg_scale={cfg_scale} needs a model trained with label dropout (a null class), but "
+                          f"model.class_dropout_prob={model_cfg.get('class_dropout_prob')}; use cfg_scale=1")
+
+
 def resolve_ckpt_path(ckpt_path: str | None, log_dir: str, task_name: str) -> str | None:
     """``last`` -> the newest ``checkpoints/last.ckpt`` of this task's earlier runs; a path must exist."""
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
-        candidates = sorted(Path(log_dir, task_name).glob("*/*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        candidates += sorted(Path(log_dir, task_name).glob("*/*/*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        root = Path(log_dir, task_name)  # runs/<time>/ and multiruns/<time>/<job>/
+        candidates = [*root.glob("*/*/checkpoints/last.ckpt"), *root.glob("*/*/*/checkpoints/last.ckpt")]
         if not candidates:
             raise ConfigError(f"ckpt_path=last: no checkpoints/last.ckpt under {Path(log_dir, task_name)}; "
                               f"pass the checkpoint's path instead")

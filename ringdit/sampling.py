@@ -13,7 +13,10 @@ from ringdit.images import save_samples
 
 
 def resolve_labels(labels, num_samples: int, data_info: dict) -> list[int]:
-    """Class ids for ``num_samples`` samples: the given ids or class names, cycled; all classes when None."""
+    """Class ids for ``num_samples`` samples: the given ids or class names, cycled; all classes when None.
+
+    A number is a class id (``labels=[3]`` is class 3, also when a folder is named "7"); other strings are names.
+    """
     names = [str(n) for n in data_info.get("class_names") or []]
     num_classes = data_info["num_classes"]
     if labels is None:

@@ -7,6 +7,7 @@ refused with an error that says so.
 
 from __future__ import annotations
 
+import argparse
 import json
 import pickle
 import re
@@ -28,7 +29,10 @@ def safe_torch_load(path: str | Path, map_location: Any = "cpu") -> Any:
     """``torch.load`` restricted to tensors and plain containers, with errors that say what is wrong."""
     path = _existing_file(path)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        # argparse.Namespace: facebookresearch/DiT's training checkpoints store their args as one; rebuilding it
+        # only sets attributes.
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         unsafe = re.search(r"GLOBAL ([\w.]+)", str(error))
         if unsafe is None:  # not a pickle of objects at all: garbage, text, another format

@@ -163,6 +163,22 @@ def test_packed_layout(name):
     assert [tuple(g.shape) for g in grads] == [(9, 3, 16), (14, 3, 16), (14, 3, 16)]
 
 
+@pytest.mark.parametrize("name", CPU_RING_BACKENDS)
+def test_plain_attention_ignores_autocast(name):
+    """Chunk kernels keep fp32 statistics under autocast, so their backward (run outside it) agrees."""
+    backend = make_backend(name)
+    q, k, v, dout = random_qkv(2, 12, 20, 2, 16, torch.bfloat16)
+    results = []
+    for autocast in (False, True):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = backend.forward(*inputs)
+        out.backward(dout)
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_merge_stays_finite_when_nothing_was_seen():
     out = torch.zeros(1, 3, 1, 2)
     lse = torch.full((1, 1, 3), float("-inf"))

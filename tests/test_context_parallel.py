@@ -98,6 +98,13 @@ def check_math_backend_ring_in_fp64(rank, world):
     q, k, v, dout = (torch.randn(3, 21, HEADS, HEAD_SIZE, generator=g, dtype=torch.float64) for _ in range(4))
     results, _, _ = usp_attention_step(dims, "math", q, k, v, dout, 21)
     assert max(max_errors(results, reference(q, k, v, dout))) < 1e-12
+    # under autocast (bf16 mixed precision) the ring keeps its statistics in fp32: the same numbers as without it
+    bf16 = [t.bfloat16() for t in (q, k, v, dout)]
+    plain, _, _ = usp_attention_step(dims, "math", *bf16, 21)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed, _, _ = usp_attention_step(dims, "math", *bf16, 21)
+    for a, b in zip(plain, mixed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_ring_with_math_backend_is_exact_in_fp64():

@@ -67,6 +67,10 @@ BAD_TRAIN_INPUTS = {
     "hidden not divisible by heads": (["model.num_heads=5"], r"hidden_size=128 is not divisible by num_heads=5"),
     "batch size zero": (["data.batch_size=0"], r"data.batch_size must be a positive integer, got 0"),
     "no steps": (["trainer.max_steps=0"], r"trainer.max_steps must be a positive integer, got 0"),
+    "guidance without a null class": (["model.class_dropout_prob=0"],
+                                      r"cfg_scale=1.5 needs a model trained with label dropout \(a null class\)"),
+    "sampler of another objective": (["diffusion.sampling.sampler=ddim"],
+                                     r"sampler='ddim' does not fit the FlowMatching objective"),
 }
 
 
@@ -205,6 +209,13 @@ def test_killed_run_resumes_on_the_same_loss_curve(tmp_path):
     for key, value in final_straight.items():  # model, EMA and its counter
         torch.testing.assert_close(final_resumed[key], value, rtol=1e-5, atol=1e-7, msg=key)
 
+    # early in the run too (Lightning counts a resumed epoch on from the checkpoint's batch)
+    run("train.py", tmp_path / "early", *common, f"ckpt_path={tmp_path / 'straight' / 'checkpoints' / 'step_0000002.ckpt'}")
+    early = logged_losses(tmp_path / "early")
+    assert sorted(early) == [2, 3, 4, 5, 6, 7]
+    for step, loss in early.items():
+        assert loss == pytest.approx(straight[step], rel=1e-6, abs=1e-7), f"step {step} after resuming at 2"
+
 
 def test_resume_from_last(tmp_path):
     """``ckpt_path=last`` finds the newest run's last.ckpt under the log dir."""
@@ -273,3 +284,20 @@ def test_malicious_pickle_is_refused(tmp_path):
     proc, _ = launch("infer.py", f"ckpt_path={evil}", f"hydra.run.dir={tmp_path / 'infer'}")
     assert proc.returncode == 2 and "refusing to load" in proc.stderr
     assert not marker.exists()
+
+
+def test_latents_that_do_not_fit_the_model(tmp_path):
+    import numpy as np
+
+    from tests.test_data import write_latents
+
+    odd = write_latents(tmp_path, np.zeros((6, 4, 8, 7), np.float32), np.arange(6) % 2)
+    proc, seconds = launch("train.py", "data=latents", f"data.path={odd}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "input_size (8, 7) is not divisible by the patch size (2, 2)" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert seconds < FAST_FAIL_SECONDS
+    (tmp_path / "video").mkdir()
+    video = write_latents(tmp_path / "video", np.zeros((6, 4, 2, 8, 8), np.float32), np.arange(6) % 2)
+    proc, _ = launch("train.py", "data=latents", f"data.path={video}", f"hydra.run.dir={tmp_path / 'run2'}")
+    assert proc.returncode == 2 and "the data gives videos (T, H, W) = [2, 8, 8] but the model is an image model" \
+        in proc.stderr, proc.stderr[-2000:]

@@ -196,6 +196,12 @@ def test_resume_continues_the_step_count(sgd_runs, tmp_path):
     assert torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
 
 
+def test_training_without_label_dropout(tmp_path):
+    """No null class: nothing to drop, and guidance off (cfg_scale 1)."""
+    run("train.py", tmp_path, *TINY, "model.class_dropout_prob=0", "diffusion.sampling.cfg_scale=1.0")
+    assert sorted(logged_losses(tmp_path)) == [0, 1, 2]
+
+
 def test_multirun_sweep(tmp_path):
     command = [sys.executable, "train.py", "-m", "seed=1,2", *TINY, "trainer.max_steps=1",
                f"hydra.sweep.dir={tmp_path}"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -77,7 +78,8 @@ def test_init_from_an_original_dit_state_dict(tmp_path):
     state = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
     bare, training = tmp_path / "DiT-tiny.pt", tmp_path / "0001000.pt"
     torch.save(state, bare)
-    torch.save({"model": {k: v + 1 for k, v in state.items()}, "ema": state, "opt": {}, "args": {}}, training)
+    args = argparse.Namespace(model="DiT-XL/2", image_size=256, num_classes=1000)  # as its train.py saves them
+    torch.save({"model": {k: v + 1 for k, v in state.items()}, "ema": state, "opt": {}, "args": args}, training)
     learn_sigma = ["model.learn_sigma=true"]  # original checkpoints predict the variance too
     for name, path in {"bare": bare, "training": training}.items():
         run("train.py", tmp_path / name, *TINY, *ZERO_LR, *learn_sigma, f"init_from={path}")

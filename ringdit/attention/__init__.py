@@ -10,6 +10,7 @@ from ringdit.attention.backends.math_backend import MathBackend
 from ringdit.attention.backends.torch_flash import TorchFlashBackend
 from ringdit.attention.backends.torch_sdpa import TorchSDPABackend
 from ringdit.attention.layer import USPAttention, local_attention
+from ringdit.attention.ring import RingAttentionFunction, merge_attention_chunk, ring_attention
 from ringdit.attention.registry import (
     check_ring_capable,
     describe_backends,
@@ -19,8 +20,6 @@ from ringdit.attention.registry import (
     ring_capable_backends,
     validate_attention_config,
 )
-
-from ringdit.attention.ring import RingAttentionFunction, merge_attention_chunk, ring_attention  # noqa: E402
 
 for _backend in (TorchFlashBackend, TorchSDPABackend, FlashAttnBackend, MathBackend):
     register_backend(_backend)

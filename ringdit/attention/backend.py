@@ -62,7 +62,7 @@ class AttentionBackend:
     name: ClassVar[str] = ""
     # Lower is preferred when a backend is picked automatically (and orders RING_CAPABLE_ATTENTION_BACKENDS).
     priority: ClassVar[int] = 100
-    # What the README's backend table says; ``is_available`` is the authority on this machine.
+    # Informational (the README's table, the benchmarks): the kernels themselves reject what they cannot run.
     device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -133,7 +133,9 @@ class ChunkKernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None):
-        out, lse = backend.forward_ring_kv_chunk(q, k, v, softmax_scale=softmax_scale)
+        # autocast must not re-type the statistics: backward (which runs outside autocast) recomputes against them
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = backend.forward_ring_kv_chunk(q, k, v, softmax_scale=softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.backend, ctx.softmax_scale = backend, softmax_scale
         return out
@@ -141,5 +143,6 @@ class ChunkKernelAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backend.backward_ring_kv_chunk(dout, q, k, v, out, lse, softmax_scale=ctx.softmax_scale)
+        with torch.autocast(q.device.type, enabled=False):  # also when backward is called inside autocast
+            dq, dk, dv = ctx.backend.backward_ring_kv_chunk(dout, q, k, v, out, lse, softmax_scale=ctx.softmax_scale)
         return None, dq, dk, dv, None

@@ -26,9 +26,10 @@ def local_attention(
     length = q.shape[1]
     if valid_len is None or valid_len >= length:
         return backend.forward(q, k, v, softmax_scale=softmax_scale)
-    real = slice(0, max(valid_len, 0))
-    out = backend.forward(q[:, real], k[:, real], v[:, real], softmax_scale=softmax_scale) if valid_len > 0 else q[:, :0]
-    return F.pad(out, (0, 0, 0, 0, 0, length - out.shape[1]))
+    if valid_len <= 0:
+        return torch.zeros_like(q)
+    out = backend.forward(q[:, :valid_len], k[:, :valid_len], v[:, :valid_len], softmax_scale=softmax_scale)
+    return F.pad(out, (0, 0, 0, 0, 0, length - valid_len))  # (B, S, H, D), zero rows for the padding
 
 
 class USPAttention(nn.Module):

@@ -28,15 +28,15 @@ _KV_TAG, _DKV_TAG = 0, 1
 class RingExchange:
     """Hops of the ring: send a buffer to the next rank while receiving the previous rank's into a fresh one.
 
-    ``start`` posts the transfer and returns the (not yet filled) receive buffer; ``wait`` completes it and drops
-    the pending requests, which hold the buffers alive while in flight.
+    ``start`` posts the transfer and returns the (not yet filled) receive buffer; ``wait`` completes it. Both
+    buffers are held here while in flight: the caller may drop its references to the one it sent.
     """
 
     def __init__(self, dims: ParallelDims):
         self.group = dims.ring_group
         self.send_to = dims.ring_ranks[(dims.ring_rank + 1) % dims.ring_degree]
         self.recv_from = dims.ring_ranks[(dims.ring_rank - 1) % dims.ring_degree]
-        self._pending: dict[int, list] = {}
+        self._pending: dict[int, tuple[list, Tensor, Tensor]] = {}
 
     def start(self, buffer: Tensor, tag: int) -> Tensor:
         received = torch.empty_like(buffer)
@@ -44,11 +44,12 @@ class RingExchange:
             dist.P2POp(dist.isend, buffer, self.send_to, self.group, tag),
             dist.P2POp(dist.irecv, received, self.recv_from, self.group, tag),
         ]
-        self._pending[tag] = dist.batch_isend_irecv(ops)
+        self._pending[tag] = (dist.batch_isend_irecv(ops), buffer, received)
         return received
 
     def wait(self, tag: int) -> None:
-        for request in self._pending.pop(tag):
+        requests, _sent, _received = self._pending.pop(tag)
+        for request in requests:
             request.wait()
 
 
@@ -84,6 +85,12 @@ def real_tokens_in_block(block: int, block_len: int, valid_len: int | None) -> i
 class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, backend: AttentionBackend, softmax_scale, dims: ParallelDims, valid_len):
+        # Statistics and merges in fp32 even under autocast (backward runs outside autocast and must agree).
+        with torch.autocast(q.device.type, enabled=False):
+            return RingAttentionFunction._forward(ctx, q, k, v, backend, softmax_scale, dims, valid_len)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, backend: AttentionBackend, softmax_scale, dims: ParallelDims, valid_len):
         batch, block_len, heads, head_size = q.shape
         ring_size, ring_rank = dims.ring_degree, dims.ring_rank
         exchange = RingExchange(dims)
@@ -111,6 +118,11 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):  # also when backward is called inside autocast
+            return RingAttentionFunction._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dims, valid_len = ctx.dims, ctx.valid_len
         ring_size, ring_rank = dims.ring_degree, dims.ring_rank

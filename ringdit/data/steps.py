@@ -32,7 +32,8 @@ class StepBatches(IterableDataset):
         self._permutations: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
-        return max(0, self.total_steps - self.start_step)
+        # The whole run, not what is left: a resumed Lightning epoch counts on from the checkpoint's batch.
+        return self.total_steps
 
     def indices(self, step: int) -> list[int]:
         """Dataset indices of this rank's share of global batch ``step``."""
@@ -42,7 +43,7 @@ class StepBatches(IterableDataset):
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch not in self._permutations:
-            if len(self._permutations) > 2:  # a batch spans at most two epochs
+            if len(self._permutations) > 2:  # keep the few epochs a batch spans (more only when batch > dataset)
                 self._permutations.pop(min(self._permutations))
             generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
             self._permutations[epoch] = torch.randperm(len(self.dataset), generator=generator)

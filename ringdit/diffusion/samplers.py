@@ -59,7 +59,11 @@ def sample_flow(denoiser, noise: Tensor, steps: int, method: str = "euler", shif
 @torch.no_grad()
 def sample_ddim(denoiser, noise: Tensor, steps: int, schedule: DDPM, eta: float = 0.0,
                 generator: torch.Generator | None = None, clip_denoised: bool = False) -> Tensor:
-    """DDIM (Song et al., 2021) over ``steps`` evenly spaced steps. ``denoiser(x, step) -> epsilon``."""
+    """DDIM (Song et al., 2021) over ``steps`` evenly spaced steps. ``denoiser(x, step) -> epsilon``.
+
+    ``eta`` > 0 adds fresh noise each step, drawn from ``generator``: under sequence parallelism the generator must
+    give every rank of a group the same draws.
+    """
     if not 1 <= steps <= schedule.num_timesteps:
         raise ValueError(f"steps must be in [1, {schedule.num_timesteps}], got {steps}")
     alphas = schedule.alphas_cumprod
@@ -89,15 +93,18 @@ def initial_noise(shape: tuple[int, ...], seeds: list[int], device=None, dtype=t
 
 
 def sample(model: Model, objective, noise: Tensor, labels: Tensor, *, steps: int, cfg_scale: float = 1.0,
-           null_label: int | None = None, sampler: str | None = None, shift: float = 1.0, eta: float = 0.0,
-           generator: torch.Generator | None = None, clip_denoised: bool = False) -> Tensor:
-    """Draw samples for ``labels`` starting from ``noise`` with the sampler that fits the objective."""
+           null_label: int | None = None, sampler: str | None = None, shift: float = 1.0,
+           clip_denoised: bool = False) -> Tensor:
+    """Draw samples for ``labels`` starting from ``noise`` with the sampler that fits the objective.
+
+    Deterministic given the noise (DDIM with eta = 0), so every rank of a sequence-parallel group computes the
+    same samples and sample i depends only on its own noise.
+    """
     denoiser = classifier_free_guidance(model, labels, null_label, cfg_scale)
     if isinstance(objective, FlowMatching):
         return sample_flow(denoiser, noise, steps, method=sampler or "euler", shift=shift)
     if isinstance(objective, DDPM):
         if sampler not in (None, "ddim"):
             raise ValueError(f"the DDPM objective samples with 'ddim', got sampler={sampler!r}")
-        return sample_ddim(denoiser, noise, steps, objective, eta=eta, generator=generator,
-                           clip_denoised=clip_denoised)
+        return sample_ddim(denoiser, noise, steps, objective, clip_denoised=clip_denoised)
     raise TypeError(f"unknown objective {type(objective).__name__}")

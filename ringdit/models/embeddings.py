@@ -38,10 +38,10 @@ def sincos_2d(embed_dim: int, height: int, width: int) -> Tensor:
 def sincos_3d(embed_dim: int, frames: int, height: int, width: int) -> Tensor:
     """(T * H * W, embed_dim) for a (t, h, w)-ordered video grid: a quarter of the channels encode time, the rest
     the 2-D position within the frame."""
-    temporal = 4 * (embed_dim // 16)
-    spatial = embed_dim - temporal
     if embed_dim % 16:
         raise ValueError(f"a 3-D sin-cos embedding needs a size divisible by 16, got {embed_dim}")
+    temporal = 4 * (embed_dim // 16)
+    spatial = embed_dim - temporal
     time_emb = sincos_1d(temporal, torch.arange(frames)).repeat_interleave(height * width, dim=0)
     space_emb = sincos_2d(spatial, height, width).repeat(frames, 1)
     return torch.cat([time_emb, space_emb], dim=1)

@@ -21,7 +21,7 @@ def _all_to_all(x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: in
     """Split ``x`` into ``world`` pieces along ``scatter_dim``, send piece j to rank j, concatenate what arrives
     (in rank order) along ``gather_dim``."""
     world = dist.get_world_size(group)
-    send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()  # (world, *piece)
+    send = torch.stack(x.chunk(world, dim=scatter_dim))  # (world, *piece), contiguous
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), dim=gather_dim)
@@ -82,7 +82,7 @@ class _GatherSequence(torch.autograd.Function):
         world = dist.get_world_size(ctx.group)
         padded = _pad_dim(grad, ctx.dim, ctx.local * world)
         # reduce-scatter as an all-to-all plus a sum: works on gloo, which has no reduce_scatter.
-        send = torch.stack(padded.chunk(world, dim=ctx.dim)).contiguous()  # (world, *local)
+        send = torch.stack(padded.chunk(world, dim=ctx.dim))  # (world, *local)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=ctx.group)
         return recv.sum(dim=0), None, None, None

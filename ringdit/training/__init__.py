@@ -4,8 +4,10 @@ import warnings
 
 # Lightning 2.6 on torch 2.13 warns about its own pytree use on every step; nothing for users to act on.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-# StepBatches gives every DataLoader worker its own steps, so its __len__ is exact with any num_workers.
+# StepBatches gives every DataLoader worker its own steps, so its __len__ is exact with any num_workers...
 warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+# ...and it starts at the checkpoint's step, so resuming mid-epoch reads exactly the uninterrupted run's batches.
+warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
 
 from ringdit.training.callbacks import SampleGrid, StepCheckpoint
 from ringdit.training.checkpoint_io import AtomicCheckpointIO

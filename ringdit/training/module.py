@@ -35,13 +35,12 @@ def step_generator(*key: int) -> torch.Generator:
 
 
 def ema_update(decay: float) -> Callable:
-    """AveragedModel's ``avg_fn`` for an EMA whose decay ramps up as (1 + n) / (10 + n) before reaching ``decay``:
-    early weights are not frozen into a long average of the random init."""
+    """AveragedModel's ``multi_avg_fn`` for an EMA whose decay ramps up as (1 + n) / (10 + n) before reaching
+    ``decay`` (early weights are not frozen into a long average of the random init); one fused update per step."""
 
-    def update(averaged: Tensor, current: Tensor, num_averaged: Tensor) -> Tensor:
-        n = float(num_averaged)
-        d = min(decay, (1 + n) / (10 + n))
-        return averaged * d + current * (1 - d)
+    def update(averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
+        n = int(num_averaged)
+        torch._foreach_lerp_(averaged, current, 1 - min(decay, (1 + n) / (10 + n)))
 
     return update
 
@@ -61,7 +60,7 @@ class DiTModule(L.LightningModule):
         sampling: dict | None = None,
         optimizer: Callable | None = None,
         scheduler: Callable | None = None,
-        ema_decay: float = 0.9999,
+        ema_decay: float = 0.999,
         seed: int = 0,
         attention_backend: str | None = None,
         compile: bool = False,
@@ -100,7 +99,7 @@ class DiTModule(L.LightningModule):
             load_model_weights(self.model, self.hparams.init_from, prefer=self.hparams.init_weights,
                                resize_labels=self.hparams.init_resize_labels)
         if self.optimizer_factory is not None:  # training keeps an EMA of the weights; sampling uses what it loaded
-            self.ema = AveragedModel(self.model, avg_fn=ema_update(self.hparams.ema_decay), use_buffers=True)
+            self.ema = AveragedModel(self.model, multi_avg_fn=ema_update(self.hparams.ema_decay), use_buffers=True)
             self.ema.requires_grad_(False)
         if self.hparams.compile:
             for block in self.model.blocks:  # regional compilation: one graph per block, reused by all blocks
@@ -118,6 +117,7 @@ class DiTModule(L.LightningModule):
         t = torch.cat([self.objective.sample_time(1, g) for g in generators]).to(x0.device)
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in generators]).to(x0.device, x0.dtype)
         drop = torch.cat([torch.rand(1, generator=g) for g in generators]).to(x0.device) < model.class_dropout_prob
+        drop = drop if model.class_dropout_prob > 0 else None  # no null class to drop to
         x_t = self.objective.add_noise(x0, noise, t)
         target = model.patchify(self.objective.target(x0, noise, t))  # (B, N, patch_volume * C)
         pred = model.forward_tokens(x_t, self.objective.model_time(t), labels, drop)  # (B, N_local, P * C_out)

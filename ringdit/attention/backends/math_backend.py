@@ -1,10 +1,24 @@
-"""``math``: attention written out in plain PyTorch. Any device, any dtype including fp64: the reference."""
+"""``math``: attention written out in plain PyTorch. Any device, any dtype including fp64: the reference.
+
+It computes in the accumulation dtype (fp32, fp64 for fp64) whatever autocast says, like the fused kernels do.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ringdit.attention.backend import AttentionBackend, Tensor, accepts_packed_layout, accumulation_dtype
+
+
+def _without_autocast(method):
+    @functools.wraps(method)
+    def wrapper(self, *tensors, **kwargs):
+        with torch.autocast(tensors[0].device.type, enabled=False):
+            return method(self, *tensors, **kwargs)
+
+    return wrapper
 
 
 def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
@@ -18,6 +32,7 @@ class MathBackend(AttentionBackend):
     priority = 90  # correct everywhere, fast nowhere: the last automatic choice
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
+    @_without_autocast
     def forward(self, q, k, v, *, softmax_scale=None):
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
         probs = _scores(q, k, scale).softmax(dim=-1)  # (B, H, Sq, Sk)
@@ -25,6 +40,7 @@ class MathBackend(AttentionBackend):
         return out.to(q.dtype)
 
     @accepts_packed_layout
+    @_without_autocast
     def forward_ring_kv_chunk(self, q, k, v, *, softmax_scale=None):
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
         scores = _scores(q, k, scale)  # (B, H, Sq, Sk)
@@ -34,6 +50,7 @@ class MathBackend(AttentionBackend):
         return out.to(q.dtype), lse
 
     @accepts_packed_layout
+    @_without_autocast
     def backward_ring_kv_chunk(self, dout, q, k, v, out, lse, *, softmax_scale=None):
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
         acc = accumulation_dtype(q.dtype)

@@ -1,0 +1,128 @@
+"""Objectives and samplers against closed-form answers; CFG; determinism; a tiny DiT overfits a fixed batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringdit.diffusion import (
+    DDPM,
+    FlowMatching,
+    classifier_free_guidance,
+    initial_noise,
+    sample,
+    sample_ddim,
+    shift_time,
+)
+from tests.test_dit import tiny_dit
+
+
+def test_flow_matching_formulas():
+    flow = FlowMatching(time_sampling="uniform")
+    x0, noise, t = torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 4), torch.tensor([0.0, 0.25, 1.0])
+    x_t = flow.add_noise(x0, noise, t)
+    torch.testing.assert_close(x_t[0], x0[0])
+    torch.testing.assert_close(x_t[1], 0.75 * x0[1] + 0.25 * noise[1])
+    torch.testing.assert_close(x_t[2], noise[2])
+    torch.testing.assert_close(flow.target(x0, noise, t), noise - x0)
+    torch.testing.assert_close(flow.model_time(t), t * 1000)
+    assert shift_time(torch.tensor(0.5), 3.0).item() == pytest.approx(0.75)  # s t / (1 + (s - 1) t)
+    g = torch.Generator().manual_seed(0)
+    logit = FlowMatching("logit_normal").sample_time(10_000, g)
+    assert 0 < logit.min() and logit.max() < 1 and abs(logit.median().item() - 0.5) < 0.02
+
+
+def test_ddpm_uses_the_original_linear_schedule():
+    ddpm = DDPM()
+    betas = 1 - ddpm.alphas_cumprod / torch.cat([torch.ones(1, dtype=torch.float64), ddpm.alphas_cumprod[:-1]])
+    torch.testing.assert_close(betas, torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64))
+    x0, noise = torch.randn(2, 3), torch.randn(2, 3)
+    t = torch.tensor([0, 999])
+    x_t = ddpm.add_noise(x0, noise, t)
+    alpha = ddpm.alphas_cumprod[t].float()[:, None]
+    torch.testing.assert_close(x_t, alpha.sqrt() * x0 + (1 - alpha).sqrt() * noise)
+    torch.testing.assert_close(ddpm.target(x0, noise, t), noise)
+
+
+@pytest.mark.parametrize("method", ["euler", "heun"])
+def test_flow_samplers_follow_the_exact_velocity_to_the_data(method):
+    """With one data point x*, the exact velocity at (x_t, t) is (x_t - x*) / t: both samplers land on x*."""
+    target = torch.randn(2, 1, 4, 4)
+
+    def velocity(x, model_time):
+        t = (model_time / 1000).reshape(-1, 1, 1, 1)
+        return (x - target) / t
+
+    out = sample(lambda x, t, y: velocity(x, t), FlowMatching(), torch.randn(2, 1, 4, 4), torch.zeros(2).long(),
+                 steps=7, sampler=method)
+    torch.testing.assert_close(out, target, rtol=1e-5, atol=1e-5)
+
+
+def test_ddim_with_the_exact_noise_recovers_the_data():
+    ddpm, x0 = DDPM(), torch.randn(2, 3, 4, 4)
+
+    def epsilon(x, step):  # the exact epsilon of the single data point x0
+        alpha = ddpm.alphas_cumprod[step.long()].float().reshape(-1, 1, 1, 1)
+        return (x - alpha.sqrt() * x0) / (1 - alpha).sqrt()
+
+    out = sample(lambda x, t, y: epsilon(x, t), ddpm, torch.randn(2, 3, 4, 4), torch.zeros(2).long(), steps=10)
+    torch.testing.assert_close(out, x0, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("objective", "sampler", "eta"), [(FlowMatching(), "euler", 0.0), (FlowMatching(), "heun", 0.0),
+                                                            (DDPM(), "ddim", 0.0), (DDPM(), "ddim", 1.0)])
+def test_sampling_is_deterministic_given_the_seeds(objective, sampler, eta):
+    model = tiny_dit()
+    labels = torch.tensor([1, 2])
+
+    def draw(seeds, generator_seed=0):
+        noise = initial_noise((3, 8, 8), seeds)
+        if eta > 0:  # DDIM's stochastic variant: its fresh noise comes from the generator
+            guided = classifier_free_guidance(lambda x, t, y: model(x, t, y)[:, :3], labels, model.null_label, 1.5)
+            return sample_ddim(guided, noise, 3, objective, eta=eta,
+                               generator=torch.Generator().manual_seed(generator_seed))
+        return sample(lambda x, t, y: model(x, t, y)[:, :3], objective, noise, labels, steps=3, cfg_scale=1.5,
+                      null_label=model.null_label, sampler=sampler)
+
+    torch.testing.assert_close(draw([5, 6]), draw([5, 6]), rtol=0, atol=0)
+    assert not torch.allclose(draw([5, 6]), draw([7, 6]))
+    if eta == 0:  # deterministic samplers: sample i depends on seeds[i] only, not on the rest of the batch
+        torch.testing.assert_close(draw([5, 6])[1], draw([9, 6])[1], rtol=1e-5, atol=1e-6)
+
+
+def test_cfg_scale_one_is_the_conditional_prediction_and_guidance_is_one_batched_forward():
+    model = tiny_dit()
+    calls = []
+
+    def counted(x, t, y):
+        calls.append(x.shape[0])
+        return model(x, t, y)
+
+    x, t, labels = torch.randn(2, 3, 8, 8), torch.tensor([300.0, 700.0]), torch.tensor([3, 4])
+    conditional = model(x, t, labels)
+    torch.testing.assert_close(classifier_free_guidance(counted, labels, model.null_label, 1.0)(x, t), conditional,
+                               rtol=0, atol=0)
+    assert calls == [2]
+    calls.clear()
+    guided = classifier_free_guidance(counted, labels, model.null_label, 4.0)(x, t)
+    assert calls == [4]  # conditional and unconditional halves in one forward
+    unconditional = model(x, t, torch.full_like(labels, model.null_label))
+    torch.testing.assert_close(guided, unconditional + 4.0 * (conditional - unconditional), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tiny_dit_overfits_a_fixed_batch():
+    torch.manual_seed(0)
+    model = tiny_dit(learn_sigma=False)
+    flow = FlowMatching()
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(4, 3, 8, 8, generator=g).tanh(), torch.randn(4, 3, 8, 8, generator=g)
+    t, labels = torch.tensor([0.2, 0.4, 0.6, 0.8]), torch.tensor([0, 1, 2, 3])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(150):
+        loss = (model(flow.add_noise(x0, noise, t), flow.model_time(t), labels) - flow.target(x0, noise, t)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] / 20, f"loss {losses[0]:.3f} -> {losses[-1]:.4f}"
