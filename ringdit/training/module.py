@@ -8,6 +8,7 @@ have, and how the global batch is split over data-parallel replicas changes noth
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -30,7 +31,7 @@ Tensor = torch.Tensor
 
 
 def step_generator(*key: int) -> torch.Generator:
-    """A CPU generator whose stream depends only on ``key`` (e.g. seed, step, dp rank)."""
+    """A CPU generator whose stream depends only on ``key`` (seed, step, micro-batch, sample position)."""
     return torch.Generator().manual_seed(int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0] >> 1))
 
 
@@ -107,8 +108,7 @@ class DiTModule(L.LightningModule):
 
     @property
     def tokens_per_sample(self) -> int:
-        grid = [s // p for s, p in zip(self.hparams.data["image_size"], self.model.x_embedder.patch_shape)]
-        return int(np.prod(grid))
+        return math.prod(self.model.default_grid)  # the data's grid: the model was built for it
 
     # ---- training ---------------------------------------------------------------------------------------------------
     def diffusion_loss(self, model: DiT, x0: Tensor, labels: Tensor, generators: list[torch.Generator]) -> Tensor:
