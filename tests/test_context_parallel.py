@@ -112,7 +112,7 @@ def test_ring_with_math_backend_is_exact_in_fp64():
 
 
 def check_point_to_point_count(rank, world):
-    dims = init_sequence_parallel(world, 1)
+    init_sequence_parallel(world, 1)
     transfers = []
     real_batch = dist.batch_isend_irecv
 

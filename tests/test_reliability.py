@@ -16,7 +16,7 @@ import torch
 
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from ringdit.weights import CheckpointError, safe_torch_load
-from tests.test_training import REPO, TINY, logged_losses, model_weights, run
+from tests.test_training import REPO, TINY, logged_losses, run
 
 FAST_FAIL_SECONDS = 30  # generous for a loaded CI machine; these runs stop before any rank is spawned
 
