@@ -1,0 +1,278 @@
+"""Text-conditioned latents (``data=text_latents``): what text-to-video / text-to-image models train on.
+
+On disk, ``data.path`` is one ``.safetensors`` file or a folder of them (shards, read in name order). Each shard
+holds, for its N samples:
+
+    latents     float  (N, C, T, H, W) video or (N, C, H, W) image latents, as the model consumes them (already
+                       normalised with the VAE's scaling factor / mean / std)
+    text        float  (N, L, D)  the text encoder's last hidden states, zero-padded after each prompt to L tokens
+    text_mask   bool   (N, L)     True on real tokens (optional; default all True)
+    pooled      float  (N, P)     a pooled text embedding, for models that take one (optional)
+    null_text, null_text_mask, null_pooled   (1, ...)   the EMPTY prompt's embedding, used for the condition drop
+                       of classifier-free guidance and as the default negative prompt (optional: zeros if absent)
+
+and the metadata keys ``format`` (``ringdit.text_latents/1``) and, optionally, ``captions`` (a JSON list of N
+strings). Every shard has the same C, T, H, W, L, D and P. ``write_text_latents`` writes a shard;
+``python -m ringdit.prepare`` makes them from captioned media, and ``SyntheticTextLatentsDataModule`` makes a small
+procedural set for tests and CPU demos (no download).
+
+A sample is ``(latents (C, [T,] H, W), {"text": (L, D), "text_mask": (L,)[, "pooled": (P,)]})``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ringdit.data.base import ImageDataModule
+
+FORMAT = "ringdit.text_latents/1"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+LAYOUT = ("a .safetensors file, or a folder of them, holding 'latents' (N, C, [T,] H, W) and 'text' (N, L, D) "
+          "(see ringdit/data/text_latents.py)")
+NULL_KEYS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled"}
+
+Tensor = torch.Tensor
+
+
+def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mask: Tensor | None = None,
+                       pooled: Tensor | None = None, null: dict[str, Tensor] | None = None,
+                       captions: list[str] | None = None) -> Path:
+    """Write one shard (see the module docstring); ``null`` holds the empty prompt's ``text`` (L, D) [, mask, pooled]."""
+    from safetensors.torch import save_file
+
+    tensors = {"latents": latents, "text": text}
+    if text_mask is not None:
+        tensors["text_mask"] = text_mask.bool()
+    if pooled is not None:
+        tensors["pooled"] = pooled
+    for key, value in (null or {}).items():
+        tensors[NULL_KEYS[key]] = value.reshape(1, *value.shape[-(2 if key == "text" else 1):])
+    metadata = {"format": FORMAT}
+    if captions is not None:
+        metadata["captions"] = json.dumps(list(captions))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    tmp.replace(path)
+    return path
+
+
+class Shard:
+    """One file's header: shapes and dtypes, read without loading the tensors."""
+
+    def __init__(self, path: Path):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = path
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                self.shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+                self.dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
+                self.metadata = f.metadata() or {}
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"data.path: {path} is not a readable .safetensors file ({error})") from None
+        self.check()
+
+    @property
+    def size(self) -> int:
+        return self.shapes["latents"][0]
+
+    def check(self) -> None:
+        where = f"data.path: {self.path}"
+        for key in ("latents", "text"):
+            if key not in self.shapes:
+                raise ValueError(f"{where} has no tensor {key!r} (it holds {sorted(self.shapes)}); expected {LAYOUT}")
+            if self.dtypes[key] not in FLOAT_DTYPES:
+                raise ValueError(f"{where}: {key} is {self.dtypes[key]}; store floating-point values")
+        latents, text = self.shapes["latents"], self.shapes["text"]
+        if len(latents) not in (4, 5):
+            raise ValueError(f"{where}: latents have shape {latents}; expected (N, C, H, W) or (N, C, T, H, W)")
+        if len(text) != 3 or text[0] != latents[0]:
+            raise ValueError(f"{where}: text has shape {text}; expected (N, L, D) with N = {latents[0]} as latents")
+        if latents[0] == 0:
+            raise ValueError(f"{where} holds no samples")
+        for key, expected in (("text_mask", text[:2]), ("pooled", (latents[0], None))):
+            shape = self.shapes.get(key)
+            if shape is not None and (len(shape) != len(expected) or
+                                      any(e is not None and s != e for s, e in zip(shape, expected))):
+                raise ValueError(f"{where}: {key} has shape {shape}; expected {tuple(expected)} "
+                                 f"(None = any)")
+
+    def layout(self) -> tuple:
+        """What must agree across shards."""
+        latents, text = self.shapes["latents"], self.shapes["text"]
+        pooled = self.shapes.get("pooled")
+        return latents[1:], text[1:], pooled[1:] if pooled else None
+
+    def read(self, keys: tuple[str, ...], start: int, stop: int) -> dict[str, Tensor]:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="pt") as f:
+            return {key: f.get_slice(key)[start:stop] for key in keys if key in self.shapes}
+
+
+class TextLatentRows(Dataset):
+    """Sample i of the concatenated shards, read on access (one slice per tensor)."""
+
+    def __init__(self, shards: list[Shard]):
+        self.shards = shards
+        self.starts = list(np.cumsum([0] + [s.size for s in shards[:-1]]))
+        self.total = sum(s.size for s in shards)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Tensor]]:
+        if not 0 <= index < self.total:
+            raise IndexError(index)
+        shard_index = bisect.bisect_right(self.starts, index) - 1
+        shard, row = self.shards[shard_index], index - self.starts[shard_index]
+        values = shard.read(("latents", "text", "text_mask", "pooled"), row, row + 1)
+        return values["latents"][0].float(), condition_of(values, 0)
+
+
+def condition_of(values: dict[str, Tensor], row: int) -> dict[str, Tensor]:
+    """The conditioning dict of one row: text (L, D) float32, text_mask (L,) bool [, pooled (P,)]."""
+    text = values["text"][row].float()
+    mask = values["text_mask"][row].bool() if "text_mask" in values else torch.ones(text.shape[0], dtype=torch.bool)
+    cond = {"text": text, "text_mask": mask}
+    if "pooled" in values:
+        cond["pooled"] = values["pooled"][row].float()
+    return cond
+
+
+class TextLatentsDataModule(ImageDataModule):
+    """``data=text_latents``: shards at ``path`` (see the module docstring)."""
+
+    def __init__(self, path: str, batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05,
+                 val_batches: int = 4, seed: int = 0):
+        super().__init__(batch_size, num_workers, val_fraction, val_batches, seed)
+        self.path = _text_latents_path(path)
+        files = sorted(self.path.glob("*.safetensors")) if self.path.is_dir() else [self.path]
+        if not files:
+            raise ValueError(f"data.path={path} holds no .safetensors files; expected {LAYOUT}")
+        self.shards = [Shard(f) for f in files]
+        layouts = {shard.layout() for shard in self.shards}
+        if len(layouts) > 1:
+            raise ValueError(f"data.path={path}: the shards disagree on shapes ({sorted(map(str, layouts))}); "
+                             f"every shard needs the same latent (C, [T,] H, W), text (L, D) and pooled (P,) shapes")
+        latent_shape, (self.text_len, self.text_dim), pooled = self.shards[0].layout()
+        self.channels, self.image_size = latent_shape[0], tuple(latent_shape[1:])
+        self.pooled_dim = pooled[0] if pooled else None
+        self.num_classes, self.class_names = 0, []
+
+    def describe(self) -> dict:
+        info = {"channels": self.channels, "image_size": list(self.image_size), "conditioning": "text",
+                "text_len": self.text_len, "text_dim": self.text_dim, "num_classes": 0, "class_names": [],
+                "latent_scale": 1.0, "source": {"path": str(self.path.resolve()), "seed": self.seed,
+                                                 "val_fraction": self.val_fraction}}
+        if self.pooled_dim is not None:
+            info["pooled_dim"] = self.pooled_dim
+        return info
+
+    def build_dataset(self) -> TextLatentRows:
+        return TextLatentRows(self.shards)
+
+    def null_condition(self) -> dict[str, Tensor]:
+        """The empty prompt's conditioning, (1, ...) each: from the first shard that stores it, else zeros."""
+        for shard in self.shards:
+            if "null_text" in shard.shapes:
+                stored = shard.read(tuple(NULL_KEYS.values()), 0, 1)
+                return condition_of({key: stored[NULL_KEYS[key]] for key in NULL_KEYS if NULL_KEYS[key] in stored}, 0)
+        return {"text": torch.zeros(self.text_len, self.text_dim),
+                "text_mask": torch.zeros(self.text_len, dtype=torch.bool)}
+
+    def held_out(self, count: int) -> tuple[dict[str, Tensor], list[str]]:
+        """The first ``count`` validation prompts (cycled): conditioning batch (count, ...) and captions."""
+        self.setup()
+        rows = list(self.val_set.indices) or list(self.train_set.indices)
+        picked = [rows[i % len(rows)] for i in range(count)]
+        conds = [self.val_set.dataset[i][1] for i in picked]
+        captions = self.captions()
+        return ({key: torch.stack([c[key] for c in conds]) for key in conds[0]},
+                [captions[i] if captions else f"held-out prompt {i}" for i in picked])
+
+    def captions(self) -> list[str] | None:
+        names: list[str] = []
+        for shard in self.shards:
+            if "captions" not in shard.metadata:
+                return None
+            try:
+                names += [str(c) for c in json.loads(shard.metadata["captions"])]
+            except json.JSONDecodeError:
+                return None
+        return names
+
+
+def _text_latents_path(path) -> Path:
+    if path is None or str(path) == "":
+        raise ValueError(f"data.path is not set; pass data.path=... ({LAYOUT}), or use data=synthetic_text_latents")
+    resolved = Path(os.path.expanduser(str(path)))
+    if not resolved.exists():
+        raise ValueError(f"data.path={path} does not exist; pass {LAYOUT}")
+    if resolved.is_file() and resolved.suffix != ".safetensors":
+        raise ValueError(f"data.path={path} is a {resolved.suffix or 'suffix-less'} file; pass {LAYOUT}")
+    return resolved
+
+
+# ---- a procedural set: tests and CPU demos without downloads --------------------------------------------------------
+
+
+def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int = 3, size: int = 8,
+                           text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, seed: int = 0) -> dict:
+    """``num_samples`` latent videos of a soft blob whose start and direction depend on the prompt.
+
+    Prompt p has a fixed random text embedding (its first ``3 + p % (text_len - 2)`` tokens real, the rest zero, as
+    padded encoder states are) and caption ``"blob p"``; each video is drawn from (seed, sample index). Returns the
+    ``write_text_latents`` arguments.
+    """
+    g = torch.Generator().manual_seed(seed)
+    prompt_text = torch.randn(num_prompts, text_len, text_dim, generator=g)
+    lengths = torch.tensor([3 + p % max(1, text_len - 2) for p in range(num_prompts)]).clamp(max=text_len)
+    prompt_mask = torch.arange(text_len)[None, :] < lengths[:, None]  # (num_prompts, L)
+    prompt_text = prompt_text * prompt_mask[..., None]
+    angles = torch.arange(num_prompts) * (2 * math.pi / num_prompts)
+    colours = torch.randn(num_prompts, channels, generator=g)
+    prompts = torch.randint(num_prompts, (num_samples,), generator=g)
+    jitter = torch.rand(num_samples, 2, generator=g) - 0.5
+    grid = torch.arange(size, dtype=torch.float32)
+    videos = []
+    for i, p in enumerate(prompts.tolist()):
+        direction = torch.stack([torch.cos(angles[p]), torch.sin(angles[p])])
+        frames_ = []
+        for f in range(frames):
+            centre = (size - 1) / 2 + (f - (frames - 1) / 2) * direction * (size / (2 * frames)) + jitter[i]
+            blob = torch.exp(-((grid[:, None] - centre[0]) ** 2 + (grid[None, :] - centre[1]) ** 2) / 4.0)  # (H, W)
+            frames_.append(colours[p][:, None, None] * blob)  # (C, H, W)
+        videos.append(torch.stack(frames_, dim=1))  # (C, T, H, W)
+    return {"latents": torch.stack(videos), "text": prompt_text[prompts], "text_mask": prompt_mask[prompts],
+            "null": {"text": torch.zeros(text_len, text_dim), "text_mask": torch.zeros(text_len, dtype=torch.bool)},
+            "captions": [f"blob {p}" for p in prompts.tolist()]}
+
+
+class SyntheticTextLatentsDataModule(TextLatentsDataModule):
+    """``data=synthetic_text_latents``: ``synthetic_text_latents`` written once to ``cache_dir`` and read like any
+    text_latents folder (so the same code path is exercised); regenerated when the settings change."""
+
+    def __init__(self, cache_dir: str, num_samples: int = 512, channels: int = 4, frames: int = 3, size: int = 8,
+                 text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, batch_size: int = 8,
+                 num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4, seed: int = 0):
+        settings = dict(num_samples=num_samples, channels=channels, frames=frames, size=size, text_len=text_len,
+                        text_dim=text_dim, num_prompts=num_prompts, seed=seed)
+        for key, value in settings.items():
+            if key != "seed" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"data.{key} must be an integer >= 1, got {value!r}")
+        name = "synthetic-" + "-".join(f"{k}{v}" for k, v in settings.items()) + ".safetensors"
+        path = Path(cache_dir).expanduser() / name
+        if not path.is_file():
+            write_text_latents(path, **synthetic_text_latents(**settings))
+        super().__init__(str(path), batch_size, num_workers, val_fraction, val_batches, seed)
