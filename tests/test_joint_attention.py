@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringdit.attention import USPAttention
-from ringdit.parallel import gather_sequence, init_sequence_parallel, shard_sequence
+from ringdit.attention import USPAttention, get_attn_backend, joint_ring_attention
+from ringdit.attention.joint import real_prefix_indices
+from ringdit.attention.ring import ReplicatedText
+from ringdit.parallel import ParallelDims, gather_sequence, init_sequence_parallel, shard_sequence
 from tests.distributed import run_ranks
 
 HEADS, HEAD_SIZE = 4, 16
@@ -40,7 +42,7 @@ def reference(q, k, v, dout, text_len, mask=None, text_copies=1):
     qd, kd, vd = (t.detach().double().clone().requires_grad_() for t in (q, k, v))
     keys_k = torch.cat([kd[:, :text_len]] * text_copies + [kd[:, text_len:]], dim=1)
     keys_v = torch.cat([vd[:, :text_len]] * text_copies + [vd[:, text_len:]], dim=1)
-    scores = torch.einsum("bqhd,bkhd->bhqk", qd, keys_k) * HEAD_SIZE**-0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", qd, keys_k) * q.shape[-1] ** -0.5
     if mask is not None and text_copies:
         image_keys = torch.ones(q.shape[0], q.shape[1] - text_len, dtype=torch.bool)
         key_mask = torch.cat([mask] * text_copies + [image_keys], dim=1)  # (B, keys)
@@ -65,7 +67,8 @@ def test_joint_attention_without_sp_matches_reference(name, dtype, masked):
     ref = reference(q, k, v, dout, TEXT, mask)
     pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, padded_len - image_len))  # noqa: E731
     inputs = [pad(t).requires_grad_() for t in (q, k, v)]
-    out = USPAttention(HEADS, HEAD_SIZE, backend=name)(*inputs, valid_len=image_len, joint_prefix=TEXT, prefix_mask=mask)
+    attn = USPAttention(HEADS, HEAD_SIZE, backend=name)
+    out = attn(*inputs, valid_len=image_len, joint_prefix=TEXT, prefix_mask=mask)
     out.backward(pad(dout))
     real = slice(0, TEXT + image_len)
     tol = FP64_TOL if dtype == torch.float64 else FP32_TOL
@@ -74,6 +77,42 @@ def test_joint_attention_without_sp_matches_reference(name, dtype, masked):
         assert (got[:, TEXT + image_len :] == 0).all(), f"{what}: image padding rows must be zero"
     if mask is not None:  # masked text keys: exactly zero gradient
         assert (inputs[1].grad[:, :TEXT][~mask] == 0).all() and (inputs[2].grad[:, :TEXT][~mask] == 0).all()
+
+
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_joint_ring_function_kernels(device, dtype):
+    """The joint ring function on a ring of one (no communication), so its text-chunk and per-sample paths run on
+    every device's kernels, CUDA included (head size 64: the CUDA flash kernel for bf16, efficient for fp32)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    head_size, image_len, padded_len = 64, 37, 40
+    g = torch.Generator().manual_seed(1)
+    shape = (4, TEXT + image_len, HEADS, head_size)
+    q, k, v, dout = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(4))
+    mask = padded_text_mask(4, TEXT)
+    ref = reference(q, k, v, dout, TEXT, mask)
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, padded_len - image_len))  # noqa: E731
+    text = [t[:, :TEXT].to(device, dtype).requires_grad_() for t in (q, k, v)]
+    image = [pad(t[:, TEXT:]).to(device, dtype).requires_grad_() for t in (q, k, v)]
+    out, text_out = joint_ring_attention(
+        *image, ReplicatedText(*text, real_prefix_indices(mask.to(device))), get_attn_backend("torch_flash"),
+        ParallelDims(), softmax_scale=head_size**-0.5, valid_len=image_len,
+    )
+    torch.autograd.backward([out, text_out], [pad(dout[:, TEXT:]).to(device, dtype), dout[:, :TEXT].to(device, dtype)])
+    for what, got_text, got_image, want in zip(
+        ("out", "dq", "dk", "dv"), (text_out, *(t.grad for t in text)), (out, *(t.grad for t in image)), ref
+    ):
+        got = torch.cat([got_text, got_image[:, :image_len]], dim=1).cpu()
+        if dtype == torch.bfloat16:  # the rounding budget of tests/test_backends.py: 2u (out), 4u (grads) of max
+            tol = (2 if what == "out" else 4) * BF16_UNIT_ROUNDOFF * want.abs().max().item()
+        else:
+            tol = FP32_TOL
+        assert max_error(got, want) <= tol, f"{device} {dtype} {what}: {max_error(got, want):.3e} > {tol:.3e}"
+        assert (got_image[:, image_len:] == 0).all()
 
 
 def test_reference_tells_text_counted_twice_or_not_at_all():
@@ -90,7 +129,8 @@ def test_joint_arguments_are_checked():
     x = torch.randn(2, 9, HEADS, HEAD_SIZE)
     with pytest.raises(ValueError, match=r"joint_prefix must be an integer in \[0, 9\].*got 10"):
         attn(x, x, x, joint_prefix=10)
-    with pytest.raises(ValueError, match=r"prefix_mask must be a bool tensor of shape \(batch, joint_prefix\) = \(2, 3\)"):
+    shape_error = r"prefix_mask must be a bool tensor of shape \(batch, joint_prefix\) = \(2, 3\)"
+    with pytest.raises(ValueError, match=shape_error):
         attn(x, x, x, joint_prefix=3, prefix_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="prefix_mask was given with joint_prefix=0"):
         attn(x, x, x, prefix_mask=torch.ones(2, 3, dtype=torch.bool))

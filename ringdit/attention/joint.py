@@ -45,7 +45,7 @@ def check_joint_args(q: Tensor, k: Tensor, v: Tensor, joint_prefix: int, prefix_
             f"joint_prefix must be an integer in [0, {q.shape[1]}] (the number of replicated text tokens at the "
             f"start of dim 1 of q, k, v), got {joint_prefix!r}"
         )
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+    if joint_prefix and (k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]):  # plain calls may differ (local)
         raise ValueError(
             f"joint attention needs q, k, v of the same length along dim 1, got {q.shape[1]}, {k.shape[1]}, "
             f"{v.shape[1]}"
@@ -142,7 +142,8 @@ def local_joint_attention(
             keys = torch.cat([keys, image_keys])  # this sample's real text tokens, then the real image tokens
             sample = slice(b, b + 1)
             if len(keys):
-                rows.append(backend.forward(q[sample, :real_len], k[sample, keys], v[sample, keys], softmax_scale=softmax_scale))
+                q_rows, k_keys, v_keys = q[sample, :real_len], k[sample, keys], v[sample, keys]
+                rows.append(backend.forward(q_rows, k_keys, v_keys, softmax_scale=softmax_scale))
             else:  # no real key at all: nothing to attend to
                 rows.append(torch.zeros_like(q[sample, :real_len]))
         out = torch.cat(rows)
@@ -156,7 +157,7 @@ def text_head_slice(x: Tensor, ulysses_rank: int, ulysses_degree: int) -> Tensor
     """This Ulysses rank's heads of the replicated text ``(B, P, H, D) -> (B, P, H / U, D)``: the same split as the
     all-to-all gives the image heads. Its backward fills only this slice (the other ranks own the other heads)."""
     heads = x.shape[2] // ulysses_degree
-    return x.narrow(2, ulysses_rank * heads, heads)
+    return x.narrow(2, ulysses_rank * heads, heads).contiguous()  # small; kernels get plain strides
 
 
 class _GatherTextHeads(torch.autograd.Function):

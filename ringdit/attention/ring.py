@@ -229,7 +229,9 @@ def _ring_backward(ctx, dout, q, k, v, out, lse, text=None, dout_text=None, text
 
     # The local text chunk, met once by this rank's image queries and once by its text queries.
     if n_q:
-        _grad_text_chunk(backend, scale, dout[:, :n_q], q[:, :n_q], text, out[:, :n_q], lse[:, :, :n_q], dq[:, :n_q], dkv_text)
+        _grad_text_chunk(
+            backend, scale, dout[:, :n_q], q[:, :n_q], text, out[:, :n_q], lse[:, :, :n_q], dq[:, :n_q], dkv_text
+        )
     _grad_text_chunk(backend, scale, dout_text, text.q, text, text_out, text_lse, dq_text, dkv_text)
     dk_text, dv_text = dkv_text.to(q.dtype).unbind(0)
     return dq.to(q.dtype), dk, dv, (dq_text.to(q.dtype), dk_text, dv_text)
