@@ -18,6 +18,8 @@ its K/V are one extra local chunk merged by LSE, forward and backward (see ringd
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -106,12 +108,15 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+@dataclass
 class ReplicatedText:
     """The replicated text prefix of joint attention on this rank: ``q, k, v (B, P, h, D)``, the same on every rank
     of the ring, and ``keys``, each sample's real text positions (None: all real). See ringdit.attention.joint."""
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, keys: list[Tensor] | None):
-        self.q, self.k, self.v, self.keys = q, k, v, keys
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    keys: list[Tensor] | None = None
 
 
 class JointRingAttentionFunction(torch.autograd.Function):
@@ -202,7 +207,7 @@ def _ring_backward(ctx, dout, q, k, v, out, lse, text=None, dout_text=None, text
     kv = torch.stack([k, v])
     if text is not None:
         dq_text = torch.zeros_like(text.q, dtype=acc)
-        dkv_text = q.new_zeros((2, *text.k.shape), dtype=acc)  # (2, B, P, H, D): stays here, like the text K/V
+        dkv_text = q.new_zeros((2, *text.k.shape), dtype=acc)  # (2, B, P, h, D): stays here, like the text K/V
     for step in range(ring_size):
         if step + 1 < ring_size:
             next_kv = exchange.start(kv, _KV_TAG)
