@@ -39,6 +39,8 @@ class SequenceState:
 
     def __init__(self):
         self.length: int | None = None
+        self.text_length = 0  # joint attention: the replicated text tokens leading the sequence
+        self.text_mask: Tensor | None = None  # (B, text_length) bool, True on real tokens
 
     def record(self, length: int) -> None:
         if self.length is None:
@@ -63,13 +65,22 @@ def parallelize(model: nn.Module, plan: ParallelPlan, backend: str | AttentionBa
     model.register_forward_pre_hook(_start_sequence)
 
     self_attention = _matching(model, plan.self_attention, "self_attention")
+    joint_attention = _matching(model, plan.joint_attention, "joint_attention")
     cross_attention = _matching(model, plan.cross_attention, "cross_attention")
-    for name in self_attention.keys() & cross_attention.keys():
-        raise ValueError(f"the parallel plan names {name} as both self- and cross-attention")
-    for module in self_attention.values():
+    for name in (self_attention.keys() | joint_attention.keys()) & cross_attention.keys():
+        raise ValueError(f"the parallel plan names {name} as both sharded and cross-attention")
+    for name, module in {**self_attention, **joint_attention}.items():
         _route(module, USPAttention(module.heads, _head_dim(module), backend=backend), state)
+        module._ringdit_joint = name in joint_attention
     for module in cross_attention.values():
         _route(module, LocalAttention(backend), state)
+    if joint_attention and plan.text_prefix is None:
+        raise ValueError("a plan with joint_attention must name its text_prefix input")
+    if plan.text_prefix is not None:
+        name, key, dim = plan.text_prefix
+        for module in _matching(model, (name,), "text_prefix").values():
+            module._ringdit_sequence = state
+            module.register_forward_pre_hook(partial(_record_text, key, dim, plan.text_mask), with_kwargs=True)
 
     for name, module in _matching(model, plan.split_inputs, "split_inputs").items():
         module._ringdit_sequence = state
@@ -106,8 +117,12 @@ def _attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scale:
     if isinstance(attention, LocalAttention):
         return attention(query, key, value, softmax_scale=scale)
     _check_scale(scale, attention.softmax_scale)
+    state = module._ringdit_sequence
     sharded = current_parallel_dims().sp_degree > 1
-    return attention(query, key, value, valid_len=module._ringdit_sequence.length if sharded else None)
+    if module._ringdit_joint:  # [text ; image]: the text replicated, the image sharded
+        return attention(query, key, value, valid_len=state.length if sharded else None,
+                         joint_prefix=state.text_length, prefix_mask=state.text_mask)
+    return attention(query, key, value, valid_len=state.length if sharded else None)
 
 
 def _check_scale(scale: float | None, expected: float) -> None:
@@ -172,6 +187,23 @@ def _gather(value: Tensor, dim: int, state: SequenceState) -> Tensor:
     if current_parallel_dims().sp_degree == 1:
         return value
     return gather_sequence(value, dim=dim, length=state.length)
+
+
+def _input(args: tuple, kwargs: dict, key: Key):
+    if isinstance(key, int):
+        return args[key] if key < len(args) else None
+    return kwargs.get(key)
+
+
+def _record_text(key: Key, dim: int, mask: tuple[str, Key] | None, module: nn.Module, args: tuple, kwargs: dict):
+    """Remember how many replicated text tokens lead the joint sequence (and which are real) in this forward."""
+    state = module._ringdit_sequence
+    state.text_length = _input(args, kwargs, key).shape[dim]
+    state.text_mask = None
+    if mask is not None and _input(args, kwargs, mask[1]) is not None:
+        state.text_mask = _input(args, kwargs, mask[1]).bool()
+        if bool(state.text_mask.all()):  # all real: the unmasked path needs no per-sample work
+            state.text_mask = None
 
 
 def _split_inputs(keys: dict[Key, int], module: nn.Module, args: tuple, kwargs: dict):
