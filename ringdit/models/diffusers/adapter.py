@@ -111,18 +111,36 @@ class LocalAttention(nn.Module):
         return local_attention(self.backend, query, key, value, softmax_scale=softmax_scale)
 
 
-def _attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+def _attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scale: float | None,
+            attn_mask: Tensor | None = None) -> Tensor:
     """``module``'s ringdit attention of ``(B, S, H, D)`` tensors (the sequence dim sharded for self-attention)."""
     attention = module.ringdit_attention
+    state = module._ringdit_sequence
+    joint = getattr(module, "_ringdit_joint", False)
+    text_mask = _text_mask_of(attn_mask, state.text_length) if joint and attn_mask is not None else state.text_mask
+    if attn_mask is not None and not joint:
+        raise NotImplementedError(f"{type(module).__name__} passes an attention mask; ringdit takes masks only on "
+                                  f"the text keys of joint attention (plan it as joint_attention)")
     if isinstance(attention, LocalAttention):
         return attention(query, key, value, softmax_scale=scale)
     _check_scale(scale, attention.softmax_scale)
-    state = module._ringdit_sequence
     sharded = current_parallel_dims().sp_degree > 1
-    if module._ringdit_joint:  # [text ; image]: the text replicated, the image sharded
+    if joint:  # [text ; image]: the text replicated, the image sharded
         return attention(query, key, value, valid_len=state.length if sharded else None,
-                         joint_prefix=state.text_length, prefix_mask=state.text_mask)
+                         joint_prefix=state.text_length, prefix_mask=text_mask)
     return attention(query, key, value, valid_len=state.length if sharded else None)
+
+
+def _text_mask_of(attn_mask: Tensor, text_length: int) -> Tensor | None:
+    """A joint attention's key mask ``(B, 1, 1, text + image)`` (QwenImage's) as the text keys' mask ``(B, text)``:
+    the image keys must all be attended (their padding is ringdit's, handled by ``valid_len``)."""
+    keys = attn_mask.reshape(attn_mask.shape[0], -1)
+    if attn_mask.dtype != torch.bool or keys.shape[1] != attn_mask.shape[-1]:
+        raise NotImplementedError("ringdit takes a joint attention mask only as a boolean key mask (B, 1, 1, keys)")
+    if not bool(keys[:, text_length:].all()):
+        raise NotImplementedError("ringdit takes masks on the text keys only; this model masks image keys")
+    text_mask = keys[:, :text_length]
+    return None if bool(text_mask.all()) else text_mask
 
 
 def _check_scale(scale: float | None, expected: float) -> None:
@@ -163,9 +181,9 @@ def _install_router(processor_module: str) -> None:
         module = _active_module.get()
         if module is None:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
-        if attn_mask is not None or dropout_p or is_causal:
-            raise NotImplementedError("ringdit attention takes no attention mask, dropout or causal masking here")
-        return _attend(module, query, key, value, scale)
+        if dropout_p or is_causal:
+            raise NotImplementedError("ringdit attention takes no dropout or causal masking")
+        return _attend(module, query, key, value, scale, attn_mask)
 
     dispatch_attention_fn._ringdit_router = True
     namespace.dispatch_attention_fn = dispatch_attention_fn

@@ -122,7 +122,40 @@ FLUX = Family(
     patch_shape=lambda config: (2 * config["patch_size"], 2 * config["patch_size"]),  # 2x2 packing x its patch
 )
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, FLUX)}
+# ---- QwenImage: joint attention in dual-stream blocks, text padded to a fixed length with a mask -----------------
+
+
+def _qwenimage_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
+    """x (B, C, H, W) latents, t (B,) in 0..1000, cond: text (B, L, D) Qwen2.5-VL states padded to L, text_mask
+    (B, L) True on real tokens: masked text keys get no attention weight."""
+    batch, _, height, width = x.shape
+    out = transformer(
+        hidden_states=pack_latents(x), encoder_hidden_states=cond["text"],
+        encoder_hidden_states_mask=cond["text_mask"], timestep=t / 1000,
+        img_shapes=[[(1, height // 2, width // 2)]] * batch, guidance=cond.get("guidance"), return_dict=False,
+    )[0]
+    return unpack_latents(out, height, width)
+
+
+QWENIMAGE = Family(
+    name="qwenimage",
+    model_class="QwenImageTransformer2DModel",
+    plan=ParallelPlan(
+        joint_attention=("transformer_blocks.*.attn",),
+        text_prefix=("", "encoder_hidden_states", 1),
+        split_inputs={"transformer_blocks.0": {"hidden_states": 1, 0: 1}},  # (B, S, D) image tokens
+        split_outputs={"pos_embed": {0: 0}},  # (image rotations (S, D/2), text rotations (L, D/2))
+        gather_outputs={"proj_out": {None: 1}},
+    ),
+    forward=_qwenimage_forward,
+    video=False,
+    condition_keys=("text", "text_mask"),
+    text_dim="joint_attention_dim",
+    latent_channels=lambda config: config["in_channels"] // 4,
+    patch_shape=lambda config: (config["patch_size"], config["patch_size"]),
+)
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, FLUX, QWENIMAGE)}
 
 
 def get_family(name: str) -> Family:
