@@ -22,10 +22,12 @@ from ringdit.config import (
     check_sampling,
     check_weights_file,
     group_targets,
+    is_diffusers_model,
     model_config,
     register_resolvers,
     require_positive,
     resolve_ckpt_path,
+    resolve_shift,
     user_errors,
     validate_parallel,
 )
@@ -44,7 +46,9 @@ def prepare(cfg: DictConfig):
     data_info = datamodule.describe()
     model_cfg = model_config(cfg.model, data_info)
     meta_model = build_on_meta(model_cfg, cfg.ulysses_degree)
+    objective = OmegaConf.to_container(cfg.diffusion.objective, resolve=True)
     sampling = OmegaConf.to_container(cfg.diffusion.sampling, resolve=True)
+    resolve_shift(objective, sampling, math.prod(meta_model.default_grid))
     check_sampling(model_cfg, cfg.diffusion.objective, sampling)
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:
@@ -64,7 +68,7 @@ def prepare(cfg: DictConfig):
     L.seed_everything(cfg.seed, workers=True)
     module = DiTModule(
         model=model_cfg,
-        objective=OmegaConf.to_container(cfg.diffusion.objective, resolve=True),
+        objective=objective,
         data=data_info,
         sampling=sampling,
         optimizer=hydra.utils.instantiate(cfg.optimizer),
@@ -80,8 +84,12 @@ def prepare(cfg: DictConfig):
     )
     callbacks = [hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks")]
     loggers = [hydra.utils.instantiate(c) for c in group_targets(cfg, "logger")]
+    # diffusers models may hold parameters no loss reaches (QwenImage's last text-stream MLP): DDP's static graph
+    # learns which in the first step instead of failing on them
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy, **({"static_graph": True} if is_diffusers_model(model_cfg)
+                                                                 and "static_graph" not in cfg.trainer.strategy else {}))
     trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers or False,
+        cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files
     )
     for logger in trainer.loggers:

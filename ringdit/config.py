@@ -201,6 +201,21 @@ def group_targets(cfg: DictConfig, group: str) -> list:
     return list(entries.values())
 
 
+def resolve_shift(objective: dict, sampling: dict, tokens: int) -> None:
+    """``diffusion.objective.shift=resolution``: Flux's shift for this many image tokens, for training and sampling."""
+    if objective.get("shift") != "resolution":
+        if isinstance(objective.get("shift"), str):
+            raise ConfigError(f"diffusion.objective.shift must be a number > 0 or 'resolution', got "
+                              f"{objective['shift']!r}")
+        return
+    from ringdit.diffusion import resolution_shift
+
+    objective["shift"] = resolution_shift(tokens)
+    log.info("diffusion.objective.shift=resolution: %.4f for %d image tokens", objective["shift"], tokens)
+    if sampling.get("shift") in (None, "resolution"):
+        sampling["shift"] = objective["shift"]
+
+
 SAMPLERS = {"FlowMatching": ("euler", "heun"), "DDPM": ("ddim",)}
 
 

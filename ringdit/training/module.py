@@ -44,7 +44,12 @@ def ema_update(decay: float) -> Callable:
 
     def update(averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
         n = int(num_averaged)
-        torch._foreach_lerp_(averaged, current, 1 - min(decay, (1 + n) / (10 + n)))
+        floats = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
+        if floats:
+            torch._foreach_lerp_([a for a, _ in floats], [c for _, c in floats], 1 - min(decay, (1 + n) / (10 + n)))
+        for a, c in zip(averaged, current):  # integer and bool buffers (a text mask) are copied, not averaged
+            if not a.is_floating_point():
+                a.copy_(c)
 
     return update
 
@@ -250,6 +255,8 @@ class DiTModule(L.LightningModule):
         if isinstance(model, DiffusersTransformer):
             keys = model.family.condition_keys  # what the model reads (the data may carry more, e.g. a text mask)
             condition = {key: condition[key].to(self.device) for key in keys}
+            if settings.get("guidance") is not None:  # a guidance-distilled model's guidance value for sampling
+                condition["guidance"] = torch.full((len(seeds),), float(settings["guidance"]), device=self.device)
             null = {key: (negative or model.null_condition(len(seeds)))[key].to(self.device) for key in keys} \
                 if guided else None
             denoiser = model
