@@ -160,15 +160,18 @@ FLUX = ["experiment=flux_tiny", "data.num_samples=32", "data.batch_size=4", "tra
 
 
 def test_flux_through_train_and_infer_under_ring_and_ulysses(tmp_path):
-    """Joint attention end to end: SGD steps and guided samples equal across ring 2 x Ulysses 2 and one process."""
+    """Joint attention end to end: SGD steps equal across ring 2 x Ulysses 2 and one process; guided samples equal
+    with the guidance halves split over two data-parallel replicas (cfg_parallel) and unsplit."""
     data = f"data.cache_dir={tmp_path / 'data'}"
     for name, overrides in (("ring1", []), ("usp", ["ring_degree=2", "ulysses_degree=2", "model.config.num_attention_heads=2"])):
         run("train.py", tmp_path / name, *FLUX, data, *overrides, env={"HF_HUB_OFFLINE": "1"})
     assert logged_losses(tmp_path / "usp")[1] == pytest.approx(logged_losses(tmp_path / "ring1")[1], rel=1e-5)
     ckpt = tmp_path / "usp" / "checkpoints" / "last.ckpt"
     samples = {}
-    for name, overrides in (("ring1", []), ("ring2", ["ring_degree=2"])):
-        run("infer.py", tmp_path / f"infer_{name}", f"ckpt_path={ckpt}", "num_samples=2", "steps=2", *overrides)
+    # CFG parallel: the guidance halves on two data-parallel replicas, each sharded over a ring of 2
+    for name, overrides in (("ring1", []), ("cfg_parallel", ["dp_degree=2", "cfg_parallel=true", "ring_degree=2"])):
+        run("infer.py", tmp_path / f"infer_{name}", f"ckpt_path={ckpt}", "num_samples=3", "steps=2", "cfg_scale=4",
+            *overrides)
         samples[name] = np.load(tmp_path / f"infer_{name}" / "samples.npz")["latents"]
-    assert samples["ring1"].shape == (2, 1, 8, 8)
-    np.testing.assert_allclose(samples["ring2"], samples["ring1"], atol=1e-4)
+    assert samples["ring1"].shape == (3, 1, 8, 8)
+    np.testing.assert_allclose(samples["cfg_parallel"], samples["ring1"], atol=1e-4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +28,7 @@ from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
 from ringdit.models import DiT
 from ringdit.models.diffusers import DiffusersTransformer
-from ringdit.parallel import current_parallel_dims, shard_sequence, sharded_mean
+from ringdit.parallel import current_parallel_dims, exchange_guidance_halves, shard_sequence, sharded_mean
 from ringdit.weights import load_model_weights
 
 Tensor = torch.Tensor
@@ -264,9 +265,12 @@ class DiTModule(L.LightningModule):
             condition = condition.to(self.device)
             null = model.y_embedder.null_label if guided else None
             denoiser = lambda x, t, y: model(x, t, y)[:, :channels]  # noqa: E731 (the learned sigma is not used)
+        dims = current_parallel_dims()
+        split = guided and dims.cfg_group is not None  # CFG parallel: the halves on two data-parallel replicas
         samples = sample(
             denoiser, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
             null=null, sampler=settings["sampler"], shift=settings["shift"], clip_denoised=self.samples_are_pixels,
+            exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
         )
         return samples.clamp(-1, 1) if self.samples_are_pixels else samples
 
