@@ -69,12 +69,14 @@ class DiTModule(L.LightningModule):
         init_weights: str = "ema",
         init_resize_labels: bool = False,
         nonfinite_loss: str = "stop",
+        resume_optimizer: bool = True,
     ):
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
         self.skipped_steps = 0
         self._step_skipped = False
+        self._fresh_optimizer = False
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.objective = hydra.utils.instantiate(objective)
@@ -185,6 +187,23 @@ class DiTModule(L.LightningModule):
         norms = grad_norm(self.model, norm_type=2)
         if norms:
             self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self.hparams.get("resume_optimizer", True):
+            return
+        # resume_optimizer=false: Lightning loads zip(optimizers, states), so no states leaves the configured
+        # optimizer fresh. Schedulers keep their position (the step) but not the old optimizer's base learning rates.
+        checkpoint["optimizer_states"] = []
+        for state in checkpoint.get("lr_schedulers", []):
+            state.pop("base_lrs", None)
+            state.pop("_last_lr", None)
+        self._fresh_optimizer = True
+
+    def on_train_start(self) -> None:
+        if self._fresh_optimizer:  # the fresh optimizer holds the schedule's first lr: set the resumed step's
+            for config in self.trainer.lr_scheduler_configs:
+                config.scheduler.last_epoch -= 1
+                config.scheduler.step()
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:
