@@ -196,12 +196,16 @@ def export_safetensors(ckpt_path: str | Path, out: str | Path, prefer: str = "em
     ``infer.py ckpt_path=`` and ``train.py init_from=`` read without Lightning."""
     from safetensors.torch import save_file
 
+    if Path(out).expanduser().resolve() == Path(ckpt_path).expanduser().resolve():
+        raise CheckpointError(f"out={out} is the checkpoint itself: exporting would replace it; choose another out")
     state, info = read_weights(ckpt_path, prefer)
     if "model" not in info:
         raise CheckpointError(f"{ckpt_path} carries no model config: only ringdit checkpoints can be exported")
     out = Path(out).expanduser()
     if out.is_dir():
         raise CheckpointError(f"out={out} is a folder; give the file to write, e.g. out={out / 'weights.safetensors'}")
+    if out.suffix != ".safetensors":
+        raise CheckpointError(f"out={out} must end in .safetensors (infer.py and init_from recognise exports by it)")
     metadata = {key: json.dumps(value) for key, value in info.items()}
     metadata["format"] = "ringdit"
     tensors = {key: value.detach().contiguous().clone() for key, value in state.items()}  # no shared storage

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from safetensors.torch import save_file
 
 from ringdit.config import register_resolvers
@@ -160,6 +161,28 @@ def test_crafted_files_are_refused_by_every_entry_point(command, fmt, evil_files
     assert not out.exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_lightning_load_from_checkpoint_is_guarded_too(evil_files, sentinels, tmp_path):
+    """``DiTModule.load_from_checkpoint`` builds the module from the file's hyper-parameters: checked first."""
+    from ringdit.training import DiTModule
+
+    payloads(sentinels)
+    with pytest.raises(CheckpointError, match=r"refusing .*evil.ckpt: its config model.extra.inner\[0\]._target_"):
+        DiTModule.load_from_checkpoint(evil_files["ckpt"])
+    hparams = tmp_path / "hparams.yaml"
+    hparams.write_text("objective:\n  _target_: builtins.open\n  file: x\n  mode: w\n")
+    with pytest.raises(CheckpointError, match=r"refusing .*hparams.yaml: its config objective._target_"):
+        DiTModule.load_from_checkpoint(_clean_copy(evil_files["ckpt"], tmp_path), hparams_file=hparams)
+    assert_untouched(sentinels)
+
+
+def _clean_copy(evil: Path, tmp_path: Path) -> Path:
+    checkpoint = torch.load(evil, weights_only=True)
+    checkpoint["hyper_parameters"]["model"].pop("extra")
+    checkpoint["hyper_parameters"]["objective"] = {"_target_": "ringdit.diffusion.FlowMatching"}
+    torch.save(checkpoint, tmp_path / "clean.ckpt")
+    return tmp_path / "clean.ckpt"
+
+
 def test_invalid_json_metadata_names_the_file_and_key(tiny_checkpoint, tmp_path):
     path = craft_safetensors(tiny_checkpoint, tmp_path / "w.safetensors", lambda info: None, raw={"model": "{oops"})
     with pytest.raises(CheckpointError, match=r"w.safetensors: its metadata entry 'model' is not valid JSON"):
@@ -185,12 +208,17 @@ def test_written_files_respect_the_umask(umask, mode, tiny_checkpoint, tmp_path)
 @pytest.mark.parametrize(
     ("out", "message"),
     [("folder", r"out=.*folder is a folder; give the file to write"),
+     ("w.bin", r"out=.*w.bin must end in .safetensors"),
+     ("CKPT", r"out=.*last.ckpt is the checkpoint itself: exporting would replace it"),
      ("a_file/w.safetensors", r"cannot write out=.*a_file/w.safetensors \(.*\); choose a writable file path")],
 )
 def test_export_to_a_bad_destination(out, message, tiny_checkpoint, tmp_path, capsys):
     (tmp_path / "folder").mkdir()
     (tmp_path / "a_file").write_text("a file, not a folder")
-    assert export_main([f"ckpt_path={tiny_checkpoint}", f"out={tmp_path / out}"]) == 2
+    before = tiny_checkpoint.read_bytes()
+    out = tiny_checkpoint if out == "CKPT" else tmp_path / out
+    assert export_main([f"ckpt_path={tiny_checkpoint}", f"out={out}"]) == 2
+    assert tiny_checkpoint.read_bytes() == before
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a_file", "folder"]  # no temporary file left
@@ -258,9 +286,9 @@ def prepare_error(script: str, tmp_path, *overrides: str) -> str:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(script, overrides=[*overrides, f"hydra.run.dir={tmp_path}"], return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)
-        with pytest.raises(ConfigError) as error:
+        with pytest.raises((ConfigError, InstantiationException)) as error:
             module.prepare(cfg)
-    return str(error.value)
+    return str(error.value.__cause__ or error.value)
 
 
 @pytest.mark.parametrize(
@@ -269,13 +297,15 @@ def prepare_error(script: str, tmp_path, *overrides: str) -> str:
      ("train", ["seed=4294967296"], "seed must be an integer from 0 to 2**32 - 1 = 4294967295, got 4294967296"),
      ("train", ["seed=true"], "seed must be an integer from 0 to 2**32 - 1 = 4294967295, got True"),
      ("train", ["init_weights=foo"], "init_weights must be one of ema | model, got 'foo'"),
+     ("train", ["data.seed=-3"], "data.seed must be an integer from 0 to 2**32 - 1 (it defaults to seed), got -3"),
+     ("train", ["data=moving_digits", "model=dit_video", "data.seed=-3"], "data.seed must be an integer from 0"),
      ("infer", ["weights=foo"], "weights must be one of ema | model, got 'foo'"),
      ("infer", ["seed=-1"], "seed must be an integer from 0 to 2**32 - 1 = 4294967295, got -1")],
 )
 def test_settings_are_named(script, overrides, message, tiny_checkpoint, tmp_path):
     if script == "infer":
         overrides = [f"ckpt_path={tiny_checkpoint}", *overrides]
-    assert prepare_error(script, tmp_path, *overrides) == message
+    assert prepare_error(script, tmp_path, *overrides).startswith(message)
 
 
 def test_bad_seed_exits_2_in_one_line(tmp_path):

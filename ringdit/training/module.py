@@ -25,7 +25,8 @@ from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
 from ringdit.models import DiT
 from ringdit.parallel import current_parallel_dims, shard_sequence, sharded_mean
-from ringdit.weights import load_model_weights
+from ringdit.safe_config import check_file_configs
+from ringdit.weights import load_model_weights, safe_torch_load
 
 Tensor = torch.Tensor
 
@@ -84,6 +85,20 @@ class DiTModule(L.LightningModule):
         self.model: DiT | None = None
         self.ema: AveragedModel | None = None
         self._step_start: float | None = None
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
+        """Lightning's, after checking the configs the file carries: Lightning builds the module from them, and the
+        module instantiates its model and objective configs (see ``ringdit.safe_config``)."""
+        checkpoint = safe_torch_load(checkpoint_path, mmap=True)
+        check_file_configs(str(checkpoint_path), checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict)
+                           else {})
+        if kwargs.get("hparams_file") is not None:
+            from omegaconf import OmegaConf
+
+            config = OmegaConf.to_container(OmegaConf.load(kwargs["hparams_file"]), resolve=False)
+            check_file_configs(str(kwargs["hparams_file"]), config if isinstance(config, dict) else {"": config})
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ---- model ----------------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
