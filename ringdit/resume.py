@@ -27,6 +27,8 @@ def check_resume(ckpt_path: str, *, max_steps: int, optimizer: Callable | None, 
       ``resume_optimizer`` is false (weights, EMA, step and data position resume; the optimizer starts afresh);
     - the checkpoint must be before ``max_steps``.
     """
+    if not isinstance(resume_optimizer, bool):
+        raise ConfigError(f"resume_optimizer must be true or false, got {resume_optimizer!r}")
     use_init_from = (f"ckpt_path resumes a training checkpoint (a ringdit .ckpt with optimizer state and step); "
                      f"to start from these weights use init_from={ckpt_path}")
     if Path(ckpt_path).suffix == ".safetensors":
@@ -58,9 +60,12 @@ def optimizer_signature(optimizer: torch.optim.Optimizer | dict) -> tuple[frozen
 
 def _check_optimizer(ckpt_path: str, saved_states: list, optimizer: Callable, optimizer_name: str) -> None:
     probe = torch.nn.Parameter(torch.zeros(1))
-    fresh = optimizer(params=[probe])
-    probe.grad = torch.zeros(1)
-    fresh.step()  # creates the per-parameter state (moments, momentum buffers)
+    try:
+        fresh = optimizer(params=[probe])
+        probe.grad = torch.zeros(1)
+        fresh.step()  # creates the per-parameter state (moments, momentum buffers)
+    except Exception:  # an optimizer that cannot step alone (LBFGS needs a closure): nothing to compare with
+        return
     groups, state = optimizer_signature(fresh)
     if len(saved_states) != 1:
         raise ConfigError(f"ckpt_path={ckpt_path} holds {len(saved_states)} optimizer states, this run has 1; resume "

@@ -254,6 +254,8 @@ def test_resume_checks(tiny_checkpoint, tmp_path):
                                               r"\(their settings differ in amsgrad, betas.*resume_optimizer=false"):
             check_resume(str(tiny_checkpoint), max_steps=10, optimizer=sgd, optimizer_name="torch.optim.SGD")
     check_resume(str(tiny_checkpoint), max_steps=10, optimizer=adamw(), optimizer_name="torch.optim.AdamW")
+    with pytest.raises(ConfigError, match=r"^resume_optimizer must be true or false, got 'maybe'$"):
+        check_resume(str(tiny_checkpoint), max_steps=10, optimizer=adamw(), optimizer_name="x", resume_optimizer="maybe")
 
 
 def test_changed_optimizer_fails_before_spawning(tiny_checkpoint, tmp_path):
