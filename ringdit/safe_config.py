@@ -23,6 +23,7 @@ from ringdit.errors import CheckpointError
 
 ALLOWED_TARGETS: set[str] = {
     "ringdit.models.DiT",
+    "ringdit.models.diffusers.DiffusersTransformer",  # conf/model/{wan,flux,qwenimage}*.yaml (on main)
     "ringdit.diffusion.FlowMatching",
     "ringdit.diffusion.DDPM",
 }
