@@ -28,13 +28,16 @@ from ringdit.config import (
     group_targets,
     read_weights_file,
     register_resolvers,
+    require_choice,
     require_positive,
+    require_seed,
     user_errors,
     validate_parallel,
 )
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.sampling import SampleRequests, SampleWriter, resolve_labels
 from ringdit.training import DiTModule
+from ringdit.weights import WEIGHT_CHOICES
 
 log = logging.getLogger("ringdit.infer")
 register_resolvers()
@@ -44,6 +47,8 @@ def prepare(cfg: DictConfig):
     """Check every setting and the checkpoint, then build the trainer, module and sample requests."""
     require_positive("num_samples", cfg.num_samples)
     require_positive("batch_size", cfg.batch_size)
+    require_seed("seed", cfg.seed)
+    require_choice("weights", cfg.weights, WEIGHT_CHOICES)
     backend = validate_parallel(cfg, training=False)
     state, info = read_weights_file("ckpt_path", cfg.ckpt_path, prefer=cfg.weights)
     missing = [key for key in ("model", "data", "objective") if key not in info]

@@ -25,13 +25,17 @@ from ringdit.config import (
     is_diffusers_model,
     model_config,
     register_resolvers,
+    require_choice,
     require_positive,
+    require_seed,
     resolve_ckpt_path,
     resolve_shift,
     user_errors,
     validate_parallel,
 )
 from ringdit.errors import NonFiniteLossError
+from ringdit.resume import check_resume
+from ringdit.weights import WEIGHT_CHOICES
 
 log = logging.getLogger("ringdit.train")
 register_resolvers()
@@ -41,6 +45,8 @@ def prepare(cfg: DictConfig):
     """Check every setting, then build the trainer, module and data; nothing is spawned yet."""
     require_positive("trainer.max_steps", cfg.trainer.max_steps)
     require_positive("data.batch_size", cfg.data.batch_size)
+    require_seed("seed", cfg.seed)
+    require_choice("init_weights", cfg.init_weights, WEIGHT_CHOICES)
     backend = validate_parallel(cfg, training=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     data_info = datamodule.describe()
@@ -56,6 +62,8 @@ def prepare(cfg: DictConfig):
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
     if ckpt_path:
         check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
+        check_resume(ckpt_path, max_steps=cfg.trainer.max_steps, optimizer=hydra.utils.instantiate(cfg.optimizer),
+                     optimizer_name=cfg.optimizer.get("_target_"), resume_optimizer=cfg.resume_optimizer)
     elif cfg.init_from:  # a resumed run takes its weights from ckpt_path
         check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
                            resize_labels=cfg.init_resize_labels)
@@ -81,6 +89,7 @@ def prepare(cfg: DictConfig):
         init_weights=cfg.init_weights,
         init_resize_labels=cfg.init_resize_labels,
         nonfinite_loss=cfg.nonfinite_loss,
+        resume_optimizer=cfg.resume_optimizer,
     )
     callbacks = [hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks")]
     loggers = [hydra.utils.instantiate(c) for c in group_targets(cfg, "logger")]

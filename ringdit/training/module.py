@@ -29,7 +29,8 @@ from ringdit.images import to_uint8
 from ringdit.models import DiT
 from ringdit.models.diffusers import DiffusersTransformer
 from ringdit.parallel import current_parallel_dims, exchange_guidance_halves, shard_sequence, sharded_mean
-from ringdit.weights import load_model_weights
+from ringdit.safe_config import check_file_configs
+from ringdit.weights import load_model_weights, safe_torch_load
 
 Tensor = torch.Tensor
 
@@ -78,12 +79,14 @@ class DiTModule(L.LightningModule):
         init_weights: str = "ema",
         init_resize_labels: bool = False,
         nonfinite_loss: str = "stop",
+        resume_optimizer: bool = True,
     ):
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
         self.skipped_steps = 0
         self._step_skipped = False
+        self._fresh_optimizer = False
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.objective = hydra.utils.instantiate(objective)
@@ -92,6 +95,20 @@ class DiTModule(L.LightningModule):
         self.ema: AveragedModel | None = None
         self._step_start: float | None = None
         self.negative_condition: dict[str, Tensor] | None = None  # infer.py's negative prompt (text models)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
+        """Lightning's, after checking the configs the file carries: Lightning builds the module from them, and the
+        module instantiates its model and objective configs (see ``ringdit.safe_config``)."""
+        checkpoint = safe_torch_load(checkpoint_path, mmap=True)
+        check_file_configs(str(checkpoint_path), checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict)
+                           else {})
+        if kwargs.get("hparams_file") is not None:
+            from omegaconf import OmegaConf
+
+            config = OmegaConf.to_container(OmegaConf.load(kwargs["hparams_file"]), resolve=False)
+            check_file_configs(str(kwargs["hparams_file"]), config if isinstance(config, dict) else {"": config})
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ---- model ----------------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -219,6 +236,23 @@ class DiTModule(L.LightningModule):
         norms = grad_norm(self.model, norm_type=2)
         if norms:
             self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self.hparams.get("resume_optimizer", True):
+            return
+        # resume_optimizer=false: Lightning loads zip(optimizers, states), so no states leaves the configured
+        # optimizer fresh. Schedulers keep their position (the step) but not the old optimizer's base learning rates.
+        checkpoint["optimizer_states"] = []
+        for state in checkpoint.get("lr_schedulers", []):
+            state.pop("base_lrs", None)
+            state.pop("_last_lr", None)
+        self._fresh_optimizer = True
+
+    def on_train_start(self) -> None:
+        if self._fresh_optimizer:  # the fresh optimizer holds the schedule's first lr: set the resumed step's
+            for config in self.trainer.lr_scheduler_configs:
+                config.scheduler.last_epoch -= 1
+                config.scheduler.step()
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:
