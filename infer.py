@@ -20,9 +20,11 @@ from torch.utils.data import DataLoader
 from ringdit.config import (
     ConfigError,
     build_on_meta,
+    check_infer_settings,
     check_sampling,
     check_weights_file,
     group_targets,
+    hydra_main,
     read_weights_file,
     register_resolvers,
     require_positive,
@@ -38,6 +40,7 @@ register_resolvers()
 
 def prepare(cfg: DictConfig):
     """Check every setting and the checkpoint, then build the trainer, module and sample requests."""
+    check_infer_settings(cfg)
     require_positive("num_samples", cfg.num_samples)
     require_positive("batch_size", cfg.batch_size)
     backend = validate_parallel(cfg, training=False)
@@ -65,7 +68,7 @@ def prepare(cfg: DictConfig):
     return trainer, module, requests
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="infer")
+@hydra_main("infer")
 def main(cfg: DictConfig) -> None:
     with user_errors():  # a mistake in the settings: one line, exit code 2
         trainer, module, requests = prepare(cfg)

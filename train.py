@@ -20,8 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from ringdit.config import (
     build_on_meta,
     check_sampling,
+    check_training_settings,
     check_weights_file,
     group_targets,
+    hydra_main,
     model_config,
     register_resolvers,
     require_positive,
@@ -37,6 +39,7 @@ register_resolvers()
 
 def prepare(cfg: DictConfig):
     """Check every setting, then build the trainer, module and data; nothing is spawned yet."""
+    check_training_settings(cfg)
     require_positive("trainer.max_steps", cfg.trainer.max_steps)
     require_positive("data.batch_size", cfg.data.batch_size)
     backend = validate_parallel(cfg, training=True)
@@ -94,11 +97,14 @@ def prepare(cfg: DictConfig):
     return trainer, module, datamodule, ckpt_path
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@hydra_main("train")
 def main(cfg: DictConfig) -> None:
     with user_errors():  # a mistake in the settings: one line, exit code 2
         trainer, module, datamodule, ckpt_path = prepare(cfg)
-    with user_errors(NonFiniteLossError):  # anything else during training is a fault: full traceback
+    from ringdit.training.preemption import stop_on_sigterm
+
+    # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; anything else is a fault: traceback
+    with user_errors(NonFiniteLossError), stop_on_sigterm(trainer):
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         log.info("outputs in %s (checkpoints/last.ckpt, samples/)", cfg.paths.output_dir)

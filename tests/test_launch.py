@@ -1,0 +1,229 @@
+"""Launching: settings refused before anything is spawned (one line, exit code 2), Hydra's own mistakes reported the
+same way, launches that cannot work ended quickly, preemption (SIGTERM) that keeps the work, memory estimates."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+
+from ringdit.config import register_resolvers, user_errors
+from tests.test_reliability import FAST_FAIL_SECONDS, launch
+from tests.test_training import CONF, REPO, TINY, run
+
+
+def compose_run(config_name: str, overrides: list[str], run_dir: Path):
+    """The config ``python <config_name>.py overrides`` would run with, composed in this process."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    cfg.paths.output_dir = str(run_dir)
+    return cfg
+
+
+def refused(prepare, cfg, capsys) -> str:
+    """Run ``prepare`` as train.py / infer.py do; it must exit with code 2 and one line; return that line."""
+    with pytest.raises(SystemExit) as exit_info, user_errors():
+        prepare(cfg)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 2  # the error and the HYDRA_FULL_ERROR hint
+    return err.splitlines()[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("tiny")
+    run("train.py", run_dir, *TINY, "trainer.max_steps=1")
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+# ---- settings that were checked only once training had started, or accepted silently -------------------------------
+
+BAD_SETTINGS = {
+    "lr negative": (["optimizer.lr=-1"], r"optimizer.lr must be in \(0, inf\], got -1"),
+    "lr NaN": (["optimizer.lr=nan"], r"optimizer.lr must be a finite number, got nan"),
+    "warmup negative": (["scheduler.warmup_steps=-3"], r"scheduler.warmup_steps must be an integer >= 0, got -3"),
+    "num_workers negative": (["data.num_workers=-1"], r"data.num_workers must be an integer >= 0, got -1"),
+    "timeout zero": (["trainer.strategy.timeout_s=0"], r"trainer.strategy.timeout_s must be in \(0, inf\], got 0"),
+    "timeout NaN": (["trainer.strategy.timeout_s=nan"], r"trainer.strategy.timeout_s must be a finite number"),
+    "grid per_class zero": (["callbacks.sample_grid.per_class=0"],
+                            r"callbacks.sample_grid.per_class must be a positive integer, got 0"),
+    "grid steps zero": (["callbacks.sample_grid.steps=0"], r"callbacks.sample_grid.steps must be a positive integer"),
+    "grid every_n_steps zero": (["callbacks.sample_grid.every_n_steps=0"], r"every_n_steps must be a positive"),
+    "grid cfg_scale NaN": (["callbacks.sample_grid.cfg_scale=nan"], r"callbacks.sample_grid.cfg_scale must be a finite"),
+    "dp_degree fraction": (["dp_degree=1.5"], r"dp_degree must be a positive integer, got 1.5"),
+    "accumulate zero": (["trainer.accumulate_grad_batches=0"], r"accumulate_grad_batches must be a positive integer"),
+    "cfg_scale NaN": (["diffusion.sampling.cfg_scale=nan"], r"diffusion.sampling.cfg_scale must be a finite number"),
+    "cfg_scale inf": (["diffusion.sampling.cfg_scale=inf"], r"diffusion.sampling.cfg_scale must be a finite number"),
+    "ema_decay above 1": (["ema_decay=2"], r"ema_decay must be in \[0, 1\], got 2"),
+    "clip negative": (["trainer.gradient_clip_val=-1"], r"trainer.gradient_clip_val must be in \[0, inf\], got -1"),
+    "val interval zero": (["trainer.val_check_interval=0"], r"trainer.val_check_interval must be a positive integer"),
+    "val fraction above 1": (["trainer.val_check_interval=1.5"], r"trainer.val_check_interval must be in \(0, 1\]"),
+    "checkpoint interval negative": (["callbacks.model_checkpoint.every_n_train_steps=-1"],
+                                     r"every_n_train_steps must be an integer >= 0, got -1"),
+    "nonfinite_loss unknown": (["nonfinite_loss=foo"], r"nonfinite_loss must be 'stop' or 'skip', got 'foo'"),
+    "weight decay negative": (["optimizer.weight_decay=-0.1"], r"optimizer.weight_decay must be in \[0, inf\]"),
+    "beta above 1": (["optimizer.betas=[0.9,1.5]"], r"optimizer.betas\[1\] must be in \[0, 1\], got 1.5"),
+    "val_fraction above 1": (["data.val_fraction=2"], r"data.val_fraction must be in \[0, 1\], got 2"),
+    "rendezvous timeout zero": (["+trainer.strategy.rendezvous_timeout_s=0"],
+                                r"trainer.strategy.rendezvous_timeout_s must be in \(0, inf\], got 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_bad_training_setting_is_refused_before_spawning(case, tmp_path, capsys):
+    import train
+
+    overrides, message = BAD_SETTINGS[case]
+    line = refused(train.prepare, compose_run("train", overrides, tmp_path), capsys)
+    assert re.search(message, line), line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["labels=[1.7]"], r"labels: 1.7 is not a class id \(a whole number\)"),
+        (["cfg_scale=nan"], r"cfg_scale must be a finite number, got nan"),
+        (["cfg_scale=-inf"], r"cfg_scale must be a finite number, got -inf"),
+        (["dp_degree=1.5"], r"dp_degree must be a positive integer, got 1.5"),
+    ],
+)
+def test_bad_infer_setting_is_refused(overrides, message, tiny_checkpoint, tmp_path, capsys):
+    import infer
+
+    line = refused(infer.prepare, compose_run("infer", [f"ckpt_path={tiny_checkpoint}", *overrides], tmp_path), capsys)
+    assert re.search(message, line), line
+
+
+def test_settings_errors_exit_2_from_the_command_line(tmp_path):
+    """The wiring: the same checks, run by the script itself, before Lightning spawns anything."""
+    proc, seconds = launch("train.py", "trainer.accumulate_grad_batches=0", "ring_degree=2",
+                           f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2 and "trainer.accumulate_grad_batches must be a positive integer, got 0" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 2 and seconds < FAST_FAIL_SECONDS
+
+
+# ---- Hydra's own mistakes ---------------------------------------------------------------------------------------------
+
+HYDRA_MISTAKES = [
+    ("train", ["ring_degre=2"], r"no setting named 'ring_degre'; did you mean ring_degree\?"),
+    ("train", ["trainer.strategy.timout_s=5"], r"did you mean trainer.strategy.timeout_s\?"),
+    ("train", ["model=foo"], r"model=foo: no such option \(options: dit_b, dit_digits, dit_l, dit_s, dit_video"),
+    ("train", ["ring_degree=["], r"could not parse an override"),
+    ("train", ["callbacks=none", "callbacks.sample_grid.steps=2"],
+     r"callbacks.sample_grid.steps is not a setting of the configs selected here"),
+    ("infer", ["ckpt_path=x", "num_sample=3"], r"no setting named 'num_sample'; did you mean num_samples\?"),
+    ("infer", ["ckpt_path=x", "trainer=tpu"], r"trainer=tpu: no such option; did you mean trainer=gpu\? \(options: cpu"),
+]
+
+
+@pytest.mark.parametrize(("config_name", "overrides", "message"), HYDRA_MISTAKES)
+def test_hydra_mistakes_in_one_line(config_name, overrides, message, tmp_path):
+    from ringdit.config import hydra_error_message
+
+    with pytest.raises(Exception) as error:
+        compose_run(config_name, overrides, tmp_path)
+    line = hydra_error_message(error.value, config_name, in_task=False)
+    assert line is not None and "\n" not in line and re.search(message, line), (line, str(error.value))
+
+
+@pytest.mark.parametrize(
+    ("script", "overrides", "message"),
+    [
+        ("train.py", ["ring_degre=2"], r"no setting named 'ring_degre'; did you mean ring_degree\?"),
+        ("train.py", ["hydra.run.dir=/proc/no/such/dir"], r"cannot create the run folder \(/proc/no.*writable folder"),
+        ("infer.py", [], r"ckpt_path is required \(it is \?\?\? in conf/infer.yaml\): pass ckpt_path=\.\.\."),
+    ],
+)
+def test_hydra_mistakes_exit_2_from_the_command_line(script, overrides, message, tmp_path):
+    run_dir = [] if any(o.startswith("hydra.run.dir") for o in overrides) else [f"hydra.run.dir={tmp_path}"]
+    proc, _ = launch(script, *overrides, *run_dir)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and re.search(message, lines[0]), proc.stderr[-2000:]
+
+
+def test_hydra_mistakes_keep_the_full_report_on_request(tmp_path):
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run([sys.executable, "train.py", "ring_degre=2", f"hydra.run.dir={tmp_path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigCompositionException" in proc.stderr
+
+
+# ---- preemption ---------------------------------------------------------------------------------------------------
+
+PREEMPT = [*TINY, "trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2",
+           "+callbacks.slow._target_=tests.faults.SlowSteps", "+callbacks.slow.seconds=0.3"]
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def preempt(run_dir: Path, *overrides: str, target: str = "launcher") -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Start train.py, send SIGTERM to ``target`` (the launcher or its spawned rank) once step 2 is saved."""
+    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": ""}
+    proc = subprocess.Popen([sys.executable, "train.py", *PREEMPT, *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoints" / "step_0000002.ckpt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run to preempt ended early"
+        time.sleep(0.05)
+    ranks = children_of(proc.pid)
+    victim = proc.pid if target == "launcher" else ranks[0]
+    os.kill(victim, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, output), ranks
+
+
+def test_sigterm_stops_with_a_checkpoint_and_resumes_on_the_same_curve(tmp_path):
+    from ringdit.weights import safe_torch_load
+    from tests.test_training import logged_losses
+
+    proc, _ = preempt(tmp_path / "preempted")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    last = tmp_path / "preempted" / "checkpoints" / "last.ckpt"
+    step = safe_torch_load(last)["global_step"]
+    assert 2 <= step < 6  # the step during which the signal came (2 if it came during step 2's checkpoint)
+    assert f"preempted: SIGTERM stopped every rank at step {step} with checkpoint {last}; resume with " \
+           f"ckpt_path=last" in proc.stderr
+    run("train.py", tmp_path / "straight", *PREEMPT[:-2])
+    run("train.py", tmp_path / "resumed", *PREEMPT[:-2], f"ckpt_path={last}")
+    straight, resumed = logged_losses(tmp_path / "straight"), logged_losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(step, 6))
+    for i, loss in resumed.items():
+        assert loss == pytest.approx(straight[i], rel=1e-6, abs=1e-7), f"step {i}"
+
+
+@pytest.mark.parametrize("target", ["launcher", "child"])
+def test_sigterm_stops_every_rank_together(target, tmp_path):
+    from ringdit.weights import safe_torch_load
+
+    start = time.monotonic()
+    proc, ranks = preempt(tmp_path, "ring_degree=2", "trainer.strategy.timeout_s=60", target=target)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "preempted: SIGTERM stopped every rank at step" in proc.stderr
+    assert 2 <= safe_torch_load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] < 6
+    assert len(ranks) == 1
+    for pid in ranks:  # the launcher left after the rank it spawned
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert time.monotonic() - start < 240
