@@ -21,6 +21,7 @@ from ringdit.config import (
     ConfigError,
     build_on_meta,
     check_infer_settings,
+    check_launch_environment,
     check_sampling,
     check_weights_file,
     group_targets,
@@ -43,6 +44,7 @@ def prepare(cfg: DictConfig):
     check_infer_settings(cfg)
     require_positive("num_samples", cfg.num_samples)
     require_positive("batch_size", cfg.batch_size)
+    check_launch_environment(cfg.trainer)
     backend = validate_parallel(cfg, training=False)
     state, info = read_weights_file("ckpt_path", cfg.ckpt_path, prefer=cfg.weights)
     missing = [key for key in ("model", "data", "objective") if key not in info]

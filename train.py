@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.config import (
     build_on_meta,
+    check_launch_environment,
     check_sampling,
     check_training_settings,
     check_weights_file,
@@ -42,6 +43,7 @@ def prepare(cfg: DictConfig):
     check_training_settings(cfg)
     require_positive("trainer.max_steps", cfg.trainer.max_steps)
     require_positive("data.batch_size", cfg.data.batch_size)
+    check_launch_environment(cfg.trainer)
     backend = validate_parallel(cfg, training=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     data_info = datamodule.describe()

@@ -429,3 +429,42 @@ def known_keys(config_name: str) -> list[str]:
     except Exception:  # noqa: BLE001 - suggestions are a courtesy; never hide the real error behind another
         pass
     return sorted(keys)
+
+
+# ---- launches whose other ranks would never come ----------------------------------------------------------------------
+
+
+def cluster_launcher() -> str | None:
+    """The launcher that started this process and will start the other ranks, as Lightning detects them."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")):
+        return "torchrun"
+    if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "SLURM"
+    if "LSB_JOBID" in env and "JSM_NAMESPACE_RANK" in env:
+        return "LSF"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "MPI"
+    if "KUBERNETES_PORT" in env and all(k in env for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE")):
+        return "Kubeflow"
+    return None
+
+
+def check_launch_environment(trainer_cfg: DictConfig) -> None:
+    """Refuse launches that would wait for ranks nobody starts (the rest is bounded by
+    ``trainer.strategy.rendezvous_timeout_s``)."""
+    if cluster_launcher() is not None:
+        return
+    nodes, env = trainer_cfg.get("num_nodes", 1), os.environ
+    if nodes > 1 and not ("NODE_RANK" in env and "MASTER_ADDR" in env):
+        raise ConfigError(
+            f"trainer.num_nodes={nodes} but no cluster launcher started this process (no torchrun, SLURM, MPI "
+            f"environment) and NODE_RANK / MASTER_ADDR are not set, so the other nodes' ranks would never join: "
+            f"launch with srun or `torchrun --nnodes={nodes} ...` on every node, or set NODE_RANK, MASTER_ADDR and "
+            f"MASTER_PORT on each; on one machine use trainer.num_nodes=1 and trainer.devices")
+    if "LOCAL_RANK" in env and "WORLD_SIZE" not in env and world_size(trainer_cfg) > 1:
+        raise ConfigError(
+            f"LOCAL_RANK={env['LOCAL_RANK']} is set in the environment but no launcher started this process (no "
+            f"WORLD_SIZE, torchrun or SLURM): Lightning would take it for one rank of an external launch and wait "
+            f"for {world_size(trainer_cfg)} ranks that never come; unset LOCAL_RANK (Lightning then starts the ranks "
+            f"itself) or launch with torchrun")

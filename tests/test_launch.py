@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
@@ -76,7 +77,7 @@ BAD_SETTINGS = {
     "weight decay negative": (["optimizer.weight_decay=-0.1"], r"optimizer.weight_decay must be in \[0, inf\]"),
     "beta above 1": (["optimizer.betas=[0.9,1.5]"], r"optimizer.betas\[1\] must be in \[0, 1\], got 1.5"),
     "val_fraction above 1": (["data.val_fraction=2"], r"data.val_fraction must be in \[0, 1\], got 2"),
-    "rendezvous timeout zero": (["+trainer.strategy.rendezvous_timeout_s=0"],
+    "rendezvous timeout zero": (["trainer.strategy.rendezvous_timeout_s=0"],
                                 r"trainer.strategy.rendezvous_timeout_s must be in \(0, inf\], got 0"),
 }
 
@@ -227,3 +228,106 @@ def test_sigterm_stops_every_rank_together(target, tmp_path):
     for pid in ranks:  # the launcher left after the rank it spawned
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
     assert time.monotonic() - start < 240
+
+
+# ---- an error in a callback does not cost the step's checkpoint -------------------------------------------------------
+
+
+class RaiseAtStepEnd(L.Callback):
+    """Raise in ``on_train_batch_end`` of optimizer step ``step`` (as a failing preview grid would)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"injected callback error at step {self.step}")
+
+
+def test_a_failing_callback_keeps_the_checkpoint_of_its_step(tmp_path):
+    from ringdit.weights import safe_torch_load
+
+    proc, _ = launch("train.py", *TINY, "trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=3",
+                     "+callbacks.fail._target_=tests.test_launch.RaiseAtStepEnd", "+callbacks.fail.step=3",
+                     f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0 and "injected callback error at step 3" in proc.stderr, proc.stderr[-3000:]
+    assert safe_torch_load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 3
+    assert safe_torch_load(tmp_path / "checkpoints" / "step_0000003.ckpt")["global_step"] == 3
+
+
+# ---- launches whose other ranks never come ------------------------------------------------------------------------
+
+CLUSTER_VARIABLES = ("TORCHELASTIC_RUN_ID", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "LSB_JOBID",
+                     "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "KUBERNETES_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK",
+                     "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "environment", "message"),
+    [
+        (["trainer.num_nodes=2"], {}, r"trainer.num_nodes=2 but no cluster launcher started this process .* "
+                                      r"on one machine use trainer.num_nodes=1 and trainer.devices"),
+        (["ring_degree=2"], {"LOCAL_RANK": "0"}, r"LOCAL_RANK=0 is set in the environment but no launcher started "
+                                                 r"this process .* wait for 2 ranks that never come; unset LOCAL_RANK"),
+    ],
+)
+def test_launch_that_would_wait_for_ever_is_refused(overrides, environment, message, tmp_path, capsys, monkeypatch):
+    import train
+
+    for name in CLUSTER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    line = refused(train.prepare, compose_run("train", overrides, tmp_path), capsys)
+    assert re.search(message, line), line
+
+
+def test_ranks_that_never_come_end_the_launch_after_the_rendezvous_timeout(tmp_path):
+    """What cannot be told before spawning (this looks like one rank of a hand-made 2-process launch) is bounded."""
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    env.update(LOCAL_RANK="0", NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29581",
+               WANDB_MODE="offline")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "ring_degree=2", "trainer.strategy.rendezvous_timeout_s=3",
+                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert re.search(r"Error: rank 0 waited 3 s for all 2 ranks \(trainer.num_nodes=1 x 2 per node\) to join at "
+                     r"127.0.0.1:29581, and some never came", proc.stderr), proc.stderr[-3000:]
+    assert time.monotonic() - start < 120
+
+
+# ---- wandb ----------------------------------------------------------------------------------------------------------
+
+
+def no_wandb_credentials(monkeypatch, home: Path) -> None:
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("NETRC", str(home / ".netrc"))
+
+
+def test_wandb_online_without_an_api_key_is_refused(tmp_path, capsys, monkeypatch):
+    import train
+
+    no_wandb_credentials(monkeypatch, tmp_path)
+    line = refused(train.prepare, compose_run("train", ["logger=wandb", "logger.wandb.mode=online"], tmp_path), capsys)
+    assert "logger.wandb.mode=online needs a W&B API key for https://api.wandb.ai: set WANDB_API_KEY or run " \
+           "`wandb login`" in line
+
+
+def test_wandb_online_without_a_server_logs_offline_quickly(tmp_path, monkeypatch, caplog):
+    import socket
+
+    from ringdit.training.loggers import wandb_logger
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    no_wandb_credentials(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789" * 4)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    start = time.monotonic()
+    logger = wandb_logger(str(tmp_path), mode="online")
+    assert time.monotonic() - start < 10
+    assert logger._offline
+    assert f"wandb: cannot reach http://127.0.0.1:{port}; logging offline to {tmp_path}/wandb" in caplog.text

@@ -10,6 +10,9 @@ their tokens. DDP's gradient average over all ranks stays correct because the lo
 from __future__ import annotations
 
 import datetime
+import os
+import sys
+import threading
 
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -20,18 +23,43 @@ from ringdit.parallel import ParallelDims, check_degrees, current_parallel_dims,
 class RingDDPStrategy(DDPStrategy):
     strategy_name = "ring_ddp"
 
-    def __init__(self, ring_degree: int = 1, ulysses_degree: int = 1, timeout_s: float | None = None, **kwargs):
+    def __init__(self, ring_degree: int = 1, ulysses_degree: int = 1, timeout_s: float | None = None,
+                 rendezvous_timeout_s: float | None = 60.0, **kwargs):
         check_degrees(ring_degree, ulysses_degree)
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(**kwargs)
         self.ring_degree, self.ulysses_degree = ring_degree, ulysses_degree
+        self.rendezvous_timeout_s = rendezvous_timeout_s
 
     def setup_distributed(self) -> None:
-        super().setup_distributed()
-        check_degrees(self.ring_degree, self.ulysses_degree, self.world_size)
-        init_sequence_parallel(self.ring_degree, self.ulysses_degree, timeout=self._timeout)
+        # Ranks that never come (a second node nobody started, a stray LOCAL_RANK) would keep this rank waiting for
+        # the whole process-group timeout or for ever; the rendezvous gets its own, shorter bound.
+        watchdog = None
+        if self.rendezvous_timeout_s is not None and self.num_nodes * self.num_processes > 1:
+            watchdog = threading.Timer(self.rendezvous_timeout_s, self._rendezvous_timed_out)
+            watchdog.daemon = True
+            watchdog.start()
+        try:
+            super().setup_distributed()
+            check_degrees(self.ring_degree, self.ulysses_degree, self.world_size)
+            init_sequence_parallel(self.ring_degree, self.ulysses_degree, timeout=self._timeout)
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+
+    def _rendezvous_timed_out(self) -> None:
+        """Runs on the watchdog thread while the main thread is blocked inside torch.distributed: say what was being
+        waited for and end the process (nothing has been trained, so nothing is lost)."""
+        env = self.cluster_environment
+        address = f"{os.environ.get('MASTER_ADDR', env.main_address)}:{os.environ.get('MASTER_PORT', env.main_port)}"
+        print(f"Error: rank {self.global_rank} waited {self.rendezvous_timeout_s:g} s for all "
+              f"{self.num_nodes * self.num_processes} ranks (trainer.num_nodes={self.num_nodes} x "
+              f"{self.num_processes} per node) to join at {address}, and some never came. Start every node's "
+              f"processes (torchrun / srun, or NODE_RANK and MASTER_ADDR on each node), check that {address} is "
+              f"reachable from them, or raise trainer.strategy.rendezvous_timeout_s", file=sys.stderr, flush=True)
+        os._exit(2)
 
     @property
     def parallel_dims(self) -> ParallelDims:
