@@ -22,6 +22,7 @@ from ringdit.config import (
     build_on_meta,
     check_infer_settings,
     check_launch_environment,
+    check_samples_per_rank,
     check_sampling,
     check_weights_file,
     group_targets,
@@ -46,6 +47,7 @@ def prepare(cfg: DictConfig):
     require_positive("batch_size", cfg.batch_size)
     check_launch_environment(cfg.trainer)
     backend = validate_parallel(cfg, training=False)
+    check_samples_per_rank(cfg)
     state, info = read_weights_file("ckpt_path", cfg.ckpt_path, prefer=cfg.weights)
     missing = [key for key in ("model", "data", "objective") if key not in info]
     if missing:

@@ -33,6 +33,7 @@ from ringdit.config import (
     validate_parallel,
 )
 from ringdit.errors import NonFiniteLossError
+from ringdit.memory import check_training_memory
 
 log = logging.getLogger("ringdit.train")
 register_resolvers()
@@ -54,6 +55,7 @@ def prepare(cfg: DictConfig):
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:
         check_sampling(model_cfg, cfg.diffusion.objective, {**sampling, "cfg_scale": grid_cfg_scale})
+    check_training_memory(cfg, model_cfg, meta_model, backend)  # a warning: estimates can be wrong
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
     if ckpt_path:
         check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")

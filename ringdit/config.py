@@ -468,3 +468,13 @@ def check_launch_environment(trainer_cfg: DictConfig) -> None:
             f"WORLD_SIZE, torchrun or SLURM): Lightning would take it for one rank of an external launch and wait "
             f"for {world_size(trainer_cfg)} ranks that never come; unset LOCAL_RANK (Lightning then starts the ranks "
             f"itself) or launch with torchrun")
+
+
+def check_samples_per_rank(cfg: DictConfig) -> None:
+    """Sampling splits ``num_samples`` over the data-parallel ranks without repeating any; each needs one (call after
+    ``validate_parallel``)."""
+    replicas = world_size(cfg.trainer) // (cfg.ring_degree * cfg.ulysses_degree)
+    if cfg.num_samples < replicas:
+        raise ConfigError(f"num_samples={cfg.num_samples} is fewer than the {replicas} data-parallel ranks "
+                          f"(dp_degree={cfg.get('dp_degree', 1)}): each rank needs a sample; use num_samples>="
+                          f"{replicas} or fewer devices")

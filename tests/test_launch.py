@@ -98,6 +98,7 @@ def test_bad_training_setting_is_refused_before_spawning(case, tmp_path, capsys)
         (["cfg_scale=nan"], r"cfg_scale must be a finite number, got nan"),
         (["cfg_scale=-inf"], r"cfg_scale must be a finite number, got -inf"),
         (["dp_degree=1.5"], r"dp_degree must be a positive integer, got 1.5"),
+        (["dp_degree=2", "num_samples=1"], r"num_samples=1 is fewer than the 2 data-parallel ranks \(dp_degree=2\)"),
     ],
 )
 def test_bad_infer_setting_is_refused(overrides, message, tiny_checkpoint, tmp_path, capsys):
@@ -331,3 +332,70 @@ def test_wandb_online_without_a_server_logs_offline_quickly(tmp_path, monkeypatc
     assert time.monotonic() - start < 10
     assert logger._offline
     assert f"wandb: cannot reach http://127.0.0.1:{port}; logging offline to {tmp_path}/wandb" in caplog.text
+
+
+# ---- sampling on data-parallel ranks --------------------------------------------------------------------------------
+
+
+def test_odd_sample_count_on_two_data_parallel_ranks(tiny_checkpoint, tmp_path):
+    """Prediction gives the ranks 2 and 1 samples; gathering pads to equal counts and drops the padding."""
+    import numpy as np
+
+    run("infer.py", tmp_path, f"ckpt_path={tiny_checkpoint}", "dp_degree=2", "num_samples=3", "steps=2",
+        "trainer.strategy.timeout_s=60")
+    written = np.load(tmp_path / "samples.npz")
+    assert written["images"].shape == (3, 8, 8, 1) and written["labels"].tolist() == [0, 1, 2]
+
+
+# ---- memory estimate ------------------------------------------------------------------------------------------------
+
+
+def test_memory_estimate_numbers():
+    from ringdit.memory import estimate_memory
+
+    small = dict(tokens=16, hidden_size=32, depth=2, num_heads=4, batch_size=16, parameters=50_000)
+    one = estimate_memory(**small)
+    assert one.tokens_per_rank == 16
+    assert one.weights_bytes == 50_000 * 20  # weights, gradients, AdamW moments, EMA: fp32
+    assert one.activation_bytes == 16 * 16 * 2 * 18 * 32 * 4  # batch x tokens x depth x (10 + 2 x 4) x D x fp32
+    assert one.attention_bytes == 6 * 16 * 16 * 32 * 4
+    ring = estimate_memory(**small, ring_degree=2)  # half the tokens per rank: half the activations
+    assert ring.tokens_per_rank == 8 and ring.activation_bytes == one.activation_bytes // 2
+    ulysses = estimate_memory(**small, ulysses_degree=2)
+    assert ulysses.attention_bytes == one.attention_bytes // 2
+    quadratic = estimate_memory(**small, math_attention=True)  # (S / ring)^2 scores, fp32, with gradients
+    assert quadratic.attention_bytes - one.attention_bytes == 2 * 16 * 4 * 16**2 * 4 * 2
+    checkpointed = estimate_memory(**small, gradient_checkpointing=True)
+    assert checkpointed.activation_bytes == 16 * 16 * (2 * 32 + 18 * 32) * 4
+    sampling = estimate_memory(**small, training=False)
+    assert sampling.weights_bytes == 50_000 * 4 and sampling.activation_bytes == one.activation_bytes // 2
+
+
+def test_memory_warning_names_the_degree_that_fits(caplog):
+    from ringdit.memory import GiB, warn_if_memory_short
+
+    settings = dict(tokens=262_144, hidden_size=128, depth=4, num_heads=4, batch_size=32, parameters=34_000_000)
+    warn_if_memory_short(available=1000 * GiB, **settings)
+    assert "memory:" not in caplog.text
+    warn_if_memory_short(available=16 * GiB, **settings)
+    assert re.search(r"memory: about 31\d\.\d GiB per rank needed \(262144 tokens per rank .* but 16.0 GiB is "
+                     r"available: .* ring_degree=32 \(32 ranks of this size\) would fit", caplog.text), caplog.text
+
+
+def test_a_sequence_too_long_for_memory_is_reported_before_training(tmp_path):
+    """Videos of 512 x 512 frames: 262144 tokens per sample, hundreds of GiB: the warning comes before any step."""
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.Popen([sys.executable, "train.py", "data=moving_digits", "model=dit_video", "data.canvas=512",
+                             "logger=csv", f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "memory:" in line or "Epoch 0" in line:
+                break
+        assert re.search(r"memory: about \d+\.\d GiB per rank needed \(262144 tokens per rank", lines[-1]), lines[-5:]
+        assert not (tmp_path / "checkpoints").exists()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
