@@ -343,8 +343,6 @@ def hydra_main(config_name: str):
             finally:
                 hydra_utils.run_and_report = original
 
-        # ``python train.py`` runs ``entry``; code importing the module (tests) can still call ``task`` itself
-        entry.task = task
         return entry
 
     return decorator
