@@ -229,6 +229,14 @@ def check_training_settings(cfg: DictConfig) -> None:
     training started (with a traceback, after spawning), or be accepted and quietly do something else."""
     require_count("dp_degree", cfg.get("dp_degree", 1))
     require_number("ema_decay", cfg.ema_decay, low=0, high=1)
+    model = cfg.get("model") or {}
+    for key in ("hidden_size", "depth"):  # depth=0 would train a model without blocks, and say nothing
+        if key in model:
+            require_count(f"model.{key}", model[key])
+    if "mlp_ratio" in model:
+        require_number("model.mlp_ratio", model.mlp_ratio, low=0, low_open=True)
+    if "class_dropout_prob" in model:
+        require_number("model.class_dropout_prob", model.class_dropout_prob, low=0, high=1)
     if cfg.nonfinite_loss not in ("stop", "skip"):
         raise ConfigError(f"nonfinite_loss must be 'stop' or 'skip', got {cfg.nonfinite_loss!r}")
     optimizer = cfg.get("optimizer") or {}

@@ -77,6 +77,9 @@ BAD_SETTINGS = {
     "weight decay negative": (["optimizer.weight_decay=-0.1"], r"optimizer.weight_decay must be in \[0, inf\]"),
     "beta above 1": (["optimizer.betas=[0.9,1.5]"], r"optimizer.betas\[1\] must be in \[0, 1\], got 1.5"),
     "val_fraction above 1": (["data.val_fraction=2"], r"data.val_fraction must be in \[0, 1\], got 2"),
+    "depth zero": (["model.depth=0"], r"model.depth must be a positive integer, got 0"),
+    "label dropout above 1": (["model.class_dropout_prob=1.5"], r"model.class_dropout_prob must be in \[0, 1\], got 1.5"),
+    "log interval zero": (["trainer.log_every_n_steps=0"], r"trainer.log_every_n_steps must be a positive integer"),
     "rendezvous timeout zero": (["trainer.strategy.rendezvous_timeout_s=0"],
                                 r"trainer.strategy.rendezvous_timeout_s must be in \(0, inf\], got 0"),
 }
