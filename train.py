@@ -41,9 +41,9 @@ register_resolvers()
 
 def prepare(cfg: DictConfig):
     """Check every setting, then build the trainer, module and data; nothing is spawned yet."""
-    check_training_settings(cfg)
     require_positive("trainer.max_steps", cfg.trainer.max_steps)
     require_positive("data.batch_size", cfg.data.batch_size)
+    check_training_settings(cfg)
     check_launch_environment(cfg.trainer)
     backend = validate_parallel(cfg, training=True)
     datamodule = hydra.utils.instantiate(cfg.data)
