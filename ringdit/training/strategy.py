@@ -36,25 +36,44 @@ class RingDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         # Ranks that never come (a second node nobody started, a stray LOCAL_RANK) would keep this rank waiting for
         # the whole process-group timeout or for ever; the rendezvous gets its own, shorter bound.
-        watchdog = None
+        self._watchdog, self._waited_s = None, 0.0
         if self.rendezvous_timeout_s is not None and self.num_nodes * self.num_processes > 1:
-            watchdog = threading.Timer(self.rendezvous_timeout_s, self._rendezvous_timed_out)
-            watchdog.daemon = True
-            watchdog.start()
+            self._arm_watchdog()
         try:
             super().setup_distributed()
             check_degrees(self.ring_degree, self.ulysses_degree, self.world_size)
             init_sequence_parallel(self.ring_degree, self.ulysses_degree, timeout=self._timeout)
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+
+    def _arm_watchdog(self) -> None:
+        self._watchdog = threading.Timer(self.rendezvous_timeout_s, self._rendezvous_timed_out)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _local_ranks_still_starting(self) -> bool:
+        """One machine, every rank started here by Lightning and still alive: they are slow (a loaded machine), not
+        missing; a rank that dies makes Lightning end the launch anyway."""
+        if self.num_nodes != 1:
+            return False
+        children = getattr(self.launcher, "procs", None) or []
+        if children:  # the launcher: its spawned ranks are alive
+            return all(child.poll() is None for child in children)
+        return os.environ.get("RINGDIT_LAUNCHER_PID") == str(os.getppid())  # a spawned rank whose launcher lives
 
     def _rendezvous_timed_out(self) -> None:
         """Runs on the watchdog thread while the main thread is blocked inside torch.distributed: say what was being
-        waited for and end the process (nothing has been trained, so nothing is lost)."""
+        waited for and end the process (nothing has been trained, so nothing is lost). Local ranks that are alive
+        get up to the process-group timeout (trainer.strategy.timeout_s)."""
+        self._waited_s += self.rendezvous_timeout_s
+        limit = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+        if self._local_ranks_still_starting() and self._waited_s < limit:
+            self._arm_watchdog()
+            return
         env = self.cluster_environment
         address = f"{os.environ.get('MASTER_ADDR', env.main_address)}:{os.environ.get('MASTER_PORT', env.main_port)}"
-        print(f"Error: rank {self.global_rank} waited {self.rendezvous_timeout_s:g} s for all "
+        print(f"Error: rank {self.global_rank} waited {self._waited_s:g} s for all "
               f"{self.num_nodes * self.num_processes} ranks (trainer.num_nodes={self.num_nodes} x "
               f"{self.num_processes} per node) to join at {address}, and some never came. Start every node's "
               f"processes (torchrun / srun, or NODE_RANK and MASTER_ADDR on each node), check that {address} is "
