@@ -19,9 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.config import (
     build_on_meta,
+    check_launch_environment,
     check_sampling,
+    check_training_settings,
     check_weights_file,
     group_targets,
+    hydra_main,
     is_diffusers_model,
     model_config,
     register_resolvers,
@@ -34,6 +37,7 @@ from ringdit.config import (
     validate_parallel,
 )
 from ringdit.errors import NonFiniteLossError
+from ringdit.memory import check_training_memory
 from ringdit.resume import check_resume
 from ringdit.weights import WEIGHT_CHOICES
 
@@ -47,6 +51,8 @@ def prepare(cfg: DictConfig):
     require_positive("data.batch_size", cfg.data.batch_size)
     require_seed("seed", cfg.seed)
     require_choice("init_weights", cfg.init_weights, WEIGHT_CHOICES)
+    check_training_settings(cfg)
+    check_launch_environment(cfg.trainer)
     backend = validate_parallel(cfg, training=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     data_info = datamodule.describe()
@@ -59,6 +65,7 @@ def prepare(cfg: DictConfig):
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:
         check_sampling(model_cfg, cfg.diffusion.objective, {**sampling, "cfg_scale": grid_cfg_scale})
+    check_training_memory(cfg, model_cfg, meta_model, backend)  # a warning: estimates can be wrong
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
     if ckpt_path:
         check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
@@ -111,11 +118,14 @@ def prepare(cfg: DictConfig):
     return trainer, module, datamodule, ckpt_path
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@hydra_main("train")
 def main(cfg: DictConfig) -> None:
     with user_errors():  # a mistake in the settings: one line, exit code 2
         trainer, module, datamodule, ckpt_path = prepare(cfg)
-    with user_errors(NonFiniteLossError):  # anything else during training is a fault: full traceback
+    from ringdit.training.preemption import stop_on_sigterm
+
+    # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; anything else is a fault: traceback
+    with user_errors(NonFiniteLossError), stop_on_sigterm(trainer):
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         log.info("outputs in %s (checkpoints/last.ckpt, samples/)", cfg.paths.output_dir)
