@@ -70,7 +70,8 @@ def prepare(cfg: DictConfig):
     if info["data"].get("conditioning") == "text":
         conditions, captions = text_prompts(cfg, info["data"])
         if cfg.negative_text_embeds:
-            negative = {key: value[:1] for key, value in read_prompts(cfg.negative_text_embeds, "negative_text_embeds")[0].items()}
+            negative_prompts, _ = read_prompts(cfg.negative_text_embeds, "negative_text_embeds")
+            negative = {key: value[:1] for key, value in negative_prompts.items()}  # the first row
             check_prompt_shape("negative_text_embeds", negative, info["data"])
     else:
         conditions = resolve_labels(OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels,
@@ -90,6 +91,36 @@ def prepare(cfg: DictConfig):
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False)
     requests = DataLoader(SampleRequests(conditions, cfg.seed), batch_size=cfg.batch_size)
     return trainer, module, requests
+
+
+def text_prompts(cfg: DictConfig, data_info: dict) -> tuple[dict, list[str]]:
+    """``num_samples`` prompt embeddings (cycled): from ``text_embeds``, else the training data's held-out prompts."""
+    if cfg.labels is not None:
+        raise ConfigError("labels are for class-conditional models; this model is text-conditioned: give prompt "
+                          "embeddings with text_embeds=<file> (or none for the training data's held-out prompts)")
+    if cfg.text_embeds:
+        prompts, captions = read_prompts(cfg.text_embeds)
+        count = next(iter(prompts.values())).shape[0]
+        picked = [i % count for i in range(cfg.num_samples)]
+        prompts = {key: value[picked] for key, value in prompts.items()}
+        captions = [captions[i] if captions else f"{cfg.text_embeds}[{i}]" for i in picked]
+    else:
+        source = data_info["source"]
+        try:
+            data = TextLatentsDataModule(source["path"], val_fraction=source["val_fraction"], seed=source["seed"])
+        except ValueError as error:
+            raise ConfigError(f"text_embeds is not set and the training data's held-out prompts cannot be read "
+                              f"({error}); give prompt embeddings with text_embeds=<file>") from None
+        prompts, captions = data.held_out(cfg.num_samples)
+    check_prompt_shape("text_embeds", prompts, data_info)
+    return prompts, captions
+
+
+def check_prompt_shape(setting: str, prompts: dict, data_info: dict) -> None:
+    expected = (data_info["text_len"], data_info["text_dim"])
+    if tuple(prompts["text"].shape[1:]) != expected:
+        raise ConfigError(f"{setting}: the prompt embeddings are {tuple(prompts['text'].shape[1:])} (L, D) but the "
+                          f"model was trained on {expected}; encode them with the same text encoder and length")
 
 
 @hydra_main("infer")
