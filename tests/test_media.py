@@ -209,21 +209,28 @@ def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp
     with pytest.raises(ConfigError, match="resolution=12x12: .* multiples of the VAE's downsampling factor 8"):
         prepare(str(video_folder), str(tmp_path / "o"), str(models["wan"]), str(models["wan"]), resolution=12,
                 caption_column="caption", frames=5, progress=False)
-    with pytest.raises(ConfigError, match="max_text_len=32 is longer than CLIPTextModel takes .16"):
-        run(image_folder.parent / "missing_is_checked_first_so_use_a_good_one", models["flux"]) if False else \
-            TextEncoder(models["flux"], max_len=32)
+    with pytest.raises(ConfigError, match="max_text_len=32 is longer than CLIPTextModel takes .16 positions"):
+        TextEncoder(models["flux"], max_len=32)
 
 
-def test_prepare_cli_one_line_error_and_success(models, image_folder, tmp_path):
-    """The command line: exit 2 with one line for a setting mistake; a run prints its counts."""
+def test_prepare_cli_one_line_error_and_success(models, image_folder, tmp_path, capsys):
+    """The command line: exit 2 with one line for a setting mistake (a real process, checked before any model is
+    loaded); a run prints its counts (in this process: importing diffusers again would cost most of a minute)."""
+    from ringdit.prepare import main
+
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": ""}
-    command = [sys.executable, "-m", "ringdit.prepare", f"input={image_folder}", f"out={tmp_path / 'out'}",
-               f"vae={models['flux']}", f"text_encoder={models['flux']}", "resolution=16", f"max_text_len={TEXT_LEN}"]
-    bad = subprocess.run(command[:-2] + ["resolution=7"], cwd=REPO, capture_output=True, text=True, env=env)
-    assert bad.returncode == 2 and bad.stderr.startswith("Error: resolution=7x7") and "Traceback" not in bad.stderr
-    good = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
-    assert good.returncode == 0, good.stderr
-    assert "prepared 4 samples into 1 new shards" in good.stdout and "skipped 1 unreadable files" in good.stdout
+    settings = [f"input={image_folder}", f"out={tmp_path / 'out'}", f"vae={models['flux']}",
+                f"text_encoder={models['flux']}", "resolution=16", f"max_text_len={TEXT_LEN}"]
+    bad = subprocess.run([sys.executable, "-m", "ringdit.prepare", *settings, f"input={tmp_path / 'nowhere'}"],
+                         cwd=REPO, capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and bad.stderr.startswith(f"Error: input={tmp_path / 'nowhere'} is not a folder")
+    assert "Traceback" not in bad.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        main([*settings, "resolutoin=16"])
+    assert exit_info.value.code == 2 and "unknown setting resolutoin=" in capsys.readouterr().err
+    main(settings)
+    printed = capsys.readouterr().out
+    assert "prepared 4 samples into 1 new shards" in printed and "skipped 1 unreadable files" in printed
 
 
 def test_fit_centre_crops_then_resizes():
