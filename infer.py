@@ -1,5 +1,6 @@
 """Sample from a trained DiT, sequence-parallel over ring / Ulysses ranks and data-parallel over the rest.
 
+    python infer.py                                  # the newest training run's last.ckpt (ckpt_path=last)
     python infer.py ckpt_path=outputs/train/runs/<run>/checkpoints/last.ckpt num_samples=100
     python infer.py ckpt_path=weights.safetensors labels=[3,3,7] cfg_scale=2 steps=100 ring_degree=2
 
@@ -25,6 +26,7 @@ from ringdit.config import (
     group_targets,
     read_weights_file,
     register_resolvers,
+    resolve_sampling_ckpt,
     require_positive,
     user_errors,
     validate_parallel,
@@ -38,6 +40,7 @@ register_resolvers()
 
 def prepare(cfg: DictConfig):
     """Check every setting and the checkpoint, then build the trainer, module and sample requests."""
+    cfg.ckpt_path = resolve_sampling_ckpt(cfg.ckpt_path, cfg.paths.log_dir)
     require_positive("num_samples", cfg.num_samples)
     require_positive("batch_size", cfg.batch_size)
     backend = validate_parallel(cfg, training=False)

@@ -198,3 +198,16 @@ def resolve_ckpt_path(ckpt_path: str | None, log_dir: str, task_name: str) -> st
     if not Path(ckpt_path).is_file():
         raise ConfigError(f"ckpt_path={ckpt_path!r} does not exist")
     return ckpt_path
+
+
+def resolve_sampling_ckpt(ckpt_path: str | None, log_dir: str, train_task: str = "train") -> str:
+    """infer.py's ``ckpt_path``: ``last`` (the default) -> the newest training run's ``last.ckpt``; a missing run
+    says how to make one."""
+    if ckpt_path in (None, "", "last"):
+        try:
+            return resolve_ckpt_path("last", log_dir, train_task)
+        except ConfigError:
+            raise ConfigError(f"ckpt_path={ckpt_path or 'last'}: no training run under {Path(log_dir, train_task)} "
+                              f"(no checkpoints/last.ckpt); train one with `python train.py`, or pass "
+                              f"ckpt_path=PATH to a .ckpt or .safetensors") from None
+    return ckpt_path
