@@ -1,6 +1,6 @@
 """Peak memory of decoding a long video with a Wan VAE: whole frames vs spatial tiles (ringdit.media.VAE).
 
-    python benchmarks/vae_decode.py                          # CPU: a small random Wan VAE, 33 frames at 384x384
+    python benchmarks/vae_decode.py                          # CPU: a small random Wan VAE, 33 frames at 256x256
     python benchmarks/vae_decode.py --device cuda --real     # GPU: Wan 2.1's VAE shape (random weights), 81 x 480x832
 
 The VAE is built from a config with random weights (nothing is downloaded): the memory depends on the shapes, not
@@ -61,10 +61,10 @@ def main() -> None:
     parser.add_argument("--base-dim", type=int, default=16)
     parser.add_argument("--size", type=int, nargs=2, default=None, help="pixel height and width")
     parser.add_argument("--frames", type=int, default=None, help="pixel frames (1 + 4k)")
-    parser.add_argument("--tiles", type=int, nargs="+", default=[256, 128], help="tile sizes (pixels) to compare")
+    parser.add_argument("--tiles", type=int, nargs="+", default=[128], help="tile sizes (pixels) to compare")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    height, width = args.size or ((480, 832) if args.real else (384, 384))
+    height, width = args.size or ((480, 832) if args.real else (256, 256))
     frames = args.frames or (81 if args.real else 33)
     dtype = getattr(torch, args.dtype)
     latents = torch.randn(1, 16, 1 + (frames - 1) // 4, height // 8, width // 8, generator=torch.Generator().manual_seed(0))

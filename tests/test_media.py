@@ -238,3 +238,51 @@ def test_fit_centre_crops_then_resizes():
     wide.paste((255, 0, 0), (10, 0, 20, 10))  # a red middle third
     out = np.asarray(fit(wide, 8, 8))
     assert out.shape == (8, 8, 3) and (out[..., 0] > 200).all()  # only the middle square is kept
+
+
+# ---- decoding and writing --------------------------------------------------------------------------------------------
+
+
+def test_vae_decode_inverts_the_normalisation(models):
+    """VAE.decode(VAE.encode(x)) is the raw VAE's decode(encode(x).mode()): shift and scale cancel exactly."""
+    for name, pixels in (("wan", torch.rand(1, 3, 5, 16, 16) * 2 - 1), ("flux", torch.rand(2, 3, 16, 16) * 2 - 1)):
+        vae = VAE(models[name])
+        raw = vae.model.decode(vae.model.encode(pixels).latent_dist.mode()).sample.clamp(-1, 1)
+        torch.testing.assert_close(vae.decode(vae.encode(pixels)), raw, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_samples_writes_videos_and_images(models, tmp_path):
+    """samples.npz latents -> MP4 + GIF per video and a GIF grid; PNG per image and a PNG grid; tiles give the same
+    shapes; a wrong VAE or a pixel-space samples.npz is a one-line error."""
+    import imageio.v3 as iio
+
+    from ringdit.media.decode import decode_samples, main
+
+    video = tmp_path / "video"
+    video.mkdir()
+    np.savez(video / "samples.npz", latents=np.random.default_rng(0).standard_normal((2, 16, 2, 2, 3)).astype(np.float32),
+             labels=np.zeros(2, np.int64))
+    written = decode_samples(video / "samples.npz", models["wan"])
+    assert {p.name for p in written} == {"samples.gif", "sample-000.mp4", "sample-000.gif", "sample-001.mp4",
+                                         "sample-001.gif"}
+    frames = iio.imread(video / "sample-001.mp4", plugin="pyav")
+    assert frames.shape == (5, 16, 24, 3)  # 1 + (2 - 1) * 4 frames of (2 * 8, 3 * 8) pixels
+    with Image.open(video / "sample-000.gif") as gif:
+        assert gif.n_frames == 5 and gif.size == (24, 16)
+    tiled = decode_samples(video / "samples.npz", models["wan"], tmp_path / "tiled", tile=8)
+    assert iio.imread(tiled[1], plugin="pyav").shape == frames.shape
+
+    image = tmp_path / "image"
+    image.mkdir()
+    np.savez(image / "samples.npz", latents=np.zeros((3, 4, 4, 4), np.float32))
+    main([str(image / "samples.npz"), f"vae={models['flux']}", f"out={tmp_path / 'pictures'}"])
+    assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
+        "sample-000.png", "sample-001.png", "sample-002.png", "samples.png"]
+    with Image.open(tmp_path / "pictures" / "sample-002.png") as picture:
+        assert picture.size == (8, 8) and picture.mode == "RGB"
+
+    with pytest.raises(ConfigError, match="latents have 4 channels but vae=.* has 16; decode with the VAE"):
+        decode_samples(image / "samples.npz", models["wan"])
+    np.savez(tmp_path / "pixels.npz", images=np.zeros((1, 8, 8, 3), np.uint8))
+    with pytest.raises(ConfigError, match="no 'latents': it was sampled in pixel space"):
+        decode_samples(tmp_path / "pixels.npz", models["wan"])
