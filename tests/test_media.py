@@ -144,6 +144,10 @@ def test_prepare_images_with_sidecar_captions(models, image_folder, tmp_path):
     data = TextLatentsDataModule(str(out), batch_size=2, val_fraction=0.25)
     assert data.describe()["text_len"] == TEXT_LEN and data.channels == 4 and data.image_size == (8, 8)
     assert data.captions() == ["a red fox", "a blue cat running", "green field", "a red sky"]
+    described = data.describe()  # what a checkpoint keeps: infer.py finds the VAE and text encoder from it
+    assert described["vae"]["class"] == "AutoencoderKL" and described["vae"]["path"] == str(models["flux"] / "vae")
+    assert described["text_encoder"]["path"] == str(models["flux"] / "text_encoder")
+    assert described["text_encoder"]["max_len"] == TEXT_LEN
 
 
 def test_prepare_videos_with_metadata_and_resume(models, video_folder, tmp_path):
@@ -286,3 +290,15 @@ def test_decode_samples_writes_videos_and_images(models, tmp_path):
     np.savez(tmp_path / "pixels.npz", images=np.zeros((1, 8, 8, 3), np.uint8))
     with pytest.raises(ConfigError, match="no 'latents': it was sampled in pixel space"):
         decode_samples(tmp_path / "pixels.npz", models["wan"])
+
+
+def test_encode_prompts_for_sampling(models):
+    """infer.py's prompt encoding: the model's text length, the empty prompt as default negative, dim checked."""
+    from ringdit.media.text import encode_prompts
+
+    cond, negative = encode_prompts(["a red fox running", "sky"], None, models["wan"], text_len=TEXT_LEN,
+                                    text_dim=16)
+    assert cond["text"].shape == (2, TEXT_LEN, 16) and cond["text_mask"].sum(1).tolist() == [5, 2]
+    assert negative["text_mask"].sum() == 1  # "" -> </s>
+    with pytest.raises(ConfigError, match="gives 16-dim states but the model was trained on 32-dim text"):
+        encode_prompts(["a"], None, models["wan"], text_len=TEXT_LEN, text_dim=32)

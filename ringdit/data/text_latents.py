@@ -179,6 +179,9 @@ class TextLatentsDataModule(ImageDataModule):
                                                  "val_fraction": self.val_fraction}}
         if self.pooled_dim is not None:
             info["pooled_dim"] = self.pooled_dim
+        for key in ("vae", "text_encoder"):  # written by prepare: how to decode samples and encode prompts
+            if key in self.shards[0].metadata:
+                info[key] = json.loads(self.shards[0].metadata[key])
         return info
 
     def build_dataset(self) -> TextLatentRows:

@@ -8,7 +8,8 @@ Resume: a shard is written to a temp file and renamed, so a shard that exists is
     the same command after an interruption.
 Skips: a file that cannot be decoded, or a clip shorter than the bucket, is left out of its shard and counted (a
     shard whose files are all skipped is not written). The counts are returned and printed at the end.
-Every shard stores the empty prompt's embedding (``null_*``), the captions, and the VAE's normalisation (``vae``).
+Every shard stores the empty prompt's embedding (``null_*``), the captions, the VAE's class, folder and
+normalisation (``vae``) and the text encoder's folders (``text_encoder``), all JSON metadata.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
     pending = [i for i in mine if not shard_path(out_dir, i).exists()]
     null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,)]
     store = DTYPES[dtype]
-    metadata = {"vae": json.dumps(codec.describe()),
+    metadata = {"vae": json.dumps(codec.describe()), "text_encoder": json.dumps(encoder.describe()),
                 "bucket": json.dumps({"height": height, "width": width, "frames": frames if videos else None,
                                       "frame_stride": frame_stride if videos else None, "source": str(input)})}
     start = time.perf_counter()

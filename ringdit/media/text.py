@@ -61,6 +61,7 @@ class TextEncoder:
         if limit is not None and max_len > limit:
             raise ConfigError(f"max_text_len={max_len} is longer than {ENCODERS[model_type]} takes ({limit} "
                               f"positions); pass max_text_len={limit} or less")
+        self.folder, self.tokenizer_folder = folder, tokenizer_folder
         self.max_len, self.device = max_len, torch.device(device)
         self.pooled = model_type.startswith("clip")
         self.dim = int(getattr(self.model.config, "d_model", None) or self.model.config.hidden_size)
@@ -77,3 +78,26 @@ class TextEncoder:
         if self.pooled:
             cond["pooled"] = out.pooler_output.float().cpu()  # (N, P)
         return cond
+
+    def describe(self) -> dict:
+        """What a shard records as its ``text_encoder`` metadata key (so sampling can encode prompts the same way)."""
+        return {"class": type(self.model).__name__, "path": str(self.folder.resolve()),
+                "tokenizer": str(self.tokenizer_folder.resolve()), "max_len": self.max_len, "dim": self.dim,
+                "pooled": self.pooled}
+
+
+def encode_prompts(prompts: list[str], negative_prompt: str | None, text_encoder: str | Path,
+                   tokenizer: str | Path | None = None, *, text_len: int, text_dim: int,
+                   device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """infer.py's prompts: (cond (N, ...), negative (1, ...)) as the model was trained on them.
+
+    ``text_len`` / ``text_dim`` are the training data's (its ``describe()``); the negative prompt defaults to the
+    empty prompt, which is what the condition drop trained the model to read as "no condition".
+    """
+    encoder = TextEncoder(text_encoder, tokenizer, max_len=text_len, device=device)
+    if encoder.dim != text_dim:
+        raise ConfigError(f"text_encoder={text_encoder} gives {encoder.dim}-dim states but the model was trained on "
+                          f"{text_dim}-dim text; pass the text encoder the training data was prepared with")
+    if isinstance(prompts, str) or not prompts:
+        raise ConfigError(f"prompts must be a non-empty list of strings, got {prompts!r}; e.g. prompts='[a red fox]'")
+    return encoder([str(p) for p in prompts]), encoder([negative_prompt or ""])
