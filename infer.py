@@ -26,8 +26,8 @@ from ringdit.config import (
     group_targets,
     read_weights_file,
     register_resolvers,
-    resolve_sampling_ckpt,
     require_positive,
+    resolve_sampling_ckpt,
     user_errors,
     validate_parallel,
 )

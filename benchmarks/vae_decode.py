@@ -67,7 +67,8 @@ def main() -> None:
     height, width = args.size or ((480, 832) if args.real else (256, 256))
     frames = args.frames or (81 if args.real else 33)
     dtype = getattr(torch, args.dtype)
-    latents = torch.randn(1, 16, 1 + (frames - 1) // 4, height // 8, width // 8, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 16, 1 + (frames - 1) // 4, height // 8, width // 8, generator=generator)  # (1, C, T, H, W)
 
     with tempfile.TemporaryDirectory() as folder:
         build(Path(folder), args.real, args.base_dim)
@@ -88,7 +89,8 @@ def main() -> None:
     for name, result in rows:
         allocator = f"{result['allocator_peak'] / MiB:.0f}" if "allocator_peak" in result else "-"
         diff = (result["pixels"] - reference).abs().max().item()
-        print(f"{name:<16} {result['tensor_peak'] / MiB:>17.0f} {allocator:>14} {result['seconds']:>8.2f} {diff:>11.3f}")
+        peak, seconds = result["tensor_peak"] / MiB, result["seconds"]
+        print(f"{name:<16} {peak:>17.0f} {allocator:>14} {seconds:>8.2f} {diff:>11.3f}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ TEXT_LEN = 8
 def models(tmp_path_factory) -> dict[str, Path]:
     """A pipeline-shaped folder (vae/, text_encoder/, tokenizer/) per VAE kind, as Wan's and Flux's repos are."""
     from diffusers import AutoencoderKL, AutoencoderKLWan
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from tokenizers import models as tok_models
     from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
     torch.manual_seed(0)
@@ -208,7 +209,7 @@ def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp
         run(video_folder, models["flux"], caption_column="caption")
     with pytest.raises(ConfigError, match="not a diffusers VAE folder: no config.json"):
         run(video_folder, models["not_a_vae"], caption_column="caption")
-    with pytest.raises(ConfigError, match="frames=6: AutoencoderKLWan encodes 1 \\+ k \\* 4 frames; pass e.g. frames=5"):
+    with pytest.raises(ConfigError, match=r"frames=6: AutoencoderKLWan encodes 1 \+ k \* 4 frames; pass e.g. frames=5"):
         run(video_folder, models["wan"], caption_column="caption", frames=6)
     with pytest.raises(ConfigError, match="resolution=12x12: .* multiples of the VAE's downsampling factor 8"):
         prepare(str(video_folder), str(tmp_path / "o"), str(models["wan"]), str(models["wan"]), resolution=12,
@@ -264,8 +265,8 @@ def test_decode_samples_writes_videos_and_images(models, tmp_path):
 
     video = tmp_path / "video"
     video.mkdir()
-    np.savez(video / "samples.npz", latents=np.random.default_rng(0).standard_normal((2, 16, 2, 2, 3)).astype(np.float32),
-             labels=np.zeros(2, np.int64))
+    latents = np.random.default_rng(0).standard_normal((2, 16, 2, 2, 3)).astype(np.float32)  # (N, C, T', H', W')
+    np.savez(video / "samples.npz", latents=latents, labels=np.zeros(2, np.int64))
     written = decode_samples(video / "samples.npz", models["wan"])
     assert {p.name for p in written} == {"samples.gif", "sample-000.mp4", "sample-000.gif", "sample-001.mp4",
                                          "sample-001.gif"}

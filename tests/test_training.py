@@ -181,9 +181,9 @@ def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
                             f"hydra.run.dir={tmp_path / 'x'}"], cwd=REPO, capture_output=True, text=True,
                            env={**os.environ, "HYDRA_FULL_ERROR": ""})
     assert empty.returncode == 2 and "Traceback" not in empty.stderr
-    assert empty.stderr.splitlines()[0] == (f"Error: ckpt_path=last: no training run under {tmp_path / 'none' / 'train'} "
-                                            f"(no checkpoints/last.ckpt); train one with `python train.py`, or pass "
-                                            f"ckpt_path=PATH to a .ckpt or .safetensors")
+    assert empty.stderr.splitlines()[0] == (
+        f"Error: ckpt_path=last: no training run under {tmp_path / 'none' / 'train'} (no checkpoints/last.ckpt); "
+        f"train one with `python train.py`, or pass ckpt_path=PATH to a .ckpt or .safetensors")
 
 
 def sample_under_layouts(rank, world, ckpt):

@@ -46,5 +46,6 @@ def write_media(pixels: np.ndarray, out_dir: str | Path, fps: int = 16, prefix: 
             Image.fromarray(sample[..., 0] if sample.shape[-1] == 1 else sample).save(name.with_suffix(".png"))
             written.append(name.with_suffix(".png"))
         else:
-            written += [write_mp4(sample, name.with_suffix(".mp4"), fps), write_gif(sample, name.with_suffix(".gif"), fps)]
+            written += [write_mp4(sample, name.with_suffix(".mp4"), fps),
+                        write_gif(sample, name.with_suffix(".gif"), fps)]
     return written
