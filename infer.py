@@ -5,13 +5,16 @@
     python infer.py ckpt_path=weights.safetensors labels=[3,3,7] cfg_scale=2 steps=100 ring_degree=2
 
 Writes samples.png (videos: samples.gif) and samples.npz (images uint8 (N, [T,] H, W, C), labels int64 (N,)) into
-the run's output directory. Sample i starts from noise seeded by seed + i, so the same seed gives the same samples
-for any ring / Ulysses / data-parallel layout.
+the run's output directory. A model trained on latents writes latents to samples.npz; with vae=FOLDER (default: the
+VAE its data was prepared with, when that folder exists) they are decoded beside it: samples.png + sample-000.png
+... for images, samples.gif + sample-000.mp4 / .gif ... for videos (ringdit.media). Sample i starts from noise
+seeded by seed + i, so the same seed gives the same samples for any ring / Ulysses / data-parallel layout.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import hydra
 import lightning as L
@@ -31,6 +34,7 @@ from ringdit.config import (
     user_errors,
     validate_parallel,
 )
+from ringdit.media.decode import decode_samples, latents_normalised, sampling_vae
 from ringdit.sampling import SampleRequests, SampleWriter, resolve_labels
 from ringdit.training import DiTModule
 
@@ -50,6 +54,7 @@ def prepare(cfg: DictConfig):
         raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not say which model it holds (no {', '.join(missing)}): "
                           f"sample from a ringdit checkpoint (.ckpt) or export (.safetensors), or fine-tune it "
                           f"first with init_from")
+    cfg.vae = sampling_vae(cfg.vae, cfg.vae_subfolder, info["data"])
     meta_model = build_on_meta(info["model"], cfg.ulysses_degree)
     check_weights_file("ckpt_path", cfg.ckpt_path, meta_model, state=state)
     del state
@@ -73,6 +78,13 @@ def main(cfg: DictConfig) -> None:
     with user_errors():  # a mistake in the settings: one line, exit code 2
         trainer, module, requests = prepare(cfg)
     trainer.predict(module, dataloaders=requests, return_predictions=False)
+    if cfg.vae and trainer.is_global_zero:
+        samples = Path(cfg.paths.output_dir) / "samples.npz"
+        with user_errors():
+            written = decode_samples(samples, cfg.vae, vae_subfolder=cfg.vae_subfolder, fps=cfg.fps,
+                                     tile=cfg.vae_tile, device=str(trainer.strategy.root_device),
+                                     normalised=latents_normalised(module.hparams.data))
+        log.info("decoded with vae=%s: %s", cfg.vae, ", ".join(p.name for p in written))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Decode sampled latents with their VAE and write pictures / videos.
 
     python -m ringdit.media.decode outputs/infer/runs/<run>/samples.npz vae=Wan2.1-T2V [out=FOLDER fps=16 tile=256]
+    python -m ringdit.media.decode samples.npz vae=sd-vae normalised=false    # a data=latents model (raw latents)
 
 reads ``latents`` float32 (N, C, [T,] H, W) from samples.npz (what infer.py writes for a latent-space model),
 inverts the VAE normalisation the data was prepared with (ringdit/media/vae.py), decodes one sample at a time
@@ -24,15 +25,15 @@ from ringdit.media.writing import write_media
 log = logging.getLogger("ringdit.media.decode")
 
 
-def decode_latents(latents: torch.Tensor, vae: VAE) -> np.ndarray:
-    """(N, C, [T,] H, W) normalised latents -> uint8 pixels (N, [T,] H, W, 3), one sample at a time (each becomes
-    uint8 at once, so a batch of long videos never sits in memory as float32)."""
+def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True) -> np.ndarray:
+    """(N, C, [T,] H, W) latents -> uint8 pixels (N, [T,] H, W, 3), one sample at a time (each becomes uint8 at
+    once, so a batch of long videos never sits in memory as float32). ``normalised``: see ``VAE.decode``."""
     if vae.is_video and latents.ndim == 4:
         latents = latents[:, :, None]  # (N, C, 1, H, W): an image latent of a video VAE
     if latents.shape[1] != vae.shift.numel():
         raise ValueError(f"latents have {latents.shape[1]} channels but vae={vae.folder} has "
                          f"{vae.shift.numel()}; decode with the VAE the training data was prepared with")
-    pixels = [to_uint8(vae.decode(sample[None])) for sample in latents]  # each (1, [T,] H, W, 3)
+    pixels = [to_uint8(vae.decode(sample[None], normalised)) for sample in latents]  # each (1, [T,] H, W, 3)
     decoded = torch.cat(pixels).numpy()
     if vae.is_video and decoded.shape[1] == 1:
         decoded = decoded[:, 0]  # one-frame videos are images
@@ -41,8 +42,10 @@ def decode_latents(latents: torch.Tensor, vae: VAE) -> np.ndarray:
 
 def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None = None, *,
                    vae_subfolder: str | None = "vae", fps: int = 16, tiling: bool = True, tile: int | None = None,
-                   device: str = "cpu") -> list[Path]:
-    """samples.npz (its ``latents``) -> media files in ``out`` (default: samples.npz's folder)."""
+                   device: str = "cpu", normalised: bool = True) -> list[Path]:
+    """samples.npz (its ``latents``) -> media files in ``out`` (default: samples.npz's folder). ``normalised``:
+    the latents are as prepare stores them (data=text_latents); false for data=latents, whose samples are the raw
+    VAE latents (infer.py already divides by data.scale)."""
     from ringdit.errors import ConfigError
 
     path = Path(str(samples)).expanduser()
@@ -55,13 +58,13 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
         latents = torch.from_numpy(stored["latents"])
     codec = VAE(vae, vae_subfolder, device=device, tiling=tiling, tile=tile)
     try:
-        pixels = decode_latents(latents, codec)
+        pixels = decode_latents(latents, codec, normalised)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return write_media(pixels, Path(str(out)).expanduser() if out else path.parent, fps=fps)
 
 
-DEFAULTS = dict(vae=None, out=None, vae_subfolder="vae", fps=16, tiling=True, tile=None, device="cpu")
+DEFAULTS = dict(vae=None, out=None, vae_subfolder="vae", fps=16, tiling=True, tile=None, device="cpu", normalised=True)
 USAGE = "python -m ringdit.media.decode samples.npz vae=FOLDER [out=FOLDER fps=16 tiling=true tile=256]"
 
 
@@ -82,3 +85,28 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def sampling_vae(vae: str | None, subfolder: str | None, data_info: dict) -> str | None:
+    """infer.py's ``vae``: the given folder (checked now, before sampling), else the VAE the training data was
+    prepared with when that folder exists here, else None (samples.npz only)."""
+    from ringdit.errors import ConfigError
+    from ringdit.media.vae import vae_folder
+
+    if vae:
+        if "latent_scale" not in data_info:
+            raise ConfigError(f"vae={vae}: this model samples pixels (it was not trained on latents), so there is "
+                              f"nothing to decode; drop vae=")
+        vae_folder(vae, subfolder)  # a wrong folder fails before minutes of sampling
+        return str(vae)
+    prepared = (data_info.get("vae") or {}).get("path")
+    if prepared and Path(prepared).is_dir():
+        log.info("decoding with the VAE the training data was prepared with: %s", prepared)
+        return prepared
+    return None
+
+
+def latents_normalised(data_info: dict) -> bool:
+    """Whether a model's sampled latents are VAE-normalised (data=text_latents, as prepare stores them) rather than
+    raw VAE latents (data=latents: infer.py divides by data.scale)."""
+    return "vae" in data_info or data_info.get("conditioning") == "text"

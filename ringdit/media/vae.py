@@ -94,10 +94,11 @@ class VAE:
         return (latents - self._view(self.shift, latents)) * self._view(self.scale, latents)
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents (B, C, [T',] H', W') -> pixels (B, 3, [T,] H, W) in [-1, 1], float32 on the CPU."""
+    def decode(self, latents: torch.Tensor, normalised: bool = True) -> torch.Tensor:
+        """Latents (B, C, [T',] H', W') -> pixels (B, 3, [T,] H, W) in [-1, 1], float32 on the CPU. ``normalised``:
+        as prepare stores them (the normalisation is inverted first), else the VAE's raw latents."""
         latents = latents.float().to(self.device)
-        raw = latents / self._view(self.scale, latents) + self._view(self.shift, latents)
+        raw = latents / self._view(self.scale, latents) + self._view(self.shift, latents) if normalised else latents
         return self.model.decode(raw.to(self.dtype)).sample.float().clamp(-1, 1).cpu()
 
     @staticmethod
