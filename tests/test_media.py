@@ -274,7 +274,7 @@ def test_decode_samples_writes_videos_and_images(models, tmp_path):
     assert frames.shape == (5, 16, 24, 3)  # 1 + (2 - 1) * 4 frames of (2 * 8, 3 * 8) pixels
     with Image.open(video / "sample-000.gif") as gif:
         assert gif.n_frames == 5 and gif.size == (24, 16)
-    tiled = decode_samples(video / "samples.npz", models["wan"], tmp_path / "tiled", tile=8)
+    tiled = decode_samples(video / "samples.npz", models["wan"], tmp_path / "tiled", tile=16)
     assert iio.imread(tiled[1], plugin="pyav").shape == frames.shape
 
     image = tmp_path / "image"
