@@ -93,6 +93,9 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if rank is None or world_size is None:
         rank, world_size = rank_and_world()
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} of world size {world_size} (RANK / WORLD_SIZE) is not a valid process; "
+                          f"launch with torchrun, or unset both for one process")
     items = list_media(input, caption_column)
     videos = [item for item in items if item.is_video]
     if videos and len(videos) < len(items):
