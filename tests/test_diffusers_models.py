@@ -59,6 +59,12 @@ def assert_grads_match(grads, reference, rtol=1e-4):
 def check_wan_layouts(rank, world):
     for ring, ulysses in LAYOUTS:
         init_sequence_parallel(ring, ulysses)
+        if ring > 1:  # the layers are USPAttention: a backend without the LSE is refused at construction
+            from ringdit.models.diffusers import DiffusersTransformer
+
+            with pytest.raises(RuntimeError, match=r"Ring Attention requires a backend whose kernel exposes the "
+                                                   r"softmax LSE for the per-hop merge; TORCH_SDPA does not declare"):
+                DiffusersTransformer("wan", config=WAN_TINY, attention_backend="torch_sdpa")
         for shape in SHAPES:
             reference, model, (x, t, text), dout = wan_case(shape)
             ref_out, ref_grads = forward_backward(

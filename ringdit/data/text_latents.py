@@ -218,6 +218,35 @@ class TextLatentsDataModule(ImageDataModule):
         return names
 
 
+def read_prompts(path: str, setting: str = "text_embeds") -> tuple[dict[str, Tensor], list[str] | None]:
+    """Prompt embeddings from a file in this format (``latents`` not needed): ``text`` (N, L, D) [+ ``text_mask``,
+    ``pooled``] and the ``captions`` metadata if present. Returns the conditioning batch and the captions."""
+    from safetensors import SafetensorError, safe_open
+
+    file = Path(os.path.expanduser(str(path)))
+    if not file.is_file() or file.suffix != ".safetensors":
+        raise ValueError(f"{setting}={path} is not a .safetensors file; give one holding text (N, L, D) embeddings "
+                         f"(and optionally text_mask (N, L), pooled (N, P)): a text_latents shard works")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            if "text" not in keys:
+                raise ValueError(f"{setting}={path} has no tensor 'text' (it holds {sorted(keys)})")
+            values = {key: f.get_tensor(key) for key in ("text", "text_mask", "pooled") if key in keys}
+            metadata = f.metadata() or {}
+    except SafetensorError as error:
+        raise ValueError(f"{setting}={path} is not a readable .safetensors file ({error})") from None
+    if values["text"].dim() != 3 or not values["text"].is_floating_point():
+        raise ValueError(f"{setting}={path}: text has shape {tuple(values['text'].shape)} "
+                         f"({values['text'].dtype}); expected float (N, L, D)")
+    conds = [condition_of(values, row) for row in range(values["text"].shape[0])]
+    try:
+        captions = [str(c) for c in json.loads(metadata["captions"])] if "captions" in metadata else None
+    except json.JSONDecodeError:
+        raise ValueError(f"{setting}={path}: the captions metadata is not valid JSON") from None
+    return {key: torch.stack([c[key] for c in conds]) for key in conds[0]}, captions
+
+
 def _text_latents_path(path) -> Path:
     if path is None or str(path) == "":
         raise ValueError(f"data.path is not set; pass data.path=... ({LAYOUT}), or use data=synthetic_text_latents")

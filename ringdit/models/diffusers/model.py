@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from ringdit.errors import ConfigError
@@ -52,12 +53,14 @@ class DiffusersTransformer(nn.Module):
         if not 0 <= condition_dropout_prob < 1:
             raise ValueError(f"model.condition_dropout_prob must be in [0, 1), got {condition_dropout_prob}")
         self.family: Family = get_family(family)
+        if OmegaConf.is_config(config):  # Hydra passes nested settings as DictConfig; diffusers wants plain values
+            config = OmegaConf.to_container(config, resolve=True)
         self.transformer = build_transformer(self.family, config, pretrained, subfolder)
         arch = self.transformer.config
         self.in_channels = arch.in_channels
         self.condition_dropout_prob = condition_dropout_prob
         self.input_size = tuple(input_size) if input_size is not None else None
-        patch = tuple(arch.patch_size) if isinstance(arch.patch_size, (list, tuple)) else (arch.patch_size,) * 2
+        patch = (arch.patch_size,) * 2 if isinstance(arch.patch_size, int) else tuple(arch.patch_size)
         self.patch_size = patch
         if self.input_size is not None:
             check_latent_shape(self.input_size, patch, in_channels, arch.in_channels)
@@ -99,6 +102,26 @@ class DiffusersTransformer(nn.Module):
     def tokens_per_sample(self) -> int:
         return math.prod(self.default_grid)
 
+    def load_pretrained_weights(self, pretrained: str, subfolder: str | None = "transformer") -> None:
+        """Fine-tune from a local diffusers folder of the same architecture (``init_from=<folder>``)."""
+        loaded = build_transformer(self.family, None, pretrained, subfolder, setting="init_from")
+        self.transformer.load_state_dict(loaded.state_dict(), strict=True)
+
+    def check_pretrained(self, pretrained: str, subfolder: str | None = "transformer") -> None:
+        """Raise a ConfigError unless ``pretrained`` holds this family's model with the same architecture."""
+        folder = pretrained_folder(self.family, pretrained, subfolder, setting="init_from")
+        config = read_config(self.family, folder, pretrained, setting="init_from")
+        ours = {key: value for key, value in self.transformer.config.items() if not key.startswith("_")}
+        differing = sorted(key for key in config if key in ours and _plain(config[key]) != _plain(ours[key]))
+        if differing:
+            details = ", ".join(f"{key}={config[key]!r} vs {ours[key]!r}" for key in differing[:6])
+            raise ConfigError(f"init_from={pretrained} is another {self.family.model_class} architecture than "
+                              f"the model ({details}); pick the model preset that matches it, or model.pretrained")
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
 
 # ---- building ----------------------------------------------------------------------------------------------------
 
@@ -109,46 +132,50 @@ def diffusers_class(family: Family) -> type[nn.Module]:
     return getattr(diffusers, family.model_class)
 
 
-def build_transformer(family: Family, config: dict | None, pretrained: str | None, subfolder: str | None) -> nn.Module:
+def build_transformer(family: Family, config: dict | None, pretrained: str | None, subfolder: str | None,
+                      setting: str = "model.pretrained") -> nn.Module:
     cls = diffusers_class(family)
     if pretrained is None:
         if not config:
             raise ConfigError(f"model: give model.pretrained=<local diffusers folder> or an architecture model.config "
                               f"(e.g. model=wan_tiny)")
         return cls.from_config(dict(config))
-    folder = pretrained_folder(family, pretrained, subfolder)
+    folder = pretrained_folder(family, pretrained, subfolder, setting)
+    arch = read_config(family, folder, pretrained, setting)
     if torch.empty(0).device.type == "meta":  # a config-time check (train.py builds on meta): shapes only
-        return cls.from_config(read_config(family, folder, pretrained))
+        return cls.from_config(arch)
     try:
         return cls.from_pretrained(str(folder), local_files_only=True, torch_dtype=torch.float32)
     except (OSError, ValueError, RuntimeError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ConfigError(f"model.pretrained={pretrained}: could not load the weights in {folder}: {first}") from None
+        raise ConfigError(f"{setting}={pretrained}: could not load the weights in {folder}: {first}") from None
 
 
-def pretrained_folder(family: Family, pretrained: str, subfolder: str | None) -> Path:
+def pretrained_folder(family: Family, pretrained: str, subfolder: str | None, setting: str = "model.pretrained"
+                      ) -> Path:
     root = Path(pretrained).expanduser()
     if not root.is_dir():
-        raise ConfigError(f"model.pretrained={pretrained} is not a folder; give a local diffusers folder (as "
-                          f"saved by save_pretrained or downloaded with huggingface-cli; nothing is downloaded here)")
+        raise ConfigError(f"{setting}={pretrained} is not a folder; give a local diffusers folder (as saved by "
+                          f"save_pretrained or downloaded with huggingface-cli; nothing is downloaded here)")
     folder = root / subfolder if subfolder else root
     if not (folder / "config.json").is_file():
         where = f"{subfolder}/config.json" if subfolder else "config.json"
-        raise ConfigError(f"model.pretrained={pretrained} has no {where}: not a diffusers {family.model_class} folder"
+        raise ConfigError(f"{setting}={pretrained} has no {where}: not a diffusers {family.model_class} folder"
                           + (" (if the folder is the transformer itself, set model.subfolder=null)" if subfolder else ""))
     return folder
 
 
-def read_config(family: Family, folder: Path, pretrained: str) -> dict:
+def read_config(family: Family, folder: Path, pretrained: str, setting: str = "model.pretrained") -> dict:
+    """The architecture in ``folder/config.json`` (plain JSON data: nothing in it is imported or run)."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"model.pretrained={pretrained}: {folder / 'config.json'} is not valid JSON ({error})") from None
+        raise ConfigError(f"{setting}={pretrained}: {folder / 'config.json'} is not valid JSON ({error})") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"model.pretrained={pretrained}: {folder / 'config.json'} is not a JSON object")
+        raise ConfigError(f"{setting}={pretrained}: {folder / 'config.json'} is not a JSON object")
     kind = config.get("_class_name", family.model_class)
     if kind != family.model_class:
-        raise ConfigError(f"model.pretrained={pretrained} holds a {kind}, not a {family.model_class} "
+        raise ConfigError(f"{setting}={pretrained} holds a {kind}, not a {family.model_class} "
                           f"(model.family={family.name}); pick the model preset that matches the folder")
     return {key: value for key, value in config.items() if not key.startswith("_")}
 
