@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import imageio.v3 as iio
 import numpy as np
+import pytest
 
 from ringdit.media.prepare import prepare
 from tests.test_media import TEXT_LEN, models, write_video  # noqa: F401 - models is a fixture
@@ -14,6 +15,7 @@ from tests.test_training import run
 CAPTIONS = ["a red fox running", "a blue cat", "green field", "a red sky"]
 
 
+@pytest.mark.timeout(900)  # three stages, two of them new processes importing diffusers
 def test_prepare_train_and_sample_from_prompts(models, tmp_path):  # noqa: F811
     clips = tmp_path / "clips"
     clips.mkdir()
@@ -27,8 +29,10 @@ def test_prepare_train_and_sample_from_prompts(models, tmp_path):  # noqa: F811
 
     env = {"HF_HUB_OFFLINE": "1"}
     run("train.py", tmp_path / "run", "experiment=wan_tiny", "data=text_latents", f"data.path={data}",
+        "model.config.in_channels=16", "model.config.out_channels=16",  # the tiny Wan VAE's z_dim
         "data.batch_size=4", "data.val_fraction=0.25", "trainer.max_steps=2", "logger=csv", "scheduler=constant",
-        "callbacks.model_checkpoint.every_n_train_steps=2", "trainer.val_check_interval=2", env=env)
+        "callbacks.model_checkpoint.every_n_train_steps=2", "trainer.val_check_interval=2",
+        "callbacks.sample_grid.steps=2", "callbacks.sample_grid.per_class=1", env=env)
     out = tmp_path / "infer"
     run("infer.py", out, f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}", "num_samples=3",
         "steps=2", "prompts=['a red fox running','a blue cat']", "negative_prompt=sky", env=env)
