@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.attention import validate_attention_config
 from ringdit.errors import ConfigError
+from ringdit.models.diffusers.families import get_family
 from ringdit.parallel import check_degrees, check_heads_divisible
 from ringdit.weights import LABEL_TABLE, CheckpointError, check_compatible, read_weights, resize_label_embedding
 
@@ -113,8 +114,17 @@ def model_config(model_cfg: DictConfig | dict, data_info: dict) -> dict:
         if not text_data:
             raise ConfigError(f"model.family={config['family']} is conditioned on text, but the data gives class "
                               f"labels; use data=text_latents (or data=synthetic_text_latents)")
+        video_data, family = len(data_info["image_size"]) == 3, get_family(config["family"])
+        if video_data != family.video:
+            raise ConfigError(f"the data gives {'videos (T, H, W)' if video_data else 'images (H, W)'} = "
+                              f"{list(data_info['image_size'])} but model.family={family.name} is a "
+                              f"{'video' if family.video else 'image'} model")
+        if family.pooled_dim is not None and not data_info.get("pooled_dim"):
+            raise ConfigError(f"model.family={family.name} takes a pooled text embedding, but the data has none; "
+                              f"encode the captions with the model's pooled text encoder too (text_latents 'pooled')")
         return {**config, "input_size": list(data_info["image_size"]), "in_channels": data_info["channels"],
-                "text_len": data_info["text_len"], "text_dim": data_info["text_dim"]}
+                "text_len": data_info["text_len"], "text_dim": data_info["text_dim"],
+                "pooled_dim": data_info.get("pooled_dim")}
     if text_data:
         raise ConfigError("the data is text-conditioned (data=text_latents) but the model is the class-conditional "
                           "DiT; use a text-to-video / text-to-image model: model=wan_tiny, model=wan ...")

@@ -42,9 +42,10 @@ def classifier_free_guidance(model: Model, condition: Condition, null: int | Con
 
 
 def _cat_conditions(first: Condition, second: Condition) -> Condition:
-    """Stack two conditions along the batch: tensors, or dicts of tensors key by key."""
+    """Stack two conditions along the batch: tensors, or dicts of tensors key by key (a key the second lacks, such as
+    a guidance-distilled model's guidance, is shared by both halves)."""
     if isinstance(first, dict):
-        return {key: torch.cat([first[key], second[key].to(first[key]).expand_as(first[key])]) for key in first}
+        return {key: torch.cat([value, second.get(key, value).to(value).expand_as(value)]) for key, value in first.items()}
     return torch.cat([first, second])
 
 

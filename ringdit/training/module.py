@@ -108,7 +108,7 @@ class DiTModule(L.LightningModule):
         if self.text_conditioned and self._trainer is not None and self.trainer.datamodule is not None:
             # the empty prompt's embedding: the condition drop's replacement and the default negative prompt (a
             # resumed run restores the checkpoint's own after this)
-            self.model.set_null_condition(self.trainer.datamodule.null_condition()["text"])
+            self.model.set_null_condition(self.trainer.datamodule.null_condition())
         if self.optimizer_factory is not None:  # training keeps an EMA of the weights; sampling uses what it loaded
             self.ema = AveragedModel(self.model, multi_avg_fn=ema_update(self.hparams.ema_decay), use_buffers=True)
             self.ema.requires_grad_(False)

@@ -39,6 +39,8 @@ class SequenceState:
 
     def __init__(self):
         self.length: int | None = None
+        self.text_length = 0  # joint attention: the replicated text tokens leading the sequence
+        self.text_mask: Tensor | None = None  # (B, text_length) bool, True on real tokens
 
     def record(self, length: int) -> None:
         if self.length is None:
@@ -63,13 +65,22 @@ def parallelize(model: nn.Module, plan: ParallelPlan, backend: str | AttentionBa
     model.register_forward_pre_hook(_start_sequence)
 
     self_attention = _matching(model, plan.self_attention, "self_attention")
+    joint_attention = _matching(model, plan.joint_attention, "joint_attention")
     cross_attention = _matching(model, plan.cross_attention, "cross_attention")
-    for name in self_attention.keys() & cross_attention.keys():
-        raise ValueError(f"the parallel plan names {name} as both self- and cross-attention")
-    for module in self_attention.values():
+    for name in (self_attention.keys() | joint_attention.keys()) & cross_attention.keys():
+        raise ValueError(f"the parallel plan names {name} as both sharded and cross-attention")
+    for name, module in {**self_attention, **joint_attention}.items():
         _route(module, USPAttention(module.heads, _head_dim(module), backend=backend), state)
+        module._ringdit_joint = name in joint_attention
     for module in cross_attention.values():
         _route(module, LocalAttention(backend), state)
+    if joint_attention and plan.text_prefix is None:
+        raise ValueError("a plan with joint_attention must name its text_prefix input")
+    if plan.text_prefix is not None:
+        name, key, dim = plan.text_prefix
+        for module in _matching(model, (name,), "text_prefix").values():
+            module._ringdit_sequence = state
+            module.register_forward_pre_hook(partial(_record_text, key, dim, plan.text_mask), with_kwargs=True)
 
     for name, module in _matching(model, plan.split_inputs, "split_inputs").items():
         module._ringdit_sequence = state
@@ -100,14 +111,36 @@ class LocalAttention(nn.Module):
         return local_attention(self.backend, query, key, value, softmax_scale=softmax_scale)
 
 
-def _attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+def _attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scale: float | None,
+            attn_mask: Tensor | None = None) -> Tensor:
     """``module``'s ringdit attention of ``(B, S, H, D)`` tensors (the sequence dim sharded for self-attention)."""
     attention = module.ringdit_attention
+    state = module._ringdit_sequence
+    joint = getattr(module, "_ringdit_joint", False)
+    text_mask = _text_mask_of(attn_mask, state.text_length) if joint and attn_mask is not None else state.text_mask
+    if attn_mask is not None and not joint:
+        raise NotImplementedError(f"{type(module).__name__} passes an attention mask; ringdit takes masks only on "
+                                  f"the text keys of joint attention (plan it as joint_attention)")
     if isinstance(attention, LocalAttention):
         return attention(query, key, value, softmax_scale=scale)
     _check_scale(scale, attention.softmax_scale)
     sharded = current_parallel_dims().sp_degree > 1
-    return attention(query, key, value, valid_len=module._ringdit_sequence.length if sharded else None)
+    if joint:  # [text ; image]: the text replicated, the image sharded
+        return attention(query, key, value, valid_len=state.length if sharded else None,
+                         joint_prefix=state.text_length, prefix_mask=text_mask)
+    return attention(query, key, value, valid_len=state.length if sharded else None)
+
+
+def _text_mask_of(attn_mask: Tensor, text_length: int) -> Tensor | None:
+    """A joint attention's key mask ``(B, 1, 1, text + image)`` (QwenImage's) as the text keys' mask ``(B, text)``:
+    the image keys must all be attended (their padding is ringdit's, handled by ``valid_len``)."""
+    keys = attn_mask.reshape(attn_mask.shape[0], -1)
+    if attn_mask.dtype != torch.bool or keys.shape[1] != attn_mask.shape[-1]:
+        raise NotImplementedError("ringdit takes a joint attention mask only as a boolean key mask (B, 1, 1, keys)")
+    if not bool(keys[:, text_length:].all()):
+        raise NotImplementedError("ringdit takes masks on the text keys only; this model masks image keys")
+    text_mask = keys[:, :text_length]
+    return None if bool(text_mask.all()) else text_mask
 
 
 def _check_scale(scale: float | None, expected: float) -> None:
@@ -148,9 +181,9 @@ def _install_router(processor_module: str) -> None:
         module = _active_module.get()
         if module is None:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
-        if attn_mask is not None or dropout_p or is_causal:
-            raise NotImplementedError("ringdit attention takes no attention mask, dropout or causal masking here")
-        return _attend(module, query, key, value, scale)
+        if dropout_p or is_causal:
+            raise NotImplementedError("ringdit attention takes no dropout or causal masking")
+        return _attend(module, query, key, value, scale, attn_mask)
 
     dispatch_attention_fn._ringdit_router = True
     namespace.dispatch_attention_fn = dispatch_attention_fn
@@ -172,6 +205,23 @@ def _gather(value: Tensor, dim: int, state: SequenceState) -> Tensor:
     if current_parallel_dims().sp_degree == 1:
         return value
     return gather_sequence(value, dim=dim, length=state.length)
+
+
+def _input(args: tuple, kwargs: dict, key: Key):
+    if isinstance(key, int):
+        return args[key] if key < len(args) else None
+    return kwargs.get(key)
+
+
+def _record_text(key: Key, dim: int, mask: tuple[str, Key] | None, module: nn.Module, args: tuple, kwargs: dict):
+    """Remember how many replicated text tokens lead the joint sequence (and which are real) in this forward."""
+    state = module._ringdit_sequence
+    state.text_length = _input(args, kwargs, key).shape[dim]
+    state.text_mask = None
+    if mask is not None and _input(args, kwargs, mask[1]) is not None:
+        state.text_mask = _input(args, kwargs, mask[1]).bool()
+        if bool(state.text_mask.all()):  # all real: the unmasked path needs no per-sample work
+            state.text_mask = None
 
 
 def _split_inputs(keys: dict[Key, int], module: nn.Module, args: tuple, kwargs: dict):

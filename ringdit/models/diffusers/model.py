@@ -45,7 +45,9 @@ class DiffusersTransformer(nn.Module):
         in_channels: int | None = None,
         text_len: int | None = None,
         text_dim: int | None = None,
+        pooled_dim: int | None = None,
         condition_dropout_prob: float = 0.1,
+        guidance: float | None = None,
         attention_backend: str | None = None,
         gradient_checkpointing: bool = False,
     ):
@@ -56,20 +58,26 @@ class DiffusersTransformer(nn.Module):
         if OmegaConf.is_config(config):  # Hydra passes nested settings as DictConfig; diffusers wants plain values
             config = OmegaConf.to_container(config, resolve=True)
         self.transformer = build_transformer(self.family, config, pretrained, subfolder)
-        arch = self.transformer.config
-        self.in_channels = arch.in_channels
+        arch = dict(self.transformer.config)
+        self.in_channels = self.family.latent_channels(arch)  # of the latents ringdit sees
         self.condition_dropout_prob = condition_dropout_prob
+        self.guidance = guidance
+        if arch.get("guidance_embeds") and guidance is None:
+            raise ConfigError(f"model.guidance is not set: this {self.family.model_class} is guidance-distilled "
+                              f"(guidance_embeds); set it, e.g. model.guidance=3.5 for sampling, 1.0 to fine-tune")
         self.input_size = tuple(input_size) if input_size is not None else None
-        patch = (arch.patch_size,) * 2 if isinstance(arch.patch_size, int) else tuple(arch.patch_size)
-        self.patch_size = patch
+        self.patch_size = self.family.patch_shape(arch)
         if self.input_size is not None:
-            check_latent_shape(self.input_size, patch, in_channels, arch.in_channels)
-            self.default_grid = tuple(s // p for s, p in zip(self.input_size, patch))
-        text_len, text_dim = text_len or 1, text_dim or arch.text_dim
-        if text_dim != arch.text_dim:
-            raise ConfigError(f"the data's text embeddings have width {text_dim} but model.config.text_dim is "
-                              f"{arch.text_dim}: encode the captions with the model's own text encoder")
+            check_latent_shape(self.input_size, self.patch_size, in_channels, self.in_channels)
+            self.default_grid = tuple(s // p for s, p in zip(self.input_size, self.patch_size))
+        text_len, text_dim = text_len or 1, text_dim or arch[self.family.text_dim]
+        _check_width("text embeddings", text_dim, self.family.text_dim, arch)
         self.register_buffer("null_text", torch.zeros(1, text_len, text_dim))  # (1, L, D_text)
+        self.register_buffer("null_text_mask", torch.zeros(1, text_len, dtype=torch.bool))  # (1, L)
+        if self.family.pooled_dim is not None:
+            pooled_dim = pooled_dim or arch[self.family.pooled_dim]
+            _check_width("pooled text embeddings", pooled_dim, self.family.pooled_dim, arch)
+            self.register_buffer("null_pooled", torch.zeros(1, pooled_dim))  # (1, P)
         if gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
         parallelize(self.transformer, self.family.plan, attention_backend)
@@ -77,11 +85,17 @@ class DiffusersTransformer(nn.Module):
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
         """x (B, C, [T,] H, W) noisy latents, t (B,) model time 0..1000 -> the prediction (B, C, [T,] H, W),
         gathered from every sequence-parallel rank."""
+        if self.guidance is not None and "guidance" not in cond:  # a guidance-distilled model's embedding input
+            cond = {**cond, "guidance": x.new_full((x.shape[0],), float(self.guidance))}
         return self.family.forward(self.transformer, x, t, cond)
 
     # ---- conditioning --------------------------------------------------------------------------------------------
     def null_condition(self, batch: int) -> dict[str, Tensor]:
-        return {"text": self.null_text.expand(batch, -1, -1)}
+        """The empty prompt's conditioning, expanded to ``batch``."""
+        null = {"text": self.null_text, "text_mask": self.null_text_mask}
+        if self.family.pooled_dim is not None:
+            null["pooled"] = self.null_pooled
+        return {key: value.expand(batch, *value.shape[1:]) for key, value in null.items()}
 
     def drop_condition(self, cond: dict[str, Tensor], drop: Tensor) -> dict[str, Tensor]:
         """Replace the conditioning of the samples where ``drop`` (B,) is True by the null conditioning."""
@@ -90,13 +104,17 @@ class DiffusersTransformer(nn.Module):
                 if key in null else value for key, value in cond.items()}
 
     @torch.no_grad()
-    def set_null_condition(self, text: Tensor) -> None:
-        """The empty / negative prompt's embedding ``(1, L, D_text)`` or ``(L, D_text)``."""
-        text = text.reshape(1, *text.shape[-2:])
-        if text.shape != self.null_text.shape:
-            raise ValueError(f"null text embedding of shape {tuple(text.shape)} does not fit "
-                             f"{tuple(self.null_text.shape)}")
-        self.null_text.copy_(text)
+    def set_null_condition(self, null: dict[str, Tensor]) -> None:
+        """The empty / negative prompt's conditioning: ``text`` (L, D) [, ``text_mask`` (L,), ``pooled`` (P,)]."""
+        for key, buffer in (("text", self.null_text), ("text_mask", self.null_text_mask),
+                            ("pooled", getattr(self, "null_pooled", None))):
+            if buffer is None or key not in null:
+                continue
+            value = null[key].reshape(buffer.shape) if null[key].numel() == buffer.numel() else None
+            if value is None:
+                raise ValueError(f"the empty prompt's {key} of shape {tuple(null[key].shape)} does not fit "
+                                 f"{tuple(buffer.shape[1:])}")
+            buffer.copy_(value)
 
     @property
     def tokens_per_sample(self) -> int:
@@ -117,6 +135,12 @@ class DiffusersTransformer(nn.Module):
             details = ", ".join(f"{key}={config[key]!r} vs {ours[key]!r}" for key in differing[:6])
             raise ConfigError(f"init_from={pretrained} is another {self.family.model_class} architecture than "
                               f"the model ({details}); pick the model preset that matches it, or model.pretrained")
+
+
+def _check_width(what: str, width: int, key: str, arch: dict) -> None:
+    if width != arch[key]:
+        raise ConfigError(f"the data's {what} have width {width} but the model's {key} is {arch[key]}: encode the "
+                          f"captions with the model's own text encoder(s)")
 
 
 def _plain(value):
