@@ -8,7 +8,7 @@ Settings (defaults in ``DEFAULTS``): input (a folder: images or videos, captions
 metadata.jsonl / metadata.csv with file_name + ``caption_column``), out, vae (a diffusers folder; ``vae_subfolder``
 inside it when present), text_encoder / tokenizer (transformers folders; the tokenizer defaults to the encoder's
 pipeline), resolution (int, [H, W] or "HxW"), frames + frame_stride (videos), max_text_len, shard_size, batch_size,
-device, dtype (stored tensors), tiling (VAE tiles). The work itself is ``ringdit.media.prepare``.
+device, dtype (stored tensors), tiling / tile (VAE spatial tiles: on / their size in pixels). The work itself is ``ringdit.media.prepare``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ringdit.media.cli import parse_settings
 
 DEFAULTS = dict(input=None, out=None, vae=None, text_encoder=None, tokenizer=None, vae_subfolder="vae",
                 caption_column="text", resolution=256, frames=17, frame_stride=1, max_text_len=512, shard_size=64,
-                batch_size=4, device=None, dtype="float32", tiling=True)
+                batch_size=4, device=None, dtype="float32", tiling=True, tile=None)
 USAGE = "python -m ringdit.prepare input=FOLDER out=FOLDER vae=FOLDER text_encoder=FOLDER [tokenizer=.. resolution=..]"
 
 

@@ -80,7 +80,8 @@ def default_device() -> str:
 def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | None = None, *,
             vae_subfolder: str | None = "vae", caption_column: str = "text", resolution=256, frames: int = 17,
             frame_stride: int = 1, max_text_len: int = 512, shard_size: int = 64, batch_size: int = 4,
-            device: str | None = None, dtype: str = "float32", tiling: bool = True, rank: int | None = None,
+            device: str | None = None, dtype: str = "float32", tiling: bool = True, tile: int | None = None,
+            rank: int | None = None,
             world_size: int | None = None, progress: bool = True) -> PrepareReport:
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
     from tqdm.auto import tqdm
@@ -103,7 +104,7 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
         raise ConfigError(f"input={input} mixes videos ({videos[0].path.name}) and images ({image.path.name}); a "
                           f"prepared set has one shape, so prepare them into separate out= folders")
     device = device or default_device()
-    codec = VAE(vae, vae_subfolder, device=device, dtype=DTYPES[dtype], tiling=tiling)
+    codec = VAE(vae, vae_subfolder, device=device, dtype=DTYPES[dtype], tiling=tiling, tile=tile)
     if videos and not codec.is_video:
         raise ConfigError(f"vae={vae} is an image VAE ({codec.class_name}) but input={input} holds videos (first: "
                           f"{videos[0].path.name}); pass a video VAE folder (AutoencoderKLWan)")
