@@ -8,7 +8,8 @@ Settings (defaults in ``DEFAULTS``): input (a folder: images or videos, captions
 metadata.jsonl / metadata.csv with file_name + ``caption_column``), out, vae (a diffusers folder; ``vae_subfolder``
 inside it when present), text_encoder / tokenizer (transformers folders; the tokenizer defaults to the encoder's
 pipeline), resolution (int, [H, W] or "HxW"), frames + frame_stride (videos), max_text_len, shard_size, batch_size,
-device, dtype (stored tensors), tiling / tile (VAE spatial tiles: on / their size in pixels). The work itself is ``ringdit.media.prepare``.
+device, dtype (stored tensors), tiling / tile (VAE spatial tiles: on / their size in pixels). The work itself is
+``ringdit.media.prepare``.
 """
 
 from __future__ import annotations
