@@ -11,12 +11,12 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from ringdit.weights import safe_torch_load
+from ringdit.weights import file_mode, safe_torch_load
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write to a temporary file in the same folder, fsync, then ``os.replace`` onto the final name (atomic on
-    POSIX). Loading never unpickles code: ``weights_only`` loading (see ``ringdit.weights.safe_torch_load``)."""
+    POSIX); the file gets the mode ``torch.save`` would give it (the umask's). Loading never unpickles code: ``weights_only`` loading (see ``ringdit.weights.safe_torch_load``)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         path = Path(path)
@@ -25,6 +25,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
+            os.fchmod(fd, file_mode())  # mkstemp's 0600 would hide checkpoints from a shared group; open() wouldn't
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
