@@ -209,6 +209,11 @@ def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp
         run(video_folder, models["flux"], caption_column="caption")
     with pytest.raises(ConfigError, match="not a diffusers VAE folder: no config.json"):
         run(video_folder, models["not_a_vae"], caption_column="caption")
+    no_weights = tmp_path / "no_weights"  # a config without safetensors weights (.bin pickles are refused)
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((models["wan"] / "vae" / "config.json").read_text())
+    with pytest.raises(ConfigError, match="cannot load AutoencoderKLWan weights from .*safetensors"):
+        VAE(no_weights)
     with pytest.raises(ConfigError, match=r"frames=6: AutoencoderKLWan encodes 1 \+ k \* 4 frames; pass e.g. frames=5"):
         run(video_folder, models["wan"], caption_column="caption", frames=6)
     with pytest.raises(ConfigError, match="resolution=12x12: .* multiples of the VAE's downsampling factor 8"):

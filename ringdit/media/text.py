@@ -48,7 +48,12 @@ class TextEncoder:
         if model_type not in ENCODERS:
             raise ConfigError(f"text_encoder={text_encoder}: model_type {model_type!r} is not a supported text encoder "
                               f"({', '.join(sorted(ENCODERS))}); pass a T5, UMT5 or CLIP text model folder")
-        self.model = getattr(transformers, ENCODERS[model_type]).from_pretrained(str(folder), dtype=dtype)
+        try:  # safetensors only: a pickled .bin can run code, and infer.py may take this folder from a checkpoint
+            self.model = getattr(transformers, ENCODERS[model_type]).from_pretrained(str(folder), dtype=dtype,
+                                                                                     use_safetensors=True)
+        except OSError as error:
+            raise ConfigError(f"text_encoder={text_encoder}: cannot load weights from {folder} ({error}); save it "
+                              f"with save_pretrained (safetensors; .bin pickles are not loaded)") from None
         self.model.to(device).eval().requires_grad_(False)
         if tokenizer is None:  # a pipeline keeps it beside the encoder (tokenizer/), a bare folder inside it
             candidates = (folder.parent / "tokenizer", folder)

@@ -60,7 +60,12 @@ class VAE:
                               f"this can use ({', '.join(VIDEO_VAES + IMAGE_VAES)})")
         self.folder = folder
         self.is_video = self.class_name in VIDEO_VAES
-        self.model = getattr(diffusers, self.class_name).from_pretrained(str(folder), torch_dtype=dtype)
+        try:  # safetensors only: a pickled .bin can run code, and infer.py may take this folder from a checkpoint
+            self.model = getattr(diffusers, self.class_name).from_pretrained(str(folder), torch_dtype=dtype,
+                                                                             use_safetensors=True)
+        except OSError as error:
+            raise ConfigError(f"{setting}={path}: cannot load {self.class_name} weights from {folder} ({error}); "
+                              f"save it with save_pretrained (safetensors; .bin pickles are not loaded)") from None
         self.model.to(device).eval().requires_grad_(False)
         self.device, self.dtype = torch.device(device), dtype
         self.shift, self.scale = normalisation(self.model.config)
