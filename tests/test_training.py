@@ -180,6 +180,29 @@ def test_infer_from_the_trained_checkpoint(sgd_runs, tmp_path):
     assert diff <= 1, f"ring 2 samples differ by {diff} / 255"  # fp32 reordering may flip a rounding
 
 
+def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
+    """``python infer.py`` = ``ckpt_path=last``: the newest training run under paths.log_dir; none says how to get one."""
+    import shutil
+
+    logs = tmp_path / "logs"
+    for age, (name, run_name) in enumerate([("ring2", "2026-01-01_00-00-00"), ("ring1", "2026-01-02_00-00-00")]):
+        target = logs / "train" / "runs" / run_name / "checkpoints"
+        target.mkdir(parents=True)
+        shutil.copy(sgd_runs / name / "checkpoints" / "last.ckpt", target / "last.ckpt")
+        os.utime(target / "last.ckpt", (1e9 + age, 1e9 + age))  # the second is the newest
+    proc = run("infer.py", tmp_path / "infer", f"paths.log_dir={logs}", "num_samples=2", "steps=2")
+    assert "2026-01-02_00-00-00/checkpoints/last.ckpt" in proc.stdout + proc.stderr
+    assert np.load(tmp_path / "infer" / "samples.npz")["images"].shape == (2, 8, 8, 1)
+
+    empty = subprocess.run([sys.executable, "infer.py", f"paths.log_dir={tmp_path / 'none'}",
+                            f"hydra.run.dir={tmp_path / 'x'}"], cwd=REPO, capture_output=True, text=True,
+                           env={**os.environ, "HYDRA_FULL_ERROR": ""})
+    assert empty.returncode == 2 and "Traceback" not in empty.stderr
+    assert empty.stderr.splitlines()[0] == (
+        f"Error: ckpt_path=last: no training run under {tmp_path / 'none' / 'train'} (no checkpoints/last.ckpt); "
+        f"train one with `python train.py`, or pass ckpt_path=PATH to a .ckpt or .safetensors")
+
+
 def sample_under_layouts(rank, world, ckpt):
     """The sampling path of infer.py (DiTModule.generate with the checkpoint's weights) under every layout."""
     from ringdit.parallel import init_sequence_parallel
