@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -78,11 +79,28 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
     if (group, option) in (("model", "wan_1_3b"), ("model", "wan_14b")):
         return [*synthetic, "data.channels=16", "data.text_dim=4096"]
     if (group, option) == ("model", "wan"):
-        from tests.test_wan_training import save_tiny_wan
+        from tests.test_diffusers_training import save_tiny_wan
 
         save_tiny_wan(tmp_path / "wan")
         return [*synthetic, f"model.pretrained={tmp_path / 'wan'}"]
-    if (group, option) == ("experiment", "wan_tiny"):
+    images = [*synthetic, "data.frames=0"]
+    if (group, option) == ("model", "flux_tiny"):
+        return [*images, "data.channels=1", "data.text_dim=32", "data.pooled_dim=32"]
+    if (group, option) in (("model", "flux_dev"), ("model", "flux_schnell")):
+        return [*images, "data.channels=16", "data.text_dim=4096", "data.pooled_dim=768", "data.size=4"]
+    if (group, option) == ("model", "flux"):  # the bare family needs a folder: its config is all a check reads
+        from omegaconf import OmegaConf
+
+        (tmp_path / "flux" / "transformer").mkdir(parents=True)
+        config = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "flux_tiny.yaml").config)
+        (tmp_path / "flux" / "transformer" / "config.json").write_text(json.dumps(config))
+        return [*images, f"model.pretrained={tmp_path / 'flux'}", "data.channels=1", "data.text_dim=32",
+                "data.pooled_dim=32"]
+    if (group, option) == ("model", "qwenimage_tiny"):
+        return [*images, "data.text_dim=16"]
+    if (group, option) == ("model", "qwenimage"):
+        return [*images, "data.channels=16", "data.text_dim=3584", "data.size=4"]
+    if (group, option) in (("experiment", "wan_tiny"), ("experiment", "flux_tiny")):
         return [f"data.cache_dir={tmp_path}", "data.num_samples=4"]
     return []
 
