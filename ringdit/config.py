@@ -309,7 +309,7 @@ def check_training_settings(cfg: DictConfig) -> None:
         raise ConfigError(f"nonfinite_loss must be 'stop' or 'skip', got {cfg.nonfinite_loss!r}")
     optimizer = cfg.get("optimizer") or {}
     if "lr" in optimizer:
-        require_number("optimizer.lr", optimizer.lr, low=0, low_open=True)
+        require_number("optimizer.lr", optimizer.lr, low=0)  # 0 is legitimate: evaluate a start, freeze a run
     for key in ("weight_decay", "momentum"):
         if key in optimizer:
             require_number(f"optimizer.{key}", optimizer[key], low=0)
