@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.config import (
     build_on_meta,
+    check_lora,
+    check_lora_checkpoint,
     check_sampling,
     check_weights_file,
     group_targets,
@@ -30,6 +32,7 @@ from ringdit.config import (
     validate_parallel,
 )
 from ringdit.errors import NonFiniteLossError
+from ringdit.lora import lora_enabled
 
 log = logging.getLogger("ringdit.train")
 register_resolvers()
@@ -49,8 +52,13 @@ def prepare(cfg: DictConfig):
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:
         check_sampling(model_cfg, cfg.diffusion.objective, {**sampling, "cfg_scale": grid_cfg_scale})
+    lora = OmegaConf.to_container(cfg.lora, resolve=True) if cfg.get("lora") else None
+    if lora_enabled(lora):
+        check_lora(meta_model, lora)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
-    if ckpt_path:
+    if ckpt_path and lora_enabled(lora):
+        check_lora_checkpoint(ckpt_path)
+    elif ckpt_path:
         check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
     elif cfg.init_from:  # a resumed run takes its weights from ckpt_path
         check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
@@ -73,10 +81,11 @@ def prepare(cfg: DictConfig):
         seed=cfg.seed,
         attention_backend=backend,
         compile=cfg.compile,
-        init_from=None if ckpt_path else cfg.init_from,
+        init_from=None if ckpt_path and not lora_enabled(lora) else cfg.init_from,  # LoRA resumes only adapters
         init_weights=cfg.init_weights,
         init_resize_labels=cfg.init_resize_labels,
         nonfinite_loss=cfg.nonfinite_loss,
+        lora=lora if lora_enabled(lora) else None,
     )
     callbacks = [hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks")]
     loggers = [hydra.utils.instantiate(c) for c in group_targets(cfg, "logger")]

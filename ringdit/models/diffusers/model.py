@@ -32,6 +32,7 @@ class DiffusersTransformer(nn.Module):
         input_size: the latent shape ``(T, H, W)`` / ``(H, W)`` of the data; in_channels: latent channels.
         text_len, text_dim: the shape of one text embedding ``(L, D_text)``, for the null-condition buffer.
         condition_dropout_prob: the chance that training replaces a sample's conditioning by the null one.
+        activation_checkpointing: recompute each transformer block in backward (``gradient_checkpointing``: alias).
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class DiffusersTransformer(nn.Module):
         text_dim: int | None = None,
         condition_dropout_prob: float = 0.1,
         attention_backend: str | None = None,
+        activation_checkpointing: bool = False,
         gradient_checkpointing: bool = False,
     ):
         super().__init__()
@@ -67,7 +69,7 @@ class DiffusersTransformer(nn.Module):
             raise ConfigError(f"the data's text embeddings have width {text_dim} but model.config.text_dim is "
                               f"{arch.text_dim}: encode the captions with the model's own text encoder")
         self.register_buffer("null_text", torch.zeros(1, text_len, text_dim))  # (1, L, D_text)
-        if gradient_checkpointing:
+        if activation_checkpointing or gradient_checkpointing:  # recompute each block in backward
             self.transformer.enable_gradient_checkpointing()
         parallelize(self.transformer, self.family.plan, attention_backend)
 
@@ -113,8 +115,8 @@ def build_transformer(family: Family, config: dict | None, pretrained: str | Non
     cls = diffusers_class(family)
     if pretrained is None:
         if not config:
-            raise ConfigError(f"model: give model.pretrained=<local diffusers folder> or an architecture model.config "
-                              f"(e.g. model=wan_tiny)")
+            raise ConfigError("model: give model.pretrained=<local diffusers folder> or an architecture model.config "
+                              "(e.g. model=wan_tiny)")
         return cls.from_config(dict(config))
     folder = pretrained_folder(family, pretrained, subfolder)
     if torch.empty(0).device.type == "meta":  # a config-time check (train.py builds on meta): shapes only
