@@ -3,8 +3,11 @@
     python infer.py ckpt_path=outputs/train/runs/<run>/checkpoints/last.ckpt num_samples=100
     python infer.py ckpt_path=weights.safetensors labels=[3,3,7] cfg_scale=2 steps=100 ring_degree=2
 
+    python infer.py ckpt_path=<wan run>/checkpoints/last.ckpt text_embeds=prompts.safetensors cfg_scale=5
+
 Writes samples.png (videos: samples.gif) and samples.npz (images uint8 (N, [T,] H, W, C), labels int64 (N,)) into
-the run's output directory. Sample i starts from noise seeded by seed + i, so the same seed gives the same samples
+the run's output directory; latent models write latents float32 (N, C, [T,] H, W) instead of images, and
+text-conditioned models the prompts' captions instead of labels. Sample i starts from noise seeded by seed + i, so the same seed gives the same samples
 for any ring / Ulysses / data-parallel layout.
 """
 
@@ -29,6 +32,7 @@ from ringdit.config import (
     user_errors,
     validate_parallel,
 )
+from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.sampling import SampleRequests, SampleWriter, resolve_labels
 from ringdit.training import DiTModule
 
@@ -50,19 +54,57 @@ def prepare(cfg: DictConfig):
     meta_model = build_on_meta(info["model"], cfg.ulysses_degree)
     check_weights_file("ckpt_path", cfg.ckpt_path, meta_model, state=state)
     del state
-    labels = resolve_labels(OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels,
-                            cfg.num_samples, info["data"])
+    captions = negative = None
+    if info["data"].get("conditioning") == "text":
+        conditions, captions = text_prompts(cfg, info["data"])
+        if cfg.negative_text_embeds:
+            negative = {key: value[:1] for key, value in read_prompts(cfg.negative_text_embeds, "negative_text_embeds")[0].items()}
+            check_prompt_shape("negative_text_embeds", negative, info["data"])
+    else:
+        conditions = resolve_labels(OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels,
+                                    cfg.num_samples, info["data"])
     sampling = {**info.get("sampling", {}),
                 **{k: cfg[k] for k in ("steps", "cfg_scale", "sampler") if cfg[k] is not None}}
     check_sampling(info["model"], info["objective"], sampling)
 
     module = DiTModule(model=info["model"], objective=info["objective"], data=info["data"], sampling=sampling,
                        attention_backend=backend, init_from=cfg.ckpt_path, init_weights=cfg.weights)
-    writer = SampleWriter(cfg.paths.output_dir)
+    module.negative_condition = negative
+    writer = SampleWriter(cfg.paths.output_dir, captions=captions)
     callbacks = [writer, *(hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks"))]
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False)
-    requests = DataLoader(SampleRequests(labels, cfg.seed), batch_size=cfg.batch_size)
+    requests = DataLoader(SampleRequests(conditions, cfg.seed), batch_size=cfg.batch_size)
     return trainer, module, requests
+
+
+def text_prompts(cfg: DictConfig, data_info: dict) -> tuple[dict, list[str]]:
+    """``num_samples`` prompt embeddings (cycled): from ``text_embeds``, else the training data's held-out prompts."""
+    if cfg.labels is not None:
+        raise ConfigError("labels are for class-conditional models; this model is text-conditioned: give prompt "
+                          "embeddings with text_embeds=<file> (or none for the training data's held-out prompts)")
+    if cfg.text_embeds:
+        prompts, captions = read_prompts(cfg.text_embeds)
+        count = next(iter(prompts.values())).shape[0]
+        picked = [i % count for i in range(cfg.num_samples)]
+        prompts = {key: value[picked] for key, value in prompts.items()}
+        captions = [captions[i] if captions else f"{cfg.text_embeds}[{i}]" for i in picked]
+    else:
+        source = data_info["source"]
+        try:
+            data = TextLatentsDataModule(source["path"], val_fraction=source["val_fraction"], seed=source["seed"])
+        except ValueError as error:
+            raise ConfigError(f"text_embeds is not set and the training data's held-out prompts cannot be read "
+                              f"({error}); give prompt embeddings with text_embeds=<file>") from None
+        prompts, captions = data.held_out(cfg.num_samples)
+    check_prompt_shape("text_embeds", prompts, data_info)
+    return prompts, captions
+
+
+def check_prompt_shape(setting: str, prompts: dict, data_info: dict) -> None:
+    expected = (data_info["text_len"], data_info["text_dim"])
+    if tuple(prompts["text"].shape[1:]) != expected:
+        raise ConfigError(f"{setting}: the prompt embeddings are {tuple(prompts['text'].shape[1:])} (L, D) but the "
+                          f"model was trained on {expected}; encode them with the same text encoder and length")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="infer")

@@ -16,3 +16,6 @@ for backend in torch_flash torch_sdpa; do
   python3 benchmarks/dit_step.py --model DiT-XL/2 --input-size 32 --batch 32 --device cuda --dtype bfloat16 --backend $backend
 done
 python3 benchmarks/dit_step.py --model DiT-XL/2 --input-size 128 --batch 2 --device cuda --dtype bfloat16 --backend torch_flash
+# diffusers' Wan (needs diffusers; carry its wheel where the image lacks it): ringdit vs diffusers' attention in bf16,
+# the cuDNN kernel that returns the LSE (chunked backward with the final out/LSE), FSDP2 on CUDA
+python3 benchmarks/gpu_diffusers_check.py --layers 4 --frames 21 --height 60 --width 104

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.attention import validate_attention_config
 from ringdit.errors import ConfigError
+from ringdit.models.diffusers.families import get_family
 from ringdit.parallel import check_degrees, check_heads_divisible
 from ringdit.weights import (
     LABEL_TABLE,
@@ -108,9 +109,34 @@ def validate_parallel(cfg: DictConfig, *, training: bool) -> str:
     )
 
 
+def is_diffusers_model(config: dict) -> bool:
+    """A diffusers transformer (``model=wan`` ...) rather than ringdit's own DiT."""
+    return "family" in config
+
+
 def model_config(model_cfg: DictConfig | dict, data_info: dict) -> dict:
-    """The DiT config with the data's shape and classes filled in (in_channels, input_size, num_classes)."""
+    """The model config with the data's shape filled in: channels, size and classes (DiT), or channels, latent shape
+    and text embedding shape (diffusers models)."""
     config = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    text_data = data_info.get("conditioning") == "text"
+    if is_diffusers_model(config):
+        if not text_data:
+            raise ConfigError(f"model.family={config['family']} is conditioned on text, but the data gives class "
+                              f"labels; use data=text_latents (or data=synthetic_text_latents)")
+        video_data, family = len(data_info["image_size"]) == 3, get_family(config["family"])
+        if video_data != family.video:
+            raise ConfigError(f"the data gives {'videos (T, H, W)' if video_data else 'images (H, W)'} = "
+                              f"{list(data_info['image_size'])} but model.family={family.name} is a "
+                              f"{'video' if family.video else 'image'} model")
+        if family.pooled_dim is not None and not data_info.get("pooled_dim"):
+            raise ConfigError(f"model.family={family.name} takes a pooled text embedding, but the data has none; "
+                              f"encode the captions with the model's pooled text encoder too (text_latents 'pooled')")
+        return {**config, "input_size": list(data_info["image_size"]), "in_channels": data_info["channels"],
+                "text_len": data_info["text_len"], "text_dim": data_info["text_dim"],
+                "pooled_dim": data_info.get("pooled_dim")}
+    if text_data:
+        raise ConfigError("the data is text-conditioned (data=text_latents) but the model is the class-conditional "
+                          "DiT; use a text-to-video / text-to-image model: model=wan_tiny, model=wan ...")
     video_data, video_model = len(data_info["image_size"]) == 3, config.get("temporal_patch_size") is not None
     if video_data != video_model:
         raise ConfigError(
@@ -133,13 +159,19 @@ def build_on_meta(config: dict, ulysses_degree: int = 1):
     """Instantiate the model without memory to check its settings (sizes, heads, patches) before any spawn."""
     import hydra
 
-    require_positive("model.num_heads", config.get("num_heads", 1))
-    check_heads_divisible(config.get("num_heads", 16), ulysses_degree)
+    if not is_diffusers_model(config):
+        require_positive("model.num_heads", config.get("num_heads", 1))
+        check_heads_divisible(config.get("num_heads", 16), ulysses_degree)
     with torch.device("meta"):
         try:
-            return hydra.utils.instantiate(config, attention_backend="math")
+            model = hydra.utils.instantiate(config, attention_backend="math")
         except InstantiationException as error:
+            if isinstance(error.__cause__, ConfigError):
+                raise error.__cause__ from None
             raise ConfigError(f"model: {error.__cause__ or error}") from None
+    if is_diffusers_model(config):
+        check_heads_divisible(model.transformer.config.num_attention_heads, ulysses_degree)
+    return model
 
 
 def read_weights_file(setting: str, path: str, prefer: str = "ema", load_tensors: bool = True) -> tuple[dict, dict]:
@@ -152,7 +184,12 @@ def read_weights_file(setting: str, path: str, prefer: str = "ema", load_tensors
 
 def check_weights_file(setting: str, path: str, model, prefer: str = "ema", state: dict | None = None,
                        resize_labels: bool = False) -> None:
-    """``path`` exists, is safely readable and fits ``model`` (pass ``state`` if it was read already)."""
+    """``path`` exists, is safely readable and fits ``model`` (pass ``state`` if it was read already); for a
+    diffusers model, ``path`` may also be a diffusers folder of the same architecture."""
+    if state is None and Path(path).expanduser().is_dir() and not is_sharded_checkpoint(path) \
+            and hasattr(model, "check_pretrained"):
+        model.check_pretrained(str(Path(path).expanduser()))
+        return
     if state is None:  # a sharded checkpoint's shapes come from its metadata: nothing is read into memory
         state, _ = read_weights_file(setting, path, prefer, load_tensors=False)
     if resize_labels:
@@ -186,6 +223,8 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict) -> None:
     if sampling.get("steps") is not None:
         require_positive("steps", sampling["steps"])
     cfg_scale = sampling.get("cfg_scale")
+    if is_diffusers_model(model_cfg):  # guidance away from the empty or negative prompt: pretrained models learnt it
+        return
     if cfg_scale is not None and cfg_scale != 1.0 and not model_cfg.get("class_dropout_prob", 0.1) > 0:
         raise ConfigError(f"cfg_scale={cfg_scale} needs a model trained with label dropout (a null class), but "
                           f"model.class_dropout_prob={model_cfg.get('class_dropout_prob')}; use cfg_scale=1")

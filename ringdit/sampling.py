@@ -41,16 +41,23 @@ def resolve_labels(labels, num_samples: int, data_info: dict) -> list[int]:
 
 
 class SampleRequests(Dataset):
-    """Item i = (i, label_i, seed + i): what sample i is, independent of how samples are split over ranks."""
+    """Item i = (i, condition_i, seed + i): what sample i is, independent of how samples are split over ranks.
 
-    def __init__(self, labels: list[int], seed: int):
-        self.labels, self.seed = labels, seed
+    ``conditions``: class ids, or a dict of text tensors ``(N, ...)`` (one prompt embedding per sample).
+    """
+
+    def __init__(self, conditions: list[int] | dict[str, torch.Tensor], seed: int):
+        self.conditions, self.seed = conditions, seed
 
     def __len__(self) -> int:
-        return len(self.labels)
+        if isinstance(self.conditions, dict):
+            return len(next(iter(self.conditions.values())))
+        return len(self.conditions)
 
     def __getitem__(self, i: int):
-        return i, self.labels[i], self.seed + i
+        if isinstance(self.conditions, dict):
+            return i, {key: value[i] for key, value in self.conditions.items()}, self.seed + i
+        return i, self.conditions[i], self.seed + i
 
 
 class SampleWriter(L.Callback):
@@ -58,11 +65,12 @@ class SampleWriter(L.Callback):
     ``samples.npz`` (``images`` uint8 ``(N, [T,] H, W, C)``, ``labels`` int64 ``(N,)``) into ``output_dir``.
 
     A model trained on latents (data=latents) gets ``samples.npz`` with ``latents`` float32 ``(N, C, [T,] H, W)``
-    in its VAE's scale instead, and no picture: decode them with the VAE that encoded the data.
+    in its VAE's scale instead, and no picture: decode them with the VAE that encoded the data. Text-conditioned
+    models write ``captions`` (the prompt of each sample, where known) instead of ``labels``.
     """
 
-    def __init__(self, output_dir: str | Path, columns: int | None = None):
-        self.output_dir, self.columns = Path(output_dir), columns
+    def __init__(self, output_dir: str | Path, columns: int | None = None, captions: list[str] | None = None):
+        self.output_dir, self.columns, self.captions = Path(output_dir), columns, captions
         self.batches: list[dict] = []
         self.written: list[Path] = []
 
@@ -71,20 +79,23 @@ class SampleWriter(L.Callback):
 
     def on_predict_epoch_end(self, trainer, pl_module) -> None:
         kind = "images" if "images" in self.batches[0] else "latents"
-        local = {key: torch.cat([b[key] for b in self.batches]) for key in ("index", "labels", kind)}
+        local = {key: torch.cat([b[key] for b in self.batches]) for key in self.batches[0]}
         # every rank holds the same number of samples (the distributed sampler pads), so all_gather stacks them
         gathered = {key: pl_module.all_gather(value.to(pl_module.device)).cpu() for key, value in local.items()}
         if not trainer.is_global_zero:
             return
         index = gathered["index"].reshape(-1)
-        samples = gathered[kind].reshape(-1, *local[kind].shape[1:])
-        labels = gathered["labels"].reshape(-1)
         _, first = np.unique(index.numpy(), return_index=True)  # padding and sequence-parallel ranks repeat samples
         order = torch.from_numpy(first)
-        samples, labels = samples[order].numpy(), labels[order].numpy().astype(np.int64)
+        samples = gathered[kind].reshape(-1, *local[kind].shape[1:])[order].numpy()
+        contents = {kind: samples}
+        if "labels" in gathered:  # class-conditional models
+            contents["labels"] = gathered["labels"].reshape(-1)[order].numpy().astype(np.int64)
+        if self.captions is not None:  # text-conditioned models: the prompt of each sample
+            contents["captions"] = np.array(self.captions[: len(samples)])
         self.output_dir.mkdir(parents=True, exist_ok=True)
         npz = self.output_dir / "samples.npz"
-        np.savez_compressed(npz, **{kind: samples, "labels": labels})
+        np.savez_compressed(npz, **contents)
         self.written = [npz]
         if kind == "images":
             columns = self.columns or min(len(samples), 10)

@@ -82,7 +82,7 @@ def test_sampling_is_deterministic_given_the_seeds(objective, sampler, eta):
             return sample_ddim(guided, noise, 3, objective, eta=eta,
                                generator=torch.Generator().manual_seed(generator_seed))
         return sample(lambda x, t, y: model(x, t, y)[:, :3], objective, noise, labels, steps=3, cfg_scale=1.5,
-                      null_label=model.null_label, sampler=sampler)
+                      null=model.null_label, sampler=sampler)
 
     torch.testing.assert_close(draw([5, 6]), draw([5, 6]), rtol=0, atol=0)
     assert not torch.allclose(draw([5, 6]), draw([7, 6]))

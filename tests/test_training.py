@@ -67,6 +67,23 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [f"data.path={write_latents(tmp_path, GOOD, LABELS)}"]
     if (group, option) in (("data", "moving_digits"), ("model", "dit_video")):
         return ["data=moving_digits", "model=dit_video"]
+    synthetic = ["data=synthetic_text_latents", f"data.cache_dir={tmp_path}", "data.num_samples=4"]
+    if (group, option) == ("data", "text_latents"):
+        from ringdit.data.text_latents import synthetic_text_latents, write_text_latents
+
+        shard = write_text_latents(tmp_path / "shard.safetensors", **synthetic_text_latents(4))
+        return [f"data.path={shard}", "model=wan_tiny"]
+    if (group, option) in (("data", "synthetic_text_latents"), ("model", "wan_tiny")):
+        return [*synthetic, "model=wan_tiny"]
+    if (group, option) in (("model", "wan_1_3b"), ("model", "wan_14b")):
+        return [*synthetic, "data.channels=16", "data.text_dim=4096"]
+    if (group, option) == ("model", "wan"):
+        from tests.test_wan_training import save_tiny_wan
+
+        save_tiny_wan(tmp_path / "wan")
+        return [*synthetic, f"model.pretrained={tmp_path / 'wan'}"]
+    if (group, option) == ("experiment", "wan_tiny"):
+        return [f"data.cache_dir={tmp_path}", "data.num_samples=4"]
     return []
 
 

@@ -213,6 +213,35 @@ class TextLatentsDataModule(ImageDataModule):
         return names
 
 
+def read_prompts(path: str, setting: str = "text_embeds") -> tuple[dict[str, Tensor], list[str] | None]:
+    """Prompt embeddings from a file in this format (``latents`` not needed): ``text`` (N, L, D) [+ ``text_mask``,
+    ``pooled``] and the ``captions`` metadata if present. Returns the conditioning batch and the captions."""
+    from safetensors import SafetensorError, safe_open
+
+    file = Path(os.path.expanduser(str(path)))
+    if not file.is_file() or file.suffix != ".safetensors":
+        raise ValueError(f"{setting}={path} is not a .safetensors file; give one holding text (N, L, D) embeddings "
+                         f"(and optionally text_mask (N, L), pooled (N, P)): a text_latents shard works")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            if "text" not in keys:
+                raise ValueError(f"{setting}={path} has no tensor 'text' (it holds {sorted(keys)})")
+            values = {key: f.get_tensor(key) for key in ("text", "text_mask", "pooled") if key in keys}
+            metadata = f.metadata() or {}
+    except SafetensorError as error:
+        raise ValueError(f"{setting}={path} is not a readable .safetensors file ({error})") from None
+    if values["text"].dim() != 3 or not values["text"].is_floating_point():
+        raise ValueError(f"{setting}={path}: text has shape {tuple(values['text'].shape)} "
+                         f"({values['text'].dtype}); expected float (N, L, D)")
+    conds = [condition_of(values, row) for row in range(values["text"].shape[0])]
+    try:
+        captions = [str(c) for c in json.loads(metadata["captions"])] if "captions" in metadata else None
+    except json.JSONDecodeError:
+        raise ValueError(f"{setting}={path}: the captions metadata is not valid JSON") from None
+    return {key: torch.stack([c[key] for c in conds]) for key in conds[0]}, captions
+
+
 def _text_latents_path(path) -> Path:
     if path is None or str(path) == "":
         raise ValueError(f"data.path is not set; pass data.path=... ({LAYOUT}), or use data=synthetic_text_latents")
@@ -228,8 +257,10 @@ def _text_latents_path(path) -> Path:
 
 
 def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int = 3, size: int = 8,
-                           text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, seed: int = 0) -> dict:
-    """``num_samples`` latent videos of a soft blob whose start and direction depend on the prompt.
+                           text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
+                           seed: int = 0) -> dict:
+    """``num_samples`` latent videos (``frames=0``: images) of a soft blob whose start and direction depend on the
+    prompt; ``pooled_dim`` > 0 adds a pooled prompt embedding (Flux).
 
     Prompt p has a fixed random text embedding (its first ``3 + p % (text_len - 2)`` tokens real, the rest zero, as
     padded encoder states are) and caption ``"blob p"``; each video is drawn from (seed, sample index). Returns the
@@ -245,18 +276,22 @@ def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int =
     prompts = torch.randint(num_prompts, (num_samples,), generator=g)
     jitter = torch.rand(num_samples, 2, generator=g) - 0.5
     grid = torch.arange(size, dtype=torch.float32)
+    prompt_pooled = torch.randn(num_prompts, pooled_dim, generator=g)
     videos = []
     for i, p in enumerate(prompts.tolist()):
         direction = torch.stack([torch.cos(angles[p]), torch.sin(angles[p])])
         frames_ = []
-        for f in range(frames):
+        for f in range(max(frames, 1)):
             centre = (size - 1) / 2 + (f - (frames - 1) / 2) * direction * (size / (2 * frames)) + jitter[i]
             blob = torch.exp(-((grid[:, None] - centre[0]) ** 2 + (grid[None, :] - centre[1]) ** 2) / 4.0)  # (H, W)
             frames_.append(colours[p][:, None, None] * blob)  # (C, H, W)
-        videos.append(torch.stack(frames_, dim=1))  # (C, T, H, W)
-    return {"latents": torch.stack(videos), "text": prompt_text[prompts], "text_mask": prompt_mask[prompts],
-            "null": {"text": torch.zeros(text_len, text_dim), "text_mask": torch.zeros(text_len, dtype=torch.bool)},
-            "captions": [f"blob {p}" for p in prompts.tolist()]}
+        videos.append(torch.stack(frames_, dim=1) if frames else frames_[0])  # (C, T, H, W) or (C, H, W)
+    null = {"text": torch.zeros(text_len, text_dim), "text_mask": torch.zeros(text_len, dtype=torch.bool)}
+    result = {"latents": torch.stack(videos), "text": prompt_text[prompts], "text_mask": prompt_mask[prompts],
+              "null": null, "captions": [f"blob {p}" for p in prompts.tolist()]}
+    if pooled_dim:
+        result["pooled"], null["pooled"] = prompt_pooled[prompts], torch.zeros(pooled_dim)
+    return result
 
 
 class SyntheticTextLatentsDataModule(TextLatentsDataModule):
@@ -264,13 +299,15 @@ class SyntheticTextLatentsDataModule(TextLatentsDataModule):
     text_latents folder (so the same code path is exercised); regenerated when the settings change."""
 
     def __init__(self, cache_dir: str, num_samples: int = 512, channels: int = 4, frames: int = 3, size: int = 8,
-                 text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, batch_size: int = 8,
-                 num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4, seed: int = 0):
+                 text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
+                 batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4,
+                 seed: int = 0):
         settings = dict(num_samples=num_samples, channels=channels, frames=frames, size=size, text_len=text_len,
-                        text_dim=text_dim, num_prompts=num_prompts, seed=seed)
+                        text_dim=text_dim, num_prompts=num_prompts, pooled_dim=pooled_dim, seed=seed)
         for key, value in settings.items():
-            if key != "seed" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"data.{key} must be an integer >= 1, got {value!r}")
+            low = 0 if key in ("seed", "frames", "pooled_dim") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"data.{key} must be an integer >= {low}, got {value!r}")
         name = "synthetic-" + "-".join(f"{k}{v}" for k, v in settings.items()) + ".safetensors"
         path = Path(cache_dir).expanduser() / name
         if not path.is_file():

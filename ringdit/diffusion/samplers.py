@@ -1,6 +1,6 @@
 """Samplers: Euler and Heun for flow matching, DDIM for DDPM; classifier-free guidance in one batched forward.
 
-A model here is any callable ``model(x, t, y) -> prediction`` with ``x`` shaped like the samples (the DiT's
+A model here is any callable ``model(x, t, condition) -> prediction`` with ``x`` shaped like the samples (the DiT's
 extra learned-sigma channels already dropped: DDIM ignores a learned variance). Sampling is deterministic given the
 initial noise (and, for DDIM with eta > 0, the generator).
 """
@@ -14,26 +14,39 @@ import torch
 from ringdit.diffusion.objectives import DDPM, FlowMatching, shift_time
 
 Tensor = torch.Tensor
-Model = Callable[[Tensor, Tensor, Tensor], Tensor]
+Condition = Tensor | dict[str, Tensor]
+Model = Callable[[Tensor, Tensor, Condition], Tensor]
 
 
-def classifier_free_guidance(model: Model, labels: Tensor, null_label: int | None, scale: float):
+def classifier_free_guidance(model: Model, condition: Condition, null: int | Condition | None, scale: float):
     """``(x, t) -> uncond + scale * (cond - uncond)``: the conditional and unconditional halves share ONE forward.
 
-    With scale 1 guidance is the conditional prediction, so only that is computed.
+    ``condition``: class labels ``(B,)``, or a dict of batch-first tensors (text embeddings ...). ``null``: the null
+    class id, or the unconditional condition (same structure as ``condition``; the empty / negative prompt). With
+    scale 1 guidance is the conditional prediction, so only that is computed.
     """
     if scale == 1.0:
-        return lambda x, t: model(x, t, labels)
-    if null_label is None:
-        raise ValueError("classifier-free guidance needs a model trained with label dropout (a null class)")
-    null = torch.full_like(labels, null_label)
+        return lambda x, t: model(x, t, condition)
+    if null is None:
+        raise ValueError("classifier-free guidance needs a model trained with condition dropout (a null class or "
+                         "prompt)")
+    if isinstance(null, int):
+        null = torch.full_like(condition, null)
 
     def guided(x: Tensor, t: Tensor) -> Tensor:
-        both = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, null]))
+        both = model(torch.cat([x, x]), torch.cat([t, t]), _cat_conditions(condition, null))
         cond, uncond = both.chunk(2)
         return uncond + scale * (cond - uncond)
 
     return guided
+
+
+def _cat_conditions(first: Condition, second: Condition) -> Condition:
+    """Stack two conditions along the batch: tensors, or dicts of tensors key by key (a key the second lacks, such as
+    a guidance-distilled model's guidance, is shared by both halves)."""
+    if isinstance(first, dict):
+        return {key: torch.cat([value, second.get(key, value).to(value).expand_as(value)]) for key, value in first.items()}
+    return torch.cat([first, second])
 
 
 @torch.no_grad()
@@ -92,15 +105,16 @@ def initial_noise(shape: tuple[int, ...], seeds: list[int], device=None, dtype=t
     )
 
 
-def sample(model: Model, objective, noise: Tensor, labels: Tensor, *, steps: int, cfg_scale: float = 1.0,
-           null_label: int | None = None, sampler: str | None = None, shift: float = 1.0,
+def sample(model: Model, objective, noise: Tensor, condition: Condition, *, steps: int, cfg_scale: float = 1.0,
+           null: int | Condition | None = None, sampler: str | None = None, shift: float = 1.0,
            clip_denoised: bool = False) -> Tensor:
-    """Draw samples for ``labels`` starting from ``noise`` with the sampler that fits the objective.
+    """Draw samples for ``condition`` (labels, or a dict of text tensors) starting from ``noise`` with the sampler that
+    fits the objective; ``null`` is what classifier-free guidance guides away from (see ``classifier_free_guidance``).
 
     Deterministic given the noise (DDIM with eta = 0), so every rank of a sequence-parallel group computes the
     same samples and sample i depends only on its own noise.
     """
-    denoiser = classifier_free_guidance(model, labels, null_label, cfg_scale)
+    denoiser = classifier_free_guidance(model, condition, null, cfg_scale)
     if isinstance(objective, FlowMatching):
         return sample_flow(denoiser, noise, steps, method=sampler or "euler", shift=shift)
     if isinstance(objective, DDPM):

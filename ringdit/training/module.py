@@ -1,4 +1,5 @@
-"""``DiTModule``: the LightningModule that fine-tunes and samples a (sequence-parallel) DiT.
+"""``DiTModule``: the LightningModule that fine-tunes and samples a (sequence-parallel) diffusion transformer: ringdit's
+class-conditional DiT, or a text-conditioned diffusers transformer (``DiffusersTransformer``: Wan, ...).
 
 Randomness that must agree across a sequence-parallel group -- diffusion time, noise, which labels are dropped for
 classifier-free guidance -- is drawn per sample from a generator seeded by (seed, step, the sample's position in the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import hydra
@@ -25,6 +27,7 @@ from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
 from ringdit.lora import add_lora, is_adapter_key, lora_enabled
 from ringdit.models import DiT
+from ringdit.models.diffusers import DiffusersTransformer
 from ringdit.parallel import current_parallel_dims, shard_sequence, sharded_mean
 from ringdit.weights import load_model_weights
 
@@ -93,6 +96,7 @@ class DiTModule(L.LightningModule):
         self.model: DiT | None = None
         self.ema: AveragedModel | None = None
         self._step_start: float | None = None
+        self.negative_condition: dict[str, Tensor] | None = None  # infer.py's negative prompt (text models)
 
     # ---- model ----------------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -107,9 +111,15 @@ class DiTModule(L.LightningModule):
             training=self.optimizer_factory is not None, device_type=device_type,
         )
         self.model = hydra.utils.instantiate(self.hparams.model, attention_backend=backend)
-        if self.hparams.init_from:
+        if self.hparams.init_from and Path(self.hparams.init_from).is_dir():  # a diffusers folder
+            self.model.load_pretrained_weights(self.hparams.init_from)
+        elif self.hparams.init_from:
             load_model_weights(self.model, self.hparams.init_from, prefer=self.hparams.init_weights,
                                resize_labels=self.hparams.init_resize_labels)
+        if self.text_conditioned and self._trainer is not None and self.trainer.datamodule is not None:
+            # the empty prompt's embedding: the condition drop's replacement and the default negative prompt (a
+            # resumed run restores the checkpoint's own after this)
+            self.model.set_null_condition(self.trainer.datamodule.null_condition())
         if lora_enabled(self.hparams.lora):  # only the adapters train and are saved; the base comes from init_from
             add_lora(self.model, **self.hparams.lora)
             self.strict_loading = False
@@ -121,9 +131,17 @@ class DiTModule(L.LightningModule):
             shard_model(self.model)
             if self.ema is not None:
                 shard_model(self.ema.module)
-        if self.hparams.compile:
-            for block in self.model.blocks:  # regional compilation: one graph per block, reused by all blocks
-                block.compile()
+        if self.hparams.compile:  # regional compilation: one graph per block, reused by all blocks
+            if isinstance(self.model, DiffusersTransformer):
+                self.model.transformer.compile_repeated_blocks()
+            else:
+                for block in self.model.blocks:
+                    block.compile()
+
+    @property
+    def text_conditioned(self) -> bool:
+        """Text embeddings condition the model (data=text_latents), rather than class labels."""
+        return self.hparams.data.get("conditioning") == "text"
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if lora_enabled(self.hparams.lora):  # the frozen base is init_from's: keep the adapters (and EMA count)
@@ -135,14 +153,24 @@ class DiTModule(L.LightningModule):
         return math.prod(self.model.default_grid)  # the data's grid: the model was built for it
 
     # ---- training ---------------------------------------------------------------------------------------------------
-    def diffusion_loss(self, model: DiT, x0: Tensor, labels: Tensor, generators: list[torch.Generator]) -> Tensor:
-        """This rank's share of the batch's mean squared error (see ``sharded_mean``); ``generators[i]`` draws
-        sample i's time, noise and label drop."""
+    def diffusion_loss(self, model: DiT | DiffusersTransformer, x0: Tensor, condition, generators: list[torch.Generator]
+                       ) -> Tensor:
+        """This rank's loss for the batch (the mean squared error, normalised so that DDP's gradient average over all
+        ranks is the one-device gradient); ``generators[i]`` draws sample i's time, noise and condition drop."""
         t = torch.cat([self.objective.sample_time(1, g) for g in generators]).to(x0.device)
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in generators]).to(x0.device, x0.dtype)
-        drop = torch.cat([torch.rand(1, generator=g) for g in generators]).to(x0.device) < model.class_dropout_prob
-        drop = drop if model.class_dropout_prob > 0 else None  # no null class to drop to
+        draws = torch.cat([torch.rand(1, generator=g) for g in generators]).to(x0.device)
         x_t = self.objective.add_noise(x0, noise, t)
+        if isinstance(model, DiffusersTransformer):
+            # The model gathers its output (its own unpatchify needs every token), so every rank of a group holds the
+            # whole prediction: its loss is the whole sample's. The gather's backward hands each rank the gradient of
+            # its own tokens summed over the group's sp copies of that loss, so DDP's average over the group is again
+            # the one-device gradient, and the ranks' parameter gradients stay partial sums as with the DiT.
+            condition = model.drop_condition(condition, draws < model.condition_dropout_prob)
+            prediction = model(x_t, self.objective.model_time(t), condition)  # (B, C, [T,] H, W)
+            return (prediction.float() - self.objective.target(x0, noise, t).float()).square().mean()
+        labels = condition
+        drop = draws < model.class_dropout_prob if model.class_dropout_prob > 0 else None  # no null class: no drop
         target = model.patchify(self.objective.target(x0, noise, t))  # (B, N, patch_volume * C)
         pred = model.forward_tokens(x_t, self.objective.model_time(t), labels, drop)  # (B, N_local, P * C_out)
         if model.learn_sigma:  # the variance channels get no loss: flow matching and DDIM ignore them
@@ -156,11 +184,11 @@ class DiTModule(L.LightningModule):
         return [step_generator(self.hparams.seed, stream, micro_batch, first + i) for i in range(batch_size)]
 
     def training_step(self, batch, batch_idx: int) -> Tensor | None:
-        x0, labels = batch
+        x0, condition = batch  # condition: labels (B,), or a dict of text tensors
         # (step, micro-batch within gradient accumulation): the same after a resume, which starts at a step boundary
         micro_batch = batch_idx % self.trainer.accumulate_grad_batches
         generators = self.sample_generators(self.trainer.global_step, micro_batch, x0.shape[0])
-        loss = self.diffusion_loss(self.model, x0, labels, generators)
+        loss = self.diffusion_loss(self.model, x0, condition, generators)
         # Each rank holds sp x its share: the mean over all ranks is the batch loss (averaged over replicas), and
         # every rank sees the same value, so they all take the same decision about a non-finite loss.
         batch_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
@@ -185,9 +213,9 @@ class DiTModule(L.LightningModule):
         )
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        x0, labels = batch
+        x0, condition = batch
         generators = self.sample_generators(2**31 - 1, batch_idx, x0.shape[0])  # the same draws at every validation
-        loss = self.diffusion_loss(self.sampling_model(), x0, labels, generators)
+        loss = self.diffusion_loss(self.sampling_model(), x0, condition, generators)
         self.log("val/loss", loss, sync_dist=True, batch_size=x0.shape[0])
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
@@ -230,8 +258,11 @@ class DiTModule(L.LightningModule):
         return self.ema.module if use_ema and self.ema is not None else self.model
 
     @torch.no_grad()
-    def generate(self, labels: Tensor, seeds: list[int], *, use_ema: bool = True, **overrides: Any) -> Tensor:
-        """Samples ``(N, C, [T,] H, W)`` for ``labels`` (pixels in [-1, 1]), sample i from noise seeded by seeds[i].
+    def generate(self, condition, seeds: list[int], *, use_ema: bool = True, negative: dict | None = None,
+                 **overrides: Any) -> Tensor:
+        """Samples ``(N, C, [T,] H, W)`` for ``condition`` -- labels ``(N,)``, or a dict of text tensors ``(N, ...)``
+        -- sample i from noise seeded by seeds[i]; pixels come in [-1, 1]. ``negative``: the negative prompt's
+        conditioning for guidance (text models; default the empty prompt's).
 
         Collective under sequence parallelism: every rank of the group must call it with the same arguments.
         """
@@ -239,19 +270,28 @@ class DiTModule(L.LightningModule):
         model = self.sampling_model(use_ema)
         channels = model.in_channels
         noise = initial_noise((channels, *self.hparams.data["image_size"]), seeds, device=self.device)
-        null = model.y_embedder.null_label if settings["cfg_scale"] != 1.0 else None
-        labels = labels.to(self.device)
+        guided = settings["cfg_scale"] != 1.0
+        if isinstance(model, DiffusersTransformer):
+            keys = model.family.condition_keys  # what the model reads (the data may carry more, e.g. a text mask)
+            condition = {key: condition[key].to(self.device) for key in keys}
+            null = {key: (negative or model.null_condition(len(seeds)))[key].to(self.device) for key in keys} \
+                if guided else None
+            denoiser = model
+        else:
+            condition = condition.to(self.device)
+            null = model.y_embedder.null_label if guided else None
+            denoiser = lambda x, t, y: model(x, t, y)[:, :channels]  # noqa: E731 (the learned sigma is not used)
         samples = sample(
-            lambda x, t, y: model(x, t, y)[:, :channels], self.objective, noise, labels,
-            steps=settings["steps"], cfg_scale=settings["cfg_scale"], null_label=null, sampler=settings["sampler"],
-            shift=settings["shift"], clip_denoised=self.samples_are_pixels,
+            denoiser, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
+            null=null, sampler=settings["sampler"], shift=settings["shift"], clip_denoised=self.samples_are_pixels,
         )
         return samples.clamp(-1, 1) if self.samples_are_pixels else samples
 
     def predict_step(self, batch, batch_idx: int) -> dict:
-        indices, labels, seeds = batch
-        samples = self.generate(labels, seeds.tolist())
+        indices, condition, seeds = batch
+        samples = self.generate(condition, seeds.tolist(), negative=self.negative_condition)
+        described = {"index": indices} if self.text_conditioned else {"index": indices, "labels": condition}
         if self.samples_are_pixels:
-            return {"index": indices, "labels": labels, "images": to_uint8(samples)}
+            return {**described, "images": to_uint8(samples)}
         # back to the VAE's own scale (data.scale multiplied it in): ready to decode
-        return {"index": indices, "labels": labels, "latents": samples.float() / self.hparams.data["latent_scale"]}
+        return {**described, "latents": samples.float() / self.hparams.data["latent_scale"]}

@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextvars
 import sys
 from fnmatch import fnmatchcase
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,10 +27,9 @@ from ringdit.models.diffusers.plan import Key, ParallelPlan
 from ringdit.parallel import current_parallel_dims, gather_sequence, shard_sequence
 
 Tensor = torch.Tensor
-Attend = Callable[[Tensor, Tensor, Tensor, "float | None"], Tensor]
 
-# The ringdit attention of the planned module that is running now (None: let diffusers attend).
-_active_attention: contextvars.ContextVar[Attend | None] = contextvars.ContextVar("ringdit_attention", default=None)
+# The planned attention module that is running now (None: let diffusers attend).
+_active_module: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar("ringdit_attention", default=None)
 
 
 class SequenceState:
@@ -39,6 +39,8 @@ class SequenceState:
 
     def __init__(self):
         self.length: int | None = None
+        self.text_length = 0  # joint attention: the replicated text tokens leading the sequence
+        self.text_mask: Tensor | None = None  # (B, text_length) bool, True on real tokens
 
     def record(self, length: int) -> None:
         if self.length is None:
@@ -52,49 +54,93 @@ def parallelize(model: nn.Module, plan: ParallelPlan, backend: str | AttentionBa
     """Attach ``plan`` to ``model`` in place (idempotent per model); returns the model's ``SequenceState``.
 
     The USPAttention layers are built here, so the ring-capability check of the backend runs at construction.
+    Hooks keep no references of their own: what they need hangs on the modules they are registered on, so a
+    ``copy.deepcopy`` of the model (the EMA) is parallel on its own state.
     """
     if hasattr(model, "_ringdit_sequence"):
         return model._ringdit_sequence
     backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
     state = SequenceState()
     model._ringdit_sequence = state
-    model.register_forward_pre_hook(lambda module, args: setattr(state, "length", None))
+    model.register_forward_pre_hook(_start_sequence)
 
     self_attention = _matching(model, plan.self_attention, "self_attention")
-    for name, module in self_attention.items():
-        module.usp_attention = USPAttention(module.heads, _head_dim(module), backend=backend)
-        _route(module, _sharded_attention(module.usp_attention, state))
-    for name, module in _matching(model, plan.cross_attention, "cross_attention").items():
-        if name in self_attention:
-            raise ValueError(f"plan names {name} as both self- and cross-attention")
-        _route(module, _local_attention(backend))
+    joint_attention = _matching(model, plan.joint_attention, "joint_attention")
+    cross_attention = _matching(model, plan.cross_attention, "cross_attention")
+    for name in (self_attention.keys() | joint_attention.keys()) & cross_attention.keys():
+        raise ValueError(f"the parallel plan names {name} as both sharded and cross-attention")
+    for name, module in {**self_attention, **joint_attention}.items():
+        _route(module, USPAttention(module.heads, _head_dim(module), backend=backend), state)
+        module._ringdit_joint = name in joint_attention
+    for module in cross_attention.values():
+        _route(module, LocalAttention(backend), state)
+    if joint_attention and plan.text_prefix is None:
+        raise ValueError("a plan with joint_attention must name its text_prefix input")
+    if plan.text_prefix is not None:
+        name, key, dim = plan.text_prefix
+        for module in _matching(model, (name,), "text_prefix").values():
+            module._ringdit_sequence = state
+            module.register_forward_pre_hook(partial(_record_text, key, dim, plan.text_mask), with_kwargs=True)
 
     for name, module in _matching(model, plan.split_inputs, "split_inputs").items():
-        module.register_forward_pre_hook(_split_inputs_hook(plan.split_inputs[_pattern_of(name, plan.split_inputs)],
-                                                            state), with_kwargs=True)
+        module._ringdit_sequence = state
+        module.register_forward_pre_hook(partial(_split_inputs, plan.split_inputs[_pattern_of(name, plan.split_inputs)]),
+                                         with_kwargs=True)
     for table, transform in ((plan.split_outputs, _shard), (plan.gather_outputs, _gather)):
         for name, module in _matching(model, table, "outputs").items():
-            module.register_forward_hook(_outputs_hook(table[_pattern_of(name, table)], state, transform))
+            module._ringdit_sequence = state
+            module.register_forward_hook(partial(_transform_outputs, table[_pattern_of(name, table)], transform))
     return state
+
+
+def _start_sequence(model: nn.Module, args) -> None:
+    model._ringdit_sequence.length = None
 
 
 # ---- attention routing -------------------------------------------------------------------------------------------
 
 
-def _sharded_attention(attention: USPAttention, state: SequenceState) -> Attend:
-    def attend(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
-        _check_scale(scale, attention.softmax_scale)
-        sharded = current_parallel_dims().sp_degree > 1
-        return attention(query, key, value, valid_len=state.length if sharded else None)  # (B, S_local, H, D)
+class LocalAttention(nn.Module):
+    """Attention over keys every rank holds whole (cross-attention to text): no communication."""
 
-    return attend
+    def __init__(self, backend: AttentionBackend):
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, *, softmax_scale: float | None = None) -> Tensor:
+        return local_attention(self.backend, query, key, value, softmax_scale=softmax_scale)
 
 
-def _local_attention(backend: AttentionBackend) -> Attend:
-    def attend(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
-        return local_attention(backend, query, key, value, softmax_scale=scale)  # replicated keys: no communication
+def _attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scale: float | None,
+            attn_mask: Tensor | None = None) -> Tensor:
+    """``module``'s ringdit attention of ``(B, S, H, D)`` tensors (the sequence dim sharded for self-attention)."""
+    attention = module.ringdit_attention
+    state = module._ringdit_sequence
+    joint = getattr(module, "_ringdit_joint", False)
+    text_mask = _text_mask_of(attn_mask, state.text_length) if joint and attn_mask is not None else state.text_mask
+    if attn_mask is not None and not joint:
+        raise NotImplementedError(f"{type(module).__name__} passes an attention mask; ringdit takes masks only on "
+                                  f"the text keys of joint attention (plan it as joint_attention)")
+    if isinstance(attention, LocalAttention):
+        return attention(query, key, value, softmax_scale=scale)
+    _check_scale(scale, attention.softmax_scale)
+    sharded = current_parallel_dims().sp_degree > 1
+    if joint:  # [text ; image]: the text replicated, the image sharded
+        return attention(query, key, value, valid_len=state.length if sharded else None,
+                         joint_prefix=state.text_length, prefix_mask=text_mask)
+    return attention(query, key, value, valid_len=state.length if sharded else None)
 
-    return attend
+
+def _text_mask_of(attn_mask: Tensor, text_length: int) -> Tensor | None:
+    """A joint attention's key mask ``(B, 1, 1, text + image)`` (QwenImage's) as the text keys' mask ``(B, text)``:
+    the image keys must all be attended (their padding is ringdit's, handled by ``valid_len``)."""
+    keys = attn_mask.reshape(attn_mask.shape[0], -1)
+    if attn_mask.dtype != torch.bool or keys.shape[1] != attn_mask.shape[-1]:
+        raise NotImplementedError("ringdit takes a joint attention mask only as a boolean key mask (B, 1, 1, keys)")
+    if not bool(keys[:, text_length:].all()):
+        raise NotImplementedError("ringdit takes masks on the text keys only; this model masks image keys")
+    text_mask = keys[:, :text_length]
+    return None if bool(text_mask.all()) else text_mask
 
 
 def _check_scale(scale: float | None, expected: float) -> None:
@@ -102,12 +148,22 @@ def _check_scale(scale: float | None, expected: float) -> None:
         raise ValueError(f"the model asks for softmax scale {scale}, the USPAttention layer was built for {expected}")
 
 
-def _route(module: nn.Module, attend: Attend) -> None:
-    """While ``module`` runs, its processor's ``dispatch_attention_fn`` calls go to ``attend``."""
+def _route(module: nn.Module, attention: nn.Module, state: SequenceState) -> None:
+    """While ``module`` runs, its processor's ``dispatch_attention_fn`` calls go to ``attention``."""
     _install_router(type(module.processor).__module__)
-    tokens: list[contextvars.Token] = []
-    module.register_forward_pre_hook(lambda m, args: tokens.append(_active_attention.set(attend)))
-    module.register_forward_hook(lambda m, args, out: _active_attention.reset(tokens.pop()), always_call=True)
+    module.ringdit_attention = attention
+    module._ringdit_sequence = state
+    module._ringdit_tokens = []
+    module.register_forward_pre_hook(_enter_attention)
+    module.register_forward_hook(_leave_attention, always_call=True)
+
+
+def _enter_attention(module: nn.Module, args) -> None:
+    module._ringdit_tokens.append(_active_module.set(module))
+
+
+def _leave_attention(module: nn.Module, args, output) -> None:
+    _active_module.reset(module._ringdit_tokens.pop())
 
 
 def _install_router(processor_module: str) -> None:
@@ -122,12 +178,12 @@ def _install_router(processor_module: str) -> None:
 
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               *args, **kwargs):
-        attend = _active_attention.get()
-        if attend is None:
+        module = _active_module.get()
+        if module is None:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
-        if attn_mask is not None or dropout_p or is_causal:
-            raise NotImplementedError("ringdit attention takes no attention mask, dropout or causal masking here")
-        return attend(query, key, value, scale)
+        if dropout_p or is_causal:
+            raise NotImplementedError("ringdit attention takes no dropout or causal masking")
+        return _attend(module, query, key, value, scale, attn_mask)
 
     dispatch_attention_fn._ringdit_router = True
     namespace.dispatch_attention_fn = dispatch_attention_fn
@@ -151,29 +207,41 @@ def _gather(value: Tensor, dim: int, state: SequenceState) -> Tensor:
     return gather_sequence(value, dim=dim, length=state.length)
 
 
-def _split_inputs_hook(keys: dict[Key, int], state: SequenceState):
-    def hook(module, args, kwargs):
-        args = list(args)
-        for key, dim in keys.items():
-            if isinstance(key, int) and key < len(args):
-                args[key] = _shard(args[key], dim, state)
-            elif isinstance(key, str) and kwargs.get(key) is not None:
-                kwargs[key] = _shard(kwargs[key], dim, state)
-        return tuple(args), kwargs
-
-    return hook
+def _input(args: tuple, kwargs: dict, key: Key):
+    if isinstance(key, int):
+        return args[key] if key < len(args) else None
+    return kwargs.get(key)
 
 
-def _outputs_hook(keys: dict[Key, int], state: SequenceState, transform):
-    def hook(module, args, output):
-        if None in keys:
-            return transform(output, keys[None], state)
-        output = list(output)
-        for key, dim in keys.items():
-            output[key] = transform(output[key], dim, state)
-        return tuple(output)
+def _record_text(key: Key, dim: int, mask: tuple[str, Key] | None, module: nn.Module, args: tuple, kwargs: dict):
+    """Remember how many replicated text tokens lead the joint sequence (and which are real) in this forward."""
+    state = module._ringdit_sequence
+    state.text_length = _input(args, kwargs, key).shape[dim]
+    state.text_mask = None
+    if mask is not None and _input(args, kwargs, mask[1]) is not None:
+        state.text_mask = _input(args, kwargs, mask[1]).bool()
+        if bool(state.text_mask.all()):  # all real: the unmasked path needs no per-sample work
+            state.text_mask = None
 
-    return hook
+
+def _split_inputs(keys: dict[Key, int], module: nn.Module, args: tuple, kwargs: dict):
+    args = list(args)
+    for key, dim in keys.items():
+        if isinstance(key, int) and key < len(args):
+            args[key] = _shard(args[key], dim, module._ringdit_sequence)
+        elif isinstance(key, str) and kwargs.get(key) is not None:
+            kwargs[key] = _shard(kwargs[key], dim, module._ringdit_sequence)
+    return tuple(args), kwargs
+
+
+def _transform_outputs(keys: dict[Key, int], transform, module: nn.Module, args, output):
+    state = module._ringdit_sequence
+    if None in keys:
+        return transform(output, keys[None], state)
+    output = list(output)
+    for key, dim in keys.items():
+        output[key] = transform(output[key], dim, state)
+    return tuple(output)
 
 
 def _matching(model: nn.Module, patterns, what: str) -> dict[str, nn.Module]:

@@ -2,14 +2,16 @@
 
 To add a family (QwenImage, HunyuanVideo, LTX, ...):
 
-1. Read the transformer's ``forward``: find the module whose input first carries the patch tokens
-   (``split_inputs``), the module that turns per-position RoPE into per-token rotations (``split_outputs``), and
-   the output projection (``gather_outputs``); list the attention modules over the tokens (``self_attention``) and
-   those whose keys are text only (``cross_attention``). Its processors must call ``dispatch_attention_fn``.
+1. Read the transformer's ``forward``: find the module input that first carries the patch tokens
+   (``split_inputs``), the module that turns per-position RoPE into per-token rotations or the position ids it
+   reads (``split_outputs`` / ``split_inputs``), and the output projection (``gather_outputs``); list the attention
+   modules over the tokens (``self_attention``), over ``[text ; image]`` (``joint_attention``, with the
+   ``text_prefix`` input) and those whose keys are text only (``cross_attention``). Its processors must call
+   ``dispatch_attention_fn``.
 2. Write ``forward(transformer, x, t, cond)``: how ringdit's ``(B, C, [T,] H, W)`` latents, model time (0..1000)
    and conditioning dict map onto the diffusers call, returning the prediction shaped like ``x``.
-3. Register it in ``FAMILIES`` and add a ``conf/model/<family>*.yaml`` preset; the exactness test
-   (``tests/test_diffusers_models.py``) then compares it with the unmodified model on one process.
+3. Register it in ``FAMILIES`` and add a ``conf/model/<family>*.yaml`` preset; an exactness test like
+   ``tests/test_diffusers_models.py``'s then compares it with the unmodified model on one process.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ class Family:
     forward: Callable[[nn.Module, Tensor, Tensor, dict], Tensor]
     video: bool  # latents (B, C, T, H, W) rather than (B, C, H, W)
     condition_keys: tuple[str, ...]  # the conditioning tensors the model reads (data=text_latents provides them)
+    text_dim: str  # the config key of the text embedding width
+    pooled_dim: str | None = None  # the config key of the pooled text embedding width, if the model takes one
+    latent_channels: Callable[[dict], int] = lambda config: config["in_channels"]
+    # the latent cells one token covers, (T, H, W) or (H, W)
+    patch_shape: Callable[[dict], tuple[int, ...]] = lambda config: tuple(config["patch_size"])
+
+
+# ---- Wan 2.x: self-attention over video tokens, cross-attention to text, 3-D RoPE -----------------------------------
 
 
 def _wan_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
@@ -54,9 +64,98 @@ WAN = Family(
     forward=_wan_forward,
     video=True,
     condition_keys=("text",),
+    text_dim="text_dim",
 )
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (WAN,)}
+
+# ---- Flux: joint [text ; image] attention in dual- and single-stream blocks, RoPE from position ids --------------
+
+
+def pack_latents(x: Tensor) -> Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C): Flux's 2x2 patches as tokens (as FluxPipeline packs VAE latents)."""
+    batch, channels, height, width = x.shape
+    x = x.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(batch, (height // 2) * (width // 2), channels * 4)
+
+
+def unpack_latents(tokens: Tensor, height: int, width: int) -> Tensor:
+    """The inverse of ``pack_latents``."""
+    batch, _, packed = tokens.shape
+    x = tokens.view(batch, height // 2, width // 2, packed // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(batch, packed // 4, height, width)
+
+
+def image_ids(height: int, width: int, device) -> Tensor:
+    """(H * W, 3) position ids (0, row, col) of a token grid, as FluxPipeline makes them."""
+    rows, cols = torch.meshgrid(torch.arange(height, device=device), torch.arange(width, device=device), indexing="ij")
+    return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+
+
+def _flux_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
+    """x (B, C, H, W) latents (H, W even), t (B,) in 0..1000, cond: text (B, L, D) T5 states, pooled (B, P) CLIP
+    embedding, guidance (B,) for guidance-distilled models (Flux-dev)."""
+    height, width = x.shape[-2:]
+    text = cond["text"]
+    out = transformer(
+        hidden_states=pack_latents(x), encoder_hidden_states=text, pooled_projections=cond["pooled"],
+        timestep=t / 1000, img_ids=image_ids(height // 2, width // 2, x.device),
+        txt_ids=text.new_zeros(text.shape[1], 3), guidance=cond.get("guidance"), return_dict=False,
+    )[0]
+    return unpack_latents(out, height, width)
+
+
+FLUX = Family(
+    name="flux",
+    model_class="FluxTransformer2DModel",
+    plan=ParallelPlan(
+        joint_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
+        text_prefix=("", "encoder_hidden_states", 1),  # replicated: every rank holds all text tokens
+        split_inputs={"": {"hidden_states": 1, "img_ids": 0}},  # image tokens (B, S, 4C) and their ids (S, 3)
+        gather_outputs={"proj_out": {None: 1}},  # (B, S, 4C): the image tokens only
+    ),
+    forward=_flux_forward,
+    video=False,
+    condition_keys=("text", "pooled"),
+    text_dim="joint_attention_dim",
+    pooled_dim="pooled_projection_dim",
+    latent_channels=lambda config: config["in_channels"] // 4,
+    patch_shape=lambda config: (2 * config["patch_size"], 2 * config["patch_size"]),  # 2x2 packing x its patch
+)
+
+# ---- QwenImage: joint attention in dual-stream blocks, text padded to a fixed length with a mask -----------------
+
+
+def _qwenimage_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
+    """x (B, C, H, W) latents, t (B,) in 0..1000, cond: text (B, L, D) Qwen2.5-VL states padded to L, text_mask
+    (B, L) True on real tokens: masked text keys get no attention weight."""
+    batch, _, height, width = x.shape
+    out = transformer(
+        hidden_states=pack_latents(x), encoder_hidden_states=cond["text"],
+        encoder_hidden_states_mask=cond["text_mask"], timestep=t / 1000,
+        img_shapes=[[(1, height // 2, width // 2)]] * batch, guidance=cond.get("guidance"), return_dict=False,
+    )[0]
+    return unpack_latents(out, height, width)
+
+
+QWENIMAGE = Family(
+    name="qwenimage",
+    model_class="QwenImageTransformer2DModel",
+    plan=ParallelPlan(
+        joint_attention=("transformer_blocks.*.attn",),
+        text_prefix=("", "encoder_hidden_states", 1),
+        split_inputs={"transformer_blocks.0": {"hidden_states": 1, 0: 1}},  # (B, S, D) image tokens
+        split_outputs={"pos_embed": {0: 0}},  # (image rotations (S, D/2), text rotations (L, D/2))
+        gather_outputs={"proj_out": {None: 1}},
+    ),
+    forward=_qwenimage_forward,
+    video=False,
+    condition_keys=("text", "text_mask"),
+    text_dim="joint_attention_dim",
+    latent_channels=lambda config: config["in_channels"] // 4,
+    patch_shape=lambda config: (config["patch_size"], config["patch_size"]),
+)
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, FLUX, QWENIMAGE)}
 
 
 def get_family(name: str) -> Family:

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from ringdit.errors import ConfigError
@@ -45,7 +46,9 @@ class DiffusersTransformer(nn.Module):
         in_channels: int | None = None,
         text_len: int | None = None,
         text_dim: int | None = None,
+        pooled_dim: int | None = None,
         condition_dropout_prob: float = 0.1,
+        guidance: float | None = None,
         attention_backend: str | None = None,
         activation_checkpointing: bool = False,
         gradient_checkpointing: bool = False,
@@ -54,21 +57,29 @@ class DiffusersTransformer(nn.Module):
         if not 0 <= condition_dropout_prob < 1:
             raise ValueError(f"model.condition_dropout_prob must be in [0, 1), got {condition_dropout_prob}")
         self.family: Family = get_family(family)
+        if OmegaConf.is_config(config):  # Hydra passes nested settings as DictConfig; diffusers wants plain values
+            config = OmegaConf.to_container(config, resolve=True)
         self.transformer = build_transformer(self.family, config, pretrained, subfolder)
-        arch = self.transformer.config
-        self.in_channels = arch.in_channels
+        arch = dict(self.transformer.config)
+        self.in_channels = self.family.latent_channels(arch)  # of the latents ringdit sees
         self.condition_dropout_prob = condition_dropout_prob
+        self.guidance = guidance
+        if arch.get("guidance_embeds") and guidance is None:
+            raise ConfigError(f"model.guidance is not set: this {self.family.model_class} is guidance-distilled "
+                              f"(guidance_embeds); set it, e.g. model.guidance=3.5 for sampling, 1.0 to fine-tune")
         self.input_size = tuple(input_size) if input_size is not None else None
-        patch = tuple(arch.patch_size) if isinstance(arch.patch_size, (list, tuple)) else (arch.patch_size,) * 2
-        self.patch_size = patch
+        self.patch_size = self.family.patch_shape(arch)
         if self.input_size is not None:
-            check_latent_shape(self.input_size, patch, in_channels, arch.in_channels)
-            self.default_grid = tuple(s // p for s, p in zip(self.input_size, patch))
-        text_len, text_dim = text_len or 1, text_dim or arch.text_dim
-        if text_dim != arch.text_dim:
-            raise ConfigError(f"the data's text embeddings have width {text_dim} but model.config.text_dim is "
-                              f"{arch.text_dim}: encode the captions with the model's own text encoder")
+            check_latent_shape(self.input_size, self.patch_size, in_channels, self.in_channels)
+            self.default_grid = tuple(s // p for s, p in zip(self.input_size, self.patch_size))
+        text_len, text_dim = text_len or 1, text_dim or arch[self.family.text_dim]
+        _check_width("text embeddings", text_dim, self.family.text_dim, arch)
         self.register_buffer("null_text", torch.zeros(1, text_len, text_dim))  # (1, L, D_text)
+        self.register_buffer("null_text_mask", torch.zeros(1, text_len, dtype=torch.bool))  # (1, L)
+        if self.family.pooled_dim is not None:
+            pooled_dim = pooled_dim or arch[self.family.pooled_dim]
+            _check_width("pooled text embeddings", pooled_dim, self.family.pooled_dim, arch)
+            self.register_buffer("null_pooled", torch.zeros(1, pooled_dim))  # (1, P)
         if activation_checkpointing or gradient_checkpointing:  # recompute each block in backward
             self.transformer.enable_gradient_checkpointing()
         parallelize(self.transformer, self.family.plan, attention_backend)
@@ -76,11 +87,17 @@ class DiffusersTransformer(nn.Module):
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
         """x (B, C, [T,] H, W) noisy latents, t (B,) model time 0..1000 -> the prediction (B, C, [T,] H, W),
         gathered from every sequence-parallel rank."""
+        if self.guidance is not None and "guidance" not in cond:  # a guidance-distilled model's embedding input
+            cond = {**cond, "guidance": x.new_full((x.shape[0],), float(self.guidance))}
         return self.family.forward(self.transformer, x, t, cond)
 
     # ---- conditioning --------------------------------------------------------------------------------------------
     def null_condition(self, batch: int) -> dict[str, Tensor]:
-        return {"text": self.null_text.expand(batch, -1, -1)}
+        """The empty prompt's conditioning, expanded to ``batch``."""
+        null = {"text": self.null_text, "text_mask": self.null_text_mask}
+        if self.family.pooled_dim is not None:
+            null["pooled"] = self.null_pooled
+        return {key: value.expand(batch, *value.shape[1:]) for key, value in null.items()}
 
     def drop_condition(self, cond: dict[str, Tensor], drop: Tensor) -> dict[str, Tensor]:
         """Replace the conditioning of the samples where ``drop`` (B,) is True by the null conditioning."""
@@ -89,17 +106,47 @@ class DiffusersTransformer(nn.Module):
                 if key in null else value for key, value in cond.items()}
 
     @torch.no_grad()
-    def set_null_condition(self, text: Tensor) -> None:
-        """The empty / negative prompt's embedding ``(1, L, D_text)`` or ``(L, D_text)``."""
-        text = text.reshape(1, *text.shape[-2:])
-        if text.shape != self.null_text.shape:
-            raise ValueError(f"null text embedding of shape {tuple(text.shape)} does not fit "
-                             f"{tuple(self.null_text.shape)}")
-        self.null_text.copy_(text)
+    def set_null_condition(self, null: dict[str, Tensor]) -> None:
+        """The empty / negative prompt's conditioning: ``text`` (L, D) [, ``text_mask`` (L,), ``pooled`` (P,)]."""
+        for key, buffer in (("text", self.null_text), ("text_mask", self.null_text_mask),
+                            ("pooled", getattr(self, "null_pooled", None))):
+            if buffer is None or key not in null:
+                continue
+            value = null[key].reshape(buffer.shape) if null[key].numel() == buffer.numel() else None
+            if value is None:
+                raise ValueError(f"the empty prompt's {key} of shape {tuple(null[key].shape)} does not fit "
+                                 f"{tuple(buffer.shape[1:])}")
+            buffer.copy_(value)
 
     @property
     def tokens_per_sample(self) -> int:
         return math.prod(self.default_grid)
+
+    def load_pretrained_weights(self, pretrained: str, subfolder: str | None = "transformer") -> None:
+        """Fine-tune from a local diffusers folder of the same architecture (``init_from=<folder>``)."""
+        loaded = build_transformer(self.family, None, pretrained, subfolder, setting="init_from")
+        self.transformer.load_state_dict(loaded.state_dict(), strict=True)
+
+    def check_pretrained(self, pretrained: str, subfolder: str | None = "transformer") -> None:
+        """Raise a ConfigError unless ``pretrained`` holds this family's model with the same architecture."""
+        folder = pretrained_folder(self.family, pretrained, subfolder, setting="init_from")
+        config = read_config(self.family, folder, pretrained, setting="init_from")
+        ours = {key: value for key, value in self.transformer.config.items() if not key.startswith("_")}
+        differing = sorted(key for key in config if key in ours and _plain(config[key]) != _plain(ours[key]))
+        if differing:
+            details = ", ".join(f"{key}={config[key]!r} vs {ours[key]!r}" for key in differing[:6])
+            raise ConfigError(f"init_from={pretrained} is another {self.family.model_class} architecture than "
+                              f"the model ({details}); pick the model preset that matches it, or model.pretrained")
+
+
+def _check_width(what: str, width: int, key: str, arch: dict) -> None:
+    if width != arch[key]:
+        raise ConfigError(f"the data's {what} have width {width} but the model's {key} is {arch[key]}: encode the "
+                          f"captions with the model's own text encoder(s)")
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 # ---- building ----------------------------------------------------------------------------------------------------
@@ -111,46 +158,50 @@ def diffusers_class(family: Family) -> type[nn.Module]:
     return getattr(diffusers, family.model_class)
 
 
-def build_transformer(family: Family, config: dict | None, pretrained: str | None, subfolder: str | None) -> nn.Module:
+def build_transformer(family: Family, config: dict | None, pretrained: str | None, subfolder: str | None,
+                      setting: str = "model.pretrained") -> nn.Module:
     cls = diffusers_class(family)
     if pretrained is None:
         if not config:
             raise ConfigError("model: give model.pretrained=<local diffusers folder> or an architecture model.config "
                               "(e.g. model=wan_tiny)")
         return cls.from_config(dict(config))
-    folder = pretrained_folder(family, pretrained, subfolder)
+    folder = pretrained_folder(family, pretrained, subfolder, setting)
+    arch = read_config(family, folder, pretrained, setting)
     if torch.empty(0).device.type == "meta":  # a config-time check (train.py builds on meta): shapes only
-        return cls.from_config(read_config(family, folder, pretrained))
+        return cls.from_config(arch)
     try:
         return cls.from_pretrained(str(folder), local_files_only=True, torch_dtype=torch.float32)
     except (OSError, ValueError, RuntimeError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ConfigError(f"model.pretrained={pretrained}: could not load the weights in {folder}: {first}") from None
+        raise ConfigError(f"{setting}={pretrained}: could not load the weights in {folder}: {first}") from None
 
 
-def pretrained_folder(family: Family, pretrained: str, subfolder: str | None) -> Path:
+def pretrained_folder(family: Family, pretrained: str, subfolder: str | None, setting: str = "model.pretrained"
+                      ) -> Path:
     root = Path(pretrained).expanduser()
     if not root.is_dir():
-        raise ConfigError(f"model.pretrained={pretrained} is not a folder; give a local diffusers folder (as "
-                          f"saved by save_pretrained or downloaded with huggingface-cli; nothing is downloaded here)")
+        raise ConfigError(f"{setting}={pretrained} is not a folder; give a local diffusers folder (as saved by "
+                          f"save_pretrained or downloaded with huggingface-cli; nothing is downloaded here)")
     folder = root / subfolder if subfolder else root
     if not (folder / "config.json").is_file():
         where = f"{subfolder}/config.json" if subfolder else "config.json"
-        raise ConfigError(f"model.pretrained={pretrained} has no {where}: not a diffusers {family.model_class} folder"
+        raise ConfigError(f"{setting}={pretrained} has no {where}: not a diffusers {family.model_class} folder"
                           + (" (if the folder is the transformer itself, set model.subfolder=null)" if subfolder else ""))
     return folder
 
 
-def read_config(family: Family, folder: Path, pretrained: str) -> dict:
+def read_config(family: Family, folder: Path, pretrained: str, setting: str = "model.pretrained") -> dict:
+    """The architecture in ``folder/config.json`` (plain JSON data: nothing in it is imported or run)."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"model.pretrained={pretrained}: {folder / 'config.json'} is not valid JSON ({error})") from None
+        raise ConfigError(f"{setting}={pretrained}: {folder / 'config.json'} is not valid JSON ({error})") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"model.pretrained={pretrained}: {folder / 'config.json'} is not a JSON object")
+        raise ConfigError(f"{setting}={pretrained}: {folder / 'config.json'} is not a JSON object")
     kind = config.get("_class_name", family.model_class)
     if kind != family.model_class:
-        raise ConfigError(f"model.pretrained={pretrained} holds a {kind}, not a {family.model_class} "
+        raise ConfigError(f"{setting}={pretrained} holds a {kind}, not a {family.model_class} "
                           f"(model.family={family.name}); pick the model preset that matches the folder")
     return {key: value for key, value in config.items() if not key.startswith("_")}
 

@@ -1,0 +1,155 @@
+"""diffusers' Wan through train.py / infer.py: the same SGD steps and samples under every layout, exact resume,
+fine-tuning from a local diffusers folder, and one-line errors for what a user can get wrong."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_reliability import launch
+from tests.test_training import logged_losses, model_weights, run
+
+WAN = ["experiment=wan_tiny", "data.num_samples=64", "data.batch_size=4", "trainer.max_steps=3", "logger=csv",
+       "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5", "callbacks.model_checkpoint.every_n_train_steps=2",
+       "trainer.val_check_interval=3"]
+LAYOUTS = {"ring1": [], "ring2": ["ring_degree=2"], "ring2_ulysses2": ["ring_degree=2", "ulysses_degree=2"]}
+
+
+@pytest.fixture(scope="module")
+def wan_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan")
+    data = [f"data.cache_dir={root / 'data'}"]
+    for name, overrides in LAYOUTS.items():
+        run("train.py", root / name, *WAN, *data, *overrides, env={"HF_HUB_OFFLINE": "1"})
+    return root
+
+
+@pytest.mark.parametrize("layout", ["ring2", "ring2_ulysses2"])
+def test_wan_sgd_steps_equal_one_process(wan_runs, layout):
+    reference, parallel = logged_losses(wan_runs / "ring1"), logged_losses(wan_runs / layout)
+    assert sorted(reference) == sorted(parallel) == [0, 1, 2]
+    for step in reference:
+        assert parallel[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
+    assert reference[2] != pytest.approx(reference[0], rel=1e-3)  # the steps did change the model
+    ref_weights, weights = model_weights(wan_runs / "ring1"), model_weights(wan_runs / layout)
+    assert any(key.startswith("model.transformer.blocks.") for key in ref_weights)
+    for key, value in ref_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_wan_resume_continues_the_loss_curve(wan_runs, tmp_path):
+    step2 = wan_runs / "ring1" / "checkpoints" / "step_0000002.ckpt"
+    run("train.py", tmp_path, *WAN, f"data.cache_dir={wan_runs / 'data'}", f"ckpt_path={step2}", "ring_degree=2")
+    assert logged_losses(tmp_path)[2] == pytest.approx(logged_losses(wan_runs / "ring1")[2], rel=1e-5)
+    for key, value in model_weights(wan_runs / "ring1").items():
+        torch.testing.assert_close(model_weights(tmp_path)[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_wan_samples_do_not_depend_on_the_layout(wan_runs, tmp_path):
+    ckpt = wan_runs / "ring2" / "checkpoints" / "last.ckpt"
+    samples = {}
+    for name, overrides in (("ring1", []), ("ring2", ["ring_degree=2"])):
+        run("infer.py", tmp_path / name, f"ckpt_path={ckpt}", "num_samples=3", "steps=3", "cfg_scale=4", *overrides)
+        samples[name] = np.load(tmp_path / name / "samples.npz")
+    assert samples["ring1"]["latents"].shape == (3, 4, 3, 8, 8)
+    assert list(samples["ring1"]["captions"]) == list(samples["ring2"]["captions"])
+    np.testing.assert_allclose(samples["ring2"]["latents"], samples["ring1"]["latents"], atol=1e-4)
+
+
+def save_tiny_wan(folder, seed: int = 3) -> dict[str, torch.Tensor]:
+    import diffusers
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(OmegaConf.load("conf/model/wan_tiny.yaml").config)
+    torch.manual_seed(seed)
+    model = diffusers.WanTransformer3DModel.from_config(config)
+    model.save_pretrained(folder / "transformer")
+    return model.state_dict()
+
+
+def test_fine_tune_from_a_diffusers_folder(wan_runs, tmp_path):
+    """init_from=<diffusers folder> (and model.pretrained=) start from its weights: step 0's loss is the same."""
+    state = save_tiny_wan(tmp_path / "wan")
+    data = f"data.cache_dir={wan_runs / 'data'}"
+    run("train.py", tmp_path / "init", *WAN, data, f"init_from={tmp_path / 'wan'}", "trainer.max_steps=1")
+    run("train.py", tmp_path / "pre", *WAN, data, f"model.pretrained={tmp_path / 'wan'}", "trainer.max_steps=1")
+    assert logged_losses(tmp_path / "init")[0] == pytest.approx(logged_losses(tmp_path / "pre")[0], rel=1e-6)
+    assert logged_losses(tmp_path / "init")[0] != pytest.approx(logged_losses(wan_runs / "ring1")[0], rel=1e-3)
+    ckpt = torch.load(tmp_path / "pre" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    key = "blocks.0.attn1.to_q.weight"
+    assert not torch.equal(ckpt[f"model.transformer.{key}"], state[key])  # it trained one SGD step from them
+    torch.testing.assert_close(ckpt[f"ema.module.transformer.{key}"], state[key], rtol=0.2, atol=0.05)
+
+
+@pytest.fixture(scope="module")
+def bad_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_wan")
+    (root / "empty").mkdir()
+    (root / "other" / "transformer").mkdir(parents=True)
+    (root / "other" / "transformer" / "config.json").write_text('{"_class_name": "FluxTransformer2DModel"}')
+    (root / "broken" / "transformer").mkdir(parents=True)
+    (root / "broken" / "transformer" / "config.json").write_text("{not json")
+    return root
+
+
+BAD_WAN_INPUTS = {
+    "missing pretrained folder": (["model.pretrained=/nonexistent/wan"],
+                                  r"model.pretrained=/nonexistent/wan is not a folder"),
+    "no transformer/config.json": (["model.pretrained={root}/empty"],
+                                   r"model.pretrained=.*/empty has no transformer/config.json: not a diffusers "
+                                   r"WanTransformer3DModel folder \(if the folder is the transformer itself, set "
+                                   r"model.subfolder=null\)"),
+    "another model class": (["model.pretrained={root}/other"],
+                            r"holds a FluxTransformer2DModel, not a WanTransformer3DModel"),
+    "broken config.json": (["model.pretrained={root}/broken"], r"config.json is not valid JSON"),
+    "init_from another architecture": (["init_from={root}/other"], r"init_from=.* holds a FluxTransformer2DModel"),
+    "class labels for a text model": (["data=digits"], r"model.family=wan is conditioned on text, but the data gives "
+                                                       r"class labels; use data=text_latents"),
+    "text data for the DiT": (["model=dit_digits"], r"the data is text-conditioned .* but the model is the "
+                                                    r"class-conditional DiT"),
+    "heads do not split": (["ulysses_degree=4"], r"num_heads=2 is not divisible by ulysses_degree=4"),
+    "no data path": (["data=text_latents"], r"data.path is not set"),
+}
+
+
+def prepare_train(overrides: list[str], run_dir):
+    """train.py's checks and setup (``train.prepare``) in this process: what a launch does before spawning."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    import train
+    from tests.test_training import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        cfg.paths.output_dir = str(run_dir)
+        return train.prepare(cfg)
+
+
+@pytest.mark.parametrize("case", list(BAD_WAN_INPUTS))
+def test_wan_bad_input_is_refused_before_spawning(case, bad_folders, tmp_path):
+    overrides, message = BAD_WAN_INPUTS[case]
+    overrides = [o.format(root=bad_folders) for o in overrides]
+    own_data = any(o.startswith("data=") for o in overrides)
+    synthetic = [] if own_data else [f"data.cache_dir={tmp_path}", "data.num_samples=16"]
+    from hydra.errors import InstantiationException
+
+    with pytest.raises((ValueError, InstantiationException)) as raised:  # what user_errors shows as one line
+        prepare_train(["experiment=wan_tiny", *synthetic, *overrides], tmp_path / "run")
+    assert re.search(message, f"{raised.value} {raised.value.__cause__}"), raised.value
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("case", ["missing pretrained folder", "class labels for a text model"])
+def test_wan_bad_input_fails_in_one_line_with_exit_code_2(case, bad_folders, tmp_path):
+    overrides, message = BAD_WAN_INPUTS[case]
+    own_data = any(o.startswith("data=") for o in overrides)
+    synthetic = [] if own_data else [f"data.cache_dir={tmp_path}", "data.num_samples=16"]
+    proc, _ = launch("train.py", "experiment=wan_tiny", *synthetic, f"hydra.run.dir={tmp_path / 'run'}", *overrides)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1 and re.search(message, lines[0]), proc.stderr[-3000:]
