@@ -104,6 +104,11 @@ def validate_parallel(cfg: DictConfig, *, training: bool) -> str:
         check_degrees(cfg.ring_degree, cfg.ulysses_degree, world)
     except ValueError as error:
         raise ConfigError(f"{error} (trainer.devices={cfg.trainer.devices}, trainer.num_nodes={cfg.trainer.num_nodes})") from None
+    replicate = OmegaConf.select(cfg, "trainer.strategy.replicate_degree", default=1)
+    if isinstance(replicate, int) and replicate > 1 and world % replicate:
+        raise ConfigError(f"trainer.strategy.replicate_degree={replicate} does not divide the world size {world} "
+                          f"(HSDP shards within world / replicate_degree ranks); use a divisor of {world}, e.g. the dp_degree "
+                          f"to shard within each sequence-parallel group and replicate across them")
     return validate_attention_config(
         cfg.attention_backend, ring_degree=cfg.ring_degree, training=training, device_type=device_type(cfg.trainer)
     )

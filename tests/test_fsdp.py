@@ -101,3 +101,45 @@ def test_export_consolidates_a_sharded_checkpoint(runs, tmp_path):
     reference = weights(runs / "reference" / "checkpoints" / "last.ckpt", "ema")
     for key, value in reference.items():
         torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_fsdp_trains_wan_like_one_process(tmp_path):
+    """A diffusers model (Wan, sharded per WanTransformerBlock) under FSDP at ring 2: one process's SGD steps."""
+    from tests.test_wan_training import WAN
+
+    common = [*WAN, f"data.cache_dir={tmp_path / 'data'}"]
+    run("train.py", tmp_path / "reference", *common, env={"HF_HUB_OFFLINE": "1"})
+    run("train.py", tmp_path / "fsdp", *common, *FSDP, "ring_degree=2", env={"HF_HUB_OFFLINE": "1"})
+    assert_same_run(tmp_path / "fsdp", tmp_path / "reference")
+
+
+def fake_sharded_checkpoint(folder: Path, step: int) -> Path:
+    folder.mkdir(parents=True)
+    torch.save({"global_step": step}, folder / "meta.pt")
+    (folder / ".metadata").write_bytes(b"")
+    return folder
+
+
+def test_a_save_killed_between_its_renames_keeps_the_previous_checkpoint(tmp_path):
+    from ringdit.training.fsdp import replace_folder
+    from ringdit.weights import recover_checkpoint
+
+    last = fake_sharded_checkpoint(tmp_path / "last.ckpt", step=2)
+    replace_folder(fake_sharded_checkpoint(tmp_path / ".last.ckpt.abc.tmp", step=4), last)
+    assert torch.load(last / "meta.pt")["global_step"] == 4 and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    # killed after moving the old one aside, before the new one arrived: resuming puts the old one back
+    fake_sharded_checkpoint(tmp_path / ".last.ckpt.def.tmp", step=6)  # complete or not, never used
+    last.rename(tmp_path / ".last.ckpt.old")
+    recover_checkpoint(last)
+    assert torch.load(last / "meta.pt")["global_step"] == 4
+
+
+def test_optimizer_state_keys_convert_both_ways():
+    from ringdit.training.checkpoint_io import optimizer_state_by_index, optimizer_state_by_name
+
+    numbered = {"state": {0: {"momentum_buffer": torch.ones(2)}, 2: {"momentum_buffer": torch.zeros(3)}},
+                "param_groups": [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.2, "params": [2]}]}
+    named = optimizer_state_by_name(numbered, ["a.weight", "a.bias", "b.weight"])
+    assert set(named["state"]) == {"a.weight", "b.weight"}
+    assert named["param_groups"][1] == {"lr": 0.2, "params": ["b.weight"]}
+    assert optimizer_state_by_index(named) == numbered
