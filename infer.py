@@ -28,13 +28,16 @@ from ringdit.config import (
     group_targets,
     read_weights_file,
     register_resolvers,
+    require_choice,
     require_positive,
+    require_seed,
     user_errors,
     validate_parallel,
 )
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.sampling import SampleRequests, SampleWriter, resolve_labels
 from ringdit.training import DiTModule
+from ringdit.weights import WEIGHT_CHOICES
 
 log = logging.getLogger("ringdit.infer")
 register_resolvers()
@@ -44,6 +47,8 @@ def prepare(cfg: DictConfig):
     """Check every setting and the checkpoint, then build the trainer, module and sample requests."""
     require_positive("num_samples", cfg.num_samples)
     require_positive("batch_size", cfg.batch_size)
+    require_seed("seed", cfg.seed)
+    require_choice("weights", cfg.weights, WEIGHT_CHOICES)
     backend = validate_parallel(cfg, training=False)
     state, info = read_weights_file("ckpt_path", cfg.ckpt_path, prefer=cfg.weights)
     missing = [key for key in ("model", "data", "objective") if key not in info]
@@ -64,8 +69,11 @@ def prepare(cfg: DictConfig):
         conditions = resolve_labels(OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels,
                                     cfg.num_samples, info["data"])
     sampling = {**info.get("sampling", {}),
-                **{k: cfg[k] for k in ("steps", "cfg_scale", "sampler") if cfg[k] is not None}}
+                **{k: cfg[k] for k in ("steps", "cfg_scale", "sampler", "guidance") if cfg.get(k) is not None}}
     check_sampling(info["model"], info["objective"], sampling)
+    if cfg.cfg_parallel and (not isinstance(cfg.dp_degree, int) or cfg.dp_degree % 2):
+        raise ConfigError(f"cfg_parallel=true runs the two halves of guidance on two data-parallel replicas: set "
+                          f"dp_degree to an even number (2), got dp_degree={cfg.dp_degree}")
 
     module = DiTModule(model=info["model"], objective=info["objective"], data=info["data"], sampling=sampling,
                        attention_backend=backend, init_from=cfg.ckpt_path, init_weights=cfg.weights)

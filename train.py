@@ -24,15 +24,21 @@ from ringdit.config import (
     check_sampling,
     check_weights_file,
     group_targets,
+    is_diffusers_model,
     model_config,
     register_resolvers,
+    require_choice,
     require_positive,
+    require_seed,
     resolve_ckpt_path,
+    resolve_shift,
     user_errors,
     validate_parallel,
 )
 from ringdit.errors import NonFiniteLossError
 from ringdit.lora import lora_enabled
+from ringdit.resume import check_resume
+from ringdit.weights import WEIGHT_CHOICES
 
 log = logging.getLogger("ringdit.train")
 register_resolvers()
@@ -42,12 +48,16 @@ def prepare(cfg: DictConfig):
     """Check every setting, then build the trainer, module and data; nothing is spawned yet."""
     require_positive("trainer.max_steps", cfg.trainer.max_steps)
     require_positive("data.batch_size", cfg.data.batch_size)
+    require_seed("seed", cfg.seed)
+    require_choice("init_weights", cfg.init_weights, WEIGHT_CHOICES)
     backend = validate_parallel(cfg, training=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     data_info = datamodule.describe()
     model_cfg = model_config(cfg.model, data_info)
     meta_model = build_on_meta(model_cfg, cfg.ulysses_degree)
+    objective = OmegaConf.to_container(cfg.diffusion.objective, resolve=True)
     sampling = OmegaConf.to_container(cfg.diffusion.sampling, resolve=True)
+    resolve_shift(objective, sampling, math.prod(meta_model.default_grid))
     check_sampling(model_cfg, cfg.diffusion.objective, sampling)
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:
@@ -60,6 +70,8 @@ def prepare(cfg: DictConfig):
         check_lora_checkpoint(ckpt_path)
     elif ckpt_path:
         check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
+        check_resume(ckpt_path, max_steps=cfg.trainer.max_steps, optimizer=hydra.utils.instantiate(cfg.optimizer),
+                     optimizer_name=cfg.optimizer.get("_target_"), resume_optimizer=cfg.resume_optimizer)
     elif cfg.init_from:  # a resumed run takes its weights from ckpt_path
         check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
                            resize_labels=cfg.init_resize_labels)
@@ -72,7 +84,7 @@ def prepare(cfg: DictConfig):
     L.seed_everything(cfg.seed, workers=True)
     module = DiTModule(
         model=model_cfg,
-        objective=OmegaConf.to_container(cfg.diffusion.objective, resolve=True),
+        objective=objective,
         data=data_info,
         sampling=sampling,
         optimizer=hydra.utils.instantiate(cfg.optimizer),
@@ -86,11 +98,16 @@ def prepare(cfg: DictConfig):
         init_resize_labels=cfg.init_resize_labels,
         nonfinite_loss=cfg.nonfinite_loss,
         lora=lora if lora_enabled(lora) else None,
+        resume_optimizer=cfg.resume_optimizer,
     )
     callbacks = [hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks")]
     loggers = [hydra.utils.instantiate(c) for c in group_targets(cfg, "logger")]
+    # diffusers models may hold parameters no loss reaches (QwenImage's last text-stream MLP): DDP's static graph
+    # learns which in the first step instead of failing on them
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy, **({"static_graph": True} if is_diffusers_model(model_cfg)
+                                                                 and "static_graph" not in cfg.trainer.strategy else {}))
     trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers or False,
+        cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files
     )
     for logger in trainer.loggers:

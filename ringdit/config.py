@@ -11,6 +11,7 @@ import copy
 import logging
 import math
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -36,9 +37,12 @@ log = logging.getLogger(__name__)
 
 
 def register_resolvers() -> None:
-    """``${mul:a,b,c}``: the product (the default device count dp x ring x ulysses); ``${min:a,b}``."""
+    """``${mul:a,b,c}``: the product (the default device count dp x ring x ulysses); ``${min:a,b}``;
+    ``${run_id:}``: a short random suffix that keeps two runs started in the same second apart (cached per config,
+    like Hydra's ``${now:}``, so that a run and the jobs of one sweep see one value)."""
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs), replace=True)
     OmegaConf.register_new_resolver("min", lambda *xs: min(int(x) for x in xs), replace=True)
+    OmegaConf.register_new_resolver("run_id", lambda: secrets.token_hex(3), use_cache=True, replace=True)
 
 
 SETTINGS_ERRORS = (ValueError, TypeError, FileNotFoundError, InstantiationException)
@@ -63,6 +67,17 @@ def user_errors(*kinds: type[BaseException]):
 def require_positive(setting: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{setting} must be a positive integer, got {value!r}")
+
+
+def require_seed(setting: str, value) -> None:
+    """A seed numpy and Lightning accept: an integer in [0, 2**32 - 1]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**32 - 1:
+        raise ConfigError(f"{setting} must be an integer from 0 to 2**32 - 1 = {2**32 - 1}, got {value!r}")
+
+
+def require_choice(setting: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{setting} must be one of {' | '.join(map(str, choices))}, got {value!r}")
 
 
 def device_type(trainer_cfg: DictConfig) -> str:
@@ -214,6 +229,21 @@ def group_targets(cfg: DictConfig, group: str) -> list:
                               f"removed (e.g. {group}=none with an experiment that tunes it); drop the settings or "
                               f"keep the {group} config")
     return list(entries.values())
+
+
+def resolve_shift(objective: dict, sampling: dict, tokens: int) -> None:
+    """``diffusion.objective.shift=resolution``: Flux's shift for this many image tokens, for training and sampling."""
+    if objective.get("shift") != "resolution":
+        if isinstance(objective.get("shift"), str):
+            raise ConfigError(f"diffusion.objective.shift must be a number > 0 or 'resolution', got "
+                              f"{objective['shift']!r}")
+        return
+    from ringdit.diffusion import resolution_shift
+
+    objective["shift"] = resolution_shift(tokens)
+    log.info("diffusion.objective.shift=resolution: %.4f for %d image tokens", objective["shift"], tokens)
+    if sampling.get("shift") in (None, "resolution"):
+        sampling["shift"] = objective["shift"]
 
 
 SAMPLERS = {"FlowMatching": ("euler", "heun"), "DDPM": ("ddim",)}

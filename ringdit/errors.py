@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite (``nonfinite_loss=stop``)."""
+
+
+class CheckpointError(ValueError):
+    """A weights file that is missing, unreadable, unsafe or does not fit the model."""

@@ -8,9 +8,12 @@ refused with an error that says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import pickle
 import re
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -18,21 +21,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringdit.errors import CheckpointError
+from ringdit.safe_config import check_file_config, check_file_configs
+
 Tensor = torch.Tensor
 
+FILE_CONFIGS = ("model", "data", "objective", "sampling")  # what a ringdit file says about its model
+WEIGHT_CHOICES = ("ema", "model")
 
-class CheckpointError(ValueError):
-    """A weights file that is missing, unreadable, unsafe or does not fit the model."""
 
+def safe_torch_load(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """``torch.load`` restricted to tensors and plain containers, with errors that say what is wrong.
 
-def safe_torch_load(path: str | Path, map_location: Any = "cpu") -> Any:
-    """``torch.load`` restricted to tensors and plain containers, with errors that say what is wrong."""
+    ``mmap``: map tensors from the file instead of reading them (cheap inspection of a big checkpoint)."""
     path = _existing_file(path)
     try:
         # argparse.Namespace: facebookresearch/DiT's training checkpoints store their args as one; rebuilding it
         # only sets attributes.
         with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         unsafe = re.search(r"GLOBAL ([\w.]+)", str(error))
         if unsafe is None:  # not a pickle of objects at all: garbage, text, another format
@@ -94,14 +101,26 @@ def read_sharded_checkpoint(path: str | Path, keys: tuple[str, ...] | None = ("s
     path = Path(path).expanduser()
     checkpoint = safe_torch_load(path / SHARDED_METADATA)
     reader = FileSystemReader(str(path))
-    if not load_tensors:
+    if not load_tensors:  # shapes from the metadata; only the small non-tensor items (param groups) are read
+        from torch.distributed.checkpoint._traverse import get_element, set_element
+
         metadata = reader.read_metadata()
         state: dict[str, Any] = {}
+        small = {}
         for key, item in metadata.state_dict_metadata.items():
             where = metadata.planner_data.get(key, (key,))
-            if isinstance(item, TensorStorageMetadata) and (keys is None or where[0] in keys):
-                state.setdefault(where[0], {})[".".join(map(str, where[1:]))] = torch.empty(
-                    item.size, dtype=item.properties.dtype, device="meta")
+            if keys is not None and where[0] not in keys:
+                continue
+            if isinstance(item, TensorStorageMetadata):
+                set_element(state, where, torch.empty(item.size, dtype=item.properties.dtype, device="meta"))
+            else:
+                small[key] = where
+        if small:
+            loaded: dict[str, Any] = {}
+            _load_state_dict(loaded, storage_reader=FileSystemReader(str(path)), no_dist=True,
+                             planner=_EmptyStateDictLoadPlanner(keys=set(small)))
+            for where in small.values():
+                set_element(state, where, get_element(loaded, where))
         return {**checkpoint, **state}
     state = {}
     try:
@@ -110,6 +129,39 @@ def read_sharded_checkpoint(path: str | Path, keys: tuple[str, ...] | None = ("s
     except Exception as error:  # torch wraps a reader's failure in a CheckpointException listing every rank's
         raise CheckpointError(f"{path} is not a readable sharded checkpoint: {_first_line(error)}") from None
     return {**checkpoint, **state}
+
+
+# Optimizer state keyed two ways: torch's ``Optimizer.state_dict`` numbers the parameters in param_groups order
+# (0, 1, ...); ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (FSDP checkpoints) names them
+# by their module path. The param_groups' ``params`` lists give the order either way.
+
+
+def optimizer_state_by_name(state: dict, names: list[str]) -> dict:
+    """torch's numbered optimizer state -> named; ``names[i]`` is the module path of the optimizer's i-th parameter."""
+    return {
+        "state": {names[index]: value for index, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                         for group in state["param_groups"]],
+    }
+
+
+def optimizer_state_by_index(state: dict) -> dict:
+    """Named optimizer state -> torch's numbered one (parameters numbered in param_groups order)."""
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: value for name, value in state.get("state", {}).items()},  # none saved: no state
+        "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                         for group in state["param_groups"]],
+    }
+
+
+def sharded_to_full_checkpoint(checkpoint: dict) -> dict:
+    """A sharded checkpoint read whole (``optimizer_0``, ... named) -> Lightning's single-file layout."""
+    optimizers = sorted((key for key in checkpoint if key.startswith("optimizer_") and key[10:].isdigit()),
+                        key=lambda key: int(key[10:]))
+    checkpoint["optimizer_states"] = [optimizer_state_by_index(checkpoint.pop(key)) for key in optimizers]
+    return checkpoint
 
 
 # ---- reading any supported format as a plain model state dict ------------------------------------------------------
@@ -124,8 +176,9 @@ def read_weights(path: str | Path, prefer: str = "ema", load_tensors: bool = Tru
     - a ringdit sharded (FSDP) checkpoint folder, the same way (``load_tensors=False``: meta tensors, shapes only);
     - an original facebookresearch/DiT ``.pt``: a bare state dict, or its training checkpoint ``{"model", "ema"}``.
     """
-    if prefer not in ("ema", "model"):
-        raise ValueError(f"prefer must be 'ema' or 'model', got {prefer!r}")
+    if prefer not in WEIGHT_CHOICES:
+        raise ValueError(f"the weights to read must be one of {' | '.join(WEIGHT_CHOICES)} (infer.py weights=, "
+                         f"train.py init_weights=, export weights=), got {prefer!r}")
     path = _existing_file(path)
     if path.suffix == ".safetensors":
         return _read_safetensors(path)
@@ -138,7 +191,12 @@ def read_weights(path: str | Path, prefer: str = "ema", load_tensors: bool = Tru
         if not state:
             raise CheckpointError(f"{path} is a Lightning checkpoint without '{prefix}*' weights: not from ringdit")
         hparams = content.get("hyper_parameters", {})
-        info = {key: hparams[key] for key in ("model", "data", "objective", "sampling", "lora") if key in hparams}
+        if not isinstance(hparams, dict):
+            raise CheckpointError(f"{path}: its hyper_parameters are a {type(hparams).__name__}, not a dict of configs")
+        check_file_configs(str(path), hparams)  # every config the file carries, used here or not
+        info = {key: hparams[key] for key in FILE_CONFIGS if key in hparams}
+        if hparams.get("lora"):  # a LoRA run: its adapter settings (rank, alpha, targets)
+            info["lora"] = hparams["lora"]
         return state, info
     if prefer in content and isinstance(content[prefer], dict):  # original DiT training checkpoint
         return content[prefer], {}
@@ -156,7 +214,15 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict]:
             state = {key: f.get_tensor(key) for key in f.keys()}
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{path} is not a readable safetensors file: {_first_line(error)}") from None
-    info = {key: json.loads(value) for key, value in metadata.items() if key in ("model", "data", "objective", "sampling")}
+    info = {}
+    for key in FILE_CONFIGS:
+        if key in metadata:
+            try:
+                info[key] = json.loads(metadata[key])
+            except json.JSONDecodeError as error:
+                raise CheckpointError(f"{path}: its metadata entry {key!r} is not valid JSON ({error}); re-export the "
+                                      f"file with python -m ringdit.export") from None
+            check_file_config(str(path), key, info[key])
     return state, info
 
 
@@ -230,15 +296,59 @@ def export_safetensors(ckpt_path: str | Path, out: str | Path, prefer: str = "em
     ``infer.py ckpt_path=`` and ``train.py init_from=`` read without Lightning."""
     from safetensors.torch import save_file
 
+    if Path(out).expanduser().resolve() == Path(ckpt_path).expanduser().resolve():
+        raise CheckpointError(f"out={out} is the checkpoint itself: exporting would replace it; choose another out")
     state, info = read_weights(ckpt_path, prefer)
     if "model" not in info:
         raise CheckpointError(f"{ckpt_path} carries no model config: only ringdit checkpoints can be exported")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(out).expanduser()
+    if out.is_dir():
+        raise CheckpointError(f"out={out} is a folder; give the file to write, e.g. out={out / 'weights.safetensors'}")
+    if out.suffix != ".safetensors":
+        raise CheckpointError(f"out={out} must end in .safetensors (infer.py and init_from recognise exports by it)")
     metadata = {key: json.dumps(value) for key, value in info.items()}
     metadata["format"] = "ringdit"
     tensors = {key: value.detach().contiguous().clone() for key, value in state.items()}  # no shared storage
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(out) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
+    except OSError as error:
+        raise CheckpointError(f"cannot write out={out} ({error.strerror or _first_line(error)}); choose a writable "
+                              f"file path") from None
     return out
+
+
+def file_mode() -> int:
+    """The mode ``open()`` / ``torch.save`` give a new file: 0o666 minus this process's umask."""
+    try:
+        with open("/proc/self/status") as status:  # Linux: read without changing it
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, but only for an instant)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def atomic_write(path: Path):
+    """Yield a temporary path beside ``path`` to write; on success it gets the usual new-file mode (umask
+    respected, as ``open()`` would, instead of mkstemp's 0600), is fsynced and renamed onto ``path`` (atomic on
+    POSIX); on failure it is removed. A kill during writing leaves the previous ``path`` intact."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.close(fd)
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fchmod(fd, file_mode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

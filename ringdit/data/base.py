@@ -24,6 +24,8 @@ class ImageDataModule(L.LightningDataModule):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**32 - 1:
+            raise ValueError(f"data.seed must be an integer from 0 to 2**32 - 1 (it defaults to seed), got {seed!r}")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
         self.batch_size, self.num_workers = batch_size, num_workers

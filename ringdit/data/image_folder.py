@@ -5,7 +5,7 @@ Files are scanned and checked (Pillow open + verify) once, in ``__init__``: trai
 spawns any rank, so an empty or mistyped folder fails in seconds. Unreadable files are skipped and counted instead
 of failing the run -- scraped datasets almost always hold a few. ``verify`` does not decode pixels (a full decode of
 every file would make start-up as slow as an epoch), so a file whose header is fine but whose data is cut off is
-only found when it is read; that error names the file.
+only found when it is read: it is then skipped too (the next readable image takes its place) and logged.
 """
 
 from __future__ import annotations
@@ -55,25 +55,43 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
 
 class ImageFiles(Dataset):
     """``(path, label)`` pairs decoded on access: only paths are held, so DataLoader workers pickle it cheaply and
-    decode in parallel."""
+    decode in parallel.
+
+    A file that passed the scan but cannot be decoded (a truncated JPEG passes Pillow's ``verify``) is skipped like
+    the scan's unreadable files: sample ``index`` becomes the next decodable one (``index + 1``, ...). Whether a file
+    decodes does not depend on the process, so every rank of a sequence-parallel group reads the same sample."""
 
     def __init__(self, samples: list[tuple[str, int]], height: int, width: int, channels: int):
         self.samples, self.height, self.width = samples, height, width
         self.mode = "RGB" if channels == 3 else "L"
+        self.undecodable: set[str] = set()  # found by this process while loading
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        path, label = self.samples[index]
-        try:
-            with Image.open(path) as image:
-                image = ImageOps.exif_transpose(image)  # phone photos store their rotation in EXIF
-                image = image.convert(self.mode)
-        except OSError as error:
-            raise OSError(f"data.root: could not decode {path} ({error}); remove or replace the file") from error
-        x = to_tensor(resize_center_crop(image, self.height, self.width))  # (C, H, W)
-        return x, torch.tensor(label, dtype=torch.int64)
+        for offset in range(len(self.samples)):
+            path, label = self.samples[(index + offset) % len(self.samples)]
+            if path in self.undecodable:
+                continue
+            try:
+                image = self.decode(path)
+            except Exception as error:  # Pillow raises OSError, SyntaxError, ValueError, ... for broken data
+                self.undecodable.add(path)
+                log.warning("data.root: could not decode %s (%s); skipped, sample %d uses the next readable image "
+                            "(%d file(s) skipped while loading so far)", path, error, index, len(self.undecodable))
+                continue
+            x = to_tensor(resize_center_crop(image, self.height, self.width))  # (C, H, W)
+            return x, torch.tensor(label, dtype=torch.int64)
+        raise OSError(f"data.root: none of the {len(self.samples)} image files can be decoded (e.g. "
+                      f"{', '.join(sorted(self.undecodable)[:3])}); put readable images in root/<class>/")
+
+    def decode(self, path: str) -> Image.Image:
+        with Image.open(path) as image:
+            image = ImageOps.exif_transpose(image)  # phone photos store their rotation in EXIF
+            image = image.convert(self.mode)
+            image.load()  # decode every pixel now: a file cut off fails here, not later
+        return image
 
 
 class ImageFolderDataModule(ImageDataModule):

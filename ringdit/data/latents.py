@@ -23,7 +23,9 @@ latents are read one sample at a time from a memory map, so a dataset larger tha
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -82,6 +84,7 @@ class LatentsDataModule(ImageDataModule):
         self.path = _latents_path(path)
         shape, dtype, labels, names = _read_safetensors(self.path) if self.path.is_file() else _read_npy(self.path)
         self.labels, self.class_names = _check(self.path, shape, dtype, labels, names)
+        _check_finite(self.path, shape[0])
         self.channels, self.image_size = shape[1], tuple(shape[2:])
         self.num_classes = len(self.class_names)
 
@@ -157,6 +160,35 @@ def _parse_names(path: Path, where: str, text: str) -> list:
     if not isinstance(names, list) or not names or not all(isinstance(n, (str, int)) for n in names):
         raise ValueError(f"data.path={path}: {where} must be a non-empty JSON list of names, got {text[:100]!r}")
     return names
+
+
+CHUNK_BYTES = 64 * 2**20  # the finite check reads this much at a time: any dataset size in bounded memory
+
+
+def _check_finite(path: Path, count: int) -> None:
+    """Every latent is finite (a NaN or Inf in the data would surface as a NaN loss much later, looking like a
+    learning-rate problem); streamed in chunks, so a dataset larger than RAM is checked too."""
+    with contextlib.ExitStack() as stack:
+        if path.is_file():
+            latents = stack.enter_context(safe_open(str(path), framework="pt")).get_slice("latents")
+            row_shape = latents.get_shape()[1:]
+        else:
+            latents = np.load(path / "latents.npy", mmap_mode="r")
+            row_shape = latents.shape[1:]
+        rows = max(1, CHUNK_BYTES // (8 * math.prod(row_shape)))  # 8 bytes: the widest dtype, float64
+        first, bad = None, 0
+        for start in range(0, count, rows):
+            chunk = latents[start : start + rows]  # (rows, C, [T,] H, W)
+            if not isinstance(chunk, torch.Tensor):
+                chunk = torch.from_numpy(np.array(chunk))  # a bounded copy out of the memory map
+            finite = torch.isfinite(chunk.reshape(chunk.shape[0], -1)).all(dim=1)  # (rows,)
+            bad_rows = (~finite).nonzero().flatten()
+            if len(bad_rows):
+                first = start + int(bad_rows[0]) if first is None else first
+                bad += len(bad_rows)
+    if first is not None:
+        raise ValueError(f"data.path={path}: {bad} of {count} latent samples hold NaN or Inf values, the first is "
+                         f"sample {first}; re-encode or drop them (the VAE may have overflowed, e.g. in float16)")
 
 
 def _check(path: Path, shape: tuple[int, ...], dtype: str, labels: np.ndarray,

@@ -282,7 +282,9 @@ def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int =
         direction = torch.stack([torch.cos(angles[p]), torch.sin(angles[p])])
         frames_ = []
         for f in range(max(frames, 1)):
-            centre = (size - 1) / 2 + (f - (frames - 1) / 2) * direction * (size / (2 * frames)) + jitter[i]
+            # videos: the blob travels along the prompt's direction; images: it sits off-centre in that direction
+            step = (f - (frames - 1) / 2) * size / (2 * frames) if frames else size / 4
+            centre = (size - 1) / 2 + step * direction + jitter[i]
             blob = torch.exp(-((grid[:, None] - centre[0]) ** 2 + (grid[None, :] - centre[1]) ** 2) / 4.0)  # (H, W)
             frames_.append(colours[p][:, None, None] * blob)  # (C, H, W)
         videos.append(torch.stack(frames_, dim=1) if frames else frames_[0])  # (C, T, H, W) or (C, H, W)

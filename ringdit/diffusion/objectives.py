@@ -12,6 +12,8 @@ every rank of a sequence-parallel group draws the same t and noise).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 Tensor = torch.Tensor
@@ -25,6 +27,14 @@ def _broadcast(values: Tensor, like: Tensor) -> Tensor:
 def shift_time(t: Tensor, shift: float) -> Tensor:
     """Move t in [0, 1] towards 1 (more noise) for shift > 1: ``s t / (1 + (s - 1) t)``."""
     return t if shift == 1.0 else shift * t / (1 + (shift - 1) * t)
+
+
+def resolution_shift(tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_shift: float = 0.5,
+                     max_shift: float = 1.15) -> float:
+    """Flux's resolution-dependent shift for ``tokens`` image tokens: ``exp(mu)`` with mu linear in the token count
+    (FluxPipeline's ``calculate_shift`` + exponential time shift, which is ``shift_time`` with shift = exp(mu))."""
+    mu = base_shift + (max_shift - base_shift) * (tokens - base_tokens) / (max_tokens - base_tokens)
+    return math.exp(mu)
 
 
 class FlowMatching:

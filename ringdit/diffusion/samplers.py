@@ -18,12 +18,16 @@ Condition = Tensor | dict[str, Tensor]
 Model = Callable[[Tensor, Tensor, Condition], Tensor]
 
 
-def classifier_free_guidance(model: Model, condition: Condition, null: int | Condition | None, scale: float):
+def classifier_free_guidance(model: Model, condition: Condition, null: int | Condition | None, scale: float,
+                             exchange: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None, half: int = 0):
     """``(x, t) -> uncond + scale * (cond - uncond)``: the conditional and unconditional halves share ONE forward.
 
     ``condition``: class labels ``(B,)``, or a dict of batch-first tensors (text embeddings ...). ``null``: the null
     class id, or the unconditional condition (same structure as ``condition``; the empty / negative prompt). With
     scale 1 guidance is the conditional prediction, so only that is computed.
+
+    CFG parallel: with ``exchange``, this process computes only ``half`` (0: conditional, 1: unconditional) and
+    ``exchange(prediction) -> (conditional, unconditional)`` swaps halves with its partner process.
     """
     if scale == 1.0:
         return lambda x, t: model(x, t, condition)
@@ -34,11 +38,20 @@ def classifier_free_guidance(model: Model, condition: Condition, null: int | Con
         null = torch.full_like(condition, null)
 
     def guided(x: Tensor, t: Tensor) -> Tensor:
-        both = model(torch.cat([x, x]), torch.cat([t, t]), _cat_conditions(condition, null))
-        cond, uncond = both.chunk(2)
+        if exchange is not None:
+            cond, uncond = exchange(model(x, t, _half_condition(condition, null) if half else condition))
+        else:
+            cond, uncond = model(torch.cat([x, x]), torch.cat([t, t]), _cat_conditions(condition, null)).chunk(2)
         return uncond + scale * (cond - uncond)
 
     return guided
+
+
+def _half_condition(condition: Condition, null: Condition) -> Condition:
+    """The unconditional half alone, shaped like ``condition`` (keys the null lacks are shared, see below)."""
+    if isinstance(condition, dict):
+        return {key: null.get(key, value).to(value).expand_as(value) for key, value in condition.items()}
+    return null.to(condition).expand_as(condition)
 
 
 def _cat_conditions(first: Condition, second: Condition) -> Condition:
@@ -107,14 +120,14 @@ def initial_noise(shape: tuple[int, ...], seeds: list[int], device=None, dtype=t
 
 def sample(model: Model, objective, noise: Tensor, condition: Condition, *, steps: int, cfg_scale: float = 1.0,
            null: int | Condition | None = None, sampler: str | None = None, shift: float = 1.0,
-           clip_denoised: bool = False) -> Tensor:
+           clip_denoised: bool = False, exchange=None, half: int = 0) -> Tensor:
     """Draw samples for ``condition`` (labels, or a dict of text tensors) starting from ``noise`` with the sampler that
     fits the objective; ``null`` is what classifier-free guidance guides away from (see ``classifier_free_guidance``).
 
     Deterministic given the noise (DDIM with eta = 0), so every rank of a sequence-parallel group computes the
     same samples and sample i depends only on its own noise.
     """
-    denoiser = classifier_free_guidance(model, condition, null, cfg_scale)
+    denoiser = classifier_free_guidance(model, condition, null, cfg_scale, exchange, half)
     if isinstance(objective, FlowMatching):
         return sample_flow(denoiser, noise, steps, method=sampler or "euler", shift=shift)
     if isinstance(objective, DDPM):

@@ -121,3 +121,11 @@ def _pad_dim(x: Tensor, dim: int, size: int) -> Tensor:
         return x
     dim = dim % x.dim()
     return F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, missing])
+
+
+def exchange_guidance_halves(prediction: Tensor, dims: ParallelDims) -> tuple[Tensor, Tensor]:
+    """CFG parallel: this rank computed one half of classifier-free guidance (``dims.cfg_rank`` 0: conditional, 1:
+    unconditional); returns ``(conditional, unconditional)`` from it and its partner's. Sampling only (no autograd)."""
+    halves = [torch.empty_like(prediction) for _ in range(2)]
+    dist.all_gather(halves, prediction.contiguous(), group=dims.cfg_group)
+    return halves[0], halves[1]

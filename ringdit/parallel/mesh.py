@@ -34,6 +34,17 @@ class ParallelDims:
     ulysses_group: ProcessGroup | None = None
     # Global ranks of this rank's ring, indexed by ring rank: the neighbours of point-to-point transfers.
     ring_ranks: tuple[int, ...] = (0,)
+    # CFG parallel (sampling): data-parallel replicas 2j and 2j + 1 compute the conditional (cfg_rank 0) and the
+    # unconditional (cfg_rank 1) half of the same samples; cfg_group pairs the ranks of equal sp_rank.
+    cfg_group: ProcessGroup | None = None
+    cfg_rank: int = 0
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) over which samples are split: a CFG-parallel pair shares its samples."""
+        if self.cfg_group is not None:
+            return self.dp_rank // 2, self.dp_degree // 2
+        return self.dp_rank, self.dp_degree
 
     @property
     def sp_degree(self) -> int:
@@ -77,7 +88,8 @@ def check_heads_divisible(num_heads: int, ulysses_degree: int) -> None:
 
 
 def init_sequence_parallel(
-    ring_degree: int = 1, ulysses_degree: int = 1, *, timeout: datetime.timedelta | None = None
+    ring_degree: int = 1, ulysses_degree: int = 1, *, timeout: datetime.timedelta | None = None,
+    cfg_parallel: bool = False,
 ) -> ParallelDims:
     """Build the ring / Ulysses groups from the default process group and make them current.
 
@@ -89,6 +101,9 @@ def init_sequence_parallel(
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     check_degrees(ring_degree, ulysses_degree, world_size)
     sp = ring_degree * ulysses_degree
+    if cfg_parallel and (world_size // sp) % 2:
+        raise ValueError(f"cfg_parallel needs an even number of data-parallel replicas (one for each half of the "
+                         f"guidance), got {world_size // sp}; set dp_degree=2 (or another even number)")
     if world_size == 1:
         _current = ParallelDims()
         return _current
@@ -117,6 +132,14 @@ def init_sequence_parallel(
                     groups[kind] = group
                     if kind == "ring":
                         ring_ranks = tuple(ranks)
+    cfg_group = None
+    if cfg_parallel:  # after the groups above, in the same order on every rank
+        for pair in range(world_size // sp // 2):
+            for sp_index in range(sp):
+                ranks = [2 * pair * sp + sp_index, (2 * pair + 1) * sp + sp_index]
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    cfg_group = group
     _current = ParallelDims(
         ring_degree=ring_degree,
         ulysses_degree=ulysses_degree,
@@ -130,6 +153,8 @@ def init_sequence_parallel(
         ring_group=groups["ring"],
         ulysses_group=groups["ulysses"],
         ring_ranks=ring_ranks,
+        cfg_group=cfg_group,
+        cfg_rank=dp_rank % 2 if cfg_parallel else 0,
     )
     return _current
 

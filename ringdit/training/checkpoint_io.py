@@ -11,12 +11,22 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from ringdit.weights import is_sharded_checkpoint, read_sharded_checkpoint, safe_torch_load
+from ringdit.weights import (
+    file_mode,
+    is_sharded_checkpoint,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+    read_sharded_checkpoint,
+    safe_torch_load,
+    sharded_to_full_checkpoint,
+)
+
+__all__ = ["AtomicCheckpointIO", "optimizer_state_by_index", "optimizer_state_by_name"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write to a temporary file in the same folder, fsync, then ``os.replace`` onto the final name (atomic on
-    POSIX). Loading never unpickles code: ``weights_only`` loading (see ``ringdit.weights.safe_torch_load``)."""
+    POSIX); the file gets the mode ``torch.save`` would give it (the umask's). Loading never unpickles code: ``weights_only`` loading (see ``ringdit.weights.safe_torch_load``)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         path = Path(path)
@@ -25,6 +35,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
+            os.fchmod(fd, file_mode())  # mkstemp's 0600 would hide checkpoints from a shared group; open() wouldn't
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
@@ -39,39 +50,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if is_sharded_checkpoint(path):  # saved under FSDP, resumed replicated: assemble it whole
             return sharded_to_full_checkpoint(read_sharded_checkpoint(path, keys=None))
         return safe_torch_load(path, map_location=map_location or "cpu")
-
-
-# Optimizer state keyed two ways: torch's ``Optimizer.state_dict`` numbers the parameters in param_groups order
-# (0, 1, ...); ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (FSDP checkpoints) names them
-# by their module path. The param_groups' ``params`` lists give the order either way.
-
-
-def optimizer_state_by_name(state: dict, names: list[str]) -> dict:
-    """torch's numbered optimizer state -> named; ``names[i]`` is the module path of the optimizer's i-th parameter."""
-    return {
-        "state": {names[index]: value for index, value in state["state"].items()},
-        "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
-                         for group in state["param_groups"]],
-    }
-
-
-def optimizer_state_by_index(state: dict) -> dict:
-    """Named optimizer state -> torch's numbered one (parameters numbered in param_groups order)."""
-    names = [name for group in state["param_groups"] for name in group["params"]]
-    index = {name: i for i, name in enumerate(names)}
-    return {
-        "state": {index[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                         for group in state["param_groups"]],
-    }
-
-
-def sharded_to_full_checkpoint(checkpoint: dict) -> dict:
-    """A sharded checkpoint read whole (``optimizer_0``, ... named) -> Lightning's single-file layout."""
-    optimizers = sorted((key for key in checkpoint if key.startswith("optimizer_") and key[10:].isdigit()),
-                        key=lambda key: int(key[10:]))
-    checkpoint["optimizer_states"] = [optimizer_state_by_index(checkpoint.pop(key)) for key in optimizers]
-    return checkpoint
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -31,7 +31,7 @@ from torch import nn
 from ringdit.errors import ConfigError
 from ringdit.parallel import ParallelDims, check_degrees, current_parallel_dims, init_sequence_parallel
 from ringdit.training.checkpoint_io import optimizer_state_by_name
-from ringdit.weights import SHARDED_METADATA, CheckpointError, is_sharded_checkpoint, safe_torch_load
+from ringdit.weights import SHARDED_METADATA, CheckpointError, file_mode, is_sharded_checkpoint, safe_torch_load
 
 # The models' outputs (prediction tokens) are only read out-of-place by the losses and samplers, so the in-place
 # hazard this warns about cannot happen.
@@ -196,7 +196,7 @@ class RingFSDPStrategy(ModelParallelStrategy):
 def _temporary_folder(path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make the checkpoint private to this user
+    os.chmod(tmp, 0o777 & ~(0o666 & ~file_mode()))  # as mkdir would (umask applied): mkdtemp's 0700 is private
     return tmp
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,8 +29,9 @@ from ringdit.images import to_uint8
 from ringdit.lora import add_lora, is_adapter_key, lora_enabled
 from ringdit.models import DiT
 from ringdit.models.diffusers import DiffusersTransformer
-from ringdit.parallel import current_parallel_dims, shard_sequence, sharded_mean
-from ringdit.weights import load_model_weights
+from ringdit.parallel import current_parallel_dims, exchange_guidance_halves, shard_sequence, sharded_mean
+from ringdit.safe_config import check_file_configs
+from ringdit.weights import load_model_weights, safe_torch_load
 
 Tensor = torch.Tensor
 
@@ -45,7 +47,12 @@ def ema_update(decay: float) -> Callable:
 
     def update(averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
         n = int(num_averaged)
-        torch._foreach_lerp_(averaged, current, 1 - min(decay, (1 + n) / (10 + n)))
+        floats = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
+        if floats:
+            torch._foreach_lerp_([a for a, _ in floats], [c for _, c in floats], 1 - min(decay, (1 + n) / (10 + n)))
+        for a, c in zip(averaged, current):  # integer and bool buffers (a text mask) are copied, not averaged
+            if not a.is_floating_point():
+                a.copy_(c)
 
     return update
 
@@ -83,12 +90,14 @@ class DiTModule(L.LightningModule):
         init_resize_labels: bool = False,
         nonfinite_loss: str = "stop",
         lora: dict | None = None,
+        resume_optimizer: bool = True,
     ):
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
         self.skipped_steps = 0
         self._step_skipped = False
+        self._fresh_optimizer = False
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.objective = hydra.utils.instantiate(objective)
@@ -97,6 +106,20 @@ class DiTModule(L.LightningModule):
         self.ema: AveragedModel | None = None
         self._step_start: float | None = None
         self.negative_condition: dict[str, Tensor] | None = None  # infer.py's negative prompt (text models)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
+        """Lightning's, after checking the configs the file carries: Lightning builds the module from them, and the
+        module instantiates its model and objective configs (see ``ringdit.safe_config``)."""
+        checkpoint = safe_torch_load(checkpoint_path, mmap=True)
+        check_file_configs(str(checkpoint_path), checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict)
+                           else {})
+        if kwargs.get("hparams_file") is not None:
+            from omegaconf import OmegaConf
+
+            config = OmegaConf.to_container(OmegaConf.load(kwargs["hparams_file"]), resolve=False)
+            check_file_configs(str(kwargs["hparams_file"]), config if isinstance(config, dict) else {"": config})
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ---- model ----------------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -238,6 +261,23 @@ class DiTModule(L.LightningModule):
         if norm is not None:
             self.log("train/grad_norm", norm)
 
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self.hparams.get("resume_optimizer", True):
+            return
+        # resume_optimizer=false: Lightning loads zip(optimizers, states), so no states leaves the configured
+        # optimizer fresh. Schedulers keep their position (the step) but not the old optimizer's base learning rates.
+        checkpoint["optimizer_states"] = []
+        for state in checkpoint.get("lr_schedulers", []):
+            state.pop("base_lrs", None)
+            state.pop("_last_lr", None)
+        self._fresh_optimizer = True
+
+    def on_train_start(self) -> None:
+        if self._fresh_optimizer:  # the fresh optimizer holds the schedule's first lr: set the resumed step's
+            for config in self.trainer.lr_scheduler_configs:
+                config.scheduler.last_epoch -= 1
+                config.scheduler.step()
+
     def configure_optimizers(self):
         if self.optimizer_factory is None:
             raise ValueError("DiTModule needs an optimizer (a partial, e.g. torch.optim.AdamW) to train")
@@ -274,6 +314,8 @@ class DiTModule(L.LightningModule):
         if isinstance(model, DiffusersTransformer):
             keys = model.family.condition_keys  # what the model reads (the data may carry more, e.g. a text mask)
             condition = {key: condition[key].to(self.device) for key in keys}
+            if settings.get("guidance") is not None:  # a guidance-distilled model's guidance value for sampling
+                condition["guidance"] = torch.full((len(seeds),), float(settings["guidance"]), device=self.device)
             null = {key: (negative or model.null_condition(len(seeds)))[key].to(self.device) for key in keys} \
                 if guided else None
             denoiser = model
@@ -281,9 +323,12 @@ class DiTModule(L.LightningModule):
             condition = condition.to(self.device)
             null = model.y_embedder.null_label if guided else None
             denoiser = lambda x, t, y: model(x, t, y)[:, :channels]  # noqa: E731 (the learned sigma is not used)
+        dims = current_parallel_dims()
+        split = guided and dims.cfg_group is not None  # CFG parallel: the halves on two data-parallel replicas
         samples = sample(
             denoiser, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
             null=null, sampler=settings["sampler"], shift=settings["shift"], clip_denoised=self.samples_are_pixels,
+            exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
         )
         return samples.clamp(-1, 1) if self.samples_are_pixels else samples
 

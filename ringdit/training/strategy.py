@@ -20,18 +20,20 @@ from ringdit.parallel import ParallelDims, check_degrees, current_parallel_dims,
 class RingDDPStrategy(DDPStrategy):
     strategy_name = "ring_ddp"
 
-    def __init__(self, ring_degree: int = 1, ulysses_degree: int = 1, timeout_s: float | None = None, **kwargs):
+    def __init__(self, ring_degree: int = 1, ulysses_degree: int = 1, timeout_s: float | None = None,
+                 cfg_parallel: bool = False, **kwargs):
         check_degrees(ring_degree, ulysses_degree)
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(**kwargs)
-        self.ring_degree, self.ulysses_degree = ring_degree, ulysses_degree
+        self.ring_degree, self.ulysses_degree, self.cfg_parallel = ring_degree, ulysses_degree, cfg_parallel
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
         check_degrees(self.ring_degree, self.ulysses_degree, self.world_size)
-        init_sequence_parallel(self.ring_degree, self.ulysses_degree, timeout=self._timeout)
+        init_sequence_parallel(self.ring_degree, self.ulysses_degree, timeout=self._timeout,
+                               cfg_parallel=self.cfg_parallel)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -39,5 +41,5 @@ class RingDDPStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
-        dims = self.parallel_dims
-        return {"num_replicas": dims.dp_degree, "rank": dims.dp_rank}
+        rank, size = self.parallel_dims.data_parallel
+        return {"num_replicas": size, "rank": rank}

@@ -1,0 +1,89 @@
+"""Checks of a training checkpoint given as ``ckpt_path=`` (resume), made before any rank is spawned.
+
+Lightning finds these problems only after spawning, as a ``KeyError`` deep in its restore code, or not at all (a run
+at its last step exits at once and reports outputs it did not write).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ringdit.errors import ConfigError
+from ringdit.weights import (
+    CheckpointError,
+    is_sharded_checkpoint,
+    read_sharded_checkpoint,
+    safe_torch_load,
+    sharded_to_full_checkpoint,
+)
+
+TRAINING_STATE = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
+
+
+def check_resume(ckpt_path: str, *, max_steps: int, optimizer: Callable | None, optimizer_name: str,
+                 resume_optimizer: bool = True) -> dict:
+    """Raise ``ConfigError`` if ``ckpt_path`` cannot resume this run; return the checkpoint (tensors memory-mapped).
+
+    - a weights-only file (a safetensors export, a bare state dict, a checkpoint saved without optimizer state)
+      belongs in ``init_from``;
+    - the checkpoint's optimizer state must fit ``optimizer`` (a partial that takes ``params``), unless
+      ``resume_optimizer`` is false (weights, EMA, step and data position resume; the optimizer starts afresh);
+    - the checkpoint must be before ``max_steps``.
+    """
+    if not isinstance(resume_optimizer, bool):
+        raise ConfigError(f"resume_optimizer must be true or false, got {resume_optimizer!r}")
+    use_init_from = (f"ckpt_path resumes a training checkpoint (a ringdit .ckpt with optimizer state and step); "
+                     f"to start from these weights use init_from={ckpt_path}")
+    if Path(ckpt_path).suffix == ".safetensors":
+        raise ConfigError(f"ckpt_path={ckpt_path} holds weights only; {use_init_from}")
+    try:
+        if is_sharded_checkpoint(ckpt_path):  # FSDP's folder: shapes and param groups only, nothing big is read
+            checkpoint = sharded_to_full_checkpoint(read_sharded_checkpoint(ckpt_path, keys=None, load_tensors=False))
+        else:
+            checkpoint = safe_torch_load(ckpt_path, mmap=True)
+    except CheckpointError as error:
+        raise ConfigError(f"ckpt_path: {error}") from None
+    missing = [key for key in TRAINING_STATE if not isinstance(checkpoint, dict) or key not in checkpoint]
+    if missing and not (not resume_optimizer and missing == ["optimizer_states"]):
+        raise ConfigError(f"ckpt_path={ckpt_path} holds weights only (no {', '.join(missing)}); {use_init_from}")
+    step = checkpoint["global_step"]
+    if step >= max_steps:
+        raise ConfigError(f"ckpt_path={ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is "
+                          f"left to train; raise trainer.max_steps above {step} to train on")
+    if resume_optimizer and optimizer is not None:
+        _check_optimizer(ckpt_path, checkpoint["optimizer_states"], optimizer, optimizer_name)
+    return checkpoint
+
+
+def optimizer_signature(optimizer: torch.optim.Optimizer | dict) -> tuple[frozenset, frozenset]:
+    """(hyper-parameter names of a param group, names of the per-parameter state) of an optimizer or its
+    ``state_dict()``: what loading one optimizer's state into another needs to agree."""
+    state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    groups = state.get("param_groups") or [{}]
+    per_param = next(iter(state.get("state", {}).values()), {})
+    return frozenset(groups[0]) - {"params", "initial_lr"}, frozenset(per_param)
+
+
+def _check_optimizer(ckpt_path: str, saved_states: list, optimizer: Callable, optimizer_name: str) -> None:
+    probe = torch.nn.Parameter(torch.zeros(1))
+    try:
+        fresh = optimizer(params=[probe])
+        probe.grad = torch.zeros(1)
+        fresh.step()  # creates the per-parameter state (moments, momentum buffers)
+    except Exception:  # an optimizer that cannot step alone (LBFGS needs a closure): nothing to compare with
+        return
+    groups, state = optimizer_signature(fresh)
+    if len(saved_states) != 1:
+        raise ConfigError(f"ckpt_path={ckpt_path} holds {len(saved_states)} optimizer states, this run has 1; resume "
+                          f"with resume_optimizer=false to start a fresh optimizer")
+    saved_groups, saved_state = optimizer_signature(saved_states[0])
+    if saved_groups != groups or (saved_state and state and saved_state != state):
+        differ = sorted(saved_groups ^ groups) or sorted(saved_state ^ state)
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} was trained with another optimizer than optimizer={optimizer_name} (their "
+            f"settings differ in {', '.join(differ)}); resume with the optimizer it was trained with, or set "
+            f"resume_optimizer=false to keep its weights, EMA, step and data position with a fresh optimizer"
+        )
