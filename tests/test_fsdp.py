@@ -105,7 +105,7 @@ def test_export_consolidates_a_sharded_checkpoint(runs, tmp_path):
 
 def test_fsdp_trains_wan_like_one_process(tmp_path):
     """A diffusers model (Wan, sharded per WanTransformerBlock) under FSDP at ring 2: one process's SGD steps."""
-    from tests.test_wan_training import WAN
+    from tests.test_diffusers_training import WAN
 
     common = [*WAN, f"data.cache_dir={tmp_path / 'data'}"]
     run("train.py", tmp_path / "reference", *common, env={"HF_HUB_OFFLINE": "1"})
