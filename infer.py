@@ -23,9 +23,13 @@ from torch.utils.data import DataLoader
 from ringdit.config import (
     ConfigError,
     build_on_meta,
+    check_infer_settings,
+    check_launch_environment,
+    check_samples_per_rank,
     check_sampling,
     check_weights_file,
     group_targets,
+    hydra_main,
     read_weights_file,
     register_resolvers,
     require_choice,
@@ -45,11 +49,14 @@ register_resolvers()
 
 def prepare(cfg: DictConfig):
     """Check every setting and the checkpoint, then build the trainer, module and sample requests."""
+    check_infer_settings(cfg)
     require_positive("num_samples", cfg.num_samples)
     require_positive("batch_size", cfg.batch_size)
     require_seed("seed", cfg.seed)
     require_choice("weights", cfg.weights, WEIGHT_CHOICES)
+    check_launch_environment(cfg.trainer)
     backend = validate_parallel(cfg, training=False)
+    check_samples_per_rank(cfg)
     state, info = read_weights_file("ckpt_path", cfg.ckpt_path, prefer=cfg.weights)
     missing = [key for key in ("model", "data", "objective") if key not in info]
     if missing:
@@ -85,37 +92,7 @@ def prepare(cfg: DictConfig):
     return trainer, module, requests
 
 
-def text_prompts(cfg: DictConfig, data_info: dict) -> tuple[dict, list[str]]:
-    """``num_samples`` prompt embeddings (cycled): from ``text_embeds``, else the training data's held-out prompts."""
-    if cfg.labels is not None:
-        raise ConfigError("labels are for class-conditional models; this model is text-conditioned: give prompt "
-                          "embeddings with text_embeds=<file> (or none for the training data's held-out prompts)")
-    if cfg.text_embeds:
-        prompts, captions = read_prompts(cfg.text_embeds)
-        count = next(iter(prompts.values())).shape[0]
-        picked = [i % count for i in range(cfg.num_samples)]
-        prompts = {key: value[picked] for key, value in prompts.items()}
-        captions = [captions[i] if captions else f"{cfg.text_embeds}[{i}]" for i in picked]
-    else:
-        source = data_info["source"]
-        try:
-            data = TextLatentsDataModule(source["path"], val_fraction=source["val_fraction"], seed=source["seed"])
-        except ValueError as error:
-            raise ConfigError(f"text_embeds is not set and the training data's held-out prompts cannot be read "
-                              f"({error}); give prompt embeddings with text_embeds=<file>") from None
-        prompts, captions = data.held_out(cfg.num_samples)
-    check_prompt_shape("text_embeds", prompts, data_info)
-    return prompts, captions
-
-
-def check_prompt_shape(setting: str, prompts: dict, data_info: dict) -> None:
-    expected = (data_info["text_len"], data_info["text_dim"])
-    if tuple(prompts["text"].shape[1:]) != expected:
-        raise ConfigError(f"{setting}: the prompt embeddings are {tuple(prompts['text'].shape[1:])} (L, D) but the "
-                          f"model was trained on {expected}; encode them with the same text encoder and length")
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="infer")
+@hydra_main("infer")
 def main(cfg: DictConfig) -> None:
     with user_errors():  # a mistake in the settings: one line, exit code 2
         trainer, module, requests = prepare(cfg)

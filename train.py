@@ -21,9 +21,12 @@ from ringdit.config import (
     build_on_meta,
     check_lora,
     check_lora_checkpoint,
+    check_launch_environment,
     check_sampling,
+    check_training_settings,
     check_weights_file,
     group_targets,
+    hydra_main,
     is_diffusers_model,
     model_config,
     register_resolvers,
@@ -37,6 +40,7 @@ from ringdit.config import (
 )
 from ringdit.errors import NonFiniteLossError
 from ringdit.lora import lora_enabled
+from ringdit.memory import check_training_memory
 from ringdit.resume import check_resume
 from ringdit.weights import WEIGHT_CHOICES
 
@@ -50,6 +54,8 @@ def prepare(cfg: DictConfig):
     require_positive("data.batch_size", cfg.data.batch_size)
     require_seed("seed", cfg.seed)
     require_choice("init_weights", cfg.init_weights, WEIGHT_CHOICES)
+    check_training_settings(cfg)
+    check_launch_environment(cfg.trainer)
     backend = validate_parallel(cfg, training=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     data_info = datamodule.describe()
@@ -65,6 +71,7 @@ def prepare(cfg: DictConfig):
     lora = OmegaConf.to_container(cfg.lora, resolve=True) if cfg.get("lora") else None
     if lora_enabled(lora):
         check_lora(meta_model, lora)
+    check_training_memory(cfg, model_cfg, meta_model, backend)  # a warning: estimates can be wrong
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
     if ckpt_path and lora_enabled(lora):
         check_lora_checkpoint(ckpt_path)
@@ -120,11 +127,14 @@ def prepare(cfg: DictConfig):
     return trainer, module, datamodule, ckpt_path
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@hydra_main("train")
 def main(cfg: DictConfig) -> None:
     with user_errors():  # a mistake in the settings: one line, exit code 2
         trainer, module, datamodule, ckpt_path = prepare(cfg)
-    with user_errors(NonFiniteLossError):  # anything else during training is a fault: full traceback
+    from ringdit.training.preemption import stop_on_sigterm
+
+    # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; anything else is a fault: traceback
+    with user_errors(NonFiniteLossError), stop_on_sigterm(trainer):
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         log.info("outputs in %s (checkpoints/last.ckpt, samples/)", cfg.paths.output_dir)

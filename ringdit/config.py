@@ -303,3 +303,289 @@ def check_lora_checkpoint(ckpt_path: str) -> None:
     if not adapter_state(state):
         raise ConfigError(f"ckpt_path={ckpt_path} holds no LoRA adapter weights but lora.rank > 0: resume it without "
                           f"LoRA (lora.rank=0), or start LoRA from its weights with init_from={ckpt_path}")
+
+
+# ---- numbers that Lightning / torch would only reject (or silently misuse) once training has started ---------------
+
+
+def require_number(setting: str, value, *, low: float | None = None, high: float | None = None,
+                   low_open: bool = False, optional: bool = False) -> None:
+    """``value`` is a finite real number in [low, high] (``low_open``: (low, high]); ``optional``: None is fine."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{setting} must be a finite number, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low) or high is not None and value > high:
+        interval = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise ConfigError(f"{setting} must be in {interval}, got {value!r}")
+
+
+def require_count(setting: str, value, *, minimum: int = 1, optional: bool = False) -> None:
+    """``value`` is an integer >= ``minimum`` (not 1.5, not a bool); ``optional``: None is fine."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"{setting} must be {what}, got {value!r}")
+
+
+def check_training_settings(cfg: DictConfig) -> None:
+    """The numeric settings of a training run, before anything is built: each would otherwise fail only once
+    training started (with a traceback, after spawning), or be accepted and quietly do something else."""
+    require_count("dp_degree", cfg.get("dp_degree", 1))
+    require_number("ema_decay", cfg.ema_decay, low=0, high=1)
+    model = cfg.get("model") or {}
+    for key in ("hidden_size", "depth"):  # depth=0 would train a model without blocks, and say nothing
+        if key in model:
+            require_count(f"model.{key}", model[key])
+    if "mlp_ratio" in model:
+        require_number("model.mlp_ratio", model.mlp_ratio, low=0, low_open=True)
+    if "class_dropout_prob" in model:
+        require_number("model.class_dropout_prob", model.class_dropout_prob, low=0, high=1)
+    if cfg.nonfinite_loss not in ("stop", "skip"):
+        raise ConfigError(f"nonfinite_loss must be 'stop' or 'skip', got {cfg.nonfinite_loss!r}")
+    optimizer = cfg.get("optimizer") or {}
+    if "lr" in optimizer:
+        require_number("optimizer.lr", optimizer.lr, low=0, low_open=True)
+    for key in ("weight_decay", "momentum"):
+        if key in optimizer:
+            require_number(f"optimizer.{key}", optimizer[key], low=0)
+    for i, beta in enumerate(optimizer.get("betas") or []):
+        require_number(f"optimizer.betas[{i}]", beta, low=0, high=1)
+    scheduler = cfg.get("scheduler") or {}
+    if "warmup_steps" in scheduler:
+        require_count("scheduler.warmup_steps", scheduler.warmup_steps, minimum=0)
+    if "total_steps" in scheduler:
+        require_count("scheduler.total_steps", scheduler.total_steps)
+    if "final_lr_fraction" in scheduler:
+        require_number("scheduler.final_lr_fraction", scheduler.final_lr_fraction, low=0, high=1)
+    require_count("data.num_workers", cfg.data.get("num_workers", 0), minimum=0)
+    if "val_fraction" in cfg.data:
+        require_number("data.val_fraction", cfg.data.val_fraction, low=0, high=1)
+    _check_trainer_numbers(cfg.trainer)
+    callbacks = cfg.get("callbacks") or {}
+    checkpoint = callbacks.get("model_checkpoint") or {}
+    if "every_n_train_steps" in checkpoint:
+        require_count("callbacks.model_checkpoint.every_n_train_steps", checkpoint.every_n_train_steps, minimum=0,
+                      optional=True)
+    grid = callbacks.get("sample_grid") or {}
+    for key in ("every_n_steps", "per_class", "max_classes"):
+        if key in grid:
+            require_count(f"callbacks.sample_grid.{key}", grid[key])
+    if "steps" in grid:
+        require_count("callbacks.sample_grid.steps", grid.steps, optional=True)
+    if "cfg_scale" in grid:
+        require_number("callbacks.sample_grid.cfg_scale", grid.cfg_scale, optional=True)
+    require_number("diffusion.sampling.cfg_scale", cfg.diffusion.sampling.get("cfg_scale"), optional=True)
+
+
+def _check_trainer_numbers(trainer: DictConfig) -> None:
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, DictConfig):
+        require_number("trainer.strategy.timeout_s", strategy.get("timeout_s"), low=0, low_open=True, optional=True)
+        require_number("trainer.strategy.rendezvous_timeout_s", strategy.get("rendezvous_timeout_s"), low=0,
+                       low_open=True, optional=True)
+    require_count("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1))
+    require_number("trainer.gradient_clip_val", trainer.get("gradient_clip_val"), low=0, optional=True)
+    require_count("trainer.log_every_n_steps", trainer.get("log_every_n_steps", 1), optional=True)
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, float):  # a fraction of an epoch
+        require_number("trainer.val_check_interval", interval, low=0, high=1, low_open=True)
+    else:  # a number of training batches
+        require_count("trainer.val_check_interval", interval, optional=True)
+
+
+def check_infer_settings(cfg: DictConfig) -> None:
+    """The numeric settings of a sampling run that nothing else would refuse (cfg_scale=nan gives black images)."""
+    require_count("dp_degree", cfg.get("dp_degree", 1))
+    require_number("cfg_scale", cfg.get("cfg_scale"), optional=True)
+    _check_trainer_numbers(cfg.trainer)
+
+
+# ---- Hydra's own errors (composition, overrides, ???, the run folder) as one line and exit code 2 -----------------
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def hydra_main(config_name: str):
+    """``hydra.main(config_path="conf", config_name=...)`` whose own mistakes -- a misspelt key, an unknown group
+    option, a missing ``???`` value, an override that does not parse, a run folder that cannot be created -- end
+    like every other settings error: one line, exit code 2 (``HYDRA_FULL_ERROR=1``: Hydra's usual report).
+
+    Hydra reports those inside ``hydra._internal.utils.run_and_report`` (multi-line, exit 1); it is replaced for the
+    duration of the call by one that first tries ``hydra_error_message`` and otherwise defers to Hydra's."""
+    import functools
+
+    import hydra
+    from hydra._internal import utils as hydra_utils
+
+    def decorator(task):
+        started = []
+
+        @functools.wraps(task)
+        def run_task(cfg):
+            started.append(True)
+            try:
+                return task(cfg)
+            except Exception as error:  # here, or Hydra logs "Error executing job" before its report
+                message = hydra_error_message(error, config_name, in_task=True)
+                if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                _exit_with(message)
+
+        main = hydra.main(version_base="1.3", config_path="conf", config_name=config_name)(run_task)
+
+        @functools.wraps(task)
+        def entry():
+            original = hydra_utils.run_and_report
+
+            def run_and_report(func):
+                try:
+                    return func()
+                except Exception as error:  # noqa: BLE001 - unknown errors go to Hydra's own report below
+                    message = hydra_error_message(error, config_name, in_task=bool(started))
+                    if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                        def again():
+                            raise error
+                        return original(again)
+                    _exit_with(message)
+
+            hydra_utils.run_and_report = run_and_report
+            try:
+                main()
+            finally:
+                hydra_utils.run_and_report = original
+
+        return entry
+
+    return decorator
+
+
+def _exit_with(message: str) -> None:
+    print(f"Error: {message}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def hydra_error_message(error: Exception, config_name: str, *, in_task: bool) -> str | None:
+    """One line for a mistake Hydra / OmegaConf found in the command line or config; None for anything else."""
+    import difflib
+    import re
+
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, MissingMandatoryValue):
+        key = getattr(error, "full_key", None) or first
+        return f"{key} is required (it is ??? in conf/{config_name}.yaml): pass {key}=..."
+    if in_task:  # past composition only settings errors are ours to shorten; a fault keeps its traceback
+        if isinstance(error, OmegaConfBaseException):
+            key = getattr(error, "full_key", None)
+            return f"{key}: {first}" if key else first
+        return None
+    if isinstance(error, MissingConfigException):
+        missing = error.missing_cfg_file or first
+        if error.options:
+            group, _, name = str(missing).rpartition("/")
+            close = difflib.get_close_matches(name, error.options, n=1)
+            hint = f"; did you mean {group}={close[0]}?" if close else ""
+            return f"{group}={name}: no such option{hint} (options: {', '.join(error.options)})"
+        return first
+    if isinstance(error, OverrideParseException):
+        return f"could not parse an override: {first} (see https://hydra.cc/docs/advanced/override_grammar/basic)"
+    if isinstance(error, ConfigCompositionException):
+        unknown = re.match(r"Could not override '([^']+)'", first)
+        if unknown and "not in struct" in f"{error} {error.__cause__}":
+            key, known = unknown.group(1), known_keys(config_name)
+            if key in known:
+                group = key.split(".")[0]
+                return f"{key} is not a setting of the configs selected here: its config option is not used " \
+                       f"(e.g. {group}=none); select it ({group}=...) or drop the override"
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close else ""
+            return f"no setting named '{key}'; {hint}(python {config_name}.py --cfg job lists them; a new key " \
+                   f"is added with +{key}=...)"
+        cause = error.__cause__
+        return f"{first} {str(cause).strip().splitlines()[0]}" if cause is not None and str(cause).strip() else first
+    if isinstance(error, OmegaConfBaseException):
+        key = getattr(error, "full_key", None)
+        return f"{key}: {first}" if key else first
+    if isinstance(error, OSError):  # before the task runs, Hydra only touches the file system for the run folder
+        where = error.filename or "the run folder"
+        return f"cannot create the run folder ({where}: {error.strerror or first}); set hydra.run.dir (or " \
+               f"paths.log_dir) to a writable folder"
+    return None
+
+
+def known_keys(config_name: str) -> list[str]:
+    """Every dotted setting name the configs in conf/ define: suggestions for a misspelt key."""
+    keys: set[str] = set()
+
+    def add(prefix: str, node: dict) -> None:
+        for key, value in node.items():
+            if key in ("defaults", "hydra"):
+                continue
+            name = f"{prefix}{key}"
+            keys.add(name)
+            if isinstance(value, dict):
+                add(f"{name}.", value)
+
+    def load(path: Path) -> dict:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+
+    try:
+        add("", load(CONF_DIR / f"{config_name}.yaml"))
+        for path in CONF_DIR.glob("*/*.yaml"):
+            add(f"{path.parent.name}.", load(path))
+    except Exception:  # noqa: BLE001 - suggestions are a courtesy; never hide the real error behind another
+        pass
+    return sorted(keys)
+
+
+# ---- launches whose other ranks would never come ----------------------------------------------------------------------
+
+
+def cluster_launcher() -> str | None:
+    """The launcher that started this process and will start the other ranks, as Lightning detects them."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")):
+        return "torchrun"
+    if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "SLURM"
+    if "LSB_JOBID" in env and "JSM_NAMESPACE_RANK" in env:
+        return "LSF"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "MPI"
+    if "KUBERNETES_PORT" in env and all(k in env for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE")):
+        return "Kubeflow"
+    return None
+
+
+def check_launch_environment(trainer_cfg: DictConfig) -> None:
+    """Refuse launches that would wait for ranks nobody starts (the rest is bounded by
+    ``trainer.strategy.rendezvous_timeout_s``)."""
+    if cluster_launcher() is not None:
+        return
+    nodes, env = trainer_cfg.get("num_nodes", 1), os.environ
+    if nodes > 1 and not ("NODE_RANK" in env and "MASTER_ADDR" in env):
+        raise ConfigError(
+            f"trainer.num_nodes={nodes} but no cluster launcher started this process (no torchrun, SLURM, MPI "
+            f"environment) and NODE_RANK / MASTER_ADDR are not set, so the other nodes' ranks would never join: "
+            f"launch with srun or `torchrun --nnodes={nodes} ...` on every node, or set NODE_RANK, MASTER_ADDR and "
+            f"MASTER_PORT on each; on one machine use trainer.num_nodes=1 and trainer.devices")
+    if "LOCAL_RANK" in env and "WORLD_SIZE" not in env and world_size(trainer_cfg) > 1:
+        raise ConfigError(
+            f"LOCAL_RANK={env['LOCAL_RANK']} is set in the environment but no launcher started this process (no "
+            f"WORLD_SIZE, torchrun or SLURM): Lightning would take it for one rank of an external launch and wait "
+            f"for {world_size(trainer_cfg)} ranks that never come; unset LOCAL_RANK (Lightning then starts the ranks "
+            f"itself) or launch with torchrun")
+
+
+def check_samples_per_rank(cfg: DictConfig) -> None:
+    """Sampling splits ``num_samples`` over the data-parallel ranks without repeating any; each needs one (call after
+    ``validate_parallel``)."""
+    replicas = world_size(cfg.trainer) // (cfg.ring_degree * cfg.ulysses_degree)
+    if cfg.num_samples < replicas:
+        raise ConfigError(f"num_samples={cfg.num_samples} is fewer than the {replicas} data-parallel ranks "
+                          f"(dp_degree={cfg.get('dp_degree', 1)}): each rank needs a sample; use num_samples>="
+                          f"{replicas} or fewer devices")

@@ -28,6 +28,8 @@ def resolve_labels(labels, num_samples: int, data_info: dict) -> list[int]:
         if isinstance(label, str) and label in names and not label.isdigit():
             ids.append(names.index(label))
             continue
+        if isinstance(label, float) and not label.is_integer() or isinstance(label, bool):
+            raise ValueError(f"labels: {label!r} is not a class id (a whole number) nor one of the class names {names}")
         try:
             value = int(label)
         except (TypeError, ValueError):
@@ -78,15 +80,15 @@ class SampleWriter(L.Callback):
         self.batches.append(outputs)
 
     def on_predict_epoch_end(self, trainer, pl_module) -> None:
-        kind = "images" if "images" in self.batches[0] else "latents"
-        local = {key: torch.cat([b[key] for b in self.batches]) for key in self.batches[0]}
-        # every rank holds the same number of samples (the distributed sampler pads), so all_gather stacks them
+        local = self._padded_to_equal_counts(trainer, pl_module)
+        kind = "images" if "images" in local else "latents"
         gathered = {key: pl_module.all_gather(value.to(pl_module.device)).cpu() for key, value in local.items()}
         if not trainer.is_global_zero:
             return
         index = gathered["index"].reshape(-1)
-        _, first = np.unique(index.numpy(), return_index=True)  # padding and sequence-parallel ranks repeat samples
-        order = torch.from_numpy(first)
+        real = torch.nonzero(index >= 0).reshape(-1)  # drop the padding rows (index -1)
+        _, first = np.unique(index[real].numpy(), return_index=True)  # sequence-parallel ranks repeat samples
+        order = real[torch.from_numpy(first)]
         samples = gathered[kind].reshape(-1, *local[kind].shape[1:])[order].numpy()
         contents = {kind: samples}
         if "labels" in gathered:  # class-conditional models
@@ -101,3 +103,19 @@ class SampleWriter(L.Callback):
             columns = self.columns or min(len(samples), 10)
             self.written.insert(0, save_samples(samples, self.output_dir / "samples", columns=columns))
         print(f"wrote {len(samples)} samples to {' and '.join(map(str, self.written))}", flush=True)
+
+    def _padded_to_equal_counts(self, trainer, pl_module) -> dict[str, torch.Tensor]:
+        """This rank's samples, padded with rows of index -1 to the largest count of any rank: prediction splits
+        samples without repeating any (3 samples on 2 data-parallel ranks: 2 and 1; 1 sample: 1 and 0), and
+        all_gather needs equal shapes. Rank 0 always has a sample and tells the others the shapes."""
+        local = {key: torch.cat([b[key] for b in self.batches]) for key in self.batches[0]} if self.batches else {}
+        template = trainer.strategy.broadcast({key: (tuple(v.shape[1:]), v.dtype) for key, v in local.items()}, src=0)
+        count = len(local["index"]) if local else 0
+        most = int(pl_module.all_gather(torch.tensor(count, device=pl_module.device)).max())
+        padded = {}
+        for key, (shape, dtype) in template.items():
+            value = local[key] if local else torch.empty((0, *shape), dtype=dtype)
+            pad = (most - len(value), *shape)
+            filler = torch.full(pad, -1, dtype=dtype) if key == "index" else torch.zeros(pad, dtype=dtype)
+            padded[key] = torch.cat([value, filler])
+        return padded

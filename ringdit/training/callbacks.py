@@ -8,18 +8,52 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_warn
 
 from ringdit.images import grid_image, save_samples, to_uint8
 
 
 class StepCheckpoint(ModelCheckpoint):
     """Lightning's ModelCheckpoint, plus ``last.ckpt`` at the end of training when the final step fell between two
-    periodic saves (Lightning writes it at the end only if nothing was saved before)."""
+    periodic saves (Lightning writes it at the end only if nothing was saved before), and the checkpoint of a step
+    whose end-of-step hooks failed: Lightning runs checkpoint callbacks after all others, so an error in another
+    callback (a preview grid, a logger) would otherwise cost the step's checkpoint."""
+
+    _step_before_batch = -1
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx) -> None:
+        self._step_before_batch = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._step_before_batch = trainer.global_step  # this step's saving is done
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         if self.save_last and getattr(self, "_last_global_step_saved", -1) != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        step = trainer.global_step
+        if self._step_before_batch < 0 or step == self._step_before_batch or self._last_global_step_saved == step:
+            return  # the error came before this batch's optimizer step (e.g. in training_step), or it was saved
+        # The optimizer step (and the EMA update) completed; an end-of-step hook before this callback raised.
+        # Only this rank may have failed, so no barrier: global rank 0 writes, as Lightning's DDP saving does.
+        candidates = self._monitor_candidates(trainer)
+        paths = [self.format_checkpoint_name(candidates, self.CHECKPOINT_NAME_LAST)] if self.save_last else []
+        if self._every_n_train_steps and step % self._every_n_train_steps == 0 or not paths:
+            paths.insert(0, self.format_checkpoint_name(candidates))
+        self.last_model_path, self._last_global_step_saved = paths[-1], step
+        try:
+            if trainer.is_global_zero:
+                checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+                for path in paths:
+                    trainer.strategy.save_checkpoint(checkpoint, path)
+                rank_zero_warn(f"step {step} ended with an error ({type(exception).__name__}) after its update; its "
+                               f"checkpoint was saved all the same: {paths[-1]}")
+        except Exception as error:  # noqa: BLE001 - never hide the error that ended the run behind this one
+            rank_zero_warn(f"could not save the checkpoint of step {step} after the error: {error}")
 
 
 class SampleGrid(L.Callback):

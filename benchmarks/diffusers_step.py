@@ -1,0 +1,121 @@
+"""Train-step and sampling-step time of a Wan- or Flux-shaped diffusers transformer: one process vs ring over N.
+
+    python benchmarks/diffusers_step.py --family wan     # Wan 1.3B's width and heads, 2 layers, 8192 video tokens
+    python benchmarks/diffusers_step.py --family flux    # Flux's width and heads, 1 dual + 1 single block, 8192 image
+                                                         # tokens + 512 text tokens
+    python benchmarks/diffusers_step.py --family flux --cfg-parallel   # one image's sampling step: CFG on 2 ranks
+
+The real head size (128) and widths (Wan: 12 heads = 1536; Flux: 24 heads = 3072) with few layers, so it runs in
+CPU time; 512 text tokens of width 4096 (UMT5 / T5). Every rank runs one thread (gloo), so N ranks use N cores. A
+train step is forward + backward of the flow-matching loss; a sampling step is one classifier-free-guided denoiser
+call (conditional and unconditional halves in one batch of 2, or, with --cfg-parallel at 2 ranks, one half each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=8960, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                eps=1e-6, rope_max_seq_len=1024)
+FLUX_DEV = dict(patch_size=1, in_channels=64, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 56, 56])
+
+
+def build(args):
+    """(model, latents x, conditioning) of the benchmarked shape, the same on every rank."""
+    from ringdit.models.diffusers import DiffusersTransformer
+
+    torch.manual_seed(0)
+    if args.family == "wan":
+        shape = (args.frames, args.size, args.size)
+        model = DiffusersTransformer("wan", config={**WAN_1_3B, "num_layers": args.layers}, input_size=shape,
+                                     in_channels=16, text_len=512, text_dim=4096, attention_backend=args.backend)
+        return model, torch.randn(1, 16, *shape), {"text": torch.randn(1, 512, 4096)}
+    shape = (args.size, 2 * args.size)  # 16-channel latents, 2x2-packed: size/2 x size tokens
+    config = {**FLUX_DEV, "num_layers": args.layers // 2, "num_single_layers": args.layers - args.layers // 2}
+    model = DiffusersTransformer("flux", config=config, input_size=shape, in_channels=16, text_len=512,
+                                 text_dim=4096, pooled_dim=768, guidance=3.5, attention_backend=args.backend)
+    return model, torch.randn(1, 16, *shape), {"text": torch.randn(1, 512, 4096), "pooled": torch.randn(1, 768)}
+
+
+def worker(rank: int, world: int, port: int, args, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
+    from ringdit.parallel import exchange_guidance_halves, init_sequence_parallel
+
+    cfg_parallel = args.cfg_parallel and world == 2
+    dims = init_sequence_parallel(ring_degree=1 if cfg_parallel else world, cfg_parallel=cfg_parallel)
+    model, x, cond = build(args)
+    t = torch.tensor([500.0])
+    null = {key: torch.zeros_like(value) for key, value in cond.items()}
+
+    def train_step():
+        loss = model(x, t, cond).square().mean()
+        loss.backward()
+
+    @torch.no_grad()
+    def sampling_step():
+        if cfg_parallel:  # this rank's half of guidance, then the exchange
+            exchange_guidance_halves(model(x, t, null if dims.cfg_rank else cond), dims)
+        else:
+            model(torch.cat([x, x]), torch.cat([t, t]), {k: torch.cat([cond[k], null[k]]) for k in cond})
+
+    timings = {}
+    steps = (("sample", sampling_step),) if cfg_parallel else (("train", train_step), ("sample", sampling_step))
+    for name, step in steps:
+        step()  # warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        dist.barrier()
+        timings[name] = (time.perf_counter() - start) / args.steps
+    if rank == 0:
+        results.put((world, timings, model.tokens_per_sample))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=("wan", "flux"), default="wan")
+    parser.add_argument("--cfg-parallel", action="store_true", help="at 2 ranks: the guidance halves on 2 ranks")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--frames", type=int, default=8)
+    parser.add_argument("--size", type=int, default=64, help="Wan: latent H = W; Flux: latent H (W = 2 H)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--backend", default="torch_flash")
+    args = parser.parse_args()
+
+    rows = []
+    for world in args.ranks:
+        ctx = mp.get_context("spawn")
+        results = ctx.SimpleQueue()
+        from tests.distributed import free_port
+
+        mp.start_processes(worker, args=(world, free_port(), args, results), nprocs=world, start_method="spawn")
+        rows.append(results.get())
+    base = rows[0][1]
+    tokens = rows[0][2]
+    width = "12 heads x 128" if args.family == "wan" else "24 heads x 128"
+    print(f"{args.family}-shaped transformer: {width}, {args.layers} layers, {tokens} image/video tokens + 512 text "
+          f"tokens, backend {args.backend}, 1 thread per rank{', CFG parallel at 2 ranks' if args.cfg_parallel else ''}")
+    print("| ranks | train step (s) | speed-up | sampling step, CFG (s) | speed-up |")
+    print("|---:|---:|---:|---:|---:|")
+    for world, timings, _ in rows:
+        train = timings.get("train")
+        train_cells = f"{train:.2f} | {base['train'] / train:.2f}x" if train and "train" in base else "- | -"
+        print(f"| {world} | {train_cells} | {timings['sample']:.2f} | {base['sample'] / timings['sample']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

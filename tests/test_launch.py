@@ -1,0 +1,404 @@
+"""Launching: settings refused before anything is spawned (one line, exit code 2), Hydra's own mistakes reported the
+same way, launches that cannot work ended quickly, preemption (SIGTERM) that keeps the work, memory estimates."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+
+from ringdit.config import register_resolvers, user_errors
+from tests.test_reliability import FAST_FAIL_SECONDS, launch
+from tests.test_training import CONF, REPO, TINY, run
+
+
+def compose_run(config_name: str, overrides: list[str], run_dir: Path):
+    """The config ``python <config_name>.py overrides`` would run with, composed in this process."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    cfg.paths.output_dir = str(run_dir)
+    return cfg
+
+
+def refused(prepare, cfg, capsys) -> str:
+    """Run ``prepare`` as train.py / infer.py do; it must exit with code 2 and one line; return that line."""
+    with pytest.raises(SystemExit) as exit_info, user_errors():
+        prepare(cfg)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 2  # the error and the HYDRA_FULL_ERROR hint
+    return err.splitlines()[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("tiny")
+    run("train.py", run_dir, *TINY, "trainer.max_steps=1")
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+# ---- settings that were checked only once training had started, or accepted silently -------------------------------
+
+BAD_SETTINGS = {
+    "lr negative": (["optimizer.lr=-1"], r"optimizer.lr must be in \(0, inf\], got -1"),
+    "lr NaN": (["optimizer.lr=nan"], r"optimizer.lr must be a finite number, got nan"),
+    "warmup negative": (["scheduler.warmup_steps=-3"], r"scheduler.warmup_steps must be an integer >= 0, got -3"),
+    "num_workers negative": (["data.num_workers=-1"], r"data.num_workers must be an integer >= 0, got -1"),
+    "timeout zero": (["trainer.strategy.timeout_s=0"], r"trainer.strategy.timeout_s must be in \(0, inf\], got 0"),
+    "timeout NaN": (["trainer.strategy.timeout_s=nan"], r"trainer.strategy.timeout_s must be a finite number"),
+    "grid per_class zero": (["callbacks.sample_grid.per_class=0"],
+                            r"callbacks.sample_grid.per_class must be a positive integer, got 0"),
+    "grid steps zero": (["callbacks.sample_grid.steps=0"], r"callbacks.sample_grid.steps must be a positive integer"),
+    "grid every_n_steps zero": (["callbacks.sample_grid.every_n_steps=0"], r"every_n_steps must be a positive"),
+    "grid cfg_scale NaN": (["callbacks.sample_grid.cfg_scale=nan"], r"callbacks.sample_grid.cfg_scale must be a finite"),
+    "dp_degree fraction": (["dp_degree=1.5"], r"dp_degree must be a positive integer, got 1.5"),
+    "accumulate zero": (["trainer.accumulate_grad_batches=0"], r"accumulate_grad_batches must be a positive integer"),
+    "cfg_scale NaN": (["diffusion.sampling.cfg_scale=nan"], r"diffusion.sampling.cfg_scale must be a finite number"),
+    "cfg_scale inf": (["diffusion.sampling.cfg_scale=inf"], r"diffusion.sampling.cfg_scale must be a finite number"),
+    "ema_decay above 1": (["ema_decay=2"], r"ema_decay must be in \[0, 1\], got 2"),
+    "clip negative": (["trainer.gradient_clip_val=-1"], r"trainer.gradient_clip_val must be in \[0, inf\], got -1"),
+    "val interval zero": (["trainer.val_check_interval=0"], r"trainer.val_check_interval must be a positive integer"),
+    "val fraction above 1": (["trainer.val_check_interval=1.5"], r"trainer.val_check_interval must be in \(0, 1\]"),
+    "checkpoint interval negative": (["callbacks.model_checkpoint.every_n_train_steps=-1"],
+                                     r"every_n_train_steps must be an integer >= 0, got -1"),
+    "nonfinite_loss unknown": (["nonfinite_loss=foo"], r"nonfinite_loss must be 'stop' or 'skip', got 'foo'"),
+    "weight decay negative": (["optimizer.weight_decay=-0.1"], r"optimizer.weight_decay must be in \[0, inf\]"),
+    "beta above 1": (["optimizer.betas=[0.9,1.5]"], r"optimizer.betas\[1\] must be in \[0, 1\], got 1.5"),
+    "val_fraction above 1": (["data.val_fraction=2"], r"data.val_fraction must be in \[0, 1\], got 2"),
+    "depth zero": (["model.depth=0"], r"model.depth must be a positive integer, got 0"),
+    "label dropout above 1": (["model.class_dropout_prob=1.5"], r"model.class_dropout_prob must be in \[0, 1\], got 1.5"),
+    "log interval zero": (["trainer.log_every_n_steps=0"], r"trainer.log_every_n_steps must be a positive integer"),
+    "rendezvous timeout zero": (["trainer.strategy.rendezvous_timeout_s=0"],
+                                r"trainer.strategy.rendezvous_timeout_s must be in \(0, inf\], got 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_bad_training_setting_is_refused_before_spawning(case, tmp_path, capsys):
+    import train
+
+    overrides, message = BAD_SETTINGS[case]
+    line = refused(train.prepare, compose_run("train", overrides, tmp_path), capsys)
+    assert re.search(message, line), line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["labels=[1.7]"], r"labels: 1.7 is not a class id \(a whole number\)"),
+        (["cfg_scale=nan"], r"cfg_scale must be a finite number, got nan"),
+        (["cfg_scale=-inf"], r"cfg_scale must be a finite number, got -inf"),
+        (["dp_degree=1.5"], r"dp_degree must be a positive integer, got 1.5"),
+        (["dp_degree=2", "num_samples=1"], r"num_samples=1 is fewer than the 2 data-parallel ranks \(dp_degree=2\)"),
+    ],
+)
+def test_bad_infer_setting_is_refused(overrides, message, tiny_checkpoint, tmp_path, capsys):
+    import infer
+
+    line = refused(infer.prepare, compose_run("infer", [f"ckpt_path={tiny_checkpoint}", *overrides], tmp_path), capsys)
+    assert re.search(message, line), line
+
+
+def test_settings_errors_exit_2_from_the_command_line(tmp_path):
+    """The wiring: the same checks, run by the script itself, before Lightning spawns anything."""
+    proc, seconds = launch("train.py", "trainer.accumulate_grad_batches=0", "ring_degree=2",
+                           f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2 and "trainer.accumulate_grad_batches must be a positive integer, got 0" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 2 and seconds < FAST_FAIL_SECONDS
+
+
+# ---- Hydra's own mistakes ---------------------------------------------------------------------------------------------
+
+HYDRA_MISTAKES = [
+    ("train", ["ring_degre=2"], r"no setting named 'ring_degre'; did you mean ring_degree\?"),
+    ("train", ["trainer.strategy.timout_s=5"], r"did you mean trainer.strategy.timeout_s\?"),
+    ("train", ["model=foo"], r"model=foo: no such option \(options: dit_b, dit_digits, dit_l, dit_s, dit_video"),
+    ("train", ["ring_degree=["], r"could not parse an override"),
+    ("train", ["callbacks=none", "callbacks.sample_grid.steps=2"],
+     r"callbacks.sample_grid.steps is not a setting of the configs selected here"),
+    ("infer", ["ckpt_path=x", "num_sample=3"], r"no setting named 'num_sample'; did you mean num_samples\?"),
+    ("infer", ["ckpt_path=x", "trainer=tpu"], r"trainer=tpu: no such option; did you mean trainer=gpu\? \(options: cpu"),
+]
+
+
+@pytest.mark.parametrize(("config_name", "overrides", "message"), HYDRA_MISTAKES)
+def test_hydra_mistakes_in_one_line(config_name, overrides, message, tmp_path):
+    from ringdit.config import hydra_error_message
+
+    with pytest.raises(Exception) as error:
+        compose_run(config_name, overrides, tmp_path)
+    line = hydra_error_message(error.value, config_name, in_task=False)
+    assert line is not None and "\n" not in line and re.search(message, line), (line, str(error.value))
+
+
+@pytest.mark.parametrize(
+    ("script", "overrides", "message"),
+    [
+        ("train.py", ["ring_degre=2"], r"no setting named 'ring_degre'; did you mean ring_degree\?"),
+        ("train.py", ["hydra.run.dir=/proc/no/such/dir"], r"cannot create the run folder \(/proc/no.*writable folder"),
+        ("infer.py", [], r"ckpt_path is required \(it is \?\?\? in conf/infer.yaml\): pass ckpt_path=\.\.\."),
+    ],
+)
+def test_hydra_mistakes_exit_2_from_the_command_line(script, overrides, message, tmp_path):
+    run_dir = [] if any(o.startswith("hydra.run.dir") for o in overrides) else [f"hydra.run.dir={tmp_path}"]
+    proc, _ = launch(script, *overrides, *run_dir)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and re.search(message, lines[0]), proc.stderr[-2000:]
+
+
+def test_hydra_mistakes_keep_the_full_report_on_request(tmp_path):
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run([sys.executable, "train.py", "ring_degre=2", f"hydra.run.dir={tmp_path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigCompositionException" in proc.stderr
+
+
+# ---- preemption ---------------------------------------------------------------------------------------------------
+
+PREEMPT = [*TINY, "trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2",
+           "+callbacks.slow._target_=tests.faults.SlowSteps", "+callbacks.slow.seconds=0.3"]
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def preempt(run_dir: Path, *overrides: str, target: str = "launcher") -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Start train.py, send SIGTERM to ``target`` (the launcher or its spawned rank) once step 2 is saved."""
+    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": ""}
+    proc = subprocess.Popen([sys.executable, "train.py", *PREEMPT, *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoints" / "step_0000002.ckpt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run to preempt ended early"
+        time.sleep(0.05)
+    ranks = children_of(proc.pid)
+    victim = proc.pid if target == "launcher" else ranks[0]
+    os.kill(victim, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, output), ranks
+
+
+def test_sigterm_stops_with_a_checkpoint_and_resumes_on_the_same_curve(tmp_path):
+    from ringdit.weights import safe_torch_load
+    from tests.test_training import logged_losses
+
+    proc, _ = preempt(tmp_path / "preempted")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    last = tmp_path / "preempted" / "checkpoints" / "last.ckpt"
+    step = safe_torch_load(last)["global_step"]
+    assert 2 <= step < 6  # the step during which the signal came (2 if it came during step 2's checkpoint)
+    assert f"preempted: SIGTERM stopped every rank at step {step} with checkpoint {last}; resume with " \
+           f"ckpt_path=last" in proc.stderr
+    run("train.py", tmp_path / "straight", *PREEMPT[:-2])
+    run("train.py", tmp_path / "resumed", *PREEMPT[:-2], f"ckpt_path={last}")
+    straight, resumed = logged_losses(tmp_path / "straight"), logged_losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(step, 6))
+    for i, loss in resumed.items():
+        assert loss == pytest.approx(straight[i], rel=1e-6, abs=1e-7), f"step {i}"
+
+
+@pytest.mark.parametrize("target", ["launcher", "child"])
+def test_sigterm_stops_every_rank_together(target, tmp_path):
+    from ringdit.weights import safe_torch_load
+
+    start = time.monotonic()
+    proc, ranks = preempt(tmp_path, "ring_degree=2", "trainer.strategy.timeout_s=60", target=target)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "preempted: SIGTERM stopped every rank at step" in proc.stderr
+    assert 2 <= safe_torch_load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] < 6
+    assert len(ranks) == 1
+    for pid in ranks:  # the launcher left after the rank it spawned
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert time.monotonic() - start < 240
+
+
+# ---- an error in a callback does not cost the step's checkpoint -------------------------------------------------------
+
+
+class RaiseAtStepEnd(L.Callback):
+    """Raise in ``on_train_batch_end`` of optimizer step ``step`` (as a failing preview grid would)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"injected callback error at step {self.step}")
+
+
+def test_a_failing_callback_keeps_the_checkpoint_of_its_step(tmp_path):
+    from ringdit.weights import safe_torch_load
+
+    proc, _ = launch("train.py", *TINY, "trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=3",
+                     "+callbacks.fail._target_=tests.test_launch.RaiseAtStepEnd", "+callbacks.fail.step=3",
+                     f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0 and "injected callback error at step 3" in proc.stderr, proc.stderr[-3000:]
+    assert safe_torch_load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 3
+    assert safe_torch_load(tmp_path / "checkpoints" / "step_0000003.ckpt")["global_step"] == 3
+
+
+# ---- launches whose other ranks never come ------------------------------------------------------------------------
+
+CLUSTER_VARIABLES = ("TORCHELASTIC_RUN_ID", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "LSB_JOBID",
+                     "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "KUBERNETES_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK",
+                     "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "environment", "message"),
+    [
+        (["trainer.num_nodes=2"], {}, r"trainer.num_nodes=2 but no cluster launcher started this process .* "
+                                      r"on one machine use trainer.num_nodes=1 and trainer.devices"),
+        (["ring_degree=2"], {"LOCAL_RANK": "0"}, r"LOCAL_RANK=0 is set in the environment but no launcher started "
+                                                 r"this process .* wait for 2 ranks that never come; unset LOCAL_RANK"),
+    ],
+)
+def test_launch_that_would_wait_for_ever_is_refused(overrides, environment, message, tmp_path, capsys, monkeypatch):
+    import train
+
+    for name in CLUSTER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    line = refused(train.prepare, compose_run("train", overrides, tmp_path), capsys)
+    assert re.search(message, line), line
+
+
+def test_ranks_that_never_come_end_the_launch_after_the_rendezvous_timeout(tmp_path):
+    """What cannot be told before spawning (this looks like one rank of a hand-made 2-process launch) is bounded."""
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    env.update(LOCAL_RANK="0", NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29581",
+               WANDB_MODE="offline")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "ring_degree=2", "trainer.strategy.rendezvous_timeout_s=3",
+                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert re.search(r"Error: rank 0 waited 3 s for all 2 ranks \(trainer.num_nodes=1 x 2 per node\) to join at "
+                     r"127.0.0.1:29581, and some never came", proc.stderr), proc.stderr[-3000:]
+    assert time.monotonic() - start < 120
+
+
+# ---- wandb ----------------------------------------------------------------------------------------------------------
+
+
+def no_wandb_credentials(monkeypatch, home: Path) -> None:
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("NETRC", str(home / ".netrc"))
+
+
+def test_wandb_online_without_an_api_key_is_refused(tmp_path, capsys, monkeypatch):
+    import train
+
+    no_wandb_credentials(monkeypatch, tmp_path)
+    line = refused(train.prepare, compose_run("train", ["logger=wandb", "logger.wandb.mode=online"], tmp_path), capsys)
+    assert "logger.wandb.mode=online needs a W&B API key for https://api.wandb.ai: set WANDB_API_KEY or run " \
+           "`wandb login`" in line
+
+
+def test_wandb_online_without_a_server_logs_offline_quickly(tmp_path, monkeypatch, caplog):
+    import socket
+
+    from ringdit.training.loggers import wandb_logger
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    no_wandb_credentials(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789" * 4)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    start = time.monotonic()
+    logger = wandb_logger(str(tmp_path), mode="online")
+    assert time.monotonic() - start < 10
+    assert logger._offline
+    assert f"wandb: cannot reach http://127.0.0.1:{port}; logging offline to {tmp_path}/wandb" in caplog.text
+
+
+# ---- sampling on data-parallel ranks --------------------------------------------------------------------------------
+
+
+def test_odd_sample_count_on_two_data_parallel_ranks(tiny_checkpoint, tmp_path):
+    """Prediction gives the ranks 2 and 1 samples; gathering pads to equal counts and drops the padding."""
+    import numpy as np
+
+    run("infer.py", tmp_path, f"ckpt_path={tiny_checkpoint}", "dp_degree=2", "num_samples=3", "steps=2",
+        "trainer.strategy.timeout_s=60")
+    written = np.load(tmp_path / "samples.npz")
+    assert written["images"].shape == (3, 8, 8, 1) and written["labels"].tolist() == [0, 1, 2]
+
+
+# ---- memory estimate ------------------------------------------------------------------------------------------------
+
+
+def test_memory_estimate_numbers():
+    from ringdit.memory import estimate_memory
+
+    small = dict(tokens=16, hidden_size=32, depth=2, num_heads=4, batch_size=16, parameters=50_000)
+    one = estimate_memory(**small)
+    assert one.tokens_per_rank == 16
+    assert one.weights_bytes == 50_000 * 20  # weights, gradients, AdamW moments, EMA: fp32
+    assert one.activation_bytes == 16 * 16 * 2 * 18 * 32 * 4  # batch x tokens x depth x (10 + 2 x 4) x D x fp32
+    assert one.attention_bytes == 6 * 16 * 16 * 32 * 4
+    ring = estimate_memory(**small, ring_degree=2)  # half the tokens per rank: half the activations
+    assert ring.tokens_per_rank == 8 and ring.activation_bytes == one.activation_bytes // 2
+    ulysses = estimate_memory(**small, ulysses_degree=2)
+    assert ulysses.attention_bytes == one.attention_bytes // 2
+    quadratic = estimate_memory(**small, math_attention=True)  # (S / ring)^2 scores, fp32, with gradients
+    assert quadratic.attention_bytes - one.attention_bytes == 2 * 16 * 4 * 16**2 * 4 * 2
+    checkpointed = estimate_memory(**small, gradient_checkpointing=True)
+    assert checkpointed.activation_bytes == 16 * 16 * (2 * 32 + 18 * 32) * 4
+    sampling = estimate_memory(**small, training=False)
+    assert sampling.weights_bytes == 50_000 * 4 and sampling.activation_bytes == one.activation_bytes // 2
+
+
+def test_memory_warning_names_the_degree_that_fits(caplog):
+    from ringdit.memory import GiB, warn_if_memory_short
+
+    settings = dict(tokens=262_144, hidden_size=128, depth=4, num_heads=4, batch_size=32, parameters=34_000_000)
+    warn_if_memory_short(available=1000 * GiB, **settings)
+    assert "memory:" not in caplog.text
+    warn_if_memory_short(available=16 * GiB, **settings)
+    assert re.search(r"memory: about 31\d\.\d GiB per rank needed \(262144 tokens per rank .* but 16.0 GiB is "
+                     r"available: .* ring_degree=32 \(32 ranks of this size\) would fit", caplog.text), caplog.text
+
+
+def test_a_sequence_too_long_for_memory_is_reported_before_training(tmp_path):
+    """Videos of 512 x 512 frames: 262144 tokens per sample, hundreds of GiB: the warning comes before any step."""
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.Popen([sys.executable, "train.py", "data=moving_digits", "model=dit_video", "data.canvas=512",
+                             "logger=csv", f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "memory:" in line or "Epoch 0" in line:
+                break
+        assert re.search(r"memory: about \d+\.\d GiB per rank needed \(262144 tokens per rank", lines[-1]), lines[-5:]
+        assert not (tmp_path / "checkpoints").exists()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
