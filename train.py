@@ -110,9 +110,11 @@ def prepare(cfg: DictConfig):
     callbacks = [hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks")]
     loggers = [hydra.utils.instantiate(c) for c in group_targets(cfg, "logger")]
     # diffusers models may hold parameters no loss reaches (QwenImage's last text-stream MLP): DDP's static graph
-    # learns which in the first step instead of failing on them
+    # learns which in the first step instead of failing on them (FSDP reduces whatever gradients exist)
+    ddp = str(cfg.trainer.strategy.get("_target_", "")).endswith("RingDDPStrategy")
     strategy = hydra.utils.instantiate(cfg.trainer.strategy, **({"static_graph": True} if is_diffusers_model(model_cfg)
-                                                                 and "static_graph" not in cfg.trainer.strategy else {}))
+                                                                 and ddp and "static_graph" not in cfg.trainer.strategy
+                                                                 else {}))
     trainer = hydra.utils.instantiate(
         cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files
