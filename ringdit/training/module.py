@@ -48,8 +48,11 @@ def ema_update(decay: float) -> Callable:
     def update(averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
         n = int(num_averaged)
         floats = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
-        if floats:
-            torch._foreach_lerp_([a for a, _ in floats], [c for _, c in floats], 1 - min(decay, (1 + n) / (10 + n)))
+        weight = 1 - min(decay, (1 + n) / (10 + n))
+        for sharded in (False, True):  # under FSDP parameters are DTensors, buffers plain: one fused update each
+            group = [(a, c) for a, c in floats if hasattr(a, "to_local") == sharded]
+            if group:
+                torch._foreach_lerp_([a for a, _ in group], [c for _, c in group], weight)
         for a, c in zip(averaged, current):  # integer and bool buffers (a text mask) are copied, not averaged
             if not a.is_floating_point():
                 a.copy_(c)
