@@ -143,8 +143,7 @@ def main() -> None:
     world = max(args.worlds)
     budget = args.budget_gb * 2**30 * 0.7  # 30% kept for activations, buffers, fragmentation
     for mode, bytes_per in per_param.items():
-        replicas = world if mode == "ddp" else 1
-        largest = budget / (bytes_per * replicas / world)
+        largest = budget / (bytes_per / world)  # bytes_per sums all ranks: each holds bytes_per / world
         print(f"{mode}: {bytes_per:.1f} B of model state per parameter over all {world} ranks -> at world {world} "
               f"with {args.budget_gb:.0f} GB per process (70% for model state) up to {largest / 1e9:.1f} B parameters "
               f"(Wan 1.3B: 1.4 B; Wan 14B: 14.3 B)")
