@@ -1,5 +1,6 @@
 """Sample from a trained DiT, sequence-parallel over ring / Ulysses ranks and data-parallel over the rest.
 
+    python infer.py                                  # the newest training run's last.ckpt (ckpt_path=last)
     python infer.py ckpt_path=outputs/train/runs/<run>/checkpoints/last.ckpt num_samples=100
     python infer.py ckpt_path=weights.safetensors labels=[3,3,7] cfg_scale=2 steps=100 ring_degree=2
 
@@ -7,13 +8,16 @@
 
 Writes samples.png (videos: samples.gif) and samples.npz (images uint8 (N, [T,] H, W, C), labels int64 (N,)) into
 the run's output directory; latent models write latents float32 (N, C, [T,] H, W) instead of images, and
-text-conditioned models the prompts' captions instead of labels. Sample i starts from noise seeded by seed + i, so the same seed gives the same samples
-for any ring / Ulysses / data-parallel layout.
+text-conditioned models the prompts' captions instead of labels. With vae=FOLDER (default: the VAE the data was
+prepared with, when that folder exists) latents are also decoded beside samples.npz: samples.png + sample-000.png
+... for images, samples.gif + sample-000.mp4 / .gif ... for videos (ringdit.media). Sample i starts from noise
+seeded by seed + i, so the same seed gives the same samples for any ring / Ulysses / data-parallel layout.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import hydra
 import lightning as L
@@ -35,10 +39,12 @@ from ringdit.config import (
     require_choice,
     require_positive,
     require_seed,
+    resolve_sampling_ckpt,
     user_errors,
     validate_parallel,
 )
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
+from ringdit.media.decode import decode_samples, latents_normalised, sampling_vae
 from ringdit.sampling import SampleRequests, SampleWriter, resolve_labels
 from ringdit.training import DiTModule
 from ringdit.weights import WEIGHT_CHOICES
@@ -50,6 +56,7 @@ register_resolvers()
 def prepare(cfg: DictConfig):
     """Check every setting and the checkpoint, then build the trainer, module and sample requests."""
     check_infer_settings(cfg)
+    cfg.ckpt_path = resolve_sampling_ckpt(cfg.ckpt_path, cfg.paths.log_dir)
     require_positive("num_samples", cfg.num_samples)
     require_positive("batch_size", cfg.batch_size)
     require_seed("seed", cfg.seed)
@@ -63,14 +70,18 @@ def prepare(cfg: DictConfig):
         raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not say which model it holds (no {', '.join(missing)}): "
                           f"sample from a ringdit checkpoint (.ckpt) or export (.safetensors), or fine-tune it "
                           f"first with init_from")
+    cfg.vae = sampling_vae(cfg.vae, cfg.vae_subfolder, info["data"])
     meta_model = build_on_meta(info["model"], cfg.ulysses_degree)
     check_weights_file("ckpt_path", cfg.ckpt_path, meta_model, state=state)
     del state
     captions = negative = None
     if info["data"].get("conditioning") == "text":
         conditions, captions = text_prompts(cfg, info["data"])
+        if cfg.prompts or cfg.negative_prompt:
+            conditions, captions, negative = encoded_prompts(cfg, info["data"], conditions, captions)
         if cfg.negative_text_embeds:
-            negative = {key: value[:1] for key, value in read_prompts(cfg.negative_text_embeds, "negative_text_embeds")[0].items()}
+            negative_prompts, _ = read_prompts(cfg.negative_text_embeds, "negative_text_embeds")
+            negative = {key: value[:1] for key, value in negative_prompts.items()}  # the first row
             check_prompt_shape("negative_text_embeds", negative, info["data"])
     else:
         conditions = resolve_labels(OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels,
@@ -92,11 +103,77 @@ def prepare(cfg: DictConfig):
     return trainer, module, requests
 
 
+def text_prompts(cfg: DictConfig, data_info: dict) -> tuple[dict, list[str]]:
+    """``num_samples`` prompt embeddings (cycled): from ``text_embeds``, else the training data's held-out prompts."""
+    if cfg.labels is not None:
+        raise ConfigError("labels are for class-conditional models; this model is text-conditioned: give prompt "
+                          "embeddings with text_embeds=<file> (or none for the training data's held-out prompts)")
+    if cfg.prompts:  # encoded in encoded_prompts
+        if cfg.text_embeds:
+            raise ConfigError("give prompts= (text to encode) or text_embeds= (encoded prompts), not both")
+        return None, None
+    if cfg.text_embeds:
+        prompts, captions = read_prompts(cfg.text_embeds)
+        count = next(iter(prompts.values())).shape[0]
+        picked = [i % count for i in range(cfg.num_samples)]
+        prompts = {key: value[picked] for key, value in prompts.items()}
+        captions = [captions[i] if captions else f"{cfg.text_embeds}[{i}]" for i in picked]
+    else:
+        source = data_info["source"]
+        try:
+            data = TextLatentsDataModule(source["path"], val_fraction=source["val_fraction"], seed=source["seed"])
+        except ValueError as error:
+            raise ConfigError(f"text_embeds is not set and the training data's held-out prompts cannot be read "
+                              f"({error}); give prompt embeddings with text_embeds=<file>") from None
+        prompts, captions = data.held_out(cfg.num_samples)
+    check_prompt_shape("text_embeds", prompts, data_info)
+    return prompts, captions
+
+
+def encoded_prompts(cfg: DictConfig, data_info: dict, conditions, captions):
+    """``prompts`` / ``negative_prompt`` encoded with the text encoder the data was prepared with (``text_encoder=``
+    overrides it): (conditions cycled to num_samples, captions, negative (1, ...) or None for the empty prompt)."""
+    import torch
+
+    from ringdit.media.text import encode_prompts
+
+    if cfg.negative_prompt and cfg.negative_text_embeds:
+        raise ConfigError("give negative_prompt= (text to encode) or negative_text_embeds= (encoded), not both")
+    prepared = data_info.get("text_encoder") or {}
+    encoder = cfg.text_encoder or prepared.get("path")
+    if not encoder:
+        raise ConfigError("prompts / negative_prompt need a text encoder: pass text_encoder=FOLDER (the T5 / UMT5 / "
+                          "CLIP folder the training data was encoded with), or give text_embeds= instead")
+    texts = [] if not cfg.prompts else [cfg.prompts] if isinstance(cfg.prompts, str) else [str(p) for p in cfg.prompts]
+    encoded, negative = encode_prompts(texts or [""], cfg.negative_prompt, encoder,
+                                       cfg.tokenizer or (None if cfg.text_encoder else prepared.get("tokenizer")),
+                                       text_len=data_info["text_len"], text_dim=data_info["text_dim"],
+                                       device="cuda" if torch.cuda.is_available() else "cpu")
+    if texts:
+        picked = [i % len(texts) for i in range(cfg.num_samples)]
+        conditions, captions = {key: value[picked] for key, value in encoded.items()}, [texts[i] for i in picked]
+    return conditions, captions, negative if cfg.negative_prompt else None
+
+
+def check_prompt_shape(setting: str, prompts: dict, data_info: dict) -> None:
+    expected = (data_info["text_len"], data_info["text_dim"])
+    if tuple(prompts["text"].shape[1:]) != expected:
+        raise ConfigError(f"{setting}: the prompt embeddings are {tuple(prompts['text'].shape[1:])} (L, D) but the "
+                          f"model was trained on {expected}; encode them with the same text encoder and length")
+
+
 @hydra_main("infer")
 def main(cfg: DictConfig) -> None:
     with user_errors():  # a mistake in the settings: one line, exit code 2
         trainer, module, requests = prepare(cfg)
     trainer.predict(module, dataloaders=requests, return_predictions=False)
+    if cfg.vae and trainer.is_global_zero:
+        samples = Path(cfg.paths.output_dir) / "samples.npz"
+        with user_errors():
+            written = decode_samples(samples, cfg.vae, vae_subfolder=cfg.vae_subfolder, fps=cfg.fps,
+                                     tile=cfg.vae_tile, device=str(trainer.strategy.root_device),
+                                     normalised=latents_normalised(module.hparams.data))
+        log.info("decoded with vae=%s: %s", cfg.vae, ", ".join(p.name for p in written))
 
 
 if __name__ == "__main__":

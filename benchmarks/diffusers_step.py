@@ -72,7 +72,8 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     timings = {}
     steps = (("sample", sampling_step),) if cfg_parallel else (("train", train_step), ("sample", sampling_step))
     for name, step in steps:
-        step()  # warm-up
+        for _ in range(args.warmup):
+            step()
         dist.barrier()
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=8)
     parser.add_argument("--size", type=int, default=64, help="Wan: latent H = W; Flux: latent H (W = 2 H)")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--backend", default="torch_flash")
     args = parser.parse_args()
 

@@ -589,3 +589,14 @@ def check_samples_per_rank(cfg: DictConfig) -> None:
         raise ConfigError(f"num_samples={cfg.num_samples} is fewer than the {replicas} data-parallel ranks "
                           f"(dp_degree={cfg.get('dp_degree', 1)}): each rank needs a sample; use num_samples>="
                           f"{replicas} or fewer devices")
+def resolve_sampling_ckpt(ckpt_path: str | None, log_dir: str, train_task: str = "train") -> str:
+    """infer.py's ``ckpt_path``: ``last`` (the default) -> the newest training run's ``last.ckpt``; a missing run
+    says how to make one."""
+    if ckpt_path in (None, "", "last"):
+        try:
+            return resolve_ckpt_path("last", log_dir, train_task)
+        except ConfigError:
+            raise ConfigError(f"ckpt_path={ckpt_path or 'last'}: no training run under {Path(log_dir, train_task)} "
+                              f"(no checkpoints/last.ckpt); train one with `python train.py`, or pass "
+                              f"ckpt_path=PATH to a .ckpt or .safetensors") from None
+    return ckpt_path

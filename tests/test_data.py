@@ -3,6 +3,7 @@ tested against values built independently in the test, then run end to end throu
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 import subprocess
@@ -391,6 +392,20 @@ def test_train_on_latents(tmp_path, fmt):
         assert samples["latents"].shape == (3, 4, 8, 8) and samples["latents"].dtype == np.float32
         assert samples["labels"].tolist() == [2, 2, 2] and "images" not in samples
         assert not (tmp_path / "infer" / "samples.png").exists()
+        if importlib.util.find_spec("diffusers"):  # vae=: the same latents, also decoded to pictures beside them
+            from diffusers import AutoencoderKL
+
+            AutoencoderKL(block_out_channels=[8, 8], down_block_types=["DownEncoderBlock2D"] * 2,
+                          up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4,
+                          norm_num_groups=4).save_pretrained(tmp_path / "vae")
+            run("infer.py", tmp_path / "decoded", f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}",
+                "num_samples=3", "labels=[z]", "steps=2", f"vae={tmp_path / 'vae'}", env={"HF_HUB_OFFLINE": "1"})
+            decoded = np.load(tmp_path / "decoded" / "samples.npz")
+            np.testing.assert_array_equal(decoded["latents"], samples["latents"])
+            assert sorted(p.name for p in (tmp_path / "decoded").glob("*.png")) == [
+                "sample-000.png", "sample-001.png", "sample-002.png", "samples.png"]
+            with Image.open(tmp_path / "decoded" / "sample-000.png") as picture:
+                assert picture.size == (16, 16)  # 8 x 8 latents, two VAE blocks
 
 
 @pytest.fixture(scope="module")

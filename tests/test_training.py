@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -78,11 +79,28 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
     if (group, option) in (("model", "wan_1_3b"), ("model", "wan_14b")):
         return [*synthetic, "data.channels=16", "data.text_dim=4096"]
     if (group, option) == ("model", "wan"):
-        from tests.test_wan_training import save_tiny_wan
+        from tests.test_diffusers_training import save_tiny_wan
 
         save_tiny_wan(tmp_path / "wan")
         return [*synthetic, f"model.pretrained={tmp_path / 'wan'}"]
-    if (group, option) == ("experiment", "wan_tiny"):
+    images = [*synthetic, "data.frames=0"]
+    if (group, option) == ("model", "flux_tiny"):
+        return [*images, "data.channels=1", "data.text_dim=32", "data.pooled_dim=32"]
+    if (group, option) in (("model", "flux_dev"), ("model", "flux_schnell")):
+        return [*images, "data.channels=16", "data.text_dim=4096", "data.pooled_dim=768", "data.size=4"]
+    if (group, option) == ("model", "flux"):  # the bare family needs a folder: its config is all a check reads
+        from omegaconf import OmegaConf
+
+        (tmp_path / "flux" / "transformer").mkdir(parents=True)
+        config = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "flux_tiny.yaml").config)
+        (tmp_path / "flux" / "transformer" / "config.json").write_text(json.dumps(config))
+        return [*images, f"model.pretrained={tmp_path / 'flux'}", "data.channels=1", "data.text_dim=32",
+                "data.pooled_dim=32"]
+    if (group, option) == ("model", "qwenimage_tiny"):
+        return [*images, "data.text_dim=16"]
+    if (group, option) == ("model", "qwenimage"):
+        return [*images, "data.channels=16", "data.text_dim=3584", "data.size=4"]
+    if (group, option) in (("experiment", "wan_tiny"), ("experiment", "flux_tiny")):
         return [f"data.cache_dir={tmp_path}", "data.num_samples=4"]
     return []
 
@@ -178,6 +196,29 @@ def test_infer_from_the_trained_checkpoint(sgd_runs, tmp_path):
     assert reference["labels"].tolist() == [1, 7, 1, 7, 1, 7] and reference["labels"].dtype == np.int64
     diff = np.abs(outputs["ring2"]["images"].astype(int) - reference["images"].astype(int)).max()
     assert diff <= 1, f"ring 2 samples differ by {diff} / 255"  # fp32 reordering may flip a rounding
+
+
+def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
+    """``python infer.py`` = ``ckpt_path=last``: the newest training run under paths.log_dir; none says how to get one."""
+    import shutil
+
+    logs = tmp_path / "logs"
+    for age, (name, run_name) in enumerate([("ring2", "2026-01-01_00-00-00"), ("ring1", "2026-01-02_00-00-00")]):
+        target = logs / "train" / "runs" / run_name / "checkpoints"
+        target.mkdir(parents=True)
+        shutil.copy(sgd_runs / name / "checkpoints" / "last.ckpt", target / "last.ckpt")
+        os.utime(target / "last.ckpt", (1e9 + age, 1e9 + age))  # the second is the newest
+    proc = run("infer.py", tmp_path / "infer", f"paths.log_dir={logs}", "num_samples=2", "steps=2")
+    assert "2026-01-02_00-00-00/checkpoints/last.ckpt" in proc.stdout + proc.stderr
+    assert np.load(tmp_path / "infer" / "samples.npz")["images"].shape == (2, 8, 8, 1)
+
+    empty = subprocess.run([sys.executable, "infer.py", f"paths.log_dir={tmp_path / 'none'}",
+                            f"hydra.run.dir={tmp_path / 'x'}"], cwd=REPO, capture_output=True, text=True,
+                           env={**os.environ, "HYDRA_FULL_ERROR": ""})
+    assert empty.returncode == 2 and "Traceback" not in empty.stderr
+    assert empty.stderr.splitlines()[0] == (
+        f"Error: ckpt_path=last: no training run under {tmp_path / 'none' / 'train'} (no checkpoints/last.ckpt); "
+        f"train one with `python train.py`, or pass ckpt_path=PATH to a .ckpt or .safetensors")
 
 
 def sample_under_layouts(rank, world, ckpt):

@@ -12,7 +12,8 @@ holds, for its N samples:
                        of classifier-free guidance and as the default negative prompt (optional: zeros if absent)
 
 and the metadata keys ``format`` (``ringdit.text_latents/1``) and, optionally, ``captions`` (a JSON list of N
-strings). Every shard has the same C, T, H, W, L, D and P. ``write_text_latents`` writes a shard;
+strings) and ``vae`` (JSON: the VAE class, folder and per-channel ``shift`` / ``scale`` with latents =
+(z - shift) * scale, written by prepare so decoding can invert it; see ringdit/media/vae.py). Every shard has the same C, T, H, W, L, D and P. ``write_text_latents`` writes a shard;
 ``python -m ringdit.prepare`` makes them from captioned media, and ``SyntheticTextLatentsDataModule`` makes a small
 procedural set for tests and CPU demos (no download).
 
@@ -44,8 +45,9 @@ Tensor = torch.Tensor
 
 def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mask: Tensor | None = None,
                        pooled: Tensor | None = None, null: dict[str, Tensor] | None = None,
-                       captions: list[str] | None = None) -> Path:
-    """Write one shard (see the module docstring); ``null`` holds the empty prompt's ``text`` (L, D) [, mask, pooled]."""
+                       captions: list[str] | None = None, metadata: dict[str, str] | None = None) -> Path:
+    """Write one shard (see the module docstring); ``null`` holds the empty prompt's ``text`` (L, D) [, mask, pooled];
+    ``metadata`` adds string keys (prepare records ``vae``: the VAE's class and normalisation, as JSON)."""
     from safetensors.torch import save_file
 
     tensors = {"latents": latents, "text": text}
@@ -55,7 +57,7 @@ def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mas
         tensors["pooled"] = pooled
     for key, value in (null or {}).items():
         tensors[NULL_KEYS[key]] = value.reshape(1, *value.shape[-(2 if key == "text" else 1):])
-    metadata = {"format": FORMAT}
+    metadata = {**(metadata or {}), "format": FORMAT}
     if captions is not None:
         metadata["captions"] = json.dumps(list(captions))
     path = Path(path)
@@ -177,6 +179,9 @@ class TextLatentsDataModule(ImageDataModule):
                                                  "val_fraction": self.val_fraction}}
         if self.pooled_dim is not None:
             info["pooled_dim"] = self.pooled_dim
+        for key in ("vae", "text_encoder"):  # written by prepare: how to decode samples and encode prompts
+            if key in self.shards[0].metadata:
+                info[key] = json.loads(self.shards[0].metadata[key])
         return info
 
     def build_dataset(self) -> TextLatentRows:

@@ -1,0 +1,97 @@
+"""Peak memory of decoding a long video with a Wan VAE: whole frames vs spatial tiles (ringdit.media.VAE).
+
+    python benchmarks/vae_decode.py                          # CPU: a small random Wan VAE, 33 frames at 256x256
+    python benchmarks/vae_decode.py --device cuda --real     # GPU: Wan 2.1's VAE shape (random weights), 81 x 480x832
+
+The VAE is built from a config with random weights (nothing is downloaded): the memory depends on the shapes, not
+on the weights. Peak = the largest total size of live tensors during ``VAE.decode`` beyond what was live before
+(``PeakTensorMemory``, any device), and on CUDA also the allocator's peak (``max_memory_allocated``). The untiled
+decode already works one latent frame at a time (the VAE is causal with a feature cache), so what tiling bounds
+is the per-frame activation size; the output itself (3 x T x H x W floats) is the floor either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tensor_memory import PeakTensorMemory  # noqa: E402
+
+from ringdit.media.vae import VAE  # noqa: E402
+
+MiB = 2**20
+
+
+def build(folder: Path, real: bool, base_dim: int) -> None:
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    config = {} if real else dict(base_dim=base_dim, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                  temperal_downsample=[False, True, True])
+    AutoencoderKLWan(**config).save_pretrained(folder)  # no arguments: Wan 2.1's VAE shape
+
+
+def measure(vae: VAE, latents: torch.Tensor) -> dict:
+    if vae.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    with PeakTensorMemory() as memory:
+        pixels = vae.decode(latents)
+    result = {"seconds": time.perf_counter() - start, "tensor_peak": memory.peak_bytes, "pixels": pixels}
+    if vae.device.type == "cuda":
+        torch.cuda.synchronize()
+        result["allocator_peak"] = torch.cuda.max_memory_allocated() - before
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--real", action="store_true", help="Wan 2.1's VAE shape (base_dim 96), 81 x 480x832")
+    parser.add_argument("--base-dim", type=int, default=16)
+    parser.add_argument("--size", type=int, nargs=2, default=None, help="pixel height and width")
+    parser.add_argument("--frames", type=int, default=None, help="pixel frames (1 + 4k)")
+    parser.add_argument("--tiles", type=int, nargs="+", default=[128], help="tile sizes (pixels) to compare")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    height, width = args.size or ((480, 832) if args.real else (256, 256))
+    frames = args.frames or (81 if args.real else 33)
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 16, 1 + (frames - 1) // 4, height // 8, width // 8, generator=generator)  # (1, C, T, H, W)
+
+    with tempfile.TemporaryDirectory() as folder:
+        build(Path(folder), args.real, args.base_dim)
+        rows = []
+        for tile in [None, *args.tiles]:
+            vae = VAE(folder, None, device=args.device, dtype=dtype, tiling=tile is not None, tile=tile)
+            measure(vae, latents[:, :, :2])  # warm-up: kernels, allocator
+            result = measure(vae, latents.to(args.device))
+            rows.append((f"tiles {tile}px" if tile else "whole frames", result))
+            del vae
+    reference = rows[0][1]["pixels"]
+    output_mib = reference.numel() * 4 / MiB
+    print(f"Wan VAE decode, {'real shape' if args.real else f'base_dim {args.base_dim}'}, {args.dtype}, "
+          f"{args.device}: latents {tuple(latents.shape)} -> video {tuple(reference.shape)} "
+          f"(the float32 output alone: {output_mib:.0f} MiB)")
+    header = f"{'decode':<16} {'peak tensors MiB':>17} {'allocator MiB':>14} {'seconds':>8} {'max |diff|':>11}"
+    print(header + "\n" + "-" * len(header))
+    for name, result in rows:
+        allocator = f"{result['allocator_peak'] / MiB:.0f}" if "allocator_peak" in result else "-"
+        diff = (result["pixels"] - reference).abs().max().item()
+        peak, seconds = result["tensor_peak"] / MiB, result["seconds"]
+        print(f"{name:<16} {peak:>17.0f} {allocator:>14} {seconds:>8.2f} {diff:>11.3f}")
+
+
+if __name__ == "__main__":
+    main()

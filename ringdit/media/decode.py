@@ -1,0 +1,112 @@
+"""Decode sampled latents with their VAE and write pictures / videos.
+
+    python -m ringdit.media.decode outputs/infer/runs/<run>/samples.npz vae=Wan2.1-T2V [out=FOLDER fps=16 tile=256]
+    python -m ringdit.media.decode samples.npz vae=sd-vae normalised=false    # a data=latents model (raw latents)
+
+reads ``latents`` float32 (N, C, [T,] H, W) from samples.npz (what infer.py writes for a latent-space model),
+inverts the VAE normalisation the data was prepared with (ringdit/media/vae.py), decodes one sample at a time
+(tiled, so memory stays bounded for long or large videos) and writes samples.png + sample-000.png ... (images) or
+samples.gif + sample-000.mp4 / .gif (videos) into ``out`` (default: beside samples.npz).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ringdit.images import to_uint8
+from ringdit.media.vae import VAE
+from ringdit.media.writing import write_media
+
+log = logging.getLogger("ringdit.media.decode")
+
+
+def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True) -> np.ndarray:
+    """(N, C, [T,] H, W) latents -> uint8 pixels (N, [T,] H, W, 3), one sample at a time (each becomes uint8 at
+    once, so a batch of long videos never sits in memory as float32). ``normalised``: see ``VAE.decode``."""
+    if vae.is_video and latents.ndim == 4:
+        latents = latents[:, :, None]  # (N, C, 1, H, W): an image latent of a video VAE
+    if latents.shape[1] != vae.shift.numel():
+        raise ValueError(f"latents have {latents.shape[1]} channels but vae={vae.folder} has "
+                         f"{vae.shift.numel()}; decode with the VAE the training data was prepared with")
+    pixels = [to_uint8(vae.decode(sample[None], normalised)) for sample in latents]  # each (1, [T,] H, W, 3)
+    decoded = torch.cat(pixels).numpy()
+    if vae.is_video and decoded.shape[1] == 1:
+        decoded = decoded[:, 0]  # one-frame videos are images
+    return decoded
+
+
+def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None = None, *,
+                   vae_subfolder: str | None = "vae", fps: int = 16, tiling: bool = True, tile: int | None = None,
+                   device: str = "cpu", normalised: bool = True) -> list[Path]:
+    """samples.npz (its ``latents``) -> media files in ``out`` (default: samples.npz's folder). ``normalised``:
+    the latents are as prepare stores them (data=text_latents); false for data=latents, whose samples are the raw
+    VAE latents (infer.py already divides by data.scale)."""
+    from ringdit.errors import ConfigError
+
+    path = Path(str(samples)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"samples={samples} does not exist; pass the samples.npz infer.py wrote")
+    with np.load(path) as stored:
+        if "latents" not in stored:
+            raise ConfigError(f"samples={samples} holds {sorted(stored.files)}, no 'latents': it was sampled in pixel "
+                              f"space, so its pictures are already written beside it")
+        latents = torch.from_numpy(stored["latents"])
+    codec = VAE(vae, vae_subfolder, device=device, tiling=tiling, tile=tile)
+    try:
+        pixels = decode_latents(latents, codec, normalised)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return write_media(pixels, Path(str(out)).expanduser() if out else path.parent, fps=fps)
+
+
+DEFAULTS = dict(vae=None, out=None, vae_subfolder="vae", fps=16, tiling=True, tile=None, device="cpu", normalised=True)
+USAGE = "python -m ringdit.media.decode samples.npz vae=FOLDER [out=FOLDER fps=16 tiling=true tile=256]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ringdit.config import user_errors
+    from ringdit.errors import ConfigError
+    from ringdit.media.cli import parse_settings
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    with user_errors():
+        if not argv or "=" in argv[0]:
+            raise ConfigError(f"the first argument is the samples.npz to decode; usage: {USAGE}")
+        settings = parse_settings(argv[1:], DEFAULTS, ("vae",), USAGE)
+        written = decode_samples(argv[0], **settings)
+    print(f"wrote {len(written)} files: {', '.join(str(p) for p in written[:4])}{' ...' if len(written) > 4 else ''}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+def sampling_vae(vae: str | None, subfolder: str | None, data_info: dict) -> str | None:
+    """infer.py's ``vae``: the given folder (checked now, before sampling), else the VAE the training data was
+    prepared with when that folder exists here, else None (samples.npz only)."""
+    from ringdit.errors import ConfigError
+    from ringdit.media.vae import vae_folder
+
+    if vae:
+        if "latent_scale" not in data_info:
+            raise ConfigError(f"vae={vae}: this model samples pixels (it was not trained on latents), so there is "
+                              f"nothing to decode; drop vae=")
+        vae_folder(vae, subfolder)  # a wrong folder fails before minutes of sampling
+        return str(vae)
+    prepared = (data_info.get("vae") or {}).get("path")
+    if prepared and Path(prepared).is_dir():
+        log.info("decoding with the VAE the training data was prepared with: %s", prepared)
+        return prepared
+    return None
+
+
+def latents_normalised(data_info: dict) -> bool:
+    """Whether a model's sampled latents are VAE-normalised (data=text_latents, as prepare stores them) rather than
+    raw VAE latents (data=latents: infer.py divides by data.scale)."""
+    return "vae" in data_info or data_info.get("conditioning") == "text"

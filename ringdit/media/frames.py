@@ -1,0 +1,60 @@
+"""Reading one image or video into the bucket's pixels: (3, H, W) or (3, T, H, W) float in [-1, 1].
+
+The bucket rule (one bucket per prepared folder, because every shard of a set has the same shape):
+    space  centre-crop to the bucket's aspect ratio (keep the largest middle region), then resize to (H, W) with
+           Lanczos filtering, so nothing is stretched;
+    time   frames 0, stride, 2 * stride, ... until ``frames`` are taken, read lazily (a long clip is not decoded
+           beyond what is used); a clip with fewer is skipped as too short (``TooShort``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+class TooShort(Exception):
+    """The clip has fewer frames than the bucket needs at this stride."""
+
+
+def fit(image: Image.Image, height: int, width: int) -> Image.Image:
+    """Centre-crop ``image`` to the aspect ratio height:width, then resize to exactly (width, height)."""
+    w, h = image.size
+    if w * height > h * width:  # too wide: keep the middle columns
+        crop_w = max(1, round(h * width / height))
+        left = (w - crop_w) // 2
+        image = image.crop((left, 0, left + crop_w, h))
+    else:  # too tall: keep the middle rows
+        crop_h = max(1, round(w * height / width))
+        top = (h - crop_h) // 2
+        image = image.crop((0, top, w, top + crop_h))
+    return image.resize((width, height), Image.LANCZOS)
+
+
+def to_pixels(frames: list[Image.Image]) -> torch.Tensor:
+    """RGB frames -> (3, T, H, W) float in [-1, 1]."""
+    array = np.stack([np.asarray(f.convert("RGB")) for f in frames])  # (T, H, W, 3) uint8
+    return torch.from_numpy(array).permute(3, 0, 1, 2).float() / 127.5 - 1
+
+
+def read_image(path: Path, height: int, width: int) -> torch.Tensor:
+    """(3, H, W) in [-1, 1]; raises (OSError, ValueError, ...) when the file cannot be decoded."""
+    with Image.open(path) as image:
+        image.load()
+        return to_pixels([fit(image.convert("RGB"), height, width)])[:, 0]
+
+
+def read_video(path: Path, height: int, width: int, frames: int, stride: int = 1) -> torch.Tensor:
+    """(3, frames, H, W) in [-1, 1] from frames 0, stride, 2 * stride, ...; ``TooShort`` when the clip ends first."""
+    import imageio.v3 as iio
+
+    picked: list[Image.Image] = []
+    for index, frame in enumerate(iio.imiter(path, plugin="pyav")):  # decodes lazily, frame by frame
+        if index % stride == 0:
+            picked.append(fit(Image.fromarray(frame), height, width))
+            if len(picked) == frames:
+                return to_pixels(picked)
+    raise TooShort(f"{path.name}: {len(picked)} frames at stride {stride}, the bucket needs {frames}")

@@ -1,0 +1,133 @@
+"""A diffusers VAE loaded from a local folder, with the latent normalisation the model trains on.
+
+The model consumes latents ``(z - shift) * scale``, per channel:
+
+    AutoencoderKLWan / AutoencoderKLQwenImage    shift = latents_mean, scale = 1 / latents_std   (as WanPipeline)
+    AutoencoderKL                                shift = shift_factor (0 if None), scale = scaling_factor (Flux, SD)
+                                                 with latents_mean / latents_std set (SDXL-style configs):
+                                                 shift = latents_mean, scale = scaling_factor / latents_std
+
+``VAE.describe()`` records the class, shift and scale (a JSON dict stored as the ``vae`` metadata key of every
+shard) so that decoding can invert the normalisation without guessing.
+
+Memory: a video VAE here is causal in time: it encodes 1 + 4k frames in steps of 4 and decodes one latent frame at a
+time, carrying a small feature cache, so the activations stay bounded however long the clip; only the input and
+output tensors grow with its length. ``tiling=True`` (the default) also splits each frame into overlapping spatial
+tiles (diffusers' ``enable_tiling``, blended at the seams; ``tile`` sets the tile size in pixels, default 256) and
+``enable_slicing`` runs a batch one sample at a time, so peak memory depends on the tile size rather than the frame
+size or the batch (``benchmarks/vae_decode.py`` measures it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ringdit.errors import ConfigError
+
+VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")  # (B, 3, T, H, W) in, (B, C, T', H', W') out
+IMAGE_VAES = ("AutoencoderKL",)  # (B, 3, H, W) in, (B, C, H', W') out
+
+
+def vae_folder(path: str | Path, subfolder: str | None = "vae", setting: str = "vae") -> Path:
+    """``path/subfolder`` when it holds a config.json (a pipeline repo such as Wan's or Flux's), else ``path``."""
+    root = Path(str(path)).expanduser()
+    if not root.exists():
+        raise ConfigError(f"{setting}={path} does not exist; pass a local diffusers VAE folder (or a pipeline folder "
+                          f"with a {subfolder or 'vae'}/ subfolder)")
+    for folder in ([root / subfolder] if subfolder else []) + [root]:
+        if (folder / "config.json").is_file():
+            return folder
+    raise ConfigError(f"{setting}={path} is not a diffusers VAE folder: no config.json in "
+                      f"{root / subfolder if subfolder else root} or {root}; pass the folder save_pretrained wrote")
+
+
+class VAE:
+    """Encode pixels in [-1, 1] to normalised latents and back."""
+
+    def __init__(self, path: str | Path, subfolder: str | None = "vae", *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, tiling: bool = True, tile: int | None = None,
+                 setting: str = "vae"):
+        import diffusers
+
+        folder = vae_folder(path, subfolder, setting)
+        config = json.loads((folder / "config.json").read_text())
+        self.class_name = str(config.get("_class_name"))
+        if self.class_name not in VIDEO_VAES + IMAGE_VAES:
+            raise ConfigError(f"{setting}={path}: {folder / 'config.json'} describes {self.class_name!r}, not a VAE "
+                              f"this can use ({', '.join(VIDEO_VAES + IMAGE_VAES)})")
+        self.folder = folder
+        self.is_video = self.class_name in VIDEO_VAES
+        try:  # safetensors only: a pickled .bin can run code, and infer.py may take this folder from a checkpoint
+            self.model = getattr(diffusers, self.class_name).from_pretrained(str(folder), torch_dtype=dtype,
+                                                                             use_safetensors=True)
+        except OSError as error:
+            raise ConfigError(f"{setting}={path}: cannot load {self.class_name} weights from {folder} ({error}); "
+                              f"save it with save_pretrained (safetensors; .bin pickles are not loaded)") from None
+        self.model.to(device).eval().requires_grad_(False)
+        self.device, self.dtype = torch.device(device), dtype
+        self.shift, self.scale = normalisation(self.model.config)
+        self.spatial = int(getattr(self.model, "spatial_compression_ratio", None)
+                           or 2 ** (len(self.model.config.block_out_channels) - 1))
+        self.temporal = int(self.model.config.get("scale_factor_temporal") or 4) if self.is_video else 1
+        if tiling:
+            self.model.enable_tiling(**({} if tile is None else self._tile_kwargs(tile)))
+        self.model.enable_slicing()
+
+    def _tile_kwargs(self, tile: int) -> dict:
+        if self.is_video:  # overlapping tiles: stride 3/4 of the tile, blended in the overlap
+            stride = max(self.spatial, tile * 3 // 4)
+            return dict(tile_sample_min_height=tile, tile_sample_min_width=tile,
+                        tile_sample_stride_height=stride, tile_sample_stride_width=stride)
+        self.model.tile_sample_min_size = tile  # AutoencoderKL sizes its tiles from these two attributes
+        self.model.tile_latent_min_size = tile // self.spatial
+        return {}
+
+    def frames_ok(self, frames: int) -> bool:
+        """A causal video VAE takes 1 + k * temporal frames (1, 5, 9, ... for Wan)."""
+        return frames >= 1 and (frames - 1) % self.temporal == 0
+
+    @torch.no_grad()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, [T,] H, W) in [-1, 1] -> normalised latents (B, C, [T',] H', W'); the posterior mode, so that
+        re-running prepare gives the same shards. Images given to a video VAE become one-frame videos."""
+        if self.is_video and pixels.ndim == 4:
+            pixels = pixels[:, :, None]  # (B, 3, 1, H, W)
+        latents = self.model.encode(pixels.to(self.device, self.dtype)).latent_dist.mode().float()
+        return (latents - self._view(self.shift, latents)) * self._view(self.scale, latents)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, normalised: bool = True) -> torch.Tensor:
+        """Latents (B, C, [T',] H', W') -> pixels (B, 3, [T,] H, W) in [-1, 1], float32 on the CPU. ``normalised``:
+        as prepare stores them (the normalisation is inverted first), else the VAE's raw latents."""
+        latents = latents.float().to(self.device)
+        raw = latents / self._view(self.scale, latents) + self._view(self.shift, latents) if normalised else latents
+        return self.model.decode(raw.to(self.dtype)).sample.float().clamp(-1, 1).cpu()
+
+    @staticmethod
+    def _view(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return values.to(like.device).view(1, -1, *([1] * (like.ndim - 2)))  # (1, C, 1, ...)
+
+    def describe(self) -> dict:
+        """What a shard records as its ``vae`` metadata key, enough to invert the normalisation."""
+        return {"class": self.class_name, "path": str(self.folder.resolve()), "shift": self.shift.tolist(),
+                "scale": self.scale.tolist(), "spatial_compression": self.spatial,
+                "temporal_compression": self.temporal if self.is_video else None,
+                "latent_channels": int(self.shift.numel())}
+
+
+def normalisation(config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (shift, scale) such that the model's latents are ``(z - shift) * scale`` (see the module doc)."""
+    channels = int(config.get("z_dim") or config.get("latent_channels"))
+    mean, std = config.get("latents_mean"), config.get("latents_std")
+    scaling = config.get("scaling_factor")
+    scaling = 1.0 if scaling is None else float(scaling)
+    if mean is not None and std is not None:
+        shift = torch.tensor(mean, dtype=torch.float32)
+        scale = scaling / torch.tensor(std, dtype=torch.float32)
+    else:
+        shift = torch.full((channels,), float(config.get("shift_factor") or 0.0))
+        scale = torch.full((channels,), scaling)
+    return shift.reshape(channels), scale.reshape(channels)

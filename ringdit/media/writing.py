@@ -1,0 +1,51 @@
+"""Decoded samples to files: images as a PNG grid plus one PNG each, videos as MP4 (H.264 via PyAV) plus GIF.
+
+    write_media(pixels, out_dir)   # pixels uint8 (N, H, W, C) or (N, T, H, W, C)
+    -> samples.png + sample-000.png ...              (images)
+    -> samples.gif + sample-000.mp4 + sample-000.gif (videos; the grid as an animated GIF, as infer.py writes it)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from ringdit.images import save_samples
+
+
+def write_mp4(frames: np.ndarray, path: Path, fps: int = 16) -> Path:
+    """(T, H, W, C) uint8 -> H.264 MP4. yuv420p (what every player reads) needs even sides: odd ones are padded by
+    repeating the last row / column."""
+    import imageio.v3 as iio
+
+    t, h, w, c = frames.shape
+    if c == 1:
+        frames = np.repeat(frames, 3, axis=-1)
+    frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    iio.imwrite(path, frames, plugin="pyav", codec="libx264", fps=fps)
+    return path
+
+
+def write_gif(frames: np.ndarray, path: Path, fps: int = 16) -> Path:
+    """(T, H, W, C) uint8 -> looping animated GIF."""
+    images = [Image.fromarray(f[..., 0] if f.shape[-1] == 1 else f) for f in frames]
+    images[0].save(path, save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0)
+    return path
+
+
+def write_media(pixels: np.ndarray, out_dir: str | Path, fps: int = 16, prefix: str = "sample") -> list[Path]:
+    """Write every sample and a grid into ``out_dir``; returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [save_samples(pixels, out / "samples", fps=fps)]  # the grid: samples.png, or samples.gif for videos
+    for i, sample in enumerate(pixels):
+        name = out / f"{prefix}-{i:03d}"
+        if pixels.ndim == 4:
+            Image.fromarray(sample[..., 0] if sample.shape[-1] == 1 else sample).save(name.with_suffix(".png"))
+            written.append(name.with_suffix(".png"))
+        else:
+            written += [write_mp4(sample, name.with_suffix(".mp4"), fps),
+                        write_gif(sample, name.with_suffix(".gif"), fps)]
+    return written

@@ -1,0 +1,310 @@
+"""ringdit.media and ``python -m ringdit.prepare`` with tiny random VAEs and text encoders built from config (no
+downloads): what lands in the shards is checked against encoding the same pixels and prompts directly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+pytest.importorskip("imageio")
+
+from PIL import Image  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from ringdit.data.text_latents import TextLatentsDataModule  # noqa: E402
+from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.media.frames import fit, read_image, read_video  # noqa: E402
+from ringdit.media.prepare import prepare  # noqa: E402
+from ringdit.media.text import TextEncoder  # noqa: E402
+from ringdit.media.vae import VAE  # noqa: E402
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ["<pad>", "</s>", "<unk>", "a", "red", "fox", "running", "blue", "cat", "sky", "green", "field"]
+TEXT_LEN = 8
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """A pipeline-shaped folder (vae/, text_encoder/, tokenizer/) per VAE kind, as Wan's and Flux's repos are."""
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from tokenizers import models as tok_models
+    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])  # as T5
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                     temperal_downsample=[False, True, True]).save_pretrained(root / "wan" / "vae")
+    AutoencoderKL(block_out_channels=[8, 8], down_block_types=["DownEncoderBlock2D"] * 2,
+                  up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=4,
+                  scaling_factor=0.5, shift_factor=0.1).save_pretrained(root / "flux" / "vae")
+    T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1, num_heads=2)
+                   ).save_pretrained(root / "wan" / "text_encoder")
+    CLIPTextModel(CLIPTextConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
+                                 pad_token_id=0)).save_pretrained(root / "flux" / "text_encoder")
+    for name in ("wan", "flux"):
+        fast.save_pretrained(root / name / "tokenizer")
+    (root / "not_a_vae").mkdir()
+    return {"wan": root / "wan", "flux": root / "flux", "not_a_vae": root / "not_a_vae"}
+
+
+def colour_image(seed: int, size=(40, 24)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def write_video(path: Path, frames: int, seed: int = 0, size=(32, 24)) -> None:
+    import imageio.v3 as iio
+
+    rng = np.random.default_rng(seed)
+    iio.imwrite(path, rng.integers(0, 256, (frames, size[1], size[0], 3), dtype=np.uint8), plugin="pyav",
+                codec="libx264", fps=8)
+
+
+@pytest.fixture
+def image_folder(tmp_path) -> Path:
+    """Four captioned PNGs (sidecar .txt) and one corrupt PNG with a caption."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i, caption in enumerate(["a red fox", "a blue cat running", "green field", "a red sky"]):
+        colour_image(i).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(caption + "\n")
+    (folder / "img9.png").write_bytes(b"not a png at all")
+    (folder / "img9.txt").write_text("a broken file")
+    return folder
+
+
+@pytest.fixture
+def video_folder(tmp_path) -> Path:
+    """Two MP4s long enough for 5 frames at stride 2, one too short, captions in metadata.jsonl (``caption``)."""
+    folder = tmp_path / "videos"
+    (folder / "clips").mkdir(parents=True)
+    write_video(folder / "clips" / "a.mp4", 10, seed=1)
+    write_video(folder / "clips" / "b.mp4", 12, seed=2)
+    write_video(folder / "clips" / "short.mp4", 4, seed=3)
+    rows = [{"file_name": "clips/a.mp4", "caption": "a red fox running"},
+            {"file_name": "clips/b.mp4", "caption": "a blue cat"},
+            {"file_name": "clips/short.mp4", "caption": "sky"}]
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def read_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
+
+
+def test_prepare_images_with_sidecar_captions(models, image_folder, tmp_path):
+    """Shards hold exactly the normalised VAE latents and masked text states of each file; the corrupt file is
+    skipped and counted; the result loads as data=text_latents."""
+    out = tmp_path / "out"
+    report = prepare(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), resolution=16,
+                     max_text_len=TEXT_LEN, shard_size=2, batch_size=2, progress=False)
+    assert report.unreadable == [str(image_folder / "img9.png")] and report.too_short == []
+    assert report.samples == 4 and report.shards_written == 2  # shard 2 held only img9: not written
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+
+    tensors, metadata = read_shard(out / "shard-00000.safetensors")
+    assert json.loads(metadata["captions"]) == ["a red fox", "a blue cat running"]
+    vae = VAE(models["flux"])
+    info = json.loads(metadata["vae"])
+    assert info["class"] == "AutoencoderKL" and info["shift"] == [pytest.approx(0.1)] * 4
+    assert info["scale"] == [0.5] * 4
+    pixels = torch.stack([read_image(image_folder / f"img{i}.png", 16, 16) for i in range(2)])
+    raw = vae.model.encode(pixels).latent_dist.mode()
+    torch.testing.assert_close(tensors["latents"], (raw - 0.1) * 0.5)  # normalised
+    assert tensors["latents"].shape == (2, 4, 8, 8)  # 16 px / 2 (two blocks)
+
+    encoder = TextEncoder(models["flux"], max_len=TEXT_LEN)
+    tokens = encoder.tokenizer(["a red fox"], padding="max_length", max_length=TEXT_LEN, return_tensors="pt")
+    direct = encoder.model(**tokens).last_hidden_state[0]
+    real = int(tokens.attention_mask.sum())  # "a red fox </s>" = 4
+    assert real == 4 and tensors["text_mask"][0].tolist() == [True] * 4 + [False] * 4
+    torch.testing.assert_close(tensors["text"][0, :real], direct[:real])
+    assert tensors["text"][0, real:].abs().max() == 0  # zero after the real tokens
+    assert tensors["pooled"].shape == (2, 16) and tensors["null_text"].shape == (1, TEXT_LEN, 16)
+    null = encoder([""])
+    torch.testing.assert_close(tensors["null_text"], null["text"])
+    assert tensors["null_text_mask"].sum() == 1  # the empty prompt is just </s>
+
+    data = TextLatentsDataModule(str(out), batch_size=2, val_fraction=0.25)
+    assert data.describe()["text_len"] == TEXT_LEN and data.channels == 4 and data.image_size == (8, 8)
+    assert data.captions() == ["a red fox", "a blue cat running", "green field", "a red sky"]
+    described = data.describe()  # what a checkpoint keeps: infer.py finds the VAE and text encoder from it
+    assert described["vae"]["class"] == "AutoencoderKL" and described["vae"]["path"] == str(models["flux"] / "vae")
+    assert described["text_encoder"]["path"] == str(models["flux"] / "text_encoder")
+    assert described["text_encoder"]["max_len"] == TEXT_LEN
+
+
+def test_prepare_videos_with_metadata_and_resume(models, video_folder, tmp_path):
+    """Videos: first ``frames`` frames at the stride, Wan normalisation, too-short clip counted; re-running skips
+    finished shards and only re-encodes a missing one."""
+    out = tmp_path / "out"
+    settings = dict(caption_column="caption", resolution=[16, 24], frames=5, frame_stride=2, max_text_len=TEXT_LEN,
+                    shard_size=1, progress=False)
+    report = prepare(str(video_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
+    assert report.samples == 2 and report.shards_written == 2 and report.too_short == [
+        str(video_folder / "clips" / "short.mp4")]
+    tensors, metadata = read_shard(out / "shard-00000.safetensors")
+    assert tensors["latents"].shape == (1, 16, 2, 2, 3)  # (N, C, 1 + (5 - 1) / 4, 16 / 8, 24 / 8)
+    vae = VAE(models["wan"])
+    pixels = read_video(video_folder / "clips" / "a.mp4", 16, 24, 5, 2)  # frames 0, 2, 4, 6, 8
+    assert pixels.shape == (3, 5, 16, 24)
+    raw = vae.model.encode(pixels[None]).latent_dist.mode()
+    mean, std = (torch.tensor(vae.model.config[k]).view(1, -1, 1, 1, 1) for k in ("latents_mean", "latents_std"))
+    torch.testing.assert_close(tensors["latents"], (raw - mean) / std, rtol=1e-5, atol=1e-5)  # as WanPipeline
+    assert json.loads(metadata["bucket"])["frames"] == 5
+    assert "pooled" not in tensors  # T5 has no pooled output
+
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = prepare(str(video_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
+    assert again.shards_written == 0 and again.shards_skipped == 2  # shard 2 (the short clip) was never written
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+    (out / "shard-00001.safetensors").unlink()
+    third = prepare(str(video_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
+    assert third.shards_written == 1 and (out / "shard-00001.safetensors").exists()
+    assert (out / "shard-00000.safetensors").stat().st_mtime_ns == stamps["shard-00000.safetensors"]
+
+
+def test_ranks_split_the_shards(models, image_folder, tmp_path):
+    """Rank r of W writes shards r, r + W, ...; together they write what one process writes."""
+    out = tmp_path / "out"
+    common = dict(resolution=16, max_text_len=TEXT_LEN, shard_size=1, progress=False)
+    first = prepare(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=0, world_size=2,
+                    **common)
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors", "shard-00002.safetensors"]
+    assert first.unreadable == [str(image_folder / "img9.png")]  # img9 is shard 4: rank 0's
+    prepare(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=1, world_size=2, **common)
+    assert len(list(out.iterdir())) == 4
+
+
+def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp_path):
+    def run(folder, vae, **kwargs):
+        return prepare(str(folder), str(tmp_path / "out"), str(vae), str(models["flux"]), resolution=16,
+                       max_text_len=TEXT_LEN, progress=False, **kwargs)
+
+    with pytest.raises(ConfigError, match="input=.*missing is not a folder"):
+        run(tmp_path / "missing", models["flux"])
+    (image_folder / "img2.txt").unlink()
+    with pytest.raises(ConfigError, match="img2.png has no caption; add a caption file img2.txt"):
+        run(image_folder, models["flux"])
+    with pytest.raises(ConfigError, match="row 1 has columns .* caption column 'text'"):
+        run(video_folder, models["wan"])  # the captions are in 'caption', not the default 'text'
+    with pytest.raises(ConfigError, match="is an image VAE .AutoencoderKL. but input=.* holds videos"):
+        run(video_folder, models["flux"], caption_column="caption")
+    with pytest.raises(ConfigError, match="not a diffusers VAE folder: no config.json"):
+        run(video_folder, models["not_a_vae"], caption_column="caption")
+    no_weights = tmp_path / "no_weights"  # a config without safetensors weights (.bin pickles are refused)
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((models["wan"] / "vae" / "config.json").read_text())
+    with pytest.raises(ConfigError, match="cannot load AutoencoderKLWan weights from .*safetensors"):
+        VAE(no_weights)
+    with pytest.raises(ConfigError, match=r"frames=6: AutoencoderKLWan encodes 1 \+ k \* 4 frames; pass e.g. frames=5"):
+        run(video_folder, models["wan"], caption_column="caption", frames=6)
+    with pytest.raises(ConfigError, match="resolution=12x12: .* multiples of the VAE's downsampling factor 8"):
+        prepare(str(video_folder), str(tmp_path / "o"), str(models["wan"]), str(models["wan"]), resolution=12,
+                caption_column="caption", frames=5, progress=False)
+    with pytest.raises(ConfigError, match="max_text_len=32 is longer than CLIPTextModel takes .16 positions"):
+        TextEncoder(models["flux"], max_len=32)
+
+
+def test_prepare_cli_one_line_error_and_success(models, image_folder, tmp_path, capsys):
+    """The command line: exit 2 with one line for a setting mistake (a real process, checked before any model is
+    loaded); a run prints its counts (in this process: importing diffusers again would cost most of a minute)."""
+    from ringdit.prepare import main
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": ""}
+    settings = [f"input={image_folder}", f"out={tmp_path / 'out'}", f"vae={models['flux']}",
+                f"text_encoder={models['flux']}", "resolution=16", f"max_text_len={TEXT_LEN}"]
+    bad = subprocess.run([sys.executable, "-m", "ringdit.prepare", *settings, f"input={tmp_path / 'nowhere'}"],
+                         cwd=REPO, capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and bad.stderr.startswith(f"Error: input={tmp_path / 'nowhere'} is not a folder")
+    assert "Traceback" not in bad.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        main([*settings, "resolutoin=16"])
+    assert exit_info.value.code == 2 and "unknown setting resolutoin=" in capsys.readouterr().err
+    main(settings)
+    printed = capsys.readouterr().out
+    assert "prepared 4 samples into 1 new shards" in printed and "skipped 1 unreadable files" in printed
+
+
+def test_fit_centre_crops_then_resizes():
+    wide = Image.new("RGB", (30, 10))
+    wide.paste((255, 0, 0), (10, 0, 20, 10))  # a red middle third
+    out = np.asarray(fit(wide, 8, 8))
+    assert out.shape == (8, 8, 3) and (out[..., 0] > 200).all()  # only the middle square is kept
+
+
+# ---- decoding and writing --------------------------------------------------------------------------------------------
+
+
+def test_vae_decode_inverts_the_normalisation(models):
+    """VAE.decode(VAE.encode(x)) is the raw VAE's decode(encode(x).mode()): shift and scale cancel exactly."""
+    for name, pixels in (("wan", torch.rand(1, 3, 5, 16, 16) * 2 - 1), ("flux", torch.rand(2, 3, 16, 16) * 2 - 1)):
+        vae = VAE(models[name])
+        raw = vae.model.decode(vae.model.encode(pixels).latent_dist.mode()).sample.clamp(-1, 1)
+        torch.testing.assert_close(vae.decode(vae.encode(pixels)), raw, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_samples_writes_videos_and_images(models, tmp_path):
+    """samples.npz latents -> MP4 + GIF per video and a GIF grid; PNG per image and a PNG grid; tiles give the same
+    shapes; a wrong VAE or a pixel-space samples.npz is a one-line error."""
+    import imageio.v3 as iio
+
+    from ringdit.media.decode import decode_samples, main
+
+    video = tmp_path / "video"
+    video.mkdir()
+    latents = np.random.default_rng(0).standard_normal((2, 16, 2, 2, 3)).astype(np.float32)  # (N, C, T', H', W')
+    np.savez(video / "samples.npz", latents=latents, labels=np.zeros(2, np.int64))
+    written = decode_samples(video / "samples.npz", models["wan"])
+    assert {p.name for p in written} == {"samples.gif", "sample-000.mp4", "sample-000.gif", "sample-001.mp4",
+                                         "sample-001.gif"}
+    frames = iio.imread(video / "sample-001.mp4", plugin="pyav")
+    assert frames.shape == (5, 16, 24, 3)  # 1 + (2 - 1) * 4 frames of (2 * 8, 3 * 8) pixels
+    with Image.open(video / "sample-000.gif") as gif:
+        assert gif.n_frames == 5 and gif.size == (24, 16)
+    tiled = decode_samples(video / "samples.npz", models["wan"], tmp_path / "tiled", tile=16)
+    assert iio.imread(tiled[1], plugin="pyav").shape == frames.shape
+
+    image = tmp_path / "image"
+    image.mkdir()
+    np.savez(image / "samples.npz", latents=np.zeros((3, 4, 4, 4), np.float32))
+    main([str(image / "samples.npz"), f"vae={models['flux']}", f"out={tmp_path / 'pictures'}"])
+    assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
+        "sample-000.png", "sample-001.png", "sample-002.png", "samples.png"]
+    with Image.open(tmp_path / "pictures" / "sample-002.png") as picture:
+        assert picture.size == (8, 8) and picture.mode == "RGB"
+
+    with pytest.raises(ConfigError, match="latents have 4 channels but vae=.* has 16; decode with the VAE"):
+        decode_samples(image / "samples.npz", models["wan"])
+    np.savez(tmp_path / "pixels.npz", images=np.zeros((1, 8, 8, 3), np.uint8))
+    with pytest.raises(ConfigError, match="no 'latents': it was sampled in pixel space"):
+        decode_samples(tmp_path / "pixels.npz", models["wan"])
+
+
+def test_encode_prompts_for_sampling(models):
+    """infer.py's prompt encoding: the model's text length, the empty prompt as default negative, dim checked."""
+    from ringdit.media.text import encode_prompts
+
+    cond, negative = encode_prompts(["a red fox running", "sky"], None, models["wan"], text_len=TEXT_LEN,
+                                    text_dim=16)
+    assert cond["text"].shape == (2, TEXT_LEN, 16) and cond["text_mask"].sum(1).tolist() == [5, 2]
+    assert negative["text_mask"].sum() == 1  # "" -> </s>
+    with pytest.raises(ConfigError, match="gives 16-dim states but the model was trained on 32-dim text"):
+        encode_prompts(["a"], None, models["wan"], text_len=TEXT_LEN, text_dim=32)
