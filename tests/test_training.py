@@ -15,8 +15,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
-from ringdit.config import build_on_meta, model_config, register_resolvers
+from ringdit.config import build_on_meta, model_config, register_resolvers, resolve_shift
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -89,8 +90,6 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
     if (group, option) in (("model", "flux_dev"), ("model", "flux_schnell")):
         return [*images, "data.channels=16", "data.text_dim=4096", "data.pooled_dim=768", "data.size=4"]
     if (group, option) == ("model", "flux"):  # the bare family needs a folder: its config is all a check reads
-        from omegaconf import OmegaConf
-
         (tmp_path / "flux" / "transformer").mkdir(parents=True)
         config = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "flux_tiny.yaml").config)
         (tmp_path / "flux" / "transformer" / "config.json").write_text(json.dumps(config))
@@ -117,7 +116,9 @@ def test_every_config_option_composes_and_instantiates(group, option, tmp_path):
         if group in ("model", "data"):
             model = build_on_meta(model_config(cfg.model, datamodule.describe()))  # shapes only: DiT-XL in ms
             assert model.in_channels == datamodule.channels
-        instantiate(cfg.diffusion.objective)
+        objective = OmegaConf.to_container(cfg.diffusion.objective, resolve=True)
+        resolve_shift(objective, {}, tokens=256)  # shift=resolution (Flux) depends on the image token count
+        instantiate(objective)
         for node in ("logger", "callbacks"):
             for item in (cfg.get(node) or {}).values():
                 if node == "logger" and "wandb" in item._target_:
