@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.config import (
     build_on_meta,
+    check_lora,
+    check_lora_checkpoint,
     check_launch_environment,
     check_sampling,
     check_training_settings,
@@ -37,6 +39,7 @@ from ringdit.config import (
     validate_parallel,
 )
 from ringdit.errors import NonFiniteLossError
+from ringdit.lora import lora_enabled
 from ringdit.memory import check_training_memory
 from ringdit.resume import check_resume
 from ringdit.weights import WEIGHT_CHOICES
@@ -65,9 +68,14 @@ def prepare(cfg: DictConfig):
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:
         check_sampling(model_cfg, cfg.diffusion.objective, {**sampling, "cfg_scale": grid_cfg_scale})
+    lora = OmegaConf.to_container(cfg.lora, resolve=True) if cfg.get("lora") else None
+    if lora_enabled(lora):
+        check_lora(meta_model, lora)
     check_training_memory(cfg, model_cfg, meta_model, backend)  # a warning: estimates can be wrong
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
-    if ckpt_path:
+    if ckpt_path and lora_enabled(lora):
+        check_lora_checkpoint(ckpt_path)
+    elif ckpt_path:
         check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
         check_resume(ckpt_path, max_steps=cfg.trainer.max_steps, optimizer=hydra.utils.instantiate(cfg.optimizer),
                      optimizer_name=cfg.optimizer.get("_target_"), resume_optimizer=cfg.resume_optimizer)
@@ -92,18 +100,21 @@ def prepare(cfg: DictConfig):
         seed=cfg.seed,
         attention_backend=backend,
         compile=cfg.compile,
-        init_from=None if ckpt_path else cfg.init_from,
+        init_from=None if ckpt_path and not lora_enabled(lora) else cfg.init_from,  # LoRA resumes only adapters
         init_weights=cfg.init_weights,
         init_resize_labels=cfg.init_resize_labels,
         nonfinite_loss=cfg.nonfinite_loss,
+        lora=lora if lora_enabled(lora) else None,
         resume_optimizer=cfg.resume_optimizer,
     )
     callbacks = [hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks")]
     loggers = [hydra.utils.instantiate(c) for c in group_targets(cfg, "logger")]
     # diffusers models may hold parameters no loss reaches (QwenImage's last text-stream MLP): DDP's static graph
-    # learns which in the first step instead of failing on them
+    # learns which in the first step instead of failing on them (FSDP reduces whatever gradients exist)
+    ddp = str(cfg.trainer.strategy.get("_target_", "")).endswith("RingDDPStrategy")
     strategy = hydra.utils.instantiate(cfg.trainer.strategy, **({"static_graph": True} if is_diffusers_model(model_cfg)
-                                                                 and "static_graph" not in cfg.trainer.strategy else {}))
+                                                                 and ddp and "static_graph" not in cfg.trainer.strategy
+                                                                 else {}))
     trainer = hydra.utils.instantiate(
         cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files

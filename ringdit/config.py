@@ -7,6 +7,7 @@ any rank: a typo costs seconds, not a hung cluster. Errors name the setting, the
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -22,7 +23,15 @@ from ringdit.attention import validate_attention_config
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.families import get_family
 from ringdit.parallel import check_degrees, check_heads_divisible
-from ringdit.weights import LABEL_TABLE, CheckpointError, check_compatible, read_weights, resize_label_embedding
+from ringdit.weights import (
+    LABEL_TABLE,
+    CheckpointError,
+    check_compatible,
+    is_sharded_checkpoint,
+    read_weights,
+    recover_checkpoint,
+    resize_label_embedding,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +119,11 @@ def validate_parallel(cfg: DictConfig, *, training: bool) -> str:
         check_degrees(cfg.ring_degree, cfg.ulysses_degree, world)
     except ValueError as error:
         raise ConfigError(f"{error} (trainer.devices={cfg.trainer.devices}, trainer.num_nodes={cfg.trainer.num_nodes})") from None
+    replicate = OmegaConf.select(cfg, "trainer.strategy.replicate_degree", default=1)
+    if isinstance(replicate, int) and replicate > 1 and world % replicate:
+        raise ConfigError(f"trainer.strategy.replicate_degree={replicate} does not divide the world size {world} "
+                          f"(HSDP shards within world / replicate_degree ranks); use a divisor of {world}, e.g. the dp_degree "
+                          f"to shard within each sequence-parallel group and replicate across them")
     return validate_attention_config(
         cfg.attention_backend, ring_degree=cfg.ring_degree, training=training, device_type=device_type(cfg.trainer)
     )
@@ -180,10 +194,10 @@ def build_on_meta(config: dict, ulysses_degree: int = 1):
     return model
 
 
-def read_weights_file(setting: str, path: str, prefer: str = "ema") -> tuple[dict, dict]:
+def read_weights_file(setting: str, path: str, prefer: str = "ema", load_tensors: bool = True) -> tuple[dict, dict]:
     """``read_weights`` with its errors attributed to the setting that named the file."""
     try:
-        return read_weights(path, prefer)
+        return read_weights(path, prefer, load_tensors=load_tensors)
     except CheckpointError as error:
         raise ConfigError(f"{setting}: {error}") from None
 
@@ -192,11 +206,12 @@ def check_weights_file(setting: str, path: str, model, prefer: str = "ema", stat
                        resize_labels: bool = False) -> None:
     """``path`` exists, is safely readable and fits ``model`` (pass ``state`` if it was read already); for a
     diffusers model, ``path`` may also be a diffusers folder of the same architecture."""
-    if state is None and Path(path).expanduser().is_dir() and hasattr(model, "check_pretrained"):
+    if state is None and Path(path).expanduser().is_dir() and not is_sharded_checkpoint(path) \
+            and hasattr(model, "check_pretrained"):
         model.check_pretrained(str(Path(path).expanduser()))
         return
-    if state is None:
-        state, _ = read_weights_file(setting, path, prefer)
+    if state is None:  # a sharded checkpoint's shapes come from its metadata: nothing is read into memory
+        state, _ = read_weights_file(setting, path, prefer, load_tensors=False)
     if resize_labels:
         state = resize_label_embedding(state, model.state_dict()[LABEL_TABLE].shape[0])
     try:
@@ -256,6 +271,8 @@ def resolve_ckpt_path(ckpt_path: str | None, log_dir: str, task_name: str) -> st
         return None
     if ckpt_path == "last":
         root = Path(log_dir, task_name)  # runs/<time>/ and multiruns/<time>/<job>/
+        for interrupted in [*root.glob("*/*/checkpoints/.last.ckpt.old"), *root.glob("*/*/*/checkpoints/.last.ckpt.old")]:
+            recover_checkpoint(interrupted.with_name("last.ckpt"))
         candidates = [*root.glob("*/*/checkpoints/last.ckpt"), *root.glob("*/*/*/checkpoints/last.ckpt")]
         if not candidates:
             raise ConfigError(f"ckpt_path=last: no checkpoints/last.ckpt under {Path(log_dir, task_name)}; "
@@ -263,9 +280,29 @@ def resolve_ckpt_path(ckpt_path: str | None, log_dir: str, task_name: str) -> st
         newest = max(candidates, key=lambda p: p.stat().st_mtime)
         log.info("ckpt_path=last resolved to %s", newest)
         return str(newest)
-    if not Path(ckpt_path).is_file():
-        raise ConfigError(f"ckpt_path={ckpt_path!r} does not exist")
+    recover_checkpoint(Path(ckpt_path))
+    if not Path(ckpt_path).is_file() and not is_sharded_checkpoint(ckpt_path):
+        raise ConfigError(f"ckpt_path={ckpt_path!r} does not exist" + (
+            " (a folder, but not a sharded checkpoint: it lacks meta.pt or .metadata)" if Path(ckpt_path).is_dir() else ""))
     return ckpt_path
+
+
+def check_lora(meta_model, lora: dict) -> None:
+    """The LoRA settings are valid and ``lora.targets`` match modules of the model (on a meta copy)."""
+    from ringdit.lora import add_lora
+
+    with torch.device("meta"):
+        add_lora(copy.deepcopy(meta_model), **lora)  # a copy: the weights files are checked against the plain model
+
+
+def check_lora_checkpoint(ckpt_path: str) -> None:
+    """A LoRA run resumes adapter weights: the checkpoint must hold some (its base weights come from init_from)."""
+    from ringdit.lora import adapter_state
+
+    state, _ = read_weights_file("ckpt_path", ckpt_path, prefer="model", load_tensors=False)
+    if not adapter_state(state):
+        raise ConfigError(f"ckpt_path={ckpt_path} holds no LoRA adapter weights but lora.rank > 0: resume it without "
+                          f"LoRA (lora.rank=0), or start LoRA from its weights with init_from={ckpt_path}")
 
 
 # ---- numbers that Lightning / torch would only reject (or silently misuse) once training has started ---------------

@@ -12,7 +12,13 @@ from typing import Callable
 import torch
 
 from ringdit.errors import ConfigError
-from ringdit.weights import CheckpointError, safe_torch_load
+from ringdit.weights import (
+    CheckpointError,
+    is_sharded_checkpoint,
+    read_sharded_checkpoint,
+    safe_torch_load,
+    sharded_to_full_checkpoint,
+)
 
 TRAINING_STATE = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
 
@@ -34,7 +40,10 @@ def check_resume(ckpt_path: str, *, max_steps: int, optimizer: Callable | None, 
     if Path(ckpt_path).suffix == ".safetensors":
         raise ConfigError(f"ckpt_path={ckpt_path} holds weights only; {use_init_from}")
     try:
-        checkpoint = safe_torch_load(ckpt_path, mmap=True)
+        if is_sharded_checkpoint(ckpt_path):  # FSDP's folder: shapes and param groups only, nothing big is read
+            checkpoint = sharded_to_full_checkpoint(read_sharded_checkpoint(ckpt_path, keys=None, load_tensors=False))
+        else:
+            checkpoint = safe_torch_load(ckpt_path, mmap=True)
     except CheckpointError as error:
         raise ConfigError(f"ckpt_path: {error}") from None
     missing = [key for key in TRAINING_STATE if not isinstance(checkpoint, dict) or key not in checkpoint]

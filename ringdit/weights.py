@@ -58,6 +58,8 @@ def safe_torch_load(path: str | Path, map_location: Any = "cpu", mmap: bool = Fa
 
 def _existing_file(path: str | Path) -> Path:
     path = Path(path).expanduser()
+    if is_sharded_checkpoint(path):
+        return path
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
     return path
@@ -67,15 +69,111 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+# ---- sharded checkpoints (torch.distributed.checkpoint folders written under FSDP) ---------------------------------
+
+SHARDED_METADATA = "meta.pt"  # Lightning's name for the non-tensor part (step, loops, hparams, ...)
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    path = Path(path).expanduser()
+    return path.is_dir() and (path / SHARDED_METADATA).is_file() and (path / ".metadata").is_file()
+
+
+def recover_checkpoint(path: str | Path) -> None:
+    """Finish a sharded save that was killed between its two renames (see ``ringdit.training.fsdp.replace_folder``):
+    the previous complete checkpoint, set aside as ``.<name>.old``, goes back to ``path``."""
+    path = Path(path).expanduser()
+    aside = path.with_name(f".{path.name}.old")
+    if not path.exists() and is_sharded_checkpoint(aside):
+        aside.rename(path)
+
+
+def read_sharded_checkpoint(path: str | Path, keys: tuple[str, ...] | None = ("state_dict",),
+                            load_tensors: bool = True) -> dict[str, Any]:
+    """A sharded checkpoint folder as one Lightning-style checkpoint dict, assembled on this process (no process
+    group needed): ``keys`` picks what to read (``state_dict``: the weights; None: everything, optimizer state
+    too); ``load_tensors=False`` gives meta tensors of the saved shapes without reading any data."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = Path(path).expanduser()
+    checkpoint = safe_torch_load(path / SHARDED_METADATA)
+    reader = FileSystemReader(str(path))
+    if not load_tensors:  # shapes from the metadata; only the small non-tensor items (param groups) are read
+        from torch.distributed.checkpoint._traverse import get_element, set_element
+
+        metadata = reader.read_metadata()
+        state: dict[str, Any] = {}
+        small = {}
+        for key, item in metadata.state_dict_metadata.items():
+            where = metadata.planner_data.get(key, (key,))
+            if keys is not None and where[0] not in keys:
+                continue
+            if isinstance(item, TensorStorageMetadata):
+                set_element(state, where, torch.empty(item.size, dtype=item.properties.dtype, device="meta"))
+            else:
+                small[key] = where
+        if small:
+            loaded: dict[str, Any] = {}
+            _load_state_dict(loaded, storage_reader=FileSystemReader(str(path)), no_dist=True,
+                             planner=_EmptyStateDictLoadPlanner(keys=set(small)))
+            for where in small.values():
+                set_element(state, where, get_element(loaded, where))
+        return {**checkpoint, **state}
+    state = {}
+    try:
+        _load_state_dict(state, storage_reader=reader, no_dist=True,
+                         planner=_EmptyStateDictLoadPlanner(keys=set(keys) if keys is not None else None))
+    except Exception as error:  # torch wraps a reader's failure in a CheckpointException listing every rank's
+        raise CheckpointError(f"{path} is not a readable sharded checkpoint: {_first_line(error)}") from None
+    return {**checkpoint, **state}
+
+
+# Optimizer state keyed two ways: torch's ``Optimizer.state_dict`` numbers the parameters in param_groups order
+# (0, 1, ...); ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (FSDP checkpoints) names them
+# by their module path. The param_groups' ``params`` lists give the order either way.
+
+
+def optimizer_state_by_name(state: dict, names: list[str]) -> dict:
+    """torch's numbered optimizer state -> named; ``names[i]`` is the module path of the optimizer's i-th parameter."""
+    return {
+        "state": {names[index]: value for index, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                         for group in state["param_groups"]],
+    }
+
+
+def optimizer_state_by_index(state: dict) -> dict:
+    """Named optimizer state -> torch's numbered one (parameters numbered in param_groups order)."""
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: value for name, value in state.get("state", {}).items()},  # none saved: no state
+        "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                         for group in state["param_groups"]],
+    }
+
+
+def sharded_to_full_checkpoint(checkpoint: dict) -> dict:
+    """A sharded checkpoint read whole (``optimizer_0``, ... named) -> Lightning's single-file layout."""
+    optimizers = sorted((key for key in checkpoint if key.startswith("optimizer_") and key[10:].isdigit()),
+                        key=lambda key: int(key[10:]))
+    checkpoint["optimizer_states"] = [optimizer_state_by_index(checkpoint.pop(key)) for key in optimizers]
+    return checkpoint
+
+
 # ---- reading any supported format as a plain model state dict ------------------------------------------------------
 
 
-def read_weights(path: str | Path, prefer: str = "ema") -> tuple[dict[str, Tensor], dict]:
+def read_weights(path: str | Path, prefer: str = "ema", load_tensors: bool = True) -> tuple[dict[str, Tensor], dict]:
     """``(state_dict, info)`` for the DiT in ``path``; ``info`` holds what the file says about the model
     (``model``, ``data``, ``objective``, ``sampling`` configs) where it says anything.
 
     - ``.safetensors``: a ringdit export (EMA weights, configs in the metadata) or any plain DiT state dict;
     - a ringdit Lightning checkpoint: ``prefer="ema"`` (default) or ``"model"`` (the raw trained weights);
+    - a ringdit sharded (FSDP) checkpoint folder, the same way (``load_tensors=False``: meta tensors, shapes only);
     - an original facebookresearch/DiT ``.pt``: a bare state dict, or its training checkpoint ``{"model", "ema"}``.
     """
     if prefer not in WEIGHT_CHOICES:
@@ -84,7 +182,7 @@ def read_weights(path: str | Path, prefer: str = "ema") -> tuple[dict[str, Tenso
     path = _existing_file(path)
     if path.suffix == ".safetensors":
         return _read_safetensors(path)
-    content = safe_torch_load(path)
+    content = read_sharded_checkpoint(path, load_tensors=load_tensors) if path.is_dir() else safe_torch_load(path)
     if not isinstance(content, dict):
         raise CheckpointError(f"{path} holds a {type(content).__name__}, not a state dict or checkpoint")
     if "state_dict" in content:  # Lightning checkpoint written by ringdit
@@ -97,6 +195,8 @@ def read_weights(path: str | Path, prefer: str = "ema") -> tuple[dict[str, Tenso
             raise CheckpointError(f"{path}: its hyper_parameters are a {type(hparams).__name__}, not a dict of configs")
         check_file_configs(str(path), hparams)  # every config the file carries, used here or not
         info = {key: hparams[key] for key in FILE_CONFIGS if key in hparams}
+        if hparams.get("lora"):  # a LoRA run: its adapter settings (rank, alpha, targets)
+            info["lora"] = hparams["lora"]
         return state, info
     if prefer in content and isinstance(content[prefer], dict):  # original DiT training checkpoint
         return content[prefer], {}

@@ -134,7 +134,7 @@ def test_label_drop_uses_the_null_class():
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    plain, ckpt = tiny_dit(), tiny_dit(gradient_checkpointing=True)
+    plain, ckpt = tiny_dit(), tiny_dit(activation_checkpointing=True)
     x, t, y = torch.randn(2, 3, 8, 8), torch.tensor([5.0, 900.0]), torch.tensor([1, 2])
     for model in (plain, ckpt):
         model(x, t, y).square().mean().backward()

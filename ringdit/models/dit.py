@@ -93,7 +93,7 @@ class DiT(nn.Module):
 
     Args mirror the original; additions: ``input_size`` may be ``(H, W)`` or ``(T, H, W)``,
     ``temporal_patch_size`` makes it a video model, ``attention_backend`` picks the kernel,
-    ``gradient_checkpointing`` recomputes each block in backward. Any grid divisible by the patch works at run
+    ``activation_checkpointing`` recomputes each block in backward (``gradient_checkpointing``: its older name). Any grid divisible by the patch works at run
     time; ``input_size`` only fixes the stored ``pos_embed`` (the original's parameter) and the default shape.
     """
 
@@ -111,6 +111,7 @@ class DiT(nn.Module):
         learn_sigma: bool = True,
         temporal_patch_size: int | None = None,
         attention_backend: str | None = None,
+        activation_checkpointing: bool = False,
         gradient_checkpointing: bool = False,
     ):
         super().__init__()
@@ -119,7 +120,7 @@ class DiT(nn.Module):
         self.learn_sigma = learn_sigma
         self.num_classes = num_classes
         self.class_dropout_prob = class_dropout_prob
-        self.gradient_checkpointing = gradient_checkpointing
+        self.activation_checkpointing = activation_checkpointing or gradient_checkpointing
         self.input_size = _input_shape(input_size, video=temporal_patch_size is not None)
 
         self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size, temporal_patch_size)
@@ -197,7 +198,7 @@ class DiT(nn.Module):
         valid_len = tokens.shape[1] if sharded else None  # the padding that makes N divisible is not attended
         tokens = shard_sequence(tokens)  # (B, N_local, D)
         for block in self.blocks:
-            if self.gradient_checkpointing and torch.is_grad_enabled():
+            if self.activation_checkpointing and torch.is_grad_enabled():
                 tokens = checkpoint(block, tokens, c, valid_len, use_reentrant=False)
             else:
                 tokens = block(tokens, c, valid_len)

@@ -10,11 +10,12 @@ warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__`
 warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
 
 from ringdit.training.callbacks import SampleGrid, StepCheckpoint
+from ringdit.training.fsdp import RingFSDPStrategy
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from ringdit.training.loggers import wandb_logger
 from ringdit.training.module import DiTModule, NonFiniteLossError
 from ringdit.training.schedules import WarmupCosine, warmup_cosine
 from ringdit.training.strategy import RingDDPStrategy
 
-__all__ = ["AtomicCheckpointIO", "DiTModule", "NonFiniteLossError", "RingDDPStrategy", "SampleGrid", "StepCheckpoint", "WarmupCosine", "wandb_logger",
+__all__ = ["AtomicCheckpointIO", "DiTModule", "NonFiniteLossError", "RingDDPStrategy", "RingFSDPStrategy", "SampleGrid", "StepCheckpoint", "WarmupCosine", "wandb_logger",
            "warmup_cosine"]

@@ -11,7 +11,17 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from ringdit.weights import file_mode, safe_torch_load
+from ringdit.weights import (
+    file_mode,
+    is_sharded_checkpoint,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+    read_sharded_checkpoint,
+    safe_torch_load,
+    sharded_to_full_checkpoint,
+)
+
+__all__ = ["AtomicCheckpointIO", "optimizer_state_by_index", "optimizer_state_by_name"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -37,6 +47,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         _fsync_dir(path.parent)
 
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None):
+        if is_sharded_checkpoint(path):  # saved under FSDP, resumed replicated: assemble it whole
+            return sharded_to_full_checkpoint(read_sharded_checkpoint(path, keys=None))
         return safe_torch_load(path, map_location=map_location or "cpu")
 
 

@@ -19,13 +19,14 @@ import hydra
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.utilities import grad_norm, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim.swa_utils import AveragedModel
 
 from ringdit.attention import validate_attention_config
 from ringdit.diffusion import initial_noise, sample
 from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
+from ringdit.lora import add_lora, is_adapter_key, lora_enabled
 from ringdit.models import DiT
 from ringdit.models.diffusers import DiffusersTransformer
 from ringdit.parallel import current_parallel_dims, exchange_guidance_halves, shard_sequence, sharded_mean
@@ -47,13 +48,25 @@ def ema_update(decay: float) -> Callable:
     def update(averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
         n = int(num_averaged)
         floats = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
-        if floats:
-            torch._foreach_lerp_([a for a, _ in floats], [c for _, c in floats], 1 - min(decay, (1 + n) / (10 + n)))
+        weight = 1 - min(decay, (1 + n) / (10 + n))
+        for sharded in (False, True):  # under FSDP parameters are DTensors, buffers plain: one fused update each
+            group = [(a, c) for a, c in floats if hasattr(a, "to_local") == sharded]
+            if group:
+                torch._foreach_lerp_([a for a, _ in group], [c for _, c in group], weight)
         for a, c in zip(averaged, current):  # integer and bool buffers (a text mask) are copied, not averaged
             if not a.is_floating_point():
                 a.copy_(c)
 
     return update
+
+
+def total_grad_norm(model: torch.nn.Module) -> Tensor | None:
+    """The 2-norm of all gradients together; under FSDP (gradients sharded as DTensors) the norm of the full ones."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 class DiTModule(L.LightningModule):
@@ -79,6 +92,7 @@ class DiTModule(L.LightningModule):
         init_weights: str = "ema",
         init_resize_labels: bool = False,
         nonfinite_loss: str = "stop",
+        lora: dict | None = None,
         resume_optimizer: bool = True,
     ):
         super().__init__()
@@ -132,9 +146,17 @@ class DiTModule(L.LightningModule):
             # the empty prompt's embedding: the condition drop's replacement and the default negative prompt (a
             # resumed run restores the checkpoint's own after this)
             self.model.set_null_condition(self.trainer.datamodule.null_condition())
+        if lora_enabled(self.hparams.lora):  # only the adapters train and are saved; the base comes from init_from
+            add_lora(self.model, **self.hparams.lora)
+            self.strict_loading = False
         if self.optimizer_factory is not None:  # training keeps an EMA of the weights; sampling uses what it loaded
             self.ema = AveragedModel(self.model, multi_avg_fn=ema_update(self.hparams.ema_decay), use_buffers=True)
             self.ema.requires_grad_(False)
+        shard_model = getattr(self.trainer.strategy, "shard_model", None) if self._trainer is not None else None
+        if shard_model is not None:  # FSDP: the EMA is sharded like the model (its update is a per-shard lerp)
+            shard_model(self.model)
+            if self.ema is not None:
+                shard_model(self.ema.module)
         if self.hparams.compile:  # regional compilation: one graph per block, reused by all blocks
             if isinstance(self.model, DiffusersTransformer):
                 self.model.transformer.compile_repeated_blocks()
@@ -146,6 +168,11 @@ class DiTModule(L.LightningModule):
     def text_conditioned(self) -> bool:
         """Text embeddings condition the model (data=text_latents), rather than class labels."""
         return self.hparams.data.get("conditioning") == "text"
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if lora_enabled(self.hparams.lora):  # the frozen base is init_from's: keep the adapters (and EMA count)
+            checkpoint["state_dict"] = {key: value for key, value in checkpoint["state_dict"].items()
+                                        if is_adapter_key(key) or key == "ema.n_averaged"}
 
     @property
     def tokens_per_sample(self) -> int:
@@ -233,9 +260,9 @@ class DiTModule(L.LightningModule):
                        "train/tokens_per_sec": samples * self.tokens_per_sample / seconds})
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        norms = grad_norm(self.model, norm_type=2)
-        if norms:
-            self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+        norm = total_grad_norm(self.model)
+        if norm is not None:
+            self.log("train/grad_norm", norm)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.hparams.get("resume_optimizer", True):

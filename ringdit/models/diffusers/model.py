@@ -33,6 +33,7 @@ class DiffusersTransformer(nn.Module):
         input_size: the latent shape ``(T, H, W)`` / ``(H, W)`` of the data; in_channels: latent channels.
         text_len, text_dim: the shape of one text embedding ``(L, D_text)``, for the null-condition buffer.
         condition_dropout_prob: the chance that training replaces a sample's conditioning by the null one.
+        activation_checkpointing: recompute each transformer block in backward (``gradient_checkpointing``: alias).
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class DiffusersTransformer(nn.Module):
         condition_dropout_prob: float = 0.1,
         guidance: float | None = None,
         attention_backend: str | None = None,
+        activation_checkpointing: bool = False,
         gradient_checkpointing: bool = False,
     ):
         super().__init__()
@@ -78,7 +80,7 @@ class DiffusersTransformer(nn.Module):
             pooled_dim = pooled_dim or arch[self.family.pooled_dim]
             _check_width("pooled text embeddings", pooled_dim, self.family.pooled_dim, arch)
             self.register_buffer("null_pooled", torch.zeros(1, pooled_dim))  # (1, P)
-        if gradient_checkpointing:
+        if activation_checkpointing or gradient_checkpointing:  # recompute each block in backward
             self.transformer.enable_gradient_checkpointing()
         parallelize(self.transformer, self.family.plan, attention_backend)
 
@@ -161,8 +163,8 @@ def build_transformer(family: Family, config: dict | None, pretrained: str | Non
     cls = diffusers_class(family)
     if pretrained is None:
         if not config:
-            raise ConfigError(f"model: give model.pretrained=<local diffusers folder> or an architecture model.config "
-                              f"(e.g. model=wan_tiny)")
+            raise ConfigError("model: give model.pretrained=<local diffusers folder> or an architecture model.config "
+                              "(e.g. model=wan_tiny)")
         return cls.from_config(dict(config))
     folder = pretrained_folder(family, pretrained, subfolder, setting)
     arch = read_config(family, folder, pretrained, setting)

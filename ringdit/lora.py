@@ -1,0 +1,121 @@
+"""LoRA fine-tuning with peft: low-rank adapters on the model's projections; everything else frozen.
+
+    python train.py init_from=weights.safetensors lora.rank=16                  # DiT: attention + MLP projections
+    python train.py experiment=wan_tiny lora.rank=16 lora.targets=[to_q,to_v]   # diffusers: module name suffixes
+
+Adapters are injected with ``peft.inject_adapter_in_model`` into the model itself (a DiT) or its diffusers
+transformer (``model.transformer``, with diffusers' own ``add_adapter``), so the model keeps its class and forward;
+a wrapped layer's weight becomes ``<layer>.base_layer.weight`` and its adapter ``<layer>.lora_A.default.weight`` /
+``lora_B``. Checkpoints keep only the adapter weights (the base comes from ``init_from`` / ``model.pretrained``);
+``python -m ringdit.export ... lora=true`` writes the adapter in diffusers' LoRA format
+(``pytorch_lora_weights.safetensors``, keys ``transformer.<module>.lora_A.weight``), which diffusers'
+``load_lora_adapter`` / pipelines' ``load_lora_weights`` read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ringdit.errors import ConfigError
+
+Tensor = torch.Tensor
+
+# The projections LoRA adapts when lora.targets is null: attention and MLP of every block.
+DEFAULT_TARGETS = {
+    "DiT": ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
+    "DiffusersTransformer": ("to_q", "to_k", "to_v", "to_out.0"),
+}
+ADAPTER_NAME = "default"
+
+
+def lora_enabled(lora: dict | None) -> bool:
+    return bool(lora) and (lora.get("rank") or 0) > 0
+
+
+def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0):
+    from peft import LoraConfig
+
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ConfigError(f"lora.rank must be an integer >= 0 (0 disables LoRA), got {rank!r}")
+    if targets is None:
+        targets = DEFAULT_TARGETS.get(type(model).__name__)
+        if targets is None:
+            raise ConfigError(f"lora.targets: no default targets for {type(model).__name__}; list the module names "
+                              f"(suffixes) to adapt, e.g. lora.targets=[to_q,to_v]")
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    return LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, target_modules=targets,
+                      lora_dropout=dropout, init_lora_weights=True)
+
+
+def adapted_module(model: nn.Module) -> nn.Module:
+    """What the adapters go into: a diffusers model's transformer, else the model itself."""
+    return getattr(model, "transformer", model)
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0) -> nn.Module:
+    """Inject LoRA adapters into ``model`` in place and freeze everything else; returns ``model``."""
+    from peft import inject_adapter_in_model
+
+    config = lora_config(model, rank, alpha, targets, dropout)
+    root = adapted_module(model)
+    model.requires_grad_(False)
+    try:
+        if hasattr(root, "add_adapter"):  # diffusers: registers the config, so diffusers can save / fuse it
+            root.add_adapter(config, adapter_name=ADAPTER_NAME)
+        else:
+            inject_adapter_in_model(config, root, adapter_name=ADAPTER_NAME)
+    except ValueError as error:  # peft: "Target modules {...} not found in the base model"
+        linears = sorted({name.rsplit(".", 1)[-1] for name, module in root.named_modules()
+                          if isinstance(module, nn.Linear)})
+        raise ConfigError(f"lora.targets={sorted(config.target_modules)} match no module of "
+                          f"{type(model).__name__} ({str(error).splitlines()[0]}); name linear layers by their "
+                          f"path suffix, e.g. {linears[:8]}") from None
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_key(name))
+    return model
+
+
+def is_adapter_key(key: str) -> bool:
+    return ".lora_A." in key or ".lora_B." in key
+
+
+def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The adapter weights of a (checkpoint) state dict."""
+    return {key: value for key, value in state.items() if is_adapter_key(key)}
+
+
+def diffusers_lora_state(state: dict[str, Tensor], prefix: str = "transformer.") -> dict[str, Tensor]:
+    """Adapter weights of the model (keys ``transformer.blocks.0.attn1.to_q.lora_A.default.weight`` for a diffusers
+    model, ``blocks.0.attn.qkv.lora_A.default.weight`` for a DiT) in diffusers' LoRA layout:
+    ``transformer.<module>.lora_A.weight``."""
+    out = {}
+    for key, value in adapter_state(state).items():
+        key = key.replace(f".{ADAPTER_NAME}.", ".")
+        out[key if key.startswith(prefix) else prefix + key] = value.detach().contiguous().clone()
+    return out
+
+
+def export_lora(state: dict[str, Tensor], lora: dict, out_dir: str | Path) -> Path:
+    """Write ``state``'s adapter as diffusers' ``pytorch_lora_weights.safetensors`` in ``out_dir`` (with the peft
+    config as diffusers' ``lora_adapter_metadata``)."""
+    from safetensors.torch import save_file
+
+    tensors = diffusers_lora_state(state)
+    if not tensors:
+        raise ConfigError("the checkpoint holds no LoRA adapter weights (trained without lora.rank > 0?)")
+    modules = sorted({key[len("transformer."):].rsplit(".lora_", 1)[0] for key in tensors})
+    rank = int(next(v for k, v in tensors.items() if ".lora_A." in k).shape[0])
+    config = {"r": rank, "lora_alpha": lora.get("alpha") or rank, "target_modules": modules, "lora_dropout": 0.0,
+              "bias": "none", "use_dora": False}
+    metadata = {f"transformer.{key}": value for key, value in config.items()}  # diffusers keys it by component
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "pytorch_lora_weights.safetensors"
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "lora_adapter_metadata": json.dumps(metadata, sort_keys=True)})
+    tmp.replace(path)
+    return path
