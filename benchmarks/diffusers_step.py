@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import socket
 import time
 
 import torch
@@ -85,6 +86,12 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     dist.destroy_process_group()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=("wan", "flux"), default="wan")
@@ -102,8 +109,6 @@ def main() -> None:
     for world in args.ranks:
         ctx = mp.get_context("spawn")
         results = ctx.SimpleQueue()
-        from tests.distributed import free_port
-
         mp.start_processes(worker, args=(world, free_port(), args, results), nprocs=world, start_method="spawn")
         rows.append(results.get())
     base = rows[0][1]
