@@ -535,8 +535,10 @@ def known_keys(config_name: str) -> list[str]:
 
     try:
         add("", load(CONF_DIR / f"{config_name}.yaml"))
-        for path in CONF_DIR.glob("*/*.yaml"):
-            add(f"{path.parent.name}.", load(path))
+        for path in CONF_DIR.glob("*/**/*.yaml"):  # a nested group (trainer/strategy) is a nested setting
+            group = path.parent.relative_to(CONF_DIR).parts
+            if group[0] not in ("experiment", "hydra"):  # experiments patch other groups' settings
+                add(".".join(group) + ".", load(path))
     except Exception:  # noqa: BLE001 - suggestions are a courtesy; never hide the real error behind another
         pass
     return sorted(keys)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
