@@ -537,8 +537,10 @@ def known_keys(config_name: str) -> list[str]:
         add("", load(CONF_DIR / f"{config_name}.yaml"))
         for path in CONF_DIR.glob("*/**/*.yaml"):  # a nested group (trainer/strategy) is a nested setting
             group = path.parent.relative_to(CONF_DIR).parts
-            if group[0] not in ("experiment", "hydra"):  # experiments patch other groups' settings
-                add(".".join(group) + ".", load(path))
+            if group[0] in ("experiment", "hydra"):  # experiments patch other groups' settings; hydra is Hydra's
+                continue
+            is_global = path.read_text().startswith("# @package _global_")  # e.g. parallel/: top-level settings
+            add("" if is_global else ".".join(group) + ".", load(path))
     except Exception:  # noqa: BLE001 - suggestions are a courtesy; never hide the real error behind another
         pass
     return sorted(keys)
