@@ -246,13 +246,12 @@ def resolve_shift(objective: dict, sampling: dict, tokens: int) -> None:
         sampling["shift"] = objective["shift"]
 
 
-SAMPLERS = {"FlowMatching": ("euler", "heun"), "DDPM": ("ddim",)}
-
-
 def check_sampling(model_cfg: dict, objective_cfg, sampling: dict) -> None:
     """The sampler fits the objective, steps are positive, and guidance has a null class to guide with."""
+    from ringdit.diffusion import objectives
+
     objective = str(objective_cfg["_target_"]).rsplit(".", 1)[-1]
-    allowed = SAMPLERS.get(objective, ())
+    allowed = getattr(getattr(objectives, objective, None), "samplers", ())  # each objective declares its samplers
     if sampling.get("sampler") is not None and sampling["sampler"] not in allowed:
         raise ConfigError(f"sampler={sampling['sampler']!r} does not fit the {objective} objective; use one of {allowed}")
     if sampling.get("steps") is not None:

@@ -38,8 +38,7 @@ def resolution_shift(tokens: int, base_tokens: int = 256, max_tokens: int = 4096
 
 
 class FlowMatching:
-    kind = "flow"
-    prediction = "velocity"
+    samplers = ("euler", "heun")  # the samplers that fit this objective; the first is the default
 
     def __init__(self, time_sampling: str = "logit_normal", logit_mean: float = 0.0, logit_std: float = 1.0,
                  shift: float = 1.0):
@@ -69,8 +68,7 @@ class FlowMatching:
 
 
 class DDPM:
-    kind = "ddpm"
-    prediction = "epsilon"
+    samplers = ("ddim",)  # the samplers that fit this objective; the first is the default
 
     def __init__(self, num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02):
         self.num_timesteps = num_timesteps

@@ -127,11 +127,13 @@ def sample(model: Model, objective, noise: Tensor, condition: Condition, *, step
     Deterministic given the noise (DDIM with eta = 0), so every rank of a sequence-parallel group computes the
     same samples and sample i depends only on its own noise.
     """
+    sampler = sampler or objective.samplers[0]
+    if sampler not in objective.samplers:
+        raise ValueError(f"sampler={sampler!r} does not fit the {type(objective).__name__} objective; use one of "
+                         f"{objective.samplers}")
     denoiser = classifier_free_guidance(model, condition, null, cfg_scale, exchange, half)
     if isinstance(objective, FlowMatching):
-        return sample_flow(denoiser, noise, steps, method=sampler or "euler", shift=shift)
+        return sample_flow(denoiser, noise, steps, method=sampler, shift=shift)
     if isinstance(objective, DDPM):
-        if sampler not in (None, "ddim"):
-            raise ValueError(f"the DDPM objective samples with 'ddim', got sampler={sampler!r}")
         return sample_ddim(denoiser, noise, steps, objective, clip_denoised=clip_denoised)
     raise TypeError(f"unknown objective {type(objective).__name__}")
