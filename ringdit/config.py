@@ -139,8 +139,8 @@ def validate_parallel(cfg: DictConfig, *, training: bool) -> str:
         raise ConfigError(f"{error} (trainer.devices={cfg.trainer.devices}, trainer.num_nodes={cfg.trainer.num_nodes})") from None
     replicas = world // (cfg.ring_degree * cfg.ulysses_degree)
     if cfg.get("cfg_parallel") and replicas % 2:
-        raise ConfigError(f"cfg_parallel needs an even number of data-parallel replicas (one for each half of the "
-                          f"guidance), got {replicas}; set dp_degree=2 (or another even number)")
+        raise ConfigError(f"cfg_parallel=true runs the two halves of guidance on two data-parallel replicas, so it "
+                          f"needs an even number of them, got {replicas}; set dp_degree to an even number (2)")
     replicate = OmegaConf.select(cfg, "trainer.strategy.replicate_degree", default=1)
     if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
         raise ConfigError(f"trainer.strategy.replicate_degree must be an integer >= 1, got {replicate!r}; "
