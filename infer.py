@@ -89,9 +89,6 @@ def prepare(cfg: DictConfig):
     sampling = {**info.get("sampling", {}),
                 **{k: cfg[k] for k in ("steps", "cfg_scale", "sampler", "guidance") if cfg.get(k) is not None}}
     check_sampling(info["model"], info["objective"], sampling)
-    if cfg.cfg_parallel and (not isinstance(cfg.dp_degree, int) or cfg.dp_degree % 2):
-        raise ConfigError(f"cfg_parallel=true runs the two halves of guidance on two data-parallel replicas: set "
-                          f"dp_degree to an even number (2), got dp_degree={cfg.dp_degree}")
 
     module = DiTModule(model=info["model"], objective=info["objective"], data=info["data"], sampling=sampling,
                        attention_backend=backend, init_from=cfg.ckpt_path, init_weights=cfg.weights)

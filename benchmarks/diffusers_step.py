@@ -51,11 +51,16 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
-    from ringdit.parallel import exchange_guidance_halves, init_sequence_parallel
+    from ringdit.parallel import (
+        exchange_guidance_halves,
+        init_sequence_parallel,
+        set_parallel_dims,
+    )
 
     cfg_parallel = args.cfg_parallel and world == 2
     dims = init_sequence_parallel(ring_degree=1 if cfg_parallel else world, cfg_parallel=cfg_parallel)
     model, x, cond = build(args)
+    set_parallel_dims(model, dims)
     t = torch.tensor([500.0])
     null = {key: torch.zeros_like(value) for key, value in cond.items()}
 

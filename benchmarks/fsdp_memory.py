@@ -57,24 +57,24 @@ def measure(rank: int, world: int, port: int, mode: str, layers: int, steps: int
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1200))
     try:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.nn.parallel import DistributedDataParallel
 
         from ringdit.lora import add_lora
         from ringdit.models.diffusers import DiffusersTransformer
-        from ringdit.parallel import init_sequence_parallel
+        from ringdit.parallel import init_sequence_parallel, set_parallel_dims
         from ringdit.training.fsdp import repeated_blocks
 
-        init_sequence_parallel(ring_degree=world)  # the sequence over all ranks: the layout FSDP shards across
+        dims = init_sequence_parallel(ring_degree=world)  # the sequence over all ranks: the layout FSDP shards across
         before = rss_mb()
         torch.manual_seed(0)
         model = DiffusersTransformer("wan", config={**WAN_1_3B, "num_layers": layers}, input_size=LATENTS,
                                      in_channels=16, text_len=TEXT_LEN, text_dim=4096)
+        set_parallel_dims(model, dims)
         if mode.startswith("lora"):
             add_lora(model, rank=64)
         if mode.endswith("fsdp"):
-            mesh = init_device_mesh("cpu", (world,))
+            mesh = dims.mesh._flatten("world")  # every rank of the (dp, ring, ulysses) mesh
             for block in repeated_blocks(model):
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)

@@ -36,15 +36,16 @@ def run_rank(rank, world, port, layout, mode, seq, heads, head_size, repeat, que
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    init_sequence_parallel(ring, ulysses)
+    dims = init_sequence_parallel(ring, ulysses)
     backend = get_attn_backend("torch_flash")
-    attn = USPAttention(heads, head_size, backend=backend)
+    attn = USPAttention(heads, head_size, backend=backend, dims=dims)
     local_len = seq // (ring * ulysses)
     q, k, v, dout = (torch.randn(1, local_len, heads, head_size) for _ in range(4))  # this rank's shards
 
     def attention(*qkv):
         if method == "all-gather":  # every rank holds the whole K/V
-            return local_attention(backend, qkv[0], gather_sequence(qkv[1]), gather_sequence(qkv[2]))
+            k, v = (gather_sequence(t, dims=dims) for t in qkv[1:])
+            return local_attention(backend, qkv[0], k, v)
         return attn(*qkv)
 
     def step(mode):

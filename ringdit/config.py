@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from ringdit.attention import validate_attention_config
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.families import get_family
-from ringdit.parallel import check_degrees, check_heads_divisible
+from ringdit.parallel import check_heads_divisible
 from ringdit.weights import (
     LABEL_TABLE,
     CheckpointError,
@@ -111,16 +111,41 @@ def world_size(trainer_cfg: DictConfig) -> int:
     return devices * nodes
 
 
+def check_degrees(ring_degree: object, ulysses_degree: object, world_size: int | None = None) -> None:
+    """Raise a clear ValueError for degrees that cannot form a mesh."""
+    for setting, value in (("ring_degree", ring_degree), ("ulysses_degree", ulysses_degree)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{setting} must be an integer >= 1, got {value!r}; use 1 to disable that parallelism")
+    sp = ring_degree * ulysses_degree  # type: ignore[operator]
+    if world_size is not None and world_size % sp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"world size {world_size} (devices x nodes) is not divisible by ring_degree x ulysses_degree = "
+            f"{ring_degree} x {ulysses_degree} = {sp}; choose degrees whose product divides {world_size} "
+            f"(one of {divisors}) or set the device count to a multiple of {sp}"
+        )
+
+
 def validate_parallel(cfg: DictConfig, *, training: bool) -> str:
-    """Check degrees, world size and attention backend; return the backend to use."""
+    """Check degrees, world size and attention backend; return the backend to use.
+
+    The one place the parallel layout is validated: the strategies, the mesh and the models trust it.
+    """
     check_degrees(cfg.ring_degree, cfg.ulysses_degree)
     world = world_size(cfg.trainer)
     try:
         check_degrees(cfg.ring_degree, cfg.ulysses_degree, world)
     except ValueError as error:
         raise ConfigError(f"{error} (trainer.devices={cfg.trainer.devices}, trainer.num_nodes={cfg.trainer.num_nodes})") from None
+    replicas = world // (cfg.ring_degree * cfg.ulysses_degree)
+    if cfg.get("cfg_parallel") and replicas % 2:
+        raise ConfigError(f"cfg_parallel=true runs the two halves of guidance on two data-parallel replicas, so it "
+                          f"needs an even number of them, got {replicas}; set dp_degree to an even number (2)")
     replicate = OmegaConf.select(cfg, "trainer.strategy.replicate_degree", default=1)
-    if isinstance(replicate, int) and replicate > 1 and world % replicate:
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+        raise ConfigError(f"trainer.strategy.replicate_degree must be an integer >= 1, got {replicate!r}; "
+                          f"use 1 to shard over every rank")
+    if replicate > 1 and world % replicate:
         raise ConfigError(f"trainer.strategy.replicate_degree={replicate} does not divide the world size {world} "
                           f"(HSDP shards within world / replicate_degree ranks); use a divisor of {world}, e.g. the dp_degree "
                           f"to shard within each sequence-parallel group and replicate across them")

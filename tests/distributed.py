@@ -28,9 +28,6 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, errors) -> No
         errors.put((rank, traceback.format_exc()))
         raise
     finally:
-        from ringdit.parallel import reset_sequence_parallel
-
-        reset_sequence_parallel()
         dist.destroy_process_group()
 
 

@@ -20,7 +20,7 @@ from ringdit.attention import (
 )
 from ringdit.attention import registry
 from ringdit.attention.backends.flash_attn import FlashAttnAPI
-from ringdit.parallel import ParallelDims, mesh
+from ringdit.parallel import ParallelDims, set_parallel_dims
 from tests.fake_flash_attn import FAKE_APIS
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits
@@ -258,15 +258,18 @@ def test_unknown_and_unavailable_backends_list_what_exists():
     assert get_attn_backend(None, device_type="cpu").name == "torch_flash"
 
 
-def test_layer_construction_rejects_non_ring_backend_under_ring(monkeypatch):
-    monkeypatch.setattr(mesh, "_current", ParallelDims(ring_degree=2, ring_ranks=(0, 1)))
+def test_layer_construction_rejects_non_ring_backend_under_ring():
+    dims = ParallelDims(ring_degree=2, ring_ranks=(0, 1))
+    message = ("Ring Attention requires a backend whose kernel exposes the softmax LSE for the per-hop merge; "
+               "TORCH_SDPA does not declare support (see AttentionBackend.supports_ring_rotation).")
     with pytest.raises(RuntimeError) as info:
-        USPAttention(4, 16, backend="torch_sdpa")
-    assert str(info.value) == (
-        "Ring Attention requires a backend whose kernel exposes the softmax LSE for the per-hop merge; "
-        "TORCH_SDPA does not declare support (see AttentionBackend.supports_ring_rotation)."
-    )
-    USPAttention(4, 16, backend="math")  # ring-capable: fine
+        USPAttention(4, 16, backend="torch_sdpa", dims=dims)  # built with the mesh
+    assert str(info.value) == message
+    layer = USPAttention(4, 16, backend="torch_sdpa")  # one process: fine
+    with pytest.raises(RuntimeError) as info:
+        set_parallel_dims(layer, dims)  # handed the mesh later
+    assert str(info.value) == message
+    USPAttention(4, 16, backend="math", dims=dims)  # ring-capable: fine
 
 
 def test_register_backend_guards():

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from ringdit.attention import USPAttention, get_attn_backend
-from ringdit.parallel import all_to_all, gather_sequence, init_sequence_parallel, shard_sequence
-from ringdit.parallel.mesh import check_degrees
+from ringdit.parallel import all_to_all, gather_sequence, init_sequence_parallel, set_parallel_dims, shard_sequence
+from ringdit.config import check_degrees
 from tests.distributed import run_ranks
 
 HEADS, HEAD_SIZE = 4, 16
@@ -37,11 +37,12 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 
 def usp_attention_step(dims, backend_name, q, k, v, dout, length):
     """Shard the full tensors, run USPAttention forward + backward, gather output and input gradients."""
-    attn = USPAttention(HEADS, HEAD_SIZE, backend=backend_name)
-    local = [shard_sequence(t).detach().requires_grad_() for t in (q, k, v)]
+    attn = USPAttention(HEADS, HEAD_SIZE, backend=backend_name, dims=dims)
+    local = [shard_sequence(t, dims=dims).detach().requires_grad_() for t in (q, k, v)]
     out = attn(*local, valid_len=length)
-    out.backward(shard_sequence(dout))
-    return [gather_sequence(t, length=length) for t in (out.detach(), *(x.grad for x in local))], local, out
+    out.backward(shard_sequence(dout, dims=dims))
+    gathered = [gather_sequence(t, length=length, dims=dims) for t in (out.detach(), *(x.grad for x in local))]
+    return gathered, local, out
 
 
 LAYOUTS = [(2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]  # (ring, ulysses) on 4 ranks
@@ -112,7 +113,7 @@ def test_ring_with_math_backend_is_exact_in_fp64():
 
 
 def check_point_to_point_count(rank, world):
-    init_sequence_parallel(world, 1)
+    dims = init_sequence_parallel(world, 1)
     transfers = []
     real_batch = dist.batch_isend_irecv
 
@@ -126,7 +127,7 @@ def check_point_to_point_count(rank, world):
     dist.batch_isend_irecv = counting_batch
     for name in ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "all_to_all_single"):
         setattr(dist, name, forbidden)
-    attn = USPAttention(HEADS, HEAD_SIZE, backend="torch_flash")
+    attn = USPAttention(HEADS, HEAD_SIZE, backend="torch_flash", dims=dims)
     x = torch.randn(1, 8, HEADS, HEAD_SIZE, requires_grad=True)
     out = attn(x, x, x)
     assert sum(transfers) == 2 * (world - 1), transfers  # one send + one receive per hop, K and V stacked
@@ -147,37 +148,64 @@ def check_collective_autograd(rank, world):
     weights = [torch.randn(2, 10, 4, 3, generator=g, dtype=torch.float64) for _ in range(world)]
 
     x = full.clone().requires_grad_()
-    local = shard_sequence(x)
+    local = shard_sequence(x, dims=dims)
     assert local.shape == (2, 3, 4, 3)
-    torch.testing.assert_close(gather_sequence(local, length=10), full)
-    (shard_sequence(weights[rank]) * local).sum().backward()
+    torch.testing.assert_close(gather_sequence(local, length=10, dims=dims), full)
+    (shard_sequence(weights[rank], dims=dims) * local).sum().backward()
     expected = torch.zeros_like(full)
     span = slice(3 * rank, min(3 * rank + 3, 10))
     expected[:, span] = weights[rank][:, span]
     torch.testing.assert_close(x.grad, expected)
 
-    local = shard_sequence(full).requires_grad_()
-    (gather_sequence(local, length=10) * weights[rank]).sum().backward()
-    torch.testing.assert_close(local.grad, shard_sequence(sum(weights)))
+    local = shard_sequence(full, dims=dims).requires_grad_()
+    (gather_sequence(local, length=10, dims=dims) * weights[rank]).sum().backward()
+    torch.testing.assert_close(local.grad, shard_sequence(sum(weights), dims=dims))
 
     group = dims.sp_group
-    local = shard_sequence(full[:, :8]).requires_grad_()  # (2, 2, 4, 3)
+    local = shard_sequence(full[:, :8], dims=dims).requires_grad_()  # (2, 2, 4, 3)
     heads = all_to_all(local, group, scatter_dim=2, gather_dim=1)  # (2, 8, 1, 3)
     torch.testing.assert_close(heads, full[:, :8, rank : rank + 1])
     heads.backward(weights[0][:, :8, rank : rank + 1])
-    torch.testing.assert_close(local.grad, shard_sequence(weights[0][:, :8]))
+    torch.testing.assert_close(local.grad, shard_sequence(weights[0][:, :8], dims=dims))
 
 
 def test_collectives_autograd():
     run_ranks(check_collective_autograd, 4)
 
 
+def check_mesh_layout(rank, world):
+    """The DeviceMesh keeps DESIGN.md's layout: rank = dp_rank * sp + sp_rank, sp_rank = ring_rank * U + ulysses_rank,
+    and the CFG pairs are dp replicas 2j, 2j + 1 at equal sp_rank."""
+    for dp, ring, ulysses in [(1, 2, 2), (2, 2, 1), (2, 1, 2), (4, 1, 1)]:
+        dims = init_sequence_parallel(ring, ulysses, cfg_parallel=dp % 2 == 0)
+        sp = ring * ulysses
+        assert dims.mesh.mesh_dim_names == ("dp", "ring", "ulysses") and dims.mesh.shape == (dp, ring, ulysses)
+        assert (dims.dp_degree, dims.ring_degree, dims.ulysses_degree) == (dp, ring, ulysses)
+        assert rank == dims.dp_rank * sp + dims.sp_rank and dims.sp_rank == dims.ring_rank * ulysses + dims.ulysses_rank
+        base, u = dims.dp_rank * sp, dims.ulysses_rank
+        expected = {"sp_group": [base + s for s in range(sp)],
+                    "ring_group": [base + r * ulysses + u for r in range(ring)],
+                    "ulysses_group": [base + dims.ring_rank * ulysses + v for v in range(ulysses)],
+                    "cfg_group": sorted({(dims.dp_rank // 2 * 2 + h) * sp + dims.sp_rank for h in (0, 1)})
+                    if dp % 2 == 0 else [rank]}
+        for name, ranks in expected.items():
+            group = getattr(dims, name)
+            assert (dist.get_process_group_ranks(group) if group is not None else [rank]) == ranks, (name, dp, ring)
+        assert list(dims.ring_ranks) == expected["ring_group"]
+        assert dims.cfg_rank == (dims.dp_rank % 2 if dp % 2 == 0 else 0)
+
+
+def test_mesh_keeps_the_documented_rank_layout():
+    run_ranks(check_mesh_layout, 4)
+
+
 def check_layout_errors(rank, world):
-    with pytest.raises(ValueError, match=r"world size 4 .* not divisible by ring_degree x ulysses_degree = 3 x 1 = 3"):
-        init_sequence_parallel(3, 1)
-    init_sequence_parallel(1, 4)
+    dims = init_sequence_parallel(1, 4)
     with pytest.raises(ValueError, match=r"num_heads=6 is not divisible by ulysses_degree=4.*\[1, 2, 3, 6\]"):
-        USPAttention(6, 16)
+        USPAttention(6, 16, dims=dims)  # built with the mesh
+    layer = USPAttention(6, 16)
+    with pytest.raises(ValueError, match=r"num_heads=6 is not divisible by ulysses_degree=4.*\[1, 2, 3, 6\]"):
+        set_parallel_dims(layer, dims)  # or handed it later
 
 
 def test_layout_errors_name_values_and_fixes():
@@ -190,13 +218,18 @@ def test_degrees_must_be_positive_integers(bad):
         check_degrees(bad, 1)
 
 
+def test_degrees_must_divide_the_world_size():
+    with pytest.raises(ValueError, match=r"world size 4 .* not divisible by ring_degree x ulysses_degree = 3 x 1 = 3"):
+        check_degrees(3, 1, 4)
+
+
 def check_silent_rank(rank, world):
     """Rank 1 is alive but never joins the ring step (hung, or stuck elsewhere): rank 0 must fail, not wait."""
-    init_sequence_parallel(world, 1, timeout=datetime.timedelta(seconds=1))
+    dims = init_sequence_parallel(world, 1, timeout=datetime.timedelta(seconds=1))
     if rank == 1:
         time.sleep(4)
         return
-    attn = USPAttention(HEADS, HEAD_SIZE)
+    attn = USPAttention(HEADS, HEAD_SIZE, dims=dims)
     x = torch.randn(1, 4, HEADS, HEAD_SIZE)
     start = time.monotonic()
     with pytest.raises(RuntimeError):

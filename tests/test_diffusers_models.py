@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringdit.parallel import init_sequence_parallel
+from ringdit.parallel import init_sequence_parallel, set_parallel_dims
 from tests.distributed import run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,7 +23,7 @@ LAYOUTS = [(2, 1), (4, 1), (1, 2), (2, 2)]  # (ring, ulysses) on 4 ranks
 SHAPES = [(2, 8, 8), (3, 6, 6)]
 
 
-def wan_case(shape, seed=0):
+def wan_case(shape, seed=0, dims=None):
     """The same weights and inputs on every rank: a unmodified reference model, a ringdit one, inputs, dout."""
     import diffusers
 
@@ -33,6 +33,8 @@ def wan_case(shape, seed=0):
     reference = diffusers.WanTransformer3DModel.from_config(WAN_TINY)
     model = DiffusersTransformer("wan", config=WAN_TINY, input_size=shape, in_channels=4, text_len=7, text_dim=16)
     model.transformer.load_state_dict(reference.state_dict())
+    if dims is not None:
+        set_parallel_dims(model, dims)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(2, 4, *shape, generator=g)
     t = torch.tensor([30.0, 810.0])
@@ -64,15 +66,15 @@ def assert_grads_match(grads, reference, rtol=1e-4):
 
 def check_wan_layouts(rank, world):
     for ring, ulysses in LAYOUTS:
-        init_sequence_parallel(ring, ulysses)
-        if ring > 1:  # the layers are USPAttention: a backend without the LSE is refused at construction
+        dims = init_sequence_parallel(ring, ulysses)
+        if ring > 1:  # the layers are USPAttention: a backend without the LSE is refused when given the mesh
             from ringdit.models.diffusers import DiffusersTransformer
 
             with pytest.raises(RuntimeError, match=r"Ring Attention requires a backend whose kernel exposes the "
                                                    r"softmax LSE for the per-hop merge; TORCH_SDPA does not declare"):
-                DiffusersTransformer("wan", config=WAN_TINY, attention_backend="torch_sdpa")
+                set_parallel_dims(DiffusersTransformer("wan", config=WAN_TINY, attention_backend="torch_sdpa"), dims)
         for shape in SHAPES:
-            reference, model, (x, t, text), dout = wan_case(shape)
+            reference, model, (x, t, text), dout = wan_case(shape, dims=dims)
             ref_out, ref_grads = forward_backward(
                 lambda: reference(x, t, text, return_dict=False)[0], reference, dout)
             out, grads = forward_backward(lambda: model(x, t, {"text": text}), model.transformer, dout)
@@ -107,7 +109,7 @@ FLUX_SHAPES = [(8, 8), (6, 10)]
 TEXT_LEN = 5  # not divisible by the Ulysses degree
 
 
-def flux_case(shape, seed=0, guidance=None):
+def flux_case(shape, seed=0, guidance=None, dims=None):
     import diffusers
 
     from ringdit.models.diffusers import DiffusersTransformer
@@ -119,6 +121,8 @@ def flux_case(shape, seed=0, guidance=None):
     model = DiffusersTransformer("flux", config=config, input_size=shape, in_channels=1, text_len=TEXT_LEN,
                                  text_dim=32, pooled_dim=32, guidance=guidance)
     model.transformer.load_state_dict(reference.state_dict())
+    if dims is not None:
+        set_parallel_dims(model, dims)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(2, 1, *shape, generator=g)
     t = torch.tensor([30.0, 810.0])
@@ -137,9 +141,9 @@ def flux_case(shape, seed=0, guidance=None):
 
 def check_flux_layouts(rank, world):
     for ring, ulysses in LAYOUTS:
-        init_sequence_parallel(ring, ulysses)
+        dims = init_sequence_parallel(ring, ulysses)
         for shape, guidance in zip(FLUX_SHAPES, (None, 3.5)):  # Flux-schnell- and Flux-dev-like
-            reference, model, run_reference, run_model, dout = flux_case(shape, guidance=guidance)
+            reference, model, run_reference, run_model, dout = flux_case(shape, guidance=guidance, dims=dims)
             ref_out, ref_grads = forward_backward(run_reference, reference, dout)
             out, grads = forward_backward(run_model, model.transformer, dout)
             for grad in (g for g in grads.values() if g is not None):  # DDP's average over the dp x sp ranks
@@ -169,7 +173,7 @@ QWEN_TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, att
                  num_attention_heads=4, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
 
 
-def qwen_case(shape, seed=0):
+def qwen_case(shape, seed=0, dims=None):
     import diffusers
 
     from ringdit.models.diffusers import DiffusersTransformer
@@ -180,6 +184,8 @@ def qwen_case(shape, seed=0):
     model = DiffusersTransformer("qwenimage", config=QWEN_TINY, input_size=shape, in_channels=4, text_len=TEXT_LEN,
                                  text_dim=16)
     model.transformer.load_state_dict(reference.state_dict())
+    if dims is not None:
+        set_parallel_dims(model, dims)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(2, 4, *shape, generator=g)
     t = torch.tensor([30.0, 810.0])
@@ -199,9 +205,9 @@ def qwen_case(shape, seed=0):
 
 def check_qwen_layouts(rank, world):
     for ring, ulysses in LAYOUTS:
-        init_sequence_parallel(ring, ulysses)
+        dims = init_sequence_parallel(ring, ulysses)
         for shape in FLUX_SHAPES:
-            reference, model, run_reference, run_model, dout = qwen_case(shape)
+            reference, model, run_reference, run_model, dout = qwen_case(shape, dims=dims)
             ref_out, ref_grads = forward_backward(run_reference, reference, dout)
             out, grads = forward_backward(run_model, model.transformer, dout)
             for grad in (g for g in grads.values() if g is not None):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ringdit.models import DIT_MODELS, DiT, sincos_pos_embed
-from ringdit.parallel import init_sequence_parallel, reset_sequence_parallel, shard_sequence, sharded_mean
+from ringdit.parallel import init_sequence_parallel, set_parallel_dims, shard_sequence, sharded_mean
 from tests.distributed import run_ranks
 
 
@@ -159,16 +159,18 @@ def check_sharded_dit(rank, world, ring, ulysses, video, spatial):
     x, target = torch.randn(shape, generator=g), torch.randn(2, 6, *spatial, generator=g)
     t, y, drop = torch.tensor([37.0, 912.0]), torch.tensor([3, 7]), torch.tensor([False, True])
 
-    reference = copy.deepcopy(model)  # one device: no mesh yet
+    reference = copy.deepcopy(model)  # one device: no mesh
     ref_loss, ref_out = one_device_loss(reference, x, t, y, drop, target)
     ref_loss.backward()
 
     dims = init_sequence_parallel(ring, ulysses)
+    set_parallel_dims(model, dims)
     out = model(x, t, y, drop)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=2e-6)
     pred = model.forward_tokens(x, t, y, drop)  # this rank's tokens
     target_tokens = model.patchify(target)
-    loss = sharded_mean((pred - shard_sequence(target_tokens)).square(), length=target_tokens.shape[1])
+    loss = sharded_mean((pred - shard_sequence(target_tokens, dims=dims)).square(), length=target_tokens.shape[1],
+                        dims=dims)
     logged = loss.detach().clone()
     dist.all_reduce(logged)
     torch.testing.assert_close(logged / world, ref_loss.detach(), rtol=1e-5, atol=1e-7)  # what gets logged
@@ -194,7 +196,6 @@ SHARDED_CASES = [  # (ring, ulysses, video, spatial size)
 def check_all_sharded_cases(rank, world):
     for case in SHARDED_CASES:  # one group of processes for all cases: spawning dominates the test's time
         check_sharded_dit(rank, world, *case)
-        reset_sequence_parallel()  # the next case's one-device reference runs without a mesh
 
 
 def test_sharded_dit_equals_one_device():

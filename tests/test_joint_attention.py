@@ -146,13 +146,14 @@ CASES = [
 ]
 
 
-def joint_step(backend, q, k, v, dout, mask, image_len, sp):
+def joint_step(backend, q, k, v, dout, mask, image_len, dims):
     """This rank's view: replicated text + its image shard; the text loss is shared equally by the SP ranks."""
-    local = [torch.cat([t[:, :TEXT], shard_sequence(t[:, TEXT:])], dim=1).requires_grad_() for t in (q, k, v)]
-    out = USPAttention(HEADS, HEAD_SIZE, backend=backend)(
+    local = [torch.cat([t[:, :TEXT], shard_sequence(t[:, TEXT:], dims=dims)], dim=1).requires_grad_()
+             for t in (q, k, v)]
+    out = USPAttention(HEADS, HEAD_SIZE, backend=backend, dims=dims)(
         *local, valid_len=image_len, joint_prefix=TEXT, prefix_mask=mask
     )
-    out.backward(torch.cat([dout[:, :TEXT] / sp, shard_sequence(dout[:, TEXT:])], dim=1))
+    out.backward(torch.cat([dout[:, :TEXT] / dims.sp_degree, shard_sequence(dout[:, TEXT:], dims=dims)], dim=1))
     return out.detach(), [x.grad for x in local]
 
 
@@ -165,12 +166,12 @@ def check_joint_layouts(rank, world, errors_file):
             q, k, v, dout = random_joint(batch, TEXT, image_len, dtype, seed=image_len)
             mask = padded_text_mask(batch, TEXT) if masked else None
             ref = reference(q, k, v, dout, TEXT, mask)
-            out, grads = joint_step(backend, q, k, v, dout, mask, image_len, dims.sp_degree)
+            out, grads = joint_step(backend, q, k, v, dout, mask, image_len, dims)
             label = f"{ring}x{ulysses} {backend} {str(dtype)[6:]} B={batch} S={image_len} mask={masked}"
             tol = FP64_TOL if dtype == torch.float64 else FP32_TOL
 
             # image rows: gathered over the SP group, as usual
-            image = [gather_sequence(t[:, TEXT:], length=image_len) for t in (out, *grads)]
+            image = [gather_sequence(t[:, TEXT:], length=image_len, dims=dims) for t in (out, *grads)]
             # text rows: the output is complete on every rank; the gradients are partial sums over the ranks
             text_grads = [g[:, :TEXT].clone() for g in grads]
             for g in text_grads:

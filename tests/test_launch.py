@@ -82,6 +82,11 @@ BAD_SETTINGS = {
     "log interval zero": (["trainer.log_every_n_steps=0"], r"trainer.log_every_n_steps must be a positive integer"),
     "rendezvous timeout zero": (["trainer.strategy.rendezvous_timeout_s=0"],
                                 r"trainer.strategy.rendezvous_timeout_s must be in \(0, inf\], got 0"),
+    # the strategies trust the degrees: they are checked here, once
+    "replicate_degree zero": (["trainer/strategy=fsdp", "trainer.strategy.replicate_degree=0"],
+                              r"trainer.strategy.replicate_degree must be an integer >= 1, got 0"),
+    "replicate_degree not dividing": (["trainer/strategy=fsdp", "ring_degree=2", "trainer.strategy.replicate_degree=3"],
+                                      r"trainer.strategy.replicate_degree=3 does not divide the world size 2"),
 }
 
 
@@ -102,6 +107,8 @@ def test_bad_training_setting_is_refused_before_spawning(case, tmp_path, capsys)
         (["cfg_scale=-inf"], r"cfg_scale must be a finite number, got -inf"),
         (["dp_degree=1.5"], r"dp_degree must be a positive integer, got 1.5"),
         (["dp_degree=2", "num_samples=1"], r"num_samples=1 is fewer than the 2 data-parallel ranks \(dp_degree=2\)"),
+        (["cfg_parallel=true"], r"cfg_parallel=true runs the two halves of guidance on two data-parallel replicas, "
+                                r"so it needs an even number of them, got 1"),
     ],
 )
 def test_bad_infer_setting_is_refused(overrides, message, tiny_checkpoint, tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ringdit.lora import add_lora, adapter_state, export_lora, is_adapter_key
-from ringdit.parallel import init_sequence_parallel
+from ringdit.parallel import init_sequence_parallel, set_parallel_dims
 from ringdit.weights import read_weights
 from tests.distributed import run_ranks
 from tests.test_diffusers_models import WAN_TINY
@@ -68,12 +68,14 @@ def test_lora_trains_only_adapters_under_ddp_and_fsdp(tmp_path):
 # ---- the diffusers side ------------------------------------------------------------------------------------------
 
 
-def wan_lora_case(shape=(2, 8, 8), seed=0):
+def wan_lora_case(shape=(2, 8, 8), seed=0, dims=None):
     """A ringdit Wan with trained-looking (random) adapters, and inputs; the same on every rank."""
     from ringdit.models.diffusers import DiffusersTransformer
 
     torch.manual_seed(seed)
     model = DiffusersTransformer("wan", config=WAN_TINY, input_size=shape, in_channels=4, text_len=7, text_dim=16)
+    if dims is not None:
+        set_parallel_dims(model, dims)
     add_lora(model, rank=4, alpha=8)
     with torch.no_grad():
         for key, param in model.named_parameters():
@@ -97,8 +99,7 @@ def diffusers_with_adapter(model, folder):
 
 
 def check_wan_lora_ring(rank, world, folder):
-    init_sequence_parallel(ring_degree=world)
-    model, (x, t, text) = wan_lora_case()
+    model, (x, t, text) = wan_lora_case(dims=init_sequence_parallel(ring_degree=world))
     reference = diffusers_with_adapter(model, folder)
     with torch.no_grad():
         ours = model(x, t, {"text": text})

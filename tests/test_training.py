@@ -224,7 +224,7 @@ def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
 
 def sample_under_layouts(rank, world, ckpt):
     """The sampling path of infer.py (DiTModule.generate with the checkpoint's weights) under every layout."""
-    from ringdit.parallel import init_sequence_parallel
+    from ringdit.parallel import init_sequence_parallel, set_parallel_dims
     from ringdit.training import DiTModule
     from ringdit.weights import read_weights
 
@@ -232,9 +232,9 @@ def sample_under_layouts(rank, world, ckpt):
     labels, seeds = torch.tensor([1, 7, 3]), [10, 11, 12]
     results = {}
     for ring, ulysses in [(1, 1), (2, 1), (4, 1), (2, 2)]:
-        init_sequence_parallel(ring, ulysses)
         module = DiTModule(model=info["model"], objective=info["objective"], data=info["data"],
                            sampling={**info["sampling"], "steps": 4, "cfg_scale": 2.0}, init_from=str(ckpt))
+        set_parallel_dims(module, init_sequence_parallel(ring, ulysses))  # as the strategy does
         module.configure_model()
         results[(ring, ulysses)] = module.generate(labels, seeds)
     for layout, samples in results.items():

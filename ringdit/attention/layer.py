@@ -27,7 +27,7 @@ from ringdit.attention.joint import (
     text_head_slice,
 )
 from ringdit.attention.ring import ReplicatedText, joint_ring_attention, ring_attention
-from ringdit.parallel import all_to_all, check_heads_divisible, current_parallel_dims
+from ringdit.parallel import ParallelDims, all_to_all, check_heads_divisible
 
 
 def local_attention(
@@ -56,6 +56,10 @@ class USPAttention(nn.Module):
     all real text and image keys, and the text output rows come back identical on every rank. ``prefix_mask``
     ``(B, P)`` bool, True = real text token: masked text keys get no weight (masked text query rows still attend).
     Gradients of the replicated text q/k/v are partial per rank: their sum over the SP group is the one-device one.
+
+    ``dims``: this rank's place in the mesh (given here or later by ``set_parallel_dims``); without it the layer is
+    plain local attention. Whether the heads split over Ulysses and the backend can do ring is checked when the
+    layer gets its dims, not at every call.
     """
 
     def __init__(
@@ -65,19 +69,20 @@ class USPAttention(nn.Module):
         *,
         backend: str | AttentionBackend | None = None,
         softmax_scale: float | None = None,
+        dims: ParallelDims | None = None,
     ):
         super().__init__()
         self.num_heads, self.head_size = num_heads, head_size
         self.softmax_scale = head_size**-0.5 if softmax_scale is None else softmax_scale
         self.backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
-        self._check_parallel_layout()
+        self.set_parallel_dims(dims or ParallelDims())
         _keep_communication_out_of_compiled_graphs()
 
-    def _check_parallel_layout(self) -> None:
-        dims = current_parallel_dims()
+    def set_parallel_dims(self, dims: ParallelDims) -> None:
         if dims.ring_degree > 1:
             check_ring_capable(self.backend)
         check_heads_divisible(self.num_heads, dims.ulysses_degree)
+        self.dims = dims
 
     def forward(
         self,
@@ -90,7 +95,7 @@ class USPAttention(nn.Module):
         prefix_mask: Tensor | None = None,
     ) -> Tensor:
         check_joint_args(q, k, v, joint_prefix, prefix_mask)
-        dims = current_parallel_dims()
+        dims = self.dims
         if dims.sp_degree == 1:
             if joint_prefix:
                 return local_joint_attention(
@@ -103,8 +108,6 @@ class USPAttention(nn.Module):
         return self._parallel_forward(q, k, v, valid_len, dims)
 
     def _parallel_forward(self, q: Tensor, k: Tensor, v: Tensor, valid_len: int | None, dims) -> Tensor:
-        self._check_parallel_layout()  # the mesh may have been built after this layer
-
         if dims.ulysses_degree > 1:
             q, k, v = self._sequence_to_heads(q, k, v, dims)  # (B, U*S_local, H/U, D)
         if dims.ring_degree > 1:
@@ -122,7 +125,6 @@ class USPAttention(nn.Module):
     ) -> Tensor:
         """``[text ; image shard]`` ``(B, P + S_local, H, D)``: the image part takes the usual USP path, the
         replicated text is split by heads (Ulysses) and attended as one local K/V chunk (ring)."""
-        self._check_parallel_layout()
         text = [t[:, :joint_prefix] for t in (q, k, v)]  # (B, P, H, D), identical on every SP rank
         q, k, v = (t[:, joint_prefix:] for t in (q, k, v))  # (B, S_local, H, D), this rank's image shard
 

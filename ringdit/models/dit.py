@@ -3,9 +3,12 @@
 The model math is written for one device and follows facebookresearch/DiT ``models.py`` (same parameter names and
 shapes, so original checkpoints load with strict key checking). Sequence parallelism attaches at exactly two places:
 
-- every attention runs through ``USPAttention`` (ring / Ulysses across the current sequence-parallel group);
+- every attention runs through ``USPAttention`` (ring / Ulysses across the sequence-parallel group);
 - the token sequence is sharded after patch + position embedding (``shard_sequence``) and gathered at the output
   (``gather_sequence``) -- or left sharded, for a loss computed on each rank's own tokens (``forward_tokens``).
+
+The mesh comes from outside: ``ringdit.parallel.set_parallel_dims(model, dims)`` hands it to the DiT and to every
+attention layer (the strategy does this); until then the model runs on one process.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ringdit.attention import USPAttention
 from ringdit.models.embeddings import LabelEmbedder, PatchEmbed, TimestepEmbedder, sincos_pos_embed
-from ringdit.parallel import current_parallel_dims, gather_sequence, shard_sequence
+from ringdit.parallel import ParallelDims, gather_sequence, shard_sequence
 
 Tensor = torch.Tensor
 
@@ -134,7 +137,12 @@ class DiT(nn.Module):
             [DiTBlock(hidden_size, num_heads, mlp_ratio, attention_backend) for _ in range(depth)]
         )
         self.final_layer = FinalLayer(hidden_size, _volume(self.x_embedder.patch_shape), self.out_channels)
+        self.dims = ParallelDims()
         self.initialize_weights()
+
+    def set_parallel_dims(self, dims: ParallelDims) -> None:
+        """Where the token sequence splits and gathers (the attention layers get ``dims`` on their own)."""
+        self.dims = dims
 
     def initialize_weights(self) -> None:
         """The original's init: xavier linears, zeroed adaLN modulation and output layer (adaLN-Zero)."""
@@ -194,9 +202,9 @@ class DiT(nn.Module):
         grid = self.x_embedder.grid(x)
         tokens = self.x_embedder(x) + self.position_embedding(grid)  # (B, N, D)
         c = self.t_embedder(t) + self.y_embedder(y, drop_labels)  # (B, D)
-        sharded = current_parallel_dims().sp_degree > 1
+        sharded = self.dims.sp_degree > 1
         valid_len = tokens.shape[1] if sharded else None  # the padding that makes N divisible is not attended
-        tokens = shard_sequence(tokens)  # (B, N_local, D)
+        tokens = shard_sequence(tokens, dims=self.dims)  # (B, N_local, D)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 tokens = checkpoint(block, tokens, c, valid_len, use_reentrant=False)
@@ -207,7 +215,8 @@ class DiT(nn.Module):
     def forward(self, x: Tensor, t: Tensor, y: Tensor, drop_labels: Tensor | None = None) -> Tensor:
         """(B, C, [T,] H, W) -> (B, out_channels, [T,] H, W), gathered from all sequence-parallel ranks."""
         grid = self.x_embedder.grid(x)
-        tokens = gather_sequence(self.forward_tokens(x, t, y, drop_labels), dim=1, length=_volume(grid))
+        tokens = self.forward_tokens(x, t, y, drop_labels)  # (B, N_local, patch_volume * out_channels)
+        tokens = gather_sequence(tokens, dim=1, length=_volume(grid), dims=self.dims)
         return self.unpatchify(tokens, grid)
 
     @property

@@ -10,24 +10,22 @@ from ringdit.parallel.collectives import (
 from ringdit.parallel.loss import sharded_mean
 from ringdit.parallel.mesh import (
     ParallelDims,
-    check_degrees,
+    build_mesh,
     check_heads_divisible,
-    current_parallel_dims,
     init_sequence_parallel,
-    reset_sequence_parallel,
+    set_parallel_dims,
 )
 
 __all__ = [
     "ParallelDims",
     "all_to_all",
-    "check_degrees",
+    "build_mesh",
     "check_heads_divisible",
     "chunk_length",
-    "current_parallel_dims",
     "exchange_guidance_halves",
     "gather_sequence",
     "init_sequence_parallel",
-    "reset_sequence_parallel",
+    "set_parallel_dims",
     "shard_sequence",
     "sharded_mean",
 ]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ringdit.parallel.mesh import ParallelDims, ProcessGroup, current_parallel_dims
+from ringdit.parallel.mesh import ParallelDims, ProcessGroup
 
 Tensor = torch.Tensor
 
@@ -88,20 +88,18 @@ class _GatherSequence(torch.autograd.Function):
         return recv.sum(dim=0), None, None, None
 
 
-def shard_sequence(x: Tensor, dim: int = 1, dims: ParallelDims | None = None) -> Tensor:
+def shard_sequence(x: Tensor, dim: int = 1, *, dims: ParallelDims) -> Tensor:
     """This sequence-parallel rank's contiguous chunk of ``x`` along ``dim`` (chunk index = sp_rank).
 
     The length is padded at the tail with zeros to a multiple of the SP degree; ``gather_sequence`` undoes both.
     """
-    dims = dims or current_parallel_dims()
     if dims.sp_degree == 1:
         return x
     return _ShardSequence.apply(x, dim, dims.sp_rank, dims.sp_degree)
 
 
-def gather_sequence(x_local: Tensor, dim: int = 1, length: int | None = None, dims: ParallelDims | None = None) -> Tensor:
+def gather_sequence(x_local: Tensor, dim: int = 1, length: int | None = None, *, dims: ParallelDims) -> Tensor:
     """Concatenate every SP rank's chunk along ``dim`` and drop the tail padding beyond ``length``."""
-    dims = dims or current_parallel_dims()
     if dims.sp_degree == 1:
         return x_local if length is None else x_local.narrow(dim, 0, length)
     length = x_local.shape[dim] * dims.sp_degree if length is None else length

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ringdit.parallel.mesh import ParallelDims, current_parallel_dims
+from ringdit.parallel.mesh import ParallelDims
 
 Tensor = torch.Tensor
 
 
-def sharded_mean(values_local: Tensor, length: int, dim: int = 1, dims: ParallelDims | None = None) -> Tensor:
+def sharded_mean(values_local: Tensor, length: int, dim: int = 1, *, dims: ParallelDims) -> Tensor:
     """The mean of ``values`` over the whole sample, computed from this rank's shard of the sequence.
 
     ``values_local`` is this rank's chunk (``shard_sequence`` layout, tail padding included) of a tensor whose
@@ -18,7 +18,6 @@ def sharded_mean(values_local: Tensor, length: int, dim: int = 1, dims: Parallel
     (b) DDP's gradient average over all dp x sp ranks equals the gradient of the one-device mean, given that the
     ranks' parameter gradients are partial sums (see ringdit.parallel.collectives).
     """
-    dims = dims or current_parallel_dims()
     local_len = values_local.shape[dim]
     real = max(0, min(local_len, length - dims.sp_rank * local_len)) if dims.sp_degree > 1 else length
     total = values_local.numel() // local_len * length  # elements of the full, unpadded tensor

@@ -1,10 +1,14 @@
-"""The sequence-parallel process mesh: world = dp x sp, sp = ring x ulysses.
+"""The sequence-parallel process mesh: world = dp x sp, sp = ring x ulysses, as a ``DeviceMesh``.
 
 Rank layout (DESIGN.md): the ranks of one sequence-parallel (SP) group are contiguous,
 ``global_rank = dp_rank * sp + sp_rank``; inside it Ulysses groups are contiguous and ring groups strided,
-``sp_rank = ring_rank * ulysses + ulysses_rank``. Ulysses all-to-alls (heavy, latency-bound) therefore stay among
-neighbouring ranks (same node, NVLink), while the ring's point-to-point traffic, which overlaps with compute, spans
-the farther ranks.
+``sp_rank = ring_rank * ulysses + ulysses_rank``. That is exactly the row-major layout of a mesh of shape
+``(dp, ring, ulysses)``. Ulysses all-to-alls (heavy, latency-bound) therefore stay among neighbouring ranks (same
+node, NVLink), while the ring's point-to-point traffic, which overlaps with compute, spans the farther ranks.
+
+There is no "current" mesh: the strategy builds it once and hands the ``ParallelDims`` to the model
+(``set_parallel_dims``); layers and collectives take it explicitly. The degrees are validated at config time
+(``ringdit.config.validate_parallel``); here they are trusted.
 """
 
 from __future__ import annotations
@@ -13,13 +17,20 @@ import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import Backend as C10dBackend  # noqa: I001 (its Options: what DeviceMesh takes)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 ProcessGroup = dist.ProcessGroup
+MESH_DIMS = ("dp", "ring", "ulysses")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """This rank's place in the mesh and the process groups it talks over (None where a degree is 1)."""
+    """This rank's place in the mesh and the process groups it talks over (None where a degree is 1).
+
+    ``ParallelDims()`` is one process: no parallelism, no mesh.
+    """
 
     ring_degree: int = 1
     ulysses_degree: int = 1
@@ -38,6 +49,50 @@ class ParallelDims:
     # unconditional (cfg_rank 1) half of the same samples; cfg_group pairs the ranks of equal sp_rank.
     cfg_group: ProcessGroup | None = None
     cfg_rank: int = 0
+    # The (dp, ring, ulysses) mesh the groups come from; FSDP shards over it.
+    mesh: DeviceMesh | None = None
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh, *, cfg_parallel: bool = False,
+                  timeout: datetime.timedelta | None = None) -> ParallelDims:
+        """This rank's view of ``mesh`` (dims ``("dp", "ring", "ulysses")``).
+
+        Collective: every rank of the mesh must call it with the same arguments (the SP and CFG groups are created
+        here, for every rank in the same order).
+        """
+        dp, ring, ulysses = mesh.shape  # the sizes of MESH_DIMS, in that order
+        dp_rank, ring_rank, ulysses_rank = (mesh.get_local_rank(name) for name in MESH_DIMS)
+        sp_group = None
+        if ring > 1 and ulysses > 1:  # one SP group = the flattened (ring, ulysses) submesh
+            sp_group = mesh["ring", "ulysses"]._flatten("sp", _timeout_override(timeout)).get_group()
+        elif ring * ulysses > 1:
+            sp_group = mesh.get_group("ring" if ring > 1 else "ulysses")
+        cfg_group = None
+        if cfg_parallel:  # split dp into (pairs, 2): the size-2 dim pairs replicas 2j, 2j + 1 at equal sp_rank
+            halves = mesh._unflatten("dp", (dp // 2, 2), ("dp_pair", "cfg"),
+                                     backend_override={"cfg": _timeout_override(timeout)} if timeout else None)
+            cfg_group = halves.get_group("cfg")
+        return cls(
+            ring_degree=ring,
+            ulysses_degree=ulysses,
+            dp_degree=dp,
+            rank=mesh.get_rank(),
+            dp_rank=dp_rank,
+            sp_rank=ring_rank * ulysses + ulysses_rank,
+            ring_rank=ring_rank,
+            ulysses_rank=ulysses_rank,
+            sp_group=sp_group,
+            ring_group=mesh.get_group("ring") if ring > 1 else None,
+            ulysses_group=mesh.get_group("ulysses") if ulysses > 1 else None,
+            ring_ranks=tuple(mesh["ring"].mesh.tolist()),
+            cfg_group=cfg_group,
+            cfg_rank=dp_rank % 2 if cfg_parallel else 0,
+            mesh=mesh,
+        )
+
+    def __deepcopy__(self, memo) -> ParallelDims:
+        # A copy of a model (the EMA) talks over the same process groups: share them, never copy them.
+        return self
 
     @property
     def data_parallel(self) -> tuple[int, int]:
@@ -55,27 +110,52 @@ class ParallelDims:
         return self.dp_degree * self.sp_degree
 
 
-_current = ParallelDims()
+def build_mesh(ring_degree: int = 1, ulysses_degree: int = 1, *, device_type: str = "cpu",
+               timeout: datetime.timedelta | None = None) -> DeviceMesh:
+    """The ``(dp, ring, ulysses)`` mesh over the default process group (dp = world / (ring x ulysses)).
+
+    Collective over the default group. ``timeout`` bounds every collective on the mesh's groups, so a dead rank
+    ends the others with an error instead of a hang.
+    """
+    dp = dist.get_world_size() // (ring_degree * ulysses_degree)
+    override = {name: _timeout_override(timeout) for name in MESH_DIMS} if timeout is not None else None
+    return init_device_mesh(device_type, (dp, ring_degree, ulysses_degree), mesh_dim_names=MESH_DIMS,
+                            backend_override=override)
 
 
-def current_parallel_dims() -> ParallelDims:
-    """The mesh made current by the last ``init_sequence_parallel`` (no parallelism before that)."""
-    return _current
+def _timeout_override(timeout: datetime.timedelta | None):
+    """DeviceMesh passes a timeout to the groups it creates only inside backend options."""
+    if timeout is None:
+        return None
+    # NCCL takes only its own options class; gloo takes any (and reads just the timeout).
+    options = dist.ProcessGroupNCCL.Options() if dist.get_backend() == "nccl" else C10dBackend.Options(dist.get_backend())
+    options._timeout = timeout
+    return options
 
 
-def check_degrees(ring_degree: object, ulysses_degree: object, world_size: int | None = None) -> None:
-    """Raise a clear ValueError for degrees that cannot form a mesh (used at config time and at init)."""
-    for setting, value in (("ring_degree", ring_degree), ("ulysses_degree", ulysses_degree)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{setting} must be an integer >= 1, got {value!r}; use 1 to disable that parallelism")
-    sp = ring_degree * ulysses_degree  # type: ignore[operator]
-    if world_size is not None and world_size % sp:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(
-            f"world size {world_size} (devices x nodes) is not divisible by ring_degree x ulysses_degree = "
-            f"{ring_degree} x {ulysses_degree} = {sp}; choose degrees whose product divides {world_size} "
-            f"(one of {divisors}) or set the device count to a multiple of {sp}"
-        )
+def init_sequence_parallel(
+    ring_degree: int = 1, ulysses_degree: int = 1, *, timeout: datetime.timedelta | None = None,
+    cfg_parallel: bool = False, device_type: str = "cpu",
+) -> ParallelDims:
+    """Build the mesh from the default process group and return this rank's ``ParallelDims`` (nothing global).
+
+    Collective: every rank of the default group must call it with the same (config-time validated) degrees.
+    Without torch.distributed there is nothing to build: one process, no parallelism.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return ParallelDims()
+    mesh = build_mesh(ring_degree, ulysses_degree, device_type=device_type, timeout=timeout)
+    return ParallelDims.from_mesh(mesh, cfg_parallel=cfg_parallel, timeout=timeout)
+
+
+def set_parallel_dims(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    """Hand ``dims`` to every module of ``model`` that takes them (a ``set_parallel_dims(dims)`` method: the
+    attention layers, which check their heads and backend against them, the DiT, the diffusers adapter, the
+    LightningModule). Returns ``model``."""
+    for module in model.modules():
+        if hasattr(type(module), "set_parallel_dims"):
+            module.set_parallel_dims(dims)
+    return model
 
 
 def check_heads_divisible(num_heads: int, ulysses_degree: int) -> None:
@@ -85,81 +165,3 @@ def check_heads_divisible(num_heads: int, ulysses_degree: int) -> None:
             f"num_heads={num_heads} is not divisible by ulysses_degree={ulysses_degree}: Ulysses gives each rank "
             f"num_heads / ulysses_degree heads; use ulysses_degree in {divisors} (or move the rest to ring_degree)"
         )
-
-
-def init_sequence_parallel(
-    ring_degree: int = 1, ulysses_degree: int = 1, *, timeout: datetime.timedelta | None = None,
-    cfg_parallel: bool = False,
-) -> ParallelDims:
-    """Build the ring / Ulysses groups from the default process group and make them current.
-
-    Collective: every rank of the default group must call it with the same degrees. ``timeout`` bounds every
-    collective on the new groups, so a dead rank ends the others with an error instead of a hang. Without
-    torch.distributed (or with both degrees 1 on one process) there is nothing to build.
-    """
-    global _current
-    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    check_degrees(ring_degree, ulysses_degree, world_size)
-    sp = ring_degree * ulysses_degree
-    if cfg_parallel and (world_size // sp) % 2:
-        raise ValueError(f"cfg_parallel needs an even number of data-parallel replicas (one for each half of the "
-                         f"guidance), got {world_size // sp}; set dp_degree=2 (or another even number)")
-    if world_size == 1:
-        _current = ParallelDims()
-        return _current
-
-    rank = dist.get_rank()
-    dp_rank, sp_rank = divmod(rank, sp)
-    ring_rank, ulysses_rank = divmod(sp_rank, ulysses_degree)
-    groups: dict[str, ProcessGroup | None] = {"sp": None, "ring": None, "ulysses": None}
-    ring_ranks: tuple[int, ...] = (rank,)
-    # new_group is collective over the whole world: every rank creates every group, in the same order.
-    for dp in range(world_size // sp):
-        base = dp * sp
-        layouts = {
-            "sp": [[base + s for s in range(sp)]] if sp > 1 else [],
-            "ring": [[base + r * ulysses_degree + u for r in range(ring_degree)] for u in range(ulysses_degree)]
-            if ring_degree > 1
-            else [],
-            "ulysses": [[base + r * ulysses_degree + u for u in range(ulysses_degree)] for r in range(ring_degree)]
-            if ulysses_degree > 1
-            else [],
-        }
-        for kind, rank_lists in layouts.items():
-            for ranks in rank_lists:
-                group = dist.new_group(ranks, timeout=timeout)
-                if rank in ranks:
-                    groups[kind] = group
-                    if kind == "ring":
-                        ring_ranks = tuple(ranks)
-    cfg_group = None
-    if cfg_parallel:  # after the groups above, in the same order on every rank
-        for pair in range(world_size // sp // 2):
-            for sp_index in range(sp):
-                ranks = [2 * pair * sp + sp_index, (2 * pair + 1) * sp + sp_index]
-                group = dist.new_group(ranks, timeout=timeout)
-                if rank in ranks:
-                    cfg_group = group
-    _current = ParallelDims(
-        ring_degree=ring_degree,
-        ulysses_degree=ulysses_degree,
-        dp_degree=world_size // sp,
-        rank=rank,
-        dp_rank=dp_rank,
-        sp_rank=sp_rank,
-        ring_rank=ring_rank,
-        ulysses_rank=ulysses_rank,
-        sp_group=groups["sp"],
-        ring_group=groups["ring"],
-        ulysses_group=groups["ulysses"],
-        ring_ranks=ring_ranks,
-        cfg_group=cfg_group,
-        cfg_rank=dp_rank % 2 if cfg_parallel else 0,
-    )
-    return _current
-
-
-def reset_sequence_parallel() -> None:
-    """Forget the current mesh (its groups stay valid until the process group is destroyed)."""
-    global _current
-    _current = ParallelDims()

@@ -2,9 +2,10 @@
 shard the sequence.
 
 Built on Lightning's ``ModelParallelStrategy`` (it launches the processes, builds the optimizer after
-``configure_model`` and saves ``torch.distributed.checkpoint`` folders); this strategy adds the ring / Ulysses
-groups, gives data loading the **data-parallel** rank and size, and shards the model (``shard_model``, called by
-``DiTModule.configure_model``) with ``fully_shard`` per repeated block and at the root.
+``configure_model`` and saves ``torch.distributed.checkpoint`` folders); this strategy builds the
+``(dp, ring, ulysses)`` device mesh and hands it to the LightningModule, gives data loading the **data-parallel**
+rank and size, and shards the model (``shard_model``, called by ``DiTModule.configure_model``) with ``fully_shard``
+per repeated block and at the root, over the same mesh flattened.
 
 Every rank of the world holds 1/world of each parameter (HSDP, ``replicate_degree > 1``: 1/(world / replicate)
 within a shard group, the groups replicated). FSDP2's gradient reduce-scatter AVERAGES over all ranks, as DDP's
@@ -29,7 +30,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from ringdit.errors import ConfigError
-from ringdit.parallel import ParallelDims, check_degrees, current_parallel_dims, init_sequence_parallel
+from ringdit.parallel import ParallelDims, init_sequence_parallel, set_parallel_dims
 from ringdit.training.checkpoint_io import optimizer_state_by_name
 from ringdit.weights import SHARDED_METADATA, CheckpointError, file_mode, is_sharded_checkpoint, safe_torch_load
 
@@ -67,10 +68,7 @@ class RingFSDPStrategy(ModelParallelStrategy):
     def __init__(self, ring_degree: int = 1, ulysses_degree: int = 1, replicate_degree: int = 1,
                  param_dtype: str | None = None, reduce_dtype: str | None = "float32", cpu_offload: bool = False,
                  timeout_s: float | None = None, **kwargs):
-        check_degrees(ring_degree, ulysses_degree)
-        if isinstance(replicate_degree, bool) or not isinstance(replicate_degree, int) or replicate_degree < 1:
-            raise ConfigError(f"trainer.strategy.replicate_degree must be an integer >= 1, got {replicate_degree!r}; "
-                              f"use 1 to shard over every rank")
+        # The degrees (replicate_degree too) were validated at config time (ringdit.config.validate_parallel).
         self.param_dtype = _dtype("trainer.strategy.param_dtype", param_dtype)
         self.reduce_dtype = _dtype("trainer.strategy.reduce_dtype", reduce_dtype)
         if timeout_s is not None:
@@ -78,28 +76,23 @@ class RingFSDPStrategy(ModelParallelStrategy):
         super().__init__(**kwargs)
         self.ring_degree, self.ulysses_degree = ring_degree, ulysses_degree
         self.replicate_degree, self.cpu_offload = replicate_degree, cpu_offload
+        self.parallel_dims = ParallelDims()
 
     # ---- processes and meshes ----------------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
         super(ModelParallelStrategy, self).setup_environment()  # the accelerator's device
         self._setup_distributed()
-        check_degrees(self.ring_degree, self.ulysses_degree, self.world_size)
-        if self.world_size % self.replicate_degree:
-            raise ConfigError(f"trainer.strategy.replicate_degree={self.replicate_degree} does not divide the world "
-                              f"size {self.world_size}; use a divisor of it (1 = no replication)")
-        init_sequence_parallel(self.ring_degree, self.ulysses_degree, timeout=self._timeout)
+        self.parallel_dims = init_sequence_parallel(self.ring_degree, self.ulysses_degree, timeout=self._timeout,
+                                                    device_type=self.root_device.type)
+        # FSDP shards over every rank of the (dp, ring, ulysses) mesh, in global rank order; HSDP splits that into
+        # (replicate, shard) with the shard groups contiguous.
+        world = self.parallel_dims.mesh._flatten("world")
         if self.replicate_degree > 1:
-            shape, names = (self.replicate_degree, self.world_size // self.replicate_degree), ("replicate", "shard")
-        else:
-            shape, names = (self.world_size,), ("shard",)
-        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+            world = world._unflatten(0, (self.replicate_degree, self.world_size // self.replicate_degree),
+                                     ("replicate", "shard"))
+        self._device_mesh = world
         self.lightning_module._device_mesh = self._device_mesh
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        return current_parallel_dims()
+        set_parallel_dims(self.lightning_module, self.parallel_dims)
 
     @property
     def distributed_sampler_kwargs(self) -> dict:

@@ -29,7 +29,13 @@ from ringdit.images import to_uint8
 from ringdit.lora import add_lora, is_adapter_key, lora_enabled
 from ringdit.models import DiT
 from ringdit.models.diffusers import DiffusersTransformer
-from ringdit.parallel import current_parallel_dims, exchange_guidance_halves, shard_sequence, sharded_mean
+from ringdit.parallel import (
+    ParallelDims,
+    exchange_guidance_halves,
+    set_parallel_dims,
+    shard_sequence,
+    sharded_mean,
+)
 from ringdit.safe_config import check_file_configs
 from ringdit.weights import load_model_weights, safe_torch_load
 
@@ -109,6 +115,7 @@ class DiTModule(L.LightningModule):
         self.ema: AveragedModel | None = None
         self._step_start: float | None = None
         self.negative_condition: dict[str, Tensor] | None = None  # infer.py's negative prompt (text models)
+        self.parallel_dims = ParallelDims()  # the strategy hands over the mesh (set_parallel_dims) before building
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
@@ -125,18 +132,23 @@ class DiTModule(L.LightningModule):
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ---- model ----------------------------------------------------------------------------------------------------
+    def set_parallel_dims(self, dims: ParallelDims) -> None:
+        """The strategy's mesh. A model built before (``load_from_checkpoint``) gets it from the same call
+        (``ringdit.parallel.set_parallel_dims`` walks every module); one built later, in ``configure_model``."""
+        self.parallel_dims = dims
+
     def configure_model(self) -> None:
         """Built here, not in __init__: the sequence-parallel mesh exists only once the strategy set it up, and
         each USPAttention checks its backend against it."""
         if self.model is not None:
             return
-        dims = current_parallel_dims()
+        dims = self.parallel_dims
         device_type = self.trainer.strategy.root_device.type if self._trainer is not None else self.device.type
         backend = validate_attention_config(
             self.hparams.attention_backend, ring_degree=dims.ring_degree,
             training=self.optimizer_factory is not None, device_type=device_type,
         )
-        self.model = hydra.utils.instantiate(self.hparams.model, attention_backend=backend)
+        self.model = set_parallel_dims(hydra.utils.instantiate(self.hparams.model, attention_backend=backend), dims)
         if self.hparams.init_from and Path(self.hparams.init_from).is_dir():  # a diffusers folder
             self.model.load_pretrained_weights(self.hparams.init_from)
         elif self.hparams.init_from:
@@ -201,12 +213,12 @@ class DiTModule(L.LightningModule):
         pred = model.forward_tokens(x_t, self.objective.model_time(t), labels, drop)  # (B, N_local, P * C_out)
         if model.learn_sigma:  # the variance channels get no loss: flow matching and DDIM ignore them
             pred = pred.unflatten(-1, (-1, model.out_channels))[..., : model.in_channels].flatten(2)
-        error = (pred.float() - shard_sequence(target).float()).square()
-        return sharded_mean(error, length=target.shape[1])
+        error = (pred.float() - shard_sequence(target, dims=self.parallel_dims).float()).square()
+        return sharded_mean(error, length=target.shape[1], dims=self.parallel_dims)
 
     def sample_generators(self, stream: int, micro_batch: int, batch_size: int) -> list[torch.Generator]:
         """One generator per local sample, keyed by its position in the global batch (dp rank-major)."""
-        first = current_parallel_dims().dp_rank * batch_size
+        first = self.parallel_dims.dp_rank * batch_size
         return [step_generator(self.hparams.seed, stream, micro_batch, first + i) for i in range(batch_size)]
 
     def training_step(self, batch, batch_idx: int) -> Tensor | None:
@@ -255,7 +267,7 @@ class DiTModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._step_start
-        samples = batch[0].shape[0] * current_parallel_dims().dp_degree
+        samples = batch[0].shape[0] * self.parallel_dims.dp_degree
         self.log_dict({"train/samples_per_sec": samples / seconds,
                        "train/tokens_per_sec": samples * self.tokens_per_sample / seconds})
 
@@ -326,7 +338,7 @@ class DiTModule(L.LightningModule):
             condition = condition.to(self.device)
             null = model.y_embedder.null_label if guided else None
             denoiser = lambda x, t, y: model(x, t, y)[:, :channels]  # noqa: E731 (the learned sigma is not used)
-        dims = current_parallel_dims()
+        dims = self.parallel_dims
         split = guided and dims.cfg_group is not None  # CFG parallel: the halves on two data-parallel replicas
         samples = sample(
             denoiser, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],

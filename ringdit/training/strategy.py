@@ -1,7 +1,8 @@
 """``RingDDPStrategy``: Lightning's DDP with a sequence-parallel mesh inside it.
 
 Lightning launches the processes (locally, under torchrun or SLURM) and creates the default process group; this
-strategy then builds the ring / Ulysses groups (``init_sequence_parallel``) and tells data loading that only the
+strategy then builds the ``(dp, ring, ulysses)`` device mesh, hands it to the LightningModule (which hands it to
+the model it builds: ``ringdit.parallel.set_parallel_dims``) and tells data loading that only the
 **data-parallel** rank and size matter: the ranks of one sequence-parallel group read the same samples and split
 their tokens. DDP's gradient average over all ranks stays correct because the loss is normalised for it (see
 ``ringdit.parallel.sharded_mean``).
@@ -17,7 +18,7 @@ import threading
 from lightning.pytorch.strategies import DDPStrategy
 
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
-from ringdit.parallel import ParallelDims, check_degrees, current_parallel_dims, init_sequence_parallel
+from ringdit.parallel import ParallelDims, init_sequence_parallel, set_parallel_dims
 
 
 class RingDDPStrategy(DDPStrategy):
@@ -25,13 +26,14 @@ class RingDDPStrategy(DDPStrategy):
 
     def __init__(self, ring_degree: int = 1, ulysses_degree: int = 1, timeout_s: float | None = None,
                  rendezvous_timeout_s: float | None = 60.0, cfg_parallel: bool = False, **kwargs):
-        check_degrees(ring_degree, ulysses_degree)
+        # The degrees were validated at config time (ringdit.config.validate_parallel).
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(**kwargs)
         self.ring_degree, self.ulysses_degree, self.cfg_parallel = ring_degree, ulysses_degree, cfg_parallel
         self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.parallel_dims = ParallelDims()
 
     def setup_distributed(self) -> None:
         # Ranks that never come (a second node nobody started, a stray LOCAL_RANK) would keep this rank waiting for
@@ -41,12 +43,15 @@ class RingDDPStrategy(DDPStrategy):
             self._arm_watchdog()
         try:
             super().setup_distributed()
-            check_degrees(self.ring_degree, self.ulysses_degree, self.world_size)
-            init_sequence_parallel(self.ring_degree, self.ulysses_degree, timeout=self._timeout,
-                                   cfg_parallel=self.cfg_parallel)
+            self.parallel_dims = init_sequence_parallel(
+                self.ring_degree, self.ulysses_degree, timeout=self._timeout, cfg_parallel=self.cfg_parallel,
+                device_type=self.root_device.type,
+            )
         finally:
             if self._watchdog is not None:
                 self._watchdog.cancel()
+        if self.lightning_module is not None:
+            set_parallel_dims(self.lightning_module, self.parallel_dims)
 
     def _arm_watchdog(self) -> None:
         self._watchdog = threading.Timer(self.rendezvous_timeout_s, self._rendezvous_timed_out)
@@ -80,10 +85,6 @@ class RingDDPStrategy(DDPStrategy):
               f"processes (torchrun / srun, or NODE_RANK and MASTER_ADDR on each node), check that {address} is "
               f"reachable from them, or raise trainer.strategy.rendezvous_timeout_s", file=sys.stderr, flush=True)
         os._exit(2)
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        return current_parallel_dims()
 
     @property
     def distributed_sampler_kwargs(self) -> dict:

@@ -24,7 +24,7 @@ from torch import nn
 
 from ringdit.attention import AttentionBackend, USPAttention, get_attn_backend, local_attention
 from ringdit.models.diffusers.plan import Key, ParallelPlan
-from ringdit.parallel import current_parallel_dims, gather_sequence, shard_sequence
+from ringdit.parallel import ParallelDims, gather_sequence, shard_sequence
 
 Tensor = torch.Tensor
 
@@ -33,11 +33,13 @@ _active_module: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVa
 
 
 class SequenceState:
-    """The global token count of the forward in flight: fixed by the first split, read by self-attention (the tail
-    padding beyond it gets no attention weight) and by the gather. Reset when the model's forward starts; kept after
-    it, because activation checkpointing recomputes blocks during backward."""
+    """The mesh the split and gather run over (``dims``), and the global token count of the forward in flight: fixed
+    by the first split, read by self-attention (the tail padding beyond it gets no attention weight) and by the
+    gather. The count is reset when the model's forward starts and kept after it, because activation checkpointing
+    recomputes blocks during backward."""
 
-    def __init__(self):
+    def __init__(self, dims: ParallelDims):
+        self.dims = dims
         self.length: int | None = None
         self.text_length = 0  # joint attention: the replicated text tokens leading the sequence
         self.text_mask: Tensor | None = None  # (B, text_length) bool, True on real tokens
@@ -50,17 +52,20 @@ class SequenceState:
                              f"points must carry the same token sequence")
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, backend: str | AttentionBackend | None = None) -> SequenceState:
+def parallelize(model: nn.Module, plan: ParallelPlan, backend: str | AttentionBackend | None = None,
+                dims: ParallelDims | None = None) -> SequenceState:
     """Attach ``plan`` to ``model`` in place (idempotent per model); returns the model's ``SequenceState``.
 
-    The USPAttention layers are built here, so the ring-capability check of the backend runs at construction.
-    Hooks keep no references of their own: what they need hangs on the modules they are registered on, so a
-    ``copy.deepcopy`` of the model (the EMA) is parallel on its own state.
+    The USPAttention layers are built here with ``dims``, so their checks (heads, ring-capable backend) run at
+    construction; ``set_sequence_dims`` gives a parallelized model another mesh later. Hooks keep no references of
+    their own: what they need hangs on the modules they are registered on, so a ``copy.deepcopy`` of the model (the
+    EMA) is parallel on its own state.
     """
     if hasattr(model, "_ringdit_sequence"):
         return model._ringdit_sequence
     backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
-    state = SequenceState()
+    dims = dims or ParallelDims()
+    state = SequenceState(dims)
     model._ringdit_sequence = state
     model.register_forward_pre_hook(_start_sequence)
 
@@ -70,7 +75,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, backend: str | AttentionBa
     for name in (self_attention.keys() | joint_attention.keys()) & cross_attention.keys():
         raise ValueError(f"the parallel plan names {name} as both sharded and cross-attention")
     for name, module in {**self_attention, **joint_attention}.items():
-        _route(module, USPAttention(module.heads, _head_dim(module), backend=backend), state)
+        _route(module, USPAttention(module.heads, _head_dim(module), backend=backend, dims=dims), state)
         module._ringdit_joint = name in joint_attention
     for module in cross_attention.values():
         _route(module, LocalAttention(backend), state)
@@ -91,6 +96,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, backend: str | AttentionBa
             module._ringdit_sequence = state
             module.register_forward_hook(partial(_transform_outputs, table[_pattern_of(name, table)], transform))
     return state
+
+
+def set_sequence_dims(model: nn.Module, dims: ParallelDims) -> None:
+    """Run the parallelized ``model``'s split and gather over ``dims`` (its attention layers take them from
+    ``ringdit.parallel.set_parallel_dims``, which calls this through ``DiffusersTransformer``)."""
+    model._ringdit_sequence.dims = dims
 
 
 def _start_sequence(model: nn.Module, args) -> None:
@@ -124,7 +135,7 @@ def _attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scale:
     if isinstance(attention, LocalAttention):
         return attention(query, key, value, softmax_scale=scale)
     _check_scale(scale, attention.softmax_scale)
-    sharded = current_parallel_dims().sp_degree > 1
+    sharded = state.dims.sp_degree > 1
     if joint:  # [text ; image]: the text replicated, the image sharded
         return attention(query, key, value, valid_len=state.length if sharded else None,
                          joint_prefix=state.text_length, prefix_mask=text_mask)
@@ -198,13 +209,13 @@ def _head_dim(module: nn.Module) -> int:
 
 def _shard(value: Tensor, dim: int, state: SequenceState) -> Tensor:
     state.record(value.shape[dim])
-    return shard_sequence(value, dim=dim)
+    return shard_sequence(value, dim=dim, dims=state.dims)
 
 
 def _gather(value: Tensor, dim: int, state: SequenceState) -> Tensor:
-    if current_parallel_dims().sp_degree == 1:
+    if state.dims.sp_degree == 1:
         return value
-    return gather_sequence(value, dim=dim, length=state.length)
+    return gather_sequence(value, dim=dim, length=state.length, dims=state.dims)
 
 
 def _input(args: tuple, kwargs: dict, key: Key):

@@ -17,8 +17,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ringdit.errors import ConfigError
-from ringdit.models.diffusers.adapter import parallelize
+from ringdit.models.diffusers.adapter import parallelize, set_sequence_dims
 from ringdit.models.diffusers.families import Family, get_family
+from ringdit.parallel import ParallelDims
 
 Tensor = torch.Tensor
 
@@ -83,6 +84,11 @@ class DiffusersTransformer(nn.Module):
         if activation_checkpointing or gradient_checkpointing:  # recompute each block in backward
             self.transformer.enable_gradient_checkpointing()
         parallelize(self.transformer, self.family.plan, attention_backend)
+
+    def set_parallel_dims(self, dims: ParallelDims) -> None:
+        """Where the tokens split and gather (the attention layers get ``dims`` on their own, from
+        ``ringdit.parallel.set_parallel_dims``)."""
+        set_sequence_dims(self.transformer, dims)
 
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
         """x (B, C, [T,] H, W) noisy latents, t (B,) model time 0..1000 -> the prediction (B, C, [T,] H, W),
