@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from ringdit.attention import validate_attention_config
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.families import get_family
-from ringdit.parallel import check_heads_divisible
+from ringdit.parallel import check_degrees, check_heads_divisible
 from ringdit.weights import (
     LABEL_TABLE,
     CheckpointError,
@@ -109,21 +109,6 @@ def world_size(trainer_cfg: DictConfig) -> int:
     require_positive("trainer.devices", devices)
     require_positive("trainer.num_nodes", nodes)
     return devices * nodes
-
-
-def check_degrees(ring_degree: object, ulysses_degree: object, world_size: int | None = None) -> None:
-    """Raise a clear ValueError for degrees that cannot form a mesh."""
-    for setting, value in (("ring_degree", ring_degree), ("ulysses_degree", ulysses_degree)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{setting} must be an integer >= 1, got {value!r}; use 1 to disable that parallelism")
-    sp = ring_degree * ulysses_degree  # type: ignore[operator]
-    if world_size is not None and world_size % sp:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(
-            f"world size {world_size} (devices x nodes) is not divisible by ring_degree x ulysses_degree = "
-            f"{ring_degree} x {ulysses_degree} = {sp}; choose degrees whose product divides {world_size} "
-            f"(one of {divisors}) or set the device count to a multiple of {sp}"
-        )
 
 
 def validate_parallel(cfg: DictConfig, *, training: bool) -> str:

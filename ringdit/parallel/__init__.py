@@ -11,6 +11,7 @@ from ringdit.parallel.loss import sharded_mean
 from ringdit.parallel.mesh import (
     ParallelDims,
     build_mesh,
+    check_degrees,
     check_heads_divisible,
     init_sequence_parallel,
     set_parallel_dims,
@@ -20,6 +21,7 @@ __all__ = [
     "ParallelDims",
     "all_to_all",
     "build_mesh",
+    "check_degrees",
     "check_heads_divisible",
     "chunk_length",
     "exchange_guidance_halves",

@@ -133,17 +133,36 @@ def _timeout_override(timeout: datetime.timedelta | None):
     return options
 
 
+def check_degrees(ring_degree: object, ulysses_degree: object, world_size: int | None = None) -> None:
+    """Raise a clear ValueError for degrees that cannot form a mesh: the one check, run at config time
+    (``ringdit.config.validate_parallel``, before any process starts) and by ``init_sequence_parallel`` for
+    callers that build a mesh without the configs."""
+    for setting, value in (("ring_degree", ring_degree), ("ulysses_degree", ulysses_degree)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{setting} must be an integer >= 1, got {value!r}; use 1 to disable that parallelism")
+    sp = ring_degree * ulysses_degree  # type: ignore[operator]
+    if world_size is not None and world_size % sp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"world size {world_size} (devices x nodes) is not divisible by ring_degree x ulysses_degree = "
+            f"{ring_degree} x {ulysses_degree} = {sp}; choose degrees whose product divides {world_size} "
+            f"(one of {divisors}) or set the device count to a multiple of {sp}"
+        )
+
+
 def init_sequence_parallel(
     ring_degree: int = 1, ulysses_degree: int = 1, *, timeout: datetime.timedelta | None = None,
     cfg_parallel: bool = False, device_type: str = "cpu",
 ) -> ParallelDims:
     """Build the mesh from the default process group and return this rank's ``ParallelDims`` (nothing global).
 
-    Collective: every rank of the default group must call it with the same (config-time validated) degrees.
+    Collective: every rank of the default group must call it with the same degrees.
     Without torch.distributed there is nothing to build: one process, no parallelism.
     """
     if not (dist.is_available() and dist.is_initialized()):
+        check_degrees(ring_degree, ulysses_degree, 1)
         return ParallelDims()
+    check_degrees(ring_degree, ulysses_degree, dist.get_world_size())
     mesh = build_mesh(ring_degree, ulysses_degree, device_type=device_type, timeout=timeout)
     return ParallelDims.from_mesh(mesh, cfg_parallel=cfg_parallel, timeout=timeout)
 
