@@ -83,7 +83,7 @@ def prepare(cfg: DictConfig):
         check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
                            resize_labels=cfg.init_resize_labels)
 
-    import lightning as L  # imported after the checks, so that a typo fails without loading Lightning
+    import lightning as L  # the trainer, module and processes come only after every check above has passed
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from ringdit.training import DiTModule

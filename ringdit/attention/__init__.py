@@ -24,7 +24,6 @@ from ringdit.attention.registry import (
     get_attn_backend,
     list_backends,
     register_backend,
-    ring_capable_backends,
     validate_attention_config,
 )
 
@@ -33,8 +32,10 @@ for _backend in (TorchFlashBackend, TorchSDPABackend, FlashAttnBackend, MathBack
 
 
 def __getattr__(name: str):
-    if name == "RING_CAPABLE_ATTENTION_BACKENDS":
-        return ring_capable_backends()
+    if name == "RING_CAPABLE_ATTENTION_BACKENDS":  # the one public path: computed from the registry on access
+        from ringdit.attention.registry import _ring_capable_backends
+
+        return _ring_capable_backends()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -58,6 +59,5 @@ __all__ = [
     "get_attn_backend",
     "list_backends",
     "register_backend",
-    "ring_capable_backends",
     "validate_attention_config",
 ]

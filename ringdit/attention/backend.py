@@ -33,6 +33,9 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def accepts_packed_layout(chunk_fn: Callable) -> Callable:
     """Let a batched ``[B, S, H, D]`` chunk hook also take the packed ``[T, H, D]`` layout of the seeds.
 
+    Nothing inside ringdit packs; the layout is kept because it is part of the backend contract (DESIGN.md), so
+    kernels written against the seeds' interface keep working.
+
     Packed inputs are viewed as a batch of one; ``out`` comes back as ``[Tq, H, D]`` and ``lse`` as ``[H, Tq]``.
     Every tensor argument is packed or none is.
     """

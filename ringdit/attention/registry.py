@@ -32,7 +32,7 @@ def list_backends() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY, key=lambda name: (_REGISTRY[name].priority, name)))
 
 
-def ring_capable_backends() -> tuple[str, ...]:
+def _ring_capable_backends() -> tuple[str, ...]:
     """Registered backends whose kernel exposes the LSE (they implement ``forward_ring_kv_chunk``), preferred first."""
     return tuple(name for name in list_backends() if _REGISTRY[name].supports_ring_rotation())
 
@@ -76,7 +76,7 @@ def get_attn_backend(
 
 
 def _first_available_ring_backend(device_type: str, training: bool) -> str:
-    for name in ring_capable_backends():
+    for name in _ring_capable_backends():
         cls = _REGISTRY[name]
         if cls.is_available(device_type) and (cls.supports_ring_backward() or not training):
             return name
@@ -98,7 +98,7 @@ def validate_attention_config(
     - the backend must be registered and available on ``device_type``.
     """
     device_type = device_type or default_device_type()
-    ring_capable = ring_capable_backends()
+    ring_capable = _ring_capable_backends()
     if attention_backend is not None:
         backend_class(attention_backend)  # unknown names first: that message lists what exists
     if ring_degree > 1:

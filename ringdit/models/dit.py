@@ -13,6 +13,7 @@ attention layer (the strategy does this); until then the model runs on one proce
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -136,7 +137,7 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(
             [DiTBlock(hidden_size, num_heads, mlp_ratio, attention_backend) for _ in range(depth)]
         )
-        self.final_layer = FinalLayer(hidden_size, _volume(self.x_embedder.patch_shape), self.out_channels)
+        self.final_layer = FinalLayer(hidden_size, math.prod(self.x_embedder.patch_shape), self.out_channels)
         self.dims = ParallelDims()
         self.initialize_weights()
 
@@ -175,7 +176,7 @@ class DiT(nn.Module):
         x = x.reshape(batch, channels, *[n for pair in zip(grid, patch) for n in pair])
         dims = len(grid)
         order = [0, *range(2, 2 + 2 * dims, 2), *range(3, 3 + 2 * dims, 2), 1]  # (B, g..., p..., C)
-        return x.permute(order).reshape(batch, _volume(grid), _volume(patch) * channels)
+        return x.permute(order).reshape(batch, math.prod(grid), math.prod(patch) * channels)
 
     def unpatchify(self, tokens: Tensor, grid: tuple[int, ...], channels: int | None = None) -> Tensor:
         """(B, N, patch_volume * C) -> (B, C, [T,] H, W); the inverse of ``patchify``."""
@@ -216,7 +217,7 @@ class DiT(nn.Module):
         """(B, C, [T,] H, W) -> (B, out_channels, [T,] H, W), gathered from all sequence-parallel ranks."""
         grid = self.x_embedder.grid(x)
         tokens = self.forward_tokens(x, t, y, drop_labels)  # (B, N_local, patch_volume * out_channels)
-        tokens = gather_sequence(tokens, dim=1, length=_volume(grid), dims=self.dims)
+        tokens = gather_sequence(tokens, dim=1, length=math.prod(grid), dims=self.dims)
         return self.unpatchify(tokens, grid)
 
     @property
@@ -238,13 +239,6 @@ def _check_divisible(size: tuple[int, ...], patch: tuple[int, ...]) -> None:
         raise ValueError(
             f"input_size {size} is not divisible by the patch size {patch}; choose a patch size that divides it"
         )
-
-
-def _volume(shape: tuple[int, ...]) -> int:
-    volume = 1
-    for n in shape:
-        volume *= n
-    return volume
 
 
 @lru_cache(maxsize=16)

@@ -105,10 +105,6 @@ class ParallelDims:
     def sp_degree(self) -> int:
         return self.ring_degree * self.ulysses_degree
 
-    @property
-    def world_size(self) -> int:
-        return self.dp_degree * self.sp_degree
-
 
 def build_mesh(ring_degree: int = 1, ulysses_degree: int = 1, *, device_type: str = "cpu",
                timeout: datetime.timedelta | None = None) -> DeviceMesh:
