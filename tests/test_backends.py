@@ -16,9 +16,9 @@ from ringdit.attention import (
     list_backends,
     merge_attention_chunk,
     register_backend,
+    registry,
     validate_attention_config,
 )
-from ringdit.attention import registry
 from ringdit.attention.backends.flash_attn import FlashAttnAPI
 from ringdit.parallel import ParallelDims, set_parallel_dims
 from tests.fake_flash_attn import FAKE_APIS

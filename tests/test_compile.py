@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.test_dit import tiny_dit
-from tests.test_training import TINY, logged_losses, run
+from tests.helpers import TINY, logged_losses, run, tiny_dit
 
 
 def test_regional_compile_matches_eager_and_compiles_once():

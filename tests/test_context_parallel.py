@@ -10,8 +10,14 @@ import torch
 import torch.distributed as dist
 
 from ringdit.attention import USPAttention, get_attn_backend
-from ringdit.parallel import all_to_all, gather_sequence, init_sequence_parallel, set_parallel_dims, shard_sequence
-from ringdit.parallel import check_degrees
+from ringdit.parallel import (
+    all_to_all,
+    check_degrees,
+    gather_sequence,
+    init_sequence_parallel,
+    set_parallel_dims,
+    shard_sequence,
+)
 from tests.distributed import run_ranks
 
 HEADS, HEAD_SIZE = 4, 16

@@ -4,7 +4,6 @@ tested against values built independently in the test, then run end to end throu
 from __future__ import annotations
 
 import importlib.util
-import json
 import pickle
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from ringdit.config import build_on_meta, model_config, register_resolvers
 from ringdit.data import ImageFolderDataModule, LatentsDataModule, MovingDigits, MovingDigitsDataModule
 from ringdit.data.image_folder import resize_center_crop
 from ringdit.data.moving_digits import bounce
-from tests.test_training import CONF, REPO, TINY, logged_losses, run
+from tests.helpers import CONF, GOOD, LABELS, REPO, TINY, logged_losses, run, solid, write_classes, write_latents
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
 PIXEL = 1 / 127.5  # one uint8 step in [-1, 1]
@@ -39,18 +38,6 @@ def bands(width: int, height: int, vertical: bool = True) -> Image.Image:
         else:
             pixels[span, :] = colour
     return Image.fromarray(pixels)
-
-
-def solid(colour, size=(12, 10), mode="RGB") -> Image.Image:
-    return Image.new(mode, size, colour)
-
-
-def write_classes(root, counts: dict[str, int], size=(12, 10)) -> None:
-    """root/<class>/<i>.png, class k's images filled with grey level 40 * k."""
-    for k, (name, count) in enumerate(counts.items()):
-        (root / name).mkdir(parents=True, exist_ok=True)
-        for i in range(count):
-            solid((40 * k,) * 3, size).save(root / name / f"{i}.png")
 
 
 # ---- image_folder -------------------------------------------------------------------------------------------------
@@ -165,24 +152,6 @@ def test_image_folder_errors_name_the_setting(tmp_path, setup, kwargs, message):
 # ---- latents ------------------------------------------------------------------------------------------------------
 
 
-def write_latents(path, latents, labels, names=None, fmt="safetensors"):
-    """``latents`` / ``labels`` as numpy arrays, in either layout; returns data.path."""
-    if fmt == "safetensors":
-        file = path / "latents.safetensors"
-        metadata = {"class_names": json.dumps(names)} if names is not None else None
-        tensors = {"latents": torch.from_numpy(np.ascontiguousarray(latents)),
-                   "labels": torch.from_numpy(np.ascontiguousarray(labels))}
-        save_file(tensors, file, metadata=metadata)
-        return file
-    folder = path / "latents"
-    folder.mkdir()
-    np.save(folder / "latents.npy", latents)
-    np.save(folder / "labels.npy", labels)
-    if names is not None:
-        (folder / "class_names.json").write_text(json.dumps(names))
-    return folder
-
-
 @pytest.mark.parametrize("fmt", ["safetensors", "npy"])
 def test_latents_images_with_class_names(tmp_path, fmt):
     latents = np.random.default_rng(0).standard_normal((10, 4, 8, 6)).astype(np.float32)
@@ -210,10 +179,6 @@ def test_latents_video_half_precision_without_names(tmp_path, fmt):
     x, label = data.build_dataset()[1]
     assert x.shape == (2, 4, 8, 8) and x.dtype == torch.float32 and int(label) == 4
     torch.testing.assert_close(x, torch.from_numpy(latents[1].astype(np.float32)), rtol=0, atol=0)
-
-
-GOOD = np.zeros((10, 4, 8, 8), np.float32)
-LABELS = np.arange(10) % 2
 
 
 @pytest.mark.parametrize(("fmt", "latents", "labels", "names", "message"), [

@@ -11,12 +11,10 @@ import torch.distributed as dist
 
 from ringdit.parallel import init_sequence_parallel, set_parallel_dims
 from tests.distributed import run_ranks
+from tests.helpers import WAN_TINY
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-                text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
 LAYOUTS = [(2, 1), (4, 1), (1, 2), (2, 2)]  # (ring, ulysses) on 4 ranks
 # (T, H, W) latents: 2 x 4 x 4 = 32 tokens divide every degree; 3 x 3 x 3 = 27 need tail padding (Wan's usual
 # 21 latent frames do not divide the degree either).

@@ -9,12 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_reliability import launch
-from tests.test_training import logged_losses, model_weights, run
+from tests.helpers import CONF, WAN, fail_fast, logged_losses, model_weights, run, save_tiny_wan
 
-WAN = ["experiment=wan_tiny", "data.num_samples=64", "data.batch_size=4", "trainer.max_steps=3", "logger=csv",
-       "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5", "callbacks.model_checkpoint.every_n_train_steps=2",
-       "trainer.val_check_interval=3"]
 LAYOUTS = {"ring1": [], "ring2": ["ring_degree=2"], "ring2_ulysses2": ["ring_degree=2", "ulysses_degree=2"]}
 
 
@@ -57,17 +53,6 @@ def test_wan_samples_do_not_depend_on_the_layout(wan_runs, tmp_path):
     assert samples["ring1"]["latents"].shape == (3, 4, 3, 8, 8)
     assert list(samples["ring1"]["captions"]) == list(samples["ring2"]["captions"])
     np.testing.assert_allclose(samples["ring2"]["latents"], samples["ring1"]["latents"], atol=1e-4)
-
-
-def save_tiny_wan(folder, seed: int = 3) -> dict[str, torch.Tensor]:
-    import diffusers
-    from omegaconf import OmegaConf
-
-    config = OmegaConf.to_container(OmegaConf.load("conf/model/wan_tiny.yaml").config)
-    torch.manual_seed(seed)
-    model = diffusers.WanTransformer3DModel.from_config(config)
-    model.save_pretrained(folder / "transformer")
-    return model.state_dict()
 
 
 def test_fine_tune_from_a_diffusers_folder(wan_runs, tmp_path):
@@ -121,7 +106,6 @@ def prepare_train(overrides: list[str], run_dir):
     from hydra.core.hydra_config import HydraConfig
 
     import train
-    from tests.test_training import CONF
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
@@ -149,7 +133,7 @@ def test_wan_bad_input_fails_in_one_line_with_exit_code_2(case, bad_folders, tmp
     overrides, message = BAD_WAN_INPUTS[case]
     own_data = any(o.startswith("data=") for o in overrides)
     synthetic = [] if own_data else [f"data.cache_dir={tmp_path}", "data.num_samples=16"]
-    proc, _ = launch("train.py", "experiment=wan_tiny", *synthetic, f"hydra.run.dir={tmp_path / 'run'}", *overrides)
+    proc, _ = fail_fast("train.py", "experiment=wan_tiny", *synthetic, f"hydra.run.dir={tmp_path / 'run'}", *overrides)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
     assert len(lines) == 1 and re.search(message, lines[0]), proc.stderr[-3000:]

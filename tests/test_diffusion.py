@@ -14,7 +14,7 @@ from ringdit.diffusion import (
     sample_ddim,
     shift_time,
 )
-from tests.test_dit import tiny_dit
+from tests.helpers import tiny_dit
 
 
 def test_flow_matching_formulas():

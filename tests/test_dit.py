@@ -8,62 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringdit.models import DIT_MODELS, DiT, sincos_pos_embed
+from ringdit.models import DIT_MODELS, sincos_pos_embed
 from ringdit.parallel import init_sequence_parallel, set_parallel_dims, shard_sequence, sharded_mean
 from tests.distributed import run_ranks
-
-
-def tiny_dit(video=False, **overrides) -> DiT:
-    config = dict(input_size=(4, 8, 8) if video else 8, patch_size=2, in_channels=3, hidden_size=64, depth=2,
-                  num_heads=4, num_classes=10, learn_sigma=True, attention_backend="torch_flash")
-    if video:
-        config["temporal_patch_size"] = 2
-    config.update(overrides)
-    torch.manual_seed(0)
-    model = DiT(**config)
-    # adaLN-Zero starts as the identity: perturb the zeroed layers so every parameter gets a gradient
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad and p.abs().sum() == 0:
-                p.normal_(std=0.05)
-    return model
-
+from tests.helpers import original_dit_state_dict_shapes, tiny_dit
 
 # ---- original checkpoints ---------------------------------------------------------------------------------------
-
-
-def original_dit_state_dict_shapes(depth, hidden, heads, patch, input_size=32, in_channels=4, num_classes=1000):
-    """Key -> shape of a facebookresearch/DiT checkpoint, written out from the published models.py (timm
-    PatchEmbed/Attention/Mlp, learn_sigma=True, class_dropout_prob=0.1), independent of ringdit's classes."""
-    shapes = {
-        "pos_embed": (1, (input_size // patch) ** 2, hidden),
-        "x_embedder.proj.weight": (hidden, in_channels, patch, patch),
-        "x_embedder.proj.bias": (hidden,),
-        "t_embedder.mlp.0.weight": (hidden, 256),
-        "t_embedder.mlp.0.bias": (hidden,),
-        "t_embedder.mlp.2.weight": (hidden, hidden),
-        "t_embedder.mlp.2.bias": (hidden,),
-        "y_embedder.embedding_table.weight": (num_classes + 1, hidden),
-        "final_layer.linear.weight": (patch * patch * in_channels * 2, hidden),
-        "final_layer.linear.bias": (patch * patch * in_channels * 2,),
-        "final_layer.adaLN_modulation.1.weight": (2 * hidden, hidden),
-        "final_layer.adaLN_modulation.1.bias": (2 * hidden,),
-    }
-    for i in range(depth):
-        b = f"blocks.{i}."
-        shapes |= {
-            b + "attn.qkv.weight": (3 * hidden, hidden),
-            b + "attn.qkv.bias": (3 * hidden,),
-            b + "attn.proj.weight": (hidden, hidden),
-            b + "attn.proj.bias": (hidden,),
-            b + "mlp.fc1.weight": (4 * hidden, hidden),
-            b + "mlp.fc1.bias": (4 * hidden,),
-            b + "mlp.fc2.weight": (hidden, 4 * hidden),
-            b + "mlp.fc2.bias": (hidden,),
-            b + "adaLN_modulation.1.weight": (6 * hidden, hidden),
-            b + "adaLN_modulation.1.bias": (6 * hidden,),
-        }
-    return shapes
 
 
 @pytest.mark.parametrize(("name", "depth", "hidden", "heads", "patch"), [("DiT-S/2", 12, 384, 6, 2), ("DiT-B/4", 12, 768, 12, 4)])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ringdit.weights import is_sharded_checkpoint, read_weights
-from tests.test_training import SGD, TINY, logged_losses, run
+from tests.helpers import SGD, TINY, WAN, logged_losses, run
 
 pytestmark = pytest.mark.timeout(1200)  # the fixture trains 5 runs (about a minute on an idle 2-core machine)
 
@@ -105,7 +105,6 @@ def test_export_consolidates_a_sharded_checkpoint(runs, tmp_path):
 
 def test_fsdp_trains_wan_like_one_process(tmp_path):
     """A diffusers model (Wan, sharded per WanTransformerBlock) under FSDP at ring 2: one process's SGD steps."""
-    from tests.test_diffusers_training import WAN
 
     common = [*WAN, f"data.cache_dir={tmp_path / 'data'}"]
     run("train.py", tmp_path / "reference", *common, env={"HF_HUB_OFFLINE": "1"})

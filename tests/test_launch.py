@@ -17,8 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
 from ringdit.config import register_resolvers, user_errors
-from tests.test_reliability import FAST_FAIL_SECONDS, launch
-from tests.test_training import CONF, REPO, TINY, run
+from tests.helpers import CONF, FAST_FAIL_SECONDS, REPO, TINY, fail_fast, launch, logged_losses, run
 
 
 def compose_run(config_name: str, overrides: list[str], run_dir: Path):
@@ -160,7 +159,7 @@ def test_hydra_mistakes_in_one_line(config_name, overrides, message, tmp_path):
 )
 def test_hydra_mistakes_exit_2_from_the_command_line(script, overrides, message, tmp_path):
     run_dir = [] if any(o.startswith("hydra.run.dir") for o in overrides) else [f"hydra.run.dir={tmp_path}"]
-    proc, _ = launch(script, *overrides, *run_dir)
+    proc, _ = fail_fast(script, *overrides, *run_dir)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 2 and re.search(message, lines[0]), proc.stderr[-2000:]
@@ -209,7 +208,6 @@ def preempt(run_dir: Path, *overrides: str, target: str = "launcher") -> tuple[s
 
 def test_sigterm_stops_with_a_checkpoint_and_resumes_on_the_same_curve(tmp_path):
     from ringdit.weights import safe_torch_load
-    from tests.test_training import logged_losses
 
     proc, _ = preempt(tmp_path / "preempted")
     assert proc.returncode == 143, proc.stderr[-3000:]

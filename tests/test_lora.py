@@ -10,12 +10,11 @@ import sys
 import pytest
 import torch
 
-from ringdit.lora import add_lora, adapter_state, export_lora, is_adapter_key
+from ringdit.lora import adapter_state, add_lora, export_lora, is_adapter_key
 from ringdit.parallel import init_sequence_parallel, set_parallel_dims
 from ringdit.weights import read_weights
 from tests.distributed import run_ranks
-from tests.test_diffusers_models import WAN_TINY
-from tests.test_training import REPO, SGD, TINY, logged_losses, run
+from tests.helpers import REPO, SGD, TINY, WAN_TINY, logged_losses, run
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(900)  # three training runs (under a minute on an idle 2-core machine)

@@ -26,54 +26,15 @@ from ringdit.media.frames import fit, read_image, read_video  # noqa: E402
 from ringdit.media.prepare import prepare  # noqa: E402
 from ringdit.media.text import TextEncoder  # noqa: E402
 from ringdit.media.vae import VAE  # noqa: E402
+from tests.helpers import TEXT_LEN, write_video
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ["<pad>", "</s>", "<unk>", "a", "red", "fox", "running", "blue", "cat", "sky", "green", "field"]
-TEXT_LEN = 8
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    """A pipeline-shaped folder (vae/, text_encoder/, tokenizer/) per VAE kind, as Wan's and Flux's repos are."""
-    from diffusers import AutoencoderKL, AutoencoderKLWan
-    from tokenizers import Tokenizer, pre_tokenizers, processors
-    from tokenizers import models as tok_models
-    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
-
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("models")
-    tokenizer = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])  # as T5
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-    AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                     temperal_downsample=[False, True, True]).save_pretrained(root / "wan" / "vae")
-    AutoencoderKL(block_out_channels=[8, 8], down_block_types=["DownEncoderBlock2D"] * 2,
-                  up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=4,
-                  scaling_factor=0.5, shift_factor=0.1).save_pretrained(root / "flux" / "vae")
-    T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1, num_heads=2)
-                   ).save_pretrained(root / "wan" / "text_encoder")
-    CLIPTextModel(CLIPTextConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
-                                 pad_token_id=0)).save_pretrained(root / "flux" / "text_encoder")
-    for name in ("wan", "flux"):
-        fast.save_pretrained(root / name / "tokenizer")
-    (root / "not_a_vae").mkdir()
-    return {"wan": root / "wan", "flux": root / "flux", "not_a_vae": root / "not_a_vae"}
 
 
 def colour_image(seed: int, size=(40, 24)) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-
-
-def write_video(path: Path, frames: int, seed: int = 0, size=(32, 24)) -> None:
-    import imageio.v3 as iio
-
-    rng = np.random.default_rng(seed)
-    iio.imwrite(path, rng.integers(0, 256, (frames, size[1], size[0], 3), dtype=np.uint8), plugin="pyav",
-                codec="libx264", fps=8)
 
 
 @pytest.fixture

@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 
 from ringdit.media.prepare import prepare
-from tests.test_media import TEXT_LEN, models, write_video  # noqa: F401 - models is a fixture
-from tests.test_training import run
+from tests.helpers import TEXT_LEN, run, write_video
 
 CAPTIONS = ["a red fox running", "a blue cat", "green field", "a red sky"]
 
 
 @pytest.mark.timeout(900)  # three stages, two of them new processes importing diffusers
-def test_prepare_train_and_sample_from_prompts(models, tmp_path):  # noqa: F811
+def test_prepare_train_and_sample_from_prompts(models, tmp_path):
     clips = tmp_path / "clips"
     clips.mkdir()
     for i in range(8):

@@ -16,24 +16,7 @@ import torch
 
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from ringdit.weights import CheckpointError, safe_torch_load
-from tests.test_training import REPO, TINY, logged_losses, run
-
-FAST_FAIL_SECONDS = 30  # generous for a loaded CI machine; these runs stop before any rank is spawned
-
-
-def launch(script: str, *overrides: str, timeout: int = 240) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": ""}
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, script, *overrides], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    return proc, time.monotonic() - start
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("tiny")
-    run("train.py", run_dir, *TINY, "trainer.max_steps=1")
-    return run_dir / "checkpoints" / "last.ckpt"
+from tests.helpers import FAST_FAIL_SECONDS, REPO, TINY, fail_fast, launch, logged_losses, run, write_latents
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +60,7 @@ BAD_TRAIN_INPUTS = {
 @pytest.mark.parametrize("case", list(BAD_TRAIN_INPUTS))
 def test_bad_train_input_fails_fast_and_clearly(case, tmp_path):
     overrides, message = BAD_TRAIN_INPUTS[case]
-    proc, seconds = launch("train.py", *overrides, f"hydra.run.dir={tmp_path}")
+    proc, seconds = fail_fast("train.py", *overrides, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr  # one line for a user mistake
@@ -96,7 +79,7 @@ def test_bad_train_input_fails_fast_and_clearly(case, tmp_path):
     ],
 )
 def test_bad_checkpoint_files(setting, file, message, bad_files, tmp_path):
-    proc, seconds = launch("train.py", f"{setting}={bad_files[file]}", f"hydra.run.dir={tmp_path}")
+    proc, seconds = fail_fast("train.py", f"{setting}={bad_files[file]}", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr[-2000:]
     assert seconds < FAST_FAIL_SECONDS
 
@@ -111,7 +94,7 @@ def test_bad_checkpoint_files(setting, file, message, bad_files, tmp_path):
     ],
 )
 def test_bad_infer_input(overrides, message, tiny_checkpoint, tmp_path):
-    proc, seconds = launch("infer.py", f"ckpt_path={tiny_checkpoint}", *overrides, f"hydra.run.dir={tmp_path}")
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={tiny_checkpoint}", *overrides, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr[-2000:]
     assert seconds < FAST_FAIL_SECONDS
 
@@ -279,9 +262,9 @@ def test_malicious_pickle_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"refusing to load .*evil.ckpt: it contains Python objects"):
         safe_torch_load(evil)
     assert not marker.exists()
-    proc, _ = launch("train.py", f"init_from={evil}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc, _ = fail_fast("train.py", f"init_from={evil}", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and "refusing to load" in proc.stderr
-    proc, _ = launch("infer.py", f"ckpt_path={evil}", f"hydra.run.dir={tmp_path / 'infer'}")
+    proc, _ = fail_fast("infer.py", f"ckpt_path={evil}", f"hydra.run.dir={tmp_path / 'infer'}")
     assert proc.returncode == 2 and "refusing to load" in proc.stderr
     assert not marker.exists()
 
@@ -289,15 +272,14 @@ def test_malicious_pickle_is_refused(tmp_path):
 def test_latents_that_do_not_fit_the_model(tmp_path):
     import numpy as np
 
-    from tests.test_data import write_latents
 
     odd = write_latents(tmp_path, np.zeros((6, 4, 8, 7), np.float32), np.arange(6) % 2)
-    proc, seconds = launch("train.py", "data=latents", f"data.path={odd}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc, seconds = fail_fast("train.py", "data=latents", f"data.path={odd}", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and "input_size (8, 7) is not divisible by the patch size (2, 2)" in proc.stderr, \
         proc.stderr[-2000:]
     assert seconds < FAST_FAIL_SECONDS
     (tmp_path / "video").mkdir()
     video = write_latents(tmp_path / "video", np.zeros((6, 4, 2, 8, 8), np.float32), np.arange(6) % 2)
-    proc, _ = launch("train.py", "data=latents", f"data.path={video}", f"hydra.run.dir={tmp_path / 'run2'}")
+    proc, _ = fail_fast("train.py", "data=latents", f"data.path={video}", f"hydra.run.dir={tmp_path / 'run2'}")
     assert proc.returncode == 2 and "the data gives videos (T, H, W) = [2, 8, 8] but the model is an image model" \
         in proc.stderr, proc.stderr[-2000:]

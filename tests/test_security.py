@@ -28,8 +28,7 @@ from ringdit.resume import check_resume
 from ringdit.safe_config import ALLOWED_TARGETS, allow_target
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from ringdit.weights import CheckpointError, export_safetensors, read_weights, safe_torch_load
-from tests.test_reliability import launch, tiny_checkpoint  # noqa: F401  (a module-scoped fixture)
-from tests.test_training import CONF, REPO, TINY, logged_losses, run
+from tests.helpers import CONF, REPO, TINY, fail_fast, launch, logged_losses, run, write_classes, write_latents
 
 PRECIOUS = "precious data\n"
 
@@ -152,7 +151,7 @@ def test_crafted_files_are_refused_by_every_entry_point(command, fmt, evil_files
     out = tmp_path / "exported.safetensors"
     args = [arg.format(evil_files[fmt], out=out) for arg in command]
     overrides = [] if command[0] == "-m" else [f"hydra.run.dir={tmp_path / 'run'}"]
-    proc, _ = launch(*args, *overrides, timeout=120)
+    proc, _ = launch(*args, timeout=120) if command[0] == "-m" else fail_fast(*args, *overrides)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -259,7 +258,7 @@ def test_resume_checks(tiny_checkpoint, tmp_path):
 
 
 def test_changed_optimizer_fails_before_spawning(tiny_checkpoint, tmp_path):
-    proc, seconds = launch("train.py", *TINY, f"ckpt_path={tiny_checkpoint}", "optimizer=sgd", f"hydra.run.dir={tmp_path}")
+    proc, seconds = fail_fast("train.py", *TINY, f"ckpt_path={tiny_checkpoint}", "optimizer=sgd", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "was trained with another optimizer than optimizer=torch.optim.SGD" in proc.stderr
     assert not (tmp_path / "checkpoints").exists()
@@ -345,7 +344,6 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
 def test_nonfinite_latents_are_found_up_front(fmt, tmp_path, monkeypatch):
     from ringdit.data import LatentsDataModule
     from ringdit.data import latents as latents_module
-    from tests.test_data import write_latents
 
     monkeypatch.setattr(latents_module, "CHUNK_BYTES", 3 * 4 * 8 * 8 * 8)  # 3 samples per chunk: stream in chunks
     latents = np.zeros((10, 4, 8, 8), np.float32)
@@ -362,7 +360,6 @@ def test_an_image_that_breaks_when_decoded_is_skipped(tmp_path, caplog):
     from PIL import Image
 
     from ringdit.data import ImageFolderDataModule
-    from tests.test_data import write_classes
 
     write_classes(tmp_path, {"a": 2, "b": 2})
     noise = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -18,36 +17,19 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from ringdit.config import build_on_meta, model_config, register_resolvers, resolve_shift
-
-REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
-
-# A model and run small enough for seconds per run on 2 cores; 16 tokens per sample (8x8 digits, 2x2 patches).
-TINY = [
-    "model.hidden_size=32", "model.depth=2", "model.num_heads=4", "data.batch_size=16", "trainer.max_steps=3",
-    "logger=csv", "callbacks.sample_grid.steps=2", "callbacks.sample_grid.per_class=1",
-    "callbacks.model_checkpoint.every_n_train_steps=2", "scheduler=constant",
-]
-
-
-def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 300):
-    """Run train.py / infer.py with ``overrides``; fail with its output if it fails."""
-    command = [sys.executable, script, f"hydra.run.dir={run_dir}", *overrides]
-    environment = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environment)
-    assert proc.returncode == 0, f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
-
-
-def logged_losses(run_dir: Path) -> dict[int, float]:
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")}
-
-
-def model_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-    return {k: v for k, v in state.items() if k.startswith("model.")}
-
+from tests.helpers import (
+    CONF,
+    GOOD,
+    LABELS,
+    REPO,
+    SGD,
+    TINY,
+    logged_losses,
+    model_weights,
+    run,
+    write_classes,
+    write_latents,
+)
 
 # ---- configs -----------------------------------------------------------------------------------------------------
 
@@ -60,7 +42,6 @@ def group_options():
 
 def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
     """What an option needs beside it: its input files, or the model / data that fits it."""
-    from tests.test_data import GOOD, LABELS, write_classes, write_latents
 
     if (group, option) == ("data", "image_folder"):
         write_classes(tmp_path / "images", {"a": 1, "b": 1})
@@ -140,9 +121,6 @@ def test_cfg_job_shows_the_composed_config():
 
 
 # ---- end to end ----------------------------------------------------------------------------------------------------
-
-
-SGD = ["optimizer=sgd", "optimizer.lr=0.5"]
 
 
 @pytest.fixture(scope="module")

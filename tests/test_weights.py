@@ -12,8 +12,7 @@ import torch
 
 from ringdit.models import DiT
 from ringdit.weights import LABEL_TABLE, CheckpointError, load_model_weights, read_weights, resize_label_embedding
-from tests.test_dit import original_dit_state_dict_shapes
-from tests.test_training import REPO, TINY, run
+from tests.helpers import REPO, TINY, original_dit_state_dict_shapes, run
 
 ZERO_LR = ["optimizer=sgd", "optimizer.lr=0.0", "trainer.max_steps=1", "scheduler=constant"]
 

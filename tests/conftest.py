@@ -1,0 +1,47 @@
+"""Fixtures shared by the test modules (helpers without pytest's injection are in helpers.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import TINY, WORDS, run
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("tiny")
+    run("train.py", run_dir, *TINY, "trainer.max_steps=1")
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """A pipeline-shaped folder (vae/, text_encoder/, tokenizer/) per VAE kind, as Wan's and Flux's repos are."""
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from tokenizers import models as tok_models
+    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])  # as T5
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                     temperal_downsample=[False, True, True]).save_pretrained(root / "wan" / "vae")
+    AutoencoderKL(block_out_channels=[8, 8], down_block_types=["DownEncoderBlock2D"] * 2,
+                  up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=4,
+                  scaling_factor=0.5, shift_factor=0.1).save_pretrained(root / "flux" / "vae")
+    T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1, num_heads=2)
+                   ).save_pretrained(root / "wan" / "text_encoder")
+    CLIPTextModel(CLIPTextConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
+                                 pad_token_id=0)).save_pretrained(root / "flux" / "text_encoder")
+    for name in ("wan", "flux"):
+        fast.save_pretrained(root / name / "tokenizer")
+    (root / "not_a_vae").mkdir()
+    return {"wan": root / "wan", "flux": root / "flux", "not_a_vae": root / "not_a_vae"}

@@ -1,0 +1,218 @@
+"""What the test modules share: the repository paths, a tiny training run's overrides, running train.py / infer.py
+(in a subprocess, or in this process for runs that must fail before any rank starts), and builders of small
+inputs (images, latents, videos, a tiny DiT, a tiny Wan folder). Fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from ringdit.models import DiT
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+CONF = REPO / "conf"
+
+
+# A model and run small enough for seconds per run on 2 cores; 16 tokens per sample (8x8 digits, 2x2 patches).
+TINY = [
+    "model.hidden_size=32", "model.depth=2", "model.num_heads=4", "data.batch_size=16", "trainer.max_steps=3",
+    "logger=csv", "callbacks.sample_grid.steps=2", "callbacks.sample_grid.per_class=1",
+    "callbacks.model_checkpoint.every_n_train_steps=2", "scheduler=constant",
+]
+
+
+def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 300):
+    """Run train.py / infer.py with ``overrides``; fail with its output if it fails."""
+    command = [sys.executable, script, f"hydra.run.dir={run_dir}", *overrides]
+    environment = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environment)
+    assert proc.returncode == 0, f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")}
+
+
+def model_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+SGD = ["optimizer=sgd", "optimizer.lr=0.5"]
+
+
+FAST_FAIL_SECONDS = 30  # generous for a loaded CI machine; these runs stop before any rank is spawned
+
+
+def launch(script: str, *overrides: str, timeout: int = 240) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": ""}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, script, *overrides], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    return proc, time.monotonic() - start
+
+
+def tiny_dit(video=False, **overrides) -> DiT:
+    config = dict(input_size=(4, 8, 8) if video else 8, patch_size=2, in_channels=3, hidden_size=64, depth=2,
+                  num_heads=4, num_classes=10, learn_sigma=True, attention_backend="torch_flash")
+    if video:
+        config["temporal_patch_size"] = 2
+    config.update(overrides)
+    torch.manual_seed(0)
+    model = DiT(**config)
+    # adaLN-Zero starts as the identity: perturb the zeroed layers so every parameter gets a gradient
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.abs().sum() == 0:
+                p.normal_(std=0.05)
+    return model
+
+
+def original_dit_state_dict_shapes(depth, hidden, heads, patch, input_size=32, in_channels=4, num_classes=1000):
+    """Key -> shape of a facebookresearch/DiT checkpoint, written out from the published models.py (timm
+    PatchEmbed/Attention/Mlp, learn_sigma=True, class_dropout_prob=0.1), independent of ringdit's classes."""
+    shapes = {
+        "pos_embed": (1, (input_size // patch) ** 2, hidden),
+        "x_embedder.proj.weight": (hidden, in_channels, patch, patch),
+        "x_embedder.proj.bias": (hidden,),
+        "t_embedder.mlp.0.weight": (hidden, 256),
+        "t_embedder.mlp.0.bias": (hidden,),
+        "t_embedder.mlp.2.weight": (hidden, hidden),
+        "t_embedder.mlp.2.bias": (hidden,),
+        "y_embedder.embedding_table.weight": (num_classes + 1, hidden),
+        "final_layer.linear.weight": (patch * patch * in_channels * 2, hidden),
+        "final_layer.linear.bias": (patch * patch * in_channels * 2,),
+        "final_layer.adaLN_modulation.1.weight": (2 * hidden, hidden),
+        "final_layer.adaLN_modulation.1.bias": (2 * hidden,),
+    }
+    for i in range(depth):
+        b = f"blocks.{i}."
+        shapes |= {
+            b + "attn.qkv.weight": (3 * hidden, hidden),
+            b + "attn.qkv.bias": (3 * hidden,),
+            b + "attn.proj.weight": (hidden, hidden),
+            b + "attn.proj.bias": (hidden,),
+            b + "mlp.fc1.weight": (4 * hidden, hidden),
+            b + "mlp.fc1.bias": (4 * hidden,),
+            b + "mlp.fc2.weight": (hidden, 4 * hidden),
+            b + "mlp.fc2.bias": (hidden,),
+            b + "adaLN_modulation.1.weight": (6 * hidden, hidden),
+            b + "adaLN_modulation.1.bias": (6 * hidden,),
+        }
+    return shapes
+
+
+def solid(colour, size=(12, 10), mode="RGB") -> Image.Image:
+    return Image.new(mode, size, colour)
+
+
+def write_classes(root, counts: dict[str, int], size=(12, 10)) -> None:
+    """root/<class>/<i>.png, class k's images filled with grey level 40 * k."""
+    for k, (name, count) in enumerate(counts.items()):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            solid((40 * k,) * 3, size).save(root / name / f"{i}.png")
+
+
+def write_latents(path, latents, labels, names=None, fmt="safetensors"):
+    """``latents`` / ``labels`` as numpy arrays, in either layout; returns data.path."""
+    if fmt == "safetensors":
+        file = path / "latents.safetensors"
+        metadata = {"class_names": json.dumps(names)} if names is not None else None
+        tensors = {"latents": torch.from_numpy(np.ascontiguousarray(latents)),
+                   "labels": torch.from_numpy(np.ascontiguousarray(labels))}
+        save_file(tensors, file, metadata=metadata)
+        return file
+    folder = path / "latents"
+    folder.mkdir()
+    np.save(folder / "latents.npy", latents)
+    np.save(folder / "labels.npy", labels)
+    if names is not None:
+        (folder / "class_names.json").write_text(json.dumps(names))
+    return folder
+
+
+GOOD = np.zeros((10, 4, 8, 8), np.float32)
+
+
+LABELS = np.arange(10) % 2
+
+
+WAN = ["experiment=wan_tiny", "data.num_samples=64", "data.batch_size=4", "trainer.max_steps=3", "logger=csv",
+       "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5", "callbacks.model_checkpoint.every_n_train_steps=2",
+       "trainer.val_check_interval=3"]
+
+
+def save_tiny_wan(folder, seed: int = 3) -> dict[str, torch.Tensor]:
+    import diffusers
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(OmegaConf.load("conf/model/wan_tiny.yaml").config)
+    torch.manual_seed(seed)
+    model = diffusers.WanTransformer3DModel.from_config(config)
+    model.save_pretrained(folder / "transformer")
+    return model.state_dict()
+
+
+WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+                text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+
+
+WORDS = ["<pad>", "</s>", "<unk>", "a", "red", "fox", "running", "blue", "cat", "sky", "green", "field"]
+
+
+TEXT_LEN = 8
+
+
+def write_video(path: Path, frames: int, seed: int = 0, size=(32, 24)) -> None:
+    import imageio.v3 as iio
+
+    rng = np.random.default_rng(seed)
+    iio.imwrite(path, rng.integers(0, 256, (frames, size[1], size[0], 3), dtype=np.uint8), plugin="pyav",
+                codec="libx264", fps=8)
+
+
+def fail_fast(script: str, *overrides: str) -> tuple[SimpleNamespace, float]:
+    """Run ``script``'s Hydra entry point (train.py / infer.py) in this process, as its command line would, for
+    settings that must be refused before any rank starts: (``returncode``, ``stdout``, ``stderr``) and the seconds it
+    took. The same code path as ``launch`` -- argument parsing, composition, the checks, the one-line report and the
+    exit code -- without paying for a new interpreter each time. A run that is not refused would train here: use
+    ``launch`` for anything that should start."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    saved_argv, saved_env = sys.argv, dict(os.environ)
+    sys.argv = [str(REPO / script), *overrides]
+    os.environ.update(WANDB_MODE="offline", HYDRA_FULL_ERROR="")
+    start = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(str(REPO / script), run_name="__main__")  # as ``python script``: Hydra finds conf/
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        seconds = time.monotonic() - start
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        GlobalHydra.instance().clear()
+    return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue()), seconds
