@@ -46,6 +46,20 @@ def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, ti
     return proc
 
 
+class LazyRuns:
+    """train.py runs, one per named layout, started the first time a test reads one (``runs / "ring2"``): a test
+    selected alone, or the default selection without the slow layouts, pays only for the runs it reads."""
+
+    def __init__(self, root: Path, layouts: dict[str, list[str]], *common: str, env: dict | None = None):
+        self.root, self.layouts, self.common, self.env, self.done = root, layouts, common, env, set()
+
+    def __truediv__(self, name: str) -> Path:
+        if name not in self.done:
+            run("train.py", self.root / name, *self.common, *self.layouts[name], env=self.env)
+            self.done.add(name)
+        return self.root / name
+
+
 def logged_losses(run_dir: Path) -> dict[int, float]:
     with open(run_dir / "csv" / "metrics.csv") as f:
         return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")}

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from ringdit.config import build_on_meta, model_config, register_resolvers, resolve_shift
 from tests.helpers import (
+    LazyRuns,
     CONF,
     GOOD,
     LABELS,
@@ -125,8 +126,7 @@ def test_cfg_job_shows_the_composed_config():
 
 @pytest.fixture(scope="module")
 def sgd_runs(tmp_path_factory):
-    """The same 3 SGD steps on the same global batch under different parallel layouts."""
-    root = tmp_path_factory.mktemp("sgd")
+    """The same 3 SGD steps on the same global batch under different parallel layouts (each trained when first read)."""
     layouts = {
         "ring1": [],
         "ring2": ["ring_degree=2"],
@@ -135,12 +135,14 @@ def sgd_runs(tmp_path_factory):
         "ring2_ulysses2": ["ring_degree=2", "ulysses_degree=2"],
         "dp2_ring2": ["dp_degree=2", "ring_degree=2", "data.batch_size=8"],  # same 16-sample global batch
     }
-    for name, overrides in layouts.items():
-        run("train.py", root / name, *TINY, *SGD, *overrides)
-    return root
+    return LazyRuns(tmp_path_factory.mktemp("sgd"), layouts, *TINY, *SGD)
 
 
-@pytest.mark.parametrize("layout", ["ring2", "ulysses2", "ring4", "ring2_ulysses2", "dp2_ring2"])
+# ring x Ulysses and dp x ring run by default; the single-kind layouts are slow duplicates of what they combine (and
+# tests/test_dit.py proves each layout's forward and backward in-process).
+@pytest.mark.parametrize("layout", [pytest.param("ring2", marks=pytest.mark.slow),
+                                    pytest.param("ulysses2", marks=pytest.mark.slow),
+                                    pytest.param("ring4", marks=pytest.mark.slow), "ring2_ulysses2", "dp2_ring2"])
 def test_sgd_steps_equal_one_device(sgd_runs, layout):
     """Plain SGD shows a wrongly scaled gradient at once (Adam would normalise it away)."""
     reference, parallel = logged_losses(sgd_runs / "ring1"), logged_losses(sgd_runs / layout)
@@ -162,7 +164,7 @@ def test_run_outputs(sgd_runs):
 
 
 def test_infer_from_the_trained_checkpoint(sgd_runs, tmp_path):
-    ckpt = sgd_runs / "ring2" / "checkpoints" / "last.ckpt"
+    ckpt = sgd_runs / "ring2_ulysses2" / "checkpoints" / "last.ckpt"
     common = [f"ckpt_path={ckpt}", "num_samples=6", "labels=[1,7]", "steps=3", "cfg_scale=2.0", "batch_size=4"]
     outputs = {}
     for name, layout in {"ring1": [], "ring2": ["ring_degree=2"]}.items():
@@ -182,7 +184,7 @@ def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
     import shutil
 
     logs = tmp_path / "logs"
-    for age, (name, run_name) in enumerate([("ring2", "2026-01-01_00-00-00"), ("ring1", "2026-01-02_00-00-00")]):
+    for age, (name, run_name) in enumerate([("dp2_ring2", "2026-01-01_00-00-00"), ("ring1", "2026-01-02_00-00-00")]):
         target = logs / "train" / "runs" / run_name / "checkpoints"
         target.mkdir(parents=True)
         shutil.copy(sgd_runs / name / "checkpoints" / "last.ckpt", target / "last.ckpt")
@@ -222,7 +224,7 @@ def sample_under_layouts(rank, world, ckpt):
 def test_samples_do_not_depend_on_the_rank_layout(sgd_runs):
     from tests.distributed import run_ranks
 
-    run_ranks(sample_under_layouts, 4, sgd_runs / "ring2" / "checkpoints" / "last.ckpt")
+    run_ranks(sample_under_layouts, 4, sgd_runs / "ring2_ulysses2" / "checkpoints" / "last.ckpt")
 
 
 def test_resume_continues_the_step_count(sgd_runs, tmp_path):
