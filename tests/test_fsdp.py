@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,12 +96,18 @@ def test_export_consolidates_a_sharded_checkpoint(runs, tmp_path):
     from ringdit.export import main
 
     out = tmp_path / "weights.safetensors"
-    assert main([f"ckpt_path={runs / 'ring2' / 'checkpoints' / 'last.ckpt'}", f"out={out}"]) == 0
+    sharded = runs / "ring2_ulysses2" / "checkpoints" / "last.ckpt"
+    assert main([f"ckpt_path={sharded}", f"out={out}"]) == 0
     exported, info = read_weights(out)
     assert info["model"]["hidden_size"] == 32
     reference = weights(runs / "reference" / "checkpoints" / "last.ckpt", "ema")
     for key, value in reference.items():
         torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # infer.py samples from the sharded folder itself, as from its export
+    for name, ckpt in (("sharded", sharded), ("export", out)):
+        run("infer.py", tmp_path / name, f"ckpt_path={ckpt}", "num_samples=2", "steps=2")
+    samples = [np.load(tmp_path / name / "samples.npz")["images"] for name in ("sharded", "export")]
+    np.testing.assert_array_equal(samples[0], samples[1])
 
 
 def test_fsdp_trains_wan_like_one_process(tmp_path):

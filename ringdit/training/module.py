@@ -37,7 +37,7 @@ from ringdit.parallel import (
     sharded_mean,
 )
 from ringdit.safe_config import check_file_configs
-from ringdit.weights import load_model_weights, safe_torch_load
+from ringdit.weights import is_sharded_checkpoint, load_model_weights, safe_torch_load
 
 Tensor = torch.Tensor
 
@@ -149,10 +149,11 @@ class DiTModule(L.LightningModule):
             training=self.optimizer_factory is not None, device_type=device_type,
         )
         self.model = set_parallel_dims(hydra.utils.instantiate(self.hparams.model, attention_backend=backend), dims)
-        if self.hparams.init_from and Path(self.hparams.init_from).is_dir():  # a diffusers folder
-            self.model.load_pretrained_weights(self.hparams.init_from)
-        elif self.hparams.init_from:
-            load_model_weights(self.model, self.hparams.init_from, prefer=self.hparams.init_weights,
+        init_from = self.hparams.init_from
+        if init_from and Path(init_from).is_dir() and not is_sharded_checkpoint(init_from):  # a diffusers folder
+            self.model.load_pretrained_weights(init_from)
+        elif init_from:  # a ringdit .ckpt (a file, or an FSDP run's sharded folder) or a .safetensors export
+            load_model_weights(self.model, init_from, prefer=self.hparams.init_weights,
                                resize_labels=self.hparams.init_resize_labels)
         if self.text_conditioned and self._trainer is not None and self.trainer.datamodule is not None:
             # the empty prompt's embedding: the condition drop's replacement and the default negative prompt (a
