@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-GPU check of the training entry point on CUDA / NCCL: the (dp, ring, ulysses) DeviceMesh built on "cuda" with
-# NCCL timeout options, then a short Wan (tiny architecture) fine-tune through train.py under DDP and under FSDP2 in
+# NCCL timeout options, then a short Wan (tiny architecture, head size 64: the CUDA kernels need a multiple of 8) fine-tune through train.py under DDP and under FSDP2 in
 # bf16 mixed precision with the torch_flash backend, and sampling from the result. Prints each run's last lines.
 #
 #   bash benchmarks/gpu_train_check.sh [steps]
@@ -26,7 +26,7 @@ EOF
 for strategy in ddp fsdp; do
   start=$(date +%s)
   python3 train.py experiment=wan_tiny trainer=${TRAINER:-gpu} trainer/strategy=$strategy trainer.max_steps=$steps \
-    trainer.precision=${PRECISION:-bf16-mixed} attention_backend=torch_flash logger=csv callbacks.sample_grid.every_n_steps=$steps \
+    trainer.precision=${PRECISION:-bf16-mixed} attention_backend=torch_flash model.config.attention_head_dim=64 logger=csv callbacks.sample_grid.every_n_steps=$steps \
     hydra.run.dir=$out/$strategy 2>&1 | grep -v Warning | tail -6
   echo "== $strategy: exit ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s wall for $steps steps (with start-up)"
   tail -n 2 $out/$strategy/csv/metrics.csv

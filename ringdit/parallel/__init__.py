@@ -11,6 +11,7 @@ from ringdit.parallel.loss import sharded_mean
 from ringdit.parallel.mesh import (
     ParallelDims,
     build_mesh,
+    build_shard_mesh,
     check_degrees,
     check_heads_divisible,
     init_sequence_parallel,
@@ -21,6 +22,7 @@ __all__ = [
     "ParallelDims",
     "all_to_all",
     "build_mesh",
+    "build_shard_mesh",
     "check_degrees",
     "check_heads_divisible",
     "chunk_length",

@@ -62,16 +62,16 @@ class ParallelDims:
         """
         dp, ring, ulysses = mesh.shape  # the sizes of MESH_DIMS, in that order
         dp_rank, ring_rank, ulysses_rank = (mesh.get_local_rank(name) for name in MESH_DIMS)
+        ranks = mesh.mesh.reshape(dp, ring * ulysses)  # (dp, sp) global ranks: row d is replica d's SP group
         sp_group = None
-        if ring > 1 and ulysses > 1:  # one SP group = the flattened (ring, ulysses) submesh
-            sp_group = mesh["ring", "ulysses"]._flatten("sp", _timeout_override(timeout)).get_group()
+        if ring > 1 and ulysses > 1:  # one SP group per replica: the (ring, ulysses) block, flattened
+            sp_group = _subgroup(ranks.tolist(), timeout)
         elif ring * ulysses > 1:
             sp_group = mesh.get_group("ring" if ring > 1 else "ulysses")
         cfg_group = None
-        if cfg_parallel:  # split dp into (pairs, 2): the size-2 dim pairs replicas 2j, 2j + 1 at equal sp_rank
-            halves = mesh._unflatten("dp", (dp // 2, 2), ("dp_pair", "cfg"),
-                                     backend_override={"cfg": _timeout_override(timeout)} if timeout else None)
-            cfg_group = halves.get_group("cfg")
+        if cfg_parallel:  # replicas 2j and 2j + 1 at equal sp_rank
+            cfg_group = _subgroup([pair.tolist() for pair in ranks.reshape(dp // 2, 2, -1).transpose(1, 2).flatten(0, 1)],
+                                  timeout)
         return cls(
             ring_degree=ring,
             ulysses_degree=ulysses,
@@ -117,6 +117,25 @@ def build_mesh(ring_degree: int = 1, ulysses_degree: int = 1, *, device_type: st
     override = {name: _timeout_override(timeout) for name in MESH_DIMS} if timeout is not None else None
     return init_device_mesh(device_type, (dp, ring_degree, ulysses_degree), mesh_dim_names=MESH_DIMS,
                             backend_override=override)
+
+
+def build_shard_mesh(world_size: int, replicate_degree: int = 1, device_type: str = "cpu",
+                     timeout: datetime.timedelta | None = None) -> DeviceMesh:
+    """FSDP's mesh: every rank in global order, ``("world",)``; or HSDP's ``("replicate", "shard")``, the shard
+    groups contiguous (sharded within a group, replicated across groups). Collective over the default group."""
+    if replicate_degree > 1:
+        shape, names = (replicate_degree, world_size // replicate_degree), ("replicate", "shard")
+    else:
+        shape, names = (world_size,), ("world",)
+    override = {name: _timeout_override(timeout) for name in names} if timeout is not None else None
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
+
+
+def _subgroup(rank_lists: list[list[int]], timeout: datetime.timedelta | None) -> ProcessGroup:
+    """This rank's group among ``rank_lists`` (which cover every rank once). Collective: every rank creates every
+    group, in the same order. Public API on every supported torch, unlike DeviceMesh's private flatten/unflatten."""
+    group, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)
+    return group
 
 
 def _timeout_override(timeout: datetime.timedelta | None):

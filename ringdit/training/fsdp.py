@@ -30,7 +30,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from ringdit.errors import ConfigError
-from ringdit.parallel import ParallelDims, init_sequence_parallel, set_parallel_dims
+from ringdit.parallel import ParallelDims, build_shard_mesh, init_sequence_parallel, set_parallel_dims
 from ringdit.training.checkpoint_io import optimizer_state_by_name
 from ringdit.weights import SHARDED_METADATA, CheckpointError, file_mode, is_sharded_checkpoint, safe_torch_load
 
@@ -86,11 +86,8 @@ class RingFSDPStrategy(ModelParallelStrategy):
                                                     device_type=self.root_device.type)
         # FSDP shards over every rank of the (dp, ring, ulysses) mesh, in global rank order; HSDP splits that into
         # (replicate, shard) with the shard groups contiguous.
-        world = self.parallel_dims.mesh._flatten("world")
-        if self.replicate_degree > 1:
-            world = world._unflatten(0, (self.replicate_degree, self.world_size // self.replicate_degree),
-                                     ("replicate", "shard"))
-        self._device_mesh = world
+        self._device_mesh = build_shard_mesh(self.world_size, self.replicate_degree, self.root_device.type,
+                                             self._timeout)
         self.lightning_module._device_mesh = self._device_mesh
         set_parallel_dims(self.lightning_module, self.parallel_dims)
 
