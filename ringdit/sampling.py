@@ -112,10 +112,10 @@ class SampleWriter(L.Callback):
         template = trainer.strategy.broadcast({key: (tuple(v.shape[1:]), v.dtype) for key, v in local.items()}, src=0)
         count = len(local["index"]) if local else 0
         most = int(pl_module.all_gather(torch.tensor(count, device=pl_module.device)).max())
-        padded = {}
+        padded, device = {}, pl_module.device  # all_gather needs the tensors on the accelerator (NCCL)
         for key, (shape, dtype) in template.items():
-            value = local[key] if local else torch.empty((0, *shape), dtype=dtype)
+            value = local[key].to(device) if local else torch.empty((0, *shape), dtype=dtype, device=device)
             pad = (most - len(value), *shape)
-            filler = torch.full(pad, -1, dtype=dtype) if key == "index" else torch.zeros(pad, dtype=dtype)
+            filler = torch.full(pad, -1 if key == "index" else 0, dtype=dtype, device=device)
             padded[key] = torch.cat([value, filler])
         return padded
