@@ -4,8 +4,6 @@ diffusers' LoRA format and diffusers' own loader reproduces ringdit's outputs wi
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from ringdit.lora import adapter_state, add_lora, export_lora, is_adapter_key
 from ringdit.parallel import init_sequence_parallel, set_parallel_dims
 from ringdit.weights import read_weights
 from tests.distributed import run_ranks
-from tests.helpers import REPO, SGD, TINY, WAN_TINY, logged_losses, run
+from tests.helpers import SGD, TINY, WAN_TINY, fail_fast, logged_losses, run
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(900)  # three training runs (under a minute on an idle 2-core machine)
@@ -22,10 +20,9 @@ pytestmark = pytest.mark.timeout(900)  # three training runs (under a minute on 
 LORA = ["lora.rank=4", "lora.alpha=8"]
 
 
-def test_lora_targets_that_match_nothing_fail_before_spawning():
-    command = [sys.executable, "train.py", *TINY, "trainer/strategy=fsdp", "ring_degree=2", *LORA,
-               "lora.targets=[to_q]"]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_lora_targets_that_match_nothing_fail_before_spawning(tmp_path):
+    proc, _ = fail_fast("train.py", *TINY, "trainer/strategy=fsdp", "ring_degree=2", *LORA, "lora.targets=[to_q]",
+                        f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Error: lora.targets=['to_q'] match no module of DiT" in proc.stderr
     assert "Traceback" not in proc.stderr
