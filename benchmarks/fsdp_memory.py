@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                 eps=1e-6, rope_max_seq_len=1024)
-LATENTS = (2, 8, 8)  # (T, H, W): 32 tokens; memory here is about model state, not activations
+LATENTS = (2, 8, 8)  # (T, H, W) default: 32 tokens; memory here is about model state, not activations
 TEXT_LEN = 16
 
 
@@ -52,7 +52,8 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure(rank: int, world: int, port: int, mode: str, layers: int, steps: int, results) -> None:
+def measure(rank: int, world: int, port: int, mode: str, layers: int, steps: int, latents: tuple, results
+            ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1200))
@@ -68,7 +69,7 @@ def measure(rank: int, world: int, port: int, mode: str, layers: int, steps: int
         dims = init_sequence_parallel(ring_degree=world)  # the sequence over all ranks: the layout FSDP shards across
         before = rss_mb()
         torch.manual_seed(0)
-        model = DiffusersTransformer("wan", config={**WAN_1_3B, "num_layers": layers}, input_size=LATENTS,
+        model = DiffusersTransformer("wan", config={**WAN_1_3B, "num_layers": layers}, input_size=latents,
                                      in_channels=16, text_len=TEXT_LEN, text_dim=4096)
         set_parallel_dims(model, dims)
         if mode.startswith("lora"):
@@ -83,7 +84,7 @@ def measure(rank: int, world: int, port: int, mode: str, layers: int, steps: int
             train = DistributedDataParallel(model) if world > 1 else model
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(1, 16, *LATENTS, generator=g)
+        x = torch.randn(1, 16, *latents, generator=g)
         cond = {"text": torch.randn(1, TEXT_LEN, 4096, generator=g)}
         times = []
         for _ in range(steps):
@@ -115,6 +116,8 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--modes", nargs="+", default=["ddp", "fsdp", "lora_ddp", "lora_fsdp"])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--latents", type=int, nargs=3, default=list(LATENTS), metavar=("T", "H", "W"),
+                        help="latent size: more tokens make the step compute-bound, as on a real model")
     parser.add_argument("--budget_gb", type=float, default=80.0, help="per-process memory for the extrapolation")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
@@ -122,12 +125,13 @@ def main() -> None:
     for world in args.worlds:
         for mode in args.modes:
             results = ctx.SimpleQueue()
-            mp.start_processes(measure, args=(world, free_port(), mode, args.layers, args.steps, results),
+            mp.start_processes(measure, args=(world, free_port(), mode, args.layers, args.steps, tuple(args.latents),
+                                              results),
                                nprocs=world, start_method="spawn")
             rows.append(results.get())
     mib = 2**20
     print(f"Wan-1.3B-shaped transformer, {args.layers} layers, {rows[0]['parameters'] / 1e6:.1f} M parameters, "
-          f"AdamW, fp32, latents {LATENTS}")
+          f"AdamW, fp32, latents {tuple(args.latents)}")
     print(f"{'mode':<10}{'world':>6}{'params MiB':>12}{'grads MiB':>11}{'optim MiB':>11}{'state MiB':>11}"
           f"{'vs DDP x world':>16}{'peak RSS MiB':>14}{'step s':>8}")
     ddp = {r["world"]: r["params"] + r["grads"] + r["optim"] for r in rows if r["mode"] == "ddp"}
