@@ -96,13 +96,18 @@ class LatentsDataModule(ImageDataModule):
 
 
 def _latents_path(path) -> Path:
+    return checked_data_path(path, LAYOUT)
+
+
+def checked_data_path(path, layout: str, unset_hint: str = "") -> Path:
+    """``data.path`` as an existing folder or ``.safetensors`` file; ``layout`` says what belongs there."""
     if path is None or str(path) == "":
-        raise ValueError(f"data.path is not set; pass data.path=... ({LAYOUT})")
+        raise ValueError(f"data.path is not set; pass data.path=... ({layout}){unset_hint}")
     resolved = Path(os.path.expanduser(str(path)))
     if not resolved.exists():
-        raise ValueError(f"data.path={path} does not exist; pass {LAYOUT}")
+        raise ValueError(f"data.path={path} does not exist; pass {layout}")
     if resolved.is_file() and resolved.suffix != ".safetensors":
-        raise ValueError(f"data.path={path} is a {resolved.suffix or 'suffix-less'} file; pass {LAYOUT}")
+        raise ValueError(f"data.path={path} is a {resolved.suffix or 'suffix-less'} file; pass {layout}")
     return resolved
 
 

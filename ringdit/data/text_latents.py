@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ringdit.data.base import ImageDataModule
+from ringdit.data.latents import checked_data_path
 
 FORMAT = "ringdit.text_latents/1"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -248,14 +249,7 @@ def read_prompts(path: str, setting: str = "text_embeds") -> tuple[dict[str, Ten
 
 
 def _text_latents_path(path) -> Path:
-    if path is None or str(path) == "":
-        raise ValueError(f"data.path is not set; pass data.path=... ({LAYOUT}), or use data=synthetic_text_latents")
-    resolved = Path(os.path.expanduser(str(path)))
-    if not resolved.exists():
-        raise ValueError(f"data.path={path} does not exist; pass {LAYOUT}")
-    if resolved.is_file() and resolved.suffix != ".safetensors":
-        raise ValueError(f"data.path={path} is a {resolved.suffix or 'suffix-less'} file; pass {LAYOUT}")
-    return resolved
+    return checked_data_path(path, LAYOUT, unset_hint=", or use data=synthetic_text_latents")
 
 
 # ---- a procedural set: tests and CPU demos without downloads --------------------------------------------------------
