@@ -11,7 +11,8 @@ the run's output directory; latent models write latents float32 (N, C, [T,] H, W
 text-conditioned models the prompts' captions instead of labels. With vae=FOLDER (default: the VAE the data was
 prepared with, when that folder exists) latents are also decoded beside samples.npz: samples.png + sample-000.png
 ... for images, samples.gif + sample-000.mp4 / .gif ... for videos (ringdit.media). Sample i starts from noise
-seeded by seed + i, so the same seed gives the same samples for any ring / Ulysses / data-parallel layout.
+seeded by (seed, i) (ringdit.seeding, stream INFERENCE), so the same seed gives the same sample i for any
+num_samples, batch size and ring / Ulysses / data-parallel layout.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ringdit.images import save_samples
+from ringdit.seeding import Stream, seed_of
 
 
 def resolve_labels(labels, num_samples: int, data_info: dict) -> list[int]:
@@ -43,7 +44,8 @@ def resolve_labels(labels, num_samples: int, data_info: dict) -> list[int]:
 
 
 class SampleRequests(Dataset):
-    """Item i = (i, condition_i, seed + i): what sample i is, independent of how samples are split over ranks.
+    """Item i = (i, condition_i, the noise seed of sample i): what sample i is, independent of how many samples there
+    are and how they are split over ranks.
 
     ``conditions``: class ids, or a dict of text tensors ``(N, ...)`` (one prompt embedding per sample).
     """
@@ -58,8 +60,11 @@ class SampleRequests(Dataset):
 
     def __getitem__(self, i: int):
         if isinstance(self.conditions, dict):
-            return i, {key: value[i] for key, value in self.conditions.items()}, self.seed + i
-        return i, self.conditions[i], self.seed + i
+            return i, {key: value[i] for key, value in self.conditions.items()}, self.noise_seed(i)
+        return i, self.conditions[i], self.noise_seed(i)
+
+    def noise_seed(self, i: int) -> int:
+        return seed_of(Stream.INFERENCE, self.seed, i)
 
 
 class SampleWriter(L.Callback):

@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ringdit.data.steps import StepBatches
+from ringdit.seeding import Stream, generator
 
 
 class ImageDataModule(L.LightningDataModule):
@@ -45,7 +46,7 @@ class ImageDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return
         dataset = self.build_dataset()
-        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.seed)).tolist()
+        order = torch.randperm(len(dataset), generator=generator(Stream.DATA_SPLIT, self.seed)).tolist()
         n_val = int(len(dataset) * self.val_fraction)
         self.val_set, self.train_set = Subset(dataset, order[:n_val]), Subset(dataset, order[n_val:])
 

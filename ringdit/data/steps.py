@@ -12,6 +12,8 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
+from ringdit.seeding import Stream, generator
+
 
 class StepBatches(IterableDataset):
     """Yields the collated batches of steps ``[start_step, total_steps)`` for one data-parallel rank.
@@ -45,8 +47,8 @@ class StepBatches(IterableDataset):
         if epoch not in self._permutations:
             if len(self._permutations) > 2:  # keep the few epochs a batch spans (more only when batch > dataset)
                 self._permutations.pop(min(self._permutations))
-            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._permutations[epoch] = torch.randperm(len(self.dataset), generator=generator)
+            order = generator(Stream.DATA_ORDER, self.seed, epoch)
+            self._permutations[epoch] = torch.randperm(len(self.dataset), generator=order)
         return self._permutations[epoch]
 
     def __iter__(self):

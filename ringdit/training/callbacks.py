@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ringdit.images import grid_image, save_samples, to_uint8
+from ringdit.seeding import Stream, seed_of
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -88,7 +89,7 @@ class SampleGrid(L.Callback):
             return None
         classes = min(pl_module.hparams.data["num_classes"], self.max_classes)
         labels = torch.arange(classes).repeat_interleave(self.per_class)
-        seeds = [self.seed * 1_000_003 + i for i in range(len(labels))]
+        seeds = [seed_of(Stream.PREVIEW, self.seed, cell) for cell in range(len(labels))]
         images = to_uint8(pl_module.generate(labels, seeds, steps=self.steps, cfg_scale=self.cfg_scale)).numpy()
         if not trainer.is_global_zero:
             return None

@@ -2,9 +2,9 @@
 class-conditional DiT, or a text-conditioned diffusers transformer (``DiffusersTransformer``: Wan, ...).
 
 Randomness that must agree across a sequence-parallel group -- diffusion time, noise, which labels are dropped for
-classifier-free guidance -- is drawn per sample from a generator seeded by (seed, step, the sample's position in the
-global batch): every rank of a group draws the same values, a resumed run draws what the uninterrupted run would
-have, and how the global batch is split over data-parallel replicas changes nothing.
+classifier-free guidance -- is drawn per sample from the ``ringdit.seeding`` streams TRAIN and VALIDATION, keyed by
+the sample's position in the global batch: every rank of a group draws the same values, a resumed run draws what the
+uninterrupted run would have, and how the global batch is split over data-parallel replicas changes nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 import hydra
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim.swa_utils import AveragedModel
@@ -37,14 +36,10 @@ from ringdit.parallel import (
     sharded_mean,
 )
 from ringdit.safe_config import check_file_configs
+from ringdit.seeding import Stream, generator
 from ringdit.weights import is_sharded_checkpoint, load_model_weights, safe_torch_load
 
 Tensor = torch.Tensor
-
-
-def step_generator(*key: int) -> torch.Generator:
-    """A CPU generator whose stream depends only on ``key`` (seed, step, micro-batch, sample position)."""
-    return torch.Generator().manual_seed(int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0] >> 1))
 
 
 def ema_update(decay: float) -> Callable:
@@ -217,16 +212,16 @@ class DiTModule(L.LightningModule):
         error = (pred.float() - shard_sequence(target, dims=self.parallel_dims).float()).square()
         return sharded_mean(error, length=target.shape[1], dims=self.parallel_dims)
 
-    def sample_generators(self, stream: int, micro_batch: int, batch_size: int) -> list[torch.Generator]:
-        """One generator per local sample, keyed by its position in the global batch (dp rank-major)."""
+    def sample_generators(self, stream: Stream, batch: tuple[int, ...], batch_size: int) -> list[torch.Generator]:
+        """One generator per local sample, keyed by ``batch`` and its position in the global batch (dp rank-major)."""
         first = self.parallel_dims.dp_rank * batch_size
-        return [step_generator(self.hparams.seed, stream, micro_batch, first + i) for i in range(batch_size)]
+        return [generator(stream, self.hparams.seed, *batch, first + i) for i in range(batch_size)]
 
     def training_step(self, batch, batch_idx: int) -> Tensor | None:
         x0, condition = batch  # condition: labels (B,), or a dict of text tensors
         # (step, micro-batch within gradient accumulation): the same after a resume, which starts at a step boundary
         micro_batch = batch_idx % self.trainer.accumulate_grad_batches
-        generators = self.sample_generators(self.trainer.global_step, micro_batch, x0.shape[0])
+        generators = self.sample_generators(Stream.TRAIN, (self.trainer.global_step, micro_batch), x0.shape[0])
         loss = self.diffusion_loss(self.model, x0, condition, generators)
         # Each rank holds sp x its share: the mean over all ranks is the batch loss (averaged over replicas), and
         # every rank sees the same value, so they all take the same decision about a non-finite loss.
@@ -253,7 +248,7 @@ class DiTModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x0, condition = batch
-        generators = self.sample_generators(2**31 - 1, batch_idx, x0.shape[0])  # the same draws at every validation
+        generators = self.sample_generators(Stream.VALIDATION, (batch_idx,), x0.shape[0])
         loss = self.diffusion_loss(self.sampling_model(), x0, condition, generators)
         self.log("val/loss", loss, sync_dist=True, batch_size=x0.shape[0])
 
@@ -317,7 +312,7 @@ class DiTModule(L.LightningModule):
     def generate(self, condition, seeds: list[int], *, use_ema: bool = True, negative: dict | None = None,
                  **overrides: Any) -> Tensor:
         """Samples ``(N, C, [T,] H, W)`` for ``condition`` -- labels ``(N,)``, or a dict of text tensors ``(N, ...)``
-        -- sample i from noise seeded by seeds[i]; pixels come in [-1, 1]. ``negative``: the negative prompt's
+        -- sample i from noise seeded by seeds[i] (a ``ringdit.seeding.seed_of`` value); pixels come in [-1, 1]. ``negative``: the negative prompt's
         conditioning for guidance (text models; default the empty prompt's).
 
         Collective under sequence parallelism: every rank of the group must call it with the same arguments.
