@@ -37,13 +37,11 @@ from ringdit.config import (
     hydra_main,
     read_weights_file,
     register_resolvers,
-    require_choice,
-    require_positive,
-    require_seed,
     resolve_sampling_ckpt,
     user_errors,
     validate_parallel,
 )
+from ringdit.errors import require_choice, require_count, require_seed
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.media.decode import decode_samples, latents_normalised, sampling_vae
 from ringdit.sampling import SampleRequests, SampleWriter, resolve_labels
@@ -58,8 +56,8 @@ def prepare(cfg: DictConfig):
     """Check every setting and the checkpoint, then build the trainer, module and sample requests."""
     check_infer_settings(cfg)
     cfg.ckpt_path = resolve_sampling_ckpt(cfg.ckpt_path, cfg.paths.log_dir)
-    require_positive("num_samples", cfg.num_samples)
-    require_positive("batch_size", cfg.batch_size)
+    require_count("num_samples", cfg.num_samples)
+    require_count("batch_size", cfg.batch_size)
     require_seed("seed", cfg.seed)
     require_choice("weights", cfg.weights, WEIGHT_CHOICES)
     check_launch_environment(cfg.trainer)

@@ -30,15 +30,12 @@ from ringdit.config import (
     is_diffusers_model,
     model_config,
     register_resolvers,
-    require_choice,
-    require_positive,
-    require_seed,
     resolve_ckpt_path,
     resolve_shift,
     user_errors,
     validate_parallel,
 )
-from ringdit.errors import NonFiniteLossError
+from ringdit.errors import NonFiniteLossError, require_choice, require_count, require_seed
 from ringdit.lora import lora_enabled
 from ringdit.memory import check_training_memory
 from ringdit.resume import check_resume
@@ -50,8 +47,8 @@ register_resolvers()
 
 def prepare(cfg: DictConfig):
     """Check every setting, then build the trainer, module and data; nothing is spawned yet."""
-    require_positive("trainer.max_steps", cfg.trainer.max_steps)
-    require_positive("data.batch_size", cfg.data.batch_size)
+    require_count("trainer.max_steps", cfg.trainer.max_steps)
+    require_count("data.batch_size", cfg.data.batch_size)
     require_seed("seed", cfg.seed)
     require_choice("init_weights", cfg.init_weights, WEIGHT_CHOICES)
     check_training_settings(cfg)

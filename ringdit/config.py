@@ -20,7 +20,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.attention import validate_attention_config
-from ringdit.errors import ConfigError
+from ringdit.errors import ConfigError, require_count, require_number
 from ringdit.models.diffusers.families import get_family
 from ringdit.parallel import check_degrees, check_heads_divisible
 from ringdit.weights import (
@@ -64,22 +64,6 @@ def user_errors(*kinds: type[BaseException]):
         sys.exit(2)
 
 
-def require_positive(setting: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{setting} must be a positive integer, got {value!r}")
-
-
-def require_seed(setting: str, value) -> None:
-    """A seed numpy and Lightning accept: an integer in [0, 2**32 - 1]."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**32 - 1:
-        raise ConfigError(f"{setting} must be an integer from 0 to 2**32 - 1 = {2**32 - 1}, got {value!r}")
-
-
-def require_choice(setting: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"{setting} must be one of {' | '.join(map(str, choices))}, got {value!r}")
-
-
 def device_type(trainer_cfg: DictConfig) -> str:
     accelerator = str(trainer_cfg.get("accelerator", "auto"))
     if accelerator in ("gpu", "cuda"):
@@ -106,8 +90,8 @@ def world_size(trainer_cfg: DictConfig) -> int:
         devices = int(devices)
     except (TypeError, ValueError):
         raise ConfigError(f"trainer.devices must be a count, a list of ids or 'auto', got {devices!r}") from None
-    require_positive("trainer.devices", devices)
-    require_positive("trainer.num_nodes", nodes)
+    require_count("trainer.devices", devices)
+    require_count("trainer.num_nodes", nodes)
     return devices * nodes
 
 
@@ -127,9 +111,7 @@ def validate_parallel(cfg: DictConfig, *, training: bool) -> str:
         raise ConfigError(f"cfg_parallel=true runs the two halves of guidance on two data-parallel replicas, so it "
                           f"needs an even number of them, got {replicas}; set dp_degree to an even number (2)")
     replicate = OmegaConf.select(cfg, "trainer.strategy.replicate_degree", default=1)
-    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
-        raise ConfigError(f"trainer.strategy.replicate_degree must be an integer >= 1, got {replicate!r}; "
-                          f"use 1 to shard over every rank")
+    require_count("trainer.strategy.replicate_degree", replicate, hint="use 1 to shard over every rank")
     if replicate > 1 and world % replicate:
         raise ConfigError(f"trainer.strategy.replicate_degree={replicate} does not divide the world size {world} "
                           f"(HSDP shards within world / replicate_degree ranks); use a divisor of {world}, e.g. the dp_degree "
@@ -190,7 +172,7 @@ def build_on_meta(config: dict, ulysses_degree: int = 1):
     import hydra
 
     if not is_diffusers_model(config):
-        require_positive("model.num_heads", config.get("num_heads", 1))
+        require_count("model.num_heads", config.get("num_heads", 1))
         check_heads_divisible(config.get("num_heads", 16), ulysses_degree)
     with torch.device("meta"):
         try:
@@ -265,7 +247,7 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict) -> None:
     if sampling.get("sampler") is not None and sampling["sampler"] not in allowed:
         raise ConfigError(f"sampler={sampling['sampler']!r} does not fit the {objective} objective; use one of {allowed}")
     if sampling.get("steps") is not None:
-        require_positive("steps", sampling["steps"])
+        require_count("steps", sampling["steps"])
     cfg_scale = sampling.get("cfg_scale")
     if is_diffusers_model(model_cfg):  # guidance away from the empty or negative prompt: pretrained models learnt it
         return
@@ -315,27 +297,6 @@ def check_lora_checkpoint(ckpt_path: str) -> None:
 
 
 # ---- numbers that Lightning / torch would only reject (or silently misuse) once training has started ---------------
-
-
-def require_number(setting: str, value, *, low: float | None = None, high: float | None = None,
-                   low_open: bool = False, optional: bool = False) -> None:
-    """``value`` is a finite real number in [low, high] (``low_open``: (low, high]); ``optional``: None is fine."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{setting} must be a finite number, got {value!r}")
-    if low is not None and (value <= low if low_open else value < low) or high is not None and value > high:
-        interval = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-        raise ConfigError(f"{setting} must be in {interval}, got {value!r}")
-
-
-def require_count(setting: str, value, *, minimum: int = 1, optional: bool = False) -> None:
-    """``value`` is an integer >= ``minimum`` (not 1.5, not a bool); ``optional``: None is fine."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"{setting} must be {what}, got {value!r}")
 
 
 def check_training_settings(cfg: DictConfig) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ringdit.errors import ConfigError
+from ringdit.errors import ConfigError, require_count
 
 Tensor = torch.Tensor
 
@@ -39,8 +39,7 @@ def lora_enabled(lora: dict | None) -> bool:
 def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0):
     from peft import LoraConfig
 
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ConfigError(f"lora.rank must be an integer >= 0 (0 disables LoRA), got {rank!r}")
+    require_count("lora.rank", rank, minimum=0, hint="0 disables LoRA")
     if targets is None:
         targets = DEFAULT_TARGETS.get(type(model).__name__)
         if targets is None:

@@ -220,7 +220,7 @@ def test_layout_errors_name_values_and_fixes():
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
 def test_degrees_must_be_positive_integers(bad):
-    with pytest.raises(ValueError, match=rf"ring_degree must be an integer >= 1, got {bad!r}"):
+    with pytest.raises(ValueError, match=rf"ring_degree must be a positive integer, got {bad!r}"):
         check_degrees(bad, 1)
 
 

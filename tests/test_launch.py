@@ -83,7 +83,7 @@ BAD_SETTINGS = {
                                 r"trainer.strategy.rendezvous_timeout_s must be in \(0, inf\], got 0"),
     # the strategies trust the degrees: they are checked here, once
     "replicate_degree zero": (["trainer/strategy=fsdp", "trainer.strategy.replicate_degree=0"],
-                              r"trainer.strategy.replicate_degree must be an integer >= 1, got 0"),
+                              r"trainer.strategy.replicate_degree must be a positive integer, got 0"),
     "replicate_degree not dividing": (["trainer/strategy=fsdp", "ring_degree=2", "trainer.strategy.replicate_degree=3"],
                                       r"trainer.strategy.replicate_degree=3 does not divide the world size 2"),
 }

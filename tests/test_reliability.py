@@ -31,9 +31,9 @@ def bad_files(tmp_path_factory, tiny_checkpoint) -> dict[str, Path]:
 
 
 BAD_TRAIN_INPUTS = {
-    "ring_degree zero": (["ring_degree=0"], r"ring_degree must be an integer >= 1, got 0"),
-    "ring_degree not an integer": (["ring_degree=1.5"], r"ring_degree must be an integer >= 1, got 1.5"),
-    "ulysses_degree negative": (["ulysses_degree=-2"], r"ulysses_degree must be an integer >= 1, got -2"),
+    "ring_degree zero": (["ring_degree=0"], r"ring_degree must be a positive integer, got 0"),
+    "ring_degree not an integer": (["ring_degree=1.5"], r"ring_degree must be a positive integer, got 1.5"),
+    "ulysses_degree negative": (["ulysses_degree=-2"], r"ulysses_degree must be a positive integer, got -2"),
     "world not divisible": (["ring_degree=2", "trainer.devices=3"],
                             r"world size 3 \(devices x nodes\) is not divisible by ring_degree x ulysses_degree = 2 x 1 = 2"),
     "heads not divisible": (["ulysses_degree=3"], r"num_heads=4 is not divisible by ulysses_degree=3"),

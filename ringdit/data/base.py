@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ringdit.data.steps import StepBatches
+from ringdit.errors import require_count
 from ringdit.seeding import Stream, generator
 
 
@@ -23,8 +24,7 @@ class ImageDataModule(L.LightningDataModule):
     def __init__(self, batch_size: int = 64, num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4,
                  seed: int = 0):
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        require_count("data.batch_size", batch_size)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**32 - 1:
             raise ValueError(f"data.seed must be an integer from 0 to 2**32 - 1 (it defaults to seed), got {seed!r}")
         if not 0 <= val_fraction < 1:
@@ -57,8 +57,7 @@ class ImageDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         batches_per_step = trainer.accumulate_grad_batches
-        if trainer.max_steps is None or trainer.max_steps < 1:
-            raise ValueError(f"trainer.max_steps must be >= 1 (training is counted in steps), got {trainer.max_steps}")
+        require_count("trainer.max_steps", trainer.max_steps, hint="training is counted in steps")
         dp_rank, dp_size = self._dp()
         batches = StepBatches(
             self.train_set, self.batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=self.seed,

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ringdit.data.base import ImageDataModule
+from ringdit.errors import require_count
 
 GLYPH = 8  # scikit-learn's digits are 8 x 8, pixel values 0..16
 
@@ -83,8 +84,7 @@ class MovingDigitsDataModule(ImageDataModule):
         super().__init__(batch_size, num_workers, val_fraction, val_batches, seed)
         for setting, value in (("frames", frames), ("canvas", canvas), ("num_videos", num_videos),
                                ("digit_scale", digit_scale)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"data.{setting} must be a positive integer, got {value!r}")
+            require_count(f"data.{setting}", value)
         if canvas < GLYPH * digit_scale:
             raise ValueError(f"data.canvas={canvas} is smaller than the digit ({GLYPH} x data.digit_scale="
                              f"{digit_scale} = {GLYPH * digit_scale} pixels); use data.canvas >= "

@@ -24,8 +24,6 @@ class StepBatches(IterableDataset):
 
     def __init__(self, dataset: Dataset, batch_size: int, *, total_steps: int, start_step: int = 0, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0):
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if len(dataset) == 0:
             raise ValueError("the training dataset is empty")
         self.dataset, self.batch_size = dataset, batch_size

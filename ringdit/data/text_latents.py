@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 
 from ringdit.data.base import ImageDataModule
 from ringdit.data.latents import checked_data_path
+from ringdit.errors import require_count
 
 FORMAT = "ringdit.text_latents/1"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -306,9 +307,7 @@ class SyntheticTextLatentsDataModule(TextLatentsDataModule):
         settings = dict(num_samples=num_samples, channels=channels, frames=frames, size=size, text_len=text_len,
                         text_dim=text_dim, num_prompts=num_prompts, pooled_dim=pooled_dim, seed=seed)
         for key, value in settings.items():
-            low = 0 if key in ("seed", "frames", "pooled_dim") else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"data.{key} must be an integer >= {low}, got {value!r}")
+            require_count(f"data.{key}", value, minimum=0 if key in ("seed", "frames", "pooled_dim") else 1)
         name = "synthetic-" + "-".join(f"{k}{v}" for k, v in settings.items()) + ".safetensors"
         path = Path(cache_dir).expanduser() / name
         if not path.is_file():

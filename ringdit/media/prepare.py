@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ringdit.data.text_latents import write_text_latents
-from ringdit.errors import ConfigError
+from ringdit.errors import ConfigError, require_count
 from ringdit.media.folder import MediaItem, list_media
 from ringdit.media.frames import TooShort, read_image, read_video
 from ringdit.media.text import TextEncoder
@@ -88,8 +88,7 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
 
     for name, value in (("frames", frames), ("frame_stride", frame_stride), ("shard_size", shard_size),
                         ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        require_count(name, value)
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if rank is None or world_size is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ringdit.errors import ConfigError
+from ringdit.errors import ConfigError, require_count
 
 # config.json "model_type" -> the encoder-only class (a full T5 checkpoint also loads into its encoder)
 ENCODERS = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel", "clip_text_model": "CLIPTextModel",
@@ -61,8 +61,7 @@ class TextEncoder:
         tokenizer_folder = _folder(tokenizer, "tokenizer", "tokenizer_config.json", "tokenizer")
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder))
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise ConfigError(f"max_text_len must be a positive integer, got {max_len!r}")
+        require_count("max_text_len", max_len)
         if limit is not None and max_len > limit:
             raise ConfigError(f"max_text_len={max_len} is longer than {ENCODERS[model_type]} takes ({limit} "
                               f"positions); pass max_text_len={limit} or less")

@@ -21,6 +21,8 @@ from torch import nn
 from torch._C._distributed_c10d import Backend as C10dBackend  # noqa: I001 (its Options: what DeviceMesh takes)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ringdit.errors import require_count
+
 ProcessGroup = dist.ProcessGroup
 MESH_DIMS = ("dp", "ring", "ulysses")
 
@@ -153,8 +155,7 @@ def check_degrees(ring_degree: object, ulysses_degree: object, world_size: int |
     (``ringdit.config.validate_parallel``, before any process starts) and by ``init_sequence_parallel`` for
     callers that build a mesh without the configs."""
     for setting, value in (("ring_degree", ring_degree), ("ulysses_degree", ulysses_degree)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{setting} must be an integer >= 1, got {value!r}; use 1 to disable that parallelism")
+        require_count(setting, value, hint="use 1 to disable that parallelism")
     sp = ring_degree * ulysses_degree  # type: ignore[operator]
     if world_size is not None and world_size % sp:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ringdit.images import grid_image, save_samples, to_uint8
+from ringdit.errors import require_count
 from ringdit.seeding import Stream, seed_of
 
 
@@ -67,8 +68,7 @@ class SampleGrid(L.Callback):
 
     def __init__(self, output_dir: str, every_n_steps: int = 500, per_class: int = 8, max_classes: int = 10,
                  steps: int | None = None, cfg_scale: float | None = None, seed: int = 0):
-        if every_n_steps < 1:
-            raise ValueError(f"callbacks.sample_grid.every_n_steps must be >= 1, got {every_n_steps}")
+        require_count("callbacks.sample_grid.every_n_steps", every_n_steps)
         self.output_dir = Path(output_dir)
         self.every_n_steps, self.per_class, self.max_classes = every_n_steps, per_class, max_classes
         self.steps, self.cfg_scale, self.seed = steps, cfg_scale, seed

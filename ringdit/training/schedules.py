@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from ringdit.errors import require_count
+
 
 @dataclass
 class WarmupCosine:
@@ -28,6 +30,6 @@ class WarmupCosine:
 
 def warmup_cosine(optimizer: Optimizer, warmup_steps: int = 100, total_steps: int = 1000,
                   final_lr_fraction: float = 0.0) -> LambdaLR:
-    if warmup_steps < 0 or total_steps < 1:
-        raise ValueError(f"scheduler: warmup_steps must be >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
+    require_count("scheduler.warmup_steps", warmup_steps, minimum=0)
+    require_count("scheduler.total_steps", total_steps)
     return LambdaLR(optimizer, WarmupCosine(max(1, warmup_steps), total_steps, final_lr_fraction))
