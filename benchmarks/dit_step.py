@@ -1,7 +1,9 @@
 """Training-step time of one DiT on one device (forward + backward + AdamW), eager or compiled.
 
-    python benchmarks/dit_step.py --model DiT-XL/2 --input-size 32 --batch 8 --device cuda --dtype bfloat16
-    python benchmarks/dit_step.py --model DiT-T/2 --input-size 16 --batch 32 --compile
+    python benchmarks/dit_step.py --model dit_xl --input-size 32 --batch 8 --device cuda --dtype bfloat16
+    python benchmarks/dit_step.py --model dit_digits --input-size 16 --batch 32 --compile
+
+--model is a DiT preset of conf/model (dit_xl, dit_l, dit_b, dit_s, dit_digits, dit_video), --patch-size its patch.
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ import time
 
 import torch
 
-from ringdit.models import DIT_MODELS
+from hydra.utils import instantiate
+
+from ringdit.config import CONF_DIR, model_preset
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="DiT-S/2", choices=sorted(DIT_MODELS))
+    presets = sorted(p.stem for p in (CONF_DIR / "model").glob("dit_*.yaml"))
+    parser.add_argument("--model", default="dit_s", choices=presets)
+    parser.add_argument("--patch-size", type=int, default=2)
     parser.add_argument("--input-size", type=int, nargs="+", default=[32], help="H W, or T H W with --temporal-patch")
     parser.add_argument("--in-channels", type=int, default=4)
     parser.add_argument("--temporal-patch", type=int, default=None)
@@ -29,8 +35,9 @@ def main() -> None:
     args = parser.parse_args()
 
     size = args.input_size[0] if len(args.input_size) == 1 else tuple(args.input_size)
-    model = DIT_MODELS[args.model](input_size=size, in_channels=args.in_channels, num_classes=1000,
-                                   temporal_patch_size=args.temporal_patch, attention_backend=args.backend)
+    video = {} if args.temporal_patch is None else {"temporal_patch_size": args.temporal_patch}  # else the preset's
+    model = instantiate(model_preset(args.model), patch_size=args.patch_size, input_size=size,
+                        in_channels=args.in_channels, num_classes=1000, attention_backend=args.backend, **video)
     model.to(args.device)
     if args.compile:
         for block in model.blocks:

@@ -377,6 +377,15 @@ def check_infer_settings(cfg: DictConfig) -> None:
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
+def model_preset(name: str) -> dict:
+    """The model config that ``model=<name>`` selects (``conf/model/<name>.yaml`` with what it inherits), for code
+    that builds a preset without a run: ``hydra.utils.instantiate(model_preset("dit_xl"), input_size=32, ...)``."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return OmegaConf.to_container(compose("train", overrides=[f"model={name}"]).model)
+
+
 def hydra_main(config_name: str):
     """``hydra.main(config_path="conf", config_name=...)`` whose own mistakes -- a misspelt key, an unknown group
     option, a missing ``???`` value, an override that does not parse, a run folder that cannot be created -- end

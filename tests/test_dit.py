@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringdit.models import DIT_MODELS, sincos_pos_embed
+from hydra.utils import instantiate
+
+from ringdit.config import model_preset
+from ringdit.models import sincos_pos_embed
 from ringdit.parallel import init_sequence_parallel, set_parallel_dims, shard_sequence, sharded_mean
 from tests.distributed import run_ranks
 from tests.helpers import original_dit_state_dict_shapes, tiny_dit
@@ -16,22 +19,25 @@ from tests.helpers import original_dit_state_dict_shapes, tiny_dit
 # ---- original checkpoints ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "depth", "hidden", "heads", "patch"), [("DiT-S/2", 12, 384, 6, 2), ("DiT-B/4", 12, 768, 12, 4)])
+@pytest.mark.parametrize(("name", "depth", "hidden", "heads", "patch"), [("dit_s", 12, 384, 6, 2), ("dit_b", 12, 768, 12, 4)])
 def test_original_dit_state_dict_loads_strictly(name, depth, hidden, heads, patch):
     shapes = original_dit_state_dict_shapes(depth, hidden, heads, patch)
     state = {key: torch.randn(shape) for key, shape in shapes.items()}
-    model = DIT_MODELS[name](input_size=32, in_channels=4, num_classes=1000)
+    model = instantiate(model_preset(name), patch_size=patch, input_size=32, in_channels=4, num_classes=1000)
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes
     model.load_state_dict(state, strict=True)
     torch.testing.assert_close(model.blocks[3].attn.qkv.weight, state["blocks.3.attn.qkv.weight"])
 
 
 def test_original_size_table():
-    assert {name for name in DIT_MODELS if not name.split("-")[1].startswith(("T", "XT"))} == {
-        f"DiT-{s}/{p}" for s in ("XL", "L", "B", "S") for p in (2, 4, 8)
-    }
+    """The presets carry the original's sizes (Peebles & Xie, 2023, Table 1) and its shared settings."""
+    table = {"dit_xl": (28, 1152, 16), "dit_l": (24, 1024, 16), "dit_b": (12, 768, 12), "dit_s": (12, 384, 6)}
+    for name, (depth, hidden, heads) in table.items():
+        preset = model_preset(name)
+        assert (preset["depth"], preset["hidden_size"], preset["num_heads"]) == (depth, hidden, heads), name
+        assert preset["patch_size"] == 2 and preset["learn_sigma"] and preset["class_dropout_prob"] == 0.1, name
     with torch.device("meta"):  # sizes only
-        xl = DIT_MODELS["DiT-XL/2"]()
+        xl = instantiate(model_preset("dit_xl"), input_size=32, in_channels=4, num_classes=1000)
     assert sum(p.numel() for p in xl.parameters() if p.requires_grad) == pytest.approx(675e6, rel=0.01)
 
 
