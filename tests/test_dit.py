@@ -19,7 +19,8 @@ from tests.helpers import original_dit_state_dict_shapes, tiny_dit
 # ---- original checkpoints ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "depth", "hidden", "heads", "patch"), [("dit_s", 12, 384, 6, 2), ("dit_b", 12, 768, 12, 4)])
+@pytest.mark.parametrize(("name", "depth", "hidden", "heads", "patch"),
+                         [("dit_s", 12, 384, 6, 2), ("dit_b", 12, 768, 12, 4)])
 def test_original_dit_state_dict_loads_strictly(name, depth, hidden, heads, patch):
     shapes = original_dit_state_dict_shapes(depth, hidden, heads, patch)
     state = {key: torch.randn(shape) for key, shape in shapes.items()}

@@ -312,8 +312,8 @@ class DiTModule(L.LightningModule):
     def generate(self, condition, seeds: list[int], *, use_ema: bool = True, negative: dict | None = None,
                  **overrides: Any) -> Tensor:
         """Samples ``(N, C, [T,] H, W)`` for ``condition`` -- labels ``(N,)``, or a dict of text tensors ``(N, ...)``
-        -- sample i from noise seeded by seeds[i] (a ``ringdit.seeding.seed_of`` value); pixels come in [-1, 1]. ``negative``: the negative prompt's
-        conditioning for guidance (text models; default the empty prompt's).
+        -- sample i from noise seeded by seeds[i] (a ``ringdit.seeding.seed_of`` value); pixels come in [-1, 1].
+        ``negative``: the negative prompt's conditioning for guidance (text models; default the empty prompt's).
 
         Collective under sequence parallelism: every rank of the group must call it with the same arguments.
         """
