@@ -96,17 +96,25 @@ def world_size(trainer_cfg: DictConfig) -> int:
 
 
 def validate_parallel(cfg: DictConfig, *, training: bool) -> str:
-    """Check degrees, world size and attention backend; return the backend to use.
+    """Check the degrees, that they match the device count, and the attention backend; return the backend to use.
 
-    The one place the parallel layout is validated: the strategies, the mesh and the models trust it.
+    The one place the parallel layout is validated: the strategies, the mesh and the models trust it. The layout
+    is the settings' dp x ring x ulysses; the processes Lightning starts (trainer.devices per node x
+    trainer.num_nodes) must be exactly that many, so that dp_degree is what runs, not a default that the device
+    count can silently overrule.
     """
-    check_degrees(cfg.ring_degree, cfg.ulysses_degree)
-    world = world_size(cfg.trainer)
-    try:
-        check_degrees(cfg.ring_degree, cfg.ulysses_degree, world)
-    except ValueError as error:
-        raise ConfigError(f"{error} (trainer.devices={cfg.trainer.devices}, trainer.num_nodes={cfg.trainer.num_nodes})") from None
-    replicas = world // (cfg.ring_degree * cfg.ulysses_degree)
+    dp, ring, ulysses = cfg.get("dp_degree", 1), cfg.ring_degree, cfg.ulysses_degree
+    require_count("dp_degree", dp)
+    check_degrees(ring, ulysses)
+    world, layout = world_size(cfg.trainer), dp * ring * ulysses
+    if world != layout:
+        devices, nodes = cfg.trainer.devices, cfg.trainer.get("num_nodes", 1)
+        fix = (f"set dp_degree={world // (ring * ulysses)}" if world % (ring * ulysses) == 0
+               else f"choose degrees whose product is {world}")
+        raise ConfigError(f"dp_degree x ring_degree x ulysses_degree = {dp} x {ring} x {ulysses} = {layout} ranks, "
+                          f"but trainer.devices x trainer.num_nodes = {devices} x {nodes} = {world} processes; {fix}, "
+                          f"or leave trainer.devices unset (it defaults to the product, on one node)")
+    replicas = dp
     if cfg.get("cfg_parallel") and replicas % 2:
         raise ConfigError(f"cfg_parallel=true runs the two halves of guidance on two data-parallel replicas, so it "
                           f"needs an even number of them, got {replicas}; set dp_degree to an even number (2)")
@@ -302,7 +310,6 @@ def check_lora_checkpoint(ckpt_path: str) -> None:
 def check_training_settings(cfg: DictConfig) -> None:
     """The numeric settings of a training run, before anything is built: each would otherwise fail only once
     training started (with a traceback, after spawning), or be accepted and quietly do something else."""
-    require_count("dp_degree", cfg.get("dp_degree", 1))
     require_number("ema_decay", cfg.ema_decay, low=0, high=1)
     model = cfg.get("model") or {}
     for key in ("hidden_size", "depth"):  # depth=0 would train a model without blocks, and say nothing
@@ -367,7 +374,6 @@ def _check_trainer_numbers(trainer: DictConfig) -> None:
 
 def check_infer_settings(cfg: DictConfig) -> None:
     """The numeric settings of a sampling run that nothing else would refuse (cfg_scale=nan gives black images)."""
-    require_count("dp_degree", cfg.get("dp_degree", 1))
     require_number("cfg_scale", cfg.get("cfg_scale"), optional=True)
     _check_trainer_numbers(cfg.trainer)
 
@@ -567,7 +573,7 @@ def check_launch_environment(trainer_cfg: DictConfig) -> None:
 def check_samples_per_rank(cfg: DictConfig) -> None:
     """Sampling splits ``num_samples`` over the data-parallel ranks without repeating any; each needs one (call after
     ``validate_parallel``)."""
-    replicas = world_size(cfg.trainer) // (cfg.ring_degree * cfg.ulysses_degree)
+    replicas = cfg.get("dp_degree", 1)
     if cfg.num_samples < replicas:
         raise ConfigError(f"num_samples={cfg.num_samples} is fewer than the {replicas} data-parallel ranks "
                           f"(dp_degree={cfg.get('dp_degree', 1)}): each rank needs a sample; use num_samples>="

@@ -151,7 +151,7 @@ def test_kv_split_merges_to_full_attention(name, dtype, pieces):
 
 @pytest.mark.parametrize("name", RING_UNDER_TEST)
 def test_packed_layout(name):
-    """The seeds' packed layout: [T, H, D] in, out [Tq, H, D] and lse [H, Tq] out."""
+    """The packed layout of the backend contract: [T, H, D] in, out [Tq, H, D] and lse [H, Tq] out."""
     backend = make_backend(name)
     q, k, v, dout = (t[0] for t in random_qkv(1, 9, 14, 3, 16, torch.float32))
     out, lse = backend.forward_ring_kv_chunk(q, k, v)
@@ -221,7 +221,7 @@ def test_ring_capability_is_derived_from_overrides(forward_only_registered):
     assert ForwardOnlyBackend.supports_ring_rotation() and not ForwardOnlyBackend.supports_ring_backward()
 
 
-def test_base_class_hooks_raise_the_seeds_error():
+def test_base_class_hooks_raise_the_documented_error():
     sdpa = get_attn_backend("torch_sdpa")
     assert not sdpa.supports_ring_rotation()
     q = torch.randn(1, 4, 1, 8)

@@ -180,7 +180,7 @@ def test_collectives_autograd():
 
 
 def check_mesh_layout(rank, world):
-    """The DeviceMesh keeps DESIGN.md's layout: rank = dp_rank * sp + sp_rank, sp_rank = ring_rank * U + ulysses_rank,
+    """The DeviceMesh keeps the documented layout (ringdit.parallel.mesh): rank = dp_rank * sp + sp_rank, sp_rank = ring_rank * U + ulysses_rank,
     and the CFG pairs are dp replicas 2j, 2j + 1 at equal sp_rank."""
     for dp, ring, ulysses in [(1, 2, 2), (2, 2, 1), (2, 1, 2), (4, 1, 1)]:
         dims = init_sequence_parallel(ring, ulysses, cfg_parallel=dp % 2 == 0)

@@ -35,7 +35,11 @@ BAD_TRAIN_INPUTS = {
     "ring_degree not an integer": (["ring_degree=1.5"], r"ring_degree must be a positive integer, got 1.5"),
     "ulysses_degree negative": (["ulysses_degree=-2"], r"ulysses_degree must be a positive integer, got -2"),
     "world not divisible": (["ring_degree=2", "trainer.devices=3"],
-                            r"world size 3 \(devices x nodes\) is not divisible by ring_degree x ulysses_degree = 2 x 1 = 2"),
+                            r"dp_degree x ring_degree x ulysses_degree = 1 x 2 x 1 = 2 ranks, but trainer.devices x "
+                            r"trainer.num_nodes = 3 x 1 = 3 processes; choose degrees whose product is 3"),
+    "devices contradict dp_degree": (["ring_degree=2", "trainer.devices=4"],
+                                     r"= 1 x 2 x 1 = 2 ranks, but trainer.devices x trainer.num_nodes = 4 x 1 = 4 "
+                                     r"processes; set dp_degree=2, or leave trainer.devices unset"),
     "heads not divisible": (["ulysses_degree=3"], r"num_heads=4 is not divisible by ulysses_degree=3"),
     "non-ring backend": (["ring_degree=2", "attention_backend=torch_sdpa"],
                          r"Ring Attention requires one of the ring-capable backends \(torch_flash, flash_attn, math\), "

@@ -31,10 +31,10 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def accepts_packed_layout(chunk_fn: Callable) -> Callable:
-    """Let a batched ``[B, S, H, D]`` chunk hook also take the packed ``[T, H, D]`` layout of the seeds.
+    """Let a batched ``[B, S, H, D]`` chunk hook also take the packed ``[T, H, D]`` layout (variable-length kernels').
 
-    Nothing inside ringdit packs; the layout is kept because it is part of the backend contract (DESIGN.md), so
-    kernels written against the seeds' interface keep working.
+    Nothing inside ringdit packs; the layout is kept because it is part of the backend contract
+    (``forward_ring_kv_chunk`` takes either), so kernels written against a packed, serving-style interface keep working.
 
     Packed inputs are viewed as a batch of one; ``out`` comes back as ``[Tq, H, D]`` and ``lse`` as ``[H, Tq]``.
     Every tensor argument is packed or none is.

@@ -92,7 +92,7 @@ def validate_attention_config(
 ) -> str:
     """Check the attention settings before any process starts; return the backend name to use.
 
-    - ``ring_degree > 1`` needs a ring-capable backend (the seeds' ValueError otherwise); with none named, the
+    - ``ring_degree > 1`` needs a ring-capable backend (a ValueError naming them otherwise); with none named, the
       first available ring-capable backend is chosen and logged.
     - training with ring needs the backend's ``backward_ring_kv_chunk`` too.
     - the backend must be registered and available on ``device_type``.
@@ -127,7 +127,8 @@ def validate_attention_config(
 
 
 def check_ring_capable(backend: AttentionBackend) -> None:
-    """The layer-construction check (seeds' wording) for a layer that will run ring attention."""
+    """The layer-construction check for a layer that will run ring attention (config time already checked it: this
+    catches a layer built by hand)."""
     if not backend.supports_ring_rotation():
         raise RuntimeError(
             "Ring Attention requires a backend whose kernel exposes the softmax LSE for the per-hop merge; "

@@ -1,6 +1,6 @@
 """The sequence-parallel process mesh: world = dp x sp, sp = ring x ulysses, as a ``DeviceMesh``.
 
-Rank layout (DESIGN.md): the ranks of one sequence-parallel (SP) group are contiguous,
+Rank layout: the ranks of one sequence-parallel (SP) group are contiguous,
 ``global_rank = dp_rank * sp + sp_rank``; inside it Ulysses groups are contiguous and ring groups strided,
 ``sp_rank = ring_rank * ulysses + ulysses_rank``. That is exactly the row-major layout of a mesh of shape
 ``(dp, ring, ulysses)``. Ulysses all-to-alls (heavy, latency-bound) therefore stay among neighbouring ranks (same
