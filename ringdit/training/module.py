@@ -219,14 +219,14 @@ class DiTModule(L.LightningModule):
             return shard_sequence(tokens, dims=dims).unflatten(-1, (-1, channels)).float()
 
         pred = model.forward_tokens(x_t, self.objective.model_time(t), labels, drop)  # (B, N_local, P * C_out)
-        pred = pred.unflatten(-1, (-1, model.out_channels)).float()  # (B, N_local, P, C or 2C)
-        eps = pred[..., :channels]
+        pred = pred.unflatten(-1, (-1, model.out_channels))  # (B, N_local, P, C or 2C)
+        eps = pred[..., :channels].float()
         error = (eps - local(target)).square()  # (B, N_local, P, C)
         if model.learn_sigma and isinstance(self.objective, DDPM) and self.objective.learn_variance:
             # the original's hybrid loss: + the variational bound, which trains only the variance channels. Both
             # terms are means over a sample's elements, so adding them per element gives mse + vb.
             error = error + self.objective.vb_bits(local(model.patchify(x0)), local(model.patchify(x_t)), t, eps,
-                                                   pred[..., channels:])
+                                                   pred[..., channels:].float())
         # otherwise a learned variance gets no loss: flow matching and DDIM ignore it
         return sharded_mean(error.flatten(2), length=target.shape[1], dims=dims)
 
