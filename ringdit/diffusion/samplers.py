@@ -52,8 +52,8 @@ def classifier_free_guidance(model: Model, condition: Condition, null: int | Con
             cond, uncond = model(torch.cat([x, x]), torch.cat([t, t]), _cat_conditions(condition, null)).chunk(2)
         if channels is None or channels >= cond.shape[1]:
             return uncond + scale * (cond - uncond)
-        guided = uncond[:, :channels] + scale * (cond[:, :channels] - uncond[:, :channels])
-        return torch.cat([guided, cond[:, channels:]], dim=1)
+        guided_part = uncond[:, :channels] + scale * (cond[:, :channels] - uncond[:, :channels])
+        return torch.cat([guided_part, cond[:, channels:]], dim=1)
 
     return guided
 
