@@ -86,7 +86,8 @@ def prepare(cfg: DictConfig):
         conditions = resolve_labels(OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels,
                                     cfg.num_samples, info["data"])
     sampling = {**info.get("sampling", {}),
-                **{k: cfg[k] for k in ("steps", "cfg_scale", "sampler", "guidance") if cfg.get(k) is not None}}
+                **{k: cfg[k] for k in ("steps", "cfg_scale", "sampler", "guidance", "guidance_channels")
+                   if cfg.get(k) is not None}}
     check_sampling(info["model"], info["objective"], sampling)
 
     module = DiTModule(model=info["model"], objective=info["objective"], data=info["data"], sampling=sampling,

@@ -61,7 +61,7 @@ def prepare(cfg: DictConfig):
     objective = OmegaConf.to_container(cfg.diffusion.objective, resolve=True)
     sampling = OmegaConf.to_container(cfg.diffusion.sampling, resolve=True)
     resolve_shift(objective, sampling, math.prod(meta_model.default_grid))
-    check_sampling(model_cfg, cfg.diffusion.objective, sampling)
+    check_sampling(model_cfg, cfg.diffusion.objective, sampling, prefix="diffusion.sampling.")
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:
         check_sampling(model_cfg, cfg.diffusion.objective, {**sampling, "cfg_scale": grid_cfg_scale})

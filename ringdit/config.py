@@ -246,8 +246,9 @@ def resolve_shift(objective: dict, sampling: dict, tokens: int) -> None:
         sampling["shift"] = objective["shift"]
 
 
-def check_sampling(model_cfg: dict, objective_cfg, sampling: dict) -> None:
-    """The sampler fits the objective, steps are positive, and guidance has a null class to guide with."""
+def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str = "") -> None:
+    """The sampler fits the objective, steps are positive, guidance has a null class to guide with and guides some
+    of the model's channels. ``prefix``: where the keys live (train.py's ``diffusion.sampling.``)."""
     from ringdit.diffusion import objectives
 
     objective = str(objective_cfg["_target_"]).rsplit(".", 1)[-1]
@@ -256,6 +257,15 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict) -> None:
         raise ConfigError(f"sampler={sampling['sampler']!r} does not fit the {objective} objective; use one of {allowed}")
     if sampling.get("steps") is not None:
         require_count("steps", sampling["steps"])
+    timesteps = objective_cfg.get("num_timesteps", 1000) if objective == "DDPM" else None
+    if timesteps is not None and sampling.get("steps") is not None and sampling["steps"] > timesteps:
+        raise ConfigError(f"{prefix}steps={sampling['steps']} is more than the DDPM schedule's {timesteps} steps; "
+                          f"use at most {timesteps}")
+    guided, channels = sampling.get("guidance_channels"), model_cfg.get("in_channels")
+    if guided is not None and (isinstance(guided, bool) or not isinstance(guided, int) or guided < 1
+                               or channels is not None and guided > channels):
+        raise ConfigError(f"{prefix}guidance_channels={guided!r} is not a number of the model's {channels} latent "
+                          f"channels; use null to guide all of them, or 1..{channels} (3: the original DiT's)")
     cfg_scale = sampling.get("cfg_scale")
     if is_diffusers_model(model_cfg):  # guidance away from the empty or negative prompt: pretrained models learnt it
         return

@@ -58,6 +58,10 @@ BAD_TRAIN_INPUTS = {
                                       r"cfg_scale=1.5 needs a model trained with label dropout \(a null class\)"),
     "sampler of another objective": (["diffusion.sampling.sampler=ddim"],
                                      r"sampler='ddim' does not fit the FlowMatching objective"),
+    "guidance of more channels than the model has": (
+        ["diffusion=ddpm", "diffusion.sampling.guidance_channels=5"],
+        r"diffusion\.sampling\.guidance_channels=5 is not a number of the model's \d+ latent channels; use null to "
+        r"guide all of them, or 1\.\.\d+ \(3: the original DiT's\)"),
 }
 
 

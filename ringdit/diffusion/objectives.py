@@ -7,7 +7,8 @@ every rank of a sequence-parallel group draws the same t and noise).
   ``noise - x0``, t uniform or logit-normal in (0, 1), optionally shifted towards noise for large resolutions
   (SD3's ``t' = s t / (1 + (s - 1) t)``). The model sees ``1000 t``.
 - ``DDPM``: epsilon prediction on the original DiT's linear beta schedule (1e-4 .. 0.02, 1000 steps), so original
-  DiT checkpoints can be fine-tuned. The model sees the integer step.
+  DiT checkpoints can be fine-tuned. The model sees the integer step. A model with a learned variance (the DiT's
+  ``learn_sigma``) also learns it with the original's variational-bound term (``vb_bits``, ``learn_variance``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from ringdit.diffusion.gaussian import GaussianPosterior
 
 Tensor = torch.Tensor
 
@@ -68,12 +71,17 @@ class FlowMatching:
 
 
 class DDPM:
-    samplers = ("ddim",)  # the samplers that fit this objective; the first is the default
+    samplers = ("ddim", "ddpm")  # the samplers that fit this objective; the first is the default
 
-    def __init__(self, num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02):
-        self.num_timesteps = num_timesteps
+    def __init__(self, num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02,
+                 learn_variance: bool = True):
+        """``learn_variance``: a model with learned-sigma channels is trained with the original DiT's hybrid loss,
+        MSE on epsilon + the variational bound on the variance (``vb_bits``); off, those channels get no loss and
+        drift when an original checkpoint is fine-tuned. No effect on models without a learned variance."""
+        self.num_timesteps, self.learn_variance = num_timesteps, learn_variance
         betas = torch.linspace(beta_start, beta_end, num_timesteps, dtype=torch.float64)  # the original's "linear"
-        self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+        self.posterior = GaussianPosterior(betas)
+        self.alphas_cumprod = self.posterior.alphas_cumprod
 
     def sample_time(self, batch: int, generator: torch.Generator) -> Tensor:
         """(B,) integer training steps in [0, num_timesteps)."""
@@ -88,3 +96,9 @@ class DDPM:
 
     def model_time(self, t: Tensor) -> Tensor:
         return t.float()
+
+    def vb_bits(self, x0: Tensor, x_t: Tensor, t: Tensor, eps: Tensor, variance_values: Tensor) -> Tensor:
+        """The learned variance's loss per element (bits), added to the squared epsilon error as in the original
+        (its loss type MSE: not rescaled by num_timesteps / 1000). ``eps`` is detached here: the bound trains the
+        variance only and leaves the mean to the MSE (the original's "frozen out" model output)."""
+        return self.posterior.vb_bits(x0, x_t, t, eps.detach(), variance_values)

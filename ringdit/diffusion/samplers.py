@@ -1,8 +1,10 @@
-"""Samplers: Euler and Heun for flow matching, DDIM for DDPM; classifier-free guidance in one batched forward.
+"""Samplers: Euler and Heun for flow matching, DDIM and the original DiT's ancestral DDPM sampler for DDPM;
+classifier-free guidance in one batched forward.
 
-A model here is any callable ``model(x, t, condition) -> prediction`` with ``x`` shaped like the samples (the DiT's
-extra learned-sigma channels already dropped: DDIM ignores a learned variance). Sampling is deterministic given the
-initial noise (and, for DDIM with eta > 0, the generator).
+A model here is any callable ``model(x, t, condition) -> prediction`` with ``x`` shaped like the samples
+``(B, C, ...)``; the prediction has C channels, or 2C for a model with a learned variance (the DiT's ``learn_sigma``:
+the extra channels are the variance's interpolation values, which only the ``ddpm`` sampler reads). Sampling is
+deterministic given the initial noise and, for the ``ddpm`` sampler, the per-sample generators of its fresh noise.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ringdit.diffusion.gaussian import GaussianPosterior, space_timesteps
 from ringdit.diffusion.objectives import DDPM, FlowMatching, shift_time
 
 Tensor = torch.Tensor
@@ -19,8 +22,13 @@ Model = Callable[[Tensor, Tensor, Condition], Tensor]
 
 
 def classifier_free_guidance(model: Model, condition: Condition, null: int | Condition | None, scale: float,
-                             exchange: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None, half: int = 0):
+                             exchange: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None, half: int = 0,
+                             channels: int | None = None):
     """``(x, t) -> uncond + scale * (cond - uncond)``: the conditional and unconditional halves share ONE forward.
+
+    ``channels``: guide only the prediction's first ``channels`` channels and take the rest (further latent
+    channels, a learned variance) from the conditional half, as the original DiT's ``forward_with_cfg`` does with 3
+    of its 4 latent channels; None guides every channel.
 
     ``condition``: class labels ``(B,)``, or a dict of batch-first tensors (text embeddings ...). ``null``: the null
     class id, or the unconditional condition (same structure as ``condition``; the empty / negative prompt). With
@@ -42,7 +50,10 @@ def classifier_free_guidance(model: Model, condition: Condition, null: int | Con
             cond, uncond = exchange(model(x, t, _half_condition(condition, null) if half else condition))
         else:
             cond, uncond = model(torch.cat([x, x]), torch.cat([t, t]), _cat_conditions(condition, null)).chunk(2)
-        return uncond + scale * (cond - uncond)
+        if channels is None or channels >= cond.shape[1]:
+            return uncond + scale * (cond - uncond)
+        guided_part = uncond[:, :channels] + scale * (cond[:, :channels] - uncond[:, :channels])
+        return torch.cat([guided_part, cond[:, channels:]], dim=1)
 
     return guided
 
@@ -111,27 +122,72 @@ def sample_ddim(denoiser, noise: Tensor, steps: int, schedule: DDPM, eta: float 
     return x
 
 
+@torch.no_grad()
+def sample_ddpm(denoiser, noise: Tensor, steps: int, schedule: DDPM, generators: list[torch.Generator],
+                clip_denoised: bool = False) -> Tensor:
+    """The original DiT's sampler: ancestral sampling from p(x_{t-1} | x_t) with the learned variance, over the
+    schedule respaced to ``steps`` (``space_timesteps(1000, "250")`` for its default 250). ``denoiser(x, step) ->
+    (B, 2C, ...)`` epsilon and variance values, or ``(B, C, ...)`` epsilon alone (then the fixed large variance, the
+    original's choice without learn_sigma).
+
+    Each step but the last adds fresh noise, sample i's from ``generators[i]``: every rank of a sequence-parallel
+    group, and every split of the batch, draws the same noise for sample i.
+    """
+    kept = space_timesteps(schedule.num_timesteps, steps)  # ascending; the model sees these original steps
+    posterior = GaussianPosterior.respaced(schedule.alphas_cumprod, kept)  # indexed by the respaced step i
+    x = noise
+    batch, channels = noise.shape[:2]
+    for i in reversed(range(len(kept))):
+        prediction = denoiser(x, torch.full((batch,), float(kept[i]), device=x.device))  # (B, C or 2C, ...)
+        eps = prediction[:, :channels]
+        variance_values = prediction[:, channels:] if prediction.shape[1] > channels else None
+        step = torch.full((batch,), i, dtype=torch.long)
+        mean, log_variance = posterior.p_mean_variance(x, step, eps, variance_values, clip_denoised)
+        if i == 0:  # the last step returns the mean, as the original (which draws noise and masks it out)
+            return mean
+        x = mean + torch.exp(0.5 * log_variance) * draw_noise(x.shape[1:], generators, x.device, x.dtype)
+
+
+def noise_generators(seeds: list[int]) -> list[torch.Generator]:
+    """Sample i's generator, seeded by seeds[i]: its initial noise first, then the ddpm sampler's fresh noise."""
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def draw_noise(shape: tuple[int, ...], generators: list[torch.Generator], device=None, dtype=torch.float32) -> Tensor:
+    """(N, *shape): one N(0, 1) draw per generator, on the CPU (the same numbers on any device), then moved."""
+    return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device=device, dtype=dtype)
+
+
 def initial_noise(shape: tuple[int, ...], seeds: list[int], device=None, dtype=torch.float32) -> Tensor:
     """One N(0, 1) sample per seed: sample i depends only on seeds[i], not on batch size or rank layout."""
-    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(
-        device=device, dtype=dtype
-    )
+    return draw_noise(shape, noise_generators(seeds), device, dtype)
 
 
 def sample(model: Model, objective, noise: Tensor, condition: Condition, *, steps: int, cfg_scale: float = 1.0,
            null: int | Condition | None = None, sampler: str | None = None, shift: float = 1.0,
-           clip_denoised: bool = False, exchange=None, half: int = 0) -> Tensor:
+           clip_denoised: bool = False, exchange=None, half: int = 0, guidance_channels: int | None = None,
+           generators: list[torch.Generator] | None = None) -> Tensor:
     """Draw samples for ``condition`` (labels, or a dict of text tensors) starting from ``noise`` with the sampler that
-    fits the objective; ``null`` is what classifier-free guidance guides away from (see ``classifier_free_guidance``).
+    fits the objective; ``null`` is what classifier-free guidance guides away from (see ``classifier_free_guidance``),
+    in the first ``guidance_channels`` channels (None: all of the samples' channels).
 
-    Deterministic given the noise (DDIM with eta = 0), so every rank of a sequence-parallel group computes the
-    same samples and sample i depends only on its own noise.
+    Deterministic given the noise and, for the ``ddpm`` sampler, ``generators`` (sample i's fresh noise comes from
+    generators[i], see ``noise_generators``): every rank of a sequence-parallel group computes the same samples and
+    sample i depends only on its own noise.
     """
     sampler = sampler or objective.samplers[0]
     if sampler not in objective.samplers:
         raise ValueError(f"sampler={sampler!r} does not fit the {type(objective).__name__} objective; use one of "
                          f"{objective.samplers}")
-    denoiser = classifier_free_guidance(model, condition, null, cfg_scale, exchange, half)
+    channels = noise.shape[1]
+    guided = classifier_free_guidance(model, condition, null, cfg_scale, exchange, half,
+                                      channels=guidance_channels or channels)
+    if sampler == "ddpm":
+        if generators is None:
+            raise ValueError("the ddpm sampler draws fresh noise each step: pass generators, one per sample "
+                             "(noise_generators(seeds))")
+        return sample_ddpm(guided, noise, steps, objective, generators, clip_denoised=clip_denoised)
+    denoiser = lambda x, t: guided(x, t)[:, :channels]  # the other samplers ignore a learned variance
     if isinstance(objective, FlowMatching):
         return sample_flow(denoiser, noise, steps, method=sampler, shift=shift)
     if isinstance(objective, DDPM):

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim.swa_utils import AveragedModel
 
 from ringdit.attention import validate_attention_config
-from ringdit.diffusion import initial_noise, sample
+from ringdit.diffusion import DDPM, draw_noise, noise_generators, sample
 from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
 from ringdit.lora import add_lora, is_adapter_key, lora_enabled
@@ -73,7 +73,8 @@ def total_grad_norm(model: torch.nn.Module) -> Tensor | None:
 class DiTModule(L.LightningModule):
     """Trains ``model`` (a DiT config with ``_target_``) with ``objective`` (FlowMatching / DDPM config).
 
-    ``sampling``: defaults for preview grids and ``infer.py`` (``steps``, ``cfg_scale``, ``sampler``, ``shift``).
+    ``sampling``: defaults for preview grids and ``infer.py`` (``steps``, ``cfg_scale``, ``sampler``, ``shift``,
+    ``guidance_channels``).
     ``data``: what the data module describes (channels, image_size, num_classes, class_names).
     """
 
@@ -105,7 +106,8 @@ class DiTModule(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.objective = hydra.utils.instantiate(objective)
-        self.sampling = {"steps": 50, "cfg_scale": 1.0, "sampler": None, "shift": 1.0, **(sampling or {})}
+        self.sampling = {"steps": 50, "cfg_scale": 1.0, "sampler": None, "shift": 1.0, "guidance_channels": None,
+                         **(sampling or {})}
         self.model: DiT | None = None
         self.ema: AveragedModel | None = None
         self._step_start: float | None = None
@@ -189,8 +191,9 @@ class DiTModule(L.LightningModule):
     # ---- training ---------------------------------------------------------------------------------------------------
     def diffusion_loss(self, model: DiT | DiffusersTransformer, x0: Tensor, condition, generators: list[torch.Generator]
                        ) -> Tensor:
-        """This rank's loss for the batch (the mean squared error, normalised so that DDP's gradient average over all
-        ranks is the one-device gradient); ``generators[i]`` draws sample i's time, noise and condition drop."""
+        """This rank's loss for the batch (the mean squared error, + the variational bound for a DiT's learned
+        variance under DDPM, normalised so that DDP's gradient average over all ranks is the one-device gradient);
+        ``generators[i]`` draws sample i's time, noise and condition drop."""
         t = torch.cat([self.objective.sample_time(1, g) for g in generators]).to(x0.device)
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in generators]).to(x0.device, x0.dtype)
         draws = torch.cat([torch.rand(1, generator=g) for g in generators]).to(x0.device)
@@ -203,14 +206,24 @@ class DiTModule(L.LightningModule):
             condition = model.drop_condition(condition, draws < model.condition_dropout_prob)
             prediction = model(x_t, self.objective.model_time(t), condition)  # (B, C, [T,] H, W)
             return (prediction.float() - self.objective.target(x0, noise, t).float()).square().mean()
-        labels = condition
+        labels, dims, channels = condition, self.parallel_dims, model.in_channels
         drop = draws < model.class_dropout_prob if model.class_dropout_prob > 0 else None  # no null class: no drop
         target = model.patchify(self.objective.target(x0, noise, t))  # (B, N, patch_volume * C)
+
+        def local(tokens: Tensor) -> Tensor:  # (B, N, P * C) -> this rank's (B, N_local, P, C)
+            return shard_sequence(tokens, dims=dims).unflatten(-1, (-1, channels)).float()
+
         pred = model.forward_tokens(x_t, self.objective.model_time(t), labels, drop)  # (B, N_local, P * C_out)
-        if model.learn_sigma:  # the variance channels get no loss: flow matching and DDIM ignore them
-            pred = pred.unflatten(-1, (-1, model.out_channels))[..., : model.in_channels].flatten(2)
-        error = (pred.float() - shard_sequence(target, dims=self.parallel_dims).float()).square()
-        return sharded_mean(error, length=target.shape[1], dims=self.parallel_dims)
+        pred = pred.unflatten(-1, (-1, model.out_channels))  # (B, N_local, P, C or 2C)
+        eps = pred[..., :channels].float()
+        error = (eps - local(target)).square()  # (B, N_local, P, C)
+        if model.learn_sigma and isinstance(self.objective, DDPM) and self.objective.learn_variance:
+            # the original's hybrid loss: + the variational bound, which trains only the variance channels. Both
+            # terms are means over a sample's elements, so adding them per element gives mse + vb.
+            error = error + self.objective.vb_bits(local(model.patchify(x0)), local(model.patchify(x_t)), t, eps,
+                                                   pred[..., channels:].float())
+        # otherwise a learned variance gets no loss: flow matching and DDIM ignore it
+        return sharded_mean(error.flatten(2), length=target.shape[1], dims=dims)
 
     def sample_generators(self, stream: Stream, batch: tuple[int, ...], batch_size: int) -> list[torch.Generator]:
         """One generator per local sample, keyed by ``batch`` and its position in the global batch (dp rank-major)."""
@@ -319,8 +332,8 @@ class DiTModule(L.LightningModule):
         """
         settings = {**self.sampling, **{k: v for k, v in overrides.items() if v is not None}}
         model = self.sampling_model(use_ema)
-        channels = model.in_channels
-        noise = initial_noise((channels, *self.hparams.data["image_size"]), seeds, device=self.device)
+        generators = noise_generators(seeds)  # sample i's noise: its initial noise, then the ddpm sampler's
+        noise = draw_noise((model.in_channels, *self.hparams.data["image_size"]), generators, device=self.device)
         guided = settings["cfg_scale"] != 1.0
         if isinstance(model, DiffusersTransformer):
             keys = model.family.condition_keys  # what the model reads (the data may carry more, e.g. a text mask)
@@ -333,13 +346,14 @@ class DiTModule(L.LightningModule):
         else:
             condition = condition.to(self.device)
             null = model.y_embedder.null_label if guided else None
-            denoiser = lambda x, t, y: model(x, t, y)[:, :channels]  # noqa: E731 (the learned sigma is not used)
+            denoiser = model  # with learn_sigma (B, 2C, ...): the samplers take the channels they use
         dims = self.parallel_dims
         split = guided and dims.cfg_group is not None  # CFG parallel: the halves on two data-parallel replicas
         samples = sample(
             denoiser, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
             null=null, sampler=settings["sampler"], shift=settings["shift"], clip_denoised=self.samples_are_pixels,
             exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
+            guidance_channels=settings.get("guidance_channels"), generators=generators,
         )
         return samples.clamp(-1, 1) if self.samples_are_pixels else samples
 
