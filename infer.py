@@ -5,9 +5,11 @@
     python infer.py ckpt_path=weights.safetensors labels=[3,3,7] cfg_scale=2 steps=100 ring_degree=2
 
     python infer.py ckpt_path=<wan run>/checkpoints/last.ckpt text_embeds=prompts.safetensors cfg_scale=5
+    python infer.py prompts='[a 3 moving left, a 7 moving up]'   # after train.py experiment=captioned_moving_digits
 
-Writes samples.png (videos: samples.gif) and samples.npz (images uint8 (N, [T,] H, W, C), labels int64 (N,)) into
-the run's output directory; latent models write latents float32 (N, C, [T,] H, W) instead of images, and
+Writes samples.png (videos: samples.gif, plus sample-000.mp4 / .gif ... each) and samples.npz (images uint8
+(N, [T,] H, W, C), labels int64 (N,)) into the run's output directory; latent models write latents float32
+(N, C, [T,] H, W) instead of images, and
 text-conditioned models the prompts' captions instead of labels. With vae=FOLDER (default: the VAE the data was
 prepared with, when that folder exists) latents are also decoded beside samples.npz: samples.png + sample-000.png
 ... for images, samples.gif + sample-000.mp4 / .gif ... for videos (ringdit.media). Sample i starts from noise
@@ -93,7 +95,7 @@ def prepare(cfg: DictConfig):
     module = DiTModule(model=info["model"], objective=info["objective"], data=info["data"], sampling=sampling,
                        attention_backend=backend, init_from=cfg.ckpt_path, init_weights=cfg.weights)
     module.negative_condition = negative
-    writer = SampleWriter(cfg.paths.output_dir, captions=captions)
+    writer = SampleWriter(cfg.paths.output_dir, captions=captions, fps=cfg.fps)
     callbacks = [writer, *(hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks"))]
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False)
     requests = DataLoader(SampleRequests(conditions, cfg.seed), batch_size=cfg.batch_size)

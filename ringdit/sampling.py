@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ringdit.images import save_samples
+from ringdit.media.writing import write_media
 from ringdit.seeding import Stream, seed_of
 
 
@@ -68,7 +69,8 @@ class SampleRequests(Dataset):
 
 
 class SampleWriter(L.Callback):
-    """Collect every rank's samples after ``predict`` and write ``samples.png`` (video: ``samples.gif``) and
+    """Collect every rank's samples after ``predict`` and write ``samples.png`` (video: ``samples.gif`` plus
+    ``sample-000.mp4`` / ``.gif`` ... each) and
     ``samples.npz`` (``images`` uint8 ``(N, [T,] H, W, C)``, ``labels`` int64 ``(N,)``) into ``output_dir``.
 
     A model trained on latents (data=latents) gets ``samples.npz`` with ``latents`` float32 ``(N, C, [T,] H, W)``
@@ -76,8 +78,9 @@ class SampleWriter(L.Callback):
     models write ``captions`` (the prompt of each sample, where known) instead of ``labels``.
     """
 
-    def __init__(self, output_dir: str | Path, columns: int | None = None, captions: list[str] | None = None):
-        self.output_dir, self.columns, self.captions = Path(output_dir), columns, captions
+    def __init__(self, output_dir: str | Path, columns: int | None = None, captions: list[str] | None = None,
+                 fps: int = 16):
+        self.output_dir, self.columns, self.captions, self.fps = Path(output_dir), columns, captions, fps
         self.batches: list[dict] = []
         self.written: list[Path] = []
 
@@ -104,10 +107,13 @@ class SampleWriter(L.Callback):
         npz = self.output_dir / "samples.npz"
         np.savez_compressed(npz, **contents)
         self.written = [npz]
-        if kind == "images":
+        if kind == "images" and samples.ndim == 5:  # videos: the grid as a GIF, and each as MP4 + GIF
+            self.written = write_media(samples, self.output_dir, fps=self.fps) + self.written
+        elif kind == "images":
             columns = self.columns or min(len(samples), 10)
             self.written.insert(0, save_samples(samples, self.output_dir / "samples", columns=columns))
-        print(f"wrote {len(samples)} samples to {' and '.join(map(str, self.written))}", flush=True)
+        shown = self.written if len(self.written) <= 3 else [*self.written[:2], f"... ({len(self.written)} files)"]
+        print(f"wrote {len(samples)} samples to {' and '.join(map(str, shown))}", flush=True)
 
     def _padded_to_equal_counts(self, trainer, pl_module) -> dict[str, torch.Tensor]:
         """This rank's samples, padded with rows of index -1 to the largest count of any rank: prediction splits

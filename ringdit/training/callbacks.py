@@ -63,7 +63,7 @@ class SampleGrid(L.Callback):
     same sharded model, save it under ``<output_dir>/samples/`` and log it to wandb / TensorBoard.
 
     All ranks sample (the model is sharded across them); only global rank 0 writes. One row per class
-    (up to ``max_classes``), ``per_class`` samples each, from fixed seeds so grids are comparable across steps.
+    (up to ``max_classes``; text models: per held-out prompt), ``per_class`` samples each, from fixed seeds so grids are comparable across steps.
     """
 
     def __init__(self, output_dir: str, every_n_steps: int = 500, per_class: int = 8, max_classes: int = 10,
@@ -87,10 +87,16 @@ class SampleGrid(L.Callback):
         self._last_step = step = trainer.global_step
         if not pl_module.samples_are_pixels:  # latents need the user's VAE to become pictures
             return None
-        classes = min(pl_module.hparams.data["num_classes"], self.max_classes)
-        labels = torch.arange(classes).repeat_interleave(self.per_class)
-        seeds = [seed_of(Stream.PREVIEW, self.seed, cell) for cell in range(len(labels))]
-        images = to_uint8(pl_module.generate(labels, seeds, steps=self.steps, cfg_scale=self.cfg_scale)).numpy()
+        if pl_module.text_conditioned:  # one row per held-out prompt (the same prompts at every step)
+            prompts, _ = trainer.datamodule.held_out(self.max_classes)
+            condition = {key: value.repeat_interleave(self.per_class, 0) for key, value in prompts.items()}
+            count = len(condition["text"])
+        else:
+            classes = min(pl_module.hparams.data["num_classes"], self.max_classes)
+            condition = torch.arange(classes).repeat_interleave(self.per_class)
+            count = len(condition)
+        seeds = [seed_of(Stream.PREVIEW, self.seed, cell) for cell in range(count)]
+        images = to_uint8(pl_module.generate(condition, seeds, steps=self.steps, cfg_scale=self.cfg_scale)).numpy()
         if not trainer.is_global_zero:
             return None
         path = save_samples(images, self.output_dir / "samples" / f"step_{step:07d}", columns=self.per_class)
