@@ -54,7 +54,7 @@ BAD_TRAIN_INPUTS = {
     "hidden not divisible by heads": (["model.num_heads=5"], r"hidden_size=128 is not divisible by num_heads=5"),
     "batch size zero": (["data.batch_size=0"], r"data.batch_size must be a positive integer, got 0"),
     "no steps": (["trainer.max_steps=0"], r"trainer.max_steps must be a positive integer, got 0"),
-    "guidance without a null class": (["model.class_dropout_prob=0"],
+    "guidance without a null class": (["model.class_dropout_prob=0", "diffusion.sampling.cfg_scale=1.5"],
                                       r"cfg_scale=1.5 needs a model trained with label dropout \(a null class\)"),
     "sampler of another objective": (["diffusion.sampling.sampler=ddim"],
                                      r"sampler='ddim' does not fit the FlowMatching objective"),

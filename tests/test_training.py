@@ -51,6 +51,9 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [f"data.path={write_latents(tmp_path, GOOD, LABELS)}"]
     if (group, option) in (("data", "moving_digits"), ("model", "dit_video")):
         return ["data=moving_digits", "model=dit_video"]
+    if (group, option) == ("data", "captioned_moving_digits"):  # pixels: one channel, the demo's text width
+        return [f"data.cache_dir={tmp_path}", "data.num_videos=8", "model=wan_tiny", "model.config.in_channels=1",
+                "model.config.out_channels=1", "model.config.text_dim=32"]
     synthetic = ["data=synthetic_text_latents", f"data.cache_dir={tmp_path}", "data.num_samples=4"]
     if (group, option) == ("data", "text_latents"):
         from ringdit.data.text_latents import synthetic_text_latents, write_text_latents
