@@ -21,16 +21,13 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def models(tmp_path_factory) -> dict[str, Path]:
     """A pipeline-shaped folder (vae/, text_encoder/, tokenizer/) per VAE kind, as Wan's and Flux's repos are."""
     from diffusers import AutoencoderKL, AutoencoderKLWan
-    from tokenizers import Tokenizer, pre_tokenizers, processors
-    from tokenizers import models as tok_models
-    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from ringdit.media.text import word_level_tokenizer
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("models")
-    tokenizer = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])  # as T5
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    fast = word_level_tokenizer(WORDS)
     AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                      temperal_downsample=[False, True, True]).save_pretrained(root / "wan" / "vae")
     AutoencoderKL(block_out_channels=[8, 8], down_block_types=["DownEncoderBlock2D"] * 2,

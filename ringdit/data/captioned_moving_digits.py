@@ -91,15 +91,11 @@ class CaptionedMovingDigits(MovingDigits):
 def build_caption_encoder(folder: Path, text_dim: int, seed: int) -> None:
     """Save a word-level tokenizer over ``WORDS`` (``folder/tokenizer``) and a 1-layer UMT5 encoder with seeded random
     weights (``folder/text_encoder``), as a pipeline repo holds them."""
-    from tokenizers import Tokenizer, pre_tokenizers, processors
-    from tokenizers import models as tokenizer_models
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+    from transformers import UMT5Config, UMT5EncoderModel
 
-    tokenizer = Tokenizer(tokenizer_models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])  # as T5
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
-                            ).save_pretrained(folder / "tokenizer")
+    from ringdit.media.text import word_level_tokenizer
+
+    word_level_tokenizer(WORDS).save_pretrained(folder / "tokenizer")
     heads = 2 if text_dim % 2 == 0 else 1
     config = UMT5Config(vocab_size=len(WORDS), d_model=text_dim, d_kv=text_dim // heads, d_ff=2 * text_dim,
                         num_layers=1, num_heads=heads, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)

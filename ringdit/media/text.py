@@ -90,6 +90,20 @@ class TextEncoder:
                 "pooled": self.pooled}
 
 
+def word_level_tokenizer(words: list[str] | tuple[str, ...]):
+    """A T5-style fast tokenizer over a fixed word list, built in code (no download): whitespace-split words, ids in
+    list order, ``</s>`` appended; the list must hold ``<pad>``, ``</s>`` and ``<unk>``. For small demos and tests."""
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    ids = {w: i for i, w in enumerate(words)}
+    tokenizer = Tokenizer(tokenizer_models.WordLevel(ids, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", ids["</s>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
 def encode_prompts(prompts: list[str], negative_prompt: str | None, text_encoder: str | Path,
                    tokenizer: str | Path | None = None, *, text_len: int, text_dim: int,
                    device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
