@@ -10,6 +10,16 @@ import torch
 from tests.helpers import TINY, WORDS, run
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items) -> None:
+    """The suite runs on pytest-xdist workers (``-n 2 --dist loadgroup`` in pyproject's addopts): each test goes to
+    whichever worker is free, except that the tests of a module sharing a module-scoped fixture (a trained run, a
+    checkpoint: the costly part) form one group on one worker, so the fixture is built once."""
+    for item in items:
+        if any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("tiny")
