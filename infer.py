@@ -46,6 +46,7 @@ from ringdit.config import (
 from ringdit.errors import require_choice, require_count, require_seed
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.media.decode import decode_samples, latents_normalised, sampling_vae
+from ringdit.run_folder import claim_run_folder
 from ringdit.sampling import SampleRequests, SampleWriter, resolve_labels
 from ringdit.training import DiTModule
 from ringdit.weights import WEIGHT_CHOICES
@@ -85,6 +86,7 @@ def prepare(cfg: DictConfig):
             negative = {key: value[:1] for key, value in negative_prompts.items()}  # the first row
             check_prompt_shape("negative_text_embeds", negative, info["data"])
     else:
+        refuse_text_settings(cfg)
         conditions = resolve_labels(OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels,
                                     cfg.num_samples, info["data"])
     sampling = {**info.get("sampling", {}),
@@ -99,7 +101,20 @@ def prepare(cfg: DictConfig):
     callbacks = [writer, *(hydra.utils.instantiate(c) for c in group_targets(cfg, "callbacks"))]
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False)
     requests = DataLoader(SampleRequests(conditions, cfg.seed), batch_size=cfg.batch_size)
+    claim_run_folder(cfg.paths.output_dir, "infer")  # last: every check has passed
     return trainer, module, requests
+
+
+TEXT_SETTINGS = ("prompts", "negative_prompt", "text_embeds", "negative_text_embeds", "text_encoder", "tokenizer")
+
+
+def refuse_text_settings(cfg: DictConfig) -> None:
+    """A class-conditional model has no text input: prompts given to it would be ignored, not followed."""
+    given = [key for key in TEXT_SETTINGS if cfg.get(key)]
+    if given:
+        raise ConfigError(f"{', '.join(f'{key}={cfg[key]}' for key in given)}: ckpt_path={cfg.ckpt_path} is a "
+                          f"class-conditional model, which takes no text; choose classes with labels=[...] (ids or "
+                          f"names), or sample a text-conditioned checkpoint (model=wan, flux, qwenimage)")
 
 
 def text_prompts(cfg: DictConfig, data_info: dict) -> tuple[dict, list[str]]:

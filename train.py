@@ -36,9 +36,10 @@ from ringdit.config import (
     validate_parallel,
 )
 from ringdit.errors import NonFiniteLossError, require_choice, require_count, require_seed
-from ringdit.lora import lora_enabled
+from ringdit.lora import check_lora_settings, lora_enabled
 from ringdit.memory import check_training_memory
 from ringdit.resume import check_resume
+from ringdit.run_folder import claim_run_folder
 from ringdit.weights import WEIGHT_CHOICES
 
 log = logging.getLogger("ringdit.train")
@@ -52,6 +53,8 @@ def prepare(cfg: DictConfig):
     require_seed("seed", cfg.seed)
     require_choice("init_weights", cfg.init_weights, WEIGHT_CHOICES)
     check_training_settings(cfg)
+    lora = OmegaConf.to_container(cfg.lora, resolve=True) if cfg.get("lora") else None
+    check_lora_settings(lora)
     check_launch_environment(cfg.trainer)
     backend = validate_parallel(cfg, training=True)
     datamodule = hydra.utils.instantiate(cfg.data)
@@ -65,7 +68,6 @@ def prepare(cfg: DictConfig):
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:
         check_sampling(model_cfg, cfg.diffusion.objective, {**sampling, "cfg_scale": grid_cfg_scale})
-    lora = OmegaConf.to_container(cfg.lora, resolve=True) if cfg.get("lora") else None
     if lora_enabled(lora):
         check_lora(meta_model, lora)
     check_training_memory(cfg, model_cfg, meta_model, backend)  # a warning: estimates can be wrong
@@ -116,6 +118,7 @@ def prepare(cfg: DictConfig):
         cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files
     )
+    claim_run_folder(cfg.paths.output_dir, "train", resumes=ckpt_path)  # last: every check has passed
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     if trainer.is_global_zero:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ringdit.errors import ConfigError, require_count
+from ringdit.errors import ConfigError, require_count, require_number
 
 Tensor = torch.Tensor
 
@@ -36,10 +36,35 @@ def lora_enabled(lora: dict | None) -> bool:
     return bool(lora) and (lora.get("rank") or 0) > 0
 
 
+def check_lora_settings(lora: dict | None) -> None:
+    """The ``lora`` settings are ones that train something: a rank of 0 (off) or more, never a negative one that
+    would quietly mean a full fine-tune; a scale alpha / rank that is not zero (adapters scaled by 0 learn nothing);
+    a dropout probability below 1; targets as module-name suffixes."""
+    lora = lora or {}
+    require_count("lora.rank", lora.get("rank", 0), minimum=0, hint="0 disables LoRA, > 0 is the adapters' rank")
+    if not lora_enabled(lora):
+        return
+    alpha = lora.get("alpha")
+    require_number("lora.alpha", alpha, optional=True)
+    if alpha is not None and alpha <= 0:
+        raise ConfigError(f"lora.alpha must be > 0 (the adapters' output is scaled by alpha / rank, so {alpha!r} "
+                          f"{'learns nothing' if alpha == 0 else 'flips their sign'}); use null for alpha = rank")
+    require_number("lora.dropout", lora.get("dropout", 0.0), low=0, high=1)
+    if lora.get("dropout", 0.0) == 1:
+        raise ConfigError("lora.dropout=1 drops every input of the adapters, so nothing is learned; use a "
+                          "probability below 1 (0 is usual)")
+    targets = lora.get("targets")
+    names = [targets] if isinstance(targets, str) else targets
+    if targets is not None and (not isinstance(names, (list, tuple)) or not names
+                                or not all(isinstance(n, str) and n for n in names)):
+        raise ConfigError(f"lora.targets must be null (the default projections) or module-name suffixes such as "
+                          f"[to_q,to_v], got {targets!r}")
+
+
 def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0):
     from peft import LoraConfig
 
-    require_count("lora.rank", rank, minimum=0, hint="0 disables LoRA")
+    check_lora_settings({"rank": rank, "alpha": alpha, "targets": targets, "dropout": dropout})
     if targets is None:
         targets = DEFAULT_TARGETS.get(type(model).__name__)
         if targets is None:

@@ -59,7 +59,12 @@ def safe_torch_load(path: str | Path, map_location: Any = "cpu", mmap: bool = Fa
 def _existing_file(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if is_sharded_checkpoint(path):
+        check_sharded_files(path)
         return path
+    if path.is_dir() and any(path.glob("*.distcp")):  # the start of a sharded checkpoint, without its index
+        missing = [name for name in (".metadata", SHARDED_METADATA) if not (path / name).is_file()]
+        raise CheckpointError(f"{path} is an incomplete sharded checkpoint: {' and '.join(missing)} missing (copied "
+                              f"or synced only in part?); copy the whole folder again, or use an earlier checkpoint")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
     return path
@@ -79,6 +84,35 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return path.is_dir() and (path / SHARDED_METADATA).is_file() and (path / ".metadata").is_file()
 
 
+def check_sharded_files(path: Path) -> None:
+    """Every shard file the folder's ``.metadata`` indexes is there and long enough: a folder copied or synced in
+    part is refused by name here, in the launching process, instead of failing in a rank after the run started.
+    Reads only the index; no tensor data."""
+    from ringdit.safe_dcp import SafeFileSystemReader
+
+    try:
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a torn or foreign .metadata: whatever unpickling it raised
+        raise CheckpointError(f"{path}: its .metadata is not readable ({_first_line(error)}); the checkpoint is "
+                              f"damaged: copy it again, or use an earlier checkpoint") from None
+    needed: dict[str, int] = {}  # shard file -> bytes its entries reach
+    for item in (metadata.storage_data or {}).values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    problems = []
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            problems.append(f"{name} is missing")
+        elif shard.stat().st_size < end:
+            problems.append(f"{name} is truncated ({shard.stat().st_size} of {end} bytes)")
+    if problems:
+        shown = ", ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(f"{path} is an incomplete sharded checkpoint: {shown} (of the {len(needed)} shard "
+                              f"files its .metadata lists); copy the whole folder again, or use an earlier checkpoint")
+
+
 def recover_checkpoint(path: str | Path) -> None:
     """Finish a sharded save that was killed between its two renames (see ``ringdit.training.fsdp.replace_folder``):
     the previous complete checkpoint, set aside as ``.<name>.old``, goes back to ``path``."""
@@ -93,18 +127,16 @@ def read_sharded_checkpoint(path: str | Path, keys: tuple[str, ...] | None = ("s
     """A sharded checkpoint folder as one Lightning-style checkpoint dict, assembled on this process (no process
     group needed): ``keys`` picks what to read (``state_dict``: the weights; None: everything, optimizer state
     too); ``load_tensors=False`` gives meta tensors of the saved shapes without reading any data."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from ringdit.safe_dcp import SafeFileSystemReader
 
     path = Path(path).expanduser()
     checkpoint = safe_torch_load(path / SHARDED_METADATA)
-    reader = FileSystemReader(str(path))
     if not load_tensors:  # shapes from the metadata; only the small non-tensor items (param groups) are read
         from torch.distributed.checkpoint._traverse import get_element, set_element
 
-        metadata = reader.read_metadata()
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
         state: dict[str, Any] = {}
         small = {}
         for key, item in metadata.state_dict_metadata.items():
@@ -117,18 +149,32 @@ def read_sharded_checkpoint(path: str | Path, keys: tuple[str, ...] | None = ("s
                 small[key] = where
         if small:
             loaded: dict[str, Any] = {}
-            _load_state_dict(loaded, storage_reader=FileSystemReader(str(path)), no_dist=True,
-                             planner=_EmptyStateDictLoadPlanner(keys=set(small)))
+            _read_dcp(loaded, path, keys=set(small))
             for where in small.values():
                 set_element(state, where, get_element(loaded, where))
         return {**checkpoint, **state}
     state = {}
-    try:
-        _load_state_dict(state, storage_reader=reader, no_dist=True,
-                         planner=_EmptyStateDictLoadPlanner(keys=set(keys) if keys is not None else None))
-    except Exception as error:  # torch wraps a reader's failure in a CheckpointException listing every rank's
-        raise CheckpointError(f"{path} is not a readable sharded checkpoint: {_first_line(error)}") from None
+    _read_dcp(state, path, keys=set(keys) if keys is not None else None)
     return {**checkpoint, **state}
+
+
+def _read_dcp(state: dict, path: Path, keys: set[str] | None) -> None:
+    """Read the entries ``keys`` (None: all) of a sharded checkpoint into ``state`` on this process, safely."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ringdit.safe_dcp import SafeEmptyStateDictLoadPlanner, SafeFileSystemReader, failure_cause
+
+    try:
+        _load_state_dict(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True,
+                         planner=SafeEmptyStateDictLoadPlanner(keys=keys))
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - a reader's failure (torch wraps it in a
+        # CheckpointException, a BaseException, that lists each rank's)
+        cause = failure_cause(error)
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        raise CheckpointError(f"{path} is not a readable sharded checkpoint: {_first_line(cause)}") from None
 
 
 # Optimizer state keyed two ways: torch's ``Optimizer.state_dict`` numbers the parameters in param_groups order

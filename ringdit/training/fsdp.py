@@ -168,17 +168,19 @@ class RingFSDPStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        from ringdit.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+        saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
         model_state = get_model_state_dict(self.model)
         missing = [key for key in model_state if f"state_dict.{key}" not in saved]
         if strict and missing:
             raise CheckpointError(f"{path} lacks {len(missing)} weights of this model: {missing[:5]}")
         model_state = {key: value for key, value in model_state.items() if key not in missing}
-        dcp.load({"state_dict": model_state}, checkpoint_id=path)
+        dcp.load({"state_dict": model_state}, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
         set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=False))
         for index, optimizer in enumerate(self.optimizers):
             state = {f"optimizer_{index}": get_optimizer_state_dict(self.model, optimizer)}
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{index}"])
         return safe_torch_load(path / SHARDED_METADATA)
 

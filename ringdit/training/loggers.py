@@ -1,14 +1,18 @@
-"""Experiment loggers as Hydra targets. wandb goes offline by itself when it cannot reach its server."""
+"""Experiment loggers as Hydra targets. wandb goes offline by itself when it cannot reach its server; the CSV logger
+appends to the metrics of the run it resumes instead of deleting them."""
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
 import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +91,25 @@ def wandb_logger(save_dir: str, project: str = "ringdit", name: str | None = Non
     if mode == "disabled":
         kwargs["mode"] = "disabled"
     return WandbLogger(save_dir=save_dir, project=project, name=name, offline=mode == "offline", **kwargs)
+
+
+class _AppendingWriter(ExperimentWriter):
+    def _check_log_dir_exists(self) -> None:
+        """Keep an existing ``metrics.csv`` (Lightning's writer deletes it) and continue its columns."""
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                self.metrics_keys = sorted(next(csv.reader(file), []))
+
+
+class AppendingCSVLogger(CSVLogger):
+    """``CSVLogger`` whose ``metrics.csv`` keeps the rows already there: a run resumed in its own folder
+    (``ckpt_path=<run>/checkpoints/last.ckpt hydra.run.dir=<run>``) continues the loss curve instead of erasing it.
+    Any other launch into a folder with a run in it is refused before it starts (``ringdit.run_folder``)."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment

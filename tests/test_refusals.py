@@ -1,0 +1,190 @@
+"""Settings and files that must be refused in one line, exit code 2, before any rank is spawned (reliability round
+3): LoRA settings that would train nothing or something else, prompts given to a class-conditional model, sharded
+(FSDP) checkpoint folders that are torn, and DCP folders whose pickles would run code."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringdit.weights import CheckpointError, read_weights
+from tests.helpers import TINY, fail_fast
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def assert_refused(proc, message: str) -> None:
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message in errors[0], errors[0]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["lora.rank=-4"], "lora.rank must be an integer >= 0, got -4; 0 disables LoRA"),
+    (["lora.rank=2.5"], "lora.rank must be an integer >= 0, got 2.5"),
+    (["lora.rank=4", "lora.alpha=0"], "lora.alpha must be > 0 (the adapters' output is scaled by alpha / rank, so 0 "
+                                      "learns nothing)"),
+    (["lora.rank=4", "lora.alpha=-8"], "lora.alpha must be > 0"),
+    (["lora.rank=4", "lora.alpha=nan"], "lora.alpha must be a finite number, got nan"),
+    (["lora.rank=4", "lora.dropout=1"], "lora.dropout=1 drops every input of the adapters"),
+    (["lora.rank=4", "lora.dropout=-0.1"], "lora.dropout must be in [0, 1], got -0.1"),
+    (["lora.rank=4", "lora.targets=[]"], "lora.targets must be null (the default projections) or module-name"),
+], ids=["negative-rank", "fractional-rank", "zero-alpha", "negative-alpha", "nan-alpha", "dropout-1",
+        "negative-dropout", "no-targets"])
+def test_lora_settings_that_train_nothing_or_everything_are_refused(overrides, message, tmp_path):
+    proc, _ = fail_fast("train.py", *TINY, *overrides, f"hydra.run.dir={tmp_path}")
+    assert_refused(proc, message)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("setting", ["prompts=[a cat,a dog]", "negative_prompt=blurry", "text_embeds=p.safetensors",
+                                     "negative_text_embeds=n.safetensors", "text_encoder=/models/t5"])
+def test_text_settings_on_a_class_conditional_model_are_refused(setting, tiny_checkpoint, tmp_path):
+    proc, _ = fail_fast("infer.py", f"ckpt_path={tiny_checkpoint}", setting, f"hydra.run.dir={tmp_path}")
+    assert_refused(proc, f"{setting.split('=')[0]}=")
+    assert "is a class-conditional model, which takes no text; choose classes with labels=[...]" in proc.stderr
+    assert not (tmp_path / "samples.npz").exists()
+
+
+# ---- sharded checkpoint folders ------------------------------------------------------------------------------------
+
+
+def sharded_copy(single_file: Path, folder: Path, extra: dict | None = None) -> Path:
+    """The layout of an FSDP run's checkpoint (``torch.distributed.checkpoint`` shards + Lightning's ``meta.pt``),
+    written on this process from a single-file checkpoint; ``extra``: more (non-tensor) entries for the shards."""
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = torch.load(single_file, weights_only=True)
+    dcp.save({"state_dict": checkpoint.pop("state_dict"), **(extra or {})}, checkpoint_id=folder, no_dist=True)
+    checkpoint.pop("optimizer_states")
+    torch.save(checkpoint, folder / "meta.pt")
+    return folder
+
+
+@pytest.fixture
+def sharded(tiny_checkpoint, tmp_path) -> Path:
+    folder = sharded_copy(tiny_checkpoint, tmp_path / "last.ckpt")
+    assert read_weights(folder)[0].keys() == read_weights(tiny_checkpoint)[0].keys()  # a faithful copy
+    return folder
+
+
+def tear_shard(folder: Path) -> str:
+    shard = next(folder.glob("*.distcp"))
+    shard.unlink()
+    return shard.name
+
+
+@pytest.mark.parametrize("command", ["train-resume", "train-init_from", "infer"])
+def test_a_torn_sharded_checkpoint_is_refused_before_spawning(command, sharded, tmp_path):
+    name = tear_shard(sharded)
+    args = {"train-resume": ("train.py", *TINY, f"ckpt_path={sharded}"),
+            "train-init_from": ("train.py", *TINY, f"init_from={sharded}"),
+            "infer": ("infer.py", f"ckpt_path={sharded}")}[command]
+    proc, _ = fail_fast(*args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert_refused(proc, f"{sharded} is an incomplete sharded checkpoint: {name} is missing (of the 1 shard files its "
+                         f".metadata lists); copy the whole folder again, or use an earlier checkpoint")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_torn_sharded_checkpoints_are_named_whatever_part_is_missing(sharded, tmp_path):
+    shard = next(sharded.glob("*.distcp"))
+    truncated = shutil.copytree(sharded, tmp_path / "truncated")
+    size = (truncated / shard.name).stat().st_size
+    os.truncate(truncated / shard.name, size // 2)
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is truncated \({size // 2} of {size} bytes\)"):
+        read_weights(truncated)
+    for index in (".metadata", "meta.pt"):
+        torn = shutil.copytree(sharded, tmp_path / f"no{index}")
+        (torn / index).unlink()
+        with pytest.raises(CheckpointError, match=rf"incomplete sharded checkpoint: {index} missing"):
+            read_weights(torn)
+    garbage = shutil.copytree(sharded, tmp_path / "garbage")
+    (garbage / ".metadata").write_bytes(b"not a pickle at all")
+    with pytest.raises(CheckpointError, match=r"its .metadata is not readable"):
+        read_weights(garbage)
+
+
+class _RunsCode:
+    """Unpickling this calls ``Path.touch`` on the sentinel: what a crafted checkpoint could do with any callable."""
+
+    def __init__(self, sentinel: Path):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return Path.touch, (self.sentinel,)
+
+
+def test_dcp_pickles_cannot_run_code(tiny_checkpoint, sharded, tmp_path):
+    """DCP unpickles its ``.metadata`` with plain pickle and non-tensor entries with weights_only=False: ringdit
+    reads both through allow-lists, so a crafted folder is refused and the payload never runs."""
+    sentinel = tmp_path / "ran"
+    evil_index = shutil.copytree(sharded, tmp_path / "evil_index")
+    (evil_index / ".metadata").write_bytes(pickle.dumps(_RunsCode(sentinel)))
+    with pytest.raises(CheckpointError, match=r"refusing to read .*\.metadata: [\w.]+ is not part of a "
+                                              r"checkpoint's metadata"):
+        read_weights(evil_index)
+    evil_entry = sharded_copy(tiny_checkpoint, tmp_path / "evil_entry", extra={"extra": _RunsCode(sentinel)})
+    sentinel.unlink(missing_ok=True)  # dcp.save pickled the payload without running it; make sure
+    with pytest.raises(CheckpointError, match=r"refusing to load the checkpoint entry 'extra': it holds Python "
+                                              r"objects that would run code"):
+        from ringdit.weights import read_sharded_checkpoint
+
+        read_sharded_checkpoint(evil_entry, keys=None)
+    assert not sentinel.exists()
+    proc, _ = fail_fast("infer.py", f"ckpt_path={evil_index}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_refused(proc, "is not part of a checkpoint's metadata")
+    assert not sentinel.exists()
+
+
+# ---- one run per run folder ------------------------------------------------------------------------------------------
+
+
+def test_a_second_run_in_the_same_folder_is_refused_and_a_resume_appends(tmp_path):
+    """The first run's records (its loss curve, checkpoints) survive a second launch into its folder; resuming
+    from its own checkpoint continues its metrics.csv."""
+    from tests.helpers import logged_losses, run
+
+    run("train.py", tmp_path, *TINY, "trainer.max_steps=2")
+    metrics = (tmp_path / "csv" / "metrics.csv").read_text()
+    proc, _ = fail_fast("train.py", *TINY, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")
+    assert_refused(proc, f"hydra.run.dir={tmp_path} already holds a run of train.py (.train-run.json, checkpoints, "
+                         f"csv/metrics.csv, samples, started ")
+    assert f"or resume it with ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}" in proc.stderr
+    assert (tmp_path / "csv" / "metrics.csv").read_text() == metrics
+    run("train.py", tmp_path, *TINY, "trainer.max_steps=4", f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}")
+    assert (tmp_path / "csv" / "metrics.csv").read_text().startswith(metrics.rstrip("\n").split("\n")[0])
+    assert sorted(logged_losses(tmp_path)) == [0, 1, 2, 3]  # steps 0-1 of the first run, 2-3 of the resumed one
+
+
+def test_a_second_sampling_run_in_the_same_folder_is_refused(tiny_checkpoint, tmp_path):
+    from tests.helpers import run
+
+    sampling = [f"ckpt_path={tiny_checkpoint}", "num_samples=2", "steps=2"]
+    run("infer.py", tmp_path, *sampling)
+    samples = (tmp_path / "samples.npz").read_bytes()
+    proc, _ = fail_fast("infer.py", *sampling, f"hydra.run.dir={tmp_path}")
+    assert_refused(proc, f"hydra.run.dir={tmp_path} already holds a run of infer.py (.infer-run.json, samples.npz")
+    assert (tmp_path / "samples.npz").read_bytes() == samples
+
+
+def test_the_run_folder_is_claimed_once_every_check_passed(tmp_path, monkeypatch):
+    from ringdit.errors import ConfigError
+    from ringdit.run_folder import claim_run_folder, marker
+
+    proc, _ = fail_fast("train.py", *TINY, "lora.rank=-4", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2 and not marker(tmp_path, "train").exists()  # a corrected launch may use the folder
+    claim_run_folder(tmp_path, "train")
+    with pytest.raises(ConfigError, match=r"already holds a run of train.py \(.train-run.json, started .* by pid"):
+        claim_run_folder(tmp_path, "train")  # e.g. a launch while the first is still starting
+    claim_run_folder(tmp_path, "infer")  # sampling into a training run's folder writes other files
+    claim_run_folder(tmp_path, "train", resumes=str(tmp_path / "checkpoints" / "last.ckpt"))
+    with pytest.raises(ConfigError, match="already holds a run of train.py"):
+        claim_run_folder(tmp_path, "train", resumes=str(tmp_path.parent / "other" / "last.ckpt"))
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a rank Lightning's launcher spawned: the launcher claimed the folder
+    claim_run_folder(tmp_path, "train")
