@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ringdit.errors import ConfigError, require_count
+from ringdit.models.diffusers.folders import check_weights_folder
 
 # config.json "model_type" -> the encoder-only class (a full T5 checkpoint also loads into its encoder)
 ENCODERS = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel", "clip_text_model": "CLIPTextModel",
@@ -48,11 +49,16 @@ class TextEncoder:
         if model_type not in ENCODERS:
             raise ConfigError(f"text_encoder={text_encoder}: model_type {model_type!r} is not a supported text encoder "
                               f"({', '.join(sorted(ENCODERS))}); pass a T5, UMT5 or CLIP text model folder")
-        try:  # safetensors only: a pickled .bin can run code, and infer.py may take this folder from a checkpoint
+        # safetensors only, their headers checked first: a pickled .bin can run code, and infer.py may take this
+        # folder from a checkpoint; a truncated file fails here in one line
+        check_weights_folder(folder, setting="text_encoder", value=text_encoder, class_name=ENCODERS[model_type],
+                             library="transformers")
+        try:
             self.model = getattr(transformers, ENCODERS[model_type]).from_pretrained(str(folder), dtype=dtype,
                                                                                      use_safetensors=True)
-        except OSError as error:
-            raise ConfigError(f"text_encoder={text_encoder}: cannot load weights from {folder} ({error}); save it "
+        except (OSError, ValueError, RuntimeError) as error:
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ConfigError(f"text_encoder={text_encoder}: cannot load weights from {folder} ({first}); save it "
                               f"with save_pretrained (safetensors; .bin pickles are not loaded)") from None
         self.model.to(device).eval().requires_grad_(False)
         if tokenizer is None:  # a pipeline keeps it beside the encoder (tokenizer/), a bare folder inside it

@@ -26,22 +26,38 @@ from pathlib import Path
 import torch
 
 from ringdit.errors import ConfigError
+from ringdit.models.diffusers.folders import check_weights_folder
 
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")  # (B, 3, T, H, W) in, (B, C, T', H', W') out
 IMAGE_VAES = ("AutoencoderKL",)  # (B, 3, H, W) in, (B, C, H', W') out
 
 
 def vae_folder(path: str | Path, subfolder: str | None = "vae", setting: str = "vae") -> Path:
-    """``path/subfolder`` when it holds a config.json (a pipeline repo such as Wan's or Flux's), else ``path``."""
+    """``path/subfolder`` when it holds a config.json (a pipeline repo such as Wan's or Flux's), else ``path``; its
+    safetensors weights are checked (headers only: a truncated or pickled file fails here, before any work)."""
     root = Path(str(path)).expanduser()
     if not root.exists():
         raise ConfigError(f"{setting}={path} does not exist; pass a local diffusers VAE folder (or a pipeline folder "
                           f"with a {subfolder or 'vae'}/ subfolder)")
     for folder in ([root / subfolder] if subfolder else []) + [root]:
         if (folder / "config.json").is_file():
+            check_weights_folder(folder, setting=setting, value=path, class_name=vae_class(folder, path, setting))
             return folder
     raise ConfigError(f"{setting}={path} is not a diffusers VAE folder: no config.json in "
                       f"{root / subfolder if subfolder else root} or {root}; pass the folder save_pretrained wrote")
+
+
+def vae_class(folder: Path, path, setting: str = "vae") -> str:
+    """The VAE class ``folder/config.json`` names, one of ``VIDEO_VAES + IMAGE_VAES``."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{setting}={path}: {folder / 'config.json'} is not valid JSON ({error})") from None
+    class_name = str(config.get("_class_name")) if isinstance(config, dict) else "None"
+    if class_name not in VIDEO_VAES + IMAGE_VAES:
+        raise ConfigError(f"{setting}={path}: {folder / 'config.json'} describes {class_name!r}, not a VAE "
+                          f"this can use ({', '.join(VIDEO_VAES + IMAGE_VAES)})")
+    return class_name
 
 
 class VAE:
@@ -52,19 +68,16 @@ class VAE:
                  setting: str = "vae"):
         import diffusers
 
-        folder = vae_folder(path, subfolder, setting)
-        config = json.loads((folder / "config.json").read_text())
-        self.class_name = str(config.get("_class_name"))
-        if self.class_name not in VIDEO_VAES + IMAGE_VAES:
-            raise ConfigError(f"{setting}={path}: {folder / 'config.json'} describes {self.class_name!r}, not a VAE "
-                              f"this can use ({', '.join(VIDEO_VAES + IMAGE_VAES)})")
+        folder = vae_folder(path, subfolder, setting)  # the class and the weights' headers checked
+        self.class_name = vae_class(folder, path, setting)
         self.folder = folder
         self.is_video = self.class_name in VIDEO_VAES
         try:  # safetensors only: a pickled .bin can run code, and infer.py may take this folder from a checkpoint
             self.model = getattr(diffusers, self.class_name).from_pretrained(str(folder), torch_dtype=dtype,
                                                                              use_safetensors=True)
-        except OSError as error:
-            raise ConfigError(f"{setting}={path}: cannot load {self.class_name} weights from {folder} ({error}); "
+        except (OSError, ValueError, RuntimeError) as error:
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ConfigError(f"{setting}={path}: cannot load {self.class_name} weights from {folder} ({first}); "
                               f"save it with save_pretrained (safetensors; .bin pickles are not loaded)") from None
         self.model.to(device).eval().requires_grad_(False)
         self.device, self.dtype = torch.device(device), dtype

@@ -19,6 +19,7 @@ from torch import nn
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.adapter import parallelize, set_sequence_dims
 from ringdit.models.diffusers.families import Family, get_family
+from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.parallel import ParallelDims
 
 Tensor = torch.Tensor
@@ -143,6 +144,7 @@ class DiffusersTransformer(nn.Module):
             details = ", ".join(f"{key}={config[key]!r} vs {ours[key]!r}" for key in differing[:6])
             raise ConfigError(f"init_from={pretrained} is another {self.family.model_class} architecture than "
                               f"the model ({details}); pick the model preset that matches it, or model.pretrained")
+        check_weights_folder(folder, setting="init_from", value=pretrained, class_name=self.family.model_class)
 
 
 def _check_width(what: str, width: int, key: str, arch: dict) -> None:
@@ -174,10 +176,13 @@ def build_transformer(family: Family, config: dict | None, pretrained: str | Non
         return cls.from_config(dict(config))
     folder = pretrained_folder(family, pretrained, subfolder, setting)
     arch = read_config(family, folder, pretrained, setting)
+    # the weights' headers, before any rank starts (train.py builds on meta first); safetensors only: a .bin can
+    # run code when unpickled, and diffusers would fall back to it when a folder has no safetensors
+    check_weights_folder(folder, setting=setting, value=pretrained, class_name=family.model_class)
     if torch.empty(0).device.type == "meta":  # a config-time check (train.py builds on meta): shapes only
         return cls.from_config(arch)
     try:
-        return cls.from_pretrained(str(folder), local_files_only=True, torch_dtype=torch.float32)
+        return cls.from_pretrained(str(folder), local_files_only=True, torch_dtype=torch.float32, use_safetensors=True)
     except (OSError, ValueError, RuntimeError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ConfigError(f"{setting}={pretrained}: could not load the weights in {folder}: {first}") from None
