@@ -224,15 +224,18 @@ def test_sigterm_stops_with_a_checkpoint_and_resumes_on_the_same_curve(tmp_path)
         assert loss == pytest.approx(straight[i], rel=1e-6, abs=1e-7), f"step {i}"
 
 
-@pytest.mark.parametrize("target", ["launcher", "child"])
-def test_sigterm_stops_every_rank_together(target, tmp_path):
-    from ringdit.weights import safe_torch_load
+@pytest.mark.parametrize(("target", "strategy"), [("launcher", "ddp"), ("child", "ddp"), ("launcher", "fsdp")])
+def test_sigterm_stops_every_rank_together(target, strategy, tmp_path):
+    from ringdit.weights import SHARDED_METADATA, is_sharded_checkpoint, safe_torch_load
 
     start = time.monotonic()
-    proc, ranks = preempt(tmp_path, "ring_degree=2", "trainer.strategy.timeout_s=60", target=target)
+    proc, ranks = preempt(tmp_path, "ring_degree=2", f"trainer/strategy={strategy}", "trainer.strategy.timeout_s=60",
+                          target=target)
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "preempted: SIGTERM stopped every rank at step" in proc.stderr
-    assert 2 <= safe_torch_load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] < 6
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert is_sharded_checkpoint(last) == (strategy == "fsdp")  # FSDP: each rank wrote its shards of that step
+    assert 2 <= safe_torch_load(last / SHARDED_METADATA if strategy == "fsdp" else last)["global_step"] < 6
     assert len(ranks) == 1
     for pid in ranks:  # the launcher left after the rank it spawned
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -380,3 +380,24 @@ def test_an_image_that_breaks_when_decoded_is_skipped(tmp_path, caplog):
     assert f"could not decode {broken}" in caplog.text and "1 file(s) skipped while loading" in caplog.text
     again, _ = data.build_dataset()[index]  # another process (rank) makes the same replacement
     assert torch.equal(again, x)
+
+
+def test_remote_code_in_a_text_encoder_folder_is_never_run(models, tmp_path):
+    """A text encoder (and tokenizer) whose config.json names its own code with ``auto_map`` loads as the plain
+    transformers class: the folder's Python file is never imported (transformers would need trust_remote_code)."""
+    import shutil
+
+    from ringdit.media.text import TextEncoder
+
+    sentinel = tmp_path / "ran"
+    pipeline = shutil.copytree(models["wan"], tmp_path / "wan")
+    for folder, key, value in ((pipeline / "text_encoder", "auto_map", {"AutoConfig": "evil.EvilConfig",
+                                                                        "AutoModel": "evil.EvilModel"}),
+                               (pipeline / "tokenizer", "auto_map", {"AutoTokenizer": ["evil.EvilTokenizer", None]})):
+        (folder / "evil.py").write_text(f"open({str(sentinel)!r}, 'w').write('ran')\n")
+        config_file = folder / ("config.json" if folder.name == "text_encoder" else "tokenizer_config.json")
+        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        config_file.write_text(json.dumps({**config, key: value}))
+    encoder = TextEncoder(pipeline / "text_encoder")
+    assert type(encoder.model).__name__ == "T5EncoderModel"
+    assert not sentinel.exists()
