@@ -208,16 +208,26 @@ def test_ddpm_sampler_reproduces_the_original_sample_py(dtype, steps, tolerance)
 
 
 def test_the_sample_of_a_seed_is_the_same_in_any_batch():
-    """The fresh noise of each step is drawn per sample: sample i does not depend on the rest of the batch."""
-    model = original_format_dit(torch.float32)
+    """The fresh noise of each step is drawn per sample: sample i does not depend on the rest of the batch (its size,
+    the other samples, its position), checked in fp64."""
+    model = original_format_dit(torch.float64)
 
     def draw(labels, seeds):
         generators = noise_generators(seeds)
         with torch.no_grad():
-            return sample(model, DDPM(), draw_noise((4, 8, 8), generators), torch.tensor(labels), steps=10,
-                          cfg_scale=2.0, null=model.null_label, sampler="ddpm", generators=generators)
+            return sample(model, DDPM(), draw_noise((4, 8, 8), generators, dtype=torch.float64), torch.tensor(labels),
+                          steps=10, cfg_scale=2.0, null=model.null_label, sampler="ddpm", generators=generators)
 
-    torch.testing.assert_close(draw([5, 6], [1, 2])[1], draw([6], [2])[0], rtol=1e-5, atol=1e-6)
+    alone = draw([6], [2])[0]
+    # Not in fp32: which GEMM kernel (so which order of the sums) runs depends on the batch size and the CPU, and
+    # fp32's rounding (u = 6e-8) grows through 10 steps at CFG 2 to ~2e-7 of max|x| (~500 here; 5.5e-5 seen on one
+    # element on a Xeon). In fp64 the same reordering costs u = 1.1e-16 times the same growth: ~1e-15 of max|x|
+    # measured (the timestep features stay fp32, as in the original, but are elementwise: the same bits in any
+    # batch). 1e-10 of max|x| leaves 10^5 of headroom, and is 10^3 below even fp32's rounding; a sample that saw
+    # another sample's noise, or the batch's, would differ by O(1).
+    tolerance = dict(rtol=1e-10, atol=1e-10 * alone.abs().max().item())
+    torch.testing.assert_close(draw([5, 6], [1, 2])[1], alone, **tolerance)  # a batch of two, second
+    torch.testing.assert_close(draw([6, 4, 5], [2, 0, 1])[0], alone, **tolerance)  # of three, first
 
 
 def test_vb_term_matches_the_original_formulas():
@@ -278,19 +288,22 @@ def test_hybrid_loss_is_the_original_mse_plus_vb_and_trains_the_sigma_head():
 
 
 def check_ddpm_under_layouts(rank, world):
-    """The ddpm sampler (guidance_channels=3) and the hybrid loss under ring and Ulysses equal one process."""
+    """The ddpm sampler (guidance_channels=3) and the hybrid loss under ring and Ulysses equal one process, with the
+    model in fp64 (see test_the_sample_of_a_seed_is_the_same_in_any_batch: in fp32 a layout's other GEMM shapes
+    reorder the sums, and 10 steps at CFG 4 grow that rounding to ~5e-7 of max|x| ~ 500)."""
     from ringdit.parallel import ParallelDims, init_sequence_parallel, set_parallel_dims
 
     labels, seeds = torch.tensor([3, 5]), [7, 8]
-    x0 = torch.rand(2, 4, 8, 8, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    x0 = torch.rand(2, 4, 8, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 2 - 1
     results = {}
     for ring, ulysses in [(1, 1), (2, 1), (1, 2)]:
         dims = init_sequence_parallel(ring, ulysses) if ring * ulysses > 1 else ParallelDims()
-        model = set_parallel_dims(original_format_dit(torch.float32), dims)
+        model = set_parallel_dims(original_format_dit(torch.float64), dims)
         generators = noise_generators(seeds)
         with torch.no_grad():
-            samples = sample(model, DDPM(), draw_noise((4, 8, 8), generators), labels, steps=10, cfg_scale=4.0,
-                             null=model.null_label, sampler="ddpm", guidance_channels=3, generators=generators)
+            samples = sample(model, DDPM(), draw_noise((4, 8, 8), generators, dtype=torch.float64), labels, steps=10,
+                             cfg_scale=4.0, null=model.null_label, sampler="ddpm", guidance_channels=3,
+                             generators=generators)
         module = hybrid_loss_module()
         module.parallel_dims = dims
         loss = module.diffusion_loss(model, x0, labels, generators_for([31, 32]))
@@ -298,9 +311,16 @@ def check_ddpm_under_layouts(rank, world):
         torch.distributed.all_gather(losses, loss.detach())
         # every rank holds sp x its share of the mean (sharded_mean): the group's average is the loss
         results[(ring, ulysses)] = samples, torch.stack(losses).mean()
+    reference, reference_loss = results[(1, 1)]
     for layout, (samples, loss) in results.items():
-        torch.testing.assert_close(samples, results[(1, 1)][0], rtol=1e-4, atol=1e-5, msg=str(layout))
-        torch.testing.assert_close(loss, results[(1, 1)][1], rtol=1e-5, atol=1e-6, msg=str(layout))
+        # fp64 rounding (1.1e-16) grown as in fp32: ~6e-16 of max|x| measured; 1e-10 leaves 10^5 of headroom, and
+        # a token lost or counted twice by the ring, or other noise, would differ by O(1)
+        torch.testing.assert_close(samples, reference, rtol=1e-10, atol=1e-10 * reference.abs().max().item(),
+                                   msg=str(layout))
+        # the loss is fp32 whatever the model (diffusion_loss casts the prediction): a sum of 2 x 256 non-negative
+        # terms, split over other ranks under a layout; pairwise summation rounds it by ~log2(512) u = 9 x 6e-8 =
+        # 5e-7 of itself (1e-7 measured): 1e-5 is 20x that
+        torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=0, msg=str(layout))
 
 
 def test_ddpm_sampler_and_hybrid_loss_do_not_depend_on_the_layout():

@@ -91,14 +91,14 @@ def test_sampling_is_deterministic_given_the_seeds(objective, sampler, eta):
 
 
 def test_cfg_scale_one_is_the_conditional_prediction_and_guidance_is_one_batched_forward():
-    model = tiny_dit()
+    model = tiny_dit().double()  # fp64: guidance's forward of 4 is compared with two of 2 (see below)
     calls = []
 
     def counted(x, t, y):
         calls.append(x.shape[0])
         return model(x, t, y)
 
-    x, t, labels = torch.randn(2, 3, 8, 8), torch.tensor([300.0, 700.0]), torch.tensor([3, 4])
+    x, t, labels = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.tensor([300.0, 700.0]), torch.tensor([3, 4])
     conditional = model(x, t, labels)
     torch.testing.assert_close(classifier_free_guidance(counted, labels, model.null_label, 1.0)(x, t), conditional,
                                rtol=0, atol=0)
@@ -107,7 +107,11 @@ def test_cfg_scale_one_is_the_conditional_prediction_and_guidance_is_one_batched
     guided = classifier_free_guidance(counted, labels, model.null_label, 4.0)(x, t)
     assert calls == [4]  # conditional and unconditional halves in one forward
     unconditional = model(x, t, torch.full_like(labels, model.null_label))
-    torch.testing.assert_close(guided, unconditional + 4.0 * (conditional - unconditional), rtol=1e-5, atol=1e-5)
+    # A batch of 4 against two of 2: other GEMM shapes, so other orders of the sums. fp32 rounds that to ~1e-6 of
+    # max|out| measured (x 7 for 4 c - 3 u), and other CPUs' kernels may differ more; fp64 to ~2e-15. 1e-10 leaves
+    # 10^5 of headroom; a swapped or mislabelled half is off by O(1).
+    expected = unconditional + 4.0 * (conditional - unconditional)
+    torch.testing.assert_close(guided, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
 
 
 def test_a_tiny_dit_overfits_a_fixed_batch():
