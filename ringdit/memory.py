@@ -9,7 +9,7 @@ plan the last gigabyte. Per rank, with S tokens per sample, D = hidden size, L =
 - weights: 4 bytes a parameter, plus 16 when training (gradient, AdamW's two moments, the EMA copy);
 - activations kept for backward: about (10 + 2 x mlp_ratio) x D values per token per block (norm and modulation
   inputs, q, k, v, attention output, projection, residuals, the MLP's hidden layer before and after its activation);
-  L blocks' worth, or 1 per block plus one block's when ``gradient_checkpointing`` recomputes them; one block's
+  L blocks' worth, or 1 per block plus one block's when ``activation_checkpointing`` recomputes them; one block's
   worth when sampling (nothing is kept);
 - attention: flash-style kernels (torch_flash, flash_attn) need O(S) per hop -- this rank's q, k, v, output and the
   K/V block in flight, S / ring tokens of H / ulysses heads after the Ulysses exchange; the ``math`` backend also
@@ -44,7 +44,7 @@ class MemoryEstimate:
 
 def estimate_memory(*, tokens: int, hidden_size: int, depth: int, num_heads: int, batch_size: int, parameters: int,
                     mlp_ratio: float = 4.0, ring_degree: int = 1, ulysses_degree: int = 1, bytes_per_value: int = 4,
-                    training: bool = True, gradient_checkpointing: bool = False,
+                    training: bool = True, activation_checkpointing: bool = False,
                     math_attention: bool = False) -> MemoryEstimate:
     """The estimate described in the module docstring, in bytes per rank."""
     sp = ring_degree * ulysses_degree
@@ -53,7 +53,7 @@ def estimate_memory(*, tokens: int, hidden_size: int, depth: int, num_heads: int
     per_block = (10 + 2 * mlp_ratio) * hidden_size  # values kept per token by one block
     if not training:
         per_token = per_block
-    elif gradient_checkpointing:  # block inputs only, plus the block being recomputed
+    elif activation_checkpointing:  # block inputs only, plus the block being recomputed
         per_token = depth * hidden_size + per_block
     else:
         per_token = depth * per_block
@@ -103,8 +103,8 @@ def warn_if_memory_short(*, available: int | None, training: bool = True, **sett
         estimate.attention_bytes / GiB, available / GiB,
         (f"{fits} would fit; or lower data.batch_size" if fits else "Even 1024 ring ranks would not fit; lower "
          "data.batch_size or the resolution")
-        + ("" if settings.get("gradient_checkpointing") or not training else
-           ", or set model.gradient_checkpointing=true"),
+        + ("" if settings.get("activation_checkpointing") or not training else
+           ", or set model.activation_checkpointing=true"),
     )
     return estimate
 
@@ -125,6 +125,8 @@ def check_training_memory(cfg, model_cfg: dict, meta_model, attention_backend: s
         num_heads=model_cfg["num_heads"], mlp_ratio=model_cfg.get("mlp_ratio", 4.0), batch_size=cfg.data.batch_size,
         parameters=sum(p.numel() for p in meta_model.parameters()), ring_degree=cfg.ring_degree,
         ulysses_degree=cfg.ulysses_degree, bytes_per_value=2 if "16" in precision else 8 if "64" in precision else 4,
-        gradient_checkpointing=bool(model_cfg.get("gradient_checkpointing")),
+        # the models take the older name gradient_checkpointing too: either recomputes the blocks
+        activation_checkpointing=bool(model_cfg.get("activation_checkpointing")
+                                      or model_cfg.get("gradient_checkpointing")),
         math_attention=attention_backend == "math",
     )
