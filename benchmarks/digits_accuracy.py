@@ -19,6 +19,10 @@ component of the ink centroid's path from the first frame to the last.
 from __future__ import annotations
 
 import argparse
+import sys
+import zipfile
+import zlib
+from pathlib import Path
 
 import numpy as np
 from scipy import linalg
@@ -115,6 +119,39 @@ def report_videos(videos: np.ndarray, digits: np.ndarray, directions: list[str] 
             print(f"  digit {digit}: {(votes[mask] == digit).mean():.0%} of {mask.sum()}")
 
 
+def fail(message: str) -> None:
+    print(f"Error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def load_samples(path: str) -> dict[str, np.ndarray]:
+    """``images`` (N, [T,] H, W, C) and ``labels`` or ``captions`` from a samples.npz infer.py wrote; anything else
+    is one line and exit code 2 (no pickles: ``allow_pickle=False``)."""
+    expected = ("pass the samples.npz infer.py wrote for a pixel-space digits model: it holds 'images' and "
+                "'labels' or 'captions'")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        fail(f"{path} {'is a folder' if file.is_dir() else 'does not exist'}; {expected}")
+    try:
+        stored = np.load(file, allow_pickle=False)
+        if not isinstance(stored, np.lib.npyio.NpzFile):
+            fail(f"{path} is a single .npy array, not an .npz archive; {expected}")
+        with stored:
+            contents = {key: stored[key] for key in stored.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+        detail = "neither a zip archive nor a .npy array" if "pickled" in str(error) else \
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        fail(f"{path} is not a readable .npz archive ({detail}); {expected}")
+    if "images" not in contents:
+        fail(f"{path} holds {sorted(contents)}, no 'images'; {expected}")
+    if "labels" not in contents and "captions" not in contents:
+        fail(f"{path} holds {sorted(contents)}: neither 'labels' nor 'captions' say what was asked for; {expected}")
+    if contents["images"].ndim not in (4, 5) or contents["images"].dtype != np.uint8:
+        fail(f"{path}: images are {contents['images'].dtype} {contents['images'].shape}; expected uint8 "
+             f"(N, [T,] H, W, C) pixels; {expected}")
+    return contents
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("samples", nargs="?", help="samples.npz from infer.py")
@@ -127,7 +164,7 @@ def main() -> None:
         return
     if not args.samples:
         parser.error("give samples.npz (or --real N)")
-    data = np.load(args.samples)
+    data = load_samples(args.samples)
     images = data["images"][..., 0].astype(np.float64) / 255.0 * 16.0  # the 0..16 scale of the real digits
     directions = None
     if "labels" in data:

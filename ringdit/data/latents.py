@@ -62,7 +62,7 @@ class LatentRows(Dataset):
             self._handle = safe_open(str(self.path), framework="pt")
             self._latents = self._handle.get_slice("latents")
         else:
-            self._latents = np.load(self.path / "latents.npy", mmap_mode="r")
+            self._latents = np.load(self.path / "latents.npy", mmap_mode="r", allow_pickle=False)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._latents is None:
@@ -84,7 +84,8 @@ class LatentsDataModule(ImageDataModule):
         self.path = _latents_path(path)
         shape, dtype, labels, names = _read_safetensors(self.path) if self.path.is_file() else _read_npy(self.path)
         self.labels, self.class_names = _check(self.path, shape, dtype, labels, names)
-        _check_finite(self.path, shape[0])
+        if not spawned_rank():  # the launcher checked the data before it started this rank
+            _check_finite(self.path, shape[0])
         self.channels, self.image_size = shape[1], tuple(shape[2:])
         self.num_classes = len(self.class_names)
 
@@ -144,7 +145,7 @@ def _read_npy(folder: Path) -> tuple[tuple[int, ...], str, np.ndarray, list | No
             raise ValueError(f"data.path={folder} has no {name}.npy; a latents folder holds latents.npy "
                              f"(N, C, [T,] H, W), labels.npy (N,) and optionally class_names.json")
         try:
-            arrays[name] = np.load(file, mmap_mode="r")  # reads the header only
+            arrays[name] = np.load(file, mmap_mode="r", allow_pickle=False)  # reads the header only
         except (ValueError, OSError) as error:
             raise ValueError(f"data.path={folder}: {file.name} is not a plain .npy array ({error})") from None
     latents, labels = arrays["latents"], arrays["labels"]
@@ -170,27 +171,44 @@ def _parse_names(path: Path, where: str, text: str) -> list:
 CHUNK_BYTES = 64 * 2**20  # the finite check reads this much at a time: any dataset size in bounded memory
 
 
+def spawned_rank() -> bool:
+    """A rank that Lightning's launcher started by running train.py again (``RINGDIT_LAUNCHER_PID``, set by
+    ``ringdit.training.preemption``, is its parent): the launcher already checked the data, before spawning it, so the
+    one-off scans of every value are not repeated in each rank."""
+    return os.environ.get("RINGDIT_LAUNCHER_PID") == str(os.getppid())
+
+
+def count_nonfinite(rows, count: int, row_shape: tuple[int, ...]) -> tuple[int, int, int | None]:
+    """NaN / Inf in ``rows[0:count]`` (a safetensors slice or a numpy memory map, rows of ``row_shape``), read about
+    ``CHUNK_BYTES`` at a time: (bad values, bad rows, the first bad row or None)."""
+    step = max(1, CHUNK_BYTES // (8 * max(1, math.prod(row_shape))))  # 8 bytes a value: the widest dtype, float64
+    values, bad_rows, first = 0, 0, None
+    for start in range(0, count, step):
+        chunk = rows[start : start + step]  # (rows, ...)
+        if not isinstance(chunk, torch.Tensor):
+            chunk = torch.from_numpy(np.array(chunk))  # a bounded copy out of the memory map
+        if chunk.element_size() == 1:
+            chunk = chunk.float()  # float8 storage: isfinite is not implemented for every float8 kind
+        bad = ~torch.isfinite(chunk.reshape(chunk.shape[0], -1))  # (rows, values)
+        per_row = bad.sum(dim=1)
+        hit = per_row.nonzero().flatten()
+        if len(hit):
+            first = start + int(hit[0]) if first is None else first
+            values, bad_rows = values + int(per_row.sum()), bad_rows + len(hit)
+    return values, bad_rows, first
+
+
 def _check_finite(path: Path, count: int) -> None:
     """Every latent is finite (a NaN or Inf in the data would surface as a NaN loss much later, looking like a
     learning-rate problem); streamed in chunks, so a dataset larger than RAM is checked too."""
     with contextlib.ExitStack() as stack:
         if path.is_file():
             latents = stack.enter_context(safe_open(str(path), framework="pt")).get_slice("latents")
-            row_shape = latents.get_shape()[1:]
+            row_shape = tuple(latents.get_shape()[1:])
         else:
-            latents = np.load(path / "latents.npy", mmap_mode="r")
+            latents = np.load(path / "latents.npy", mmap_mode="r", allow_pickle=False)
             row_shape = latents.shape[1:]
-        rows = max(1, CHUNK_BYTES // (8 * math.prod(row_shape)))  # 8 bytes: the widest dtype, float64
-        first, bad = None, 0
-        for start in range(0, count, rows):
-            chunk = latents[start : start + rows]  # (rows, C, [T,] H, W)
-            if not isinstance(chunk, torch.Tensor):
-                chunk = torch.from_numpy(np.array(chunk))  # a bounded copy out of the memory map
-            finite = torch.isfinite(chunk.reshape(chunk.shape[0], -1)).all(dim=1)  # (rows,)
-            bad_rows = (~finite).nonzero().flatten()
-            if len(bad_rows):
-                first = start + int(bad_rows[0]) if first is None else first
-                bad += len(bad_rows)
+        _, bad, first = count_nonfinite(latents, count, row_shape)
     if first is not None:
         raise ValueError(f"data.path={path}: {bad} of {count} latent samples hold NaN or Inf values, the first is "
                          f"sample {first}; re-encode or drop them (the VAE may have overflowed, e.g. in float16)")

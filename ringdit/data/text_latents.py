@@ -33,14 +33,15 @@ import torch
 from torch.utils.data import Dataset
 
 from ringdit.data.base import ImageDataModule
-from ringdit.data.latents import checked_data_path
-from ringdit.errors import require_count
+from ringdit.data.latents import checked_data_path, count_nonfinite, spawned_rank
+from ringdit.errors import ConfigError, require_count
 
 FORMAT = "ringdit.text_latents/1"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 LAYOUT = ("a .safetensors file, or a folder of them, holding 'latents' (N, C, [T,] H, W) and 'text' (N, L, D) "
           "(see ringdit/data/text_latents.py)")
 NULL_KEYS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled"}
+NULL_OF = {"null_text": "text (1, L, D)", "null_text_mask": "text_mask (1, L)", "null_pooled": "pooled (1, P)"}
 
 Tensor = torch.Tensor
 
@@ -85,6 +86,12 @@ class Shard:
         except (SafetensorError, OSError) as error:
             raise ValueError(f"data.path: {path} is not a readable .safetensors file ({error})") from None
         self.check()
+        where = f"data.path: {path}"
+        self.captions = parse_captions(where, self.metadata["captions"], self.size) \
+            if "captions" in self.metadata else None
+        for key in ("vae", "text_encoder"):  # what describe() hands to the checkpoint, decoding and prompt encoding
+            if key in self.metadata:
+                parse_json_object(where, key, self.metadata[key])
 
     @property
     def size(self) -> int:
@@ -110,6 +117,41 @@ class Shard:
                                       any(e is not None and s != e for s, e in zip(shape, expected))):
                 raise ValueError(f"{where}: {key} has shape {shape}; expected {tuple(expected)} "
                                  f"(None = any)")
+        pooled = self.shapes.get("pooled")
+        for key, expected in (("null_text", (1, *text[1:])), ("null_text_mask", (1, text[1])),
+                              ("null_pooled", (1, pooled[1]) if pooled else None)):
+            shape = self.shapes.get(key)
+            if shape is not None and shape != expected:
+                wanted = f"{expected}, the empty prompt's {NULL_OF[key]}" if expected else \
+                    "no null_pooled: the shard holds no pooled embeddings"
+                raise ConfigError(f"{where}: {key} has shape {shape}; expected {wanted} (write the shard with "
+                                  f"write_text_latents(..., null=...))")
+
+    def check_values(self) -> None:
+        """Every floating-point tensor (latents, text, pooled, null_*, a float text_mask, any other) holds only
+        finite values: read ``CHUNK_BYTES`` at a time (ringdit.data.latents), so a shard larger than RAM is checked
+        too. A NaN here would surface as a NaN loss many steps later, looking like a learning-rate problem."""
+        from safetensors import safe_open
+
+        found, bad = [], []
+        with safe_open(str(self.path), framework="pt") as f:
+            for key in sorted(self.shapes, key=lambda k: (k not in ("latents", "text"), k)):
+                dtype, shape = self.dtypes[key], self.shapes[key]
+                if not (dtype in FLOAT_DTYPES or dtype.startswith("F8")):
+                    continue
+                rows = f.get_slice(key) if shape else f.get_tensor(key).reshape(1)  # a 0-d tensor: one row
+                values, bad_rows, first = count_nonfinite(rows, shape[0] if shape else 1, tuple(shape[1:]))
+                if values:
+                    found.append(key)
+                    several = shape and shape[0] > 1  # not the empty prompt's (1, ...) tensors: one row
+                    where = f" in {bad_rows} of its {shape[0]} rows (the first: row {first})" if several else ""
+                    bad.append(f"{key} {shape} holds {values} NaN or Inf values{where}")
+        if found:
+            empty = [key for key in found if key.startswith("null_")]
+            fixes = (["re-encode those samples or drop them"] if len(empty) < len(found) else []) \
+                + (["encode the empty prompt again (null_*)"] if empty else [])
+            raise ConfigError(f"data.path: {self.path}: {'; '.join(bad)}; {', and '.join(fixes)} (an encoder may "
+                              f"have overflowed, e.g. in float16)")
 
     def layout(self) -> tuple:
         """What must agree across shards."""
@@ -158,7 +200,10 @@ class TextLatentsDataModule(ImageDataModule):
     """``data=text_latents``: shards at ``path`` (see the module docstring)."""
 
     def __init__(self, path: str, batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05,
-                 val_batches: int = 4, seed: int = 0):
+                 val_batches: int = 4, seed: int = 0, check_values: bool = True):
+        """``check_values``: read every value once now (train.py: in the launching process, before any rank
+        starts; not again in the ranks Lightning spawns) and refuse NaN / Inf; False skips that scan (a reader that
+        only wants a few prompts, such as infer.py's held-out prompts)."""
         super().__init__(batch_size, num_workers, val_fraction, val_batches, seed)
         self.path = _text_latents_path(path)
         files = sorted(self.path.glob("*.safetensors")) if self.path.is_dir() else [self.path]
@@ -169,6 +214,9 @@ class TextLatentsDataModule(ImageDataModule):
         if len(layouts) > 1:
             raise ValueError(f"data.path={path}: the shards disagree on shapes ({sorted(map(str, layouts))}); "
                              f"every shard needs the same latent (C, [T,] H, W), text (L, D) and pooled (P,) shapes")
+        if check_values and not spawned_rank():
+            for shard in self.shards:
+                shard.check_values()
         latent_shape, (self.text_len, self.text_dim), pooled = self.shards[0].layout()
         self.channels, self.image_size = latent_shape[0], tuple(latent_shape[1:])
         self.pooled_dim = pooled[0] if pooled else None
@@ -209,15 +257,41 @@ class TextLatentsDataModule(ImageDataModule):
                 [captions[i] if captions else f"held-out prompt {i}" for i in picked])
 
     def captions(self) -> list[str] | None:
-        names: list[str] = []
-        for shard in self.shards:
-            if "captions" not in shard.metadata:
-                return None
-            try:
-                names += [str(c) for c in json.loads(shard.metadata["captions"])]
-            except json.JSONDecodeError:
-                return None
-        return names
+        """Every sample's caption, in order; None unless every shard stores them (each was checked on opening)."""
+        if any(shard.captions is None for shard in self.shards):
+            return None
+        return [caption for shard in self.shards for caption in shard.captions]
+
+
+def parse_captions(where: str, text: str, count: int) -> list[str]:
+    """The ``captions`` metadata: a JSON list of ``count`` strings, one per sample, else a ``ConfigError``."""
+    fix = f"store json.dumps(captions), a list of {count} strings, one per sample (or leave the key out)"
+    try:
+        captions = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{where}: the captions metadata is not valid JSON ({error}: {text[:60]!r}); "
+                          f"{fix}") from None
+    if not isinstance(captions, list):
+        raise ConfigError(f"{where}: the captions metadata is a JSON {type(captions).__name__}, not a list; {fix}")
+    odd = next((i for i, c in enumerate(captions) if not isinstance(c, str)), None)
+    if odd is not None:
+        raise ConfigError(f"{where}: captions[{odd}] is {captions[odd]!r} ({type(captions[odd]).__name__}), not a "
+                          f"string; {fix}")
+    if len(captions) != count:
+        raise ConfigError(f"{where}: the captions metadata lists {len(captions)} captions for {count} samples; {fix}")
+    return captions
+
+
+def parse_json_object(where: str, key: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{where}: the {key} metadata is not valid JSON ({error}: {text[:60]!r}); it is written "
+                          f"by python -m ringdit.prepare: prepare the shard again, or leave the key out") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: the {key} metadata is a JSON {type(value).__name__}, not an object; it is "
+                          f"written by python -m ringdit.prepare: prepare the shard again, or leave the key out")
+    return value
 
 
 def read_prompts(path: str, setting: str = "text_embeds") -> tuple[dict[str, Tensor], list[str] | None]:
@@ -241,11 +315,15 @@ def read_prompts(path: str, setting: str = "text_embeds") -> tuple[dict[str, Ten
     if values["text"].dim() != 3 or not values["text"].is_floating_point():
         raise ValueError(f"{setting}={path}: text has shape {tuple(values['text'].shape)} "
                          f"({values['text'].dtype}); expected float (N, L, D)")
-    conds = [condition_of(values, row) for row in range(values["text"].shape[0])]
-    try:
-        captions = [str(c) for c in json.loads(metadata["captions"])] if "captions" in metadata else None
-    except json.JSONDecodeError:
-        raise ValueError(f"{setting}={path}: the captions metadata is not valid JSON") from None
+    for key, value in values.items():
+        if value.is_floating_point() and not (finite := torch.isfinite(value)).all():
+            where = f" in {int((~finite).flatten(1).any(dim=1).sum())} of its {len(value)} rows" if value.dim() > 1 \
+                else ""
+            raise ConfigError(f"{setting}={path}: {key} {tuple(value.shape)} holds {int((~finite).sum())} NaN or Inf "
+                              f"values{where}; encode those prompts again")
+    count = values["text"].shape[0]
+    conds = [condition_of(values, row) for row in range(count)]
+    captions = parse_captions(f"{setting}={path}", metadata["captions"], count) if "captions" in metadata else None
     return {key: torch.stack([c[key] for c in conds]) for key in conds[0]}, captions
 
 

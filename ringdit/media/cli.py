@@ -14,7 +14,14 @@ def parse_settings(argv: list[str], defaults: dict, required: tuple[str, ...], u
     stray = [arg for arg in argv if "=" not in arg]
     if stray:
         raise ConfigError(f"{stray[0]!r} is not a key=value setting; usage: {usage}")
-    given = OmegaConf.to_container(OmegaConf.from_dotlist(pairs))
+    given = {}
+    for pair in pairs:  # one at a time, so that a value that does not parse is named
+        try:
+            given.update(OmegaConf.to_container(OmegaConf.from_dotlist([pair])))
+        except Exception as error:  # noqa: BLE001 - YAML / OmegaConf grammar errors have no common base class
+            detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(f"{pair!r} is not a valid key=value setting ({detail}); values are YAML: quote one "
+                              f"that holds [ {{ or : (key=\"'[odd]'\"); usage: {usage}") from None
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise ConfigError(f"unknown setting {unknown[0]}=...; the settings are {', '.join(defaults)}")

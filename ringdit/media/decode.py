@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,9 @@ def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True) -> 
     once, so a batch of long videos never sits in memory as float32). ``normalised``: see ``VAE.decode``."""
     if vae.is_video and latents.ndim == 4:
         latents = latents[:, :, None]  # (N, C, 1, H, W): an image latent of a video VAE
+    if not vae.is_video and latents.ndim == 5:
+        raise ValueError(f"latents are videos {tuple(latents.shape)} (N, C, T, H, W) but vae={vae.folder} is an "
+                         f"image VAE ({vae.class_name}); decode with the video VAE the training data was prepared with")
     if latents.shape[1] != vae.shift.numel():
         raise ValueError(f"latents have {latents.shape[1]} channels but vae={vae.folder} has "
                          f"{vae.shift.numel()}; decode with the VAE the training data was prepared with")
@@ -46,22 +51,75 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
     """samples.npz (its ``latents``) -> media files in ``out`` (default: samples.npz's folder). ``normalised``:
     the latents are as prepare stores them (data=text_latents); false for data=latents, whose samples are the raw
     VAE latents (infer.py already divides by data.scale)."""
-    from ringdit.errors import ConfigError
+    from ringdit.errors import ConfigError, require_count
 
-    path = Path(str(samples)).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"samples={samples} does not exist; pass the samples.npz infer.py wrote")
-    with np.load(path) as stored:
-        if "latents" not in stored:
-            raise ConfigError(f"samples={samples} holds {sorted(stored.files)}, no 'latents': it was sampled in pixel "
-                              f"space, so its pictures are already written beside it")
-        latents = torch.from_numpy(stored["latents"])
+    require_count("fps", fps)
+    for name, value in (("tiling", tiling), ("normalised", normalised)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}")
+    require_count("tile", tile, optional=True, hint="the VAE's spatial tile size in pixels, e.g. tile=256")
+    latents = read_latents(samples)
+    target = Path(str(out)).expanduser() if out else None
+    if target is not None and target.exists() and not target.is_dir():
+        raise ConfigError(f"out={out} is a file; pass a folder to write the pictures / videos into")
     codec = VAE(vae, vae_subfolder, device=device, tiling=tiling, tile=tile)
     try:
         pixels = decode_latents(latents, codec, normalised)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    return write_media(pixels, Path(str(out)).expanduser() if out else path.parent, fps=fps)
+    return write_media(pixels, target or Path(str(samples)).expanduser().parent, fps=fps)
+
+
+UNREADABLE = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)  # what np.load raises on a bad file
+EXPECTED = ("pass the samples.npz infer.py wrote for a model trained on latents: it holds 'latents', float32 "
+            "(N, C, H, W) images or (N, C, T, H, W) videos")
+
+
+def read_latents(samples: str | Path, setting: str = "samples") -> torch.Tensor:
+    """``latents`` (N, C, [T,] H, W) float32 from a samples.npz infer.py wrote; anything else is one
+    ``ConfigError`` naming the file and what it should hold (never a pickle: ``allow_pickle=False``)."""
+    from ringdit.errors import ConfigError
+
+    path = Path(str(samples)).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{setting}={samples} does not exist; {EXPECTED}")
+    if not path.is_file():
+        raise ConfigError(f"{setting}={samples} is a folder, not a file; {EXPECTED}")
+    try:
+        stored = np.load(path, allow_pickle=False)
+    except UNREADABLE as error:
+        detail = "neither a zip archive nor a .npy array" if "pickled" in str(error) else _first_line(error)
+        raise ConfigError(f"{setting}={samples} is not a readable .npz file ({detail}); {EXPECTED}") from None
+    if not isinstance(stored, np.lib.npyio.NpzFile):
+        raise ConfigError(f"{setting}={samples} is a single .npy array {stored.shape}, not an .npz archive; "
+                          f"{EXPECTED}")
+    with stored:
+        if "latents" not in stored.files:
+            if "images" in stored.files:
+                raise ConfigError(f"{setting}={samples} holds {sorted(stored.files)}, no 'latents': it was sampled in "
+                                  f"pixel space, so its pictures are already written beside it")
+            raise ConfigError(f"{setting}={samples} holds {sorted(stored.files)}, no 'latents'; {EXPECTED}")
+        try:
+            latents = stored["latents"]
+        except UNREADABLE as error:
+            raise ConfigError(f"{setting}={samples}: its 'latents' cannot be read ({_first_line(error)}); "
+                              f"{EXPECTED}") from None
+    if latents.ndim not in (4, 5):
+        raise ConfigError(f"{setting}={samples}: latents have shape {latents.shape}; {EXPECTED}")
+    if latents.dtype.kind != "f":
+        raise ConfigError(f"{setting}={samples}: latents are {latents.dtype}, not floating point; {EXPECTED}")
+    if len(latents) == 0:
+        raise ConfigError(f"{setting}={samples}: latents have shape {latents.shape}, no samples; {EXPECTED}")
+    finite = np.isfinite(latents.reshape(len(latents), -1)).all(axis=1)
+    if not finite.all():  # decoded anyway (the others may be fine); the NaN ones come out as noise or black
+        log.warning("%s=%s: samples %s hold NaN or Inf latents (sampling diverged?); their pictures are meaningless",
+                    setting, samples, np.flatnonzero(~finite).tolist()[:10])
+    return torch.from_numpy(latents.astype(np.float32, copy=False))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 DEFAULTS = dict(vae=None, out=None, vae_subfolder="vae", fps=16, tiling=True, tile=None, device="cpu", normalised=True)
@@ -101,6 +159,7 @@ def sampling_vae(vae: str | None, subfolder: str | None, data_info: dict) -> str
         return str(vae)
     prepared = (data_info.get("vae") or {}).get("path")
     if prepared and Path(prepared).is_dir():
+        vae_folder(prepared, subfolder)  # its weights checked now too, not after the sampling
         log.info("decoding with the VAE the training data was prepared with: %s", prepared)
         return prepared
     return None

@@ -7,7 +7,8 @@ Work layout:
 Resume: a shard is written to a temp file and renamed, so a shard that exists is complete and is skipped; re-run
     the same command after an interruption.
 Skips: a file that cannot be decoded, or a clip shorter than the bucket, is left out of its shard and counted (a
-    shard whose files are all skipped is not written). The counts are returned and printed at the end.
+    shard whose files are all skipped is not written), as is a file metadata.jsonl / .csv lists that is not there.
+    The skipped files are returned, and counted and named in the summary printed at the end.
 Every shard stores the empty prompt's embedding (``null_*``), the captions, the VAE's class, folder and
 normalisation (``vae``) and the text encoder's folders (``text_encoder``), all JSON metadata.
 """
@@ -41,13 +42,24 @@ class PrepareReport:
     samples: int = 0
     unreadable: list[str] = field(default_factory=list)
     too_short: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # listed in metadata.jsonl / .csv but not there (rank 0 counts)
     seconds: float = 0.0
 
     def summary(self) -> str:
         rate = self.samples / self.seconds if self.seconds > 0 else 0.0
         return (f"prepared {self.samples} samples into {self.shards_written} new shards "
                 f"({self.shards_skipped} already done) in {self.seconds:.1f} s ({rate:.2f} samples/s); skipped "
-                f"{len(self.unreadable)} unreadable files and {len(self.too_short)} clips too short for the bucket")
+                f"{len(self.unreadable)} unreadable files{_named(self.unreadable)}, {len(self.too_short)} clips too "
+                f"short for the bucket{_named(self.too_short)} and {len(self.missing)} files the metadata lists that "
+                f"are missing or not images / videos{_named(self.missing)}")
+
+
+def _named(paths: list[str], shown: int = 5) -> str:
+    """`` (a, b, ... and 3 more)`` for a summary line; empty for none."""
+    if not paths:
+        return ""
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return f" ({', '.join(paths[:shown])}{more})"
 
 
 def bucket_size(resolution, spatial: int) -> tuple[int, int]:
@@ -86,6 +98,8 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
     from tqdm.auto import tqdm
 
+    from ringdit.training.preemption import sigterm_waits
+
     for name, value in (("frames", frames), ("frame_stride", frame_stride), ("shard_size", shard_size),
                         ("batch_size", batch_size)):
         require_count(name, value)
@@ -96,7 +110,8 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} of world size {world_size} (RANK / WORLD_SIZE) is not a valid process; "
                           f"launch with torchrun, or unset both for one process")
-    items = list_media(input, caption_column)
+    missing: list[str] = []  # the metadata's rows without their file: named in the summary (by rank 0: all see them)
+    items = list_media(input, caption_column, missing=missing)
     videos = [item for item in items if item.is_video]
     if videos and len(videos) < len(items):
         image = next(item for item in items if not item.is_video)
@@ -117,7 +132,8 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = [items[start:start + shard_size] for start in range(0, len(items), shard_size)]
     mine = range(rank, len(shards), world_size)
-    report = PrepareReport(shards_skipped=sum(shard_path(out_dir, i).exists() for i in mine))
+    report = PrepareReport(shards_skipped=sum(shard_path(out_dir, i).exists() for i in mine),
+                           missing=missing if rank == 0 else [])
     pending = [i for i in mine if not shard_path(out_dir, i).exists()]
     null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,)]
     store = DTYPES[dtype]
@@ -160,12 +176,13 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
             log.warning("shard %d: every file was skipped; no shard written", index)
             continue
         tensors = {key: torch.cat(values) for key, values in rows.items()}
-        write_text_latents(shard_path(out_dir, index), tensors["latents"].to(store), tensors["text"].to(store),
-                           tensors["text_mask"], tensors["pooled"].to(store) if "pooled" in tensors else None,
-                           null={k: (v.to(store) if v.is_floating_point() else v) for k, v in null.items()},
-                           captions=captions, metadata=metadata)
-        report.shards_written += 1
-        report.samples += len(captions)
+        with sigterm_waits():  # under ringdit.prepare's SIGTERM handling: a shard being written is finished first
+            write_text_latents(shard_path(out_dir, index), tensors["latents"].to(store), tensors["text"].to(store),
+                               tensors["text_mask"], tensors["pooled"].to(store) if "pooled" in tensors else None,
+                               null={k: (v.to(store) if v.is_floating_point() else v) for k, v in null.items()},
+                               captions=captions, metadata=metadata)
+            report.shards_written += 1
+            report.samples += len(captions)
     bar.close()
     report.seconds = time.perf_counter() - start
     return report
