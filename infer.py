@@ -14,7 +14,8 @@ text-conditioned models the prompts' captions instead of labels. With vae=FOLDER
 prepared with, when that folder exists) latents are also decoded beside samples.npz: samples.png + sample-000.png
 ... for images, samples.gif + sample-000.mp4 / .gif ... for videos (ringdit.media). Sample i starts from noise
 seeded by (seed, i) (ringdit.seeding, stream INFERENCE), so the same seed gives the same sample i for any
-num_samples, batch size and ring / Ulysses / data-parallel layout.
+num_samples, batch size and ring / Ulysses / data-parallel layout: exactly up to fp64 rounding; in fp32 up to the
+rounding of the GEMM kernels the batch size, layout and CPU pick (~2e-7 of the largest value after 10 DDPM steps).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from ringdit.media.decode import decode_samples, latents_normalised, sampling_va
 from ringdit.run_folder import claim_run_folder
 from ringdit.sampling import SampleRequests, SampleWriter, resolve_labels
 from ringdit.training import DiTModule
+from ringdit.training.preemption import sigterm_stops_at_once, stop_on_sigterm
 from ringdit.weights import WEIGHT_CHOICES
 
 log = logging.getLogger("ringdit.infer")
@@ -135,7 +137,8 @@ def text_prompts(cfg: DictConfig, data_info: dict) -> tuple[dict, list[str]]:
     else:
         source = data_info["source"]
         try:
-            data = TextLatentsDataModule(source["path"], val_fraction=source["val_fraction"], seed=source["seed"])
+            data = TextLatentsDataModule(source["path"], val_fraction=source["val_fraction"], seed=source["seed"],
+                                         check_values=False)  # only its held-out prompts are read (and checked)
         except ValueError as error:
             raise ConfigError(f"text_embeds is not set and the training data's held-out prompts cannot be read "
                               f"({error}); give prompt embeddings with text_embeds=<file>") from None
@@ -180,14 +183,18 @@ def check_prompt_shape(setting: str, prompts: dict, data_info: dict) -> None:
 def main(cfg: DictConfig) -> None:
     with user_errors():  # a mistake in the settings: one line, exit code 2
         trainer, module, requests = prepare(cfg)
-    trainer.predict(module, dataloaders=requests, return_predictions=False)
-    if cfg.vae and trainer.is_global_zero:
-        samples = Path(cfg.paths.output_dir) / "samples.npz"
-        with user_errors():
-            written = decode_samples(samples, cfg.vae, vae_subfolder=cfg.vae_subfolder, fps=cfg.fps,
-                                     tile=cfg.vae_tile, device=str(trainer.strategy.root_device),
-                                     normalised=latents_normalised(module.hparams.data))
-        log.info("decoded with vae=%s: %s", cfg.vae, ", ".join(p.name for p in written))
+    # SIGTERM: every rank stops at the next sampler step, the finished batches are written, exit code 143
+    with stop_on_sigterm(trainer, logger=log):
+        trainer.predict(module, dataloaders=requests, return_predictions=False)
+        if cfg.vae and trainer.is_global_zero:
+            samples = Path(cfg.paths.output_dir) / "samples.npz"
+            kept = f"every sample is in {samples} (decoded files may be incomplete); decode them with python -m " \
+                   f"ringdit.media.decode {samples} vae={cfg.vae}"
+            with user_errors(), sigterm_stops_at_once("the VAE decode", kept):  # nothing else would be lost
+                written = decode_samples(samples, cfg.vae, vae_subfolder=cfg.vae_subfolder, fps=cfg.fps,
+                                         tile=cfg.vae_tile, device=str(trainer.strategy.root_device),
+                                         normalised=latents_normalised(module.hparams.data))
+            log.info("decoded with vae=%s: %s", cfg.vae, ", ".join(p.name for p in written))
 
 
 if __name__ == "__main__":

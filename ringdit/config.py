@@ -588,6 +588,8 @@ def check_samples_per_rank(cfg: DictConfig) -> None:
         raise ConfigError(f"num_samples={cfg.num_samples} is fewer than the {replicas} data-parallel ranks "
                           f"(dp_degree={cfg.get('dp_degree', 1)}): each rank needs a sample; use num_samples>="
                           f"{replicas} or fewer devices")
+
+
 def resolve_sampling_ckpt(ckpt_path: str | None, log_dir: str, train_task: str = "train") -> str:
     """infer.py's ``ckpt_path``: ``last`` (the default) -> the newest training run's ``last.ckpt``; a missing run
     says how to make one."""

@@ -10,15 +10,31 @@ inside it when present), text_encoder / tokenizer (transformers folders; the tok
 pipeline), resolution (int, [H, W] or "HxW"), frames + frame_stride (videos), max_text_len, shard_size, batch_size,
 device, dtype (stored tensors), tiling / tile (VAE spatial tiles: on / their size in pixels). The work itself is
 ``ringdit.media.prepare``.
+
+SIGTERM (to a rank, or to torchrun, which passes it on; a rank that stops makes torchrun stop the others): each rank
+stops at once -- after the shard it is writing, if any -- with exit code 143 and one line; every shard written is
+complete (written whole, then renamed), and running the same command again resumes after them.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+from pathlib import Path
 
-from ringdit.config import user_errors
-from ringdit.media.cli import parse_settings
+
+def _stopped_before_start(signum, frame) -> None:
+    print(f"preempted: SIGTERM stopped preparing before it began; nothing to keep; exit code {128 + signum}",
+          file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
+if __name__ == "__main__":  # until ringdit.training.preemption (a slow import) takes over in main(): nothing started
+    signal.signal(signal.SIGTERM, _stopped_before_start)
+
+from ringdit.config import user_errors  # noqa: E402
+from ringdit.media.cli import parse_settings  # noqa: E402
 
 DEFAULTS = dict(input=None, out=None, vae=None, text_encoder=None, tokenizer=None, vae_subfolder="vae",
                 caption_column="text", resolution=256, frames=17, frame_stride=1, max_text_len=512, shard_size=64,
@@ -26,15 +42,36 @@ DEFAULTS = dict(input=None, out=None, vae=None, text_encoder=None, tokenizer=Non
 USAGE = "python -m ringdit.prepare input=FOLDER out=FOLDER vae=FOLDER text_encoder=FOLDER [tokenizer=.. resolution=..]"
 
 
+log = logging.getLogger("ringdit.prepare")
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     with user_errors():  # a wrong setting or input: one line, exit code 2
         settings = parse_settings(sys.argv[1:] if argv is None else argv, DEFAULTS,
                                   ("input", "out", "vae", "text_encoder"), USAGE)
+    from ringdit.training.preemption import sigterm_stops_at_once, stop_on_sigterm
+
+    # SIGTERM: this rank stops where it is, or right after the shard it is writing; exit code 143 (module docstring)
+    with user_errors(), stop_on_sigterm(logger=log), sigterm_stops_at_once(*preempted(settings["out"])):
         from ringdit.media.prepare import prepare
 
         report = prepare(**settings)
     print(report.summary(), flush=True)
+
+
+def preempted(out: str):
+    """(what a SIGTERM stops, what it keeps) for the one line the run ends with."""
+    from ringdit.media.prepare import rank_and_world
+
+    rank, world = rank_and_world()
+    folder = Path(str(out)).expanduser()
+
+    def kept() -> str:  # asked when the line is written
+        done = len(list(folder.glob("shard-*.safetensors")))
+        return f"{done} complete shards in {folder} (of every rank); run the same command again to resume"
+
+    return f"preparing (rank {rank} of {world})" if world > 1 else "preparing", kept
 
 
 if __name__ == "__main__":

@@ -1,0 +1,351 @@
+"""Preemption beyond training: SIGTERM during ``infer.py`` (one rank, ring 2, data-parallel ranks with unequal
+batches) and during ``python -m ringdit.prepare`` under torchrun stops every rank within seconds, keeps what is
+finished, exits 143 and leaves no process behind; SIGTERM before the first step or during the final write loses
+nothing already written."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import REPO, TEXT_LEN, TINY, fail_fast, run, write_latents
+
+STOP_SECONDS = 20  # SIGTERM to exit; measured 1.5-4.5 s on 2 loaded cores (the rest is processes shutting down)
+
+
+# ---- faults for the runs (Hydra targets: +callbacks.NAME._target_=tests.test_preemption....) -------------------------
+
+
+class SlowSampling(L.Callback):
+    """Sleep ``seconds`` before every model forward (sampler step) while sampling, and mark each finished batch on
+    rank 0 (``batches/<i>`` in ``output_dir``), so a test can signal a run between two known points."""
+
+    def __init__(self, seconds: float, output_dir: str):
+        self.seconds, self.marks = seconds, Path(output_dir) / "batches"
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        pl_module.sampling_model().register_forward_pre_hook(lambda module, args: time.sleep(self.seconds))
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.is_global_zero:
+            self.marks.mkdir(parents=True, exist_ok=True)
+            (self.marks / str(batch_idx)).touch()
+
+
+def raise_sigterm() -> None:
+    """A real SIGTERM to this process -- only while the preemption handler has it (else it would end pytest)."""
+    from ringdit.training import preemption
+
+    assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm, "SIGTERM is not handled here"
+    signal.raise_signal(signal.SIGTERM)
+
+
+class SigtermAt(L.Callback):
+    """SIGTERM to this process when sampling starts (``start``: before the first step), after the last sampler step
+    (``last_step``), or in the middle of writing samples.npz (``write``)."""
+
+    def __init__(self, at: str):
+        self.at, self.savez = at, np.savez_compressed
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        if self.at == "start":
+            raise_sigterm()
+        elif self.at == "write":  # the next savez_compressed call (SampleWriter's) gets the signal first
+
+            def signal_then_write(*args, **kwargs):
+                np.savez_compressed = self.savez
+                raise_sigterm()
+                self.savez(*args, **kwargs)
+
+            np.savez_compressed = signal_then_write
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        np.savez_compressed = self.savez
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.at == "last_step" and batch_idx + 1 == trainer.num_predict_batches[dataloader_idx]:
+            raise_sigterm()
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------------
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie: ended
+    except OSError:
+        return True
+
+
+def signal_when(command: list[str], ready, target: str = "launcher", env: dict | None = None,
+                timeout: float = 240) -> tuple[subprocess.CompletedProcess, float, list[int]]:
+    """Start ``command``; once ``ready()``, SIGTERM the launching process (``launcher``) or its first child
+    (``child``): (the finished process, seconds from SIGTERM to its exit, its children then)."""
+    environment = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "", "HF_HUB_OFFLINE": "1", **(env or {})}
+    proc = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run to signal ended or stalled first:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(0.05)
+    children = children_of(proc.pid)
+    os.kill(proc.pid if target == "launcher" else children[0], signal.SIGTERM)
+    start = time.monotonic()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *children]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"no exit 120 s after SIGTERM:\n{proc.communicate()[0][-3000:]}")
+    seconds = time.monotonic() - start
+    output = proc.stdout.read()
+    return subprocess.CompletedProcess(command, proc.returncode, output, output), seconds, children
+
+
+# ---- infer.py -------------------------------------------------------------------------------------------------------
+
+
+def sample_under_sigterm(run_dir: Path, checkpoint: Path, *overrides: str, target: str = "launcher", batch_size: int,
+                         num_samples: int):
+    """infer.py with 20 slow steps per batch, signalled once rank 0 has finished its first batch."""
+    command = [sys.executable, "infer.py", f"hydra.run.dir={run_dir}", f"ckpt_path={checkpoint}", "trainer=cpu",
+               "steps=20", f"batch_size={batch_size}", f"num_samples={num_samples}", "trainer.strategy.timeout_s=60",
+               "+callbacks.slow._target_=tests.test_preemption.SlowSampling", "+callbacks.slow.seconds=0.1",
+               f"+callbacks.slow.output_dir={run_dir}", *overrides]
+    proc, seconds, ranks = signal_when(command, lambda: (run_dir / "batches" / "0").exists(), target)
+    assert proc.returncode == 143, proc.stdout[-3000:]
+    assert seconds < STOP_SECONDS, f"{seconds:.1f} s from SIGTERM to exit"
+    assert all(gone(pid) for pid in ranks), "a rank was left behind"
+    finished = len(list((run_dir / "batches").iterdir()))  # whole batches rank 0 had when every rank stopped
+    samples = np.load(run_dir / "samples.npz")
+    assert 0 < len(samples["images"]) < num_samples
+    return proc, samples, finished, seconds
+
+
+def test_sigterm_stops_ring2_sampling_and_keeps_the_finished_batches(tiny_checkpoint, tmp_path):
+    """The launching process gets SIGTERM; the rank it spawned (its ring partner) stops at the same sampler step."""
+    proc, samples, finished, seconds = sample_under_sigterm(tmp_path, tiny_checkpoint, "ring_degree=2", batch_size=2,
+                                                            num_samples=8)
+    kept = 2 * finished
+    assert samples["images"].shape == (kept, 8, 8, 1) and samples["labels"].tolist() == list(range(kept))
+    assert (tmp_path / "samples.png").exists() and not list(tmp_path.glob(".*.tmp"))
+    assert (f"preempted: SIGTERM stopped sampling on every rank; wrote {kept} of 8 samples (the finished batches) to "
+            f"{tmp_path / 'samples.png'} and {tmp_path / 'samples.npz'}") in proc.stdout, proc.stdout[-3000:]
+    assert "exit code 143" in proc.stdout and "Traceback" not in proc.stdout
+
+
+def test_sigterm_to_a_data_parallel_rank_that_is_done_stops_the_other(tiny_checkpoint, tmp_path):
+    """3 samples on 2 data-parallel ranks, 1 a batch: rank 1 has one batch, rank 0 two. Rank 1, done and waiting for
+    rank 0, gets SIGTERM; rank 0 stops in its second batch; samples 0 (rank 0) and 1 (rank 1) are written."""
+    proc, samples, finished, _ = sample_under_sigterm(tmp_path, tiny_checkpoint, "dp_degree=2", target="child",
+                                                      batch_size=1, num_samples=3)
+    assert finished == 1 and samples["labels"].tolist() == [0, 1]
+    assert "wrote 2 of 3 samples (the finished batches)" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_sigterm_stops_sampling_on_one_rank(tiny_checkpoint, tmp_path):
+    """One process; the samples kept are those an uninterrupted run draws first (sample i is the same each run)."""
+    proc, samples, finished, _ = sample_under_sigterm(tmp_path / "stopped", tiny_checkpoint, batch_size=2,
+                                                      num_samples=8)
+    assert len(samples["images"]) == 2 * finished
+    assert "preempted: SIGTERM stopped sampling; wrote" in proc.stdout, proc.stdout[-3000:]
+    straight, _ = fail_fast("infer.py", f"ckpt_path={tiny_checkpoint}", "trainer=cpu", "steps=20", "batch_size=2",
+                            "num_samples=8", f"hydra.run.dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    full = np.load(tmp_path / "straight" / "samples.npz")
+    kept = len(samples["images"])
+    assert np.abs(samples["images"].astype(int) - full["images"][:kept]).max() <= 1
+    assert samples["labels"].tolist() == full["labels"][:kept].tolist()
+
+
+def in_process_infer(checkpoint: Path, run_dir: Path, at: str):
+    before = signal.getsignal(signal.SIGTERM)
+    proc, _ = fail_fast("infer.py", f"ckpt_path={checkpoint}", "trainer=cpu", "steps=2", "batch_size=2",
+                        "num_samples=4", "+callbacks.term._target_=tests.test_preemption.SigtermAt",
+                        f"+callbacks.term.at={at}", f"hydra.run.dir={run_dir}")
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    return proc, proc.stdout + proc.stderr
+
+
+def test_sigterm_before_the_first_step_writes_nothing(tiny_checkpoint, tmp_path):
+    proc, output = in_process_infer(tiny_checkpoint, tmp_path, "start")
+    assert proc.returncode == 143, output[-3000:]
+    assert "preempted: SIGTERM stopped sampling; no sample of 4 was finished, nothing written; exit code 143" in output
+    assert not list(tmp_path.glob("samples*"))
+
+
+def test_sigterm_after_the_last_step_writes_every_sample(tiny_checkpoint, tmp_path):
+    proc, output = in_process_infer(tiny_checkpoint, tmp_path, "last_step")
+    assert proc.returncode == 143, output[-3000:]
+    assert "wrote 4 of 4 samples (the finished batches)" in output
+    assert len(np.load(tmp_path / "samples.npz")["images"]) == 4
+
+
+def test_sigterm_during_the_final_write_finishes_it(tiny_checkpoint, tmp_path):
+    """Every sample was drawn: the write completes (samples.npz whole, then the picture) and the run ends as done."""
+    proc, output = in_process_infer(tiny_checkpoint, tmp_path, "write")
+    assert proc.returncode == 0, output[-3000:]
+    assert "SIGTERM came after the last step boundary: the work had finished, nothing was stopped" in output
+    assert f"wrote 4 samples to {tmp_path / 'samples.png'}" in output
+    assert len(np.load(tmp_path / "samples.npz")["images"]) == 4 and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_sigterm_during_the_vae_decode_stops_it_and_keeps_the_samples(models, tmp_path, monkeypatch):
+    """A latent model with vae=: SIGTERM while rank 0 decodes (no other rank waits) stops there; samples.npz, written
+    before, is whole, and the line says how to decode it later."""
+    import ringdit.media.decode
+
+    latents = np.random.default_rng(0).standard_normal((40, 4, 8, 8)).astype(np.float32)
+    data = write_latents(tmp_path, latents, np.arange(40) % 2)
+    run("train.py", tmp_path / "run", *TINY, "trainer.max_steps=1", "data=latents", f"data.path={data}")
+
+    def signal_while_decoding(*args, **kwargs):
+        raise_sigterm()
+        pytest.fail("SIGTERM did not stop the decode")
+
+    monkeypatch.setattr(ringdit.media.decode, "decode_latents", signal_while_decoding)
+    out = tmp_path / "infer"
+    proc, _ = fail_fast("infer.py", f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}", "trainer=cpu",
+                        "num_samples=3", "steps=2", f"vae={models['flux']}", f"hydra.run.dir={out}")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 143, output[-3000:]
+    assert (f"preempted: SIGTERM stopped the VAE decode; every sample is in {out / 'samples.npz'} (decoded files may "
+            f"be incomplete); decode them with python -m ringdit.media.decode {out / 'samples.npz'} "
+            f"vae={models['flux']}; exit code 143") in output
+    assert np.load(out / "samples.npz")["latents"].shape == (3, 4, 8, 8)
+
+
+# ---- python -m ringdit.prepare --------------------------------------------------------------------------------------
+
+SHARDS = 40  # one image a shard, 256 x 256: about 5 s of encoding per rank here, the window to signal in
+
+
+@pytest.fixture
+def many_images(tmp_path) -> Path:
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(SHARDS):
+        Image.fromarray(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(folder / f"img{i:03d}.png")
+        (folder / f"img{i:03d}.txt").write_text("a red fox")
+    return folder
+
+
+def prepare_settings(images: Path, out: Path, models: dict, **more) -> dict:
+    return dict(input=str(images), out=str(out), vae=str(models["flux"]), text_encoder=str(models["flux"]),
+                resolution=more.pop("resolution", 256), max_text_len=TEXT_LEN, shard_size=1, batch_size=1, **more)
+
+
+def check_shards(out: Path) -> dict[str, int]:
+    """Every shard in ``out`` is whole (one sample, readable); no temp file is left; name -> mtime."""
+    from safetensors import safe_open
+
+    assert not [p.name for p in out.iterdir() if not p.name.startswith("shard-")]  # no .shard-*.tmp
+    stamps = {}
+    for path in sorted(out.glob("shard-*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            assert f.get_slice("latents").get_shape()[0] == 1, path
+        stamps[path.name] = path.stat().st_mtime_ns
+    return stamps
+
+
+@pytest.mark.parametrize("target", ["launcher", "child"])  # torchrun (it passes SIGTERM to both ranks), one rank
+def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(target, models, many_images, tmp_path):
+    from ringdit.media.prepare import prepare
+
+    out = tmp_path / "out"
+    settings = prepare_settings(many_images, out, models)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "ringdit.prepare", *(f"{key}={value}" for key, value in settings.items())]
+    proc, seconds, ranks = signal_when(command, lambda: any(out.glob("shard-*")), target)
+    assert proc.returncode != 0  # torchrun's own code for "a rank failed" or "I was signalled": 1
+    assert seconds < STOP_SECONDS, f"{seconds:.1f} s from SIGTERM to exit"
+    assert all(gone(pid) for pid in ranks), "a rank was left behind"
+    stopped = [line for line in proc.stdout.replace("\r", "\n").splitlines()
+               if "preempted: SIGTERM stopped preparing" in line]
+    assert len(stopped) == 2 and all(line.endswith("exit code 143") for line in stopped), proc.stdout[-3000:]
+    if target == "child":  # torchrun reports each rank's exit code
+        assert proc.stdout.count("exitcode: 143") + proc.stdout.count("exitcode  : 143") >= 2, proc.stdout[-3000:]
+    kept = check_shards(out)
+    assert 0 < len(kept) < SHARDS
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun's ranks (OMP_NUM_THREADS=1); two threads on two busy cores: 25x slower
+    try:
+        for rank in (0, 1):  # the same command again (each rank in turn): only the missing shards are encoded
+            report = prepare(**settings, rank=rank, world_size=2, progress=False)
+            assert report.shards_skipped == sum(int(name[6:11]) % 2 == rank for name in kept)
+    finally:
+        torch.set_num_threads(threads)
+    after = check_shards(out)
+    assert len(after) == SHARDS and all(after[name] == stamp for name, stamp in kept.items())
+
+
+def test_sigterm_while_a_shard_is_written_keeps_it(models, many_images, tmp_path, monkeypatch, caplog):
+    """In this process: SIGTERM in the middle of writing the first shard; the shard is finished, then the run stops."""
+    import ringdit.media.prepare as media
+    from ringdit.prepare import main
+
+    write = media.write_text_latents
+
+    def signal_while_writing(*args, **kwargs):
+        raise_sigterm()
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(media, "write_text_latents", signal_while_writing)
+    out = tmp_path / "out"
+    settings = prepare_settings(many_images, out, models, resolution=16)
+    with pytest.raises(SystemExit) as stop:
+        main([f"{key}={value}" for key, value in settings.items()])
+    assert stop.value.code == 143
+    assert list(check_shards(out)) == ["shard-00000.safetensors"]
+    assert (f"preempted: SIGTERM stopped preparing; 1 complete shards in {out} (of every rank); run the same "
+            f"command again to resume; exit code 143") in caplog.text
+
+
+def test_sigterm_while_models_load_stops_at_once(models, many_images, tmp_path, monkeypatch, caplog):
+    """In this process: SIGTERM while the VAE loads stops there (nothing to finish first); nothing is written."""
+    import ringdit.media.prepare as media
+    from ringdit.prepare import main
+
+    vae = media.VAE
+
+    def signal_while_loading(*args, **kwargs):
+        raise_sigterm()
+        pytest.fail("SIGTERM did not stop the model loading")
+        return vae(*args, **kwargs)
+
+    monkeypatch.setattr(media, "VAE", signal_while_loading)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stop:
+        main([f"{key}={value}" for key, value in prepare_settings(many_images, out, models, resolution=16).items()])
+    assert stop.value.code == 143
+    assert not out.exists() or not list(out.iterdir())
+    assert "preempted: SIGTERM stopped preparing; 0 complete shards in" in caplog.text
