@@ -306,6 +306,27 @@ def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(target, models
         torch.set_num_threads(threads)
     after = check_shards(out)
     assert len(after) == SHARDS and all(after[name] == stamp for name, stamp in kept.items())
+    if target == "launcher":  # the interrupted and resumed shards are exactly an uninterrupted run's
+        straight = tmp_path / "straight"
+        torch.set_num_threads(1)
+        try:
+            prepare(**{**settings, "out": str(straight)}, progress=False)
+        finally:
+            torch.set_num_threads(threads)
+        assert_same_shards(out, straight)
+
+
+def assert_same_shards(got: Path, expected: Path) -> None:
+    from safetensors import safe_open
+
+    names = sorted(p.name for p in expected.glob("shard-*.safetensors"))
+    assert sorted(p.name for p in got.glob("shard-*.safetensors")) == names
+    for name in names:
+        with safe_open(str(got / name), framework="pt") as a, safe_open(str(expected / name), framework="pt") as b:
+            assert a.metadata() == b.metadata(), name
+            assert sorted(a.keys()) == sorted(b.keys()), name
+            for key in b.keys():  # same kernels (one thread each, batch 1): the same bits
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), f"{name} {key}"
 
 
 def test_sigterm_while_a_shard_is_written_keeps_it(models, many_images, tmp_path, monkeypatch, caplog):

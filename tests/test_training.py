@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -65,7 +64,7 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
     if (group, option) in (("model", "wan_1_3b"), ("model", "wan_14b")):
         return [*synthetic, "data.channels=16", "data.text_dim=4096"]
     if (group, option) == ("model", "wan"):
-        from tests.test_diffusers_training import save_tiny_wan
+        from tests.helpers import save_tiny_wan
 
         save_tiny_wan(tmp_path / "wan")
         return [*synthetic, f"model.pretrained={tmp_path / 'wan'}"]
@@ -74,10 +73,11 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [*images, "data.channels=1", "data.text_dim=32", "data.pooled_dim=32"]
     if (group, option) in (("model", "flux_dev"), ("model", "flux_schnell")):
         return [*images, "data.channels=16", "data.text_dim=4096", "data.pooled_dim=768", "data.size=4"]
-    if (group, option) == ("model", "flux"):  # the bare family needs a folder: its config is all a check reads
-        (tmp_path / "flux" / "transformer").mkdir(parents=True)
+    if (group, option) == ("model", "flux"):  # the bare family needs a folder: a tiny Flux saved by diffusers
+        from diffusers import FluxTransformer2DModel
+
         config = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "flux_tiny.yaml").config)
-        (tmp_path / "flux" / "transformer" / "config.json").write_text(json.dumps(config))
+        FluxTransformer2DModel(**config).save_pretrained(tmp_path / "flux" / "transformer")
         return [*images, f"model.pretrained={tmp_path / 'flux'}", "data.channels=1", "data.text_dim=32",
                 "data.pooled_dim=32"]
     if (group, option) == ("model", "qwenimage_tiny"):

@@ -58,8 +58,8 @@ def check_weights_folder(folder: str | Path, *, setting: str, value, class_name:
         convertible = any(name.startswith(f"{PICKLE_STEMS[library]}.bin") for name in pickles)
         how = (f"convert them to safetensors once, where you trust the files: "
                f"{convert_command(folder, class_name, library)}" if convertible else
-               f"convert the model to safetensors where you trust the files (load it there, then save_pretrained it "
-               f"into this folder)")
+               "convert the model to safetensors where you trust the files (load it there, then save_pretrained it "
+               "into this folder)")
         raise ConfigError(f"{where}: cannot load {class_name} weights from {folder}: it holds pickled weights only "
                           f"({shown}), which can run code when loaded and are refused; {how}")
     others = sorted(p.name for p in folder.glob("*.safetensors"))
