@@ -18,22 +18,13 @@ import time
 from pathlib import Path
 
 from ringdit.errors import ConfigError
+from ringdit.launcher import first_process
 
 # What each entry point writes into its run folder (the marker aside): a folder holding any of them holds a run.
 RECORDS = {
     "train": ("checkpoints", "csv/metrics.csv", "tensorboard", "wandb", "samples"),
     "infer": ("samples.npz", "samples.png", "samples.gif"),
 }
-
-
-# Set (to this process's rank) by whatever started the other ranks: Lightning's launcher, torchrun, SLURM, MPI.
-_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                   "JSM_NAMESPACE_RANK")
-
-
-def _first_process() -> bool:
-    """The process that claims the folder: global rank 0 of the job (the others share its folder or make their own)."""
-    return all(os.environ.get(name, "0") == "0" for name in _RANK_VARIABLES)
 
 
 def marker(folder: Path, task: str) -> Path:
@@ -44,7 +35,7 @@ def claim_run_folder(output_dir: str | Path, task: str, *, resumes: str | None =
     """Refuse ``output_dir`` if it holds a ``task`` run (unless ``resumes``, a checkpoint path, lies inside it),
     then mark it as this run's. Call in the launching process once every other check has passed, so that a refused
     launch leaves nothing that would refuse the corrected one. Only the job's first process claims it."""
-    if not _first_process():
+    if not first_process():  # the other ranks share its folder, or make their own
         return
     folder = Path(output_dir).expanduser().resolve()
     record = marker(folder, task)

@@ -35,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from torch.utils.data import Dataset
 
 from ringdit.data.base import ImageDataModule
+from ringdit.launcher import spawned_by_launcher
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names (F8_* are storage formats, not for training)
 INTEGER_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
@@ -84,7 +85,7 @@ class LatentsDataModule(ImageDataModule):
         self.path = _latents_path(path)
         shape, dtype, labels, names = _read_safetensors(self.path) if self.path.is_file() else _read_npy(self.path)
         self.labels, self.class_names = _check(self.path, shape, dtype, labels, names)
-        if not spawned_rank():  # the launcher checked the data before it started this rank
+        if not spawned_by_launcher():  # the launcher checked the data before it started this rank
             _check_finite(self.path, shape[0])
         self.channels, self.image_size = shape[1], tuple(shape[2:])
         self.num_classes = len(self.class_names)
@@ -169,13 +170,6 @@ def _parse_names(path: Path, where: str, text: str) -> list:
 
 
 CHUNK_BYTES = 64 * 2**20  # the finite check reads this much at a time: any dataset size in bounded memory
-
-
-def spawned_rank() -> bool:
-    """A rank that Lightning's launcher started by running train.py again (``RINGDIT_LAUNCHER_PID``, set by
-    ``ringdit.training.preemption``, is its parent): the launcher already checked the data, before spawning it, so the
-    one-off scans of every value are not repeated in each rank."""
-    return os.environ.get("RINGDIT_LAUNCHER_PID") == str(os.getppid())
 
 
 def count_nonfinite(rows, count: int, row_shape: tuple[int, ...]) -> tuple[int, int, int | None]:

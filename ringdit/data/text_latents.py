@@ -33,8 +33,9 @@ import torch
 from torch.utils.data import Dataset
 
 from ringdit.data.base import ImageDataModule
-from ringdit.data.latents import checked_data_path, count_nonfinite, spawned_rank
+from ringdit.data.latents import checked_data_path, count_nonfinite
 from ringdit.errors import ConfigError, require_count
+from ringdit.launcher import spawned_by_launcher
 
 FORMAT = "ringdit.text_latents/1"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -214,7 +215,7 @@ class TextLatentsDataModule(ImageDataModule):
         if len(layouts) > 1:
             raise ValueError(f"data.path={path}: the shards disagree on shapes ({sorted(map(str, layouts))}); "
                              f"every shard needs the same latent (C, [T,] H, W), text (L, D) and pooled (P,) shapes")
-        if check_values and not spawned_rank():
+        if check_values and not spawned_by_launcher():
             for shard in self.shards:
                 shard.check_values()
         latent_shape, (self.text_len, self.text_dim), pooled = self.shards[0].layout()

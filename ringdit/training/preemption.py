@@ -29,10 +29,11 @@ from typing import Callable
 import lightning as L
 import torch
 
+from ringdit.launcher import mark_launcher, spawned_by_launcher
+
 log = logging.getLogger("ringdit.train")
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # 143: what shells and schedulers read as "terminated by SIGTERM"
-_LAUNCHER_PID = "RINGDIT_LAUNCHER_PID"  # set by the launching process; Lightning copies it into the ranks it spawns
 
 
 class Preempted(BaseException):
@@ -213,11 +214,6 @@ def _last_batch(trainer: L.Trainer) -> tuple[int, int] | None:
     return (filled[-1], int(counts[filled[-1]]) - 1) if filled else (-1, -1)
 
 
-def _spawned_by_this_launcher() -> bool:
-    """A rank that Lightning's launcher (our parent process) started, as opposed to rank 0 or a torchrun/SLURM rank."""
-    return os.environ.get(_LAUNCHER_PID) == str(os.getppid())
-
-
 def _keep_our_handler(trainer: L.Trainer) -> None:
     """Lightning installs its SIGTERM handler (collectives inside a signal handler) just before the loop starts; put
     ours back at once, so that no SIGTERM meets its handler in between (before the first step)."""
@@ -246,7 +242,7 @@ def stop_on_sigterm(trainer: L.Trainer | None = None, logger: logging.Logger | N
     previous = signal.getsignal(signal.SIGTERM)
     _install()
     if trainer is not None:
-        os.environ.setdefault(_LAUNCHER_PID, str(os.getpid()))
+        mark_launcher()
         trainer.callbacks.append(StopOnSigterm())
         _keep_our_handler(trainer)
     try:
@@ -255,7 +251,7 @@ def stop_on_sigterm(trainer: L.Trainer | None = None, logger: logging.Logger | N
             (logger or log).warning("SIGTERM came after the last step boundary: the work had finished, nothing was "
                                     "stopped")
     except Preempted as stop:
-        if _spawned_by_this_launcher():
+        if spawned_by_launcher():
             sys.exit(0)
         if trainer is None or trainer.is_global_zero:
             (logger or log).warning(stop.report())

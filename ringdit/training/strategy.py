@@ -17,6 +17,7 @@ import threading
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from ringdit.launcher import spawned_by_launcher
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from ringdit.parallel import ParallelDims, init_sequence_parallel, set_parallel_dims
 
@@ -66,7 +67,7 @@ class RingDDPStrategy(DDPStrategy):
         children = getattr(self.launcher, "procs", None) or []
         if children:  # the launcher: its spawned ranks are alive
             return all(child.poll() is None for child in children)
-        return os.environ.get("RINGDIT_LAUNCHER_PID") == str(os.getppid())  # a spawned rank whose launcher lives
+        return spawned_by_launcher()  # a spawned rank whose launcher lives
 
     def _rendezvous_timed_out(self) -> None:
         """Runs on the watchdog thread while the main thread is blocked inside torch.distributed: say what was being
