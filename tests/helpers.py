@@ -230,3 +230,16 @@ def fail_fast(script: str, *overrides: str) -> tuple[SimpleNamespace, float]:
         os.environ.update(saved_env)
         GlobalHydra.instance().clear()
     return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue()), seconds
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the ranks a launcher spawned), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found

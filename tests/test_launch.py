@@ -17,7 +17,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
 from ringdit.config import register_resolvers, user_errors
-from tests.helpers import CONF, FAST_FAIL_SECONDS, REPO, TINY, fail_fast, launch, logged_losses, run
+from tests.helpers import (
+    CONF, FAST_FAIL_SECONDS, REPO, TINY, children_of, fail_fast, launch, logged_losses, run,
+)
 
 
 def compose_run(config_name: str, overrides: list[str], run_dir: Path):
@@ -176,18 +178,6 @@ def test_hydra_mistakes_keep_the_full_report_on_request(tmp_path):
 
 PREEMPT = [*TINY, "trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2",
            "+callbacks.slow._target_=tests.faults.SlowSteps", "+callbacks.slow.seconds=0.3"]
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def preempt(run_dir: Path, *overrides: str, target: str = "launcher") -> tuple[subprocess.CompletedProcess, list[int]]:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import REPO, TEXT_LEN, TINY, fail_fast, run, write_latents
+from tests.helpers import REPO, TEXT_LEN, TINY, children_of, fail_fast, run, write_latents
 
 STOP_SECONDS = 20  # SIGTERM to exit; measured 1.5-4.5 s on 2 loaded cores (the rest is processes shutting down)
 
@@ -78,18 +78,6 @@ class SigtermAt(L.Callback):
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------------
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def gone(pid: int) -> bool:
