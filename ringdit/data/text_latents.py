@@ -267,13 +267,7 @@ class TextLatentsDataModule(ImageDataModule):
 def parse_captions(where: str, text: str, count: int) -> list[str]:
     """The ``captions`` metadata: a JSON list of ``count`` strings, one per sample, else a ``ConfigError``."""
     fix = f"store json.dumps(captions), a list of {count} strings, one per sample (or leave the key out)"
-    try:
-        captions = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{where}: the captions metadata is not valid JSON ({error}: {text[:60]!r}); "
-                          f"{fix}") from None
-    if not isinstance(captions, list):
-        raise ConfigError(f"{where}: the captions metadata is a JSON {type(captions).__name__}, not a list; {fix}")
+    captions = _json_metadata(where, "captions", text, list, fix)
     odd = next((i for i, c in enumerate(captions) if not isinstance(c, str)), None)
     if odd is not None:
         raise ConfigError(f"{where}: captions[{odd}] is {captions[odd]!r} ({type(captions[odd]).__name__}), not a "
@@ -284,14 +278,19 @@ def parse_captions(where: str, text: str, count: int) -> list[str]:
 
 
 def parse_json_object(where: str, key: str, text: str) -> dict:
+    return _json_metadata(where, key, text, dict, "it is written by python -m ringdit.prepare: prepare the shard "
+                                                  "again, or leave the key out")
+
+
+def _json_metadata(where: str, key: str, text: str, kind: type, fix: str):
+    """Metadata entry ``key``: JSON of type ``kind`` (list or dict), else a ``ConfigError`` that ends with ``fix``."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{where}: the {key} metadata is not valid JSON ({error}: {text[:60]!r}); it is written "
-                          f"by python -m ringdit.prepare: prepare the shard again, or leave the key out") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: the {key} metadata is a JSON {type(value).__name__}, not an object; it is "
-                          f"written by python -m ringdit.prepare: prepare the shard again, or leave the key out")
+        raise ConfigError(f"{where}: the {key} metadata is not valid JSON ({error}: {text[:60]!r}); {fix}") from None
+    if not isinstance(value, kind):
+        raise ConfigError(f"{where}: the {key} metadata is a JSON {type(value).__name__}, not "
+                          f"{'a list' if kind is list else 'an object'}; {fix}")
     return value
 
 
