@@ -204,6 +204,18 @@ def test_prepare_cli_one_line_error_and_success(models, image_folder, tmp_path, 
     assert "prepared 4 samples into 1 new shards" in printed and "skipped 1 unreadable files" in printed
 
 
+def test_a_corrupt_clip_is_skipped_and_named(models, video_folder, tmp_path):
+    """A clip that cannot be decoded (cut off in the middle, as an interrupted copy leaves it) is left out of its
+    shard and named in the report and the summary; the good clips are prepared."""
+    clip = video_folder / "clips" / "b.mp4"
+    clip.write_bytes(clip.read_bytes()[: clip.stat().st_size // 3])
+    report = prepare(str(video_folder), str(tmp_path / "out"), str(models["wan"]), str(models["wan"]),
+                     caption_column="caption", resolution=[16, 24], frames=5, frame_stride=2, max_text_len=TEXT_LEN,
+                     shard_size=1, progress=False)
+    assert report.unreadable == [str(clip)] and report.samples == 1
+    assert f"skipped 1 unreadable files ({clip})" in report.summary()
+
+
 def test_fit_centre_crops_then_resizes():
     wide = Image.new("RGB", (30, 10))
     wide.paste((255, 0, 0), (10, 0, 20, 10))  # a red middle third
