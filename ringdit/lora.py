@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ringdit.atomic import atomic_write
 from ringdit.errors import ConfigError, require_count, require_number
 
 Tensor = torch.Tensor
@@ -136,10 +137,8 @@ def export_lora(state: dict[str, Tensor], lora: dict, out_dir: str | Path) -> Pa
     config = {"r": rank, "lora_alpha": lora.get("alpha") or rank, "target_modules": modules, "lora_dropout": 0.0,
               "bias": "none", "use_dora": False}
     metadata = {f"transformer.{key}": value for key, value in config.items()}  # diffusers keys it by component
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "pytorch_lora_weights.safetensors"
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "lora_adapter_metadata": json.dumps(metadata, sort_keys=True)})
-    tmp.replace(path)
+    path = Path(out_dir) / "pytorch_lora_weights.safetensors"
+    with atomic_write(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt",
+                                               "lora_adapter_metadata": json.dumps(metadata, sort_keys=True)})
     return path

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning as L
@@ -11,6 +10,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import Dataset
 
+from ringdit.atomic import atomic_write
 from ringdit.images import save_samples
 from ringdit.media.writing import write_media
 from ringdit.seeding import Stream, seed_of
@@ -132,10 +132,8 @@ class SampleWriter(L.Callback):
             contents["captions"] = np.array([self.captions[i] for i in index[order].tolist()])
         self.output_dir.mkdir(parents=True, exist_ok=True)
         npz = self.output_dir / "samples.npz"
-        partial = npz.with_name(f".{npz.name}.tmp")  # renamed when complete: a samples.npz is never half-written
-        with open(partial, "wb") as f:
+        with atomic_write(npz) as partial, open(partial, "wb") as f:  # a samples.npz is never half-written
             np.savez_compressed(f, **contents)
-        os.replace(partial, npz)
         self.written = [npz]
         if kind == "images" and samples.ndim == 5:  # videos: the grid as a GIF, and each as MP4 + GIF
             self.written = write_media(samples, self.output_dir, fps=self.fps) + self.written

@@ -8,12 +8,9 @@ refused with an error that says so.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import pickle
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringdit.atomic import atomic_write
 from ringdit.errors import CheckpointError
 from ringdit.safe_config import check_file_config, check_file_configs
 
@@ -363,38 +361,3 @@ def export_safetensors(ckpt_path: str | Path, out: str | Path, prefer: str = "em
         raise CheckpointError(f"cannot write out={out} ({error.strerror or _first_line(error)}); choose a writable "
                               f"file path") from None
     return out
-
-
-def file_mode() -> int:
-    """The mode ``open()`` / ``torch.save`` give a new file: 0o666 minus this process's umask."""
-    try:
-        with open("/proc/self/status") as status:  # Linux: read without changing it
-            for line in status:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    umask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, but only for an instant)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-@contextlib.contextmanager
-def atomic_write(path: Path):
-    """Yield a temporary path beside ``path`` to write; on success it gets the usual new-file mode (umask
-    respected, as ``open()`` would, instead of mkstemp's 0600), is fsynced and renamed onto ``path`` (atomic on
-    POSIX); on failure it is removed. A kill during writing leaves the previous ``path`` intact."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.close(fd)
-        yield Path(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fchmod(fd, file_mode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

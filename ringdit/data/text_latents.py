@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ringdit.atomic import atomic_write
 from ringdit.data.base import ImageDataModule
 from ringdit.data.latents import checked_data_path, count_nonfinite
 from ringdit.errors import ConfigError, require_count
@@ -64,12 +65,9 @@ def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mas
     metadata = {**(metadata or {}), "format": FORMAT}
     if captions is not None:
         metadata["captions"] = json.dumps(list(captions))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    tmp.replace(path)
-    return path
+    with atomic_write(path) as tmp:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    return Path(path)
 
 
 class Shard:

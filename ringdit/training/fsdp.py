@@ -32,7 +32,8 @@ from torch import nn
 from ringdit.errors import ConfigError
 from ringdit.parallel import ParallelDims, build_shard_mesh, init_sequence_parallel, set_parallel_dims
 from ringdit.training.checkpoint_io import optimizer_state_by_name
-from ringdit.weights import SHARDED_METADATA, CheckpointError, file_mode, is_sharded_checkpoint, safe_torch_load
+from ringdit.atomic import file_mode
+from ringdit.weights import SHARDED_METADATA, CheckpointError, is_sharded_checkpoint, safe_torch_load
 
 # The models' outputs (prediction tokens) are only read out-of-place by the losses and samplers, so the in-place
 # hazard this warns about cannot happen.
