@@ -28,6 +28,7 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
+from ringdit.cli import hydra_main, register_resolvers, user_errors
 from ringdit.config import (
     ConfigError,
     build_on_meta,
@@ -37,11 +38,8 @@ from ringdit.config import (
     check_sampling,
     check_weights_file,
     group_targets,
-    hydra_main,
     read_weights_file,
-    register_resolvers,
     resolve_sampling_ckpt,
-    user_errors,
     validate_parallel,
 )
 from ringdit.errors import require_choice, require_count, require_seed

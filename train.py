@@ -17,6 +17,7 @@ import math
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from ringdit.cli import hydra_main, register_resolvers, user_errors
 from ringdit.config import (
     build_on_meta,
     check_lora,
@@ -26,13 +27,10 @@ from ringdit.config import (
     check_training_settings,
     check_weights_file,
     group_targets,
-    hydra_main,
     is_diffusers_model,
     model_config,
-    register_resolvers,
     resolve_ckpt_path,
     resolve_shift,
-    user_errors,
     validate_parallel,
 )
 from ringdit.errors import NonFiniteLossError, require_choice, require_count, require_seed

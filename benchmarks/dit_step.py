@@ -15,7 +15,7 @@ import torch
 
 from hydra.utils import instantiate
 
-from ringdit.config import CONF_DIR, model_preset
+from ringdit.cli import CONF_DIR, model_preset
 
 
 def main() -> None:

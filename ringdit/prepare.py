@@ -33,7 +33,7 @@ def _stopped_before_start(signum, frame) -> None:
 if __name__ == "__main__":  # until ringdit.training.preemption (a slow import) takes over in main(): nothing started
     signal.signal(signal.SIGTERM, _stopped_before_start)
 
-from ringdit.config import user_errors  # noqa: E402
+from ringdit.cli import user_errors  # noqa: E402
 from ringdit.media.cli import parse_settings  # noqa: E402
 
 DEFAULTS = dict(input=None, out=None, vae=None, text_encoder=None, tokenizer=None, vae_subfolder="vae",

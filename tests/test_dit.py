@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from hydra.utils import instantiate
 
-from ringdit.config import model_preset
+from ringdit.cli import model_preset
 from ringdit.models import sincos_pos_embed
 from ringdit.parallel import init_sequence_parallel, set_parallel_dims, shard_sequence, sharded_mean
 from tests.distributed import run_ranks

@@ -16,7 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
-from ringdit.config import register_resolvers, user_errors
+from ringdit.cli import register_resolvers, user_errors
 from tests.helpers import (
     CONF, FAST_FAIL_SECONDS, REPO, TINY, children_of, fail_fast, launch, logged_losses, run,
 )
@@ -143,7 +143,7 @@ HYDRA_MISTAKES = [
 
 @pytest.mark.parametrize(("config_name", "overrides", "message"), HYDRA_MISTAKES)
 def test_hydra_mistakes_in_one_line(config_name, overrides, message, tmp_path):
-    from ringdit.config import hydra_error_message
+    from ringdit.cli import hydra_error_message
 
     with pytest.raises(Exception) as error:
         compose_run(config_name, overrides, tmp_path)

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from safetensors.torch import save_file
 
-from ringdit.config import register_resolvers
+from ringdit.cli import register_resolvers
 from ringdit.errors import ConfigError
 from ringdit.export import main as export_main
 from ringdit.resume import check_resume

@@ -15,7 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from ringdit.config import build_on_meta, model_config, register_resolvers, resolve_shift
+from ringdit.cli import register_resolvers
+from ringdit.config import build_on_meta, model_config, resolve_shift
 from tests.helpers import (
     LazyRuns,
     CONF,

@@ -127,7 +127,7 @@ USAGE = "python -m ringdit.media.decode samples.npz vae=FOLDER [out=FOLDER fps=1
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ringdit.config import user_errors
+    from ringdit.cli import user_errors
     from ringdit.errors import ConfigError
     from ringdit.media.cli import parse_settings
 
