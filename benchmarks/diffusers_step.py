@@ -34,20 +34,23 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, attention_head_dim=128, num_attent
                 pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 56, 56])
 
 
-def build(args):
+def build(args, dims):
     """(model, latents x, conditioning) of the benchmarked shape, the same on every rank."""
-    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.build import build_model
 
     torch.manual_seed(0)
+    target = {"_target_": "ringdit.models.diffusers.DiffusersTransformer"}
     if args.family == "wan":
         shape = (args.frames, args.size, args.size)
-        model = DiffusersTransformer("wan", config={**WAN_1_3B, "num_layers": args.layers}, input_size=shape,
-                                     in_channels=16, text_len=512, text_dim=4096, attention_backend=args.backend)
+        model, _ = build_model({**target, "family": "wan", "config": {**WAN_1_3B, "num_layers": args.layers},
+                                "input_size": shape, "in_channels": 16, "text_len": 512, "text_dim": 4096},
+                               dims=dims, backend=args.backend)
         return model, torch.randn(1, 16, *shape), {"text": torch.randn(1, 512, 4096)}
     shape = (args.size, 2 * args.size)  # 16-channel latents, 2x2-packed: size/2 x size tokens
     config = {**FLUX_DEV, "num_layers": args.layers // 2, "num_single_layers": args.layers - args.layers // 2}
-    model = DiffusersTransformer("flux", config=config, input_size=shape, in_channels=16, text_len=512,
-                                 text_dim=4096, pooled_dim=768, guidance=3.5, attention_backend=args.backend)
+    model, _ = build_model({**target, "family": "flux", "config": config, "input_size": shape, "in_channels": 16,
+                            "text_len": 512, "text_dim": 4096, "pooled_dim": 768, "guidance": 3.5},
+                           dims=dims, backend=args.backend)
     return model, torch.randn(1, 16, *shape), {"text": torch.randn(1, 512, 4096), "pooled": torch.randn(1, 768)}
 
 
@@ -55,16 +58,11 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
-    from ringdit.parallel import (
-        exchange_guidance_halves,
-        init_sequence_parallel,
-        set_parallel_dims,
-    )
+    from ringdit.parallel import exchange_guidance_halves, init_sequence_parallel
 
     cfg_parallel = args.cfg_parallel and world == 2
     dims = init_sequence_parallel(ring_degree=1 if cfg_parallel else world, cfg_parallel=cfg_parallel)
-    model, x, cond = build(args)
-    set_parallel_dims(model, dims)
+    model, x, cond = build(args, dims)
     t = torch.tensor([500.0])
     null = {key: torch.zeros_like(value) for key, value in cond.items()}
 

@@ -13,8 +13,7 @@ import time
 
 import torch
 
-from hydra.utils import instantiate
-
+from ringdit.build import build_model
 from ringdit.cli import CONF_DIR, model_preset
 
 
@@ -36,12 +35,10 @@ def main() -> None:
 
     size = args.input_size[0] if len(args.input_size) == 1 else tuple(args.input_size)
     video = {} if args.temporal_patch is None else {"temporal_patch_size": args.temporal_patch}  # else the preset's
-    model = instantiate(model_preset(args.model), patch_size=args.patch_size, input_size=size,
-                        in_channels=args.in_channels, num_classes=1000, attention_backend=args.backend, **video)
+    config = {**model_preset(args.model), "patch_size": args.patch_size, "input_size": size,
+              "in_channels": args.in_channels, "num_classes": 1000, **video}
+    model, _ = build_model(config, backend=args.backend, compile=args.compile)  # as training builds it
     model.to(args.device)
-    if args.compile:
-        for block in model.blocks:
-            block.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     spatial = (size, size) if isinstance(size, int) else size
     x = torch.randn(args.batch, args.in_channels, *spatial, device=args.device)
@@ -76,7 +73,7 @@ def main() -> None:
     tokens = args.batch * model.x_embedder(x[:1]).shape[1]
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"| {args.model} | {tuple(x.shape)} | {tokens // args.batch} tok/sample | {args.device} {args.dtype} | "
-          f"backend {model.blocks[0].attn.attn.backend.name} | compile {args.compile} | first step {first:.2f} s | "
+          f"backend {model.blocks[0].attn.inner_attention.attention.backend.name} | compile {args.compile} | first step {first:.2f} s | "
           f"{seconds * 1e3:.1f} ms/step | {tokens / seconds:,.0f} tok/s | {6 * params * tokens / seconds / 1e12:.2f} "
           f"TFLOP/s (6 N D) |")
     if args.device.startswith("cuda"):

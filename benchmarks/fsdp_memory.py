@@ -61,27 +61,26 @@ def measure(rank: int, world: int, port: int, mode: str, layers: int, steps: int
         from torch.distributed.fsdp import fully_shard
         from torch.nn.parallel import DistributedDataParallel
 
-        from ringdit.lora import add_lora
-        from ringdit.models.diffusers import DiffusersTransformer
-        from ringdit.parallel import init_sequence_parallel, set_parallel_dims
-        from ringdit.training.fsdp import repeated_blocks
+        from ringdit.build import build_model
+        from ringdit.parallel import init_sequence_parallel
+        from ringdit.models import repeated_blocks
 
         dims = init_sequence_parallel(ring_degree=world)  # the sequence over all ranks: the layout FSDP shards across
         before = rss_mb()
         torch.manual_seed(0)
-        model = DiffusersTransformer("wan", config={**WAN_1_3B, "num_layers": layers}, input_size=latents,
-                                     in_channels=16, text_len=TEXT_LEN, text_dim=4096)
-        set_parallel_dims(model, dims)
-        if mode.startswith("lora"):
-            add_lora(model, rank=64)
-        if mode.endswith("fsdp"):
-            mesh = dims.mesh._flatten("world")  # every rank of the (dp, ring, ulysses) mesh
+        mesh = dims.mesh._flatten("world") if mode.endswith("fsdp") else None  # every rank of (dp, ring, ulysses)
+
+        def shard(model):
             for block in repeated_blocks(model):
                 fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            train = model
-        else:
-            train = DistributedDataParallel(model) if world > 1 else model
+            return fully_shard(model, mesh=mesh)
+
+        model, _ = build_model(
+            {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "wan",
+             "config": {**WAN_1_3B, "num_layers": layers}, "input_size": latents, "in_channels": 16,
+             "text_len": TEXT_LEN, "text_dim": 4096},
+            dims=dims, lora={"rank": 64} if mode.startswith("lora") else None, shard=shard if mesh is not None else None)
+        train = model if mesh is not None or world == 1 else DistributedDataParallel(model)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(1, 16, *latents, generator=g)

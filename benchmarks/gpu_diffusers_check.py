@@ -43,12 +43,13 @@ def rel(a, b):
 def wan_models(layers, dtype):
     import diffusers
 
-    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.build import build_model
 
     config = {**WAN_1_3B, "num_layers": layers}
     torch.manual_seed(0)
     reference = diffusers.WanTransformer3DModel.from_config(config).cuda()
-    ours = DiffusersTransformer("wan", config=config, text_len=512, text_dim=4096, attention_backend="torch_flash")
+    ours, _ = build_model({"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "wan",
+                           "config": config, "text_len": 512, "text_dim": 4096}, backend="torch_flash")
     ours.transformer.load_state_dict(reference.state_dict())
     return reference.to(dtype), ours.cuda().to(dtype)
 

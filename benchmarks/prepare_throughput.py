@@ -1,4 +1,5 @@
-"""Throughput of ``ringdit.media.prepare`` with tiny random models (nothing downloaded): files encoded per second.
+"""Throughput of ``ringdit.media.encode_folder`` (``python -m ringdit.prepare``) with tiny random models (nothing
+downloaded): files encoded per second.
 
     python benchmarks/prepare_throughput.py [--images 64] [--videos 16] [--size 64] [--frames 17]
 
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--frames", type=int, default=17)
     args = parser.parse_args()
-    from ringdit.media.prepare import prepare
+    from ringdit.media.encode_folder import encode_folder
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -78,10 +79,11 @@ def main() -> None:
             (f"images {args.size}x{args.size}, AutoencoderKL", "images", "sd", {}),
             (f"videos {args.frames}x{args.size}x{args.size}, Wan VAE", "videos", "wan", {"frames": args.frames}),
         ):
-            report = prepare(str(root / folder), str(root / f"out-{folder}"), str(root / models), str(root / models),
-                             resolution=args.size, max_text_len=32, shard_size=16, batch_size=8, progress=False,
-                             tiling=False,  # the tiny VAEs' tile size is 32 px; a real VAE tiles above 256-1024
-                             **extra)
+            report = encode_folder(str(root / folder), str(root / f"out-{folder}"), str(root / models),
+                                   str(root / models), resolution=args.size, max_text_len=32, shard_size=16,
+                                   batch_size=8, progress=False,
+                                   tiling=False,  # the tiny VAEs' tile size is 32 px; a real VAE tiles above 256-1024
+                                   **extra)
             print(f"{name:<34} {report.samples:>6} {report.seconds:>8.2f} {report.samples / report.seconds:>8.2f}")
 
 

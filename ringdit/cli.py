@@ -6,6 +6,7 @@ and the resolvers the configs use.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import secrets
@@ -40,13 +41,13 @@ def user_errors(*kinds: type[BaseException]):
         message = str(error).strip()
         if isinstance(error, InstantiationException) and error.__cause__ is not None:
             message = f"{message.splitlines()[0]} {error.__cause__}"
-        print(f"Error: {message}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _exit_with(message)
 
 
 # ---- Hydra's own errors (composition, overrides, ???, the run folder) as one line and exit code 2 -----------------
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+FULL_ERROR = "HYDRA_FULL_ERROR"  # Hydra's own switch: "1" = re-raise errors instead of reporting them
 
 
 def model_preset(name: str) -> dict:
@@ -59,62 +60,95 @@ def model_preset(name: str) -> dict:
 
 
 def hydra_main(config_name: str):
-    """``hydra.main(config_path="conf", config_name=...)`` whose own mistakes -- a misspelt key, an unknown group
-    option, a missing ``???`` value, an override that does not parse, a run folder that cannot be created -- end
-    like every other settings error: one line, exit code 2 (``HYDRA_FULL_ERROR=1``: Hydra's usual report).
+    """``hydra.main`` over ``conf/<config_name>.yaml`` (``CONF_DIR``: any working directory, scripts and ``python -m``
+    modules alike) whose own mistakes -- a misspelt key, an unknown group option, a missing ``???`` value, an override
+    that does not parse, a run folder that cannot be created -- end like every other settings error: one line, exit
+    code 2 (``HYDRA_FULL_ERROR=1``: the full traceback). ``main(argv)`` runs it on ``argv`` instead of
+    ``sys.argv[1:]``.
 
-    Hydra reports those inside ``hydra._internal.utils.run_and_report`` (multi-line, exit 1); it is replaced for the
-    duration of the call by one that first tries ``hydra_error_message`` and otherwise defers to Hydra's."""
+    Hydra reports its errors itself (several lines, exit 1) unless ``HYDRA_FULL_ERROR=1``, when it re-raises them:
+    that switch is on while Hydra runs, so the error reaches ``entry`` below, which shortens it; the user's own value
+    is back in place while the task runs (for ``user_errors`` and for the processes the task starts)."""
     import functools
 
     import hydra
-    from hydra._internal import utils as hydra_utils
 
     def decorator(task):
-        started = []
+        run = {}  # this call's state: whether the task started, the user's HYDRA_FULL_ERROR
 
         @functools.wraps(task)
         def run_task(cfg):
-            started.append(True)
+            run["started"] = True
+            _set_env(FULL_ERROR, run["user_value"])
             try:
                 return task(cfg)
-            except Exception as error:  # here, or Hydra logs "Error executing job" before its report
+            except Exception as error:  # here, or Hydra writes "Error executing job" before re-raising it
                 message = hydra_error_message(error, config_name, in_task=True)
-                if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                if message is None or run["user_value"] == "1":
                     raise
                 _exit_with(message)
+            finally:
+                os.environ[FULL_ERROR] = "1"  # an error leaving the task: Hydra re-raises it to entry
 
-        main = hydra.main(version_base="1.3", config_path="conf", config_name=config_name)(run_task)
+        main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(run_task)
+        doc = inspect.cleandoc(task.__globals__.get("__doc__") or "").replace("$", "$$")  # for --help
 
         @functools.wraps(task)
-        def entry():
-            original = hydra_utils.run_and_report
-
-            def run_and_report(func):
-                try:
-                    return func()
-                except Exception as error:  # noqa: BLE001 - unknown errors go to Hydra's own report below
-                    message = hydra_error_message(error, config_name, in_task=bool(started))
-                    if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
-                        def again():
-                            raise error
-                        return original(again)
-                    _exit_with(message)
-
-            hydra_utils.run_and_report = run_and_report
+        def entry(argv: list[str] | None = None) -> None:
+            register_resolvers()
+            for name, text in (("command_help", doc), ("command_settings", _settings_text(config_name))):
+                OmegaConf.register_new_resolver(name, lambda text=text: text, replace=True)  # hydra/command.yaml
+            run.update(started=False, user_value=os.environ.get(FULL_ERROR))
+            saved_argv = sys.argv
+            if argv is not None:
+                sys.argv = [sys.argv[0], *argv]
+            os.environ[FULL_ERROR] = "1"
             try:
                 main()
+            except Exception as error:  # noqa: BLE001 - what is not a settings mistake is raised again, in full
+                message = hydra_error_message(error, config_name, in_task=run["started"])
+                if message is None or run["user_value"] == "1":
+                    raise
+                _exit_with(message)
             finally:
-                hydra_utils.run_and_report = original
+                sys.argv = saved_argv
+                _set_env(FULL_ERROR, run["user_value"])
 
         return entry
 
     return decorator
 
 
+def _settings_text(config_name: str) -> str:
+    """``conf/<config_name>.yaml`` without its defaults list: every setting with its default and its comment, for
+    ``--help`` (``$`` doubled: Hydra's help template is a ``string.Template``)."""
+    lines, in_defaults = [], False
+    for line in (CONF_DIR / f"{config_name}.yaml").read_text().splitlines():
+        in_defaults = line.startswith("defaults:") or (in_defaults and line.startswith((" ", "-")))
+        if not in_defaults:
+            lines.append(line)
+    return "\n".join(lines).strip().replace("$", "$$")
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def _exit_with(message: str) -> None:
     print(f"Error: {message}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+COMMANDS = {"export": "python -m ringdit.export", "prepare": "python -m ringdit.prepare",
+            "decode": "python -m ringdit.media.decode"}  # config name -> its command, where not <name>.py
+
+
+def command_of(config_name: str) -> str:
+    """How a user runs the command that ``conf/<config_name>.yaml`` configures (for the hints in errors)."""
+    return COMMANDS.get(config_name, f"python {config_name}.py")
 
 
 def hydra_error_message(error: Exception, config_name: str, *, in_task: bool) -> str | None:
@@ -154,7 +188,7 @@ def hydra_error_message(error: Exception, config_name: str, *, in_task: bool) ->
                        f"(e.g. {group}=none); select it ({group}=...) or drop the override"
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}? " if close else ""
-            return f"no setting named '{key}'; {hint}(python {config_name}.py --cfg job lists them; a new key " \
+            return f"no setting named '{key}'; {hint}({command_of(config_name)} --cfg job lists them; a new key " \
                    f"is added with +{key}=...)"
         cause = error.__cause__
         return f"{first} {str(cause).strip().splitlines()[0]}" if cause is not None and str(cause).strip() else first
@@ -185,13 +219,23 @@ def known_keys(config_name: str) -> list[str]:
         return OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
 
     try:
-        add("", load(CONF_DIR / f"{config_name}.yaml"))
+        primary = load(CONF_DIR / f"{config_name}.yaml")
+        add("", primary)
+        groups = {_group_of(item) for item in primary.get("defaults") or []}  # only the groups this config uses
         for path in CONF_DIR.glob("*/**/*.yaml"):  # a nested group (trainer/strategy) is a nested setting
             group = path.parent.relative_to(CONF_DIR).parts
-            if group[0] in ("experiment", "hydra"):  # experiments patch other groups' settings; hydra is Hydra's
-                continue
+            if group[0] not in groups or group[0] in ("experiment", "hydra"):  # experiments patch other groups'
+                continue                                                      # settings; hydra is Hydra's
             is_global = path.read_text().startswith("# @package _global_")  # e.g. parallel/: top-level settings
             add("" if is_global else ".".join(group) + ".", load(path))
     except Exception:  # noqa: BLE001 - suggestions are a courtesy; never hide the real error behind another
         pass
     return sorted(keys)
+
+
+def _group_of(item) -> str | None:
+    """The group a defaults-list entry selects from (``{"override /trainer/strategy": ...}`` -> ``trainer``)."""
+    if not isinstance(item, dict) or not item:
+        return None
+    key = next(iter(item)).split()[-1].lstrip("/")  # drop "override" / "optional"
+    return key.split("/")[0].split("@")[0]

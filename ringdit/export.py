@@ -18,44 +18,41 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ringdit.weights import export_safetensors, read_weights
+from omegaconf import DictConfig
 
-USAGE = "usage: python -m ringdit.export ckpt_path=PATH [out=weights.safetensors] [weights=ema|model] [lora=true]"
+from ringdit.cli import hydra_main, user_errors
+from ringdit.errors import ConfigError
 
 
-def parse_args(argv: list[str]) -> dict[str, str]:
-    args = {}
-    for item in argv:
-        key, sep, value = item.partition("=")
-        if not sep or key not in ("ckpt_path", "out", "weights", "lora"):
-            raise ValueError(f"unexpected argument {item!r}; {USAGE}")
-        args[key] = value
-    if "ckpt_path" not in args:
-        raise ValueError(f"ckpt_path is required; {USAGE}")
-    if args.setdefault("weights", "ema") not in ("ema", "model"):
-        raise ValueError(f"weights must be ema or model, got {args['weights']!r}")
-    if args.setdefault("lora", "false") not in ("true", "false"):
-        raise ValueError(f"lora must be true or false, got {args['lora']!r}")
-    if "out" not in args:
-        ckpt = Path(args["ckpt_path"])
-        args["out"] = str(ckpt.with_name(f"{ckpt.stem}_lora") if args["lora"] == "true" else ckpt.with_suffix(".safetensors"))
-    return args
+@hydra_main("export")  # conf/export.yaml
+def export(cfg: DictConfig) -> None:
+    with user_errors():  # a wrong setting or checkpoint (CheckpointError): one line, exit code 2
+        if cfg.weights not in ("ema", "model"):
+            raise ConfigError(f"weights must be ema or model, got {cfg.weights!r}")
+        if not isinstance(cfg.lora, bool):
+            raise ConfigError(f"lora must be true or false, got {cfg.lora!r}")
+        ckpt = Path(str(cfg.ckpt_path))
+        out = cfg.out if cfg.out is not None else str(ckpt.with_name(f"{ckpt.stem}_lora") if cfg.lora
+                                                      else ckpt.with_suffix(".safetensors"))
+        from ringdit.checkpoints.safetensors_export import export_safetensors
+        from ringdit.checkpoints.weights import read_weights
+
+        if cfg.lora:
+            from ringdit.lora import export_lora
+
+            state, info = read_weights(str(ckpt), prefer=cfg.weights)
+            written = export_lora(state, info.get("lora") or {}, str(out))
+        else:
+            written = export_safetensors(str(ckpt), str(out), prefer=cfg.weights)
+    print(f"wrote {cfg.weights} weights and configs to {written}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command on ``argv`` (default ``sys.argv[1:]``); its exit code: 0, or 2 for a settings mistake."""
     try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-        if args["lora"] == "true":
-            from ringdit.lora import export_lora
-
-            state, info = read_weights(args["ckpt_path"], prefer=args["weights"])
-            out = export_lora(state, info.get("lora") or {}, args["out"])
-        else:
-            out = export_safetensors(args["ckpt_path"], args["out"], prefer=args["weights"])
-    except ValueError as error:  # CheckpointError is one
-        print(f"Error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {args['weights']} weights and configs to {out}")
+        export(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     return 0
 
 

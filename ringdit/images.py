@@ -29,9 +29,21 @@ def make_grid(images: np.ndarray, columns: int | None = None, padding: int = 1) 
     return grid
 
 
+def to_image(pixels: np.ndarray) -> Image.Image:
+    """(H, W, C) uint8 -> a PIL image (grey for one channel, RGB for three)."""
+    return Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+
+
+def write_gif(frames, path: Path, fps: int = 8) -> Path:
+    """``frames`` ((T, H, W, C) uint8, or PIL images) -> a looping animated GIF at ``fps``; returns ``path``."""
+    images = [frame if isinstance(frame, Image.Image) else to_image(frame) for frame in frames]
+    images[0].save(path, save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0)
+    return path
+
+
 def _upscaled(grid: np.ndarray, min_size: int) -> Image.Image:
     """Nearest-neighbour upscaling, so tiny samples (8x8 digits) are visible without blurring them."""
-    image = Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid)
+    image = to_image(grid)
     scale = max(1, math.ceil(min_size / max(grid.shape[:2])))
     return image.resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
 
@@ -48,10 +60,8 @@ def save_samples(images: np.ndarray, path: Path, columns: int | None = None, min
         path = path.with_suffix(".png")
         _upscaled(make_grid(images, columns), min_size).save(path)
         return path
-    path = path.with_suffix(".gif")
     frames = [_upscaled(make_grid(images[:, t], columns), min_size) for t in range(images.shape[1])]
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
-    return path
+    return write_gif(frames, path.with_suffix(".gif"), fps)
 
 
 def grid_image(images: np.ndarray, columns: int | None = None, min_size: int = 256) -> np.ndarray:

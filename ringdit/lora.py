@@ -25,11 +25,6 @@ from ringdit.errors import ConfigError, require_count, require_number
 
 Tensor = torch.Tensor
 
-# The projections LoRA adapts when lora.targets is null: attention and MLP of every block.
-DEFAULT_TARGETS = {
-    "DiT": ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
-    "DiffusersTransformer": ("to_q", "to_k", "to_v", "to_out.0"),
-}
 ADAPTER_NAME = "default"
 
 
@@ -67,7 +62,7 @@ def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets
 
     check_lora_settings({"rank": rank, "alpha": alpha, "targets": targets, "dropout": dropout})
     if targets is None:
-        targets = DEFAULT_TARGETS.get(type(model).__name__)
+        targets = getattr(model, "lora_targets", None)  # each model kind's default projections
         if targets is None:
             raise ConfigError(f"lora.targets: no default targets for {type(model).__name__}; list the module names "
                               f"(suffixes) to adapt, e.g. lora.targets=[to_q,to_v]")

@@ -112,7 +112,7 @@ def warn_if_memory_short(*, available: int | None, training: bool = True, **sett
 def check_training_memory(cfg, model_cfg: dict, meta_model, attention_backend: str | None) -> MemoryEstimate | None:
     """``warn_if_memory_short`` for train.py's settings (``cfg``), the model built on the meta device. Models that do
     not describe themselves as a DiT does (hidden_size, depth, num_heads) are not estimated."""
-    from ringdit.config import device_type, world_size
+    from ringdit.spec.layout import device_type, world_size
 
     if not all(key in model_cfg for key in ("hidden_size", "depth", "num_heads")):
         return None

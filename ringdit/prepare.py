@@ -4,12 +4,8 @@
         resolution=[480,832] frames=81 max_text_len=512
     torchrun --nproc-per-node 8 -m ringdit.prepare ...        # rank r encodes shards r, r + 8, ...; re-run resumes
 
-Settings (defaults in ``DEFAULTS``): input (a folder: images or videos, captions as sidecar .txt or a
-metadata.jsonl / metadata.csv with file_name + ``caption_column``), out, vae (a diffusers folder; ``vae_subfolder``
-inside it when present), text_encoder / tokenizer (transformers folders; the tokenizer defaults to the encoder's
-pipeline), resolution (int, [H, W] or "HxW"), frames + frame_stride (videos), max_text_len, shard_size, batch_size,
-device, dtype (stored tensors), tiling / tile (VAE spatial tiles: on / their size in pixels). The work itself is
-``ringdit.media.prepare``.
+Settings: conf/prepare.yaml (``--help`` lists them with their defaults, ``--cfg job`` shows what a command line
+composes to); the work itself is ``ringdit.media.encode_folder``.
 
 SIGTERM (to a rank, or to torchrun, which passes it on; a rank that stops makes torchrun stop the others): each rank
 stops at once -- after the shard it is writing, if any -- with exit code 143 and one line; every shard written is
@@ -33,36 +29,30 @@ def _stopped_before_start(signum, frame) -> None:
 if __name__ == "__main__":  # until ringdit.training.preemption (a slow import) takes over in main(): nothing started
     signal.signal(signal.SIGTERM, _stopped_before_start)
 
-from ringdit.cli import user_errors  # noqa: E402
-from ringdit.media.cli import parse_settings  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-DEFAULTS = dict(input=None, out=None, vae=None, text_encoder=None, tokenizer=None, vae_subfolder="vae",
-                caption_column="text", resolution=256, frames=17, frame_stride=1, max_text_len=512, shard_size=64,
-                batch_size=4, device=None, dtype="float32", tiling=True, tile=None)
-USAGE = "python -m ringdit.prepare input=FOLDER out=FOLDER vae=FOLDER text_encoder=FOLDER [tokenizer=.. resolution=..]"
-
+from ringdit.cli import hydra_main, user_errors  # noqa: E402
 
 log = logging.getLogger("ringdit.prepare")
 
 
-def main(argv: list[str] | None = None) -> None:
+@hydra_main("prepare")  # conf/prepare.yaml
+def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    with user_errors():  # a wrong setting or input: one line, exit code 2
-        settings = parse_settings(sys.argv[1:] if argv is None else argv, DEFAULTS,
-                                  ("input", "out", "vae", "text_encoder"), USAGE)
+    settings = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left: one line
     from ringdit.training.preemption import sigterm_stops_at_once, stop_on_sigterm
 
     # SIGTERM: this rank stops where it is, or right after the shard it is writing; exit code 143 (module docstring)
     with user_errors(), stop_on_sigterm(logger=log), sigterm_stops_at_once(*preempted(settings["out"])):
-        from ringdit.media.prepare import prepare
+        from ringdit.media.encode_folder import encode_folder
 
-        report = prepare(**settings)
+        report = encode_folder(**settings)  # a wrong setting or input: one line, exit code 2
     print(report.summary(), flush=True)
 
 
 def preempted(out: str):
     """(what a SIGTERM stops, what it keeps) for the one line the run ends with."""
-    from ringdit.media.prepare import rank_and_world
+    from ringdit.media.encode_folder import rank_and_world
 
     rank, world = rank_and_world()
     folder = Path(str(out)).expanduser()

@@ -11,14 +11,9 @@ from typing import Callable
 
 import torch
 
-from ringdit.errors import ConfigError
-from ringdit.weights import (
-    CheckpointError,
-    is_sharded_checkpoint,
-    read_sharded_checkpoint,
-    safe_torch_load,
-    sharded_to_full_checkpoint,
-)
+from ringdit.checkpoints.layout import is_sharded_checkpoint
+from ringdit.checkpoints.loading import read_sharded_checkpoint, safe_torch_load, sharded_to_full_checkpoint
+from ringdit.errors import CheckpointError, ConfigError
 
 TRAINING_STATE = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
 

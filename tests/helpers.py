@@ -4,6 +4,9 @@ inputs (images, latents, videos, a tiny DiT, a tiny Wan folder). Fixtures live i
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import contextlib
 import csv
 import io
@@ -47,13 +50,14 @@ def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, ti
 
 
 class LazyRuns:
-    """train.py runs, one per named layout, started the first time a test reads one (``runs / "ring2"``): a test
-    selected alone, or the default selection without the slow layouts, pays only for the runs it reads."""
+    """train.py runs, one per named layout, each started the first time a test asks for it (``runs.trained("ring2")``):
+    a test selected alone, or the default selection without the slow layouts, pays only for the runs it reads."""
 
     def __init__(self, root: Path, layouts: dict[str, list[str]], *common: str, env: dict | None = None):
         self.root, self.layouts, self.common, self.env, self.done = root, layouts, common, env, set()
 
-    def __truediv__(self, name: str) -> Path:
+    def trained(self, name: str) -> Path:
+        """The run folder of layout ``name``, after training it (once)."""
         if name not in self.done:
             run("train.py", self.root / name, *self.common, *self.layouts[name], env=self.env)
             self.done.add(name)
@@ -85,8 +89,10 @@ def launch(script: str, *overrides: str, timeout: int = 240) -> tuple[subprocess
 
 
 def tiny_dit(video=False, **overrides) -> DiT:
+    """A 2-block DiT for one device (its attention: the default backend, torch_flash on CPU); ``parallelize`` it for
+    another backend or a mesh."""
     config = dict(input_size=(4, 8, 8) if video else 8, patch_size=2, in_channels=3, hidden_size=64, depth=2,
-                  num_heads=4, num_classes=10, learn_sigma=True, attention_backend="torch_flash")
+                  num_heads=4, num_classes=10, learn_sigma=True)
     if video:
         config["temporal_patch_size"] = 2
     config.update(overrides)
@@ -186,9 +192,17 @@ def save_tiny_wan(folder, seed: int = 3) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-                text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+def architecture(preset: str) -> dict:
+    """The diffusers architecture config of ``conf/model/<preset>.yaml`` (``wan_tiny``, ``flux_tiny``, ...): tests
+    build the models users get, not copies of them. A fresh dict each call (callers may change theirs)."""
+    return copy.deepcopy(_preset_config(preset))
+
+
+@functools.cache
+def _preset_config(preset: str) -> dict:
+    from ringdit.cli import model_preset
+
+    return model_preset(preset)["config"]
 
 
 WORDS = ["<pad>", "</s>", "<unk>", "a", "red", "fox", "running", "blue", "cat", "sky", "green", "field"]
@@ -243,3 +257,33 @@ def children_of(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+def assert_same_numbers(actual, expected, *, rtol: float = 0.0, atol: float = 0.0, of_max: float = 0.0,
+                        where: str = "") -> None:
+    """``actual`` -- computed under another layout, strategy or process count -- equals ``expected`` (one device, or
+    the reference layout) element-wise up to ``atol + rtol * |expected| + of_max * max|expected|``.
+
+    Tensors, or dicts of named tensors (weights, gradients): then every key must be on both sides, and a None (a
+    parameter no loss reaches, e.g. QwenImage's last text-stream MLP) on one side must be None on the other, for at
+    most a quarter of the entries. Each test says why its tolerances hold where it calls this.
+    """
+    if isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), f"{where}: other keys {sorted(actual.keys() ^ expected.keys())[:5]}"
+        unused = {key for key, value in expected.items() if value is None}
+        assert unused == {key for key, value in actual.items() if value is None}, f"{where}: other entries are None"
+        assert len(unused) <= len(expected) // 4, f"{where}: most entries are None: {sorted(unused)[:5]}"
+        for key, value in expected.items():
+            if value is not None:
+                assert_same_numbers(actual[key], value, rtol=rtol, atol=atol, of_max=of_max, where=f"{where} {key}")
+        return
+    expected = expected.detach()
+    if not expected.is_floating_point():  # integer and bool buffers (a text mask): exactly equal
+        assert torch.equal(actual, expected), f"{where}: {actual} != {expected}"
+        return
+    bound = atol + rtol * expected.abs() + of_max * expected.abs().max()
+    error = (actual.detach() - expected).abs()
+    worst = (error - bound).argmax()
+    assert bool((error <= bound).all()), (f"{where}: |difference| {error.flatten()[worst].item():.3g} > allowed "
+                                         f"{bound.flatten()[worst].item() if bound.dim() else bound.item():.3g} "
+                                         f"(max |expected| {expected.abs().max().item():.3g})")

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 
 from ringdit.cli import register_resolvers
-from ringdit.config import build_on_meta, model_config
+from ringdit.spec import build_on_meta, model_config
 from ringdit.data import ImageFolderDataModule, LatentsDataModule, MovingDigits, MovingDigitsDataModule
 from ringdit.data.image_folder import resize_center_crop
 from ringdit.data.moving_digits import bounce

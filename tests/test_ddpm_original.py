@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ringdit.diffusion import DDPM, draw_noise, noise_generators, sample, space_timesteps
-from ringdit.training import DiTModule
+from ringdit.models import parallelize
+from ringdit.training import DiffusionModule
 from tests.helpers import tiny_dit
 
 # ---- the transcription ---------------------------------------------------------------------------------------------
@@ -179,9 +180,10 @@ def test_respacing_keeps_the_original_steps(steps):
     assert space_timesteps(1000, steps) == sorted(original_space_timesteps(1000, str(steps)))
 
 
-def original_format_dit(dtype):
-    """A tiny original-format DiT: 4 latent channels, learned sigma (8 output channels), random weights."""
-    return tiny_dit(in_channels=4, learn_sigma=True, attention_backend="math").to(dtype).eval()
+def original_format_dit(dtype, dims=None):
+    """A tiny original-format DiT: 4 latent channels, learned sigma (8 output channels), random weights; the math
+    backend, over the mesh ``dims`` (default: one process)."""
+    return parallelize(tiny_dit(in_channels=4, learn_sigma=True), dims=dims, backend="math").to(dtype).eval()
 
 
 @pytest.mark.parametrize(("dtype", "steps", "tolerance"), [(torch.float64, 25, 1e-12), (torch.float32, 250, 2e-5)])
@@ -247,8 +249,8 @@ def test_vb_term_matches_the_original_formulas():
     torch.testing.assert_close(ours, expected, rtol=1e-11, atol=1e-12)
 
 
-def hybrid_loss_module(learn_variance: bool = True) -> DiTModule:
-    return DiTModule(model={}, objective={"_target_": "ringdit.diffusion.DDPM", "learn_variance": learn_variance},
+def hybrid_loss_module(learn_variance: bool = True) -> DiffusionModule:
+    return DiffusionModule(model={}, objective={"_target_": "ringdit.diffusion.DDPM", "learn_variance": learn_variance},
                      data={})
 
 
@@ -291,25 +293,24 @@ def check_ddpm_under_layouts(rank, world):
     """The ddpm sampler (guidance_channels=3) and the hybrid loss under ring and Ulysses equal one process, with the
     model in fp64 (see test_the_sample_of_a_seed_is_the_same_in_any_batch: in fp32 a layout's other GEMM shapes
     reorder the sums, and 10 steps at CFG 4 grow that rounding to ~5e-7 of max|x| ~ 500)."""
-    from ringdit.parallel import ParallelDims, init_sequence_parallel, set_parallel_dims
+    from ringdit.parallel import ParallelDims, init_sequence_parallel
 
     labels, seeds = torch.tensor([3, 5]), [7, 8]
     x0 = torch.rand(2, 4, 8, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 2 - 1
     results = {}
     for ring, ulysses in [(1, 1), (2, 1), (1, 2)]:
         dims = init_sequence_parallel(ring, ulysses) if ring * ulysses > 1 else ParallelDims()
-        model = set_parallel_dims(original_format_dit(torch.float64), dims)
+        model = original_format_dit(torch.float64, dims)
         generators = noise_generators(seeds)
         with torch.no_grad():
             samples = sample(model, DDPM(), draw_noise((4, 8, 8), generators, dtype=torch.float64), labels, steps=10,
                              cfg_scale=4.0, null=model.null_label, sampler="ddpm", guidance_channels=3,
                              generators=generators)
         module = hybrid_loss_module()
-        module.parallel_dims = dims
         loss = module.diffusion_loss(model, x0, labels, generators_for([31, 32]))
         losses = [torch.zeros(()) for _ in range(world)]
         torch.distributed.all_gather(losses, loss.detach())
-        # every rank holds sp x its share of the mean (sharded_mean): the group's average is the loss
+        # every rank holds the whole sample's loss (the prediction is gathered): the ranks' average is the loss
         results[(ring, ulysses)] = samples, torch.stack(losses).mean()
     reference, reference_loss = results[(1, 1)]
     for layout, (samples, loss) in results.items():
@@ -330,7 +331,8 @@ def test_ddpm_sampler_and_hybrid_loss_do_not_depend_on_the_layout():
 
 
 def test_guidance_channels_are_checked_at_config_time():
-    from ringdit.config import ConfigError, check_sampling
+    from ringdit.errors import ConfigError
+    from ringdit.spec import check_sampling
 
     model = {"in_channels": 4, "class_dropout_prob": 0.1}
     objective = {"_target_": "ringdit.diffusion.DDPM"}

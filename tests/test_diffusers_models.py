@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringdit.parallel import init_sequence_parallel, set_parallel_dims
+from ringdit.models import parallelize
+from ringdit.parallel import init_sequence_parallel
 from tests.distributed import run_ranks
-from tests.helpers import WAN_TINY
+from tests.helpers import architecture, assert_same_numbers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -32,11 +33,10 @@ def wan_case(shape, seed=0, dims=None):
     from ringdit.models.diffusers import DiffusersTransformer
 
     torch.manual_seed(seed)
-    reference = diffusers.WanTransformer3DModel.from_config(WAN_TINY)
-    model = DiffusersTransformer("wan", config=WAN_TINY, input_size=shape, in_channels=4, text_len=7, text_dim=16)
+    reference = diffusers.WanTransformer3DModel.from_config(architecture("wan_tiny"))
+    model = DiffusersTransformer("wan", config=architecture("wan_tiny"), input_size=shape, in_channels=4, text_len=7, text_dim=16)
     model.transformer.load_state_dict(reference.state_dict())
-    if dims is not None:
-        set_parallel_dims(model, dims)
+    parallelize(model, dims=dims)  # dims None: one process, attention still routed to ringdit
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(2, 4, *shape, generator=g)
     t = torch.tensor([30.0, 810.0])
@@ -53,28 +53,22 @@ def forward_backward(call, model, dout):
     return out.detach(), {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
 
-def assert_grads_match(grads, reference, rtol=1e-4):
-    assert grads.keys() == reference.keys()
-    unused = {name for name, ref in reference.items() if ref is None}
-    assert unused == {name for name, grad in grads.items() if grad is None}, "other parameters lost their gradients"
-    assert len(unused) < len(reference) // 4, f"most parameters got no gradient: {sorted(unused)[:5]}"
-    for name, ref in reference.items():
-        if ref is None:
-            continue
-        scale = ref.abs().max().clamp_min(1e-12)
-        error = (grads[name] - ref).abs().max() / scale
-        assert error <= rtol, f"{name}: relative gradient error {error:.2e}"
+def assert_matches_diffusers(out, grads, ref_out, ref_grads, where=""):
+    """The prediction within 1e-5 (fp32, outputs of order 1: the rounding of another GEMM order and the ring's merges,
+    ~1e-6 measured), every gradient within 1e-4 of its own largest entry (a sum over tokens, rounded more)."""
+    assert_same_numbers(out, ref_out, atol=1e-5, where=f"{where} output")
+    assert_same_numbers(grads, ref_grads, of_max=1e-4, where=f"{where} gradient")
 
 
 def check_wan_layouts(rank, world):
     for ring, ulysses in LAYOUTS:
         dims = init_sequence_parallel(ring, ulysses)
-        if ring > 1:  # the layers are USPAttention: a backend without the LSE is refused when given the mesh
+        if ring > 1:  # the layers are USPAttention: a backend without the LSE is refused when built for the mesh
             from ringdit.models.diffusers import DiffusersTransformer
 
             with pytest.raises(RuntimeError, match=r"Ring Attention requires a backend whose kernel exposes the "
                                                    r"softmax LSE for the per-hop merge; TORCH_SDPA does not declare"):
-                set_parallel_dims(DiffusersTransformer("wan", config=WAN_TINY, attention_backend="torch_sdpa"), dims)
+                parallelize(DiffusersTransformer("wan", config=architecture("wan_tiny")), dims=dims, backend="torch_sdpa")
         for shape in SHAPES:
             reference, model, (x, t, text), dout = wan_case(shape, dims=dims)
             ref_out, ref_grads = forward_backward(
@@ -86,8 +80,7 @@ def check_wan_layouts(rank, world):
                 dist.all_reduce(grad)
                 grad /= world
             where = f"ring {ring} x ulysses {ulysses}, latents {shape}"
-            assert (out - ref_out).abs().max() <= 1e-5, where
-            assert_grads_match(grads, ref_grads)
+            assert_matches_diffusers(out, grads, ref_out, ref_grads, where)
 
 
 def test_wan_matches_unmodified_diffusers_under_every_layout():
@@ -98,14 +91,11 @@ def test_wan_one_process_equals_diffusers():
     reference, model, (x, t, text), dout = wan_case((3, 6, 6))
     ref_out, ref_grads = forward_backward(lambda: reference(x, t, text, return_dict=False)[0], reference, dout)
     out, grads = forward_backward(lambda: model(x, t, {"text": text}), model.transformer, dout)
-    assert (out - ref_out).abs().max() <= 1e-5
-    assert_grads_match(grads, ref_grads)
+    assert_matches_diffusers(out, grads, ref_out, ref_grads)
 
 
 # ---- Flux: joint [text ; image] attention with the text replicated ------------------------------------------------
 
-FLUX_TINY = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
 # (H, W) latents of 1 channel, packed 2x2: 16 image tokens divide every degree; 3 x 5 = 15 need tail padding.
 FLUX_SHAPES = [(8, 8), (6, 10)]
 TEXT_LEN = 5  # not divisible by the Ulysses degree
@@ -117,14 +107,13 @@ def flux_case(shape, seed=0, guidance=None, dims=None):
     from ringdit.models.diffusers import DiffusersTransformer
     from ringdit.models.diffusers.families import image_ids, pack_latents, unpack_latents
 
-    config = {**FLUX_TINY, "guidance_embeds": guidance is not None}
+    config = {**architecture("flux_tiny"), "guidance_embeds": guidance is not None}
     torch.manual_seed(seed)
     reference = diffusers.FluxTransformer2DModel.from_config(config)
     model = DiffusersTransformer("flux", config=config, input_size=shape, in_channels=1, text_len=TEXT_LEN,
                                  text_dim=32, pooled_dim=32, guidance=guidance)
     model.transformer.load_state_dict(reference.state_dict())
-    if dims is not None:
-        set_parallel_dims(model, dims)
+    parallelize(model, dims=dims)  # dims None: one process, attention still routed to ringdit
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(2, 1, *shape, generator=g)
     t = torch.tensor([30.0, 810.0])
@@ -152,8 +141,7 @@ def check_flux_layouts(rank, world):
                 dist.all_reduce(grad)
                 grad /= world
             where = f"ring {ring} x ulysses {ulysses}, latents {shape}, guidance {guidance}"
-            assert (out - ref_out).abs().max() <= 1e-5, where
-            assert_grads_match(grads, ref_grads)
+            assert_matches_diffusers(out, grads, ref_out, ref_grads, where)
 
 
 def test_flux_matches_unmodified_diffusers_under_every_layout():
@@ -165,14 +153,11 @@ def test_flux_one_process_equals_diffusers():
     reference, model, run_reference, run_model, dout = flux_case((6, 10), guidance=3.5)
     ref_out, ref_grads = forward_backward(run_reference, reference, dout)
     out, grads = forward_backward(run_model, model.transformer, dout)
-    assert (out - ref_out).abs().max() <= 1e-5
-    assert_grads_match(grads, ref_grads)
+    assert_matches_diffusers(out, grads, ref_out, ref_grads)
 
 
 # ---- QwenImage: joint attention with a padded text mask ------------------------------------------------------------
 
-QWEN_TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-                 num_attention_heads=4, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
 
 
 def qwen_case(shape, seed=0, dims=None):
@@ -182,12 +167,11 @@ def qwen_case(shape, seed=0, dims=None):
     from ringdit.models.diffusers.families import pack_latents, unpack_latents
 
     torch.manual_seed(seed)
-    reference = diffusers.QwenImageTransformer2DModel.from_config(QWEN_TINY)
-    model = DiffusersTransformer("qwenimage", config=QWEN_TINY, input_size=shape, in_channels=4, text_len=TEXT_LEN,
+    reference = diffusers.QwenImageTransformer2DModel.from_config(architecture("qwenimage_tiny"))
+    model = DiffusersTransformer("qwenimage", config=architecture("qwenimage_tiny"), input_size=shape, in_channels=4, text_len=TEXT_LEN,
                                  text_dim=16)
     model.transformer.load_state_dict(reference.state_dict())
-    if dims is not None:
-        set_parallel_dims(model, dims)
+    parallelize(model, dims=dims)  # dims None: one process, attention still routed to ringdit
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(2, 4, *shape, generator=g)
     t = torch.tensor([30.0, 810.0])
@@ -215,8 +199,8 @@ def check_qwen_layouts(rank, world):
             for grad in (g for g in grads.values() if g is not None):
                 dist.all_reduce(grad)
                 grad /= world
-            assert (out - ref_out).abs().max() <= 1e-5, f"ring {ring} x ulysses {ulysses}, latents {shape}"
-            assert_grads_match(grads, ref_grads)
+            where = f"ring {ring} x ulysses {ulysses}, latents {shape}"
+            assert_matches_diffusers(out, grads, ref_out, ref_grads, where)
 
 
 def test_qwenimage_with_a_padded_text_mask_matches_diffusers_under_every_layout():
@@ -227,5 +211,4 @@ def test_qwenimage_one_process_equals_diffusers():
     reference, model, run_reference, run_model, dout = qwen_case((6, 10))
     ref_out, ref_grads = forward_backward(run_reference, reference, dout)
     out, grads = forward_backward(run_model, model.transformer, dout)
-    assert (out - ref_out).abs().max() <= 1e-5
-    assert_grads_match(grads, ref_grads)
+    assert_matches_diffusers(out, grads, ref_out, ref_grads)

@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import CONF, WAN, LazyRuns, fail_fast, logged_losses, model_weights, run, save_tiny_wan
+from tests.helpers import (
+    CONF,
+    WAN,
+    LazyRuns,
+    assert_same_numbers,
+    fail_fast,
+    logged_losses,
+    model_weights,
+    run,
+    save_tiny_wan,
+)
 
 LAYOUTS = {"ring1": [], "ring2": ["ring_degree=2"], "ring2_ulysses2": ["ring_degree=2", "ulysses_degree=2"]}
 
@@ -27,27 +37,27 @@ def wan_runs(tmp_path_factory):
 def test_wan_sgd_steps_equal_one_process(wan_runs, layout):
     """fp32: a layout reorders sums only (tests/test_training.py's test_sgd_steps_equal_one_device reasons the
     tolerances): measured, weights within 6e-8 and losses within 1.2e-7 of themselves, >= 38x inside the bounds."""
-    reference, parallel = logged_losses(wan_runs / "ring1"), logged_losses(wan_runs / layout)
+    reference, parallel = logged_losses(wan_runs.trained("ring1")), logged_losses(wan_runs.trained(layout))
     assert sorted(reference) == sorted(parallel) == [0, 1, 2]
     for step in reference:
         assert parallel[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
     assert reference[2] != pytest.approx(reference[0], rel=1e-3)  # the steps did change the model
-    ref_weights, weights = model_weights(wan_runs / "ring1"), model_weights(wan_runs / layout)
+    ref_weights, weights = model_weights(wan_runs.trained("ring1")), model_weights(wan_runs.trained(layout))
     assert any(key.startswith("model.transformer.blocks.") for key in ref_weights)
     for key, value in ref_weights.items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert_same_numbers(weights[key], value, rtol=1e-5, atol=1e-6, where=key)
 
 
 def test_wan_resume_continues_the_loss_curve(wan_runs, tmp_path):
-    step2 = wan_runs / "ring1" / "checkpoints" / "step_0000002.ckpt"
+    step2 = wan_runs.trained("ring1") / "checkpoints" / "step_0000002.ckpt"
     run("train.py", tmp_path, *WAN, f"data.cache_dir={wan_runs.root / 'data'}", f"ckpt_path={step2}", "ring_degree=2")
-    assert logged_losses(tmp_path)[2] == pytest.approx(logged_losses(wan_runs / "ring1")[2], rel=1e-5)
-    for key, value in model_weights(wan_runs / "ring1").items():
-        torch.testing.assert_close(model_weights(tmp_path)[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert logged_losses(tmp_path)[2] == pytest.approx(logged_losses(wan_runs.trained("ring1"))[2], rel=1e-5)
+    for key, value in model_weights(wan_runs.trained("ring1")).items():
+        assert_same_numbers(model_weights(tmp_path)[key], value, rtol=1e-5, atol=1e-6, where=key)
 
 
 def test_wan_samples_do_not_depend_on_the_layout(wan_runs, tmp_path):
-    ckpt = wan_runs / "ring2_ulysses2" / "checkpoints" / "last.ckpt"
+    ckpt = wan_runs.trained("ring2_ulysses2") / "checkpoints" / "last.ckpt"
     samples = {}
     for name, overrides in (("ring1", []), ("ring2", ["ring_degree=2"])):
         run("infer.py", tmp_path / name, f"ckpt_path={ckpt}", "num_samples=3", "steps=3", "cfg_scale=4", *overrides)
@@ -66,7 +76,7 @@ def test_fine_tune_from_a_diffusers_folder(wan_runs, tmp_path):
     run("train.py", tmp_path / "init", *WAN, data, f"init_from={tmp_path / 'wan'}", "trainer.max_steps=1")
     run("train.py", tmp_path / "pre", *WAN, data, f"model.pretrained={tmp_path / 'wan'}", "trainer.max_steps=1")
     assert logged_losses(tmp_path / "init")[0] == pytest.approx(logged_losses(tmp_path / "pre")[0], rel=1e-6)
-    assert logged_losses(tmp_path / "init")[0] != pytest.approx(logged_losses(wan_runs / "ring1")[0], rel=1e-3)
+    assert logged_losses(tmp_path / "init")[0] != pytest.approx(logged_losses(wan_runs.trained("ring1"))[0], rel=1e-3)
     ckpt = torch.load(tmp_path / "pre" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     key = "blocks.0.attn1.to_q.weight"
     assert not torch.equal(ckpt[f"model.transformer.{key}"], state[key])  # it trained one SGD step from them

@@ -12,9 +12,10 @@ from hydra.utils import instantiate
 
 from ringdit.cli import model_preset
 from ringdit.models import sincos_pos_embed
-from ringdit.parallel import init_sequence_parallel, set_parallel_dims, shard_sequence, sharded_mean
+from ringdit.models import parallelize
+from ringdit.parallel import init_sequence_parallel
 from tests.distributed import run_ranks
-from tests.helpers import original_dit_state_dict_shapes, tiny_dit
+from tests.helpers import assert_same_numbers, original_dit_state_dict_shapes, tiny_dit
 
 # ---- original checkpoints ---------------------------------------------------------------------------------------
 
@@ -68,9 +69,24 @@ def test_any_grid_and_video_shapes():
     video = tiny_dit(video=True)
     x = torch.randn(2, 3, 6, 8, 4)
     assert video(x, torch.tensor([1.0, 2.0]), torch.tensor([0, 9])).shape == (2, 6, 6, 8, 4)
-    tokens = video.patchify(x)
+    tokens = patchify(x, (2, 2, 2))
     assert tokens.shape == (2, 3 * 4 * 2, 2 * 2 * 2 * 3)
     torch.testing.assert_close(video.unpatchify(tokens, (3, 4, 2), channels=3), x)
+
+
+def patchify(x, patch):
+    """(B, C, T, H, W) -> (B, N, patch_volume * C), tokens in grid order, each patch's cells channel-last: the layout
+    unpatchify reads, written out axis by axis."""
+    batch, channels = x.shape[:2]
+    grid = [size // p for size, p in zip(x.shape[2:], patch)]
+    tokens = []
+    for t in range(grid[0]):
+        for h in range(grid[1]):
+            for w in range(grid[2]):
+                cell = x[:, :, t * patch[0]:(t + 1) * patch[0], h * patch[1]:(h + 1) * patch[1],
+                         w * patch[2]:(w + 1) * patch[2]]  # (B, C, pt, ph, pw)
+                tokens.append(cell.permute(0, 2, 3, 4, 1).reshape(batch, -1))
+    return torch.stack(tokens, dim=1)
 
 
 def test_shape_errors_are_clear():
@@ -104,19 +120,13 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 # ---- sharded equals unsharded -----------------------------------------------------------------------------------
 
 
-def one_device_loss(model, x, t, y, drop, target):
-    """Mean squared error of the output tokens over the whole sample."""
-    pred = model.forward_tokens(x, t, y, drop)
-    return (pred - model.patchify(target)).square().mean(), model(x, t, y, drop)
-
-
 def fp64_close(actual, expected, msg):
     """Equal up to fp64 rounding: a layout changes the GEMM shapes (tokens per rank) and the ring's merge order, so
     the order of the sums, not the math. In fp32 that reordering costs ~2e-7 (outputs) and ~5e-7 (gradients) of a
     tensor's max measured on one machine -- another CPU's kernels may differ more; in fp64 (u = 1.1e-16) ~1e-15.
     1e-10 of max leaves 10^5 of headroom and stays 10^3 below fp32's rounding: a token dropped, padded in or counted
     twice, or a wrongly scaled gradient, is off by O(1)."""
-    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item(), msg=msg)
+    assert_same_numbers(actual, expected, rtol=1e-10, of_max=1e-10, where=msg)
 
 
 def check_sharded_dit(rank, world, ring, ulysses, video, spatial):
@@ -127,18 +137,16 @@ def check_sharded_dit(rank, world, ring, ulysses, video, spatial):
     target = torch.randn(2, 6, *spatial, generator=g, dtype=torch.float64)
     t, y, drop = torch.tensor([37.0, 912.0]), torch.tensor([3, 7]), torch.tensor([False, True])
 
-    reference = copy.deepcopy(model)  # one device: no mesh
-    ref_loss, ref_out = one_device_loss(reference, x, t, y, drop, target)
+    reference = copy.deepcopy(model)  # one device, not parallelized
+    ref_out = reference(x, t, y, drop)
+    ref_loss = (ref_out - target).square().mean()
     ref_loss.backward()
 
     dims = init_sequence_parallel(ring, ulysses)
-    set_parallel_dims(model, dims)
-    out = model(x, t, y, drop)
+    parallelize(model, model.parallel_plan, dims, backend="torch_flash")
+    out = model(x, t, y, drop)  # gathered: the whole prediction on every rank
     fp64_close(out, ref_out, f"output ({ring}x{ulysses})")
-    pred = model.forward_tokens(x, t, y, drop)  # this rank's tokens
-    target_tokens = model.patchify(target)
-    loss = sharded_mean((pred - shard_sequence(target_tokens, dims=dims)).square(), length=target_tokens.shape[1],
-                        dims=dims)
+    loss = (out - target).square().mean()  # the whole sample's loss, as DiffusionModule computes it
     logged = loss.detach().clone()
     dist.all_reduce(logged)
     fp64_close(logged / world, ref_loss.detach(), f"loss ({ring}x{ulysses})")  # what gets logged

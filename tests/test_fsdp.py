@@ -3,7 +3,7 @@
 SGD steps (a wrongly scaled gradient shows at once; momentum gives the optimizer a state to save and resume) on the
 same global batch: one process with DDP (the reference; tests/test_training.py proves DDP at every layout equals
 it) against FSDP at ring 2, Ulysses 2, ring 2 x Ulysses 2 and dp 2 x ring 2 (HSDP: sharded within each ring, replicated across the two). Checkpoints are torch.distributed.checkpoint folders; the test reads them
-back whole with ``ringdit.weights.read_weights`` (on one process, no process group).
+back whole with ``ringdit.checkpoints.weights.read_weights`` (on one process, no process group).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from ringdit.weights import is_sharded_checkpoint, read_weights
-from tests.helpers import SGD, TINY, WAN, LazyRuns, logged_losses, run
+from ringdit.checkpoints.layout import is_sharded_checkpoint
+from ringdit.checkpoints.weights import read_weights
+from tests.helpers import SGD, TINY, WAN, LazyRuns, assert_same_numbers, logged_losses, run
 
 pytestmark = pytest.mark.timeout(1200)  # a fixture run takes about 15 s on an idle 2-core machine
 
@@ -53,23 +54,21 @@ def assert_same_run(run_dir: Path, reference: Path, steps=(0, 1, 2)) -> None:
     for prefer in ("model", "ema"):  # the EMA is sharded and updated shard by shard
         ref = weights(reference / "checkpoints" / "last.ckpt", prefer)
         got = weights(run_dir / "checkpoints" / "last.ckpt", prefer)
-        assert got.keys() == ref.keys()
-        for key, value in ref.items():
-            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=f"{prefer} {key}")
+        assert_same_numbers(got, ref, rtol=1e-5, atol=1e-6, where=prefer)
 
 
 # ring x Ulysses and HSDP run by default; the single-kind layouts are slow duplicates of what they combine.
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name in ("ring2", "ulysses2") else name
                                     for name in LAYOUTS])
 def test_fsdp_sgd_steps_equal_one_device(runs, layout):
-    ref_losses = logged_losses(runs / "reference")
+    ref_losses = logged_losses(runs.trained("reference"))
     assert ref_losses[2] != pytest.approx(ref_losses[0], rel=1e-3)  # the steps did change the model
-    assert_same_run(runs / layout, runs / "reference")
+    assert_same_run(runs.trained(layout), runs.trained("reference"))
 
 
 def test_fsdp_checkpoints_are_sharded_folders(runs):
     """Each rank wrote its own shard file; no file holds the whole model; no temporary folder is left."""
-    checkpoints = runs / "ring2_ulysses2" / "checkpoints"
+    checkpoints = runs.trained("ring2_ulysses2") / "checkpoints"
     last = checkpoints / "last.ckpt"
     assert is_sharded_checkpoint(last)
     assert sorted(p.name for p in last.glob("*.distcp")) == [f"__{rank}_0.distcp" for rank in range(4)]
@@ -80,32 +79,31 @@ def test_fsdp_checkpoints_are_sharded_folders(runs):
 def test_fsdp_resumes_exactly_into_another_layout(runs, tmp_path):
     """Saved at step 2 on 4 ranks (ring 2 x Ulysses 2), resumed on 2 (ring 2): the last step and the final weights
     are the uninterrupted run's."""
-    checkpoint = runs / "ring2_ulysses2" / "checkpoints" / "step_0000002.ckpt"
+    checkpoint = runs.trained("ring2_ulysses2") / "checkpoints" / "step_0000002.ckpt"
     run("train.py", tmp_path, *TINY, *MOMENTUM, *FSDP, "ring_degree=2", f"ckpt_path={checkpoint}")
-    assert_same_run(tmp_path, runs / "reference", steps=(2,))
+    assert_same_run(tmp_path, runs.trained("reference"), steps=(2,))
 
 
 def test_resume_across_strategies(runs, tmp_path):
     """A DDP checkpoint (one file) resumes under FSDP, and an FSDP one (a folder) under DDP, momentum included."""
-    ddp_checkpoint = runs / "reference" / "checkpoints" / "step_0000002.ckpt"
+    ddp_checkpoint = runs.trained("reference") / "checkpoints" / "step_0000002.ckpt"
     run("train.py", tmp_path / "to_fsdp", *TINY, *MOMENTUM, *FSDP, "ring_degree=2", f"ckpt_path={ddp_checkpoint}")
-    assert_same_run(tmp_path / "to_fsdp", runs / "reference", steps=(2,))
-    fsdp_checkpoint = runs / "ring2_ulysses2" / "checkpoints" / "step_0000002.ckpt"
+    assert_same_run(tmp_path / "to_fsdp", runs.trained("reference"), steps=(2,))
+    fsdp_checkpoint = runs.trained("ring2_ulysses2") / "checkpoints" / "step_0000002.ckpt"
     run("train.py", tmp_path / "to_ddp", *TINY, *MOMENTUM, f"ckpt_path={fsdp_checkpoint}")
-    assert_same_run(tmp_path / "to_ddp", runs / "reference", steps=(2,))
+    assert_same_run(tmp_path / "to_ddp", runs.trained("reference"), steps=(2,))
 
 
 def test_export_consolidates_a_sharded_checkpoint(runs, tmp_path):
     from ringdit.export import main
 
     out = tmp_path / "weights.safetensors"
-    sharded = runs / "ring2_ulysses2" / "checkpoints" / "last.ckpt"
+    sharded = runs.trained("ring2_ulysses2") / "checkpoints" / "last.ckpt"
     assert main([f"ckpt_path={sharded}", f"out={out}"]) == 0
     exported, info = read_weights(out)
     assert info["model"]["hidden_size"] == 32
-    reference = weights(runs / "reference" / "checkpoints" / "last.ckpt", "ema")
-    for key, value in reference.items():
-        torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    reference = weights(runs.trained("reference") / "checkpoints" / "last.ckpt", "ema")
+    assert_same_numbers(exported, reference, rtol=1e-5, atol=1e-6, where="export")
     # infer.py samples from the sharded folder itself, as from its export
     for name, ckpt in (("sharded", sharded), ("export", out)):
         run("infer.py", tmp_path / name, f"ckpt_path={ckpt}", "num_samples=2", "steps=2")
@@ -130,8 +128,7 @@ def fake_sharded_checkpoint(folder: Path, step: int) -> Path:
 
 
 def test_a_save_killed_between_its_renames_keeps_the_previous_checkpoint(tmp_path):
-    from ringdit.training.fsdp import replace_folder
-    from ringdit.weights import recover_checkpoint
+    from ringdit.checkpoints.layout import recover_checkpoint, replace_folder
 
     last = fake_sharded_checkpoint(tmp_path / "last.ckpt", step=2)
     replace_folder(fake_sharded_checkpoint(tmp_path / ".last.ckpt.abc.tmp", step=4), last)
@@ -144,7 +141,7 @@ def test_a_save_killed_between_its_renames_keeps_the_previous_checkpoint(tmp_pat
 
 
 def test_optimizer_state_keys_convert_both_ways():
-    from ringdit.training.checkpoint_io import optimizer_state_by_index, optimizer_state_by_name
+    from ringdit.checkpoints.optimizer_state import optimizer_state_by_index, optimizer_state_by_name
 
     numbered = {"state": {0: {"momentum_buffer": torch.ones(2)}, 2: {"momentum_buffer": torch.zeros(3)}},
                 "param_groups": [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.2, "params": [2]}]}

@@ -197,7 +197,7 @@ def preempt(run_dir: Path, *overrides: str, target: str = "launcher") -> tuple[s
 
 
 def test_sigterm_stops_with_a_checkpoint_and_resumes_on_the_same_curve(tmp_path):
-    from ringdit.weights import safe_torch_load
+    from ringdit.checkpoints.loading import safe_torch_load
 
     proc, _ = preempt(tmp_path / "preempted")
     assert proc.returncode == 143, proc.stderr[-3000:]
@@ -216,7 +216,8 @@ def test_sigterm_stops_with_a_checkpoint_and_resumes_on_the_same_curve(tmp_path)
 
 @pytest.mark.parametrize(("target", "strategy"), [("launcher", "ddp"), ("child", "ddp"), ("launcher", "fsdp")])
 def test_sigterm_stops_every_rank_together(target, strategy, tmp_path):
-    from ringdit.weights import SHARDED_METADATA, is_sharded_checkpoint, safe_torch_load
+    from ringdit.checkpoints.layout import SHARDED_METADATA, is_sharded_checkpoint
+    from ringdit.checkpoints.loading import safe_torch_load
 
     start = time.monotonic()
     proc, ranks = preempt(tmp_path, "ring_degree=2", f"trainer/strategy={strategy}", "trainer.strategy.timeout_s=60",
@@ -247,7 +248,7 @@ class RaiseAtStepEnd(L.Callback):
 
 
 def test_a_failing_callback_keeps_the_checkpoint_of_its_step(tmp_path):
-    from ringdit.weights import safe_torch_load
+    from ringdit.checkpoints.loading import safe_torch_load
 
     proc, _ = launch("train.py", *TINY, "trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=3",
                      "+callbacks.fail._target_=tests.test_launch.RaiseAtStepEnd", "+callbacks.fail.step=3",
@@ -284,17 +285,19 @@ def test_launch_that_would_wait_for_ever_is_refused(overrides, environment, mess
     assert re.search(message, line), line
 
 
-def test_ranks_that_never_come_end_the_launch_after_the_rendezvous_timeout(tmp_path):
+@pytest.mark.parametrize(("strategy", "port"), [("ddp", 29581), ("fsdp", 29582)])
+def test_ranks_that_never_come_end_the_launch_after_the_rendezvous_timeout(strategy, port, tmp_path):
     """What cannot be told before spawning (this looks like one rank of a hand-made 2-process launch) is bounded."""
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
-    env.update(LOCAL_RANK="0", NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29581",
+    env.update(LOCAL_RANK="0", NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                WANDB_MODE="offline")
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "train.py", *TINY, "ring_degree=2", "trainer.strategy.rendezvous_timeout_s=3",
-                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "ring_degree=2", f"trainer/strategy={strategy}",
+                           "trainer.strategy.rendezvous_timeout_s=3", f"hydra.run.dir={tmp_path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert re.search(r"Error: rank 0 waited 3 s for all 2 ranks \(trainer.num_nodes=1 x 2 per node\) to join at "
-                     r"127.0.0.1:29581, and some never came", proc.stderr), proc.stderr[-3000:]
+                     rf"127.0.0.1:{port}, and some never came", proc.stderr), proc.stderr[-3000:]
     assert time.monotonic() - start < 120
 
 
@@ -386,7 +389,7 @@ def test_memory_warning_names_the_degree_that_fits(caplog):
 @pytest.mark.parametrize("key", ["activation_checkpointing", "gradient_checkpointing"])
 def test_the_memory_estimate_counts_activation_checkpointing(key, tmp_path, caplog):
     """Either name of the setting (the models take both) shrinks the estimate, and the hint names the current one."""
-    from ringdit.config import build_on_meta, model_config
+    from ringdit.spec import build_on_meta, model_config
     from ringdit.memory import check_training_memory
 
     estimates = {}

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from ringdit.lora import adapter_state, add_lora, export_lora, is_adapter_key
-from ringdit.parallel import init_sequence_parallel, set_parallel_dims
-from ringdit.weights import read_weights
+from ringdit.models import parallelize
+from ringdit.parallel import init_sequence_parallel
+from ringdit.checkpoints.weights import read_weights
 from tests.distributed import run_ranks
-from tests.helpers import SGD, TINY, WAN_TINY, fail_fast, logged_losses, run
+from tests.helpers import SGD, TINY, architecture, assert_same_numbers, fail_fast, logged_losses, run
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(900)  # three training runs (under a minute on an idle 2-core machine)
@@ -49,7 +50,7 @@ def test_lora_trains_only_adapters_under_ddp_and_fsdp(tmp_path):
     trained_b = [value for key, value in adapters["ddp"].items() if ".lora_B." in key]
     assert any(value.abs().max() > 0 for value in trained_b)  # B starts at zero: the adapters did train
     for key, value in adapters["ddp"].items():
-        torch.testing.assert_close(adapters["fsdp"][key], value, rtol=1e-5, atol=1e-7, msg=key)
+        assert_same_numbers(adapters["fsdp"][key], value, rtol=1e-5, atol=1e-7, where=key)
 
     from ringdit.export import main
 
@@ -69,9 +70,8 @@ def wan_lora_case(shape=(2, 8, 8), seed=0, dims=None):
     from ringdit.models.diffusers import DiffusersTransformer
 
     torch.manual_seed(seed)
-    model = DiffusersTransformer("wan", config=WAN_TINY, input_size=shape, in_channels=4, text_len=7, text_dim=16)
-    if dims is not None:
-        set_parallel_dims(model, dims)
+    model = DiffusersTransformer("wan", config=architecture("wan_tiny"), input_size=shape, in_channels=4, text_len=7, text_dim=16)
+    parallelize(model, dims=dims)  # dims None: one process, attention still routed to ringdit
     add_lora(model, rank=4, alpha=8)
     with torch.no_grad():
         for key, param in model.named_parameters():
@@ -86,7 +86,7 @@ def diffusers_with_adapter(model, folder):
     """An unmodified diffusers Wan with ``model``'s base weights and the exported adapter loaded by diffusers."""
     import diffusers
 
-    reference = diffusers.WanTransformer3DModel.from_config(WAN_TINY)
+    reference = diffusers.WanTransformer3DModel.from_config(architecture("wan_tiny"))
     base = {key.replace(".base_layer.", "."): value for key, value in model.transformer.state_dict().items()
             if not is_adapter_key(key)}
     reference.load_state_dict(base)
@@ -100,7 +100,7 @@ def check_wan_lora_ring(rank, world, folder):
     with torch.no_grad():
         ours = model(x, t, {"text": text})
         theirs = reference(x, t, text, return_dict=False)[0]
-    assert (ours - theirs).abs().max() <= 1e-5
+    assert_same_numbers(ours, theirs, atol=1e-5, where="ringdit vs diffusers with the adapter")
 
 
 def test_wan_lora_export_loads_with_diffusers(tmp_path):
@@ -112,7 +112,7 @@ def test_wan_lora_export_loads_with_diffusers(tmp_path):
     with torch.no_grad():
         ours = model(x, t, {"text": text})
         theirs = reference(x, t, text, return_dict=False)[0]
-    assert (ours - theirs).abs().max() <= 1e-5
+    assert_same_numbers(ours, theirs, atol=1e-5, where="ringdit vs diffusers with the adapter")
     reference.disable_lora()
     with torch.no_grad():  # the adapter matters: without it the outputs differ
         assert (reference(x, t, text, return_dict=False)[0] - ours).abs().max() > 1e-3

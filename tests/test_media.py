@@ -22,8 +22,8 @@ from safetensors import safe_open  # noqa: E402
 
 from ringdit.data.text_latents import TextLatentsDataModule  # noqa: E402
 from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.frames import fit, read_image, read_video  # noqa: E402
-from ringdit.media.prepare import prepare  # noqa: E402
 from ringdit.media.text import TextEncoder  # noqa: E402
 from ringdit.media.vae import VAE  # noqa: E402
 from tests.helpers import TEXT_LEN, write_video
@@ -74,8 +74,8 @@ def test_prepare_images_with_sidecar_captions(models, image_folder, tmp_path):
     """Shards hold exactly the normalised VAE latents and masked text states of each file; the corrupt file is
     skipped and counted; the result loads as data=text_latents."""
     out = tmp_path / "out"
-    report = prepare(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), resolution=16,
-                     max_text_len=TEXT_LEN, shard_size=2, batch_size=2, progress=False)
+    report = encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), resolution=16,
+                           max_text_len=TEXT_LEN, shard_size=2, batch_size=2, progress=False)
     assert report.unreadable == [str(image_folder / "img9.png")] and report.too_short == []
     assert report.samples == 4 and report.shards_written == 2  # shard 2 held only img9: not written
     assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors", "shard-00001.safetensors"]
@@ -118,7 +118,7 @@ def test_prepare_videos_with_metadata_and_resume(models, video_folder, tmp_path)
     out = tmp_path / "out"
     settings = dict(caption_column="caption", resolution=[16, 24], frames=5, frame_stride=2, max_text_len=TEXT_LEN,
                     shard_size=1, progress=False)
-    report = prepare(str(video_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
+    report = encode_folder(str(video_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
     assert report.samples == 2 and report.shards_written == 2 and report.too_short == [
         str(video_folder / "clips" / "short.mp4")]
     tensors, metadata = read_shard(out / "shard-00000.safetensors")
@@ -133,11 +133,11 @@ def test_prepare_videos_with_metadata_and_resume(models, video_folder, tmp_path)
     assert "pooled" not in tensors  # T5 has no pooled output
 
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    again = prepare(str(video_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
+    again = encode_folder(str(video_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
     assert again.shards_written == 0 and again.shards_skipped == 2  # shard 2 (the short clip) was never written
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
     (out / "shard-00001.safetensors").unlink()
-    third = prepare(str(video_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
+    third = encode_folder(str(video_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
     assert third.shards_written == 1 and (out / "shard-00001.safetensors").exists()
     assert (out / "shard-00000.safetensors").stat().st_mtime_ns == stamps["shard-00000.safetensors"]
 
@@ -146,18 +146,18 @@ def test_ranks_split_the_shards(models, image_folder, tmp_path):
     """Rank r of W writes shards r, r + W, ...; together they write what one process writes."""
     out = tmp_path / "out"
     common = dict(resolution=16, max_text_len=TEXT_LEN, shard_size=1, progress=False)
-    first = prepare(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=0, world_size=2,
-                    **common)
+    first = encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=0, world_size=2,
+                          **common)
     assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors", "shard-00002.safetensors"]
     assert first.unreadable == [str(image_folder / "img9.png")]  # img9 is shard 4: rank 0's
-    prepare(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=1, world_size=2, **common)
+    encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=1, world_size=2, **common)
     assert len(list(out.iterdir())) == 4
 
 
 def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp_path):
     def run(folder, vae, **kwargs):
-        return prepare(str(folder), str(tmp_path / "out"), str(vae), str(models["flux"]), resolution=16,
-                       max_text_len=TEXT_LEN, progress=False, **kwargs)
+        return encode_folder(str(folder), str(tmp_path / "out"), str(vae), str(models["flux"]), resolution=16,
+                             max_text_len=TEXT_LEN, progress=False, **kwargs)
 
     with pytest.raises(ConfigError, match="input=.*missing is not a folder"):
         run(tmp_path / "missing", models["flux"])
@@ -178,8 +178,8 @@ def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp
     with pytest.raises(ConfigError, match=r"frames=6: AutoencoderKLWan encodes 1 \+ k \* 4 frames; pass e.g. frames=5"):
         run(video_folder, models["wan"], caption_column="caption", frames=6)
     with pytest.raises(ConfigError, match="resolution=12x12: .* multiples of the VAE's downsampling factor 8"):
-        prepare(str(video_folder), str(tmp_path / "o"), str(models["wan"]), str(models["wan"]), resolution=12,
-                caption_column="caption", frames=5, progress=False)
+        encode_folder(str(video_folder), str(tmp_path / "o"), str(models["wan"]), str(models["wan"]), resolution=12,
+                      caption_column="caption", frames=5, progress=False)
     with pytest.raises(ConfigError, match="max_text_len=32 is longer than CLIPTextModel takes .16 positions"):
         TextEncoder(models["flux"], max_len=32)
 
@@ -198,7 +198,8 @@ def test_prepare_cli_one_line_error_and_success(models, image_folder, tmp_path, 
     assert "Traceback" not in bad.stderr
     with pytest.raises(SystemExit) as exit_info:
         main([*settings, "resolutoin=16"])
-    assert exit_info.value.code == 2 and "unknown setting resolutoin=" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "no setting named 'resolutoin'; did you mean resolution?" in \
+        capsys.readouterr().err
     main(settings)
     printed = capsys.readouterr().out
     assert "prepared 4 samples into 1 new shards" in printed and "skipped 1 unreadable files" in printed
@@ -209,9 +210,9 @@ def test_a_corrupt_clip_is_skipped_and_named(models, video_folder, tmp_path):
     shard and named in the report and the summary; the good clips are prepared."""
     clip = video_folder / "clips" / "b.mp4"
     clip.write_bytes(clip.read_bytes()[: clip.stat().st_size // 3])
-    report = prepare(str(video_folder), str(tmp_path / "out"), str(models["wan"]), str(models["wan"]),
-                     caption_column="caption", resolution=[16, 24], frames=5, frame_stride=2, max_text_len=TEXT_LEN,
-                     shard_size=1, progress=False)
+    report = encode_folder(str(video_folder), str(tmp_path / "out"), str(models["wan"]), str(models["wan"]),
+                           caption_column="caption", resolution=[16, 24], frames=5, frame_stride=2,
+                           max_text_len=TEXT_LEN, shard_size=1, progress=False)
     assert report.unreadable == [str(clip)] and report.samples == 1
     assert f"skipped 1 unreadable files ({clip})" in report.summary()
 
@@ -255,7 +256,7 @@ def test_decode_samples_writes_videos_and_images(models, tmp_path):
     tiled = decode_samples(video / "samples.npz", models["wan"], tmp_path / "tiled", tile=16)
     assert iio.imread(tiled[1], plugin="pyav").shape == frames.shape
 
-    image = tmp_path / "image"
+    image = tmp_path / "run lr=1e-4, [2]"  # the first argument is samples=, whatever its characters
     image.mkdir()
     np.savez(image / "samples.npz", latents=np.zeros((3, 4, 4, 4), np.float32))
     main([str(image / "samples.npz"), f"vae={models['flux']}", f"out={tmp_path / 'pictures'}"])
@@ -269,6 +270,51 @@ def test_decode_samples_writes_videos_and_images(models, tmp_path):
     np.savez(tmp_path / "pixels.npz", images=np.zeros((1, 8, 8, 3), np.uint8))
     with pytest.raises(ConfigError, match="no 'latents': it was sampled in pixel space"):
         decode_samples(tmp_path / "pixels.npz", models["wan"])
+
+
+COMMANDS = {  # module: (required settings, one of them misspelt, what it should be)
+    "ringdit.export": (["ckpt_path=last.ckpt"], "ckpt_pth=last.ckpt", "ckpt_path"),
+    "ringdit.prepare": (["input=in", "out=out", "vae=vae", "text_encoder=te"], "text_encodr=te", "text_encoder"),
+    "ringdit.media.decode": (["samples=s.npz", "vae=vae"], "vea=vae", "vae"),
+}
+
+
+@pytest.mark.parametrize("module", list(COMMANDS))
+def test_every_command_is_a_hydra_app(module, tmp_path, capsys, monkeypatch):
+    """export, prepare and decode as train.py: --help (the docstring, every setting with its comment), --cfg job,
+    one-line errors with exit code 2 (a misspelt key with a hint, a missing ??? value); nothing is written to the
+    folder they run in, and HYDRA_FULL_ERROR is the user's again afterwards."""
+    import importlib
+
+    main = importlib.import_module(module).main
+    required, misspelt, meant = COMMANDS[module]
+    config = module.rsplit(".", 1)[-1]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def command(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            code = main(list(argv)) or 0
+        except SystemExit as stop:
+            code = stop.code
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    code, out, _ = command("--help")
+    assert code == 0 and out.startswith(importlib.import_module(module).__doc__.strip().splitlines()[0])
+    assert f"{meant}: ???" in out and "#" in out.split("== Settings")[1]  # the settings with their comments
+    code, out, _ = command(*required, "--cfg", "job")
+    assert code == 0 and all(f"{key}: {value}" in out for key, value in (s.split("=") for s in required))
+    code, _, err = command(*required[:-1], misspelt)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 2, err
+    assert lines[0].startswith(f"Error: no setting named '{misspelt.split('=')[0]}'; did you mean {meant}? "
+                               f"(python -m {module} --cfg job lists them")
+    code, _, err = command(*required[:-1])
+    assert code == 2 and err.startswith(f"Error: {required[-1].split('=')[0]} is required (it is ??? in "
+                                        f"conf/{config}.yaml)"), err
+    assert list(tmp_path.iterdir()) == [] and "HYDRA_FULL_ERROR" not in os.environ
 
 
 def test_encode_prompts_for_sampling(models):

@@ -8,7 +8,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from ringdit.media.prepare import prepare
+from ringdit.media.encode_folder import encode_folder
 from tests.helpers import TEXT_LEN, run, write_video
 
 CAPTIONS = ["a red fox running", "a blue cat", "green field", "a red sky"]
@@ -22,8 +22,8 @@ def test_prepare_train_and_sample_from_prompts(models, tmp_path):
         write_video(clips / f"{i}.mp4", 5, seed=i, size=(40, 32))
         (clips / f"{i}.txt").write_text(CAPTIONS[i % 4])
     data = tmp_path / "data"
-    report = prepare(str(clips), str(data), str(models["wan"]), str(models["wan"]), resolution=32, frames=5,
-                     max_text_len=TEXT_LEN, shard_size=4, progress=False)
+    report = encode_folder(str(clips), str(data), str(models["wan"]), str(models["wan"]), resolution=32, frames=5,
+                           max_text_len=TEXT_LEN, shard_size=4, progress=False)
     assert report.samples == 8 and report.shards_written == 2
 
     env = {"HF_HUB_OFFLINE": "1"}

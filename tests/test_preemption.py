@@ -266,7 +266,7 @@ def check_shards(out: Path) -> dict[str, int]:
 
 @pytest.mark.parametrize("target", ["launcher", "child"])  # torchrun (it passes SIGTERM to both ranks), one rank
 def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(target, models, many_images, tmp_path):
-    from ringdit.media.prepare import prepare
+    from ringdit.media.encode_folder import encode_folder
 
     out = tmp_path / "out"
     settings = prepare_settings(many_images, out, models)
@@ -288,7 +288,7 @@ def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(target, models
     torch.set_num_threads(1)  # as torchrun's ranks (OMP_NUM_THREADS=1); two threads on two busy cores: 25x slower
     try:
         for rank in (0, 1):  # the same command again (each rank in turn): only the missing shards are encoded
-            report = prepare(**settings, rank=rank, world_size=2, progress=False)
+            report = encode_folder(**settings, rank=rank, world_size=2, progress=False)
             assert report.shards_skipped == sum(int(name[6:11]) % 2 == rank for name in kept)
     finally:
         torch.set_num_threads(threads)
@@ -298,7 +298,7 @@ def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(target, models
         straight = tmp_path / "straight"
         torch.set_num_threads(1)
         try:
-            prepare(**{**settings, "out": str(straight)}, progress=False)
+            encode_folder(**{**settings, "out": str(straight)}, progress=False)
         finally:
             torch.set_num_threads(threads)
         assert_same_shards(out, straight)
@@ -319,7 +319,7 @@ def assert_same_shards(got: Path, expected: Path) -> None:
 
 def test_sigterm_while_a_shard_is_written_keeps_it(models, many_images, tmp_path, monkeypatch, caplog):
     """In this process: SIGTERM in the middle of writing the first shard; the shard is finished, then the run stops."""
-    import ringdit.media.prepare as media
+    import ringdit.media.encode_folder as media
     from ringdit.prepare import main
 
     write = media.write_text_latents
@@ -341,7 +341,7 @@ def test_sigterm_while_a_shard_is_written_keeps_it(models, many_images, tmp_path
 
 def test_sigterm_while_models_load_stops_at_once(models, many_images, tmp_path, monkeypatch, caplog):
     """In this process: SIGTERM while the VAE loads stops there (nothing to finish first); nothing is written."""
-    import ringdit.media.prepare as media
+    import ringdit.media.encode_folder as media
     from ringdit.prepare import main
 
     vae = media.VAE

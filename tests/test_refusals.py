@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringdit.weights import CheckpointError, read_weights
+from ringdit.checkpoints.weights import read_weights
+from ringdit.errors import CheckpointError
 from tests.helpers import TINY, fail_fast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -133,7 +134,7 @@ def test_dcp_pickles_cannot_run_code(tiny_checkpoint, sharded, tmp_path):
     sentinel.unlink(missing_ok=True)  # dcp.save pickled the payload without running it; make sure
     with pytest.raises(CheckpointError, match=r"refusing to load the checkpoint entry 'extra': it holds Python "
                                               r"objects that would run code"):
-        from ringdit.weights import read_sharded_checkpoint
+        from ringdit.checkpoints.loading import read_sharded_checkpoint
 
         read_sharded_checkpoint(evil_entry, keys=None)
     assert not sentinel.exists()

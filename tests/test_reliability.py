@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ringdit.checkpoints.loading import safe_torch_load
+from ringdit.errors import CheckpointError
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
-from ringdit.weights import CheckpointError, safe_torch_load
 from tests.helpers import FAST_FAIL_SECONDS, REPO, TINY, fail_fast, launch, logged_losses, run, write_latents
 
 

@@ -21,13 +21,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from safetensors.torch import save_file
 
+from ringdit.checkpoints.loading import safe_torch_load
+from ringdit.checkpoints.safetensors_export import export_safetensors
+from ringdit.checkpoints.weights import read_weights
 from ringdit.cli import register_resolvers
-from ringdit.errors import ConfigError
+from ringdit.errors import CheckpointError, ConfigError
 from ringdit.export import main as export_main
 from ringdit.resume import check_resume
 from ringdit.safe_config import ALLOWED_TARGETS, allow_target
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
-from ringdit.weights import CheckpointError, export_safetensors, read_weights, safe_torch_load
 from tests.helpers import CONF, REPO, TINY, fail_fast, launch, logged_losses, run, write_classes, write_latents
 
 PRECIOUS = "precious data\n"
@@ -161,16 +163,16 @@ def test_crafted_files_are_refused_by_every_entry_point(command, fmt, evil_files
 
 
 def test_lightning_load_from_checkpoint_is_guarded_too(evil_files, sentinels, tmp_path):
-    """``DiTModule.load_from_checkpoint`` builds the module from the file's hyper-parameters: checked first."""
-    from ringdit.training import DiTModule
+    """``DiffusionModule.load_from_checkpoint`` builds the module from the file's hyper-parameters: checked first."""
+    from ringdit.training import DiffusionModule
 
     payloads(sentinels)
     with pytest.raises(CheckpointError, match=r"refusing .*evil.ckpt: its config model.extra.inner\[0\]._target_"):
-        DiTModule.load_from_checkpoint(evil_files["ckpt"])
+        DiffusionModule.load_from_checkpoint(evil_files["ckpt"])
     hparams = tmp_path / "hparams.yaml"
     hparams.write_text("objective:\n  _target_: builtins.open\n  file: x\n  mode: w\n")
     with pytest.raises(CheckpointError, match=r"refusing .*hparams.yaml: its config objective._target_"):
-        DiTModule.load_from_checkpoint(_clean_copy(evil_files["ckpt"], tmp_path), hparams_file=hparams)
+        DiffusionModule.load_from_checkpoint(_clean_copy(evil_files["ckpt"], tmp_path), hparams_file=hparams)
     assert_untouched(sentinels)
 
 
@@ -219,7 +221,8 @@ def test_export_to_a_bad_destination(out, message, tiny_checkpoint, tmp_path, ca
     assert export_main([f"ckpt_path={tiny_checkpoint}", f"out={out}"]) == 2
     assert tiny_checkpoint.read_bytes() == before
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    # the one-line error, then the HYDRA_FULL_ERROR hint every command prints
+    assert len(err.strip().splitlines()) == 2 and re.search(message, err.splitlines()[0]), err
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a_file", "folder"]  # no temporary file left
 
 

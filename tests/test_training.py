@@ -16,9 +16,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from ringdit.cli import register_resolvers
-from ringdit.config import build_on_meta, model_config, resolve_shift
+from ringdit.spec import build_on_meta, model_config, resolve_shift
 from tests.helpers import (
     LazyRuns,
+    assert_same_numbers,
     CONF,
     GOOD,
     LABELS,
@@ -155,18 +156,17 @@ def test_sgd_steps_equal_one_device(sgd_runs, layout):
     two and the losses (means of 16 x 256 squared errors) by ~1e-7 of themselves: measured at most 4e-8 and 8e-8
     (ring 2 x Ulysses 2). rel 1e-5 and atol 1e-6 are >= 10x that at every element; a wrongly scaled or reduced
     gradient moves a weight by ~lr x its gradient."""
-    reference, parallel = logged_losses(sgd_runs / "ring1"), logged_losses(sgd_runs / layout)
+    reference, parallel = logged_losses(sgd_runs.trained("ring1")), logged_losses(sgd_runs.trained(layout))
     assert sorted(reference) == sorted(parallel) == [0, 1, 2]
     for step in reference:
         assert parallel[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
     assert reference[2] != pytest.approx(reference[0], rel=1e-3)  # the steps did change the model
-    ref_weights, weights = model_weights(sgd_runs / "ring1"), model_weights(sgd_runs / layout)
-    for key, value in ref_weights.items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    ref_weights, weights = model_weights(sgd_runs.trained("ring1")), model_weights(sgd_runs.trained(layout))
+    assert_same_numbers(weights, ref_weights, rtol=1e-5, atol=1e-6, where=layout)
 
 
 def test_run_outputs(sgd_runs):
-    run_dir = sgd_runs / "ring2_ulysses2"
+    run_dir = sgd_runs.trained("ring2_ulysses2")
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert (run_dir / "checkpoints" / "step_0000002.ckpt").is_file()
     assert (run_dir / "samples" / "step_0000003.png").is_file()  # the final preview grid
@@ -174,7 +174,7 @@ def test_run_outputs(sgd_runs):
 
 
 def test_infer_from_the_trained_checkpoint(sgd_runs, tmp_path):
-    ckpt = sgd_runs / "ring2_ulysses2" / "checkpoints" / "last.ckpt"
+    ckpt = sgd_runs.trained("ring2_ulysses2") / "checkpoints" / "last.ckpt"
     common = [f"ckpt_path={ckpt}", "num_samples=6", "labels=[1,7]", "steps=3", "cfg_scale=2.0", "batch_size=4"]
     outputs = {}
     for name, layout in {"ring1": [], "ring2": ["ring_degree=2"]}.items():
@@ -212,7 +212,7 @@ def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
     for age, (name, run_name) in enumerate([("dp2_ring2", "2026-01-01_00-00-00"), ("ring1", "2026-01-02_00-00-00")]):
         target = logs / "train" / "runs" / run_name / "checkpoints"
         target.mkdir(parents=True)
-        shutil.copy(sgd_runs / name / "checkpoints" / "last.ckpt", target / "last.ckpt")
+        shutil.copy(sgd_runs.trained(name) / "checkpoints" / "last.ckpt", target / "last.ckpt")
         os.utime(target / "last.ckpt", (1e9 + age, 1e9 + age))  # the second is the newest
     proc = run("infer.py", tmp_path / "infer", f"paths.log_dir={logs}", "num_samples=2", "steps=2")
     assert "2026-01-02_00-00-00/checkpoints/last.ckpt" in proc.stdout + proc.stderr
@@ -228,35 +228,48 @@ def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
 
 
 def sample_under_layouts(rank, world, ckpt):
-    """The sampling path of infer.py (DiTModule.generate with the checkpoint's weights) under every layout."""
-    from ringdit.parallel import init_sequence_parallel, set_parallel_dims
-    from ringdit.training import DiTModule
-    from ringdit.weights import read_weights
+    """The sampling path of infer.py (DiffusionModule.generate with the checkpoint's weights) under every layout."""
+    from ringdit.build import build_model
+    from ringdit.parallel import init_sequence_parallel
+    from ringdit.training import DiffusionModule
+    from ringdit.checkpoints.weights import read_weights
 
     info = read_weights(ckpt)[1]
     labels, seeds = torch.tensor([1, 7, 3]), [10, 11, 12]
     results = {}
     for ring, ulysses in [(1, 1), (2, 1), (4, 1), (2, 2)]:
-        module = DiTModule(model=info["model"], objective=info["objective"], data=info["data"],
+        module = DiffusionModule(model=info["model"], objective=info["objective"], data=info["data"],
                            sampling={**info["sampling"], "steps": 4, "cfg_scale": 2.0}, init_from=str(ckpt))
-        set_parallel_dims(module, init_sequence_parallel(ring, ulysses))  # as the strategy does
-        module.configure_model()
+        # what configure_model builds under the strategy's mesh
+        module.model, _ = build_model(module.hparams.model, dims=init_sequence_parallel(ring, ulysses),
+                                      init_from=str(ckpt))
         results[(ring, ulysses)] = module.generate(labels, seeds)
     for layout, samples in results.items():
         # fp32 (generate draws fp32 noise): a layout reorders the sums of each forward, ~2e-7 of max|x| (pixels, in
         # [-1, 1]) measured after 4 heun steps at CFG 2; atol 1e-5 is 50x that, and a sample that depended on the
         # layout (its noise, its tokens) would be off by O(1)
-        torch.testing.assert_close(samples, results[(1, 1)], rtol=1e-4, atol=1e-5, msg=str(layout))
+        assert_same_numbers(samples, results[(1, 1)], rtol=1e-4, atol=1e-5, where=str(layout))
 
 
 def test_samples_do_not_depend_on_the_rank_layout(sgd_runs):
     from tests.distributed import run_ranks
 
-    run_ranks(sample_under_layouts, 4, sgd_runs / "ring2_ulysses2" / "checkpoints" / "last.ckpt")
+    run_ranks(sample_under_layouts, 4, sgd_runs.trained("ring2_ulysses2") / "checkpoints" / "last.ckpt")
+
+
+def test_the_old_module_name_still_loads_checkpoints(sgd_runs):
+    """``DiTModule`` (the module's name before it trained every model kind) still loads a checkpoint, with a warning."""
+    with pytest.warns(DeprecationWarning, match="DiTModule is now DiffusionModule"):
+        from ringdit.training import DiTModule
+    checkpoint = sgd_runs.trained("ring1") / "checkpoints" / "last.ckpt"
+    module = DiTModule.load_from_checkpoint(checkpoint)  # strict: the model and its EMA, every key
+    state = torch.load(checkpoint, weights_only=True)["state_dict"]
+    assert_same_numbers(dict(module.state_dict()), state)
+    assert module.sampling_model() is module.ema.module  # the weights worth sampling
 
 
 def test_resume_continues_the_step_count(sgd_runs, tmp_path):
-    ckpt = sgd_runs / "ring1" / "checkpoints" / "last.ckpt"
+    ckpt = sgd_runs.trained("ring1") / "checkpoints" / "last.ckpt"
     run("train.py", tmp_path / "resumed", *TINY, *SGD, "trainer.max_steps=5", f"ckpt_path={ckpt}")
     losses = logged_losses(tmp_path / "resumed")
     assert sorted(losses) == [3, 4]

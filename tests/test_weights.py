@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from ringdit.models import DiT
-from ringdit.weights import LABEL_TABLE, CheckpointError, load_model_weights, read_weights, resize_label_embedding
+from ringdit.checkpoints.fit import LABEL_TABLE, load_model_weights, resize_label_embedding
+from ringdit.checkpoints.weights import read_weights
+from ringdit.errors import CheckpointError
+from ringdit.models import DiT, parallelize
 from tests.helpers import REPO, TINY, original_dit_state_dict_shapes, run
 
 ZERO_LR = ["optimizer=sgd", "optimizer.lr=0.0", "trainer.max_steps=1", "scheduler=constant"]
@@ -19,8 +21,8 @@ ZERO_LR = ["optimizer=sgd", "optimizer.lr=0.0", "trainer.max_steps=1", "schedule
 
 def tiny_model(**overrides) -> DiT:
     config = dict(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=4, num_classes=10,
-                  learn_sigma=False, attention_backend="math")
-    return DiT(**{**config, **overrides})
+                  learn_sigma=False)
+    return parallelize(DiT(**{**config, **overrides}), backend="math")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,7 @@ def test_label_table_resizing_keeps_shared_classes_and_the_null_row():
     target = tiny_model(num_classes=12)
     state = source.state_dict()
     with pytest.raises(CheckpointError, match=r"y_embedder.embedding_table.weight \(11, 32\) vs \(13, 32\)"):
-        from ringdit.weights import check_compatible
+        from ringdit.checkpoints.fit import check_compatible
 
         check_compatible(target, state)
     resized = resize_label_embedding(state, rows=13, generator=torch.Generator().manual_seed(0))

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.folders import check_weights_folder
-from tests.helpers import FAST_FAIL_SECONDS, TEXT_LEN, WAN_TINY, fail_fast, save_tiny_wan
+from tests.helpers import FAST_FAIL_SECONDS, TEXT_LEN, architecture, fail_fast, save_tiny_wan
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -289,7 +289,7 @@ def wan_export(tmp_path_factory) -> Path:
     from ringdit.models.diffusers import DiffusersTransformer
 
     shape = [1, 8, 8]
-    model_cfg = {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "wan", "config": WAN_TINY,
+    model_cfg = {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "wan", "config": architecture("wan_tiny"),
                  "input_size": shape, "in_channels": 4, "text_len": TEXT_LEN, "text_dim": 16}
     kwargs = {k: v for k, v in model_cfg.items() if k != "_target_"}
     state = DiffusersTransformer(**kwargs).state_dict()

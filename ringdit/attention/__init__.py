@@ -10,7 +10,7 @@ from ringdit.attention.backends.math_backend import MathBackend
 from ringdit.attention.backends.torch_flash import TorchFlashBackend
 from ringdit.attention.backends.torch_sdpa import TorchSDPABackend
 from ringdit.attention.joint import local_joint_attention
-from ringdit.attention.layer import USPAttention, local_attention
+from ringdit.attention.layer import LocalAttention, USPAttention, local_attention
 from ringdit.attention.ring import (
     JointRingAttentionFunction,
     RingAttentionFunction,
@@ -49,6 +49,7 @@ __all__ = [
     "USPAttention",
     "RingAttentionFunction",
     "JointRingAttentionFunction",
+    "LocalAttention",
     "joint_ring_attention",
     "local_attention",
     "local_joint_attention",

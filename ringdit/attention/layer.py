@@ -44,6 +44,18 @@ def local_attention(
     return F.pad(out, (0, 0, 0, 0, 0, length - valid_len))  # (B, S, H, D), zero rows for the padding
 
 
+
+class LocalAttention(nn.Module):
+    """Attention over the whole sequence held here, no communication: a ringdit model's ``inner_attention`` on one
+    device (a parallel plan replaces it), and cross-attention to keys every rank holds whole (text)."""
+
+    def __init__(self, backend: str | AttentionBackend | None = None):
+        super().__init__()
+        self.backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None = None) -> Tensor:
+        return local_attention(self.backend, q, k, v, softmax_scale=softmax_scale)
+
 class USPAttention(nn.Module):
     """Attention of this rank's sequence shard ``q, k, v: (B, S_local, H, D)`` -> ``(B, S_local, H, D)``.
 
@@ -57,9 +69,8 @@ class USPAttention(nn.Module):
     ``(B, P)`` bool, True = real text token: masked text keys get no weight (masked text query rows still attend).
     Gradients of the replicated text q/k/v are partial per rank: their sum over the SP group is the one-device one.
 
-    ``dims``: this rank's place in the mesh (given here or later by ``set_parallel_dims``); without it the layer is
-    plain local attention. Whether the heads split over Ulysses and the backend can do ring is checked when the
-    layer gets its dims, not at every call.
+    ``dims``: this rank's place in the mesh; without it the layer is plain local attention. Whether the heads split
+    over Ulysses and the backend can do ring is checked here, at construction, not at every call.
     """
 
     def __init__(
@@ -75,14 +86,18 @@ class USPAttention(nn.Module):
         self.num_heads, self.head_size = num_heads, head_size
         self.softmax_scale = head_size**-0.5 if softmax_scale is None else softmax_scale
         self.backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
-        self.set_parallel_dims(dims or ParallelDims())
-        _keep_communication_out_of_compiled_graphs()
-
-    def set_parallel_dims(self, dims: ParallelDims) -> None:
+        dims = dims or ParallelDims()
         if dims.ring_degree > 1:
             check_ring_capable(self.backend)
         check_heads_divisible(self.num_heads, dims.ulysses_degree)
         self.dims = dims
+
+    def keep_communication_eager(self) -> None:
+        """Before ``torch.compile``: the sharded paths break the graph and run eagerly, so point-to-point transfers
+        and all-to-alls stay outside compiled graphs. Done here, when compiling, not at import: importing Dynamo costs
+        every process about a second, also those that never compile."""
+        for name in ("_parallel_forward", "_joint_parallel_forward"):
+            setattr(self, name, torch.compiler.disable(getattr(self, name)))
 
     def forward(
         self,
@@ -158,12 +173,3 @@ class USPAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_size={self.head_size}, backend={self.backend.name}"
 
-
-def _keep_communication_out_of_compiled_graphs() -> None:
-    """A torch.compile'd block breaks its graph at the sharded path and runs it eagerly: point-to-point transfers
-    and all-to-alls stay outside compiled graphs. Marked at the first layer's construction, not at import, because
-    importing Dynamo costs every process about a second, also those that never compile."""
-    for name in ("_parallel_forward", "_joint_parallel_forward"):
-        method = getattr(USPAttention, name)
-        if not getattr(method, "_torchdynamo_disable", False):
-            setattr(USPAttention, name, torch.compiler.disable(method))

@@ -3,11 +3,11 @@
 Used by ``python -m ringdit.prepare`` and ``infer.py``; the model code never imports it (it sees latents and text
 embeddings only). Needs diffusers, transformers, imageio (+ imageio-ffmpeg / av) and tqdm.
 
-    vae.py      VAE: a local diffusers VAE, encode / decode with the latent normalisation, tiling
-    text.py     TextEncoder: a local T5 / UMT5 / CLIP text model, prompts -> (text, text_mask[, pooled])
-    folder.py   list_media: a captioned folder -> (path, caption) items
-    frames.py   read_image / read_video: one file -> bucket pixels
-    prepare.py  prepare: a folder -> text_latents shards (ranks, resume, skips)
-    writing.py  write_media: decoded samples -> PNG grid + PNGs, MP4 + GIF
-    decode.py   decode_samples / python -m ringdit.media.decode: samples.npz latents -> media
+    vae.py            VAE: a local diffusers VAE, encode / decode with the latent normalisation, tiling
+    text.py           TextEncoder: a local T5 / UMT5 / CLIP text model, prompts -> (text, text_mask[, pooled])
+    folder.py         list_media: a captioned folder -> (path, caption) items
+    frames.py         read_image / read_video: one file -> bucket pixels
+    encode_folder.py  encode_folder: a folder -> text_latents shards (ranks, resume, skips)
+    writing.py        write_media: decoded samples -> PNG grid + PNGs, MP4 + GIF (ringdit.images writes PNG / GIF)
+    decode.py         decode_samples; python -m ringdit.media.decode (conf/decode.yaml): samples.npz latents -> media
 """

@@ -1,17 +1,21 @@
 """Decode sampled latents with their VAE and write pictures / videos.
 
     python -m ringdit.media.decode outputs/infer/runs/<run>/samples.npz vae=Wan2.1-T2V [out=FOLDER fps=16 tile=256]
-    python -m ringdit.media.decode samples.npz vae=sd-vae normalised=false    # a data=latents model (raw latents)
+    python -m ringdit.media.decode samples=samples.npz vae=sd-vae normalised=false   # a data=latents model (raw)
 
 reads ``latents`` float32 (N, C, [T,] H, W) from samples.npz (what infer.py writes for a latent-space model),
 inverts the VAE normalisation the data was prepared with (ringdit/media/vae.py), decodes one sample at a time
 (tiled, so memory stays bounded for long or large videos) and writes samples.png + sample-000.png ... (images) or
 samples.gif + sample-000.mp4 / .gif (videos) into ``out`` (default: beside samples.npz).
+
+Settings: conf/decode.yaml (``--help``, ``--cfg job``). The samples.npz is the ``samples=`` setting; a first
+argument that is not ``key=value`` is taken as it, so ``decode PATH vae=...`` works as well.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import zipfile
 import zlib
@@ -19,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, OmegaConf
 
+from ringdit.cli import hydra_main, user_errors
 from ringdit.images import to_uint8
 from ringdit.media.vae import VAE
 from ringdit.media.writing import write_media
@@ -122,27 +128,29 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-DEFAULTS = dict(vae=None, out=None, vae_subfolder="vae", fps=16, tiling=True, tile=None, device="cpu", normalised=True)
-USAGE = "python -m ringdit.media.decode samples.npz vae=FOLDER [out=FOLDER fps=16 tiling=true tile=256]"
-
-
 def main(argv: list[str] | None = None) -> None:
-    from ringdit.cli import user_errors
-    from ringdit.errors import ConfigError
-    from ringdit.media.cli import parse_settings
+    """The command on ``argv`` (default ``sys.argv[1:]``), a first argument that is not ``key=value`` being
+    ``samples=``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-") and not re.match(r"[~+]{0,2}[\w.]+=", argv[0]):
+        argv[0] = f"samples={_quoted(argv[0])}"
+    decode_command(argv)
 
+
+def _quoted(value: str) -> str:
+    """``value`` as one quoted string of Hydra's override grammar (any path: spaces, commas, brackets, ``=``)."""
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)  # \' and the backslashes before it
+    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped).replace("${", "\\${")
+    return f"'{escaped}'"
+
+
+@hydra_main("decode")  # conf/decode.yaml
+def decode_command(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    argv = sys.argv[1:] if argv is None else argv
+    settings = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left: one line
     with user_errors():
-        if not argv or "=" in argv[0]:
-            raise ConfigError(f"the first argument is the samples.npz to decode; usage: {USAGE}")
-        settings = parse_settings(argv[1:], DEFAULTS, ("vae",), USAGE)
-        written = decode_samples(argv[0], **settings)
+        written = decode_samples(**settings)
     print(f"wrote {len(written)} files: {', '.join(str(p) for p in written[:4])}{' ...' if len(written) > 4 else ''}")
-
-
-if __name__ == "__main__":
-    main()
 
 
 def sampling_vae(vae: str | None, subfolder: str | None, data_info: dict) -> str | None:
@@ -169,3 +177,7 @@ def latents_normalised(data_info: dict) -> bool:
     """Whether a model's sampled latents are VAE-normalised (data=text_latents, as prepare stores them) rather than
     raw VAE latents (data=latents: infer.py divides by data.scale)."""
     return "vae" in data_info or data_info.get("conditioning") == "text"
+
+
+if __name__ == "__main__":
+    main()

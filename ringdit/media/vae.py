@@ -68,6 +68,10 @@ class VAE:
                  setting: str = "vae"):
         import diffusers
 
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device={device!r} is not a torch device; e.g. device=cpu or device=cuda:0") from None
         folder = vae_folder(path, subfolder, setting)  # the class and the weights' headers checked
         self.class_name = vae_class(folder, path, setting)
         self.folder = folder

@@ -10,9 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
-from ringdit.images import save_samples
+from ringdit.images import save_samples, to_image, write_gif
 
 
 def write_mp4(frames: np.ndarray, path: Path, fps: int = 16) -> Path:
@@ -35,13 +34,6 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int = 16) -> Path:
     return path
 
 
-def write_gif(frames: np.ndarray, path: Path, fps: int = 16) -> Path:
-    """(T, H, W, C) uint8 -> looping animated GIF."""
-    images = [Image.fromarray(f[..., 0] if f.shape[-1] == 1 else f) for f in frames]
-    images[0].save(path, save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0)
-    return path
-
-
 def write_media(pixels: np.ndarray, out_dir: str | Path, fps: int = 16, prefix: str = "sample") -> list[Path]:
     """Write every sample and a grid into ``out_dir``; returns the paths written."""
     out = Path(out_dir)
@@ -50,7 +42,7 @@ def write_media(pixels: np.ndarray, out_dir: str | Path, fps: int = 16, prefix: 
     for i, sample in enumerate(pixels):
         name = out / f"{prefix}-{i:03d}"
         if pixels.ndim == 4:
-            Image.fromarray(sample[..., 0] if sample.shape[-1] == 1 else sample).save(name.with_suffix(".png"))
+            to_image(sample).save(name.with_suffix(".png"))
             written.append(name.with_suffix(".png"))
         else:
             written += [write_mp4(sample, name.with_suffix(".mp4"), fps),

@@ -1,14 +1,10 @@
 """Diffusion Transformer with adaLN-Zero blocks (Peebles & Xie, 2023), for images and video.
 
-The model math is written for one device and follows facebookresearch/DiT ``models.py`` (same parameter names and
-shapes, so original checkpoints load with strict key checking). Sequence parallelism attaches at exactly two places:
-
-- every attention runs through ``USPAttention`` (ring / Ulysses across the sequence-parallel group);
-- the token sequence is sharded after patch + position embedding (``shard_sequence``) and gathered at the output
-  (``gather_sequence``) -- or left sharded, for a loss computed on each rank's own tokens (``forward_tokens``).
-
-The mesh comes from outside: ``ringdit.parallel.set_parallel_dims(model, dims)`` hands it to the DiT and to every
-attention layer (the strategy does this); until then the model runs on one process.
+The model is written for one device and follows facebookresearch/DiT ``models.py`` (same parameter names and
+shapes, so original checkpoints load with strict key checking); nothing in it knows about ranks. Sequence
+parallelism is data next to the model, ``DiT.parallel_plan``, applied by ``ringdit.models.parallelize`` exactly as a
+diffusers family's plan: each block's attention kernel (``inner_attention``) becomes ``USPAttention``, the tokens
+split where they enter the first block and gather where they leave the final layer.
 """
 
 from __future__ import annotations
@@ -20,9 +16,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ringdit.attention import USPAttention
+from ringdit.attention import LocalAttention
+from ringdit.errors import ConfigError
 from ringdit.models.embeddings import LabelEmbedder, PatchEmbed, TimestepEmbedder, sincos_pos_embed
-from ringdit.parallel import ParallelDims, gather_sequence, shard_sequence
+from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
 
@@ -33,21 +30,21 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with timm's parameter names (qkv, proj); the kernel is USPAttention's."""
+    """Multi-head self-attention with timm's parameter names (qkv, proj); the kernel is ``inner_attention``."""
 
-    def __init__(self, dim: int, num_heads: int, attention_backend: str | None = None):
+    def __init__(self, dim: int, num_heads: int):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"hidden_size={dim} is not divisible by num_heads={num_heads}")
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, dim * 3, bias=True)
-        self.attn = USPAttention(num_heads, self.head_dim, backend=attention_backend)
+        self.inner_attention = LocalAttention()  # one device; the parallel plan puts USPAttention here
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: Tensor, valid_len: int | None = None) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         batch, tokens, dim = x.shape
         q, k, v = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim).unbind(2)  # (B, N, H, Dh)
-        out = self.attn(q, k, v, valid_len=valid_len)  # (B, N, H, Dh)
+        out = self.inner_attention(q, k, v)  # (B, N, H, Dh)
         return self.proj(out.reshape(batch, tokens, dim))
 
 
@@ -65,17 +62,17 @@ class Mlp(nn.Module):
 class DiTBlock(nn.Module):
     """Transformer block whose LayerNorms are modulated by the conditioning, with zero-initialised gates."""
 
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, attention_backend: str | None = None):
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.attn = Attention(hidden_size, num_heads, attention_backend)
+        self.attn = Attention(hidden_size, num_heads)
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
 
-    def forward(self, x: Tensor, c: Tensor, valid_len: int | None = None) -> Tensor:
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
-        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), valid_len)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
         x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
         return x
 
@@ -96,10 +93,20 @@ class DiT(nn.Module):
     """Class-conditional DiT over image latents/pixels ``(B, C, H, W)`` or videos ``(B, C, T, H, W)``.
 
     Args mirror the original; additions: ``input_size`` may be ``(H, W)`` or ``(T, H, W)``,
-    ``temporal_patch_size`` makes it a video model, ``attention_backend`` picks the kernel,
-    ``activation_checkpointing`` recomputes each block in backward (``gradient_checkpointing``: its older name). Any grid divisible by the patch works at run
-    time; ``input_size`` only fixes the stored ``pos_embed`` (the original's parameter) and the default shape.
+    ``temporal_patch_size`` makes it a video model, ``activation_checkpointing`` recomputes each block in backward
+    (``gradient_checkpointing``: its older name). Any grid divisible by the patch works at run time; ``input_size``
+    only fixes the stored ``pos_embed`` (the original's parameter) and the default shape.
     """
+
+    # Sequence parallelism (ringdit.models.plan): the tokens, patch- and position-embedded, split where they enter
+    # the first block and gather where the final layer leaves them; every block attends through USPAttention.
+    parallel_plan = ParallelPlan(
+        blocks=("blocks",),
+        self_attention=("blocks.*.attn",),
+        split_inputs={"blocks.0": {0: 1}},  # (B, N, D) tokens
+        gather_outputs={"final_layer": {None: 1}},  # (B, N, patch_volume * out_channels)
+    )
+    lora_targets = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")  # LoRA's default: attention and MLP projections
 
     def __init__(
         self,
@@ -114,7 +121,6 @@ class DiT(nn.Module):
         num_classes: int = 1000,
         learn_sigma: bool = True,
         temporal_patch_size: int | None = None,
-        attention_backend: str | None = None,
         activation_checkpointing: bool = False,
         gradient_checkpointing: bool = False,
     ):
@@ -134,16 +140,9 @@ class DiT(nn.Module):
         self.default_grid = tuple(s // p for s, p in zip(self.input_size, self.x_embedder.patch_shape))
         # Fixed sin-cos table for the default grid, a frozen parameter as in the original checkpoints.
         self.pos_embed = nn.Parameter(sincos_pos_embed(hidden_size, self.default_grid), requires_grad=False)
-        self.blocks = nn.ModuleList(
-            [DiTBlock(hidden_size, num_heads, mlp_ratio, attention_backend) for _ in range(depth)]
-        )
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, math.prod(self.x_embedder.patch_shape), self.out_channels)
-        self.dims = ParallelDims()
         self.initialize_weights()
-
-    def set_parallel_dims(self, dims: ParallelDims) -> None:
-        """Where the token sequence splits and gathers (the attention layers get ``dims`` on their own)."""
-        self.dims = dims
 
     def initialize_weights(self) -> None:
         """The original's init: xavier linears, zeroed adaLN modulation and output layer (adaLN-Zero)."""
@@ -193,36 +192,67 @@ class DiT(nn.Module):
         return _cached_pos_embed(self.pos_embed.shape[-1], grid).to(self.pos_embed.device)
 
     # ---- forward ----------------------------------------------------------------------------------------------------
-    def forward_tokens(self, x: Tensor, t: Tensor, y: Tensor, drop_labels: Tensor | None = None) -> Tensor:
-        """This sequence-parallel rank's output tokens ``(B, N_local, patch_volume * out_channels)``.
+    def forward(self, x: Tensor, t: Tensor, y: Tensor, drop_labels: Tensor | None = None) -> Tensor:
+        """(B, C, [T,] H, W) -> (B, out_channels, [T,] H, W).
 
-        x: (B, C, [T,] H, W) -- the whole sample, identical on every rank of the group; t: (B,) timesteps in the
-        embedder's scale (0..1000); y: (B,) labels; drop_labels: (B,) bool, True where the label is replaced by
-        the null class (classifier-free guidance training).
+        t: (B,) timesteps in the embedder's scale (0..1000); y: (B,) labels; drop_labels: (B,) bool, True where the
+        label is replaced by the null class (classifier-free guidance training).
         """
         grid = self.x_embedder.grid(x)
         tokens = self.x_embedder(x) + self.position_embedding(grid)  # (B, N, D)
         c = self.t_embedder(t) + self.y_embedder(y, drop_labels)  # (B, D)
-        sharded = self.dims.sp_degree > 1
-        valid_len = tokens.shape[1] if sharded else None  # the padding that makes N divisible is not attended
-        tokens = shard_sequence(tokens, dims=self.dims)  # (B, N_local, D)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                tokens = checkpoint(block, tokens, c, valid_len, use_reentrant=False)
+                tokens = checkpoint(block, tokens, c, use_reentrant=False)
             else:
-                tokens = block(tokens, c, valid_len)
-        return self.final_layer(tokens, c)  # (B, N_local, patch_volume * out_channels)
+                tokens = block(tokens, c)
+        return self.unpatchify(self.final_layer(tokens, c), grid)  # (B, N, patch_volume * out_channels) -> pixels
 
-    def forward(self, x: Tensor, t: Tensor, y: Tensor, drop_labels: Tensor | None = None) -> Tensor:
-        """(B, C, [T,] H, W) -> (B, out_channels, [T,] H, W), gathered from all sequence-parallel ranks."""
-        grid = self.x_embedder.grid(x)
-        tokens = self.forward_tokens(x, t, y, drop_labels)  # (B, N_local, patch_volume * out_channels)
-        tokens = gather_sequence(tokens, dim=1, length=math.prod(grid), dims=self.dims)
-        return self.unpatchify(tokens, grid)
+    @classmethod
+    def config_for_data(cls, config: dict, data: dict) -> dict:
+        """``config`` with the data's channels, size and classes (``data``: what the data module describes); a value
+        the config sets must agree with the data's."""
+        if data.get("conditioning") == "text":
+            raise ConfigError("the data is text-conditioned (data=text_latents) but the model is the class-conditional "
+                              "DiT; use a text-to-video / text-to-image model: model=wan_tiny, model=wan ...")
+        video_data, video_model = len(data["image_size"]) == 3, config.get("temporal_patch_size") is not None
+        if video_data != video_model:
+            raise ConfigError(
+                f"the data gives {'videos (T, H, W)' if video_data else 'images (H, W)'} = {list(data['image_size'])} "
+                f"but the model is {'a video' if video_model else 'an image'} model; "
+                + ("use a video model: model=dit_video, or set model.temporal_patch_size" if video_data
+                   else "use an image model (model.temporal_patch_size=null) or video data")
+            )
+        config = dict(config)
+        from_data = {"in_channels": data["channels"], "input_size": list(data["image_size"]),
+                     "num_classes": data["num_classes"]}
+        for key, value in from_data.items():
+            given = config.get(key)
+            if given is not None and given != value and not (key == "input_size" and [given] * 2 == value):
+                raise ConfigError(f"model.{key}={given!r} does not match the data ({value!r}); leave it unset")
+            config[key] = value
+        return config
 
+    # ---- conditioning: the interface every model ringdit trains shares (``DiffusersTransformer``'s for text) -----
     @property
     def null_label(self) -> int:
         return self.y_embedder.null_label
+
+    @property
+    def condition_dropout_prob(self) -> float:
+        return self.class_dropout_prob
+
+    def drop_condition(self, labels: Tensor, drop: Tensor) -> Tensor:
+        """The labels (B,) with the null class where ``drop`` (B,) is True (classifier-free guidance training)."""
+        return torch.where(drop, torch.full_like(labels, self.null_label), labels)
+
+    def null_condition(self, batch: int) -> Tensor:
+        """The null class, ``batch`` times: what guidance guides away from."""
+        return torch.full((batch,), self.null_label, dtype=torch.long, device=self.pos_embed.device)
+
+    def model_condition(self, labels: Tensor) -> Tensor:
+        """What ``forward`` reads of a batch's condition: the labels themselves."""
+        return labels
 
 
 def _input_shape(input_size, video: bool) -> tuple[int, ...]:

@@ -7,7 +7,6 @@ from ringdit.parallel.collectives import (
     gather_sequence,
     shard_sequence,
 )
-from ringdit.parallel.loss import sharded_mean
 from ringdit.parallel.mesh import (
     ParallelDims,
     build_mesh,
@@ -15,7 +14,6 @@ from ringdit.parallel.mesh import (
     check_degrees,
     check_heads_divisible,
     init_sequence_parallel,
-    set_parallel_dims,
 )
 
 __all__ = [
@@ -29,7 +27,5 @@ __all__ = [
     "exchange_guidance_halves",
     "gather_sequence",
     "init_sequence_parallel",
-    "set_parallel_dims",
     "shard_sequence",
-    "sharded_mean",
 ]

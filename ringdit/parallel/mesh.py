@@ -6,9 +6,9 @@ Rank layout: the ranks of one sequence-parallel (SP) group are contiguous,
 ``(dp, ring, ulysses)``. Ulysses all-to-alls (heavy, latency-bound) therefore stay among neighbouring ranks (same
 node, NVLink), while the ring's point-to-point traffic, which overlaps with compute, spans the farther ranks.
 
-There is no "current" mesh: the strategy builds it once and hands the ``ParallelDims`` to the model
-(``set_parallel_dims``); layers and collectives take it explicitly. The degrees are validated at config time
-(``ringdit.config.validate_parallel``); here they are trusted.
+There is no "current" mesh: the strategy builds it once, and the model is parallelized over its ``ParallelDims``
+(``ringdit.models.parallelize``); layers and collectives take it explicitly. The degrees are validated at config
+time (``ringdit.spec``); here they are trusted.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch import nn
 from torch._C._distributed_c10d import Backend as C10dBackend  # noqa: I001 (its Options: what DeviceMesh takes)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -152,7 +151,7 @@ def _timeout_override(timeout: datetime.timedelta | None):
 
 def check_degrees(ring_degree: object, ulysses_degree: object, world_size: int | None = None) -> None:
     """Raise a clear ValueError for degrees that cannot form a mesh: the one check, run at config time
-    (``ringdit.config.validate_parallel``, before any process starts) and by ``init_sequence_parallel`` for
+    (``ringdit.spec``, before any process starts) and by ``init_sequence_parallel`` for
     callers that build a mesh without the configs."""
     for setting, value in (("ring_degree", ring_degree), ("ulysses_degree", ulysses_degree)):
         require_count(setting, value, hint="use 1 to disable that parallelism")
@@ -181,16 +180,6 @@ def init_sequence_parallel(
     check_degrees(ring_degree, ulysses_degree, dist.get_world_size())
     mesh = build_mesh(ring_degree, ulysses_degree, device_type=device_type, timeout=timeout)
     return ParallelDims.from_mesh(mesh, cfg_parallel=cfg_parallel, timeout=timeout)
-
-
-def set_parallel_dims(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    """Hand ``dims`` to every module of ``model`` that takes them (a ``set_parallel_dims(dims)`` method: the
-    attention layers, which check their heads and backend against them, the DiT, the diffusers adapter, the
-    LightningModule). Returns ``model``."""
-    for module in model.modules():
-        if hasattr(type(module), "set_parallel_dims"):
-            module.set_parallel_dims(dims)
-    return model
 
 
 def check_heads_divisible(num_heads: int, ulysses_degree: int) -> None:

@@ -13,9 +13,17 @@ from ringdit.training.callbacks import SampleGrid, StepCheckpoint
 from ringdit.training.fsdp import RingFSDPStrategy
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from ringdit.training.loggers import wandb_logger
-from ringdit.training.module import DiTModule, NonFiniteLossError
+from ringdit.training.module import DiffusionModule, NonFiniteLossError
 from ringdit.training.schedules import WarmupCosine, warmup_cosine
 from ringdit.training.strategy import RingDDPStrategy
 
-__all__ = ["AtomicCheckpointIO", "DiTModule", "NonFiniteLossError", "RingDDPStrategy", "RingFSDPStrategy", "SampleGrid", "StepCheckpoint", "WarmupCosine", "wandb_logger",
-           "warmup_cosine"]
+__all__ = ["AtomicCheckpointIO", "DiffusionModule", "NonFiniteLossError", "RingDDPStrategy", "RingFSDPStrategy",
+           "SampleGrid", "StepCheckpoint", "WarmupCosine", "wandb_logger", "warmup_cosine"]
+
+
+def __getattr__(name: str):
+    if name == "DiTModule":  # the deprecated name (ringdit.training.module says so when it is used)
+        from ringdit.training import module
+
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,21 +9,14 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ringdit.atomic import atomic_write
-from ringdit.weights import (
-    is_sharded_checkpoint,
-    optimizer_state_by_index,
-    optimizer_state_by_name,
-    read_sharded_checkpoint,
-    safe_torch_load,
-    sharded_to_full_checkpoint,
-)
-
-__all__ = ["AtomicCheckpointIO", "optimizer_state_by_index", "optimizer_state_by_name"]
+from ringdit.checkpoints.layout import is_sharded_checkpoint
+from ringdit.checkpoints.loading import read_sharded_checkpoint, safe_torch_load, sharded_to_full_checkpoint
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Checkpoints written through ``ringdit.atomic.atomic_write`` (a kill never leaves a torn one; the umask's
-    mode). Loading never unpickles code: ``weights_only`` loading (see ``ringdit.weights.safe_torch_load``)."""
+    mode). Loading never unpickles code: ``weights_only`` loading (see
+    ``ringdit.checkpoints.loading.safe_torch_load``)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         with atomic_write(path) as tmp:

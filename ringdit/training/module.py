@@ -1,5 +1,8 @@
-"""``DiTModule``: the LightningModule that fine-tunes and samples a (sequence-parallel) diffusion transformer: ringdit's
-class-conditional DiT, or a text-conditioned diffusers transformer (``DiffusersTransformer``: Wan, ...).
+"""``DiffusionModule``: the LightningModule that fine-tunes and samples a (sequence-parallel) diffusion transformer:
+ringdit's class-conditional DiT, or a text-conditioned diffusers transformer (``DiffusersTransformer``: Wan, ...).
+Every model kind is built by ``ringdit.build.build_model`` and trained and sampled by the same code: the models share
+one conditioning interface (``drop_condition``, ``null_condition``, ``model_condition``) and all return their whole
+prediction, gathered over the sequence-parallel group.
 
 Randomness that must agree across a sequence-parallel group -- diffusion time, noise, which labels are dropped for
 classifier-free guidance -- is drawn per sample from the ``ringdit.seeding`` streams TRAIN and VALIDATION, keyed by
@@ -12,53 +15,27 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
 import hydra
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from ringdit.attention import validate_attention_config
+from ringdit.build import build_model
+from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.diffusion import DDPM, draw_noise, noise_generators, sample
+from ringdit.ema import averaged_copy
 from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
-from ringdit.lora import add_lora, is_adapter_key, lora_enabled
-from ringdit.models import DiT
-from ringdit.models.diffusers import DiffusersTransformer
-from ringdit.parallel import (
-    ParallelDims,
-    exchange_guidance_halves,
-    set_parallel_dims,
-    shard_sequence,
-    sharded_mean,
-)
+from ringdit.lora import is_adapter_key, lora_enabled
+from ringdit.parallel import ParallelDims, exchange_guidance_halves
 from ringdit.safe_config import check_file_configs
 from ringdit.seeding import Stream, generator
-from ringdit.weights import is_sharded_checkpoint, load_model_weights, safe_torch_load
 
 Tensor = torch.Tensor
-
-
-def ema_update(decay: float) -> Callable:
-    """AveragedModel's ``multi_avg_fn`` for an EMA whose decay ramps up as (1 + n) / (10 + n) before reaching
-    ``decay`` (early weights are not frozen into a long average of the random init); one fused update per step."""
-
-    def update(averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
-        n = int(num_averaged)
-        floats = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
-        weight = 1 - min(decay, (1 + n) / (10 + n))
-        for sharded in (False, True):  # under FSDP parameters are DTensors, buffers plain: one fused update each
-            group = [(a, c) for a, c in floats if hasattr(a, "to_local") == sharded]
-            if group:
-                torch._foreach_lerp_([a for a, _ in group], [c for _, c in group], weight)
-        for a, c in zip(averaged, current):  # integer and bool buffers (a text mask) are copied, not averaged
-            if not a.is_floating_point():
-                a.copy_(c)
-
-    return update
 
 
 def total_grad_norm(model: torch.nn.Module) -> Tensor | None:
@@ -70,7 +47,7 @@ def total_grad_norm(model: torch.nn.Module) -> Tensor | None:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-class DiTModule(L.LightningModule):
+class DiffusionModule(L.LightningModule):
     """Trains ``model`` (a DiT config with ``_target_``) with ``objective`` (FlowMatching / DDPM config).
 
     ``sampling``: defaults for preview grids and ``infer.py`` (``steps``, ``cfg_scale``, ``sampler``, ``shift``,
@@ -98,8 +75,6 @@ class DiTModule(L.LightningModule):
         resume_optimizer: bool = True,
     ):
         super().__init__()
-        if nonfinite_loss not in ("stop", "skip"):
-            raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
         self.skipped_steps = 0
         self._step_skipped = False
         self._fresh_optimizer = False
@@ -108,11 +83,10 @@ class DiTModule(L.LightningModule):
         self.objective = hydra.utils.instantiate(objective)
         self.sampling = {"steps": 50, "cfg_scale": 1.0, "sampler": None, "shift": 1.0, "guidance_channels": None,
                          **(sampling or {})}
-        self.model: DiT | None = None
+        self.model: nn.Module | None = None  # built in configure_model
         self.ema: AveragedModel | None = None
         self._step_start: float | None = None
         self.negative_condition: dict[str, Tensor] | None = None  # infer.py's negative prompt (text models)
-        self.parallel_dims = ParallelDims()  # the strategy hands over the mesh (set_parallel_dims) before building
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
@@ -129,50 +103,32 @@ class DiTModule(L.LightningModule):
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ---- model ----------------------------------------------------------------------------------------------------
-    def set_parallel_dims(self, dims: ParallelDims) -> None:
-        """The strategy's mesh. A model built before (``load_from_checkpoint``) gets it from the same call
-        (``ringdit.parallel.set_parallel_dims`` walks every module); one built later, in ``configure_model``."""
-        self.parallel_dims = dims
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """This rank's place in the mesh the strategy built (one process without a ringdit strategy)."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return getattr(strategy, "parallel_dims", None) or ParallelDims()
 
     def configure_model(self) -> None:
-        """Built here, not in __init__: the sequence-parallel mesh exists only once the strategy set it up, and
-        each USPAttention checks its backend against it."""
+        """Built here, not in __init__: the mesh exists only once the strategy set it up, and the model is
+        parallelized over it as it is built (``ringdit.build.build_model``: the order of every step is there)."""
         if self.model is not None:
             return
-        dims = self.parallel_dims
-        device_type = self.trainer.strategy.root_device.type if self._trainer is not None else self.device.type
-        backend = validate_attention_config(
-            self.hparams.attention_backend, ring_degree=dims.ring_degree,
-            training=self.optimizer_factory is not None, device_type=device_type,
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        training = self.optimizer_factory is not None
+        self.model, self.ema = build_model(
+            self.hparams.model, dims=self.parallel_dims, backend=self.hparams.attention_backend,
+            init_from=self.hparams.init_from, init_weights=self.hparams.init_weights,
+            resize_labels=self.hparams.init_resize_labels,
+            # a resumed run restores the checkpoint's own empty-prompt embedding after this
+            null_condition=datamodule.null_condition() if self.text_conditioned and datamodule is not None else None,
+            lora=self.hparams.lora if lora_enabled(self.hparams.lora) else None,
+            ema_decay=self.hparams.ema_decay if training else None,  # sampling uses the weights it loaded
+            shard=getattr(self.trainer.strategy, "shard_model", None) if self._trainer is not None else None,
+            compile=self.hparams.compile,
         )
-        self.model = set_parallel_dims(hydra.utils.instantiate(self.hparams.model, attention_backend=backend), dims)
-        init_from = self.hparams.init_from
-        if init_from and Path(init_from).is_dir() and not is_sharded_checkpoint(init_from):  # a diffusers folder
-            self.model.load_pretrained_weights(init_from)
-        elif init_from:  # a ringdit .ckpt (a file, or an FSDP run's sharded folder) or a .safetensors export
-            load_model_weights(self.model, init_from, prefer=self.hparams.init_weights,
-                               resize_labels=self.hparams.init_resize_labels)
-        if self.text_conditioned and self._trainer is not None and self.trainer.datamodule is not None:
-            # the empty prompt's embedding: the condition drop's replacement and the default negative prompt (a
-            # resumed run restores the checkpoint's own after this)
-            self.model.set_null_condition(self.trainer.datamodule.null_condition())
-        if lora_enabled(self.hparams.lora):  # only the adapters train and are saved; the base comes from init_from
-            add_lora(self.model, **self.hparams.lora)
+        if lora_enabled(self.hparams.lora):  # checkpoints hold only the adapters: the base comes from init_from
             self.strict_loading = False
-        if self.optimizer_factory is not None:  # training keeps an EMA of the weights; sampling uses what it loaded
-            self.ema = AveragedModel(self.model, multi_avg_fn=ema_update(self.hparams.ema_decay), use_buffers=True)
-            self.ema.requires_grad_(False)
-        shard_model = getattr(self.trainer.strategy, "shard_model", None) if self._trainer is not None else None
-        if shard_model is not None:  # FSDP: the EMA is sharded like the model (its update is a per-shard lerp)
-            shard_model(self.model)
-            if self.ema is not None:
-                shard_model(self.ema.module)
-        if self.hparams.compile:  # regional compilation: one graph per block, reused by all blocks
-            if isinstance(self.model, DiffusersTransformer):
-                self.model.transformer.compile_repeated_blocks()
-            else:
-                for block in self.model.blocks:
-                    block.compile()
 
     @property
     def text_conditioned(self) -> bool:
@@ -189,41 +145,30 @@ class DiTModule(L.LightningModule):
         return math.prod(self.model.default_grid)  # the data's grid: the model was built for it
 
     # ---- training ---------------------------------------------------------------------------------------------------
-    def diffusion_loss(self, model: DiT | DiffusersTransformer, x0: Tensor, condition, generators: list[torch.Generator]
-                       ) -> Tensor:
-        """This rank's loss for the batch (the mean squared error, + the variational bound for a DiT's learned
-        variance under DDPM, normalised so that DDP's gradient average over all ranks is the one-device gradient);
-        ``generators[i]`` draws sample i's time, noise and condition drop."""
+    def diffusion_loss(self, model: nn.Module, x0: Tensor, condition, generators: list[torch.Generator]) -> Tensor:
+        """This rank's loss for the batch: the mean squared error (+ the variational bound for a learned variance under
+        DDPM) over the whole prediction; ``generators[i]`` draws sample i's time, noise and condition drop.
+
+        Every model gathers its prediction, so every rank of a sequence-parallel group holds the whole sample's loss.
+        The gather's backward hands each rank the gradient of its own tokens summed over the group's sp copies of
+        that loss, so DDP's gradient average over all ranks is the one-device gradient (the ranks' parameter
+        gradients are partial sums: ``ringdit.parallel.collectives``)."""
         t = torch.cat([self.objective.sample_time(1, g) for g in generators]).to(x0.device)
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in generators]).to(x0.device, x0.dtype)
         draws = torch.cat([torch.rand(1, generator=g) for g in generators]).to(x0.device)
         x_t = self.objective.add_noise(x0, noise, t)
-        if isinstance(model, DiffusersTransformer):
-            # The model gathers its output (its own unpatchify needs every token), so every rank of a group holds the
-            # whole prediction: its loss is the whole sample's. The gather's backward hands each rank the gradient of
-            # its own tokens summed over the group's sp copies of that loss, so DDP's average over the group is again
-            # the one-device gradient, and the ranks' parameter gradients stay partial sums as with the DiT.
+        if model.condition_dropout_prob > 0:  # no null condition, no drop
             condition = model.drop_condition(condition, draws < model.condition_dropout_prob)
-            prediction = model(x_t, self.objective.model_time(t), condition)  # (B, C, [T,] H, W)
-            return (prediction.float() - self.objective.target(x0, noise, t).float()).square().mean()
-        labels, dims, channels = condition, self.parallel_dims, model.in_channels
-        drop = draws < model.class_dropout_prob if model.class_dropout_prob > 0 else None  # no null class: no drop
-        target = model.patchify(self.objective.target(x0, noise, t))  # (B, N, patch_volume * C)
-
-        def local(tokens: Tensor) -> Tensor:  # (B, N, P * C) -> this rank's (B, N_local, P, C)
-            return shard_sequence(tokens, dims=dims).unflatten(-1, (-1, channels)).float()
-
-        pred = model.forward_tokens(x_t, self.objective.model_time(t), labels, drop)  # (B, N_local, P * C_out)
-        pred = pred.unflatten(-1, (-1, model.out_channels))  # (B, N_local, P, C or 2C)
-        eps = pred[..., :channels].float()
-        error = (eps - local(target)).square()  # (B, N_local, P, C)
-        if model.learn_sigma and isinstance(self.objective, DDPM) and self.objective.learn_variance:
+        prediction = model(x_t, self.objective.model_time(t), condition)  # (B, C or 2C, [T,] H, W)
+        channels = x0.shape[1]
+        eps = prediction[:, :channels].float()
+        error = (eps - self.objective.target(x0, noise, t).float()).square()  # (B, C, [T,] H, W)
+        if prediction.shape[1] > channels and isinstance(self.objective, DDPM) and self.objective.learn_variance:
             # the original's hybrid loss: + the variational bound, which trains only the variance channels. Both
             # terms are means over a sample's elements, so adding them per element gives mse + vb.
-            error = error + self.objective.vb_bits(local(model.patchify(x0)), local(model.patchify(x_t)), t, eps,
-                                                   pred[..., channels:].float())
+            error = error + self.objective.vb_bits(x0.float(), x_t.float(), t, eps, prediction[:, channels:].float())
         # otherwise a learned variance gets no loss: flow matching and DDIM ignore it
-        return sharded_mean(error.flatten(2), length=target.shape[1], dims=dims)
+        return error.mean()
 
     def sample_generators(self, stream: Stream, batch: tuple[int, ...], batch_size: int) -> list[torch.Generator]:
         """One generator per local sample, keyed by ``batch`` and its position in the global batch (dp rank-major)."""
@@ -236,8 +181,8 @@ class DiTModule(L.LightningModule):
         micro_batch = batch_idx % self.trainer.accumulate_grad_batches
         generators = self.sample_generators(Stream.TRAIN, (self.trainer.global_step, micro_batch), x0.shape[0])
         loss = self.diffusion_loss(self.model, x0, condition, generators)
-        # Each rank holds sp x its share: the mean over all ranks is the batch loss (averaged over replicas), and
-        # every rank sees the same value, so they all take the same decision about a non-finite loss.
+        # The mean over all ranks is the batch loss (averaged over replicas), and every rank sees the same value, so
+        # they all take the same decision about a non-finite loss.
         batch_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
         self.log("train/loss", batch_loss, prog_bar=True)
         self._step_skipped = not torch.isfinite(batch_loss)
@@ -286,6 +231,9 @@ class DiTModule(L.LightningModule):
             self.log("train/grad_norm", norm)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self.ema is None and self.model is not None and "ema.n_averaged" in checkpoint.get("state_dict", {}):
+            # a training checkpoint loaded to sample (load_from_checkpoint): keep its EMA, the weights worth sampling
+            self.ema = averaged_copy(self.model, self.hparams.ema_decay)
         if self.hparams.get("resume_optimizer", True):
             return
         # resume_optimizer=false: Lightning loads zip(optimizers, states), so no states leaves the configured
@@ -304,7 +252,7 @@ class DiTModule(L.LightningModule):
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:
-            raise ValueError("DiTModule needs an optimizer (a partial, e.g. torch.optim.AdamW) to train")
+            raise ValueError("DiffusionModule needs an optimizer (a partial, e.g. torch.optim.AdamW) to train")
         optimizer = self.optimizer_factory(params=[p for p in self.model.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return optimizer
@@ -317,7 +265,7 @@ class DiTModule(L.LightningModule):
         """Pixels live in [-1, 1] and become images; latents (data=latents) are kept as numbers for your VAE."""
         return "latent_scale" not in self.hparams.data
 
-    def sampling_model(self, use_ema: bool = True) -> DiT:
+    def sampling_model(self, use_ema: bool = True) -> nn.Module:
         """The EMA weights while training (the ones worth sampling), else the loaded weights."""
         return self.ema.module if use_ema and self.ema is not None else self.model
 
@@ -335,22 +283,15 @@ class DiTModule(L.LightningModule):
         generators = noise_generators(seeds)  # sample i's noise: its initial noise, then the ddpm sampler's
         noise = draw_noise((model.in_channels, *self.hparams.data["image_size"]), generators, device=self.device)
         guided = settings["cfg_scale"] != 1.0
-        if isinstance(model, DiffusersTransformer):
-            keys = model.family.condition_keys  # what the model reads (the data may carry more, e.g. a text mask)
-            condition = {key: condition[key].to(self.device) for key in keys}
-            if settings.get("guidance") is not None:  # a guidance-distilled model's guidance value for sampling
-                condition["guidance"] = torch.full((len(seeds),), float(settings["guidance"]), device=self.device)
-            null = {key: (negative or model.null_condition(len(seeds)))[key].to(self.device) for key in keys} \
-                if guided else None
-            denoiser = model
-        else:
-            condition = condition.to(self.device)
-            null = model.y_embedder.null_label if guided else None
-            denoiser = model  # with learn_sigma (B, 2C, ...): the samplers take the channels they use
+        condition = _to_device(model.model_condition(condition), self.device)
+        null = _to_device(model.model_condition(negative if negative is not None else model.null_condition(len(seeds))),
+                          self.device) if guided else None
+        if settings.get("guidance") is not None and isinstance(condition, dict):  # a guidance-distilled model's
+            condition["guidance"] = torch.full((len(seeds),), float(settings["guidance"]), device=self.device)
         dims = self.parallel_dims
         split = guided and dims.cfg_group is not None  # CFG parallel: the halves on two data-parallel replicas
-        samples = sample(
-            denoiser, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
+        samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use
+            model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
             null=null, sampler=settings["sampler"], shift=settings["shift"], clip_denoised=self.samples_are_pixels,
             exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
             guidance_channels=settings.get("guidance_channels"), generators=generators,
@@ -365,3 +306,20 @@ class DiTModule(L.LightningModule):
             return {**described, "images": to_uint8(samples)}
         # back to the VAE's own scale (data.scale multiplied it in): ready to decode
         return {**described, "latents": samples.float() / self.hparams.data["latent_scale"]}
+
+
+def _to_device(condition, device):
+    """Labels (B,), or a dict of conditioning tensors, on ``device``."""
+    if isinstance(condition, dict):
+        return {key: value.to(device) for key, value in condition.items()}
+    return condition.to(device)
+
+
+def __getattr__(name: str):
+    if name == "DiTModule":  # its name until 2026-12, for code that loads checkpoints with it
+        import warnings
+
+        warnings.warn("DiTModule is now DiffusionModule (it trains every model kind); the old name will go",
+                      DeprecationWarning, stacklevel=2)
+        return DiffusionModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

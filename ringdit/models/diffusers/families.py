@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ringdit.models.diffusers.plan import ParallelPlan
+from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
 
@@ -55,6 +55,7 @@ WAN = Family(
     name="wan",
     model_class="WanTransformer3DModel",
     plan=ParallelPlan(
+        blocks=("blocks",),
         self_attention=("blocks.*.attn1",),
         cross_attention=("blocks.*.attn2",),
         split_inputs={"blocks.0": {0: 1, "hidden_states": 1}},  # (B, S, D) patch tokens
@@ -108,6 +109,7 @@ FLUX = Family(
     name="flux",
     model_class="FluxTransformer2DModel",
     plan=ParallelPlan(
+        blocks=("transformer_blocks", "single_transformer_blocks"),
         joint_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
         text_prefix=("", "encoder_hidden_states", 1),  # replicated: every rank holds all text tokens
         split_inputs={"": {"hidden_states": 1, "img_ids": 0}},  # image tokens (B, S, 4C) and their ids (S, 3)
@@ -141,6 +143,7 @@ QWENIMAGE = Family(
     name="qwenimage",
     model_class="QwenImageTransformer2DModel",
     plan=ParallelPlan(
+        blocks=("transformer_blocks",),
         joint_attention=("transformer_blocks.*.attn",),
         text_prefix=("", "encoder_hidden_states", 1),
         split_inputs={"transformer_blocks.0": {"hidden_states": 1, 0: 1}},  # (B, S, D) image tokens

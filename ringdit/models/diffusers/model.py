@@ -17,16 +17,15 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ringdit.errors import ConfigError
-from ringdit.models.diffusers.adapter import parallelize, set_sequence_dims
 from ringdit.models.diffusers.families import Family, get_family
 from ringdit.models.diffusers.folders import check_weights_folder
-from ringdit.parallel import ParallelDims
+from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
 
 
 class DiffusersTransformer(nn.Module):
-    """``family``'s diffusers transformer with ringdit attention.
+    """``family``'s diffusers transformer, unchanged; ``parallel_plan`` says where ringdit parallelizes it.
 
     Args:
         family: a key of ``ringdit.models.diffusers.FAMILIES`` (``wan``).
@@ -51,7 +50,6 @@ class DiffusersTransformer(nn.Module):
         pooled_dim: int | None = None,
         condition_dropout_prob: float = 0.1,
         guidance: float | None = None,
-        attention_backend: str | None = None,
         activation_checkpointing: bool = False,
         gradient_checkpointing: bool = False,
     ):
@@ -84,12 +82,31 @@ class DiffusersTransformer(nn.Module):
             self.register_buffer("null_pooled", torch.zeros(1, pooled_dim))  # (1, P)
         if activation_checkpointing or gradient_checkpointing:  # recompute each block in backward
             self.transformer.enable_gradient_checkpointing()
-        parallelize(self.transformer, self.family.plan, attention_backend)
 
-    def set_parallel_dims(self, dims: ParallelDims) -> None:
-        """Where the tokens split and gather (the attention layers get ``dims`` on their own, from
-        ``ringdit.parallel.set_parallel_dims``)."""
-        set_sequence_dims(self.transformer, dims)
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # LoRA's default: every attention projection
+
+    @classmethod
+    def config_for_data(cls, config: dict, data: dict) -> dict:
+        """``config`` with the data's latent channels and shape and its text embedding shape (``data``: what the data
+        module describes)."""
+        if data.get("conditioning") != "text":
+            raise ConfigError(f"model.family={config['family']} is conditioned on text, but the data gives class "
+                              f"labels; use data=text_latents (or data=synthetic_text_latents)")
+        video_data, family = len(data["image_size"]) == 3, get_family(config["family"])
+        if video_data != family.video:
+            raise ConfigError(f"the data gives {'videos (T, H, W)' if video_data else 'images (H, W)'} = "
+                              f"{list(data['image_size'])} but model.family={family.name} is a "
+                              f"{'video' if family.video else 'image'} model")
+        if family.pooled_dim is not None and not data.get("pooled_dim"):
+            raise ConfigError(f"model.family={family.name} takes a pooled text embedding, but the data has none; "
+                              f"encode the captions with the model's pooled text encoder too (text_latents 'pooled')")
+        return {**config, "input_size": list(data["image_size"]), "in_channels": data["channels"],
+                "text_len": data["text_len"], "text_dim": data["text_dim"], "pooled_dim": data.get("pooled_dim")}
+
+    @property
+    def parallel_plan(self) -> ParallelPlan:
+        """The family's plan, for the diffusers model this wraps as ``transformer``."""
+        return self.family.plan.under("transformer")
 
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
         """x (B, C, [T,] H, W) noisy latents, t (B,) model time 0..1000 -> the prediction (B, C, [T,] H, W),
@@ -111,6 +128,10 @@ class DiffusersTransformer(nn.Module):
         null = self.null_condition(drop.shape[0])
         return {key: torch.where(drop.view(-1, *[1] * (value.dim() - 1)), null[key].to(value), value)
                 if key in null else value for key, value in cond.items()}
+
+    def model_condition(self, cond: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The conditioning tensors this family reads (the data may carry more, e.g. a text mask)."""
+        return {key: cond[key] for key in self.family.condition_keys}
 
     @torch.no_grad()
     def set_null_condition(self, null: dict[str, Tensor]) -> None:

@@ -1,14 +1,18 @@
-"""Apply a ``ParallelPlan`` to a diffusers transformer: attention routed to ringdit, tokens split and gathered.
+"""``parallelize(model, plan, dims, backend)``: apply a ``ParallelPlan`` to a single-device model, in place.
 
-Nothing of the diffusers model is rewritten. Its attention processors keep computing q/k/v, norms and RoPE and call
-diffusers' ``dispatch_attention_fn(query, key, value, ...)`` with ``(B, S, H, D)`` tensors; while a planned
-attention module runs, that call is answered by the module's ringdit attention (``USPAttention`` for
-self-attention, local attention for cross-attention) instead of diffusers' kernel. Outside those modules the call
-goes to diffusers as before, so an unplanned model in the same process is unaffected.
+Nothing of the model is rewritten. Its attention modules keep computing q/k/v, norms and RoPE; what they attend with
+is answered by a ``PlannedAttention`` (``USPAttention`` over the sharded sequence for self- and joint attention, local
+attention for cross-attention). A module reaches it in one of two ways:
+
+- a ringdit model's attention calls its ``inner_attention`` submodule (torchtitan's name): the plan replaces it;
+- a diffusers processor calls diffusers' ``dispatch_attention_fn(query, key, value, ...)``: while a planned module
+  runs, that call is answered by the module's ``PlannedAttention`` instead of diffusers' kernel. Outside those
+  modules the call goes to diffusers as before, so an unplanned model in the same process is unaffected.
 
 The split/gather boundary is made of forward hooks that call ``shard_sequence`` / ``gather_sequence``, whose
 autograd follows ringdit's convention (the objective is the sum of the ranks' losses): see
-``ringdit.parallel.collectives``.
+``ringdit.parallel.collectives``. With one process (``ParallelDims()``) the hooks pass tensors through and the
+attention is the backend's local attention: a parallelized model is the same model on any layout.
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringdit.attention import AttentionBackend, USPAttention, get_attn_backend, local_attention
-from ringdit.models.diffusers.plan import Key, ParallelPlan
+from ringdit.attention import AttentionBackend, LocalAttention, USPAttention, get_attn_backend
+from ringdit.models.plan import Key, ParallelPlan
 from ringdit.parallel import ParallelDims, gather_sequence, shard_sequence
 
 Tensor = torch.Tensor
 
-# The planned attention module that is running now (None: let diffusers attend).
+# The planned diffusers attention module that is running now (None: let diffusers attend).
 _active_module: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar("ringdit_attention", default=None)
 
 
@@ -51,21 +55,27 @@ class SequenceState:
             raise ValueError(f"a planned split saw {length} tokens after another saw {self.length}: the plan's split "
                              f"points must carry the same token sequence")
 
+    def __deepcopy__(self, memo) -> SequenceState:
+        # A copy of the model (the EMA) runs its own forwards: its own counts, over the same mesh (never copied).
+        copy = SequenceState(self.dims)
+        memo[id(self)] = copy
+        return copy
 
-def parallelize(model: nn.Module, plan: ParallelPlan, backend: str | AttentionBackend | None = None,
-                dims: ParallelDims | None = None) -> SequenceState:
-    """Attach ``plan`` to ``model`` in place (idempotent per model); returns the model's ``SequenceState``.
 
-    The USPAttention layers are built here with ``dims``, so their checks (heads, ring-capable backend) run at
-    construction; ``set_sequence_dims`` gives a parallelized model another mesh later. Hooks keep no references of
-    their own: what they need hangs on the modules they are registered on, so a ``copy.deepcopy`` of the model (the
-    EMA) is parallel on its own state.
+def parallelize(model: nn.Module, plan: ParallelPlan | None = None, dims: ParallelDims | None = None,
+                backend: str | AttentionBackend | None = None) -> nn.Module:
+    """Attach ``plan`` (default: ``model.parallel_plan``) to ``model`` over the mesh ``dims`` (default: one process)
+    with attention ``backend``; returns ``model``. Once per model.
+
+    The USPAttention layers are built here, with ``dims``, so their checks (heads divisible by Ulysses, a
+    ring-capable backend) run now. Hooks keep no references of their own: what they need hangs on the modules they
+    are registered on, so a ``copy.deepcopy`` of the model (the EMA) is parallel on its own state.
     """
     if hasattr(model, "_ringdit_sequence"):
-        return model._ringdit_sequence
+        raise ValueError(f"{type(model).__name__} is parallelized already; parallelize a freshly built model")
+    plan = model.parallel_plan if plan is None else plan
     backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
-    dims = dims or ParallelDims()
-    state = SequenceState(dims)
+    state = SequenceState(dims or ParallelDims())
     model._ringdit_sequence = state
     model.register_forward_pre_hook(_start_sequence)
 
@@ -75,10 +85,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, backend: str | AttentionBa
     for name in (self_attention.keys() | joint_attention.keys()) & cross_attention.keys():
         raise ValueError(f"the parallel plan names {name} as both sharded and cross-attention")
     for name, module in {**self_attention, **joint_attention}.items():
-        _route(module, USPAttention(module.heads, _head_dim(module), backend=backend, dims=dims), state)
-        module._ringdit_joint = name in joint_attention
+        heads, head_dim = _attention_shape(module)
+        usp = USPAttention(heads, head_dim, backend=backend, dims=state.dims)
+        _route(module, PlannedAttention(usp, state, joint=name in joint_attention))
     for module in cross_attention.values():
-        _route(module, LocalAttention(backend), state)
+        _route(module, PlannedAttention(LocalAttention(backend), state, joint=False))
     if joint_attention and plan.text_prefix is None:
         raise ValueError("a plan with joint_attention must name its text_prefix input")
     if plan.text_prefix is not None:
@@ -95,51 +106,50 @@ def parallelize(model: nn.Module, plan: ParallelPlan, backend: str | AttentionBa
         for name, module in _matching(model, table, "outputs").items():
             module._ringdit_sequence = state
             module.register_forward_hook(partial(_transform_outputs, table[_pattern_of(name, table)], transform))
-    return state
+    return model
 
 
-def set_sequence_dims(model: nn.Module, dims: ParallelDims) -> None:
-    """Run the parallelized ``model``'s split and gather over ``dims`` (its attention layers take them from
-    ``ringdit.parallel.set_parallel_dims``, which calls this through ``DiffusersTransformer``)."""
-    model._ringdit_sequence.dims = dims
+def repeated_blocks(model: nn.Module, plan: ParallelPlan | None = None) -> list[nn.Module]:
+    """The transformer blocks of the plan's ``blocks`` lists (default plan: ``model.parallel_plan``), in order."""
+    plan = model.parallel_plan if plan is None else plan
+    lists = _matching(model, plan.blocks, "blocks")
+    blocks = [block for blocks in lists.values() for block in blocks]
+    if not blocks:
+        raise ValueError(f"the parallel plan of {type(model).__name__} names no repeated blocks (plan.blocks)")
+    return blocks
 
 
 def _start_sequence(model: nn.Module, args) -> None:
     model._ringdit_sequence.length = None
 
 
-# ---- attention routing -------------------------------------------------------------------------------------------
+# ---- attention ---------------------------------------------------------------------------------------------------
 
 
-class LocalAttention(nn.Module):
-    """Attention over keys every rank holds whole (cross-attention to text): no communication."""
+class PlannedAttention(nn.Module):
+    """A planned module's attention of ``(B, S, H, D)`` tensors, the sequence dim sharded for self- and joint
+    attention: ``USPAttention`` with the forward's global length (and the joint text prefix), or local attention."""
 
-    def __init__(self, backend: AttentionBackend):
+    def __init__(self, attention: USPAttention | LocalAttention, state: SequenceState, *, joint: bool):
         super().__init__()
-        self.backend = backend
+        self.attention, self.joint = attention, joint
+        self._ringdit_sequence = state
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, *, softmax_scale: float | None = None) -> Tensor:
-        return local_attention(self.backend, query, key, value, softmax_scale=softmax_scale)
-
-
-def _attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scale: float | None,
-            attn_mask: Tensor | None = None) -> Tensor:
-    """``module``'s ringdit attention of ``(B, S, H, D)`` tensors (the sequence dim sharded for self-attention)."""
-    attention = module.ringdit_attention
-    state = module._ringdit_sequence
-    joint = getattr(module, "_ringdit_joint", False)
-    text_mask = _text_mask_of(attn_mask, state.text_length) if joint and attn_mask is not None else state.text_mask
-    if attn_mask is not None and not joint:
-        raise NotImplementedError(f"{type(module).__name__} passes an attention mask; ringdit takes masks only on "
-                                  f"the text keys of joint attention (plan it as joint_attention)")
-    if isinstance(attention, LocalAttention):
-        return attention(query, key, value, softmax_scale=scale)
-    _check_scale(scale, attention.softmax_scale)
-    sharded = state.dims.sp_degree > 1
-    if joint:  # [text ; image]: the text replicated, the image sharded
-        return attention(query, key, value, valid_len=state.length if sharded else None,
-                         joint_prefix=state.text_length, prefix_mask=text_mask)
-    return attention(query, key, value, valid_len=state.length if sharded else None)
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, *, softmax_scale: float | None = None,
+                attn_mask: Tensor | None = None) -> Tensor:
+        attention, state = self.attention, self._ringdit_sequence
+        if isinstance(attention, LocalAttention):
+            return attention(query, key, value, softmax_scale=softmax_scale)
+        if attn_mask is not None and not self.joint:
+            raise NotImplementedError("this attention passes an attention mask; ringdit takes masks only on the text "
+                                      "keys of joint attention (plan it as joint_attention)")
+        _check_scale(softmax_scale, attention.softmax_scale)
+        valid_len = state.length if state.dims.sp_degree > 1 else None
+        if not self.joint:
+            return attention(query, key, value, valid_len=valid_len)
+        # [text ; image]: the text replicated, the image sharded
+        text_mask = _text_mask_of(attn_mask, state.text_length) if attn_mask is not None else state.text_mask
+        return attention(query, key, value, valid_len=valid_len, joint_prefix=state.text_length, prefix_mask=text_mask)
 
 
 def _text_mask_of(attn_mask: Tensor, text_length: int) -> Tensor | None:
@@ -159,11 +169,23 @@ def _check_scale(scale: float | None, expected: float) -> None:
         raise ValueError(f"the model asks for softmax scale {scale}, the USPAttention layer was built for {expected}")
 
 
-def _route(module: nn.Module, attention: nn.Module, state: SequenceState) -> None:
-    """While ``module`` runs, its processor's ``dispatch_attention_fn`` calls go to ``attention``."""
+def _attention_shape(module: nn.Module) -> tuple[int, int]:
+    """(heads, head size) of a ringdit attention module (``num_heads``, ``head_dim``) or a diffusers one."""
+    if hasattr(module, "num_heads") and hasattr(module, "head_dim"):
+        return module.num_heads, module.head_dim
+    return module.heads, module.to_q.out_features // module.heads
+
+
+def _route(module: nn.Module, attention: PlannedAttention) -> None:
+    """Make ``attention`` what ``module`` attends with."""
+    if isinstance(getattr(module, "inner_attention", None), nn.Module):  # a ringdit model: swap the kernel module
+        module.inner_attention = attention
+        return
+    if not hasattr(module, "processor"):
+        raise TypeError(f"{type(module).__name__} has neither an inner_attention module nor a diffusers processor: "
+                        f"the plan cannot route its attention")
     _install_router(type(module.processor).__module__)
     module.ringdit_attention = attention
-    module._ringdit_sequence = state
     module._ringdit_tokens = []
     module.register_forward_pre_hook(_enter_attention)
     module.register_forward_hook(_leave_attention, always_call=True)
@@ -178,7 +200,7 @@ def _leave_attention(module: nn.Module, args, output) -> None:
 
 
 def _install_router(processor_module: str) -> None:
-    """Point the processor module's ``dispatch_attention_fn`` at the router (once per module)."""
+    """Point a diffusers processor module's ``dispatch_attention_fn`` at the router (once per module)."""
     namespace = sys.modules[processor_module]
     original = getattr(namespace, "dispatch_attention_fn", None)
     if original is None:
@@ -194,14 +216,10 @@ def _install_router(processor_module: str) -> None:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
         if dropout_p or is_causal:
             raise NotImplementedError("ringdit attention takes no dropout or causal masking")
-        return _attend(module, query, key, value, scale, attn_mask)
+        return module.ringdit_attention(query, key, value, softmax_scale=scale, attn_mask=attn_mask)
 
     dispatch_attention_fn._ringdit_router = True
     namespace.dispatch_attention_fn = dispatch_attention_fn
-
-
-def _head_dim(module: nn.Module) -> int:
-    return module.to_q.out_features // module.heads
 
 
 # ---- split / gather ----------------------------------------------------------------------------------------------

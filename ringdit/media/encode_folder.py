@@ -1,4 +1,5 @@
-"""Encode a folder of captioned images or videos into ``data=text_latents`` shards (``python -m ringdit.prepare``).
+"""Encode a folder of captioned images or videos into ``data=text_latents`` shards: the work of
+``python -m ringdit.prepare`` (ringdit/prepare.py: its command line and SIGTERM handling).
 
 Work layout:
     the sorted file list is cut into shards of ``shard_size`` files; shard i is ``out/shard-{i:05d}.safetensors``.
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ringdit.data.text_latents import write_text_latents
+from ringdit.dtypes import dtype_named
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.folder import MediaItem, list_media
 from ringdit.media.frames import TooShort, read_image, read_video
@@ -32,11 +34,10 @@ from ringdit.media.text import TextEncoder
 from ringdit.media.vae import VAE
 
 log = logging.getLogger("ringdit.prepare")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
-class PrepareReport:
+class EncodeReport:
     shards_written: int = 0
     shards_skipped: int = 0  # already present (resume)
     samples: int = 0
@@ -89,12 +90,12 @@ def default_device() -> str:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
 
 
-def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | None = None, *,
+def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | None = None, *,
             vae_subfolder: str | None = "vae", caption_column: str = "text", resolution=256, frames: int = 17,
             frame_stride: int = 1, max_text_len: int = 512, shard_size: int = 64, batch_size: int = 4,
             device: str | None = None, dtype: str = "float32", tiling: bool = True, tile: int | None = None,
             rank: int | None = None,
-            world_size: int | None = None, progress: bool = True) -> PrepareReport:
+            world_size: int | None = None, progress: bool = True) -> EncodeReport:
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
     from tqdm.auto import tqdm
 
@@ -103,8 +104,10 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
     for name, value in (("frames", frames), ("frame_stride", frame_stride), ("shard_size", shard_size),
                         ("batch_size", batch_size)):
         require_count(name, value)
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    store = dtype_named("dtype", dtype)
+    if not isinstance(tiling, bool):
+        raise ConfigError(f"tiling must be true or false, got {tiling!r}")
+    require_count("tile", tile, optional=True, hint="the VAE's spatial tile size in pixels, e.g. tile=256")
     if rank is None or world_size is None:
         rank, world_size = rank_and_world()
     if world_size < 1 or not 0 <= rank < world_size:
@@ -118,7 +121,7 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
         raise ConfigError(f"input={input} mixes videos ({videos[0].path.name}) and images ({image.path.name}); a "
                           f"prepared set has one shape, so prepare them into separate out= folders")
     device = device or default_device()
-    codec = VAE(vae, vae_subfolder, device=device, dtype=DTYPES[dtype], tiling=tiling, tile=tile)
+    codec = VAE(vae, vae_subfolder, device=device, dtype=store, tiling=tiling, tile=tile)
     if videos and not codec.is_video:
         raise ConfigError(f"vae={vae} is an image VAE ({codec.class_name}) but input={input} holds videos (first: "
                           f"{videos[0].path.name}); pass a video VAE folder (AutoencoderKLWan)")
@@ -126,17 +129,16 @@ def prepare(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | 
         raise ConfigError(f"frames={frames}: {codec.class_name} encodes 1 + k * {codec.temporal} frames; pass e.g. "
                           f"frames={1 + max(0, frames - 1) // codec.temporal * codec.temporal}")
     height, width = bucket_size(resolution, codec.spatial)
-    encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=DTYPES[dtype])
+    encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=store)
 
     out_dir = Path(str(out)).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = [items[start:start + shard_size] for start in range(0, len(items), shard_size)]
     mine = range(rank, len(shards), world_size)
-    report = PrepareReport(shards_skipped=sum(shard_path(out_dir, i).exists() for i in mine),
+    report = EncodeReport(shards_skipped=sum(shard_path(out_dir, i).exists() for i in mine),
                            missing=missing if rank == 0 else [])
     pending = [i for i in mine if not shard_path(out_dir, i).exists()]
     null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,)]
-    store = DTYPES[dtype]
     metadata = {"vae": json.dumps(codec.describe()), "text_encoder": json.dumps(encoder.describe()),
                 "bucket": json.dumps({"height": height, "width": width, "frames": frames if videos else None,
                                       "frame_stride": frame_stride if videos else None, "source": str(input)})}

@@ -1,7 +1,8 @@
-"""``ParallelPlan``: what one diffusers model family needs to run sequence-parallel, said declaratively.
+"""``ParallelPlan``: where a model meets sequence parallelism, said declaratively, as data next to the model.
 
-A diffusers transformer is left exactly as diffusers wrote it: its projections, norms, RoPE and output layer run
-unchanged. Parallelism attaches at the places the plan names (the same two places as in ringdit's own DiT):
+Every model ringdit trains -- its own DiT and each diffusers family -- is written for one device and declares one plan
+(``DiT.parallel_plan``, ``Family.plan``); ``ringdit.models.parallelize`` applies it. Parallelism attaches at two
+places only:
 
 - **attention**: the attention modules whose queries are the (sharded) token sequence. ``self_attention`` modules
   attend over the whole sequence and run through ``USPAttention`` (ring / Ulysses); ``cross_attention`` modules
@@ -15,22 +16,26 @@ unchanged. Parallelism attaches at the places the plan names (the same two place
   rotations of its own tokens' positions, its padded tail included); ``gather_outputs`` names module outputs
   gathered back to the whole sequence (the output projection), so the model's own unpatchify sees every token.
 
+``blocks`` names the ``ModuleList`` s of repeated transformer blocks: each block is a unit FSDP shards on its own and
+a region ``compile=true`` compiles (one graph, reused by every block).
+
 Module names are ``fnmatch`` patterns over ``model.named_modules()`` (``"blocks.*.attn1"``); ``""`` is the model
 itself. Input keys are positional indices or keyword names; output keys index a tuple output (``None``: the output
 itself). Every value is the sequence dimension.
 
-A new family is a new plan (see ``ringdit/models/diffusers/families.py``), not new machinery.
+A new model kind or family is a new plan (and a preset), not new machinery.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 Key = int | str | None
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
+    blocks: tuple[str, ...] = ()  # the ModuleLists of repeated blocks
     self_attention: tuple[str, ...] = ()
     cross_attention: tuple[str, ...] = ()
     joint_attention: tuple[str, ...] = ()
@@ -39,3 +44,25 @@ class ParallelPlan:
     split_inputs: dict[str, dict[Key, int]] = field(default_factory=dict)
     split_outputs: dict[str, dict[Key, int]] = field(default_factory=dict)
     gather_outputs: dict[str, dict[Key, int]] = field(default_factory=dict)
+
+    def under(self, prefix: str) -> ParallelPlan:
+        """The same plan for a model that holds this plan's model as its submodule ``prefix``."""
+
+        def name(pattern: str) -> str:
+            return f"{prefix}.{pattern}" if pattern else prefix
+
+        def table(entries: dict) -> dict:
+            return {name(pattern): keys for pattern, keys in entries.items()}
+
+        return replace(
+            self,
+            blocks=tuple(map(name, self.blocks)),
+            self_attention=tuple(map(name, self.self_attention)),
+            cross_attention=tuple(map(name, self.cross_attention)),
+            joint_attention=tuple(map(name, self.joint_attention)),
+            text_prefix=None if self.text_prefix is None else (name(self.text_prefix[0]), *self.text_prefix[1:]),
+            text_mask=None if self.text_mask is None else (name(self.text_mask[0]), self.text_mask[1]),
+            split_inputs=table(self.split_inputs),
+            split_outputs=table(self.split_outputs),
+            gather_outputs=table(self.gather_outputs),
+        )

@@ -1,0 +1,16 @@
+"""The floating-point dtypes a setting may name (``dtype=bfloat16``, ``trainer.strategy.param_dtype=...``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ringdit.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_named(setting: str, name: str) -> torch.dtype:
+    """The dtype ``name`` given as ``setting``; a ConfigError naming the choices for anything else."""
+    if name not in DTYPES:
+        raise ConfigError(f"{setting}={name!r} is not a dtype ringdit takes; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]

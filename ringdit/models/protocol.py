@@ -1,0 +1,44 @@
+"""``DiffusionModel``: what a model needs to be trained and sampled by ringdit -- the whole contract of a model kind.
+
+A new model kind (or diffusers family) is its single-device module with these members, plus a preset in
+``conf/model/``; ``ringdit.build.build_model`` and ``DiffusionModule`` need nothing else of it. Optional:
+``load_pretrained_weights(folder)`` (``init_from=<a diffusers folder>``), ``set_null_condition(null)`` (text
+conditioning: the empty prompt's embedding, from the data) and ``lora_targets`` (the module-name suffixes LoRA adapts
+by default). Checkpoints may name its class once it is allowed (``ringdit.safe_config.allow_target``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from ringdit.models.plan import ParallelPlan
+
+Tensor = torch.Tensor
+Condition = Any  # class labels (B,), or a dict of batch-first tensors (text embeddings, masks, ...)
+
+
+class DiffusionModel(Protocol):
+    parallel_plan: ParallelPlan  # where it splits, gathers and attends sequence-parallel (ringdit.models.plan)
+    in_channels: int  # channels of the data it denoises
+    default_grid: tuple[int, ...]  # its token grid for the data's shape: tokens per sample for throughput logs
+    condition_dropout_prob: float  # the chance training replaces a sample's condition by the null one
+
+    @classmethod
+    def config_for_data(cls, config: dict, data: dict) -> dict:
+        """Its config (``_target_`` and settings) with what the data module describes filled in: channels, shape,
+        classes or text embedding shape; a ConfigError where the data does not fit the model."""
+
+    def forward(self, x: Tensor, t: Tensor, condition: Condition) -> Tensor:
+        """x (B, C, [T,] H, W) noisy data, t (B,) model time -> the prediction (B, C or 2C, [T,] H, W), whole (the
+        plan gathers it): 2C when the model also predicts a variance."""
+
+    def drop_condition(self, condition: Condition, drop: Tensor) -> Condition:
+        """``condition`` with the null condition where ``drop`` (B,) is True."""
+
+    def null_condition(self, batch: int) -> Condition:
+        """The condition guidance guides away from (the null class, the empty prompt), ``batch`` times."""
+
+    def model_condition(self, condition: Condition) -> Condition:
+        """What ``forward`` reads of a batch's condition (the data may carry more)."""

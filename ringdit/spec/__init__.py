@@ -1,0 +1,39 @@
+"""The run spec: a composed Hydra config checked once, before any process is spawned, into frozen dataclasses that
+the code downstream takes and trusts (torchtitan's validated job config). One module per part:
+
+- ``layout``: ``Layout`` -- dp x ring x ulysses ranks on devices x nodes, device type, attention backend; launches
+  whose ranks would never come;
+- ``model``: ``ModelSpec`` -- the model config shaped by the data, built on the meta device to check it;
+- ``diffusion``: the objective's resolution shift; samplers, steps and guidance that fit objective and model;
+- ``optimizer``: ``OptimizerSpec`` -- optimizer and scheduler partials, EMA decay;
+- ``trainer``: ``TrainerSpec`` -- Lightning's settings, callbacks, loggers;
+- ``checkpoint``: ``CheckpointPlan`` -- resume, init_from, LoRA; the weights files inspected against the model;
+- ``train`` / ``infer``: ``TrainSpec`` / ``InferSpec``, composed of the parts, for train.py / infer.py.
+"""
+
+from ringdit.spec.checkpoint import CheckpointPlan
+from ringdit.spec.diffusion import check_sampling, resolve_shift
+from ringdit.spec.infer import Conditioning, InferSpec, OutputSpec
+from ringdit.spec.layout import Layout
+from ringdit.spec.model import ModelSpec, build_on_meta, is_diffusers_model, model_config
+from ringdit.spec.optimizer import OptimizerSpec
+from ringdit.spec.train import DataSpec, TrainSpec
+from ringdit.spec.trainer import TrainerSpec
+
+__all__ = [
+    "CheckpointPlan",
+    "Conditioning",
+    "DataSpec",
+    "InferSpec",
+    "Layout",
+    "ModelSpec",
+    "OptimizerSpec",
+    "OutputSpec",
+    "TrainSpec",
+    "TrainerSpec",
+    "build_on_meta",
+    "check_sampling",
+    "is_diffusers_model",
+    "model_config",
+    "resolve_shift",
+]

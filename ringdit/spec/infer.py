@@ -1,0 +1,134 @@
+"""``InferSpec``: everything a sampling run is, checked once, before any process is spawned.
+
+``InferSpec.from_config(cfg)`` reads infer.py's composed config and the checkpoint's own configs (model, data,
+objective, sampling: data, never code -- ``ringdit.safe_config``); infer.py builds the trainer, module and sample
+requests from the spec alone. The checkpoint is read once and checked against the model built on the meta device;
+what the samples are conditioned on (class ids, prompts) is checked against what the model takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from ringdit.checkpoints.weights import WEIGHT_CHOICES
+from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
+from ringdit.spec.checkpoint import check_weights_file, read_weights_file, resolve_sampling_ckpt
+from ringdit.spec.diffusion import check_sampling
+from ringdit.spec.layout import Layout
+from ringdit.spec.model import ModelSpec
+from ringdit.spec.trainer import TrainerSpec
+
+SAMPLING_OVERRIDES = ("steps", "cfg_scale", "sampler", "guidance", "guidance_channels")
+TEXT_SETTINGS = ("prompts", "negative_prompt", "text_embeds", "negative_text_embeds", "text_encoder", "tokenizer")
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What the samples are conditioned on: a class id each (a class-conditional model), or prompts (a text model)."""
+
+    labels: tuple[int, ...] | None = None  # class-conditional: one id per sample
+    prompts: tuple[str, ...] = ()          # text to encode, cycled over the samples
+    negative_prompt: str | None = None     # text to encode; None: the empty prompt, as trained
+    text_embeds: str | None = None         # a .safetensors of encoded prompts; None (and no prompts): held-out ones
+    negative_text_embeds: str | None = None
+    text_encoder: str | None = None        # for prompts / negative_prompt: given, else the data's own encoder
+    tokenizer: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, data_info: dict, *, ckpt_path: str, num_samples: int) -> Conditioning:
+        if data_info.get("conditioning") != "text":
+            given = [key for key in TEXT_SETTINGS if cfg.get(key)]
+            if given:  # a class-conditional model has no text input: prompts would be ignored, not followed
+                raise ConfigError(f"{', '.join(f'{key}={cfg[key]}' for key in given)}: ckpt_path={ckpt_path} is a "
+                                  f"class-conditional model, which takes no text; choose classes with labels=[...] "
+                                  f"(ids or names), or sample a text-conditioned checkpoint (model=wan, flux, "
+                                  f"qwenimage)")
+            from ringdit.sampling import resolve_labels
+
+            labels = OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels
+            return cls(labels=tuple(resolve_labels(labels, num_samples, data_info)))
+        if cfg.labels is not None:
+            raise ConfigError("labels are for class-conditional models; this model is text-conditioned: give prompt "
+                              "embeddings with text_embeds=<file> (or none for the training data's held-out prompts)")
+        if cfg.prompts and cfg.text_embeds:
+            raise ConfigError("give prompts= (text to encode) or text_embeds= (encoded prompts), not both")
+        if cfg.negative_prompt and cfg.negative_text_embeds:
+            raise ConfigError("give negative_prompt= (text to encode) or negative_text_embeds= (encoded), not both")
+        prepared = data_info.get("text_encoder") or {}
+        encoder = cfg.text_encoder or prepared.get("path")
+        if (cfg.prompts or cfg.negative_prompt) and not encoder:
+            raise ConfigError("prompts / negative_prompt need a text encoder: pass text_encoder=FOLDER (the T5 / UMT5 "
+                              "/ CLIP folder the training data was encoded with), or give text_embeds= instead")
+        prompts = () if not cfg.prompts else (cfg.prompts,) if isinstance(cfg.prompts, str) else \
+            tuple(str(p) for p in cfg.prompts)
+        return cls(prompts=prompts, negative_prompt=cfg.negative_prompt or None, text_embeds=cfg.text_embeds or None,
+                   negative_text_embeds=cfg.negative_text_embeds or None, text_encoder=encoder or None,
+                   tokenizer=cfg.tokenizer or (None if cfg.text_encoder else prepared.get("tokenizer")))
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """How the samples are written besides samples.npz: decoded with a VAE (latent models), videos at fps."""
+
+    vae: str | None          # resolved: given, else the VAE the data was prepared with when that folder exists
+    vae_subfolder: str | None
+    vae_tile: int | None     # spatial tile in pixels for decoding; None: diffusers' default
+    fps: int
+
+
+@dataclass(frozen=True)
+class InferSpec:
+    seed: int                # sample i starts from noise seeded by (seed, i)
+    num_samples: int
+    batch_size: int          # samples per forward, per data-parallel rank
+    output_dir: str
+    layout: Layout
+    trainer: TrainerSpec
+    ckpt_path: str           # resolved ('last': the newest training run's last.ckpt)
+    weights: str             # ema | model
+    model: ModelSpec         # the checkpoint's model
+    data: dict               # the checkpoint's description of its training data
+    objective: dict
+    sampling: dict           # the checkpoint's sampling defaults with this run's overrides
+    conditioning: Conditioning
+    output: OutputSpec
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> InferSpec:
+        """Check every setting of infer.py's ``cfg`` and the checkpoint; return the run (nothing is spawned)."""
+        from ringdit.media.decode import sampling_vae
+
+        require_number("cfg_scale", cfg.get("cfg_scale"), optional=True)  # cfg_scale=nan gives black images
+        TrainerSpec.check_settings(cfg, training=False)
+        ckpt_path = resolve_sampling_ckpt(cfg.ckpt_path, cfg.paths.log_dir)
+        require_count("num_samples", cfg.num_samples)
+        require_count("batch_size", cfg.batch_size)
+        require_seed("seed", cfg.seed)
+        require_choice("weights", cfg.weights, WEIGHT_CHOICES)
+        layout = Layout.from_config(cfg, training=False)
+        if cfg.num_samples < layout.dp_degree:  # split over the data-parallel ranks, none repeated: each needs one
+            raise ConfigError(f"num_samples={cfg.num_samples} is fewer than the {layout.dp_degree} data-parallel ranks "
+                              f"(dp_degree={layout.dp_degree}): each rank needs a sample; use num_samples>="
+                              f"{layout.dp_degree} or fewer devices")
+        trainer = TrainerSpec.from_config(cfg, training=False)
+        state, info = read_weights_file("ckpt_path", ckpt_path, prefer=cfg.weights)
+        missing = [key for key in ("model", "data", "objective") if key not in info]
+        if missing:
+            raise ConfigError(f"ckpt_path={ckpt_path} does not say which model it holds (no {', '.join(missing)}): "
+                              f"sample from a ringdit checkpoint (.ckpt) or export (.safetensors), or fine-tune it "
+                              f"first with init_from")
+        output = OutputSpec(vae=sampling_vae(cfg.vae, cfg.vae_subfolder, info["data"]), vae_subfolder=cfg.vae_subfolder,
+                            vae_tile=cfg.vae_tile, fps=cfg.fps)
+        model, meta_model = ModelSpec.from_config(info["model"], layout.ulysses_degree)
+        check_weights_file("ckpt_path", ckpt_path, meta_model, state=state)
+        del state, meta_model
+        overrides = {key: cfg[key] for key in SAMPLING_OVERRIDES if cfg.get(key) is not None}
+        sampling = {**info.get("sampling", {}), **overrides}
+        check_sampling(info["model"], info["objective"], sampling)
+        conditioning = Conditioning.from_config(cfg, info["data"], ckpt_path=ckpt_path, num_samples=cfg.num_samples)
+        return cls(seed=cfg.seed, num_samples=cfg.num_samples, batch_size=cfg.batch_size,
+                   output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, ckpt_path=ckpt_path,
+                   weights=cfg.weights, model=model, data=info["data"], objective=info["objective"],
+                   sampling=sampling, conditioning=conditioning, output=output)

@@ -1,0 +1,90 @@
+"""``ModelSpec``: the model a run builds -- its config with the data's shape filled in, and the tokens per sample that
+ring / Ulysses split -- checked by building it on the meta device (no memory) before any process is spawned."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ringdit.errors import ConfigError, require_count, require_number
+from ringdit.parallel import ParallelDims
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    config: dict   # the model's config (``_target_`` and its settings), with the data's shape filled in
+    tokens: int    # tokens per sample: the sequence the sequence-parallel ranks split
+
+    @property
+    def diffusers(self) -> bool:
+        return is_diffusers_model(self.config)
+
+    @staticmethod
+    def check_settings(model_cfg: DictConfig | dict) -> None:
+        """The sizes a user sets, each alone: checked before the data is opened (cheap), the rest in ``from_data``."""
+        model = model_cfg or {}
+        for key in ("hidden_size", "depth", "num_heads"):  # depth=0 would train a model without blocks, silently
+            if key in model:
+                require_count(f"model.{key}", model[key])
+        if "mlp_ratio" in model:
+            require_number("model.mlp_ratio", model["mlp_ratio"], low=0, low_open=True)
+        if "class_dropout_prob" in model:
+            require_number("model.class_dropout_prob", model["class_dropout_prob"], low=0, high=1)
+
+    @classmethod
+    def from_data(cls, model_cfg: DictConfig | dict, data_info: dict,
+                  ulysses_degree: int) -> tuple[ModelSpec, nn.Module]:
+        """The model ``model_cfg`` makes of this data (``model_config``), and that model built on meta."""
+        return cls.from_config(model_config(model_cfg, data_info), ulysses_degree)
+
+    @classmethod
+    def from_config(cls, config: dict, ulysses_degree: int) -> tuple[ModelSpec, nn.Module]:
+        """A complete model config (a checkpoint's): the spec and the model built on meta, for the checks that
+        need its parameters (LoRA targets, weights files, memory)."""
+        meta_model = build_on_meta(config, ulysses_degree)
+        return cls(config=config, tokens=math.prod(meta_model.default_grid)), meta_model
+
+
+def is_diffusers_model(config: dict) -> bool:
+    """A diffusers transformer (``model=wan`` ...) rather than ringdit's own DiT."""
+    return "family" in config
+
+
+def model_config(model_cfg: DictConfig | dict, data_info: dict) -> dict:
+    """The model config with the data's shape filled in by the model class itself (``config_for_data``: channels,
+    size and classes for the DiT; channels, latent shape and text embedding shape for a diffusers model)."""
+    config = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    return model_class(config).config_for_data(config, data_info)
+
+
+def model_class(config: dict) -> type[nn.Module]:
+    """The class ``config["_target_"]`` names (imported, not instantiated)."""
+    from hydra.utils import get_class
+
+    target = config.get("_target_")
+    if not target:
+        raise ConfigError("model: the config has no _target_ (pick a preset: model=dit, model=wan_tiny, ...)")
+    try:
+        return get_class(target)
+    except (ImportError, ValueError) as error:
+        raise ConfigError(f"model._target_={target}: {str(error).strip().splitlines()[0]}") from None
+
+
+def build_on_meta(config: dict, ulysses_degree: int = 1) -> nn.Module:
+    """The model built and parallelized on the meta device (no memory): its settings, and whether its attention
+    layers fit the layout (heads divisible by Ulysses), are checked before any process is spawned."""
+    from ringdit.build import build_model
+
+    with torch.device("meta"):
+        try:
+            model, _ = build_model(config, dims=ParallelDims(ulysses_degree=ulysses_degree), backend="math")
+        except InstantiationException as error:
+            if isinstance(error.__cause__, ConfigError):
+                raise error.__cause__ from None
+            raise ConfigError(f"model: {error.__cause__ or error}") from None
+    return model

@@ -1,0 +1,95 @@
+"""``TrainSpec``: everything a training run is, checked once, before any process is spawned.
+
+``TrainSpec.from_config(cfg)`` reads the composed Hydra config; train.py builds the trainer, module and data from the
+spec alone and trusts it. The checks run cheapest first: each setting's own value, then the launch and the layout,
+then the data (opening it can read every shard), the model it shapes (built on the meta device), and last the files
+the run will load. A typo costs seconds, not a hung cluster; errors name the setting, the value and what would work.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import hydra
+from omegaconf import DictConfig
+
+from ringdit.errors import ConfigError, require_count, require_number, require_seed
+from ringdit.memory import check_training_memory
+from ringdit.spec.checkpoint import CheckpointPlan
+from ringdit.spec.diffusion import training_diffusion
+from ringdit.spec.layout import Layout
+from ringdit.spec.model import ModelSpec
+from ringdit.spec.optimizer import OptimizerSpec
+from ringdit.spec.trainer import TrainerSpec
+
+if TYPE_CHECKING:
+    from lightning import LightningDataModule
+
+log = logging.getLogger(__name__)
+
+NONFINITE_LOSS = ("stop", "skip")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    batch_size: int  # samples per data-parallel rank and step
+    info: dict       # what the data module describes: channels, image_size, classes or text shapes, its source
+    module: LightningDataModule = field(repr=False, compare=False)  # built once, while checking: opening is its check
+
+    @staticmethod
+    def check_settings(data_cfg: DictConfig) -> None:
+        require_count("data.batch_size", data_cfg.batch_size)
+        require_count("data.num_workers", data_cfg.get("num_workers", 0), minimum=0)
+        if "val_fraction" in data_cfg:
+            require_number("data.val_fraction", data_cfg.val_fraction, low=0, high=1)
+
+    @classmethod
+    def from_config(cls, data_cfg: DictConfig) -> DataSpec:
+        """Open the data: the data module checks its files (shapes, values) as it is built."""
+        module = hydra.utils.instantiate(data_cfg)
+        return cls(batch_size=data_cfg.batch_size, info=module.describe(), module=module)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    seed: int
+    compile: bool            # torch.compile each block (regional compilation)
+    nonfinite_loss: str      # a NaN / Inf loss: stop (keeping the last good checkpoint) | skip the step
+    output_dir: str          # the run folder (hydra.run.dir)
+    layout: Layout
+    trainer: TrainerSpec
+    data: DataSpec
+    model: ModelSpec
+    objective: dict          # the objective's config (_target_ FlowMatching / DDPM), shift resolved
+    sampling: dict           # preview and infer.py defaults: sampler, steps, cfg_scale, shift, guidance
+    optimizer: OptimizerSpec
+    checkpoint: CheckpointPlan
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> TrainSpec:
+        """Check every setting of train.py's ``cfg`` and return the run it describes (nothing is spawned)."""
+        # each setting's own value: cheap, before the data is opened
+        TrainerSpec.check_settings(cfg, training=True)
+        DataSpec.check_settings(cfg.data)
+        require_seed("seed", cfg.seed)
+        CheckpointPlan.check_settings(cfg)
+        ModelSpec.check_settings(cfg.get("model"))
+        if cfg.nonfinite_loss not in NONFINITE_LOSS:
+            raise ConfigError(f"nonfinite_loss must be 'stop' or 'skip', got {cfg.nonfinite_loss!r}")
+        optimizer = OptimizerSpec.from_config(cfg)
+        require_number("diffusion.sampling.cfg_scale", cfg.diffusion.sampling.get("cfg_scale"), optional=True)
+        # the processes and what they run: before the data, whose opening can take long
+        layout = Layout.from_config(cfg, training=True)
+        trainer = TrainerSpec.from_config(cfg, training=True)
+        # the data, the model it shapes (built on meta), and the objective and sampling that fit them
+        data = DataSpec.from_config(cfg.data)
+        model, meta_model = ModelSpec.from_data(cfg.model, data.info, layout.ulysses_degree)
+        objective, sampling = training_diffusion(cfg, model.config, model.tokens)
+        check_training_memory(cfg, model.config, meta_model, layout.attention_backend)  # a warning: only an estimate
+        # the files the run loads, against the model
+        checkpoint = CheckpointPlan.from_config(cfg, meta_model, optimizer=optimizer, max_steps=trainer.max_steps)
+        return cls(seed=cfg.seed, compile=cfg.compile, nonfinite_loss=cfg.nonfinite_loss,
+                   output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, data=data, model=model,
+                   objective=objective, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint)
