@@ -17,7 +17,6 @@ import argparse
 import datetime
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ringdit, also in spawned ranks
+from benchmarks.cpu_ranks import free_port  # noqa: E402
 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
@@ -101,12 +101,6 @@ def measure(rank: int, world: int, port: int, mode: str, layers: int, steps: int
                          "step_s": statistics.median(times[1:] or times), "parameters": parameters})
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

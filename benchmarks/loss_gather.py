@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ringdit, also in spawned ranks
+from benchmarks.cpu_ranks import free_port  # noqa: E402
 
 
 def timed(function, repeats: int) -> float:
@@ -94,12 +94,6 @@ def measure(rank: int, world: int, port: int, args, results) -> None:
             results.put({name: max(r[name] for r in slowest) for name in rows})
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

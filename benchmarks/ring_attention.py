@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 
@@ -27,6 +26,7 @@ from ringdit.attention import USPAttention, get_attn_backend, local_attention
 from ringdit.parallel import gather_sequence, init_sequence_parallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.cpu_ranks import free_port  # noqa: E402
 from tensor_memory import PeakTensorMemory  # noqa: E402
 
 
@@ -76,12 +76,6 @@ def run_rank(rank, world, port, layout, mode, seq, heads, head_size, repeat, que
         queue.put((best, peak.item()))
     if world > 1:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(layout, seq, heads, head_size, repeat):

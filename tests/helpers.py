@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -245,6 +246,28 @@ def fail_fast(script: str, *overrides: str) -> tuple[SimpleNamespace, float]:
         GlobalHydra.instance().clear()
     return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue()), seconds
 
+
+
+def assert_refused(proc, message: str | None = None, *, text: str | None = None, seconds: float | None = None,
+                   run_dir: Path | None = None) -> str:
+    """``proc`` (``fail_fast``'s, ``launch``'s or a subprocess's result) is a run refused before any rank started: exit
+    code 2, one ``Error: ...`` line -- matching the regex ``message``, or holding ``text`` verbatim -- and no
+    traceback, nothing spawned, within ``FAST_FAIL_SECONDS`` (given ``seconds``), no checkpoint under ``run_dir``.
+    Returns the error line. The one check for "refused before spawning", whatever the command."""
+    output = f"{proc.stderr}{proc.stdout}"
+    assert proc.returncode == 2, output[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    if message is not None:
+        assert re.search(message, errors[0]), errors[0]
+    if text is not None:
+        assert text in errors[0], errors[0]
+    assert "Initializing distributed" not in output  # no rank was started
+    if seconds is not None:
+        assert seconds < FAST_FAIL_SECONDS, f"refused after {seconds:.1f} s"
+    if run_dir is not None:
+        assert not (run_dir / "checkpoints").exists()
+    return errors[0]
 
 def children_of(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (the ranks a launcher spawned), from /proc."""

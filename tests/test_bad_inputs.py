@@ -25,16 +25,7 @@ from ringdit.data.text_latents import (
     write_text_latents,
 )
 from ringdit.errors import ConfigError
-from tests.helpers import FAST_FAIL_SECONDS, GOOD, LABELS, REPO, fail_fast, write_latents
-
-
-def one_line_refusal(proc, message: str) -> None:
-    """Exit 2, ``Error: ...`` matching ``message`` on one line (then only the HYDRA_FULL_ERROR hint), no traceback."""
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    errors = [line for line in lines if line.startswith("Error: ")]
-    assert len(errors) == 1 and re.search(message, errors[0]), proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+from tests.helpers import FAST_FAIL_SECONDS, GOOD, LABELS, REPO, assert_refused, fail_fast, write_latents
 
 
 def shard(path: Path, pooled: bool = False, **changes) -> Path:
@@ -103,7 +94,7 @@ def test_nonfinite_text_is_refused_before_training(tmp_path):
     shard(folder / "a.safetensors", pooled=True)
     bad = write_text_latents(folder / "b.safetensors", **poisoned("text"))  # the second shard
     proc, seconds = fail_fast("train.py", "data=text_latents", f"data.path={folder}", f"hydra.run.dir={tmp_path / 'r'}")
-    one_line_refusal(proc, rf"data.path: {re.escape(str(bad))}: text \(4, 8, 16\) holds 3 NaN or Inf values in 2 of "
+    assert_refused(proc, rf"data.path: {re.escape(str(bad))}: text \(4, 8, 16\) holds 3 NaN or Inf values in 2 of "
                            rf"its 4 rows \(the first: row 1\); re-encode those samples or drop them")
     assert seconds < FAST_FAIL_SECONDS and not (tmp_path / "r" / "checkpoints").exists()
 
@@ -197,7 +188,7 @@ def test_bad_captions_in_any_shard_stop_train_py(tmp_path):
     shard(folder / "a.safetensors")
     bad = shard(folder / "b.safetensors", captions=None, metadata={"captions": "blob 0, blob 1, blob 2, blob 3"})
     proc, seconds = fail_fast("train.py", "data=text_latents", f"data.path={folder}", f"hydra.run.dir={tmp_path / 'r'}")
-    one_line_refusal(proc, rf"data.path: {re.escape(str(bad))}: the captions metadata is not valid JSON")
+    assert_refused(proc, rf"data.path: {re.escape(str(bad))}: the captions metadata is not valid JSON")
     assert seconds < FAST_FAIL_SECONDS
 
 
@@ -410,7 +401,7 @@ def test_decode_refuses_what_is_not_a_samples_npz(case, tmp_path, capsys, monkey
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     path = bad_npz(tmp_path)[case]
     proc = decode_main(capsys, str(path), f"vae={tmp_path}")
-    one_line_refusal(proc, BAD_SAMPLES[case].format(path=re.escape(str(path))))
+    assert_refused(proc, BAD_SAMPLES[case].format(path=re.escape(str(path))))
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -427,7 +418,7 @@ def test_decode_settings_are_checked_before_any_work(settings, message, tmp_path
     good = tmp_path / "good.npz"
     np.savez(good, latents=np.zeros((2, 4, 8, 8), np.float32))
     proc = decode_main(capsys, str(good), *(s.format(tmp=tmp_path) for s in settings))
-    one_line_refusal(proc, message)
+    assert_refused(proc, message)
 
 
 def test_decode_video_latents_with_an_image_vae(models, tmp_path, capsys, monkeypatch):
@@ -435,7 +426,7 @@ def test_decode_video_latents_with_an_image_vae(models, tmp_path, capsys, monkey
     video = tmp_path / "video.npz"
     np.savez(video, latents=np.zeros((1, 4, 2, 4, 4), np.float32))
     proc = decode_main(capsys, str(video), f"vae={models['flux']}")
-    one_line_refusal(proc, r"latents are videos \(1, 4, 2, 4, 4\) \(N, C, T, H, W\) but vae=.*flux/vae is an image VAE "
+    assert_refused(proc, r"latents are videos \(1, 4, 2, 4, 4\) \(N, C, T, H, W\) but vae=.*flux/vae is an image VAE "
                            r"\(AutoencoderKL\); decode with the video VAE")
 
 
@@ -448,7 +439,7 @@ def test_decode_is_one_line_from_the_command_line(tmp_path):
     garbage.write_bytes(b"PK\x03\x04garbage")
     proc = subprocess.run([sys.executable, "-m", "ringdit.media.decode", str(garbage), f"vae={tmp_path}"], cwd=REPO,
                           capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": ""}, timeout=120)
-    one_line_refusal(proc, rf"samples={re.escape(str(garbage))} is not a readable .npz file \(BadZipFile")
+    assert_refused(proc, rf"samples={re.escape(str(garbage))} is not a readable .npz file \(BadZipFile")
 
 
 @pytest.fixture(scope="module")
@@ -502,4 +493,4 @@ def test_a_corrupt_zip_member_is_named(tmp_path, capsys, monkeypatch):
         data[i] ^= 0xFF
     path.write_bytes(bytes(data))
     proc = decode_main(capsys, str(path), f"vae={tmp_path}")
-    one_line_refusal(proc, rf"samples={re.escape(str(path))}: its 'latents' cannot be read \(")
+    assert_refused(proc, rf"samples={re.escape(str(path))}: its 'latents' cannot be read \(")

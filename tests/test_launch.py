@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -18,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from ringdit.cli import register_resolvers, user_errors
 from tests.helpers import (
-    CONF, FAST_FAIL_SECONDS, REPO, TINY, children_of, fail_fast, launch, logged_losses, run,
+    CONF, FAST_FAIL_SECONDS, REPO, TINY, assert_refused, children_of, fail_fast, launch, logged_losses, run,
 )
 
 
@@ -36,11 +37,10 @@ def refused(prepare, cfg, capsys) -> str:
     """Run ``prepare`` as train.py / infer.py do; it must exit with code 2 and one line; return that line."""
     with pytest.raises(SystemExit) as exit_info, user_errors():
         prepare(cfg)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("Error: ") and "Traceback" not in err, err
-    assert len(err.strip().splitlines()) == 2  # the error and the HYDRA_FULL_ERROR hint
-    return err.splitlines()[0]
+    captured = capsys.readouterr()
+    line = assert_refused(SimpleNamespace(returncode=exit_info.value.code, stderr=captured.err, stdout=captured.out))
+    assert len(captured.err.strip().splitlines()) == 2  # the error and the HYDRA_FULL_ERROR hint
+    return line
 
 
 @pytest.fixture(scope="module")

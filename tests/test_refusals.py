@@ -14,16 +14,9 @@ import torch
 
 from ringdit.checkpoints.weights import read_weights
 from ringdit.errors import CheckpointError
-from tests.helpers import TINY, fail_fast
+from tests.helpers import TINY, assert_refused, fail_fast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def assert_refused(proc, message: str) -> None:
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert message in errors[0], errors[0]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -40,7 +33,7 @@ def assert_refused(proc, message: str) -> None:
         "negative-dropout", "no-targets"])
 def test_lora_settings_that_train_nothing_or_everything_are_refused(overrides, message, tmp_path):
     proc, _ = fail_fast("train.py", *TINY, *overrides, f"hydra.run.dir={tmp_path}")
-    assert_refused(proc, message)
+    assert_refused(proc, text=message)
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -48,7 +41,7 @@ def test_lora_settings_that_train_nothing_or_everything_are_refused(overrides, m
                                      "negative_text_embeds=n.safetensors", "text_encoder=/models/t5"])
 def test_text_settings_on_a_class_conditional_model_are_refused(setting, tiny_checkpoint, tmp_path):
     proc, _ = fail_fast("infer.py", f"ckpt_path={tiny_checkpoint}", setting, f"hydra.run.dir={tmp_path}")
-    assert_refused(proc, f"{setting.split('=')[0]}=")
+    assert_refused(proc, text=f"{setting.split('=')[0]}=")
     assert "is a class-conditional model, which takes no text; choose classes with labels=[...]" in proc.stderr
     assert not (tmp_path / "samples.npz").exists()
 
@@ -88,7 +81,7 @@ def test_a_torn_sharded_checkpoint_is_refused_before_spawning(command, sharded, 
             "train-init_from": ("train.py", *TINY, f"init_from={sharded}"),
             "infer": ("infer.py", f"ckpt_path={sharded}")}[command]
     proc, _ = fail_fast(*args, f"hydra.run.dir={tmp_path / 'run'}")
-    assert_refused(proc, f"{sharded} is an incomplete sharded checkpoint: {name} is missing (of the 1 shard files its "
+    assert_refused(proc, text=f"{sharded} is an incomplete sharded checkpoint: {name} is missing (of the 1 shard files its "
                          f".metadata lists); copy the whole folder again, or use an earlier checkpoint")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -139,7 +132,7 @@ def test_dcp_pickles_cannot_run_code(tiny_checkpoint, sharded, tmp_path):
         read_sharded_checkpoint(evil_entry, keys=None)
     assert not sentinel.exists()
     proc, _ = fail_fast("infer.py", f"ckpt_path={evil_index}", f"hydra.run.dir={tmp_path / 'run'}")
-    assert_refused(proc, "is not part of a checkpoint's metadata")
+    assert_refused(proc, text="is not part of a checkpoint's metadata")
     assert not sentinel.exists()
 
 
@@ -154,7 +147,7 @@ def test_a_second_run_in_the_same_folder_is_refused_and_a_resume_appends(tmp_pat
     run("train.py", tmp_path, *TINY, "trainer.max_steps=2")
     metrics = (tmp_path / "csv" / "metrics.csv").read_text()
     proc, _ = fail_fast("train.py", *TINY, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")
-    assert_refused(proc, f"hydra.run.dir={tmp_path} already holds a run of train.py (.train-run.json, checkpoints, "
+    assert_refused(proc, text=f"hydra.run.dir={tmp_path} already holds a run of train.py (.train-run.json, checkpoints, "
                          f"csv/metrics.csv, samples, started ")
     assert f"or resume it with ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}" in proc.stderr
     assert (tmp_path / "csv" / "metrics.csv").read_text() == metrics
@@ -170,7 +163,7 @@ def test_a_second_sampling_run_in_the_same_folder_is_refused(tiny_checkpoint, tm
     run("infer.py", tmp_path, *sampling)
     samples = (tmp_path / "samples.npz").read_bytes()
     proc, _ = fail_fast("infer.py", *sampling, f"hydra.run.dir={tmp_path}")
-    assert_refused(proc, f"hydra.run.dir={tmp_path} already holds a run of infer.py (.infer-run.json, samples.npz")
+    assert_refused(proc, text=f"hydra.run.dir={tmp_path} already holds a run of infer.py (.infer-run.json, samples.npz")
     assert (tmp_path / "samples.npz").read_bytes() == samples
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.folders import check_weights_folder
-from tests.helpers import FAST_FAIL_SECONDS, TEXT_LEN, architecture, fail_fast, save_tiny_wan
+from tests.helpers import TEXT_LEN, architecture, assert_refused, fail_fast, save_tiny_wan
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -237,17 +237,6 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def assert_refused_in_one_line(proc, seconds: float, message: str, run_dir: Path | None = None) -> None:
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert re.search(message, errors[0]), errors[0]
-    assert "Initializing distributed" not in proc.stderr + proc.stdout  # nothing was spawned
-    assert seconds < FAST_FAIL_SECONDS
-    if run_dir is not None:
-        assert not (run_dir / "checkpoints").exists()
-
-
 WAN_RUN = ["experiment=wan_tiny", "data.num_samples=16", "data.batch_size=4", "trainer.max_steps=1", "logger=csv"]
 
 
@@ -275,7 +264,7 @@ def test_train_refuses_a_broken_folder_before_spawning(setting, breaks, message,
     run_dir = tmp_path / "run"
     proc, seconds = fail_fast("train.py", *WAN_RUN, f"data.cache_dir={tmp_path / 'data'}", f"{setting}={root}",
                               f"hydra.run.dir={run_dir}")
-    assert_refused_in_one_line(proc, seconds, message, run_dir)
+    assert_refused(proc, message, seconds=seconds, run_dir=run_dir)
     assert f"Error: {setting}={root}: " in proc.stderr
     assert not marker.exists()
 
@@ -335,7 +324,7 @@ def test_infer_refuses_a_broken_vae_or_text_encoder_before_sampling(part, breaks
     run_dir = tmp_path / "infer"
     proc, seconds = fail_fast("infer.py", f"ckpt_path={wan_export}", f"{part}={root}", "prompts=[a red fox]",
                               "num_samples=1", "steps=1", f"hydra.run.dir={run_dir}")
-    assert_refused_in_one_line(proc, seconds, message)
+    assert_refused(proc, message, seconds=seconds)
     assert not (run_dir / "samples.npz").exists() and not (tmp_path / "pwned").exists()
 
 
