@@ -26,7 +26,7 @@ from ringdit.attention import USPAttention, get_attn_backend, local_attention
 from ringdit.parallel import gather_sequence, init_sequence_parallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmarks.cpu_ranks import free_port  # noqa: E402
+from cpu_ranks import free_port  # noqa: E402
 from tensor_memory import PeakTensorMemory  # noqa: E402
 
 
