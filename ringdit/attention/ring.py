@@ -14,6 +14,9 @@ partly padded blocks are cut to their real prefix (the kernels never see an empt
 
 Joint text-image attention (``JointRingAttentionFunction``): a replicated text prefix rides along without rotating;
 its K/V are one extra local chunk merged by LSE, forward and backward (see ringdit.attention.joint).
+
+(303 lines: the forward and backward of both autograd functions share their hop loop, and are easiest to check side
+by side.)
 """
 
 from __future__ import annotations

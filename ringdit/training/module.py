@@ -8,6 +8,9 @@ Randomness that must agree across a sequence-parallel group -- diffusion time, n
 classifier-free guidance -- is drawn per sample from the ``ringdit.seeding`` streams TRAIN and VALIDATION, keyed by
 the sample's position in the global batch: every rank of a group draws the same values, a resumed run draws what the
 uninterrupted run would have, and how the global batch is split over data-parallel replicas changes nothing.
+
+(Over 300 lines because it holds Lightning's whole life cycle of one run -- build, train step, non-finite losses,
+EMA, resume, sampling -- whose hooks share state; each part is a few short methods.)
 """
 
 from __future__ import annotations
