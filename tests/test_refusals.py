@@ -46,6 +46,14 @@ def test_text_settings_on_a_class_conditional_model_are_refused(setting, tiny_ch
     assert not (tmp_path / "samples.npz").exists()
 
 
+def test_guidance_on_a_dit_is_refused(tiny_checkpoint, tmp_path):
+    """``guidance=`` feeds a guidance-distilled model's embedding; a DiT has none, so it would be silently ignored."""
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={tiny_checkpoint}", "guidance=3.5", f"hydra.run.dir={tmp_path}")
+    assert_refused(proc, text="guidance=3.5 is the guidance embedding's value of a guidance-distilled model",
+                   seconds=seconds)
+    assert not (tmp_path / "samples.npz").exists()
+
+
 # ---- sharded checkpoint folders ------------------------------------------------------------------------------------
 
 

@@ -62,6 +62,10 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
         raise ConfigError(f"{prefix}guidance_channels={guided!r} is not a number of the model's {channels} latent "
                           f"channels; use null to guide all of them, or 1..{channels} (3: the original DiT's)")
     cfg_scale = sampling.get("cfg_scale")
+    if sampling.get("guidance") is not None and not is_diffusers_model(model_cfg):
+        raise ConfigError(f"{prefix}guidance={sampling['guidance']!r} is the guidance embedding's value of a "
+                          f"guidance-distilled model (Flux-dev); the DiT has none and would ignore it: leave it unset, "
+                          f"and set the strength of classifier-free guidance with cfg_scale")
     if is_diffusers_model(model_cfg):  # guidance away from the empty or negative prompt: pretrained models learnt it
         return
     if cfg_scale is not None and cfg_scale != 1.0 and not model_cfg.get("class_dropout_prob", 0.1) > 0:
