@@ -41,6 +41,10 @@ BAD_TRAIN_INPUTS = {
                                      r"= 1 x 2 x 1 = 2 ranks, but trainer.devices x trainer.num_nodes = 4 x 1 = 4 "
                                      r"processes; set dp_degree=2, or leave trainer.devices unset"),
     "heads not divisible": (["ulysses_degree=3"], r"num_heads=4 is not divisible by ulysses_degree=3"),
+    "strategy cfg_parallel not a bool": (["trainer/strategy=fsdp", "trainer.strategy.cfg_parallel=maybe"],
+                                         r"trainer.strategy.cfg_parallel must be true or false, got 'maybe'"),
+    "strategy cfg_parallel on one replica": (["trainer.strategy.cfg_parallel=true"],
+                                             r"cfg_parallel=true runs the two halves of guidance on two data-parallel"),
     "non-ring backend": (["ring_degree=2", "attention_backend=torch_sdpa"],
                          r"Ring Attention requires one of the ring-capable backends \(torch_flash, flash_attn, math\), "
                          r"got 'torch_sdpa'"),

@@ -63,7 +63,11 @@ class Layout:
                               f"ranks, but trainer.devices x trainer.num_nodes = {devices} x {nodes} = {world} "
                               f"processes; {fix}, or leave trainer.devices unset (it defaults to the product, on one "
                               f"node)")
-        cfg_parallel = bool(cfg.get("cfg_parallel"))
+        for setting in ("cfg_parallel", "trainer.strategy.cfg_parallel"):  # the strategy's is what runs
+            value = OmegaConf.select(cfg, setting, default=False)
+            if not isinstance(value, bool):
+                raise ConfigError(f"{setting} must be true or false, got {value!r}")
+        cfg_parallel = OmegaConf.select(cfg, "trainer.strategy.cfg_parallel", default=bool(cfg.get("cfg_parallel")))
         if cfg_parallel and dp % 2:
             raise ConfigError(f"cfg_parallel=true runs the two halves of guidance on two data-parallel replicas, so "
                               f"it needs an even number of them, got {dp}; set dp_degree to an even number (2)")
