@@ -7,6 +7,14 @@
     python infer.py ckpt_path=<wan run>/checkpoints/last.ckpt text_embeds=prompts.safetensors cfg_scale=5
     python infer.py prompts='[a 3 moving left, a 7 moving up]'   # after train.py experiment=captioned_moving_digits
 
+    python infer.py ckpt_path=<LoRA run>/checkpoints/last.ckpt                 # on the run's init_from / pretrained
+    python infer.py ckpt_path=<LoRA run>/checkpoints/last.ckpt base=weights.safetensors   # or on another copy of it
+
+A LoRA run's checkpoint holds only the adapters: the base model comes from ``base=`` (a ringdit .ckpt or .safetensors
+export, or a diffusers folder) or else from what the run recorded (its ``init_from``, else its ``model.pretrained``);
+it is checked against the adapter before anything starts, and the adapters (EMA or raw, ``weights=``) are loaded
+onto it once it is built.
+
 Writes samples.png (videos: samples.gif, plus sample-000.mp4 / .gif ... each) and samples.npz (images uint8
 (N, [T,] H, W, C), labels int64 (N,)) into the run's output directory; latent models write latents float32
 (N, C, [T,] H, W) instead of images, and
@@ -28,9 +36,11 @@ import lightning as L
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
+from ringdit.checkpoints.weights import read_weights
 from ringdit.cli import hydra_main, register_resolvers, user_errors
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.errors import ConfigError
+from ringdit.lora import adapter_state, load_adapter
 from ringdit.media.decode import decode_samples, latents_normalised
 from ringdit.run_folder import claim_run_folder
 from ringdit.sampling import SampleRequests, SampleWriter
@@ -51,16 +61,34 @@ def prepare(cfg: DictConfig):
         conditions = list(spec.conditioning.labels)
     else:
         conditions, captions, negative = text_conditions(spec)
+    if spec.lora is None:  # the checkpoint holds the whole model
+        weights = {"init_from": spec.ckpt_path, "init_weights": spec.weights}
+    else:  # the base, adapted as the run was; the adapters are loaded onto it once built (LoadLoraAdapter)
+        weights = {"init_from": spec.lora.init_from, "init_weights": spec.lora.init_weights, "lora": spec.lora.settings}
     module = DiffusionModule(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
-                       attention_backend=spec.layout.attention_backend, init_from=spec.ckpt_path,
-                       init_weights=spec.weights)
+                             attention_backend=spec.layout.attention_backend, **weights)
     module.negative_condition = negative
     writer = SampleWriter(spec.output_dir, captions=captions, fps=spec.output.fps)
     callbacks = [writer, *(hydra.utils.instantiate(c) for c in spec.trainer.callbacks)]
+    if spec.lora is not None:
+        callbacks.insert(0, LoadLoraAdapter(spec.ckpt_path, spec.weights))
     trainer: L.Trainer = hydra.utils.instantiate(spec.trainer.config, callbacks=callbacks, logger=False)
     requests = DataLoader(SampleRequests(conditions, spec.seed), batch_size=spec.batch_size)
     claim_run_folder(spec.output_dir, "infer")  # last: every check has passed
     return trainer, module, requests, spec
+
+
+class LoadLoraAdapter(L.Callback):
+    """Loads a LoRA checkpoint's adapters (``weights``: EMA or raw) into the module's model when prediction starts:
+    by then the model is built on its base and adapted (``configure_model``), and sharded under FSDP -- each rank
+    keeps its shard. The checkpoint holds nothing else, so Lightning's own loading has nothing to do with it."""
+
+    def __init__(self, ckpt_path: str, weights: str):
+        self.ckpt_path, self.weights = ckpt_path, weights
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: DiffusionModule) -> None:
+        state, _ = read_weights(self.ckpt_path, prefer=self.weights)
+        load_adapter(pl_module.model, adapter_state(state))
 
 
 def text_conditions(spec: InferSpec) -> tuple[dict, list[str], dict | None]:

@@ -1,36 +1,39 @@
 """``build_model``: the one way a model is made ready to train or sample, in torchtitan's order.
 
-build -> parallelize -> load -> LoRA -> EMA -> shard -> compile. The Lightning module, the benchmarks and the tests all
-call it; each step sees the model the previous one left:
+build -> parallelize -> LoRA -> shard -> materialize (load) -> EMA -> compile. The Lightning module, the benchmarks
+and the tests all call it; each step sees the model the previous one left:
 
-- **build**: the config's ``_target_`` on the current device (``torch.device("meta")`` around it: shapes only);
+- **build**: the config's ``_target_`` with its parameters on the meta device (shapes only, whatever the size;
+  ``ringdit.models.materialize``);
 - **parallelize**: the model's ``ParallelPlan`` over the mesh ``dims`` with the attention ``backend`` (the layers
   check heads and ring capability here);
-- **load**: ``init_from`` (a ringdit checkpoint or export, or a diffusers folder), then the empty prompt's
-  embedding of a text-conditioned model;
-- **LoRA**: adapters on the loaded weights, everything else frozen;
-- **EMA**: a copy of the parallel model, averaged while training (``ema_decay``; None: no EMA);
-- **shard**: FSDP2 over the model and its EMA alike (``shard``: the strategy's ``shard_model``);
+- **LoRA**: adapters on the frozen base layers;
+- **shard**: FSDP2's ``fully_shard`` (``shard``: the strategy's ``shard_model``), still on the meta device;
+- **materialize**: each parameter allocated as this rank holds it (its shard under FSDP, whole under DDP) and filled
+  from ``init_from`` / ``model.pretrained`` -- a diffusers folder, a ringdit export, checkpoint or sharded checkpoint
+  folder, read a slice at a time -- or with its seeded initial value; then the empty prompt's embedding of a
+  text-conditioned model. No rank holds more than its share plus one module's full tensors;
+- **EMA**: the average of the weights that train (``ema_decay``; None or 0: none), made from the materialized
+  (sharded) parameters, sharing the frozen ones;
 - **compile**: regional ``torch.compile`` of each repeated block, communication kept eager.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import hydra
 import torch
 from torch import nn
-from torch.optim.swa_utils import AveragedModel
 
 from ringdit.attention import AttentionBackend, USPAttention
-from ringdit.checkpoints.fit import load_model_weights
-from ringdit.checkpoints.layout import is_sharded_checkpoint
+from ringdit.checkpoints.fit import LABEL_TABLE, resize_label_embedding
+from ringdit.checkpoints.sources import SafetensorsSource, WeightSource, weights_source
+from ringdit.ema import ModelAverage
 from ringdit.lora import add_lora, lora_enabled
+from ringdit.models.materialize import materialize, parameters_on_meta
 from ringdit.models.parallelize import parallelize, repeated_blocks
 from ringdit.parallel import ParallelDims
-from ringdit.ema import averaged_copy
 
 Tensor = torch.Tensor
 
@@ -48,28 +51,46 @@ def build_model(
     ema_decay: float | None = None,
     shard: Callable[[nn.Module], nn.Module] | None = None,
     compile: bool = False,
-) -> tuple[nn.Module, AveragedModel | None]:
-    """``(model, ema)`` for the model ``config`` (a dict with ``_target_``); the steps are the module docstring's."""
-    model = hydra.utils.instantiate(config)
+    seed: int = 0,
+) -> tuple[nn.Module, ModelAverage | None]:
+    """``(model, ema)`` for the model ``config`` (a dict with ``_target_``); the steps are the module docstring's.
+    ``seed``: the initial weights of everything not loaded (the same for every rank layout)."""
+    device = torch.empty(0).device  # Lightning's device for the model (the rank's GPU), or the CPU
+    with parameters_on_meta():
+        model = hydra.utils.instantiate(config)
     parallelize(model, model.parallel_plan, dims, backend)
-    if torch.empty(0).device.type == "meta":  # a config-time check: nothing to load, nothing runs
+    if device.type == "meta":  # a config-time check: nothing to load, nothing runs
         return model, None
-    if init_from and Path(init_from).is_dir() and not is_sharded_checkpoint(init_from):  # a diffusers folder
-        model.load_pretrained_weights(init_from)
-    elif init_from:  # a ringdit .ckpt (a file, or an FSDP run's sharded folder) or a .safetensors export
-        load_model_weights(model, init_from, prefer=init_weights, resize_labels=resize_labels)
-    if null_condition is not None:  # the condition drop's replacement and the default negative prompt
-        model.set_null_condition(null_condition)
     if lora_enabled(lora):  # only the adapters train and are saved; the base comes from init_from
         add_lora(model, **lora)
-    ema = averaged_copy(model, ema_decay) if ema_decay is not None else None
-    if shard is not None:  # FSDP: the EMA is sharded like the model (its update is a per-shard lerp)
+    if shard is not None:  # FSDP: each rank will hold 1/world of every parameter
         shard(model)
-        if ema is not None:
-            shard(ema.module)
+    source = _weights(model, init_from, init_weights)
+    transforms = {LABEL_TABLE: lambda table: resize_label_embedding({LABEL_TABLE: table}, _rows(model))[LABEL_TABLE]} \
+        if resize_labels and init_from else None
+    materialize(model, device, seed, source, transforms)
+    if null_condition is not None:  # the condition drop's replacement and the default negative prompt
+        model.set_null_condition(null_condition)
+    ema = ModelAverage(model, ema_decay) if ema_decay else None
     if compile:
         compile_blocks(model)
     return model, ema
+
+
+def _weights(model: nn.Module, init_from: str | None, prefer: str) -> WeightSource | None:
+    """Where the weights come from: ``init_from`` (``prefer``: its EMA or raw weights), else the diffusers folder the
+    model was configured from (``model.pretrained``), else nowhere (initial values)."""
+    if init_from:
+        return weights_source(init_from, prefer, model)
+    pretrained = getattr(model, "pretrained", None)  # (folder, subfolder)
+    if pretrained is None:
+        return None
+    files, prefix = model.pretrained_files(*pretrained, setting="model.pretrained")
+    return SafetensorsSource(pretrained[0], files, prefix)
+
+
+def _rows(model: nn.Module) -> int:
+    return model.get_parameter(LABEL_TABLE).shape[0]
 
 
 def compile_blocks(model: nn.Module) -> None:

@@ -10,7 +10,9 @@ use it directly. ``ckpt_path`` may be a sharded (FSDP) checkpoint folder: it is 
     python -m ringdit.export ckpt_path=.../last.ckpt out=adapter/ lora=true   # a LoRA run's adapter, diffusers format
 
 writes ``adapter/pytorch_lora_weights.safetensors``, which diffusers' ``load_lora_adapter`` /
-``pipeline.load_lora_weights("adapter/")`` read.
+``pipeline.load_lora_weights("adapter/")`` read. A LoRA run's checkpoint holds only the adapters, so its plain export
+(``lora=false``) is refused: it would be a model file without its model; ``infer.py ckpt_path=<the .ckpt>`` samples
+it on its base.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ def export(cfg: DictConfig) -> None:
                                                       else ckpt.with_suffix(".safetensors"))
         from ringdit.checkpoints.safetensors_export import export_safetensors
         from ringdit.checkpoints.weights import read_weights
+        from ringdit.lora import lora_enabled
+        from ringdit.spec.checkpoint import recorded_hparams
 
+        if not cfg.lora and lora_enabled(recorded_hparams(str(ckpt)).get("lora")):
+            raise ConfigError(f"ckpt_path={ckpt} is a LoRA run's checkpoint: it holds only the adapters, not a model; "
+                              f"export them with lora=true (diffusers' LoRA format), or sample it with infer.py "
+                              f"ckpt_path={ckpt}")
         if cfg.lora:
             from ringdit.lora import export_lora
 

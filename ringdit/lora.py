@@ -10,22 +10,34 @@ a wrapped layer's weight becomes ``<layer>.base_layer.weight`` and its adapter `
 ``python -m ringdit.export ... lora=true`` writes the adapter in diffusers' LoRA format
 (``pytorch_lora_weights.safetensors``, keys ``transformer.<module>.lora_A.weight``), which diffusers'
 ``load_lora_adapter`` / pipelines' ``load_lora_weights`` read.
+
+The frozen base's projections -- every Linear / Conv layer that does not train, adapted or not: about 99% of the
+weights of Wan or DiT-XL -- can be held in a narrower dtype than the adapters (``lora.base_dtype=bfloat16``, the
+default on GPUs: half the memory of an fp32 base), as musubi-tuner and DiffSynth fine-tune on a bf16 base; the
+adapters and their optimizer state stay fp32. Sampling from an adapter-only checkpoint builds the base from the
+weights the run started from and loads the adapters onto it (``load_adapter``).
 """
 
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ringdit.atomic import atomic_write
+from ringdit.dtypes import dtype_named
 from ringdit.errors import ConfigError, require_count, require_number
 
 Tensor = torch.Tensor
 
 ADAPTER_NAME = "default"
+
+# The layers whose frozen weights ``base_dtype`` casts: the model's projections (LoRA's own A and B are Linears too,
+# but they train).
+BASE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def lora_enabled(lora: dict | None) -> bool:
@@ -35,7 +47,7 @@ def lora_enabled(lora: dict | None) -> bool:
 def check_lora_settings(lora: dict | None) -> None:
     """The ``lora`` settings are ones that train something: a rank of 0 (off) or more, never a negative one that
     would quietly mean a full fine-tune; a scale alpha / rank that is not zero (adapters scaled by 0 learn nothing);
-    a dropout probability below 1; targets as module-name suffixes."""
+    a dropout probability below 1; targets as module-name suffixes; a base dtype ringdit knows (or null)."""
     lora = lora or {}
     require_count("lora.rank", lora.get("rank", 0), minimum=0, hint="0 disables LoRA, > 0 is the adapters' rank")
     if not lora_enabled(lora):
@@ -49,12 +61,24 @@ def check_lora_settings(lora: dict | None) -> None:
     if lora.get("dropout", 0.0) == 1:
         raise ConfigError("lora.dropout=1 drops every input of the adapters, so nothing is learned; use a "
                           "probability below 1 (0 is usual)")
+    resolve_base_dtype(lora.get("base_dtype"))
     targets = lora.get("targets")
     names = [targets] if isinstance(targets, str) else targets
     if targets is not None and (not isinstance(names, (list, tuple)) or not names
                                 or not all(isinstance(n, str) and n for n in names)):
         raise ConfigError(f"lora.targets must be null (the default projections) or module-name suffixes such as "
                           f"[to_q,to_v], got {targets!r}")
+
+
+def resolve_base_dtype(name) -> torch.dtype | None:
+    """The dtype ``lora.base_dtype`` names (None: left as built; ``ringdit.spec.checkpoint`` resolves the config's
+    null to the device's default before a run starts)."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    try:
+        return dtype_named("lora.base_dtype", str(name))
+    except ConfigError as error:
+        raise ConfigError(f"{error} (null: bfloat16 on GPUs, float32 on CPUs)") from None
 
 
 def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0):
@@ -76,8 +100,13 @@ def adapted_module(model: nn.Module) -> nn.Module:
     return getattr(model, "transformer", model)
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0) -> nn.Module:
-    """Inject LoRA adapters into ``model`` in place and freeze everything else; returns ``model``."""
+def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0,
+             base_dtype: str | torch.dtype | None = None) -> nn.Module:
+    """Inject LoRA adapters into ``model`` in place and freeze everything else; returns ``model``.
+
+    ``base_dtype``: the dtype the frozen projections are held in (see ``hold_base_in``); None keeps them as built.
+    Works on a model whose parameters are on the meta device (only the dtype they will have changes).
+    """
     from peft import inject_adapter_in_model
 
     config = lora_config(model, rank, alpha, targets, dropout)
@@ -96,7 +125,40 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=No
                           f"path suffix, e.g. {linears[:8]}") from None
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_key(name))
+    dtype = resolve_base_dtype(base_dtype)
+    if dtype is not None:  # after the injection: peft would otherwise cast the new adapters to the base's dtype
+        hold_base_in(model, dtype)
     return model
+
+
+def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Hold the weights of every frozen Linear / Conv layer of ``model`` in ``dtype``: the adapted layers' base
+    (peft's ``base_layer``) and the projections no adapter targets (a Wan FFN: without them a bf16 base would save a
+    fifth of Wan 1.3B's weights, not half). Norms, embedding and modulation tables, position tables keep their dtype
+    (they are small, and some are sensitive to rounding), and the adapters stay as they are (fp32: their updates and
+    optimizer state are not rounded). Each cast layer computes in its own dtype (``_forward_in_own_dtype``).
+    """
+    for layer in model.modules():
+        if isinstance(layer, BASE_LAYERS) and not any(p.requires_grad for p in layer.parameters()) \
+                and layer.weight.dtype != dtype:
+            layer.to(dtype)
+            # an instance attribute, not forward hooks: the output is cast back to the dtype the input had, which a
+            # post-hook no longer sees once a pre-hook cast it; deepcopy rebinds the method to the copy (a meta check's
+            # copy computes with its own weights)
+            layer.forward = types.MethodType(_forward_in_own_dtype, layer)
+
+
+def _forward_in_own_dtype(self: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
+    """A frozen layer held in a narrower dtype than the activations (a bf16 base in an fp32 run, as on CPU at
+    precision 32): its input is cast to the weight's dtype -- a matmul needs both in one dtype -- and its output back
+    to the input's. Not only for the next layers: peft adds the fp32 adapter's output to its base layer's and then
+    casts the sum to the base output's dtype, so a bf16 output here would round the adapter's contribution (and the
+    gradient reaching it) to bf16. Under autocast (bf16-mixed) or when the activations already have the weight's
+    dtype (FSDP's param_dtype) the layer runs as it is: autocast does the casting itself."""
+    own = type(self).forward
+    if x.dtype == self.weight.dtype or torch.is_autocast_enabled(x.device.type):
+        return own(self, x, *args, **kwargs)
+    return own(self, x.to(self.weight.dtype), *args, **kwargs).to(x.dtype)
 
 
 def is_adapter_key(key: str) -> bool:
@@ -106,6 +168,29 @@ def is_adapter_key(key: str) -> bool:
 def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """The adapter weights of a (checkpoint) state dict."""
     return {key: value for key, value in state.items() if is_adapter_key(key)}
+
+
+def check_adapter_fits(model: nn.Module, adapter: dict[str, Tensor], model_named: str = "the model") -> str | None:
+    """Why ``adapter`` (adapter weights by the model's names) does not fit ``model`` (adapted with the same LoRA
+    settings; on the meta device is enough), naming the first key that does not; None when it fits."""
+    from ringdit.checkpoints.fit import first_misfit
+
+    return first_misfit(adapter_state(model.state_dict()), adapter, "the adapter", model_named)
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, adapter: dict[str, Tensor]) -> None:
+    """Copy the adapter weights ``adapter`` (by the model's names) into the adapted ``model``, which already holds
+    its base weights; each rank of an FSDP model keeps its shard of each (``ringdit.checkpoints.sources``)."""
+    from ringdit.checkpoints.sources import local_index, local_part
+
+    problem = check_adapter_fits(model, adapter)
+    if problem is not None:
+        raise ConfigError(f"the LoRA adapter does not fit the model: {problem}")
+    params = dict(model.named_parameters())
+    for key, value in adapter.items():
+        target = params[key]
+        local_part(target).copy_(value[local_index(target)])
 
 
 def diffusers_lora_state(state: dict[str, Tensor], prefix: str = "transformer.") -> dict[str, Tensor]:

@@ -1,19 +1,45 @@
-"""A rough estimate of the memory one rank needs, made before anything is spawned.
+"""The memory one rank needs, estimated before anything is spawned: train.py's warning, ``python -m ringdit.plan``.
 
-A sequence far too long for the machine does not fail: it swaps, or sits at step 0 until the out-of-memory killer
-comes. ``warn_if_memory_short`` says so in one log line, with the sequence-parallel degree that would fit. It is an
-estimate (within a factor of about 2 of what PyTorch allocates), meant to catch settings that are 10x off, not to
-plan the last gigabyte. Per rank, with S tokens per sample, D = hidden size, L = depth, B = batch per dp rank:
+A run far too big for the machine does not fail: it swaps, or sits at step 0 until the out-of-memory killer comes.
+``warn_if_memory_short`` says so in one log line, with a layout that would fit. It is an estimate, meant to catch
+settings that are 2x off and to rank layouts, not to plan the last gigabyte. What it models, per rank, in bytes --
+the names are ``MemoryEstimate``'s fields, so a measured table can be compared term by term (on CPU ranks: the
+peak RSS minus the process's baseline against ``peak_bytes``; ``startup_bytes`` and ``step_bytes`` apart).
+P = parameters, T = trainable parameters (all of them; under LoRA only the adapters), w = bytes of a weight (4; 2
+under ``*16-true`` precision), n = the ranks one parameter is sharded over (DDP: 1; FSDP: world /
+``replicate_degree``), S = tokens per sample, D = hidden size, F = the MLP's inner width, L = depth, B = batch per
+data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4):
 
-- tokens per rank: S / (ring x ulysses) (rounded up);
-- weights: 4 bytes a parameter, plus 16 when training (gradient, AdamW's two moments, the EMA copy);
-- activations kept for backward: about (10 + 2 x mlp_ratio) x D values per token per block (norm and modulation
-  inputs, q, k, v, attention output, projection, residuals, the MLP's hidden layer before and after its activation);
-  L blocks' worth, or 1 per block plus one block's when ``activation_checkpointing`` recomputes them; one block's
-  worth when sampling (nothing is kept);
-- attention: flash-style kernels (torch_flash, flash_attn) need O(S) per hop -- this rank's q, k, v, output and the
-  K/V block in flight, S / ring tokens of H / ulysses heads after the Ulysses exchange; the ``math`` backend also
-  materialises the (S / ring)^2 score matrix per head in fp32, which dominates for long sequences.
+- ``weights_bytes``: P x w / n; under LoRA the adapted layers' frozen weights in ``lora.base_dtype`` (2 bytes for
+  bfloat16; the rest of the base -- norms, embeddings, layers not targeted -- keeps w) plus the adapters (for each
+  targeted Linear (in, out): rank x (in + out) parameters) in w;
+- ``gradient_bytes``: T x w / n;  ``optimizer_bytes``: AdamW's two moments, 2 x T x w / n;
+- ``ema_bytes``: T x w / n when ``ema_decay`` is on (under LoRA the EMA tracks only the adapters);
+- ``bucket_bytes`` (DDP): its gradient all-reduce buckets, a second copy of the gradients, T x w;
+- ``gathered_bytes`` (FSDP): the all-gathered parameters in flight -- the root module's (not resharded) and two
+  blocks' (the current one and the prefetched next), in ``param_dtype`` (else their own dtype) -- plus one block's
+  unsharded gradient before its reduce-scatter;
+- ``activation_bytes``: what backward needs, about 10 x D + 2 x F values per token per block (norm and modulation
+  inputs, q, k, v, attention output, projection, residuals, the MLP's hidden layer before and after its activation):
+  L blocks' worth; with activation checkpointing the L block inputs (D each) plus one block's worth being recomputed;
+  one block's worth when sampling. Tokens per rank: S / (ring x ulysses), rounded up, plus the text tokens every
+  rank holds whole under joint attention (Flux, QwenImage);
+- ``attention_bytes``: per ring hop, after the Ulysses exchange (S / ring tokens of D / ulysses values): q, k, v,
+  output and the K/V block in flight, 6 x B x S / ring x D / ulysses x a; the ``math`` backend also materialises the
+  (S / ring)^2 score and probability matrices per head in fp32 (and their gradients when training);
+- ``startup_bytes``: the peak while the model is built and loaded, before the first step. FSDP builds on the meta
+  device and materialises only this rank's shards (weights and EMA, / n) plus one full parameter at a time for its
+  random init or loading: the largest single tensor, in fp32. DDP holds the whole model (the base in its dtype under
+  LoRA) and a whole EMA copy, plus that one tensor in flight;
+- ``host_bytes``: under FSDP's ``cpu_offload`` the sharded weights, gradients, optimizer state and EMA live in CPU
+  memory: counted here, not on the device.
+
+The step's peak (``step_bytes``) is the sum of the device terms; the rank's peak (``peak_bytes``) is the larger of
+start-up and step. Not modelled: the CUDA context and NCCL buffers, allocator fragmentation, the data loader, the
+optimizer's temporaries, cross-attention to text (Wan's, small beside self-attention).
+
+``estimate_model_memory(config, ...)`` gives the estimate for a built-config, so a benchmark can print it beside
+the peak it measures.
 """
 
 from __future__ import annotations
@@ -21,50 +47,279 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
+from omegaconf import OmegaConf
+from torch import nn
 
 log = logging.getLogger("ringdit.memory")
 
 GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+STRATEGIES = ("ddp", "fsdp")
+
+
+# ---- what the estimate reads: the model's sizes and the run's setup --------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the estimate needs of a model: its sizes, never its weights (read from the model built on meta)."""
+
+    parameters: int            # P: every parameter (elements), before LoRA
+    trainable_parameters: int  # of those, the ones a full fine-tune trains (a DiT's frozen pos_embed is not)
+    largest_parameter: int     # elements of the largest single tensor: start-up materialises one at a time
+    root_parameters: int       # outside the repeated blocks (embeddings, output layer): FSDP's root unit
+    block_parameters: int      # the largest repeated block: FSDP's unit of all-gather
+    hidden_size: int           # D
+    depth: int                 # L: repeated blocks (Flux: dual- and single-stream together)
+    num_heads: int             # H: attention heads (Ulysses splits them)
+    mlp_hidden: int            # F: the MLP's inner width (DiT: mlp_ratio x D; Wan: ffn_dim)
+    tokens: int                # S: tokens per sample, the sequence ring x ulysses split
+    text_tokens: int = 0       # tokens every rank holds whole: joint attention's text (Flux, QwenImage)
+    lora_parameters: int = 0   # the adapters the run's lora settings add; 0: no LoRA
+    lora_base_parameters: int = 0  # the weights of the layers they adapt: what lora.base_dtype casts
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_parameters > 0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a run holds its model and splits its work: what, besides the model, decides a rank's memory."""
+
+    batch_size: int = 1                # samples per data-parallel rank and step
+    dp_degree: int = 1
+    ring_degree: int = 1
+    ulysses_degree: int = 1
+    strategy: str = "ddp"              # ddp (replicated) | fsdp (sharded)
+    replicate_degree: int = 1          # FSDP's HSDP: shard within world / replicate_degree ranks
+    cpu_offload: bool = False          # FSDP: the sharded state in host memory
+    param_dtype: str | None = None     # FSDP: the dtype blocks are gathered and computed in; None: their own
+    precision: str = "32-true"         # trainer.precision
+    activation_checkpointing: bool = False
+    ema: bool = True
+    lora_base_dtype: str = "float32"   # the frozen base under LoRA (ModelSize.lora_parameters > 0)
+    optimizer_states: int = 2          # tensors per trainable parameter: AdamW 2, SGD with momentum 1, SGD 0
+    training: bool = True              # False: sampling (no gradients, optimizer, EMA; nothing kept for backward)
+    math_attention: bool = False       # the math backend materialises the (S / ring)^2 scores
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {' | '.join(STRATEGIES)}, got {self.strategy!r}")
+        for name, value in (("param_dtype", self.param_dtype), ("lora_base_dtype", self.lora_base_dtype)):
+            if value not in DTYPE_BYTES and not (name == "param_dtype" and value is None):
+                raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {value!r}")
+
+    @property
+    def sp_degree(self) -> int:
+        return self.ring_degree * self.ulysses_degree
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_degree * self.sp_degree
+
+    @property
+    def shard_degree(self) -> int:
+        """The ranks one parameter is split over (n)."""
+        return self.world_size // self.replicate_degree if self.strategy == "fsdp" else 1
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of a weight (and its gradient, moments, EMA): Lightning's ``*-true`` precisions cast the model."""
+        return 8 if "64" in self.precision else 2 if "16-true" in self.precision else 4
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of an activation: 16-bit under ``bf16-mixed`` / ``16-mixed`` autocast and ``*16-true``."""
+        return 8 if "64" in self.precision else 2 if "16" in self.precision else 4
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """Bytes one rank holds, by term (the module docstring says what each is)."""
+
     tokens_per_rank: int
     weights_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    ema_bytes: int
+    bucket_bytes: int
+    gathered_bytes: int
     activation_bytes: int
     attention_bytes: int
+    startup_bytes: int
+    host_bytes: int
+
+    STEP_TERMS = ("weights", "gradient", "optimizer", "ema", "bucket", "gathered", "activation", "attention")
 
     @property
-    def total_bytes(self) -> int:
-        return self.weights_bytes + self.activation_bytes + self.attention_bytes
+    def state_bytes(self) -> int:
+        """The training state on the device: weights, gradients, optimizer state, EMA."""
+        return self.weights_bytes + self.gradient_bytes + self.optimizer_bytes + self.ema_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        return sum(getattr(self, f"{term}_bytes") for term in self.STEP_TERMS)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.startup_bytes, self.step_bytes)
+
+    total_bytes = peak_bytes  # the name the warning and older callers read
+
+    def terms(self) -> dict[str, int]:
+        """Every byte field by name (``weights``, ..., ``startup``, ``host``), for tables."""
+        return {f.name.removesuffix("_bytes"): getattr(self, f.name) for f in fields(self) if f.name.endswith("_bytes")}
 
 
-def estimate_memory(*, tokens: int, hidden_size: int, depth: int, num_heads: int, batch_size: int, parameters: int,
-                    mlp_ratio: float = 4.0, ring_degree: int = 1, ulysses_degree: int = 1, bytes_per_value: int = 4,
-                    training: bool = True, activation_checkpointing: bool = False,
-                    math_attention: bool = False) -> MemoryEstimate:
+# ---- the estimate ------------------------------------------------------------------------------------------------
+
+
+def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
     """The estimate described in the module docstring, in bytes per rank."""
-    sp = ring_degree * ulysses_degree
-    tokens_per_rank = math.ceil(tokens / sp)
-    weights = parameters * (20 if training else 4)
-    per_block = (10 + 2 * mlp_ratio) * hidden_size  # values kept per token by one block
+    n, w, a, B = setup.shard_degree, setup.weight_bytes, setup.activation_bytes, setup.batch_size
+    training, fsdp = setup.training, setup.strategy == "fsdp"
+    trainable = model.lora_parameters if model.lora else model.trainable_parameters
+    # the training state, this rank's share of it
+    weights = model_bytes(model, setup) // n
+    gradients = trainable * w // n if training else 0
+    optimizer = setup.optimizer_states * trainable * w // n if training else 0
+    ema = trainable * w // n if training and setup.ema else 0
+    buckets = trainable * w if training and not fsdp else 0
+    gathered = 0
+    if fsdp:
+        in_flight_blocks = model.root_parameters + 2 * model.block_parameters
+        gathered = int(in_flight_blocks * gathered_bytes_per_parameter(model, setup))
+        if training and not model.lora:  # one block's unsharded gradient, before its reduce-scatter
+            gathered += model.block_parameters * w
+    # activations kept for backward, on this rank's tokens
+    tokens_per_rank = math.ceil(model.tokens / setup.sp_degree) + model.text_tokens
+    per_block = 10 * model.hidden_size + 2 * model.mlp_hidden  # values kept per token by one block
     if not training:
         per_token = per_block
-    elif activation_checkpointing:  # block inputs only, plus the block being recomputed
-        per_token = depth * hidden_size + per_block
+    elif setup.activation_checkpointing:  # block inputs only, plus the block being recomputed
+        per_token = model.depth * model.hidden_size + per_block
     else:
-        per_token = depth * per_block
-    activations = int(batch_size * tokens_per_rank * per_token * bytes_per_value)
-    # after the Ulysses exchange: S / ring tokens of H / ulysses heads, i.e. D / ulysses values per token
-    ring_tokens = math.ceil(tokens / ring_degree)
-    attention = 6 * batch_size * ring_tokens * (hidden_size // ulysses_degree) * bytes_per_value  # q k v out, K/V hop
-    if math_attention:
-        scores = batch_size * (num_heads // ulysses_degree) * ring_tokens**2 * 4  # fp32 scores and probabilities
+        per_token = model.depth * per_block
+    activations = B * tokens_per_rank * per_token * a
+    # one ring hop, after the Ulysses exchange: S / ring tokens of H / ulysses heads (D / ulysses values per token)
+    ring_tokens = math.ceil(model.tokens / setup.ring_degree) + model.text_tokens
+    attention = 6 * B * ring_tokens * (model.hidden_size // setup.ulysses_degree) * a  # q k v out, K/V in flight
+    if setup.math_attention:
+        scores = B * (model.num_heads // setup.ulysses_degree) * ring_tokens**2 * 4  # fp32 scores, probabilities
         attention += 2 * scores * (2 if training else 1)  # and their gradients
-    return MemoryEstimate(tokens_per_rank, weights, activations, int(attention))
+    # start-up: what is materialised before the first step, plus one full tensor being initialised or loaded
+    in_flight = model.largest_parameter * 4
+    host = 0
+    if fsdp and setup.cpu_offload:
+        host = weights + gradients + optimizer + ema
+        startup = in_flight
+        weights = gradients = optimizer = ema = 0
+    else:
+        startup = weights + ema + in_flight
+    return MemoryEstimate(tokens_per_rank=tokens_per_rank, weights_bytes=weights, gradient_bytes=gradients,
+                          optimizer_bytes=optimizer, ema_bytes=ema, bucket_bytes=buckets, gathered_bytes=gathered,
+                          activation_bytes=activations, attention_bytes=attention, startup_bytes=startup,
+                          host_bytes=host)
+
+
+def model_bytes(model: ModelSize, setup: Setup) -> int:
+    """The whole model's weights as the run holds them: w a parameter; under LoRA the adapted layers' frozen weights
+    in ``lora_base_dtype`` and the adapters in w."""
+    w = setup.weight_bytes
+    cast = model.lora_base_parameters * (DTYPE_BYTES[setup.lora_base_dtype] - w) if model.lora else 0
+    return (model.parameters + model.lora_parameters) * w + cast
+
+
+def gathered_bytes_per_parameter(model: ModelSize, setup: Setup) -> float:
+    """Bytes of one parameter as FSDP all-gathers it: ``param_dtype``, else the dtype it is held in (on average)."""
+    if setup.param_dtype:
+        return DTYPE_BYTES[setup.param_dtype]
+    return model_bytes(model, setup) / (model.parameters + model.lora_parameters)
+
+
+# ---- the model's sizes, from the model built on the meta device ---------------------------------------------------
+
+
+def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) -> ModelSize | None:
+    """The sizes of ``meta_model`` (built from ``config`` on the meta device, without LoRA) and, with ``lora``
+    settings, of the adapters they add. Hidden size, heads and MLP width come from the DiT's config or the diffusers
+    model's own (``model.transformer.config``); None for a model kind that describes neither."""
+    from ringdit.models import repeated_blocks
+
+    architecture = _architecture(config, meta_model)
+    if architecture is None:
+        return None
+    hidden_size, num_heads, mlp_hidden = architecture
+    params = list(meta_model.parameters())
+    blocks = repeated_blocks(meta_model)
+    in_blocks = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    joint = bool(meta_model.parallel_plan.joint_attention)
+    text = getattr(meta_model, "null_text", None)  # (1, L, D_text): the text length the model was built for
+    return ModelSize(
+        parameters=sum(p.numel() for p in params),
+        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
+        largest_parameter=max(p.numel() for p in params),
+        root_parameters=sum(p.numel() for p in params) - sum(in_blocks),
+        block_parameters=max(in_blocks),
+        hidden_size=hidden_size, depth=len(blocks), num_heads=num_heads, mlp_hidden=mlp_hidden,
+        tokens=math.prod(meta_model.default_grid),
+        text_tokens=text.shape[1] if joint and text is not None else 0,
+        **dict(zip(("lora_parameters", "lora_base_parameters"), lora_parameters(meta_model, lora))),
+    )
+
+
+def _architecture(config: dict, meta_model: nn.Module) -> tuple[int, int, int] | None:
+    """(hidden size D, heads H, MLP width F) of a DiT (its config) or a diffusers transformer (its config)."""
+    if all(key in config for key in ("hidden_size", "num_heads")):
+        hidden = config["hidden_size"]
+        return hidden, config["num_heads"], int(config.get("mlp_ratio", 4.0) * hidden)
+    transformer = getattr(meta_model, "transformer", None)
+    arch = dict(getattr(transformer, "config", None) or {})
+    if not all(key in arch for key in ("num_attention_heads", "attention_head_dim")):
+        return None
+    heads = arch["num_attention_heads"]
+    hidden = heads * arch["attention_head_dim"]
+    return hidden, heads, arch.get("ffn_dim") or 4 * hidden  # Flux and QwenImage: 4 x D, as their FeedForward
+
+
+def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
+    """(the adapters' parameters, the adapted layers' own): rank x (in + out) for each Linear whose name ends with a
+    target (peft's rule; the model's default ``lora_targets`` when the settings name none), and that Linear's weight
+    and bias; (0, 0) when LoRA is off."""
+    from ringdit.lora import adapted_module, lora_enabled
+
+    if not lora_enabled(lora):
+        return 0, 0
+    targets = lora.get("targets") or getattr(model, "lora_targets", ())
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    adapted = [module for name, module in adapted_module(model).named_modules()
+               if isinstance(module, nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)]
+    return (sum(lora["rank"] * (layer.in_features + layer.out_features) for layer in adapted),
+            sum(p.numel() for layer in adapted for p in layer.parameters()))
+
+
+def estimate_model_memory(config: dict, *, lora: dict | None = None, meta_model: nn.Module | None = None,
+                          **settings) -> MemoryEstimate:
+    """The estimate for a built-config (what ``build_model`` takes: ``_target_`` and the data's shape filled in)
+    under ``Setup(**settings)``: what a benchmark prints beside the peak it measures, e.g.
+    ``estimate_model_memory(config, lora={"rank": 64}, strategy="fsdp", ring_degree=4, lora_base_dtype="bfloat16")``.
+    """
+    from ringdit.spec.model import build_on_meta
+
+    setup = Setup(**settings)
+    meta_model = meta_model if meta_model is not None else build_on_meta(config, setup.ulysses_degree)
+    size = model_size(config, meta_model, lora)
+    if size is None:
+        raise ValueError(f"cannot estimate the memory of {config.get('_target_')}: it describes no hidden size and "
+                         f"heads (a DiT's hidden_size / num_heads, a diffusers config's attention heads)")
+    return estimate_memory(size, setup)
+
+
+# ---- train.py's warning ------------------------------------------------------------------------------------------
 
 
 def available_memory(device_type: str, ranks_on_this_machine: int) -> int | None:
@@ -83,50 +338,78 @@ def available_memory(device_type: str, ranks_on_this_machine: int) -> int | None
     return available // max(1, ranks_on_this_machine)
 
 
-def warn_if_memory_short(*, available: int | None, training: bool = True, **settings) -> MemoryEstimate:
-    """Log one warning when ``estimate_memory(**settings)`` exceeds ``available``, with the degrees that would fit."""
-    estimate = estimate_memory(training=training, **settings)
-    if available is None or estimate.total_bytes <= available:
+def layout_that_fits(model: ModelSize, setup: Setup, available: int) -> str | None:
+    """The first change that brings the peak within ``available``: more ring ranks (activations shrink, and under
+    FSDP the state too), else FSDP at this layout, else FSDP with more ring ranks; None if nothing up to 1024x does."""
+    tries = [("", setup)]
+    if setup.strategy == "ddp" and setup.training:
+        tries.append(("trainer/strategy=fsdp", replace(setup, strategy="fsdp")))
+    for prefix, base in tries:
+        for factor in (2**i for i in range(11)):
+            ring = base.ring_degree * factor
+            if (prefix, factor) == ("", 1) or ring * base.ulysses_degree > model.tokens:
+                continue
+            bigger = replace(base, ring_degree=ring)
+            if estimate_memory(model, bigger).peak_bytes <= available:
+                ranks = f"ring_degree={ring} ({bigger.world_size} ranks of this size)" if factor > 1 else ""
+                return " ".join(part for part in (prefix, ranks) if part)
+    return None
+
+
+def warn_if_memory_short(*, available: int | None, model: ModelSize, setup: Setup) -> MemoryEstimate:
+    """Log one warning when the estimate's peak exceeds ``available``, with a layout that would fit."""
+    estimate = estimate_memory(model, setup)
+    if available is None or estimate.peak_bytes <= available:
         return estimate
-    ring, ulysses = settings.get("ring_degree", 1), settings.get("ulysses_degree", 1)
-    fits = None
-    for factor in (2**i for i in range(1, 11)):  # more ring ranks (each on its own memory)
-        bigger = estimate_memory(training=training, **{**settings, "ring_degree": ring * factor})
-        if bigger.total_bytes <= available:
-            fits = f"ring_degree={ring * factor} ({ring * factor * ulysses} ranks of this size)"
-            break
+    fits = layout_that_fits(model, setup, available)
+    step = ", ".join(f"{name} {estimate.terms()[name] / GiB:.1f}" for name in MemoryEstimate.STEP_TERMS
+                     if estimate.terms()[name])
+    hint = (f"{fits} would fit; or lower data.batch_size" if fits else
+            "Even 1024x the ring ranks would not fit; lower data.batch_size or the resolution")
+    if setup.training and not setup.activation_checkpointing:
+        hint += ", or set model.activation_checkpointing=true"
     log.warning(
-        "memory: about %.1f GiB per rank needed (%d tokens per rank x hidden %d x depth %d, batch %d; weights %.1f, "
-        "activations %.1f, attention %.1f GiB) but %.1f GiB is available: the run would swap or be killed. %s",
-        estimate.total_bytes / GiB, estimate.tokens_per_rank, settings["hidden_size"], settings["depth"],
-        settings["batch_size"], estimate.weights_bytes / GiB, estimate.activation_bytes / GiB,
-        estimate.attention_bytes / GiB, available / GiB,
-        (f"{fits} would fit; or lower data.batch_size" if fits else "Even 1024 ring ranks would not fit; lower "
-         "data.batch_size or the resolution")
-        + ("" if settings.get("activation_checkpointing") or not training else
-           ", or set model.activation_checkpointing=true"),
+        "memory: about %.1f GiB per rank needed (%d tokens per rank x hidden %d x depth %d, batch %d, %s; start-up "
+        "%.1f GiB, step: %s GiB) but %.1f GiB is available: the run would swap or be killed. %s (python -m "
+        "ringdit.plan compares layouts)",
+        estimate.peak_bytes / GiB, estimate.tokens_per_rank, model.hidden_size, model.depth, setup.batch_size,
+        setup.strategy, estimate.startup_bytes / GiB, step, available / GiB, hint,
     )
     return estimate
 
 
-def check_training_memory(cfg, model_cfg: dict, meta_model, attention_backend: str | None) -> MemoryEstimate | None:
-    """``warn_if_memory_short`` for train.py's settings (``cfg``), the model built on the meta device. Models that do
-    not describe themselves as a DiT does (hidden_size, depth, num_heads) are not estimated."""
-    from ringdit.spec.layout import device_type, world_size
-
-    if not all(key in model_cfg for key in ("hidden_size", "depth", "num_heads")):
-        return None
-    devices = world_size(cfg.trainer) // max(1, int(cfg.trainer.get("num_nodes", 1)))
-    precision = str(cfg.trainer.get("precision", "32"))
-    kind = device_type(cfg.trainer)
-    return warn_if_memory_short(
-        available=available_memory(kind, devices if kind == "cpu" else 1),
-        tokens=math.prod(meta_model.default_grid), hidden_size=model_cfg["hidden_size"], depth=model_cfg["depth"],
-        num_heads=model_cfg["num_heads"], mlp_ratio=model_cfg.get("mlp_ratio", 4.0), batch_size=cfg.data.batch_size,
-        parameters=sum(p.numel() for p in meta_model.parameters()), ring_degree=cfg.ring_degree,
-        ulysses_degree=cfg.ulysses_degree, bytes_per_value=2 if "16" in precision else 8 if "64" in precision else 4,
+def setup_from_config(cfg, attention_backend: str | None, device_type: str) -> Setup:
+    """The ``Setup`` train.py's composed config ``cfg`` runs with."""
+    strategy = OmegaConf.select(cfg, "trainer.strategy._target_", default="") or ""
+    model = cfg.get("model") or {}
+    lora = cfg.get("lora") or {}
+    optimizer = str(OmegaConf.select(cfg, "optimizer._target_", default="AdamW") or "")
+    momentum = OmegaConf.select(cfg, "optimizer.momentum", default=0) or 0
+    base_dtype = lora.get("base_dtype") or ("bfloat16" if device_type == "cuda" else "float32")
+    return Setup(
+        batch_size=cfg.data.batch_size, dp_degree=cfg.get("dp_degree", 1), ring_degree=cfg.ring_degree,
+        ulysses_degree=cfg.ulysses_degree, strategy="fsdp" if "FSDP" in strategy else "ddp",
+        replicate_degree=OmegaConf.select(cfg, "trainer.strategy.replicate_degree", default=1) or 1,
+        cpu_offload=bool(OmegaConf.select(cfg, "trainer.strategy.cpu_offload", default=False)),
+        param_dtype=OmegaConf.select(cfg, "trainer.strategy.param_dtype", default=None),
+        precision=str(cfg.trainer.get("precision", "32")),
         # the models take the older name gradient_checkpointing too: either recomputes the blocks
-        activation_checkpointing=bool(model_cfg.get("activation_checkpointing")
-                                      or model_cfg.get("gradient_checkpointing")),
+        activation_checkpointing=bool(model.get("activation_checkpointing") or model.get("gradient_checkpointing")),
+        ema=bool(cfg.get("ema_decay")), lora_base_dtype=base_dtype,
+        optimizer_states=(1 if momentum else 0) if "SGD" in optimizer else 2,
         math_attention=attention_backend == "math",
     )
+
+
+def check_training_memory(cfg, model_cfg: dict, meta_model, attention_backend: str | None) -> MemoryEstimate | None:
+    """``warn_if_memory_short`` for train.py's settings (``cfg``) and the model built on the meta device (``model_cfg``
+    its config); None for a model kind whose sizes cannot be read (neither a DiT nor a diffusers transformer)."""
+    from ringdit.spec.layout import device_type, world_size
+
+    kind = device_type(cfg.trainer)
+    size = model_size(model_cfg, meta_model, OmegaConf.to_container(cfg.lora) if cfg.get("lora") else None)
+    if size is None:
+        return None
+    devices = world_size(cfg.trainer) // max(1, int(cfg.trainer.get("num_nodes", 1)))
+    return warn_if_memory_short(available=available_memory(kind, devices if kind == "cpu" else 1), model=size,
+                                setup=setup_from_config(cfg, attention_backend, kind))

@@ -6,7 +6,8 @@ process that makes it. Hence every rank of a sequence-parallel group draws the s
 what the uninterrupted run would have, and neither the rank layout, nor the batch size, nor the number of samples
 changes what one sample gets. Streams are independent of each other: the stream is part of the hashed key.
 
-Model initialisation and dropout use the global generators that ``L.seed_everything(seed)`` seeds; procedural
+A model's initial weights are drawn per module (``INIT``), so any rank layout starts from the same ones; dropout
+and a model built outside ``ringdit.build`` use the global generators that ``L.seed_everything(seed)`` seeds; procedural
 datasets (moving digits, synthetic text latents) draw their content from their own ``data.seed``.
 """
 
@@ -28,6 +29,7 @@ class Stream(enum.IntEnum):
     INFERENCE = 4  # (sample index): infer.py's sample i, whatever num_samples, batch size or layout
     DATA_ORDER = 5  # (epoch): the permutation of the training set in that epoch
     DATA_SPLIT = 6  # (): which samples are held out for validation
+    INIT = 7  # (crc32 of a module's name): that module's initial weights (ringdit.models.materialize)
 
 
 def seed_of(stream: Stream, seed: int, *key: int) -> int:

@@ -84,6 +84,16 @@ def test_fsdp_resumes_exactly_into_another_layout(runs, tmp_path):
     assert_same_run(tmp_path, runs.trained("reference"), steps=(2,))
 
 
+def test_fsdp_starting_from_weights_trains_like_one_process(runs, tmp_path):
+    """init_from a sharded checkpoint (saved on 4 ranks): one process reads it whole, FSDP on 2 and on 4 ranks read
+    only their slices of it (``ringdit.checkpoints.sources``), and the SGD steps that follow are the same."""
+    weights_from = f"init_from={runs.trained('ring2_ulysses2') / 'checkpoints' / 'last.ckpt'}"
+    run("train.py", tmp_path / "one", *TINY, *MOMENTUM, weights_from)
+    for name, layout in (("two", ["ring_degree=2"]), ("four", LAYOUTS["ring2_ulysses2"])):
+        run("train.py", tmp_path / name, *TINY, *MOMENTUM, *FSDP, *layout, weights_from)
+        assert_same_run(tmp_path / name, tmp_path / "one")
+
+
 def test_resume_across_strategies(runs, tmp_path):
     """A DDP checkpoint (one file) resumes under FSDP, and an FSDP one (a folder) under DDP, momentum included."""
     ddp_checkpoint = runs.trained("reference") / "checkpoints" / "step_0000002.ckpt"

@@ -354,56 +354,7 @@ def test_odd_sample_count_on_two_data_parallel_ranks(tiny_checkpoint, tmp_path):
 # ---- memory estimate ------------------------------------------------------------------------------------------------
 
 
-def test_memory_estimate_numbers():
-    from ringdit.memory import estimate_memory
-
-    small = dict(tokens=16, hidden_size=32, depth=2, num_heads=4, batch_size=16, parameters=50_000)
-    one = estimate_memory(**small)
-    assert one.tokens_per_rank == 16
-    assert one.weights_bytes == 50_000 * 20  # weights, gradients, AdamW moments, EMA: fp32
-    assert one.activation_bytes == 16 * 16 * 2 * 18 * 32 * 4  # batch x tokens x depth x (10 + 2 x 4) x D x fp32
-    assert one.attention_bytes == 6 * 16 * 16 * 32 * 4
-    ring = estimate_memory(**small, ring_degree=2)  # half the tokens per rank: half the activations
-    assert ring.tokens_per_rank == 8 and ring.activation_bytes == one.activation_bytes // 2
-    ulysses = estimate_memory(**small, ulysses_degree=2)
-    assert ulysses.attention_bytes == one.attention_bytes // 2
-    quadratic = estimate_memory(**small, math_attention=True)  # (S / ring)^2 scores, fp32, with gradients
-    assert quadratic.attention_bytes - one.attention_bytes == 2 * 16 * 4 * 16**2 * 4 * 2
-    checkpointed = estimate_memory(**small, activation_checkpointing=True)
-    assert checkpointed.activation_bytes == 16 * 16 * (2 * 32 + 18 * 32) * 4
-    sampling = estimate_memory(**small, training=False)
-    assert sampling.weights_bytes == 50_000 * 4 and sampling.activation_bytes == one.activation_bytes // 2
-
-
-def test_memory_warning_names_the_degree_that_fits(caplog):
-    from ringdit.memory import GiB, warn_if_memory_short
-
-    settings = dict(tokens=262_144, hidden_size=128, depth=4, num_heads=4, batch_size=32, parameters=34_000_000)
-    warn_if_memory_short(available=1000 * GiB, **settings)
-    assert "memory:" not in caplog.text
-    warn_if_memory_short(available=16 * GiB, **settings)
-    assert re.search(r"memory: about 31\d\.\d GiB per rank needed \(262144 tokens per rank .* but 16.0 GiB is "
-                     r"available: .* ring_degree=32 \(32 ranks of this size\) would fit", caplog.text), caplog.text
-
-
-@pytest.mark.parametrize("key", ["activation_checkpointing", "gradient_checkpointing"])
-def test_the_memory_estimate_counts_activation_checkpointing(key, tmp_path, caplog):
-    """Either name of the setting (the models take both) shrinks the estimate, and the hint names the current one."""
-    from ringdit.spec import build_on_meta, model_config
-    from ringdit.memory import check_training_memory
-
-    estimates = {}
-    for on in (False, True):
-        cfg = compose_run("train", [f"+model.{key}={str(on).lower()}" if key == "gradient_checkpointing" else
-                                    f"model.{key}={str(on).lower()}"], tmp_path)
-        model_cfg = model_config(cfg.model, {"channels": 1, "image_size": [8, 8], "num_classes": 10})
-        estimates[on] = check_training_memory(cfg, model_cfg, build_on_meta(model_cfg), "torch_flash")
-    assert estimates[True].activation_bytes < estimates[False].activation_bytes
-    from ringdit.memory import GiB, warn_if_memory_short
-
-    warn_if_memory_short(available=1 * GiB, tokens=262_144, hidden_size=128, depth=4, num_heads=4, batch_size=32,
-                         parameters=34_000_000)
-    assert "or set model.activation_checkpointing=true" in caplog.text
+# The estimate's terms, the warning's hint and the plan command: tests/test_memory.py.
 
 
 def test_a_sequence_too_long_for_memory_is_reported_before_training(tmp_path):

@@ -1,10 +1,18 @@
 """LoRA (peft): only adapters train and are saved, under DDP and FSDP with ring attention; the exported adapter is
-diffusers' LoRA format and diffusers' own loader reproduces ringdit's outputs with it (also sequence-parallel)."""
+diffusers' LoRA format and diffusers' own loader reproduces ringdit's outputs with it (also sequence-parallel). A
+frozen base held in bf16 (``lora.base_dtype``) computes as the fp32 one does, up to bf16's rounding, also sharded by
+FSDP2 beside fp32 adapters; ``infer.py`` samples an adapter-only checkpoint on its base (the run's, or ``base=``) and
+refuses, in one line, a base that is missing or does not fit."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,10 +21,11 @@ from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
 from ringdit.checkpoints.weights import read_weights
 from tests.distributed import run_ranks
-from tests.helpers import SGD, TINY, architecture, assert_same_numbers, fail_fast, logged_losses, run
+from tests.helpers import (SGD, TINY, WAN, architecture, assert_refused, assert_same_numbers, fail_fast, logged_losses,
+                           run, save_tiny_wan, tiny_dit)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytestmark = pytest.mark.timeout(900)  # three training runs (under a minute on an idle 2-core machine)
+pytestmark = pytest.mark.timeout(900)  # a test runs at most three trainings (under a minute on an idle 2-core machine)
 
 LORA = ["lora.rank=4", "lora.alpha=8"]
 
@@ -117,3 +126,321 @@ def test_wan_lora_export_loads_with_diffusers(tmp_path):
     with torch.no_grad():  # the adapter matters: without it the outputs differ
         assert (reference(x, t, text, return_dict=False)[0] - ours).abs().max() > 1e-3
     run_ranks(check_wan_lora_ring, 2, tmp_path)  # and ringdit's ring attention with the adapter: the same
+
+
+
+# ---- a frozen base held in bfloat16 (lora.base_dtype) -----------------------------------------------------------
+
+
+def plain_model(kind):
+    """A tiny seeded model of ``kind`` (the same weights each call) and a forward of it on fixed inputs."""
+    g = torch.Generator().manual_seed(2)
+    if kind == "dit":
+        x, t, y = torch.randn(2, 3, 8, 8, generator=g), torch.tensor([0.3, 0.8]), torch.tensor([1, 5])
+        return tiny_dit(), lambda model: model(x, t, y)
+    from ringdit.models.diffusers import DiffusersTransformer
+
+    torch.manual_seed(0)
+    model = DiffusersTransformer("wan", config=architecture("wan_tiny"), input_size=(2, 8, 8), in_channels=4,
+                                 text_len=7, text_dim=16)
+    parallelize(model)
+    x, t = torch.randn(2, 4, 2, 8, 8, generator=g), torch.tensor([30.0, 810.0])
+    text = torch.randn(2, 7, 16, generator=g)
+    return model, lambda model: model(x, t, {"text": text})
+
+
+def fp32_and_bf16_base(kind):
+    """The same adapted model twice: its base layers in fp32, and in bf16 (the fp32 values, rounded); trained-looking
+    adapters (B is zero at init, which would hide the adapters' share of the output and of the gradients)."""
+    reference, forward = plain_model(kind)
+    add_lora(reference, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for key, param in reference.named_parameters():
+            if is_adapter_key(key):
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    low = add_lora(plain_model(kind)[0], rank=4, alpha=8, base_dtype="bfloat16")
+    low.load_state_dict(reference.state_dict())  # copied into the bf16 storage: rounded
+    return reference, low, forward
+
+
+def projection_keys(model) -> set[str]:
+    """The weights of the model's own Linear and Conv layers (not LoRA's A and B): what a bf16 base holds in bf16."""
+    layers = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d)
+    return {f"{name}.{key}" for name, module in model.named_modules() if isinstance(module, layers)
+            for key, _ in module.named_parameters(recurse=False) if not is_adapter_key(f"{name}.")}
+
+
+@pytest.mark.parametrize("kind", ["dit", "wan"])
+def test_a_bf16_base_holds_the_frozen_projections_in_bf16_and_computes_like_fp32(kind):
+    """The frozen Linear / Conv weights (the adapted layers' base and the others) are bf16; the adapters and every
+    other frozen weight (norms, embeddings, modulation tables) keep fp32. At precision 32 (fp32 activations, no
+    autocast) the model runs and gives the fp32 model's output and adapter gradients within bf16's rounding, and
+    only the adapters get gradients.
+
+    Tolerances: the weights and the inputs of each cast layer are rounded to bf16 (8 significant bits: relative error
+    <= 2^-9 each), the products summed in fp32 and the output cast back, so each layer is off by about one bf16 unit
+    (2^-8 = 3.9e-3) of its output, and those errors partly cancel over the layers: 1.6e-2 (4 units) of the largest
+    output (measured: 4.4e-3 DiT, 4.1e-3 Wan). A gradient meets each cast layer twice on its way back (the rounded
+    weights, and the rounded activations its weight gradient is made of), over every layer after its adapter: 5e-2
+    of the largest gradient (measured: 8.3e-3 DiT, 1.2e-2 Wan).
+    """
+    reference, low, forward = fp32_and_bf16_base(kind)
+    cast = projection_keys(low)
+    adapted = {key for key in cast if ".base_layer." in key}
+    assert adapted and cast - adapted  # adapted layers' base, and projections no adapter targets (DiT: adaLN)
+    for key, param in low.named_parameters():
+        assert param.dtype == (torch.bfloat16 if key in cast else torch.float32), key
+        assert param.requires_grad == is_adapter_key(key), key
+    assert any(p.dtype == torch.float32 and not p.requires_grad for p in low.parameters())  # norms, embeddings
+    for key, buffer in low.named_buffers():
+        assert buffer.dtype == dict(reference.named_buffers())[key].dtype, key
+    expected, output = forward(reference), forward(low)
+    assert output.dtype == torch.float32
+    assert (output - expected).abs().max() > 0  # the base did compute in bf16
+    assert_same_numbers(output, expected, of_max=1.6e-2, where="bf16 base vs fp32 base")
+    expected.square().mean().backward()
+    output.square().mean().backward()
+    ours = {key: param.grad for key, param in low.named_parameters() if param.grad is not None}
+    theirs = {key: param.grad for key, param in reference.named_parameters() if is_adapter_key(key)}
+    assert ours.keys() == theirs.keys()  # the adapters, and nothing frozen
+    for key, grad in ours.items():
+        assert grad.dtype == torch.float32 and grad.abs().max() > 0, key
+        assert_same_numbers(grad, theirs[key], of_max=5e-2, where=key)
+
+
+def test_a_bf16_base_runs_under_autocast_and_from_the_meta_device():
+    """bf16-mixed (autocast) computes the base as autocast would without the cast: within bf16 compute's error
+    (every matmul in bf16 here, not only the base's: 2e-2 of the largest output, measured 4.1e-3). Built on the meta
+    device and then given memory and the fp32 weights, the model is the one cast after loading, exactly."""
+    reference, low, forward = fp32_and_bf16_base("dit")
+    expected = forward(reference)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = forward(low)
+    assert_same_numbers(mixed.float(), expected, of_max=2e-2, where="autocast bf16 vs fp32")
+
+    from ringdit.models import DiT
+
+    with torch.device("meta"):
+        on_meta = add_lora(DiT(input_size=8, patch_size=2, in_channels=3, hidden_size=64, depth=2, num_heads=4,
+                               num_classes=10, learn_sigma=True), rank=4, alpha=8, base_dtype="bfloat16")  # tiny_dit's
+    assert {key for key, p in on_meta.named_parameters() if p.dtype == torch.bfloat16} == projection_keys(on_meta)
+    on_meta.to_empty(device="cpu")
+    on_meta.load_state_dict(reference.state_dict())  # fp32 file values into the bf16 storage
+    for key, param in on_meta.named_parameters():
+        assert torch.equal(param, dict(low.named_parameters())[key]), key
+    assert torch.equal(forward(on_meta), forward(low))
+
+
+def check_fsdp_bf16_base(rank, world):
+    """FSDP2 shards a model whose blocks mix bf16 frozen base weights and fp32 adapters in one ``fully_shard``
+    group: the sharded forward and the adapters' gradients are the unsharded model's. FSDP2 asks only the weights
+    that train for one dtype (the adapters'); it gathers the rest in their own dtypes. Every rank computes the same
+    batch, so the reduce-scatter's average is the one-process gradient. With ``param_dtype=bfloat16``
+    (MixedPrecisionPolicy) everything is gathered and computed in bf16, the gradients reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for param_dtype in (None, torch.bfloat16):
+        _, unsharded, forward = fp32_and_bf16_base("dit")
+        expected = forward(unsharded)
+        expected.square().mean().backward()
+        grads = {key: param.grad for key, param in unsharded.named_parameters() if param.grad is not None}
+        _, model, _ = fp32_and_bf16_base("dit")
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        base = projection_keys(model)
+        for key, param in model.named_parameters():
+            assert hasattr(param, "device_mesh") and param.dtype == (torch.bfloat16 if key in base else torch.float32)
+        output = forward(model)
+        output.square().mean().backward()
+        # param_dtype=None: the same numbers up to summation order (measured: bitwise equal); bf16 compute of every
+        # matmul, as under autocast above (measured: 6.3e-3 of the largest output, 1.2e-2 of the largest gradient)
+        close = {"rtol": 1e-5, "atol": 1e-6} if param_dtype is None else {"of_max": 2e-2}
+        assert_same_numbers(output.float(), expected, **close, where=f"sharded forward, param_dtype={param_dtype}")
+        ours = {key: param.grad.full_tensor() for key, param in model.named_parameters() if param.grad is not None}
+        assert ours.keys() == grads.keys() and all(is_adapter_key(key) for key in ours)
+        for key, grad in ours.items():
+            assert grad.dtype == torch.float32, key
+            assert_same_numbers(grad, grads[key], **({"of_max": 1e-5} if param_dtype is None else {"of_max": 5e-2}),
+                                where=f"{key}, param_dtype={param_dtype}")
+        frozen = {key: param.full_tensor().clone() for key, param in model.named_parameters() if key in base}
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+        for key, param in model.named_parameters():
+            if key in base:
+                assert torch.equal(param.full_tensor(), frozen[key]), key
+
+
+def test_fsdp_shards_a_bf16_base_with_fp32_adapters():
+    run_ranks(check_fsdp_bf16_base, 2)
+
+
+# ---- sampling an adapter-only checkpoint on its base ------------------------------------------------------------
+
+
+def sample(run_dir, ckpt, *overrides):
+    """infer.py's images for ``ckpt`` (4 samples, 4 Heun steps)."""
+    run("infer.py", run_dir, f"ckpt_path={ckpt}", "num_samples=4", "steps=4", *overrides)
+    return np.load(run_dir / "samples.npz")["images"].astype(np.int64)
+
+
+def with_recorded_init_from(ckpt, init_from, out):
+    """A copy of the training checkpoint ``ckpt`` whose run recorded another ``init_from`` (None: no base)."""
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["hyper_parameters"]["init_from"] = init_from
+    torch.save(checkpoint, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_checkpoint, tmp_path_factory):
+    """A LoRA run on an exported base (its init_from), and its samples. The base's zero-initialised weights
+    (adaLN-Zero's modulation, the final layer) are given trained-looking values: one step from zero, they would hide
+    whatever the adapters in the blocks do to the output; so are the adapters."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ringdit.export import main
+
+    root = tmp_path_factory.mktemp("lora_infer")
+    assert main([f"ckpt_path={tiny_checkpoint}", f"out={root / 'exported.safetensors'}"]) == 0
+    with safe_open(str(root / "exported.safetensors"), framework="pt") as f:
+        metadata, state = f.metadata(), {key: f.get_tensor(key) for key in f.keys()}
+    g = torch.Generator().manual_seed(0)
+    for key, value in state.items():
+        if value.abs().max() < 0.01:  # zero-initialised and one step away from it (as tests.helpers.tiny_dit does)
+            state[key] = value + 0.05 * torch.randn(value.shape, generator=g)
+    base = root / "base.safetensors"
+    save_file(state, str(base), metadata=metadata)
+    run("train.py", root / "lora", *TINY, *SGD, *LORA, "trainer.max_steps=2", f"init_from={base}")
+    # two steps move B (zero at init) too little to change an 8-bit pixel: trained-looking adapters instead
+    ckpt = root / "lora" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt, weights_only=True)
+    for key, value in checkpoint["state_dict"].items():
+        if is_adapter_key(key):
+            checkpoint["state_dict"][key] = 0.3 * torch.randn(value.shape, generator=g)
+    torch.save(checkpoint, ckpt)
+    return SimpleNamespace(root=root, base=base, ckpt=ckpt, samples=sample(root / "samples", ckpt))
+
+
+def merged_export(lora_run, out):
+    """The LoRA run's model as one plain export: each adapted weight W + (alpha / rank) B A, written out here from
+    the definition of LoRA, not by peft; the configs are the run's."""
+    from safetensors.torch import save_file
+
+    base, _ = read_weights(lora_run.base)
+    adapters, info = read_weights(lora_run.ckpt)  # the EMA adapters, as infer.py samples by default
+    scale = info["lora"]["alpha"] / info["lora"]["rank"]
+    for key in list(base):
+        a = adapters.get(key.replace(".weight", ".lora_A.default.weight"))
+        if a is not None:
+            base[key] = base[key] + scale * adapters[key.replace(".weight", ".lora_B.default.weight")] @ a
+    configs = ("model", "data", "objective", "sampling")
+    save_file(base, str(out), metadata={key: json.dumps(info[key]) for key in configs})
+    return out
+
+
+def test_infer_samples_an_adapter_only_checkpoint_on_the_base_its_run_recorded(lora_run, tmp_path):
+    """ckpt_path=<LoRA run> samples the base the run started from (its recorded init_from) with the adapters: the
+    same images as the merged model (W + scale B A) -- at most one grey level apart, where fp32 sums in another
+    order round a pixel the other way -- and other images than the base alone."""
+    assert read_weights(lora_run.ckpt)[1]["lora"]["base_dtype"] == "float32"  # lora.base_dtype=null on a CPU
+    merged = sample(tmp_path / "merged", merged_export(lora_run, tmp_path / "merged.safetensors"))
+    difference = np.abs(lora_run.samples - merged)
+    assert difference.max() <= 1 and (difference > 0).mean() < 0.01, (difference.max(), (difference > 0).mean())
+    base = sample(tmp_path / "base", lora_run.base)
+    assert np.abs(lora_run.samples - base).mean() > 1.0  # the adapters do change the samples
+
+
+def test_base_given_on_the_command_line_replaces_the_recorded_one(lora_run, tmp_path):
+    """Its run's base moved away, the checkpoint is refused with one line saying so, and samples with base=."""
+    moved = tmp_path / "moved.safetensors"
+    shutil.copy(lora_run.base, moved)
+    ckpt = with_recorded_init_from(lora_run.ckpt, str(tmp_path / "gone.safetensors"), tmp_path / "last.ckpt")
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_refused(proc, text=f"the run's init_from={tmp_path / 'gone.safetensors'}, the base of the LoRA adapter in "
+                              f"ckpt_path={ckpt}, cannot be read", seconds=seconds)
+    assert "pass base=PATH" in proc.stderr
+    np.testing.assert_array_equal(sample(tmp_path / "given", ckpt, f"base={moved}"), lora_run.samples)
+
+
+def test_default_base_dtype_is_bfloat16_on_gpus_and_float32_on_cpus():
+    from ringdit.spec.checkpoint import default_base_dtype
+
+    assert (default_base_dtype("cuda"), default_base_dtype("cpu")) == ("bfloat16", "float32")
+
+
+@pytest.mark.parametrize("value", ["int8", "fp12"])
+def test_a_base_dtype_that_is_not_a_float_dtype_is_refused(value, tmp_path):
+    proc, seconds = fail_fast("train.py", *TINY, *LORA, f"lora.base_dtype={value}", f"hydra.run.dir={tmp_path}")
+    assert_refused(proc, text=f"lora.base_dtype='{value}' is not a dtype ringdit takes; use one of float32, bfloat16, "
+                              f"float16 (null: bfloat16 on GPUs, float32 on CPUs)", seconds=seconds, run_dir=tmp_path)
+
+
+def test_a_lora_checkpoint_whose_run_recorded_no_base_is_refused(lora_run, tmp_path):
+    ckpt = with_recorded_init_from(lora_run.ckpt, None, tmp_path / "last.ckpt")
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_refused(proc, text=f"ckpt_path={ckpt} holds only LoRA adapters, and its run recorded no base model",
+                   seconds=seconds)
+    assert "pass base=" in proc.stderr
+
+
+def test_a_base_that_does_not_fit_the_adapter_is_refused(lora_run, tmp_path):
+    """Another model size (the first key that differs, with both shapes), or a file without the base's weights (the
+    first key it lacks): one line naming the base and the checkpoint."""
+    from hydra.utils import instantiate
+
+    info = read_weights(lora_run.ckpt)[1]
+    bigger = tmp_path / "bigger.pt"
+    torch.save(instantiate({**info["model"], "hidden_size": 64}).state_dict(), bigger)
+    cases = {bigger: r"final_layer\.adaLN_modulation\.1\.bias is \(128,\) in the base but \(64,\) in the model the "
+                     r"adapter was trained on",
+             lora_run.ckpt: r"the base lacks final_layer\.adaLN_modulation\.1\.bias, which the model the adapter was "
+                            r"trained on has"}
+    for base, problem in cases.items():
+        proc, seconds = fail_fast("infer.py", f"ckpt_path={lora_run.ckpt}", f"base={base}",
+                                  f"hydra.run.dir={tmp_path / 'run'}")
+        fit = f"Error: base={base} does not fit the LoRA adapter in ckpt_path={lora_run.ckpt}: "
+        assert_refused(proc, re.escape(fit) + problem, seconds=seconds)
+
+
+def test_a_plain_export_of_a_lora_checkpoint_is_refused(lora_run, tmp_path, capsys):
+    from ringdit.export import main
+
+    assert main([f"ckpt_path={lora_run.ckpt}", f"out={tmp_path / 'w.safetensors'}"]) == 2
+    assert "holds only the adapters, not a model; export them with lora=true" in capsys.readouterr().err
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_a_diffusers_lora_samples_on_its_pretrained_folder_or_on_base(tmp_path):
+    """A Wan LoRA run on model.pretrained: sampled on that folder (recorded), or on a diffusers folder given as base=
+    when the recorded one is gone -- the same latents; a folder of another architecture is refused naming the first
+    adapter weight that does not fit, with both shapes."""
+    import diffusers
+
+    save_tiny_wan(tmp_path / "wan")
+    run("train.py", tmp_path / "lora", *WAN, *LORA, "trainer.max_steps=2", f"model.pretrained={tmp_path / 'wan'}")
+    ckpt = tmp_path / "lora" / "checkpoints" / "last.ckpt"
+    recorded = sample_latents(tmp_path / "recorded", ckpt)
+    shutil.move(tmp_path / "wan", tmp_path / "moved")
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_refused(proc, text=f"the run's model.pretrained={tmp_path / 'wan'}, the base of the LoRA adapter in "
+                              f"ckpt_path={ckpt}, cannot be built", seconds=seconds)
+    np.testing.assert_array_equal(sample_latents(tmp_path / "given", ckpt, f"base={tmp_path / 'moved'}"), recorded)
+
+    wider = {**architecture("wan_tiny"), "attention_head_dim": 16}
+    diffusers.WanTransformer3DModel.from_config(wider).save_pretrained(tmp_path / "wider" / "transformer")
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={ckpt}", f"base={tmp_path / 'wider'}",
+                              f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_refused(proc, rf"Error: base={tmp_path / 'wider'} does not fit the LoRA adapter in ckpt_path={ckpt}: "
+                         rf"transformer\.blocks\.0\.attn1\.to_k\.lora_A\.default\.weight is \(4, 24\) in the adapter "
+                         rf"but \(4, 32\) in the base", seconds=seconds)
+
+
+def sample_latents(run_dir, ckpt, *overrides):
+    """infer.py's latents for a text model's ``ckpt`` (2 samples, 3 Euler steps, the data's held-out prompts)."""
+    run("infer.py", run_dir, f"ckpt_path={ckpt}", "num_samples=2", "steps=3", *overrides)
+    return np.load(run_dir / "samples.npz")["latents"]

@@ -265,7 +265,10 @@ def test_the_old_module_name_still_loads_checkpoints(sgd_runs):
     module = DiTModule.load_from_checkpoint(checkpoint)  # strict: the model and its EMA, every key
     state = torch.load(checkpoint, weights_only=True)["state_dict"]
     assert_same_numbers(dict(module.state_dict()), state)
-    assert module.sampling_model() is module.ema.module  # the weights worth sampling
+    ema = {key[len("ema.module."):]: value for key, value in state.items() if key.startswith("ema.module.")}
+    with module.sampling_weights() as model:  # the weights worth sampling: the EMA's, swapped in
+        assert_same_numbers(dict(model.state_dict()), ema)
+    assert_same_numbers(dict(module.state_dict()), state)  # and swapped back
 
 
 def test_resume_continues_the_step_count(sgd_runs, tmp_path):

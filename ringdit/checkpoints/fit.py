@@ -4,6 +4,7 @@ trained for another number of classes fitted to this model's (fine-tuning on new
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -16,9 +17,14 @@ Tensor = torch.Tensor
 LABEL_TABLE = "y_embedder.embedding_table.weight"
 
 
-def check_compatible(model: nn.Module, state: dict[str, Tensor], source: str = "checkpoint") -> None:
-    """Raise one error listing the missing keys, unexpected keys and shape mismatches (the first 10 of each)."""
-    expected = model.state_dict()
+def check_compatible(model: nn.Module | Mapping[str, Tensor | torch.Size], state: Mapping[str, Tensor | torch.Size],
+                     source: str = "checkpoint") -> None:
+    """Raise one error listing the missing keys, unexpected keys and shape mismatches (the first 10 of each) of
+    ``state`` (tensors, or their shapes) against ``model`` (a module, or the tensors / shapes it expects)."""
+    expected = model.state_dict() if isinstance(model, nn.Module) else model
+
+    def shape(value) -> tuple[int, ...]:
+        return tuple(value.shape if isinstance(value, Tensor) else value)
 
     def ordered(keys):  # embedders and final layer first: they tell the model size; the repeated blocks after
         return sorted(keys, key=lambda key: (key.startswith("blocks."), key))
@@ -26,9 +32,9 @@ def check_compatible(model: nn.Module, state: dict[str, Tensor], source: str = "
     missing = ordered(set(expected) - set(state))
     unexpected = ordered(set(state) - set(expected))
     mismatched = [
-        f"{key} {tuple(state[key].shape)} vs {tuple(expected[key].shape)}"
+        f"{key} {shape(state[key])} vs {shape(expected[key])}"
         for key in ordered(set(expected) & set(state))
-        if state[key].shape != expected[key].shape
+        if shape(state[key]) != shape(expected[key])
     ]
     parts = [
         f"{what} ({len(items)}): " + ", ".join(items[:10]) + (", ..." if len(items) > 10 else "")
@@ -38,6 +44,20 @@ def check_compatible(model: nn.Module, state: dict[str, Tensor], source: str = "
     ]
     if parts:
         raise CheckpointError(f"{source} does not fit this model (another model size or layout?) -- " + "; ".join(parts))
+
+
+def first_misfit(expected: Mapping[str, Tensor], given: Mapping[str, Tensor], given_name: str, expected_name: str
+                 ) -> str | None:
+    """The first key (embedders and final layer first: they tell the model size) that ``given`` lacks, holds besides,
+    or holds in another shape than ``expected``, as a phrase naming both sides; None when all fit."""
+    for key in sorted(set(expected) | set(given), key=lambda key: (key.startswith("blocks."), key)):
+        if key not in given:
+            return f"{given_name} lacks {key}, which {expected_name} has"
+        if key not in expected:
+            return f"{given_name} holds {key}, which {expected_name} has not"
+        if tuple(given[key].shape) != tuple(expected[key].shape):
+            return f"{key} is {tuple(given[key].shape)} in {given_name} but {tuple(expected[key].shape)} in {expected_name}"
+    return None
 
 
 def resize_label_embedding(state: dict[str, Tensor], rows: int, generator: torch.Generator | None = None) -> dict:

@@ -145,26 +145,29 @@ class DiT(nn.Module):
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
-        """The original's init: xavier linears, zeroed adaLN modulation and output layer (adaLN-Zero)."""
+        """The original's init (``initial_value``), drawn from the global RNG; a model built on the meta device
+        gets it from ``ringdit.models.materialize`` instead, one module at a time."""
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if not param.is_meta:
+                    param.copy_(self.initial_value(name, param.shape))
 
-        def basic_init(module: nn.Module) -> None:
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.constant_(module.bias, 0)
-
-        self.apply(basic_init)
-        weight = self.x_embedder.proj.weight.data
-        nn.init.xavier_uniform_(weight.view([weight.shape[0], -1]))
-        nn.init.constant_(self.x_embedder.proj.bias, 0)
-        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        for module in [*(block.adaLN_modulation[-1] for block in self.blocks), self.final_layer.adaLN_modulation[-1]]:
-            nn.init.constant_(module.weight, 0)
-            nn.init.constant_(module.bias, 0)
-        nn.init.constant_(self.final_layer.linear.weight, 0)
-        nn.init.constant_(self.final_layer.linear.bias, 0)
+    def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator | None = None) -> Tensor | None:
+        """The original's initial value of parameter ``name``: xavier-uniform linears (the patch embedding's conv as
+        the linear of its flattened kernel) with zero biases, N(0, 0.02) label and timestep embeddings, zeroed adaLN
+        modulation and output layer (adaLN-Zero), the sin-cos position table. None for a parameter that is not the
+        DiT's own (a LoRA adapter)."""
+        if ".lora_" in name:
+            return None
+        if name == "pos_embed":
+            return sincos_pos_embed(self.pos_embed.shape[-1], self.default_grid).reshape(shape)
+        value = torch.zeros(shape)
+        if name.endswith("bias") or "adaLN_modulation" in name or name.startswith("final_layer.linear."):
+            return value
+        if name in ("y_embedder.embedding_table.weight", "t_embedder.mlp.0.weight", "t_embedder.mlp.2.weight"):
+            return nn.init.normal_(value, std=0.02, generator=generator)
+        nn.init.xavier_uniform_(value.view(shape[0], -1), generator=generator)
+        return value
 
     # ---- tokens <-> pixels -----------------------------------------------------------------------------------------
     def patchify(self, x: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
 """Checkpoint inspection before any process is spawned, and ``CheckpointPlan``: where a training run's weights come
-from -- a checkpoint it resumes, weights it starts from, LoRA adapters on them.
+from -- a checkpoint it resumes, weights it starts from, LoRA adapters on them. ``LoraBase``: where a sampling run
+finds the base under an adapter-only LoRA checkpoint.
 
 A weights file is read here as it will be loaded later (EMA or raw weights, a sharded folder's metadata only) and
 checked against the model built on the meta device, so that a wrong file costs seconds, not a spawned job; errors
@@ -18,12 +19,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ringdit.checkpoints.fit import LABEL_TABLE, check_compatible, resize_label_embedding
-from ringdit.checkpoints.layout import is_sharded_checkpoint, recover_checkpoint
+from ringdit.checkpoints.fit import LABEL_TABLE, check_compatible, first_misfit, resize_label_embedding
+from ringdit.checkpoints.layout import SHARDED_METADATA, is_sharded_checkpoint, recover_checkpoint
+from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.checkpoints.weights import WEIGHT_CHOICES, read_weights
 from ringdit.errors import CheckpointError, ConfigError, require_choice
-from ringdit.lora import adapter_state, add_lora, check_lora_settings, lora_enabled
+from ringdit.lora import adapter_state, add_lora, check_adapter_fits, check_lora_settings, is_adapter_key, lora_enabled
 from ringdit.resume import check_resume
+from ringdit.spec.layout import device_type
+from ringdit.spec.model import ModelSpec
 
 if TYPE_CHECKING:
     from ringdit.spec.optimizer import OptimizerSpec
@@ -45,6 +49,10 @@ class CheckpointPlan:
         """The settings alone (cheap: before the data is opened); the files are checked in ``from_config``."""
         require_choice("init_weights", cfg.init_weights, WEIGHT_CHOICES)
         check_lora_settings(_lora_settings(cfg))
+        if cfg.init_resize_labels and lora_enabled(_lora_settings(cfg)):
+            raise ConfigError("init_resize_labels=true with lora.rank > 0: the new classes' label rows would stay at "
+                              "their random init (LoRA freezes the label table and does not save it); fine-tune "
+                              "the new classes without LoRA (lora.rank=0), then add LoRA on that run's weights")
 
     @classmethod
     def from_config(cls, cfg: DictConfig, meta_model: nn.Module, *, optimizer: OptimizerSpec,
@@ -71,13 +79,26 @@ class CheckpointPlan:
 
 
 def _lora_settings(cfg: DictConfig) -> dict | None:
-    return OmegaConf.to_container(cfg.lora, resolve=True) if cfg.get("lora") else None
+    """The ``lora`` settings, ``base_dtype``'s null resolved for the run's device (``default_base_dtype``) here, so that
+    the checkpoint's hyper-parameters record the dtype the base was held in, not "whatever the machine chose"."""
+    if not cfg.get("lora"):
+        return None
+    lora = OmegaConf.to_container(cfg.lora, resolve=True)
+    if lora_enabled(lora) and lora.get("base_dtype") is None:
+        lora["base_dtype"] = default_base_dtype(device_type(cfg.trainer))
+    return lora
 
 
-def check_lora(meta_model: nn.Module, lora: dict) -> None:
-    """The LoRA settings are valid and ``lora.targets`` match modules of the model (on a meta copy)."""
+def default_base_dtype(device: str) -> str:
+    """``lora.base_dtype=null``: bfloat16 on GPUs, where it halves the frozen base and bf16 matmuls are fast; float32
+    on CPUs, whose bf16 matmuls are slow (and where the memory of tiny runs does not matter)."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def check_lora(meta_model: nn.Module, lora: dict) -> nn.Module:
+    """The LoRA settings are valid and ``lora.targets`` match modules of the model; returns the adapted meta copy."""
     with torch.device("meta"):
-        add_lora(copy.deepcopy(meta_model), **lora)  # a copy: the weights files are checked against the plain model
+        return add_lora(copy.deepcopy(meta_model), **lora)  # a copy: weights files are checked against the plain model
 
 
 def read_weights_file(setting: str, path: str, prefer: str = "ema", load_tensors: bool = True) -> tuple[dict, dict]:
@@ -147,3 +168,103 @@ def resolve_sampling_ckpt(ckpt_path: str | None, log_dir: str, train_task: str =
                               f"(no checkpoints/last.ckpt); train one with `python train.py`, or pass "
                               f"ckpt_path=PATH to a .ckpt or .safetensors") from None
     return ckpt_path
+
+
+# ---- sampling an adapter-only LoRA checkpoint -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraBase:
+    """A LoRA checkpoint holds only the adapters; ``infer.py`` builds the base they were trained on and loads them onto
+    it. The base is ``base=`` when given, else what the run recorded: its ``init_from``, else its
+    ``model.pretrained``."""
+
+    ckpt_path: str
+    settings: dict           # the run's LoRA settings (rank, alpha, targets, base_dtype): the same adapters again
+    model: dict              # the model config to build: the run's, with a diffusers base folder as model.pretrained
+    init_from: str | None    # a weights file loaded under the adapters; None: the model config's pretrained holds them
+    init_weights: str        # ema | model: which weights of a ringdit .ckpt init_from
+    described: str           # the base as the user named it, or as the run recorded it, for errors
+
+    @classmethod
+    def from_checkpoint(cls, ckpt_path: str, state: dict, info: dict, base: str | None) -> LoraBase | None:
+        """The base of ``ckpt_path`` (read as ``state``, ``info``); None when it holds a whole model."""
+        settings = info.get("lora")
+        if not lora_enabled(settings):
+            if state and all(is_adapter_key(key) for key in state):
+                raise ConfigError(f"ckpt_path={ckpt_path} holds only LoRA adapter weights, without the LoRA settings "
+                                  f"(rank, alpha) of the run that trained them: sample that run's own checkpoint "
+                                  f"(checkpoints/last.ckpt) with base= if needed")
+            if base:
+                raise ConfigError(f"base={base} is the base model under a LoRA adapter, but ckpt_path={ckpt_path} "
+                                  f"holds a whole model; drop base=")
+            return None
+        hparams = recorded_hparams(ckpt_path)
+        model = dict(info["model"])
+        init_weights = hparams.get("init_weights") or "ema"
+        if base:
+            described = f"base={base}"
+        elif hparams.get("init_from"):
+            base = str(hparams["init_from"])
+            described = f"the run's init_from={base}"
+        elif model.get("pretrained"):  # the base is built from the model config itself
+            described = f"the run's model.pretrained={model['pretrained']}"
+            return cls(ckpt_path, settings, model, None, init_weights, described)
+        else:
+            raise ConfigError(f"ckpt_path={ckpt_path} holds only LoRA adapters, and its run recorded no base model "
+                              f"(no init_from, no model.pretrained: the adapters were trained on a random init that "
+                              f"no file holds); pass base=<the weights they were trained on: a ringdit .ckpt or "
+                              f".safetensors export, or a diffusers folder>")
+        if Path(base).expanduser().is_dir() and not is_sharded_checkpoint(base):  # a diffusers folder
+            if "family" not in model:
+                raise ConfigError(f"{described} is a folder, but the model of the LoRA adapter in "
+                                  f"ckpt_path={ckpt_path} is a DiT, whose weights are a ringdit .ckpt or .safetensors "
+                                  f"export; give one of those as base=")
+            return cls(ckpt_path, settings, {**model, "pretrained": base}, None, init_weights, described)
+        return cls(ckpt_path, settings, model, base, init_weights, described)
+
+    def model_spec(self, ulysses_degree: int) -> tuple[ModelSpec, nn.Module]:
+        """The model to sample, and that model built on the meta device; a base folder that does not build (another
+        family, a missing folder) is named with the adapter's checkpoint."""
+        try:
+            return ModelSpec.from_config(self.model, ulysses_degree)
+        except ConfigError as error:
+            if self.init_from is not None:  # the run's own model config failed, not the base
+                raise
+            raise ConfigError(f"{self.described}, the base of the LoRA adapter in ckpt_path={self.ckpt_path}, cannot "
+                              f"be built: {error}; pass base=<the diffusers folder the adapter was trained on>"
+                              ) from None
+
+    def check(self, meta_model: nn.Module, adapter: dict) -> None:
+        """The base fits the model the adapter was trained on (names and shapes), and the adapter fits the base:
+        before any process starts, naming the first key that does not."""
+        fix = "give base= the weights the run fine-tuned (its init_from or model.pretrained): same family and size"
+        if self.init_from is not None:
+            try:
+                base, _ = read_weights(self.init_from, prefer=self.init_weights, load_tensors=False)
+            except CheckpointError as error:
+                raise ConfigError(f"{self.described}, the base of the LoRA adapter in ckpt_path={self.ckpt_path}, "
+                                  f"cannot be read: {error}; pass base=PATH to the weights it was trained on") from None
+            problem = first_misfit(meta_model.state_dict(), base, "the base", "the model the adapter was trained on")
+            if problem is not None:
+                raise ConfigError(f"{self.described} does not fit the LoRA adapter in ckpt_path={self.ckpt_path}: "
+                                  f"{problem}; {fix}")
+        problem = check_adapter_fits(check_lora(meta_model, self.settings), adapter, model_named="the base")
+        if problem is not None:
+            raise ConfigError(f"{self.described} does not fit the LoRA adapter in ckpt_path={self.ckpt_path}: "
+                              f"{problem}; {fix}")
+
+
+def recorded_hparams(ckpt_path: str) -> dict:
+    """The settings a ringdit training checkpoint recorded (Lightning's ``hyper_parameters``: ``init_from``,
+    ``init_weights``, ...), from a file or a sharded folder's ``meta.pt``; ``{}`` for an export, or a file that is
+    not a readable checkpoint (whoever reads its weights says what is wrong with it)."""
+    path = Path(ckpt_path).expanduser()
+    if path.suffix == ".safetensors":
+        return {}
+    try:
+        content = safe_torch_load(path / SHARDED_METADATA if is_sharded_checkpoint(path) else path, mmap=True)
+    except CheckpointError:
+        return {}
+    hparams = content.get("hyper_parameters") if isinstance(content, dict) else None
+    return hparams if isinstance(hparams, dict) else {}

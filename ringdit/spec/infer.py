@@ -3,7 +3,9 @@
 ``InferSpec.from_config(cfg)`` reads infer.py's composed config and the checkpoint's own configs (model, data,
 objective, sampling: data, never code -- ``ringdit.safe_config``); infer.py builds the trainer, module and sample
 requests from the spec alone. The checkpoint is read once and checked against the model built on the meta device;
-what the samples are conditioned on (class ids, prompts) is checked against what the model takes.
+what the samples are conditioned on (class ids, prompts) is checked against what the model takes. An adapter-only
+LoRA checkpoint is sampled on its base (``LoraBase``: ``base=``, else the run's init_from / model.pretrained), which
+is checked against the adapter the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.checkpoints.weights import WEIGHT_CHOICES
 from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
-from ringdit.spec.checkpoint import check_weights_file, read_weights_file, resolve_sampling_ckpt
+from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
 from ringdit.spec.diffusion import check_sampling
 from ringdit.spec.layout import Layout
 from ringdit.spec.model import ModelSpec
@@ -88,12 +90,13 @@ class InferSpec:
     trainer: TrainerSpec
     ckpt_path: str           # resolved ('last': the newest training run's last.ckpt)
     weights: str             # ema | model
-    model: ModelSpec         # the checkpoint's model
+    model: ModelSpec         # the checkpoint's model (a LoRA checkpoint's: built on its base)
     data: dict               # the checkpoint's description of its training data
     objective: dict
     sampling: dict           # the checkpoint's sampling defaults with this run's overrides
     conditioning: Conditioning
     output: OutputSpec
+    lora: LoraBase | None = None  # an adapter-only LoRA checkpoint: its base, under the adapters of ckpt_path
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> InferSpec:
@@ -113,7 +116,8 @@ class InferSpec:
                               f"(dp_degree={layout.dp_degree}): each rank needs a sample; use num_samples>="
                               f"{layout.dp_degree} or fewer devices")
         trainer = TrainerSpec.from_config(cfg, training=False)
-        state, info = read_weights_file("ckpt_path", ckpt_path, prefer=cfg.weights)
+        # shapes only (headers, a mapped file): a 14B checkpoint is not read into the launching process
+        state, info = read_weights_file("ckpt_path", ckpt_path, prefer=cfg.weights, load_tensors=False)
         missing = [key for key in ("model", "data", "objective") if key not in info]
         if missing:
             raise ConfigError(f"ckpt_path={ckpt_path} does not say which model it holds (no {', '.join(missing)}): "
@@ -121,8 +125,13 @@ class InferSpec:
                               f"first with init_from")
         output = OutputSpec(vae=sampling_vae(cfg.vae, cfg.vae_subfolder, info["data"]), vae_subfolder=cfg.vae_subfolder,
                             vae_tile=cfg.vae_tile, fps=cfg.fps)
-        model, meta_model = ModelSpec.from_config(info["model"], layout.ulysses_degree)
-        check_weights_file("ckpt_path", ckpt_path, meta_model, state=state)
+        lora = LoraBase.from_checkpoint(ckpt_path, state, info, base=cfg.get("base"))
+        if lora is None:
+            model, meta_model = ModelSpec.from_config(info["model"], layout.ulysses_degree)
+            check_weights_file("ckpt_path", ckpt_path, meta_model, state=state)
+        else:
+            model, meta_model = lora.model_spec(layout.ulysses_degree)
+            lora.check(meta_model, state)
         del state, meta_model
         overrides = {key: cfg[key] for key in SAMPLING_OVERRIDES if cfg.get(key) is not None}
         sampling = {**info.get("sampling", {}), **overrides}
@@ -131,4 +140,4 @@ class InferSpec:
         return cls(seed=cfg.seed, num_samples=cfg.num_samples, batch_size=cfg.batch_size,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, ckpt_path=ckpt_path,
                    weights=cfg.weights, model=model, data=info["data"], objective=info["objective"],
-                   sampling=sampling, conditioning=conditioning, output=output)
+                   sampling=sampling, conditioning=conditioning, output=output, lora=lora)

@@ -20,7 +20,7 @@ from ringdit.errors import require_count, require_number
 class OptimizerSpec:
     optimizer: dict          # conf/optimizer: a _partial_ target that takes the parameters (torch.optim.AdamW ...)
     scheduler: dict | None   # conf/scheduler: a _partial_ target that takes the optimizer; None: a constant lr
-    ema_decay: float         # the EMA's decay per step, in [0, 1]
+    ema_decay: float | None  # the EMA's decay per step, in [0, 1]; null or 0: no EMA
 
     @property
     def name(self) -> str | None:
@@ -36,7 +36,7 @@ class OptimizerSpec:
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> OptimizerSpec:
-        require_number("ema_decay", cfg.ema_decay, low=0, high=1)
+        require_number("ema_decay", cfg.ema_decay, low=0, high=1, optional=True)
         optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True) if cfg.get("optimizer") else {}
         if "lr" in optimizer:
             require_number("optimizer.lr", optimizer["lr"], low=0)  # 0 is legitimate: evaluate a start, freeze a run

@@ -74,23 +74,9 @@ class RingFSDPStrategy(SequenceParallelStrategy, ModelParallelStrategy):
 
     # ---- sharding ----------------------------------------------------------------------------------------------
     def shard_model(self, model: nn.Module) -> nn.Module:
-        """``fully_shard`` each repeated block of ``model`` (one all-gather per block), then the root (the rest)."""
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-        )
-
-        options = {
-            "mesh": self.device_mesh,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype),
-            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
-        }
-        for block in repeated_blocks(model):
-            fully_shard(block, **options)
-        fully_shard(model, **options)
-        return model
+        """``fully_shard`` ``model`` over this strategy's mesh with its precision and offload settings."""
+        return shard_model(model, self.device_mesh, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
+                           cpu_offload=self.cpu_offload)
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -155,3 +141,19 @@ class RingFSDPStrategy(SequenceParallelStrategy, ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{index}"])
         return safe_torch_load(path / SHARDED_METADATA)
 
+
+
+def shard_model(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None, cpu_offload: bool = False) -> nn.Module:
+    """``fully_shard`` each repeated block of ``model`` (one all-gather per block), then the root (the rest). On a
+    model built on the meta device this only plans the shards; ``ringdit.models.materialize`` allocates them."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    options = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for block in repeated_blocks(model):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model

@@ -15,6 +15,7 @@ EMA, resume, sampling -- whose hooks share state; each part is a few short metho
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from functools import partial
@@ -25,12 +26,11 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-from torch.optim.swa_utils import AveragedModel
 
 from ringdit.build import build_model
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.diffusion import DDPM, draw_noise, noise_generators, sample
-from ringdit.ema import averaged_copy
+from ringdit.ema import ModelAverage
 from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
 from ringdit.lora import is_adapter_key, lora_enabled
@@ -81,13 +81,14 @@ class DiffusionModule(L.LightningModule):
         self.skipped_steps = 0
         self._step_skipped = False
         self._fresh_optimizer = False
+        self._ema_applied = False
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.objective = hydra.utils.instantiate(objective)
         self.sampling = {"steps": 50, "cfg_scale": 1.0, "sampler": None, "shift": 1.0, "guidance_channels": None,
                          **(sampling or {})}
         self.model: nn.Module | None = None  # built in configure_model
-        self.ema: AveragedModel | None = None
+        self.ema: ModelAverage | None = None
         self._step_start: float | None = None
         self.negative_condition: dict[str, Tensor] | None = None  # infer.py's negative prompt (text models)
 
@@ -128,7 +129,7 @@ class DiffusionModule(L.LightningModule):
             lora=self.hparams.lora if lora_enabled(self.hparams.lora) else None,
             ema_decay=self.hparams.ema_decay if training else None,  # sampling uses the weights it loaded
             shard=getattr(self.trainer.strategy, "shard_model", None) if self._trainer is not None else None,
-            compile=self.hparams.compile,
+            compile=self.hparams.compile, seed=self.hparams.seed,
         )
         if lora_enabled(self.hparams.lora):  # checkpoints hold only the adapters: the base comes from init_from
             self.strict_loading = False
@@ -210,7 +211,8 @@ class DiffusionModule(L.LightningModule):
     def validation_step(self, batch, batch_idx: int) -> None:
         x0, condition = batch
         generators = self.sample_generators(Stream.VALIDATION, (batch_idx,), x0.shape[0])
-        loss = self.diffusion_loss(self.sampling_model(), x0, condition, generators)
+        with self.sampling_weights() as model:
+            loss = self.diffusion_loss(model, x0, condition, generators)
         self.log("val/loss", loss, sync_dist=True, batch_size=x0.shape[0])
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
@@ -219,7 +221,7 @@ class DiffusionModule(L.LightningModule):
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
         # Here, not in on_train_batch_end: callbacks (checkpoints) see the step before this module's batch-end hook.
-        if not self._step_skipped:
+        if not self._step_skipped and self.ema is not None:
             self.ema.update_parameters(self.model)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
@@ -236,7 +238,7 @@ class DiffusionModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.ema is None and self.model is not None and "ema.n_averaged" in checkpoint.get("state_dict", {}):
             # a training checkpoint loaded to sample (load_from_checkpoint): keep its EMA, the weights worth sampling
-            self.ema = averaged_copy(self.model, self.hparams.ema_decay)
+            self.ema = ModelAverage(self.model, self.hparams.ema_decay)
         if self.hparams.get("resume_optimizer", True):
             return
         # resume_optimizer=false: Lightning loads zip(optimizers, states), so no states leaves the configured
@@ -268,9 +270,27 @@ class DiffusionModule(L.LightningModule):
         """Pixels live in [-1, 1] and become images; latents (data=latents) are kept as numbers for your VAE."""
         return "latent_scale" not in self.hparams.data
 
-    def sampling_model(self, use_ema: bool = True) -> nn.Module:
-        """The EMA weights while training (the ones worth sampling), else the loaded weights."""
-        return self.ema.module if use_ema and self.ema is not None else self.model
+    def sampling_model(self) -> nn.Module:
+        """The model that samples (``sampling_weights`` gives it the EMA's weights)."""
+        return self.model
+
+    @contextlib.contextmanager
+    def sampling_weights(self, use_ema: bool = True):
+        """The model, holding the EMA's weights inside the block (the ones worth sampling) when there is an EMA and
+        ``use_ema``, else its own; re-entrant (a preview inside validation swaps once)."""
+        # compile=true compiles the training step's graphs; sampling and validation run eager (their batch sizes and
+        # no-grad mode would recompile every block's graphs once more each)
+        eager = torch.compiler.set_stance("force_eager") if self.hparams.compile else contextlib.nullcontext()
+        if not use_ema or self.ema is None or self._ema_applied:
+            with eager:
+                yield self.model
+            return
+        self._ema_applied = True
+        try:
+            with eager, self.ema.applied_to(self.model) as model:
+                yield model
+        finally:
+            self._ema_applied = False
 
     @torch.no_grad()
     def generate(self, condition, seeds: list[int], *, use_ema: bool = True, negative: dict | None = None,
@@ -281,8 +301,11 @@ class DiffusionModule(L.LightningModule):
 
         Collective under sequence parallelism: every rank of the group must call it with the same arguments.
         """
+        with self.sampling_weights(use_ema) as model:
+            return self._generate(model, condition, seeds, negative, overrides)
+
+    def _generate(self, model: nn.Module, condition, seeds: list[int], negative: dict | None, overrides: dict) -> Tensor:
         settings = {**self.sampling, **{k: v for k, v in overrides.items() if v is not None}}
-        model = self.sampling_model(use_ema)
         generators = noise_generators(seeds)  # sample i's noise: its initial noise, then the ddpm sampler's
         noise = draw_noise((model.in_channels, *self.hparams.data["image_size"]), generators, device=self.device)
         guided = settings["cfg_scale"] != 1.0

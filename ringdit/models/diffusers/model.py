@@ -19,6 +19,7 @@ from torch import nn
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.families import Family, get_family
 from ringdit.models.diffusers.folders import check_weights_folder
+from ringdit.models.materialize import building_on_meta
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -60,6 +61,7 @@ class DiffusersTransformer(nn.Module):
         if OmegaConf.is_config(config):  # Hydra passes nested settings as DictConfig; diffusers wants plain values
             config = OmegaConf.to_container(config, resolve=True)
         self.transformer = build_transformer(self.family, config, pretrained, subfolder)
+        self.pretrained = (pretrained, subfolder) if pretrained is not None else None  # the weights to load
         arch = dict(self.transformer.config)
         self.in_channels = self.family.latent_channels(arch)  # of the latents ringdit sees
         self.condition_dropout_prob = condition_dropout_prob
@@ -150,10 +152,25 @@ class DiffusersTransformer(nn.Module):
     def tokens_per_sample(self) -> int:
         return math.prod(self.default_grid)
 
-    def load_pretrained_weights(self, pretrained: str, subfolder: str | None = "transformer") -> None:
-        """Fine-tune from a local diffusers folder of the same architecture (``init_from=<folder>``)."""
-        loaded = build_transformer(self.family, None, pretrained, subfolder, setting="init_from")
-        self.transformer.load_state_dict(loaded.state_dict(), strict=True)
+    def pretrained_files(self, pretrained: str, subfolder: str | None = "transformer", setting: str = "init_from"
+                         ) -> tuple[list[Path], str]:
+        """The safetensors files of a local diffusers folder of this architecture (``model.pretrained``,
+        ``init_from=<folder>``), checked whole, and the prefix of their keys in this module (``transformer.``)."""
+        folder = pretrained_folder(self.family, pretrained, subfolder, setting=setting)
+        return check_weights_folder(folder, setting=setting, value=pretrained,
+                                    class_name=self.family.model_class), "transformer."
+
+    def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> Tensor | None:
+        """The random init of the parameters whose module has no ``reset_parameters``, as diffusers' constructors
+        draw them: modulation tables N(0, 1 / width) (Wan's ``scale_shift_table``), norm scales one, shifts zero.
+        None for the rest (their modules' own ``reset_parameters`` apply)."""
+        owner_name, _, attr = name.rpartition(".")
+        owner = self.get_submodule(owner_name)
+        if attr == "scale_shift_table":
+            return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+        if not hasattr(owner, "reset_parameters") and "Norm" in type(owner).__name__:
+            return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
+        return None
 
     def check_pretrained(self, pretrained: str, subfolder: str | None = "transformer") -> None:
         """Raise a ConfigError unless ``pretrained`` holds this family's model with the same architecture."""
@@ -200,7 +217,7 @@ def build_transformer(family: Family, config: dict | None, pretrained: str | Non
     # the weights' headers, before any rank starts (train.py builds on meta first); safetensors only: a .bin can
     # run code when unpickled, and diffusers would fall back to it when a folder has no safetensors
     check_weights_folder(folder, setting=setting, value=pretrained, class_name=family.model_class)
-    if torch.empty(0).device.type == "meta":  # a config-time check (train.py builds on meta): shapes only
+    if torch.empty(0).device.type == "meta" or building_on_meta():  # shapes only: the weights load per rank later
         return cls.from_config(arch)
     try:
         return cls.from_pretrained(str(folder), local_files_only=True, torch_dtype=torch.float32, use_safetensors=True)

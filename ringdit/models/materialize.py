@@ -1,0 +1,169 @@
+"""Models built without their weights, and each rank given only its part of them.
+
+``parameters_on_meta()`` builds a model whose parameters are shapes only (the meta device): nothing is allocated or
+initialised, whatever the model's size. Buffers stay real: they hold what constructors compute and files do not
+store (RoPE tables), and they are small. (accelerate's ``init_empty_weights(include_buffers=False)`` does the same.)
+
+``materialize(model, ...)``, after the parallel plan, LoRA and FSDP's ``fully_shard`` were applied on the meta
+device, allocates each parameter as this rank holds it -- an FSDP shard, or the whole tensor under DDP -- and fills
+it from a weights file (``ringdit.checkpoints.sources``: only the slices this rank holds are read) or with its
+initial value. The initial value of a parameter depends only on the run's seed and the name of the module that owns
+it, never on the rank layout: each rank draws one module's full tensors at a time and keeps its slice, so FSDP over
+any world size, DDP and one process start from the same weights, and no rank ever holds the whole model.
+
+Initial values, in this order:
+- LoRA adapters: ``lora_A`` as peft initialises it (a Linear's Kaiming-uniform), ``lora_B`` zero;
+- the model's own rule, ``model.initial_value(name, shape, generator)`` (the DiT's is the original's init);
+- the owning module's ``reset_parameters`` (Linear, Conv, LayerNorm, RMSNorm, ...), run on a CPU twin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import zlib
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ringdit.checkpoints.sources import WeightSource, local_index, local_part
+from ringdit.errors import ConfigError
+from ringdit.seeding import Stream, seed_of
+
+Tensor = torch.Tensor
+
+_building = threading.local()
+
+
+def building_on_meta() -> bool:
+    """Inside ``parameters_on_meta()``: models build from their architecture alone (their weights come later)."""
+    return getattr(_building, "active", False)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside lives on the meta device; buffers are unchanged."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    _building.active = True
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+        _building.active = False
+
+
+# ---- giving each rank its part -----------------------------------------------------------------------------------
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int, source: WeightSource | None = None,
+                transforms: dict | None = None) -> None:
+    """Allocate ``model``'s meta parameters on ``device`` as this rank holds them, and fill them: from ``source``
+    where it holds the name (with the model's names; ``.base_layer`` of a LoRA-wrapped layer dropped), else with
+    their initial values (seeded by ``seed``). ``transforms``: ``{name: f(full tensor) -> full tensor}`` for a
+    tensor read whole and changed before it is sliced (a label table fitted to another class count)."""
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():  # to_empty emptied them too: their built values back
+            buffer.copy_(buffers[name])
+    params = dict(model.named_parameters())
+    loaded: dict[str, Tensor] = {}
+    if source is not None:
+        loaded = {file_name(name): param for name, param in params.items()
+                  if not _is_adapter(name) and file_name(name).startswith(source.scope)}
+        persistent = _persistent_buffers(model)
+        loaded.update({name: buffer for name, buffer in model.named_buffers()
+                       if name in persistent and name in source.shapes})  # a ringdit file's null prompt, ...
+        check_source(loaded, source, transforms)
+        transformed = {name: loaded.pop(name) for name in list(loaded) if name in (transforms or {})}
+        source.fill(loaded)
+        with torch.no_grad():
+            for name, target in transformed.items():
+                full = transforms[name](source.read(name, ()))
+                local_part(target).copy_(full[local_index(target)])
+    initial = {name: param for name, param in params.items() if file_name(name) not in loaded
+               and file_name(name) not in (transforms or {})}
+    initialize(model, initial, seed)
+
+
+def file_name(name: str) -> str:
+    """The name a weights file gives a model parameter: peft's LoRA wrapper moves a layer's weight to
+    ``<layer>.base_layer.weight``; files written without LoRA call it ``<layer>.weight``."""
+    return name.replace(".base_layer.", ".")
+
+
+def check_source(targets: dict[str, Tensor], source: WeightSource, transformed: dict | None = None) -> None:
+    """One error listing what ``source`` lacks, holds besides, or holds in another shape, before anything is read
+    (a ``transformed`` tensor may have any shape: it is fitted before it loads)."""
+    from ringdit.checkpoints.fit import check_compatible
+
+    held = {name: shape for name, shape in source.shapes.items() if name.startswith(source.scope)}
+    expected = {name: held.get(name, target.shape) if name in (transformed or {}) else target.shape
+                for name, target in targets.items()}
+    check_compatible(expected, held, source=source.path)
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def _persistent_buffers(model: nn.Module) -> set[str]:
+    return {f"{prefix}.{name}".lstrip(".") for prefix, module in model.named_modules()
+            for name in module._buffers if name not in module._non_persistent_buffers_set}
+
+
+@torch.no_grad()
+def initialize(model: nn.Module, params: dict[str, Tensor], seed: int) -> None:
+    """Fill ``params`` (by name) with their initial values, one owning module's full tensors at a time."""
+    by_owner: dict[str, list[str]] = defaultdict(list)
+    for name in params:
+        by_owner[name.rpartition(".")[0]].append(name)
+    for owner_name, names in by_owner.items():
+        generator = torch.Generator().manual_seed(seed_of(Stream.INIT, seed, zlib.crc32(owner_name.encode())))
+        values = initial_values(model, owner_name, names, generator)
+        for name in names:
+            target = params[name]
+            local_part(target).copy_(values[name][local_index(target)])
+
+
+def initial_values(model: nn.Module, owner_name: str, names: list[str], generator: torch.Generator
+                   ) -> dict[str, Tensor]:
+    """The full initial tensors (fp32, CPU) of the parameters ``names`` of the module ``owner_name``."""
+    owner = model.get_submodule(owner_name)
+    shapes = {name: owner.get_parameter(name.rpartition(".")[2]).shape for name in names}
+    if owner_name.rsplit(".", 2)[-2:-1] == ["lora_B"]:  # peft: B starts at zero, so the adapted model is the base
+        return {name: torch.zeros(shape) for name, shape in shapes.items()}
+    rule = getattr(model, "initial_value", None)
+    if rule is not None and not _is_adapter(owner_name + "."):
+        values = {name: rule(name, shape, generator) for name, shape in shapes.items()}
+        if all(value is not None for value in values.values()):
+            return values
+    if hasattr(owner, "reset_parameters"):
+        return {f"{owner_name}.{attr}".lstrip("."): value
+                for attr, value in _reset_twin(owner, generator).items() if f"{owner_name}.{attr}".lstrip(".") in shapes}
+    raise ConfigError(f"cannot initialise {names[0]} of {type(model).__name__} without building the whole model: "
+                      f"its {type(owner).__name__} has no reset_parameters and the model no initial_value rule for "
+                      f"it; start from weights (init_from=, model.pretrained=)")
+
+
+def _reset_twin(owner: nn.Module, generator: torch.Generator) -> dict[str, Tensor]:
+    """``owner.reset_parameters()`` run on a copy holding full fp32 CPU tensors, with the RNG seeded from
+    ``generator``: the module's own initialisation, for one module's worth of memory."""
+    twin = copy.copy(owner)  # the module's settings (in_features, eps, ...); its parameters replaced below
+    twin._parameters = {attr: None if param is None else nn.Parameter(torch.empty(param.shape))
+                        for attr, param in owner._parameters.items()}
+    twin._modules = {}  # reset_parameters of a leaf module touches its own parameters only
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        twin.reset_parameters()
+    return {attr: param.detach() for attr, param in twin._parameters.items() if param is not None}

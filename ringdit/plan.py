@@ -1,0 +1,453 @@
+"""Plan a training run's layout: which (dp, ring, ulysses, strategy, activation checkpointing) fits the GPUs, and
+which of those costs least.
+
+    python -m ringdit.plan model=wan_14b data.frames=81 data.size=[480,832] gpus=16 gpu_memory_gb=80
+    python -m ringdit.plan model=flux_dev data.size=1024 gpus=8 lora.rank=64
+    python -m ringdit.plan model=dit_xl data.size=512 gpus=4 strategy=ddp ema_decay=null
+
+For every layout of ``gpus`` ranks (dp x ring x ulysses = gpus, Ulysses dividing the heads, ring x ulysses no more
+than the tokens) it prints the estimated peak memory per rank at start-up and during a step (``ringdit.memory``: what
+it models is in its docstring), the attention TFLOPs per rank and step, the GB each rank sends per step for ring,
+Ulysses and the parameter / gradient sync, and an estimated time per sample relative to the best layout that fits;
+then the layout it recommends, and why. Only the model is built, on the meta device; nothing is downloaded.
+
+The cost model behind the relative figure (it ranks layouts; it does not predict seconds):
+
+- compute, at ``gpu_tflops``: attention 4 x q_tokens x k_tokens x D / ulysses FLOPs per block forward (q_tokens =
+  S / ring, k_tokens = S, plus the text tokens of joint attention), backward 2.5x forward; the linear layers
+  2 x P x tokens per rank forward, backward 2x (LoRA's frozen base: 1x, no weight gradients); activation
+  checkpointing adds one forward;
+- communication per rank and step: ring sends the K/V of S / ring tokens x D / ulysses to the next rank ring - 1
+  times per block forward, and K/V plus their gradients in backward; Ulysses runs 4 all-to-alls (q, k, v, out) of
+  this rank's S / (ring x ulysses) tokens per block forward and 4 in backward, each sending (u - 1) / u of them;
+  FSDP all-gathers the parameters in forward and again in backward (in ``param_dtype``) and reduce-scatters the fp32
+  gradients (HSDP: plus an all-reduce across replicas); DDP all-reduces the gradients. Recomputation (activation
+  checkpointing) repeats the forward's ring and Ulysses traffic;
+- a group whose ranks lie in one node (``gpus_per_node``; ranks are placed as ``ringdit.parallel.mesh`` says:
+  Ulysses groups contiguous, ring groups strided by ulysses, FSDP's shard groups contiguous) sends at
+  ``intra_node_gbps``, one across nodes at ``inter_node_gbps``;
+- ring hops, FSDP's gathers and DDP's buckets are issued ahead of need and overlap compute; Ulysses' all-to-alls
+  block (their output is the next operation's input): step = max(compute, ring + sync) + ulysses;
+- per sample: the step over the samples it trains, dp x data.batch_size.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, replace
+
+from omegaconf import DictConfig, OmegaConf
+
+from ringdit.cli import hydra_main, user_errors
+from ringdit.errors import ConfigError, require_count
+from ringdit.memory import (GiB, MemoryEstimate, ModelSize, Setup, estimate_memory, gathered_bytes_per_parameter,
+                            model_size)
+
+# the VAE's factors per family: (temporal, spatial); a temporal factor t takes frames = t x k + 1 to k + 1 latents
+VAE_FACTORS = {"wan": (4, 8), "flux": (None, 8), "qwenimage": (None, 8), "dit": (1, 8)}
+PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
+
+
+# ---- the hardware and the cost of one step -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: int
+    gpus_per_node: int
+    usable_bytes: float      # per GPU: gpu_memory_gb x usable_memory
+    flops: float             # per GPU per second
+    intra_node: float        # bytes per second one GPU sends within its node
+    inter_node: float        # ... to another node
+
+    def bandwidth(self, span: int) -> float:
+        """For a group spanning ``span`` consecutive ranks."""
+        return self.intra_node if span <= self.gpus_per_node else self.inter_node
+
+
+@dataclass(frozen=True)
+class StepCost:
+    attention_flops: float   # per rank and step
+    linear_flops: float
+    ring_bytes: float        # sent per rank and step
+    ulysses_bytes: float
+    sync_bytes: float        # FSDP's all-gathers and reduce-scatters, or DDP's all-reduce
+    seconds: float           # the step, as the module docstring models it
+    samples: int             # trained per step: dp x batch
+
+    @property
+    def per_sample(self) -> float:
+        return self.seconds / self.samples
+
+
+def step_cost(model: ModelSize, setup: Setup, hardware: Hardware) -> StepCost:
+    """The work and traffic of one training step on one rank (the module docstring's cost model)."""
+    S, L, D, B = model.tokens, model.text_tokens, model.hidden_size, setup.batch_size
+    ring, ulysses, sp, a = setup.ring_degree, setup.ulysses_degree, setup.sp_degree, setup.activation_bytes
+    recompute = 1 if setup.activation_checkpointing else 0
+    # compute
+    attention = model.depth * 4 * B * (math.ceil(S / ring) + L) * (S + L) * (D / ulysses) * (3.5 + recompute)
+    tokens = math.ceil(S / sp) + L
+    linear = 2 * B * tokens * model.parameters * ((2 if model.lora else 3) + recompute)
+    # sequence-parallel traffic: K/V (and their gradients) around the ring, the all-to-alls of Ulysses
+    kv_hop = 2 * B * math.ceil(S / ring) * (D / ulysses) * a  # this rank's K and V after the Ulysses exchange
+    ring_bytes = model.depth * (ring - 1) * kv_hop * (1 + 2 + recompute)
+    exchange = 4 * B * math.ceil(S / sp) * D * a * (ulysses - 1) / ulysses  # q, k, v, out
+    ulysses_bytes = model.depth * exchange * (1 + 1 + recompute)
+    # parameter / gradient sync
+    trainable = model.lora_parameters if model.lora else model.trainable_parameters
+    w, world = setup.weight_bytes, setup.world_size
+    if setup.strategy == "fsdp":
+        n, replicas = setup.shard_degree, setup.replicate_degree
+        gathered = gathered_bytes_per_parameter(model, setup) * (model.parameters + model.lora_parameters)
+        within = 2 * (n - 1) / n * gathered + (n - 1) / n * trainable * 4  # the gathers in forward and backward,
+        across = 2 * (replicas - 1) / replicas * trainable * 4 / n  # reduce-scatter; HSDP: all-reduce of the shards
+        sync_bytes = within + across
+        sync_s = within / hardware.bandwidth(n) + across / hardware.bandwidth(world)
+    else:
+        sync_bytes = 2 * (world - 1) / world * trainable * w
+        sync_s = sync_bytes / hardware.bandwidth(world)
+    compute_s = (attention + linear) / hardware.flops
+    overlapped_s = ring_bytes / hardware.bandwidth(sp) + sync_s
+    seconds = max(compute_s, overlapped_s) + ulysses_bytes / hardware.bandwidth(ulysses)
+    return StepCost(attention_flops=attention, linear_flops=linear, ring_bytes=ring_bytes,
+                    ulysses_bytes=ulysses_bytes, sync_bytes=sync_bytes, seconds=seconds,
+                    samples=setup.dp_degree * B)
+
+
+# ---- the layouts -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    setup: Setup
+    memory: MemoryEstimate
+    cost: StepCost
+    fits: bool
+
+    @property
+    def label(self) -> str:
+        s = self.setup
+        ckpt = " +ckpt" if s.activation_checkpointing else ""
+        return f"dp={s.dp_degree} ring={s.ring_degree} ulysses={s.ulysses_degree} {s.strategy}{ckpt}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model: ModelSize, base: Setup, hardware: Hardware, strategies: tuple[str, ...],
+               checkpointing: tuple[bool, ...]) -> list[Candidate]:
+    """Every feasible layout of ``hardware.gpus`` ranks, with its memory and cost."""
+    found = []
+    for dp in divisors(hardware.gpus):
+        sp = hardware.gpus // dp
+        for ulysses in divisors(sp):
+            ring = sp // ulysses
+            if model.num_heads % ulysses or sp > model.tokens:
+                continue
+            for strategy in strategies:
+                for ckpt in checkpointing:
+                    setup = replace(base, dp_degree=dp, ring_degree=ring, ulysses_degree=ulysses, strategy=strategy,
+                                    activation_checkpointing=ckpt)
+                    memory = estimate_memory(model, setup)
+                    found.append(Candidate(setup, memory, step_cost(model, setup, hardware),
+                                           memory.peak_bytes <= hardware.usable_bytes))
+    return found
+
+
+def preference(c: Candidate) -> tuple:
+    """Least time per sample first; among equal times (to 4 digits, as when communication hides behind compute) DDP
+    (fewer collectives), then no recomputation, then the most headroom."""
+    s = c.setup
+    return float(f"{c.cost.per_sample:.4g}"), s.strategy != "ddp", s.activation_checkpointing, c.memory.peak_bytes
+
+
+def recommend(found: list[Candidate], hardware: Hardware) -> tuple[Candidate | None, list[str]]:
+    """The layout that fits with the least time per sample, and one or two lines saying why."""
+    fitting = sorted((c for c in found if c.fits), key=preference)
+    usable = hardware.usable_bytes / GiB
+    if not fitting:
+        least = min(found, key=lambda c: c.memory.peak_bytes)
+        return None, [f"No layout fits in {usable:.1f} GiB per GPU: the least memory is {least.label}'s "
+                      f"{least.memory.peak_bytes / GiB:.1f} GiB. Try lora.rank=16, cpu_offload=true, more gpus, "
+                      f"a smaller data.size or data.frames, or data.batch_size=1."]
+    best = fitting[0]
+    first = (f"Recommended: {best.label} -- {_number(best.memory.peak_bytes / GiB)} of {usable:.1f} GiB per GPU, and "
+             f"the least estimated time per sample of the {len(fitting)} layouts that fit")
+    if len(fitting) > 1:
+        first += f" (next: {fitting[1].label}, {fitting[1].cost.per_sample / best.cost.per_sample:.2f}x)"
+    return best, [first + ".", "Why: " + "; ".join(_reasons(best, found, hardware)) + "."]
+
+
+def _reasons(best: Candidate, found: list[Candidate], hardware: Hardware) -> list[str]:
+    s = best.setup
+
+    def variant(**changes) -> Candidate | None:
+        wanted = replace(s, **changes)
+        return next((c for c in found if c.setup == wanted), None)
+
+    reasons = []
+    other = variant(strategy="ddp" if s.strategy == "fsdp" else "fsdp")
+    if other is None:  # the settings named the strategy
+        reasons.append(f"{s.strategy.upper()} (strategy={s.strategy})")
+    elif s.strategy == "fsdp" and not other.fits:
+        reasons.append(f"FSDP, as replicated (DDP) state would need {other.memory.peak_bytes / GiB:.1f} GiB per rank")
+    elif s.strategy == "fsdp":
+        reasons.append(f"FSDP: sharding over {s.shard_degree} ranks costs less than replicating")
+    else:
+        reasons.append("DDP: the replicated state fits, and DDP does without FSDP's per-step all-gathers")
+    plain = variant(activation_checkpointing=False)
+    if s.activation_checkpointing and plain is None:  # the settings asked for it
+        reasons.append("activation checkpointing (activation_checkpointing=true)")
+    elif s.activation_checkpointing and not plain.fits:
+        reasons.append(f"activation checkpointing, as without it the step would need "
+                       f"{plain.memory.peak_bytes / GiB:.1f} GiB")
+    if s.sp_degree == 1:
+        reasons.append(f"no sequence parallelism: every rank trains whole samples (dp={s.dp_degree}), which needs "
+                       f"the least communication per sample")
+    else:
+        parts = []
+        if s.ulysses_degree > 1:
+            where = "within a node" if s.ulysses_degree <= hardware.gpus_per_node else "across nodes"
+            parts.append(f"ulysses={s.ulysses_degree} {where} (its all-to-alls block the step)")
+        if s.ring_degree > 1:
+            where = "within a node" if s.sp_degree <= hardware.gpus_per_node else "across nodes"
+            parts.append(f"ring={s.ring_degree} {where} (its K/V hops overlap the attention)")
+        reasons.append(f"the sequence split over {s.sp_degree} ranks: " + ", ".join(parts))
+    return reasons
+
+
+# ---- the model the plan is for -------------------------------------------------------------------------------------
+
+
+def latent_shape(cfg: DictConfig, model_cfg: dict, family: str, video: bool) -> list[int]:
+    """The model's input shape ((T,) H, W) for ``data.size`` / ``data.frames`` (pixels; latents when
+    ``data.latent`` is true: the VAE's factors of ``family``)."""
+    size = cfg.data.size
+    size = [size, size] if isinstance(size, int) and not isinstance(size, bool) else list(size or [])
+    if len(size) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size):
+        raise ConfigError(f"data.size must be H, W in pixels (or one integer for a square), got {cfg.data.size!r}; "
+                          f"e.g. data.size=[480,832]")
+    frames = cfg.data.frames
+    temporal, spatial = VAE_FACTORS[family] if cfg.data.latent else (1, 1)
+    if video:
+        require_count("data.frames", frames, hint="the frames of a video sample" +
+                      (f", {temporal} x k + 1 for {family}'s VAE, e.g. 81" if temporal and temporal > 1 else ""))
+        if temporal and temporal > 1 and (frames - 1) % temporal:
+            below = (frames - 1) // temporal * temporal + 1
+            raise ConfigError(f"data.frames={frames}: {family}'s VAE takes {temporal} x k + 1 frames; use "
+                              f"{below} or {below + temporal}")
+    elif frames is not None:
+        raise ConfigError(f"data.frames={frames} but {_preset_name(model_cfg)} is an image model; leave "
+                          f"data.frames null")
+    if any(s % spatial for s in size):
+        raise ConfigError(f"data.size={size} is not a multiple of the VAE's factor {spatial}; use "
+                          f"{[s // spatial * spatial or spatial for s in size]}, or data.latent=false for sizes "
+                          f"that are the model's input already")
+    latent = [s // spatial for s in size]
+    if video:
+        latent = [(frames - 1) // temporal + 1 if temporal and temporal > 1 else frames, *latent]
+    return latent
+
+
+def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
+    """The preset's sizes for the data's shape, from the model built on the meta device, and a line describing it."""
+    from ringdit.models.diffusers.families import get_family
+    from ringdit.spec.model import build_on_meta, is_diffusers_model, model_config
+
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    lora = OmegaConf.to_container(cfg.lora, resolve=True)
+    if is_diffusers_model(model_cfg):
+        family = get_family(model_cfg["family"])
+        arch = _diffusers_architecture(model_cfg, family)
+        patch, video, name = family.patch_shape(arch), family.video, family.name
+        shape = latent_shape(cfg, model_cfg, name, video)
+        data = {"conditioning": "text", "image_size": shape, "channels": family.latent_channels(arch),
+                "text_len": cfg.data.text_len, "text_dim": arch[family.text_dim],
+                "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None}
+    else:
+        video = model_cfg.get("temporal_patch_size") is not None
+        patch = (model_cfg.get("temporal_patch_size"),) * video + (model_cfg.get("patch_size", 2),) * 2
+        shape = latent_shape(cfg, model_cfg, "dit", video)
+        channels = cfg.data.channels or (4 if cfg.data.latent else 3)
+        data = {"channels": channels, "image_size": shape, "num_classes": cfg.data.num_classes}
+    if any(s % p for s, p in zip(shape, patch)):
+        raise ConfigError(f"data.size / data.frames give a latent shape {shape} that the model's patch {list(patch)} "
+                          f"does not divide; choose sizes whose latents are multiples of it")
+    config = model_config(model_cfg, data)
+    size = model_size(config, build_on_meta(config), lora)
+    grid = " x ".join(str(s // p) for s, p in zip(shape, patch))
+    text = f" + {size.text_tokens} text tokens on every rank" if size.text_tokens else ""
+    line = (f"{_preset_name(model_cfg)}: {_count(size.parameters)} parameters"
+            + (f" ({_count(size.lora_parameters)} of LoRA rank {lora['rank']})" if size.lora else "")
+            + f", {size.depth} blocks, hidden {size.hidden_size}, {size.num_heads} heads, MLP {size.mlp_hidden}; "
+              f"{size.tokens} tokens per sample ({grid} of the input {list(shape)}){text}")
+    return size, line
+
+
+def _diffusers_architecture(model_cfg: dict, family) -> dict:
+    if model_cfg.get("pretrained"):
+        from ringdit.models.diffusers.model import pretrained_folder, read_config
+
+        folder = pretrained_folder(family, model_cfg["pretrained"], model_cfg.get("subfolder"))
+        return read_config(family, folder, model_cfg["pretrained"])
+    if not model_cfg.get("config"):
+        raise ConfigError("model: give model.pretrained=<local diffusers folder> or pick a preset with an "
+                          "architecture (model=wan_14b, model=flux_dev, ...)")
+    return model_cfg["config"]
+
+
+def _preset_name(model_cfg: dict) -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return f"model={HydraConfig.get().runtime.choices['model']}"
+    except (ValueError, KeyError):
+        return model_cfg.get("_target_", "model")
+
+
+# ---- settings ------------------------------------------------------------------------------------------------------
+
+
+def _positive(setting: str, value, example: str, *, at_most: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 \
+            or (at_most is not None and value > at_most):
+        bound = f" and at most {at_most}" if at_most is not None else ""
+        raise ConfigError(f"{setting} must be a number above 0{bound}, got {value!r}; e.g. {setting}={example}")
+    return float(value)
+
+
+def _choice(setting: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{setting} must be one of {' | '.join(map(str, choices))}, got {value!r}")
+
+
+def settings(cfg: DictConfig) -> tuple[Hardware, Setup, tuple[str, ...], tuple[bool, ...]]:
+    """Every setting but the model's, checked: the hardware, the run's setup (degrees are filled in per layout), the
+    strategies and checkpointing choices to try."""
+    from ringdit.attention import list_backends
+    from ringdit.dtypes import dtype_named
+    from ringdit.lora import check_lora_settings
+
+    require_count("gpus", cfg.gpus, hint="the GPUs to lay out, e.g. gpus=16")
+    require_count("gpus_per_node", cfg.gpus_per_node, hint="the GPUs of one node, e.g. gpus_per_node=8")
+    memory = _positive("gpu_memory_gb", cfg.gpu_memory_gb, "80")
+    usable = _positive("usable_memory", cfg.usable_memory, "0.9", at_most=1)
+    hardware = Hardware(gpus=cfg.gpus, gpus_per_node=cfg.gpus_per_node, usable_bytes=memory * usable * GiB,
+                        flops=_positive("gpu_tflops", cfg.gpu_tflops, "400") * 1e12,
+                        intra_node=_positive("intra_node_gbps", cfg.intra_node_gbps, "150") * 1e9,
+                        inter_node=_positive("inter_node_gbps", cfg.inter_node_gbps, "25") * 1e9)
+    require_count("data.batch_size", cfg.data.batch_size, hint="samples per data-parallel rank, e.g. 1")
+    require_count("data.text_len", cfg.data.text_len, hint="text tokens per sample, e.g. 512")
+    require_count("data.channels", cfg.data.channels, optional=True, hint="null takes the model's")
+    require_count("data.num_classes", cfg.data.num_classes, hint="e.g. 1000")
+    _choice("data.latent", cfg.data.latent, (True, False))
+    _choice("strategy", cfg.strategy, (None, "ddp", "fsdp"))
+    _choice("activation_checkpointing", cfg.activation_checkpointing, (None, True, False))
+    _choice("precision", str(cfg.precision), PRECISIONS)
+    _choice("cpu_offload", cfg.cpu_offload, (True, False))
+    _choice("attention_backend", cfg.attention_backend, list_backends())
+    if cfg.param_dtype is not None:
+        dtype_named("param_dtype", cfg.param_dtype)
+    dtype_named("lora.base_dtype", cfg.lora.base_dtype)
+    require_count("optimizer_states", cfg.optimizer_states, minimum=0, hint="AdamW 2, SGD with momentum 1, SGD 0")
+    require_count("replicate_degree", cfg.replicate_degree, hint="1 shards over every GPU")
+    if cfg.gpus % cfg.replicate_degree:
+        raise ConfigError(f"replicate_degree={cfg.replicate_degree} does not divide gpus={cfg.gpus} (HSDP shards "
+                          f"within gpus / replicate_degree ranks); use a divisor of {cfg.gpus}")
+    decay = cfg.ema_decay
+    if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1):
+        raise ConfigError(f"ema_decay must be a number in [0, 1) or null, got {decay!r}; null or 0 turns the EMA "
+                          f"off, e.g. ema_decay=0.999")
+    check_lora_settings(OmegaConf.to_container(cfg.lora, resolve=True))
+    setup = Setup(batch_size=cfg.data.batch_size, replicate_degree=cfg.replicate_degree, cpu_offload=cfg.cpu_offload,
+                  param_dtype=cfg.param_dtype, precision=str(cfg.precision), ema=bool(decay),
+                  lora_base_dtype=cfg.lora.base_dtype, optimizer_states=cfg.optimizer_states,
+                  math_attention=cfg.attention_backend == "math")
+    strategies = (cfg.strategy,) if cfg.strategy else ("ddp", "fsdp")
+    checkpointing = (False, True) if cfg.activation_checkpointing is None else (cfg.activation_checkpointing,)
+    return hardware, setup, strategies, checkpointing
+
+
+# ---- the table -----------------------------------------------------------------------------------------------------
+
+HEADER = (f"{'dp':>4}{'ring':>5}{'uly':>5} {'strategy':<9}{'ckpt':<5}|{'start GiB':>10}{'step GiB':>9}{'state':>7}"
+          f"{'acts':>7} |{'attn TFLOP':>11}{'ring GB':>9}{'uly GB':>8}{'sync GB':>9} |{'s/sample':>9}{'rel':>7}")
+
+
+def _number(x: float) -> str:
+    """Three digits or so, whatever the size: 321, 68.3, 0.042, 0."""
+    return "0" if x == 0 else f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def _count(n: int) -> str:
+    """A parameter count: 14.29 B, 676.0 M, 2.0 M."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f} {unit}"
+    return str(n)
+
+
+def table_row(c: Candidate, reference: float) -> str:
+    """One layout: its degrees, memory per rank (GiB), traffic (GB) and time per sample (and its ratio to
+    ``reference``)."""
+    s, m, k = c.setup, c.memory, c.cost
+    memory = [(m.startup_bytes / GiB, 10), (m.step_bytes / GiB, 9), (m.state_bytes / GiB, 7),
+              ((m.activation_bytes + m.attention_bytes) / GiB, 7)]
+    traffic = [(k.attention_flops / 1e12, 11), (k.ring_bytes / 1e9, 9), (k.ulysses_bytes / 1e9, 8),
+               (k.sync_bytes / 1e9, 9)]
+    ckpt = "yes" if s.activation_checkpointing else "no"
+    return (f"{s.dp_degree:>4}{s.ring_degree:>5}{s.ulysses_degree:>5} {s.strategy:<9}{ckpt:<5}|"
+            + "".join(f"{_number(x):>{width}}" for x, width in memory) + " |"
+            + "".join(f"{_number(x):>{width}}" for x, width in traffic) + " |"
+            + f"{k.per_sample:>9.3g}{k.per_sample / reference:>6.2f}x")
+
+
+def format_plan(found: list[Candidate], hardware: Hardware, setup: Setup, model: ModelSize, model_line: str) -> str:
+    """The plan as printed: the model and the settings, the layouts that fit (best first), those that do not, and the
+    recommendation."""
+    best, why = recommend(found, hardware)
+    fitting = sorted((c for c in found if c.fits), key=preference)
+    short = sorted((c for c in found if not c.fits), key=lambda c: c.memory.peak_bytes)
+    reference = (best or min(found, key=preference)).cost.per_sample
+    nodes = math.ceil(hardware.gpus / hardware.gpus_per_node)
+    lora = f", LoRA base {setup.lora_base_dtype}" if model.lora else ""
+    lines = [
+        model_line,
+        f"{hardware.gpus} GPUs on {nodes} node(s), {hardware.usable_bytes / GiB:.1f} GiB usable each; batch "
+        f"{setup.batch_size} per dp rank, {setup.precision}, FSDP param_dtype {setup.param_dtype}, "
+        f"{'EMA' if setup.ema else 'no EMA'}{lora}{', cpu_offload' if setup.cpu_offload else ''}",
+        "memory per rank (state: weights, gradients, optimizer, EMA; acts: activations and attention); traffic sent "
+        "per rank and step; rel: estimated time per sample / the recommended layout's",
+        "",
+        HEADER,
+        *(table_row(c, reference) for c in fitting),
+    ]
+    if short:
+        lines += ["", f"does not fit in {hardware.usable_bytes / GiB:.1f} GiB:", *(table_row(c, reference)
+                                                                                 for c in short)]
+    return "\n".join([*lines, "", *why])
+
+
+@hydra_main("plan")  # conf/plan.yaml
+def plan(cfg: DictConfig) -> None:
+    with user_errors():  # a wrong setting: one line, exit code 2
+        hardware, setup, strategies, checkpointing = settings(cfg)
+        size, model_line = planned_model(cfg)
+        found = candidates(size, setup, hardware, strategies, checkpointing)
+    print(format_plan(found, hardware, setup, size, model_line))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command on ``argv`` (default ``sys.argv[1:]``); its exit code: 0, or 2 for a settings mistake."""
+    try:
+        plan(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

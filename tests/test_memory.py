@@ -1,0 +1,258 @@
+"""The memory estimate (``ringdit.memory``): each term moves the way the setting says, train.py's config is read as
+it runs (strategy, LoRA, EMA, activation checkpointing under either name), diffusers models are estimated, and
+``python -m ringdit.plan`` lays out GPUs, recommends a layout and refuses bad input in one line."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+
+from ringdit.cli import register_resolvers
+from ringdit.memory import GiB, ModelSize, Setup, estimate_memory, warn_if_memory_short
+from tests.helpers import CONF
+
+# A DiT-XL-like model: sizes only, nothing is built.
+XL = ModelSize(parameters=675_000_000, trainable_parameters=675_000_000, largest_parameter=8_000_000,
+               root_parameters=6_000_000, block_parameters=24_000_000, hidden_size=1152, depth=28, num_heads=16,
+               mlp_hidden=4608, tokens=4096)
+
+
+def compose_train(overrides: list[str], run_dir: Path):
+    """The config ``python train.py overrides`` would run with, composed in this process."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+# ---- the terms -------------------------------------------------------------------------------------------------
+
+
+def test_memory_estimate_numbers():
+    """Each term by its formula (the module docstring), for a small model under DDP in fp32."""
+    small = ModelSize(parameters=50_000, trainable_parameters=50_000, largest_parameter=4_000, root_parameters=2_000,
+                      block_parameters=24_000, hidden_size=32, depth=2, num_heads=4, mlp_hidden=128, tokens=16)
+    one = estimate_memory(small, Setup(batch_size=16))
+    assert one.tokens_per_rank == 16
+    assert (one.weights_bytes, one.gradient_bytes, one.optimizer_bytes, one.ema_bytes, one.bucket_bytes) == (
+        50_000 * 4, 50_000 * 4, 50_000 * 8, 50_000 * 4, 50_000 * 4)  # fp32; AdamW's 2 moments; DDP's buckets
+    assert one.gathered_bytes == 0 and one.host_bytes == 0
+    assert one.activation_bytes == 16 * 16 * 2 * (10 * 32 + 2 * 128) * 4  # batch x tokens x depth x values x fp32
+    assert one.attention_bytes == 6 * 16 * 16 * 32 * 4
+    assert one.startup_bytes == 50_000 * 4 * 2 + 4_000 * 4  # the model, its EMA, one tensor in flight
+    assert one.step_bytes == sum(one.terms()[t] for t in one.STEP_TERMS)
+    assert one.peak_bytes == one.total_bytes == max(one.startup_bytes, one.step_bytes)
+    ulysses = estimate_memory(small, Setup(batch_size=16, ulysses_degree=2))
+    assert ulysses.attention_bytes == one.attention_bytes // 2
+    quadratic = estimate_memory(small, Setup(batch_size=16, math_attention=True))  # (S / ring)^2 fp32 scores
+    assert quadratic.attention_bytes - one.attention_bytes == 2 * 16 * 4 * 16**2 * 4 * 2
+    sampling = estimate_memory(small, Setup(batch_size=16, training=False))
+    assert sampling.step_bytes == 50_000 * 4 + one.activation_bytes // 2 + one.attention_bytes
+    bf16 = estimate_memory(small, Setup(batch_size=16, precision="bf16-mixed"))
+    assert bf16.activation_bytes == one.activation_bytes // 2 and bf16.weights_bytes == one.weights_bytes
+
+
+def test_ring_halves_the_tokens_and_activations_per_rank():
+    one = estimate_memory(XL, Setup())
+    ring = estimate_memory(XL, Setup(ring_degree=2))
+    assert ring.tokens_per_rank == one.tokens_per_rank // 2 == 2048
+    assert ring.activation_bytes == one.activation_bytes // 2 and ring.attention_bytes == one.attention_bytes // 2
+    assert ring.state_bytes == one.state_bytes  # DDP: every rank still holds the whole training state
+
+
+def test_fsdp_at_world_4_holds_a_quarter_of_the_state():
+    ddp = estimate_memory(XL, Setup(dp_degree=4))
+    fsdp = estimate_memory(XL, Setup(dp_degree=4, strategy="fsdp"))
+    for term in ("weights", "gradient", "optimizer", "ema"):
+        assert getattr(fsdp, f"{term}_bytes") == getattr(ddp, f"{term}_bytes") // 4, term
+    assert fsdp.bucket_bytes == 0 and ddp.bucket_bytes == XL.parameters * 4
+    # two blocks gathered (current + prefetch) and the root, plus one block's unsharded gradient
+    assert fsdp.gathered_bytes == (6_000_000 + 2 * 24_000_000) * 4 + 24_000_000 * 4
+    # start-up: only this rank's shards (and its EMA shard), plus the largest tensor in fp32; DDP: the whole model
+    assert fsdp.startup_bytes == (XL.parameters * 4 // 4) * 2 + 8_000_000 * 4
+    assert ddp.startup_bytes == XL.parameters * 4 * 2 + 8_000_000 * 4
+    # HSDP: shard over world / replicate_degree ranks
+    hsdp = estimate_memory(XL, Setup(dp_degree=4, strategy="fsdp", replicate_degree=2))
+    assert hsdp.weights_bytes == ddp.weights_bytes // 2
+    # bf16 mixed precision: the gathered blocks in bf16, the sharded master state still fp32
+    mixed = estimate_memory(XL, Setup(dp_degree=4, strategy="fsdp", param_dtype="bfloat16"))
+    assert mixed.gathered_bytes == (6_000_000 + 2 * 24_000_000) * 2 + 24_000_000 * 4
+    assert mixed.state_bytes == fsdp.state_bytes
+    # cpu_offload: the sharded state moves to host memory
+    offload = estimate_memory(XL, Setup(dp_degree=4, strategy="fsdp", cpu_offload=True))
+    assert offload.state_bytes == 0 and offload.host_bytes == fsdp.state_bytes
+    assert offload.startup_bytes == 8_000_000 * 4
+
+
+def test_lora_with_a_bf16_base_is_much_smaller_than_a_full_fine_tune():
+    """DiT-XL's default targets (qkv, proj, fc1, fc2) at rank 16: their weights held in bf16, the rest of the base
+    (adaLN modulation, embeddings) as built, only the adapters trained and averaged."""
+    shapes = [(1152, 3456), (1152, 1152), (1152, 4608), (4608, 1152)]  # (in, out) of the adapted Linears per block
+    adapters = 28 * sum(16 * (i + o) for i, o in shapes)
+    base = 28 * sum(i * o + o for i, o in shapes)  # their weights and biases
+    lora = replace(XL, lora_parameters=adapters, lora_base_parameters=base)
+    full = estimate_memory(XL, Setup())
+    lean = estimate_memory(lora, Setup(lora_base_dtype="bfloat16"))
+    assert lean.weights_bytes == (XL.parameters - base) * 4 + base * 2 + adapters * 4
+    assert lean.gradient_bytes == adapters * 4 and lean.optimizer_bytes == adapters * 8  # only the adapters train
+    assert lean.ema_bytes == adapters * 4 and lean.bucket_bytes == adapters * 4  # the EMA tracks only the adapters
+    assert lean.state_bytes < 0.2 * full.state_bytes
+    assert lean.startup_bytes < 0.4 * full.startup_bytes
+    fp32_base = estimate_memory(lora, Setup(lora_base_dtype="float32"))
+    assert fp32_base.weights_bytes - lean.weights_bytes == base * 2
+
+
+def test_ema_off_removes_exactly_the_ema_term():
+    for setup in (Setup(), Setup(strategy="fsdp", dp_degree=4)):
+        on, off = estimate_memory(XL, setup), estimate_memory(XL, replace(setup, ema=False))
+        assert off.ema_bytes == 0 and on.ema_bytes > 0
+        assert on.step_bytes - off.step_bytes == on.ema_bytes
+        assert on.startup_bytes - off.startup_bytes == on.ema_bytes
+
+
+def test_activation_checkpointing_keeps_only_the_block_inputs():
+    plain = estimate_memory(XL, Setup())
+    checkpointed = estimate_memory(XL, Setup(activation_checkpointing=True))
+    values = 10 * 1152 + 2 * 4608
+    assert plain.activation_bytes == 4096 * 28 * values * 4
+    assert checkpointed.activation_bytes == 4096 * (28 * 1152 + values) * 4  # L inputs + one block recomputed
+    assert checkpointed.activation_bytes < plain.activation_bytes / 5
+
+
+# ---- train.py's config and models ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["activation_checkpointing", "gradient_checkpointing"])
+def test_train_config_is_read_as_it_runs(key, tmp_path):
+    """model.activation_checkpointing (or its older name) shrinks the activations; the strategy, LoRA and EMA
+    settings are the ones train.py runs with."""
+    from ringdit.memory import check_training_memory
+    from ringdit.spec import build_on_meta, model_config
+
+    data = {"channels": 1, "image_size": [8, 8], "num_classes": 10}
+    estimates = {}
+    for on in (False, True):
+        override = f"+model.{key}={str(on).lower()}" if key == "gradient_checkpointing" else f"model.{key}={on}"
+        cfg = compose_train([override.lower()], tmp_path)
+        model_cfg = model_config(cfg.model, data)
+        estimates[on] = check_training_memory(cfg, model_cfg, build_on_meta(model_cfg), "torch_flash")
+    assert estimates[True].activation_bytes < estimates[False].activation_bytes
+    cfg = compose_train(["trainer/strategy=fsdp", "ema_decay=null", "lora.rank=4"], tmp_path)
+    model_cfg = model_config(cfg.model, data)
+    sharded = check_training_memory(cfg, model_cfg, build_on_meta(model_cfg), "torch_flash")
+    assert sharded.ema_bytes == 0 and sharded.bucket_bytes == 0 and sharded.gathered_bytes > 0
+    assert sharded.gradient_bytes < estimates[False].gradient_bytes / 10  # only the adapters train
+
+
+def test_diffusers_models_are_estimated(tmp_path):
+    """Wan's sizes come from its diffusers config; the adapters counted on meta are the ones peft adds."""
+    import torch
+
+    from ringdit.build import build_model
+    from ringdit.lora import add_lora
+    from ringdit.memory import check_training_memory, model_size
+    from ringdit.spec import build_on_meta, model_config
+
+    cfg = compose_train(["experiment=wan_tiny", "lora.rank=4"], tmp_path)
+    data = {"conditioning": "text", "image_size": [3, 8, 8], "channels": 4, "text_len": 8, "text_dim": 16}
+    model_cfg = model_config(cfg.model, data)
+    meta = build_on_meta(model_cfg)
+    estimate = check_training_memory(cfg, model_cfg, meta, "torch_flash")
+    assert estimate is not None and estimate.activation_bytes > 0
+    size = model_size(model_cfg, meta, {"rank": 4})
+    assert (size.hidden_size, size.depth, size.num_heads, size.mlp_hidden) == (2 * 12, 2, 2, 32)
+    assert size.tokens == 3 * 4 * 4 and size.parameters == sum(p.numel() for p in meta.parameters())
+    torch.manual_seed(0)
+    real, _ = build_model(model_cfg)
+    before = sum(p.numel() for p in real.parameters())
+    add_lora(real, rank=4)
+    assert size.lora_parameters == sum(p.numel() for p in real.parameters()) - before > 0
+    assert size.lora_base_parameters == sum(p.numel() for name, p in real.named_parameters() if ".base_layer." in name)
+
+
+def test_the_warning_names_a_layout_that_fits(caplog):
+    video = ModelSize(parameters=34_000_000, trainable_parameters=34_000_000, largest_parameter=1_000_000,
+                      root_parameters=1_000_000, block_parameters=8_000_000, hidden_size=128, depth=4, num_heads=4,
+                      mlp_hidden=512, tokens=262_144)
+    caplog.set_level(logging.WARNING, logger="ringdit.memory")
+    warn_if_memory_short(available=1000 * GiB, model=video, setup=Setup(batch_size=32))
+    assert "memory:" not in caplog.text
+    warn_if_memory_short(available=16 * GiB, model=video, setup=Setup(batch_size=32))
+    assert re.search(r"memory: about \d+\.\d GiB per rank needed \(262144 tokens per rank .* but 16.0 GiB is "
+                     r"available: .* ring_degree=32 \(32 ranks of this size\) would fit.*or set "
+                     r"model.activation_checkpointing=true", caplog.text), caplog.text
+    caplog.clear()  # a model whose replicated state alone does not fit: FSDP is what fits
+    warn_if_memory_short(available=100 * GiB, model=replace(XL, parameters=14_000_000_000,
+                                                            trainable_parameters=14_000_000_000, tokens=1024),
+                         setup=Setup(dp_degree=8))
+    assert "trainer/strategy=fsdp would fit" in caplog.text, caplog.text
+
+
+# ---- python -m ringdit.plan ----------------------------------------------------------------------------------------
+
+
+def plan(capsys, *argv: str) -> tuple[int, str, str]:
+    from ringdit.plan import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_lays_out_wan_14b_on_16_gpus(capsys):
+    code, out, err = plan(capsys, "model=wan_14b", "data.frames=81", "data.size=[480,832]", "gpus=16",
+                          "gpu_memory_gb=80")
+    assert code == 0, err
+    assert "14.29 B parameters" in out and "32760 tokens per sample (21 x 30 x 52" in out
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+) (ddp|fsdp)\s+(yes|no)\s+\|", out, flags=re.M)
+    assert len(rows) == len(set(rows)) == 4 * 14  # (dp, ring, ulysses): 14 with ulysses dividing 40 heads
+    assert all(int(dp) * int(ring) * int(ulysses) == 16 and 40 % int(ulysses) == 0 for dp, ring, ulysses, *_ in rows)
+    short = out.split("does not fit in 72.0 GiB:")[1]
+    assert re.search(r"^\s+1\s+16\s+1 ddp", short, flags=re.M)  # replicated 14B never fits, and is shown
+    recommended = re.search(r"^Recommended: dp=(\d+) ring=(\d+) ulysses=(\d+) fsdp", out, flags=re.M)
+    assert recommended and re.search(r"^Why: FSDP, as replicated \(DDP\) state would need", out, flags=re.M)
+
+
+def test_plan_of_a_tiny_model(capsys):
+    code, out, err = plan(capsys, "model=dit_digits", "data.latent=false", "data.size=8", "gpus=2",
+                          "data.batch_size=128", "ema_decay=null")
+    assert code == 0, err
+    assert "16 tokens per sample" in out and "no EMA" in out
+    assert re.search(r"^Recommended: dp=2 ring=1 ulysses=1 ddp", out, flags=re.M), out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["gpus=0"], "gpus must be a positive integer, got 0; the GPUs to lay out, e.g. gpus=16"),
+    (["gpus=-3"], "gpus must be a positive integer, got -3"),
+    (["gpu_memory_gb=abc"], "gpu_memory_gb must be a number above 0, got 'abc'; e.g. gpu_memory_gb=80"),
+    (["data.frames=0"], "data.frames must be a positive integer, got 0; the frames of a video sample, 4 x k + 1"),
+    (["data.frames=80"], "data.frames=80: wan's VAE takes 4 x k + 1 frames; use 77 or 81"),
+    (["model=wan_15b"], "model=wan_15b: no such option; did you mean model=wan_14b?"),
+    (["model=dit_xl", "data.frames=16"], "data.frames=16 but model=dit_xl is an image model; leave data.frames null"),
+    (["gpus=8", "replicate_degree=3"], "replicate_degree=3 does not divide gpus=8"),
+])
+def test_plan_refuses_bad_input_in_one_line(argv, message, capsys):
+    code, out, err = plan(capsys, *argv)
+    errors = [line for line in err.splitlines() if line.startswith("Error: ")]
+    assert code == 2 and len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err and not out
+
+
+def test_plan_is_a_hydra_app_like_every_command(capsys, tmp_path, monkeypatch):
+    """--help (the docstring, the settings with their comments), a misspelt key with a hint; nothing written."""
+    import ringdit.plan
+
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = plan(capsys, "--help")
+    assert code == 0 and out.startswith(ringdit.plan.__doc__.strip().splitlines()[0])
+    assert "gpu_memory_gb: 80     # memory of one GPU, GiB" in out
+    code, _, err = plan(capsys, "gpu=4")
+    assert code == 2 and err.startswith("Error: no setting named 'gpu'; did you mean gpus? (python -m ringdit.plan")
+    assert list(tmp_path.iterdir()) == []
