@@ -271,6 +271,22 @@ def test_the_old_module_name_still_loads_checkpoints(sgd_runs):
     assert_same_numbers(dict(module.state_dict()), state)  # and swapped back
 
 
+def test_a_run_without_ema_saves_and_exports_its_raw_weights(tmp_path):
+    """ema_decay=null: no averaged copy is kept or saved; previews sample the raw weights, and every reader of the
+    checkpoint (export, infer.py with its default weights=ema) takes the raw weights, the only ones there are."""
+    from ringdit.checkpoints.weights import read_weights
+    from ringdit.export import main
+
+    run("train.py", tmp_path / "run", *TINY, "trainer.max_steps=2", "ema_decay=null")
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert state and not [key for key in state if key.startswith("ema.")]
+    assert list((tmp_path / "run" / "samples").glob("*.png"))
+    assert main([f"ckpt_path={ckpt}", f"out={tmp_path / 'weights.safetensors'}"]) == 0
+    exported, _ = read_weights(tmp_path / "weights.safetensors")
+    assert_same_numbers(exported, {key[len("model."):]: value for key, value in state.items()})
+
+
 def test_resume_continues_the_step_count(sgd_runs, tmp_path):
     ckpt = sgd_runs.trained("ring1") / "checkpoints" / "last.ckpt"
     run("train.py", tmp_path / "resumed", *TINY, *SGD, "trainer.max_steps=5", f"ckpt_path={ckpt}")
