@@ -50,11 +50,13 @@ def build_model(
     lora: dict | None = None,
     ema_decay: float | None = None,
     shard: Callable[[nn.Module], nn.Module] | None = None,
+    offload_shards: bool = False,
     compile: bool = False,
     seed: int = 0,
 ) -> tuple[nn.Module, ModelAverage | None]:
     """``(model, ema)`` for the model ``config`` (a dict with ``_target_``); the steps are the module docstring's.
-    ``seed``: the initial weights of everything not loaded (the same for every rank layout)."""
+    ``offload_shards``: FSDP's CPU offload (the shards in CPU memory); ``seed``: the initial weights of everything
+    not loaded (the same for every rank layout)."""
     device = torch.empty(0).device  # Lightning's device for the model (the rank's GPU), or the CPU
     with parameters_on_meta():
         model = hydra.utils.instantiate(config)
@@ -68,7 +70,7 @@ def build_model(
     source = _weights(model, init_from, init_weights)
     transforms = {LABEL_TABLE: lambda table: resize_label_embedding({LABEL_TABLE: table}, _rows(model))[LABEL_TABLE]} \
         if resize_labels and init_from else None
-    materialize(model, device, seed, source, transforms)
+    materialize(model, device, seed, source, transforms, torch.device("cpu") if offload_shards else None)
     if null_condition is not None:  # the condition drop's replacement and the default negative prompt
         model.set_null_condition(null_condition)
     ema = ModelAverage(model, ema_decay) if ema_decay else None

@@ -66,16 +66,18 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, source: WeightSource | None = None,
-                transforms: dict | None = None) -> None:
-    """Allocate ``model``'s meta parameters on ``device`` as this rank holds them, and fill them: from ``source``
+                transforms: dict | None = None, parameter_device: torch.device | None = None) -> None:
+    """Allocate ``model``'s meta parameters on ``parameter_device`` (default ``device``; FSDP's CPU offload keeps
+    them in CPU memory, the buffers on ``device``) as this rank holds them, and fill them: from ``source``
     where it holds the name (with the model's names; ``.base_layer`` of a LoRA-wrapped layer dropped), else with
     their initial values (seeded by ``seed``). ``transforms``: ``{name: f(full tensor) -> full tensor}`` for a
     tensor read whole and changed before it is sliced (a label table fitted to another class count)."""
-    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():  # to_empty emptied them too: their built values back
-            buffer.copy_(buffers[name])
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers(remove_duplicate=False)}
+    model.to_empty(device=parameter_device or device)
+    for module_name, module in model.named_modules():  # to_empty emptied the buffers too: their built values back
+        for name in module._buffers:
+            if module._buffers[name] is not None:
+                module._buffers[name] = buffers[f"{module_name}.{name}".lstrip(".")].to(device)
     params = dict(model.named_parameters())
     loaded: dict[str, Tensor] = {}
     if source is not None:

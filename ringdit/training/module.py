@@ -129,6 +129,7 @@ class DiffusionModule(L.LightningModule):
             lora=self.hparams.lora if lora_enabled(self.hparams.lora) else None,
             ema_decay=self.hparams.ema_decay if training else None,  # sampling uses the weights it loaded
             shard=getattr(self.trainer.strategy, "shard_model", None) if self._trainer is not None else None,
+            offload_shards=getattr(self.trainer.strategy, "cpu_offload", False) if self._trainer is not None else False,
             compile=self.hparams.compile, seed=self.hparams.seed,
         )
         if lora_enabled(self.hparams.lora):  # checkpoints hold only the adapters: the base comes from init_from
