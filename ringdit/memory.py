@@ -10,8 +10,8 @@ under ``*16-true`` precision), n = the ranks one parameter is sharded over (DDP:
 ``replicate_degree``), S = tokens per sample, D = hidden size, F = the MLP's inner width, L = depth, B = batch per
 data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4):
 
-- ``weights_bytes``: P x w / n; under LoRA the adapted layers' frozen weights in ``lora.base_dtype`` (2 bytes for
-  bfloat16; the rest of the base -- norms, embeddings, layers not targeted -- keeps w) plus the adapters (for each
+- ``weights_bytes``: P x w / n; under LoRA the frozen Linear / Conv weights in ``lora.base_dtype`` (2 bytes for
+  bfloat16; the rest of the base -- norms, embedding and modulation tables -- keeps w) plus the adapters (for each
   targeted Linear (in, out): rank x (in + out) parameters) in w;
 - ``gradient_bytes``: T x w / n;  ``optimizer_bytes``: AdamW's two moments, 2 x T x w / n;
 - ``ema_bytes``: T x w / n when ``ema_decay`` is on (under LoRA the EMA tracks only the adapters);
@@ -79,7 +79,7 @@ class ModelSize:
     tokens: int                # S: tokens per sample, the sequence ring x ulysses split
     text_tokens: int = 0       # tokens every rank holds whole: joint attention's text (Flux, QwenImage)
     lora_parameters: int = 0   # the adapters the run's lora settings add; 0: no LoRA
-    lora_base_parameters: int = 0  # the weights of the layers they adapt: what lora.base_dtype casts
+    lora_base_parameters: int = 0  # the Linear / Conv weights: what lora.base_dtype casts
 
     @property
     def lora(self) -> bool:
@@ -227,7 +227,7 @@ def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
 
 
 def model_bytes(model: ModelSize, setup: Setup) -> int:
-    """The whole model's weights as the run holds them: w a parameter; under LoRA the adapted layers' frozen weights
+    """The whole model's weights as the run holds them: w a parameter; under LoRA the frozen Linear / Conv weights
     in ``lora_base_dtype`` and the adapters in w."""
     w = setup.weight_bytes
     cast = model.lora_base_parameters * (DTYPE_BYTES[setup.lora_base_dtype] - w) if model.lora else 0
@@ -287,10 +287,11 @@ def _architecture(config: dict, meta_model: nn.Module) -> tuple[int, int, int] |
 
 
 def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
-    """(the adapters' parameters, the adapted layers' own): rank x (in + out) for each Linear whose name ends with a
-    target (peft's rule; the model's default ``lora_targets`` when the settings name none), and that Linear's weight
-    and bias; (0, 0) when LoRA is off."""
-    from ringdit.lora import adapted_module, lora_enabled
+    """(the adapters' parameters, the base weights ``lora.base_dtype`` casts): rank x (in + out) for each Linear whose
+    name ends with a target (peft's rule; the model's default ``lora_targets`` when the settings name none), and the
+    weights and biases of every Linear / Conv layer of the model (``ringdit.lora.hold_base_in`` casts them all, adapted
+    or not, as they are all frozen); (0, 0) when LoRA is off."""
+    from ringdit.lora import BASE_LAYERS, adapted_module, lora_enabled
 
     if not lora_enabled(lora):
         return 0, 0
@@ -299,7 +300,8 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     adapted = [module for name, module in adapted_module(model).named_modules()
                if isinstance(module, nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)]
     return (sum(lora["rank"] * (layer.in_features + layer.out_features) for layer in adapted),
-            sum(p.numel() for layer in adapted for p in layer.parameters()))
+            sum(p.numel() for layer in model.modules() if isinstance(layer, BASE_LAYERS)
+                for p in layer.parameters(recurse=False)))
 
 
 def estimate_model_memory(config: dict, *, lora: dict | None = None, meta_model: nn.Module | None = None,

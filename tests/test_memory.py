@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
@@ -172,9 +173,10 @@ def test_diffusers_models_are_estimated(tmp_path):
     torch.manual_seed(0)
     real, _ = build_model(model_cfg)
     before = sum(p.numel() for p in real.parameters())
-    add_lora(real, rank=4)
+    add_lora(real, rank=4, base_dtype="bfloat16")
     assert size.lora_parameters == sum(p.numel() for p in real.parameters()) - before > 0
-    assert size.lora_base_parameters == sum(p.numel() for name, p in real.named_parameters() if ".base_layer." in name)
+    # what lora.base_dtype casts: every frozen Linear / Conv weight, adapted or not
+    assert size.lora_base_parameters == sum(p.numel() for p in real.parameters() if p.dtype == torch.bfloat16)
 
 
 def test_the_warning_names_a_layout_that_fits(caplog):
