@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
