@@ -2,9 +2,10 @@
 FSDP (with and without EMA, and LoRA on a bf16 base), today's code beside an older commit's, and ``ringdit.memory``'s
 estimate beside the measurement.
 
-    python benchmarks/startup_memory.py                  # this checkout; about 6 min on 2 cores
-    python benchmarks/startup_memory.py --old f0f9609    # and the code before meta-device start-up, side by side
-    python benchmarks/startup_memory.py --quick          # fewer, smaller cases (a smoke run, about 2 min)
+    python benchmarks/startup_memory.py                  # this checkout; about 15 min on 2 idle cores
+    python benchmarks/startup_memory.py --old f0f9609    # and the code before meta-device start-up (+2 min)
+    python benchmarks/startup_memory.py --quick          # 4 layers, worlds 1 and 2: a smoke run, a few minutes
+    python benchmarks/startup_memory.py --json m.json    # also keep the measurements; --tables m.json reprints them
 
 Every case is a fresh set of gloo ranks (one thread each, forked from a fork server that only imported torch,
 diffusers and peft), so no case inherits another's heap. Per rank:
@@ -35,6 +36,7 @@ import datetime
 import functools
 import gc
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -314,16 +316,16 @@ def estimate(case: Case):
 
 
 def rough_need(case: Case, full_weights: int) -> int:
-    """Bytes the whole case takes on the machine, generously (to wait until they are free): weights, gradients,
-    AdamW's two moments, the EMA and DDP's buckets, sharded or not; the old start-up's whole model and EMA on every
-    rank; 0.7 GiB of baseline per rank."""
+    """Bytes the whole case takes on the machine, with a margin (to wait until they are free): per rank the weights,
+    gradients, AdamW's two moments, the EMA and DDP's buckets, sharded or not (the old start-up: the whole model and
+    its EMA on every rank), plus 0.45 x the weights for gathered blocks and the allocator's slack, plus 0.4 GiB of
+    baseline."""
     weights = full_weights * case.layers // 12
-    copies = 0.6 if case.lora == "bfloat16" else 1 + (0 if case.lora else 4) + (case.ema and not case.lora)
-    copies += case.strategy == "ddp" and not case.lora
-    per_rank = copies * weights / (case.world if case.strategy == "fsdp" else 1) + 0.3 * weights
+    copies = 0.55 if case.lora == "bfloat16" else 1 if case.lora else 4 + case.ema + (case.strategy == "ddp")
+    per_rank = copies * weights / (case.world if case.strategy == "fsdp" else 1) + 0.45 * weights
     if case.code == "old":
         per_rank = max(per_rank, (1 + case.ema) * weights)
-    return int(case.world * (1.2 * per_rank + 0.7 * GiB))
+    return int(case.world * (1.1 * per_rank + 0.4 * GiB))
 
 
 # ---- the tables ------------------------------------------------------------------------------------------------
@@ -423,7 +425,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 layers, worlds 1 and 2, fewer estimate checks")
     parser.add_argument("--old", metavar="PATH|REV", help="also measure an older ringdit: a folder, or a git "
                         "revision (checked out into a temporary worktree), e.g. f0f9609")
+    parser.add_argument("--json", metavar="PATH", help="also write the measurements there (after every case)")
+    parser.add_argument("--resume", action="store_true", help="with --json: keep the cases that file already "
+                        "holds and measure only the others (a run stopped half-way on a shared machine)")
+    parser.add_argument("--tables", metavar="PATH", help="measure nothing: print the tables (and this checkout's "
+                        "estimate) for the measurements a --json run wrote")
     args = parser.parse_args()
+    if args.tables:
+        saved = load_results(Path(args.tables))
+        print_tables([c for c, (first, _) in saved.items() if first], [c for c, (first, _) in saved.items() if not first],
+                     {c: result for c, (_, result) in saved.items()})
+        return
     startup_cases, check_cases = plan(args.quick, args.old is not None)
     import ringdit
 
@@ -431,10 +443,14 @@ def main() -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {available_bytes() / GiB:.1f} GiB available, {malloc}; "
           f"this checkout: {Path(ringdit.__file__).parents[1]}", flush=True)
     results: dict[Case, dict] = {}
+    if args.resume and args.json and Path(args.json).exists():
+        results = {c: r for c, (_, r) in load_results(Path(args.json)).items() if "startup" in r}
     start = time.perf_counter()
     full_weights = 2_400_000_000  # a 12-layer model in fp32, for rough_need before anything was measured
     with code_at(args.old) as old_path:
         for case in startup_cases + check_cases:
+            if case in results:
+                continue
             try:
                 results[case] = run_case(case, old_path if case.code == "old" else None, rough_need(case, full_weights))
             except Exception as error:  # a case that cannot run (older code lacking a feature): say so, go on
@@ -445,8 +461,23 @@ def main() -> None:
                                         f"{gib(r['step2'])} GiB, "
                                         f"{r['wall_s']:.0f} s (load {r['load']}; busy: {', '.join(r['busy']) or '-'})"
                                         if "startup" in r else r.get("skipped") or r["failed"]), flush=True)
-    first = next((results[c] for c in startup_cases if c.lora is None and "parameters" in results[c]), None)
+            if args.json:
+                Path(args.json).write_text(json.dumps(
+                    [{"case": dataclasses.asdict(c), "startup_table": c in startup_cases, "result": results[c]}
+                     for c in startup_cases + check_cases if c in results], indent=1))
     print(f"\nall cases: {time.perf_counter() - start:.0f} s\n")
+    print_tables(startup_cases, check_cases, results)
+
+
+def load_results(path: Path) -> dict[Case, tuple[bool, dict]]:
+    """What a ``--json`` run wrote: ``{case: (in the start-up table, its measurements)}``."""
+    rows = json.loads(path.read_text())
+    return {Case(**{**row["case"], "latent": tuple(row["case"]["latent"])}): (row["startup_table"], row["result"])
+            for row in rows}
+
+
+def print_tables(startup_cases: list[Case], check_cases: list[Case], results: dict[Case, dict]) -> None:
+    first = next((results[c] for c in startup_cases if c.lora is None and "parameters" in results[c]), None)
     if first is not None:
         print(f"### Start-up and step peak per rank: Wan-1.3B width (12 heads x 128, FFN 8960, text 4096), "
               f"{startup_cases[0].layers} layers, {first['parameters']:,} parameters = {first['weights'] / 1e9:.2f} GB "
