@@ -4,8 +4,9 @@ estimate beside the measurement.
 
     python benchmarks/startup_memory.py                  # this checkout; about 15 min on 2 idle cores
     python benchmarks/startup_memory.py --old f0f9609    # and the code before meta-device start-up (+2 min)
-    python benchmarks/startup_memory.py --quick          # 4 layers, worlds 1 and 2: a smoke run, a few minutes
-    python benchmarks/startup_memory.py --json m.json    # also keep the measurements; --tables m.json reprints them
+    python benchmarks/startup_memory.py --quick          # 4 layers, worlds 1 and 2: a smoke run, about 3 min
+    python benchmarks/startup_memory.py --json m.json    # keep the measurements (--resume: go on from them;
+                                                         # --tables m.json: reprint them with today's estimate)
 
 Every case is a fresh set of gloo ranks (one thread each, forked from a fork server that only imported torch,
 diffusers and peft), so no case inherits another's heap. Per rank:
@@ -22,10 +23,12 @@ The tables give peak minus baseline in GiB, the largest over the ranks. RSS coun
 (the allocator's slack too), which is what the operating system, and its out-of-memory killer, sees: glibc keeps
 freed blocks under its dynamic mmap threshold (at most 32 MiB) in its heap, so many all-gathered parameters below
 that size stay resident after FSDP frees them (``MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/startup_memory.py``
-shows the figures without that retention). ``--old``
-builds the model with an older ringdit (a folder, or a git revision checked out into a temporary worktree and
-removed after); the script tolerates what that code lacks (``build_model(seed=)``, ``lora.base_dtype``, a
-module-level ``shard_model``). Memory only: nothing here is a pass/fail test, and the times printed are context.
+shows the figures without that retention).
+
+``--old`` builds the model with an older ringdit (a folder, or a git revision checked out into a temporary worktree
+and removed after; a case whose ranks imported another ringdit is reported as failed); the script tolerates what
+that code lacks (``build_model(seed=)``, ``lora.base_dtype``, a module-level ``shard_model``). Memory only: nothing
+here is a pass/fail test, and the times printed are context.
 """
 
 from __future__ import annotations
@@ -280,6 +283,8 @@ def run_case(case: Case, ringdit_path: Path | None, need: int) -> dict:
     finally:
         sys.path[:] = saved
     ranks = [results.get() for _ in range(case.world)]
+    if ringdit_path is not None and Path(ranks[0]["ringdit"]).resolve() != ringdit_path.resolve():
+        raise RuntimeError(f"the ranks imported {ranks[0]['ringdit']}, not {ringdit_path} (was the folder removed?)")
     numeric = [key for key, value in ranks[0].items() if isinstance(value, (int, float)) and key != "rank"]
     return {**{key: max(r[key] for r in ranks) for key in numeric}, "ringdit": ranks[0]["ringdit"], "wall_s": wall,
             **machine}
@@ -421,7 +426,7 @@ def plan(quick: bool, old: bool) -> tuple[list[Case], list[Case]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--quick", action="store_true", help="4 layers, worlds 1 and 2, fewer estimate checks")
     parser.add_argument("--old", metavar="PATH|REV", help="also measure an older ringdit: a folder, or a git "
                         "revision (checked out into a temporary worktree), e.g. f0f9609")
