@@ -27,9 +27,10 @@ class Stream(enum.IntEnum):
     VALIDATION = 2  # (batch, position in the global batch): the same draws at every validation, so val/loss compares
     PREVIEW = 3  # (cell): the noise of a training preview grid's cell, the same at every step
     INFERENCE = 4  # (sample index): infer.py's sample i, whatever num_samples, batch size or layout
-    DATA_ORDER = 5  # (epoch): the permutation of the training set in that epoch
+    DATA_ORDER = 5  # (epoch[, bucket]): the permutation of the training set (of one bucket's samples) in that epoch
     DATA_SPLIT = 6  # (): which samples are held out for validation
     INIT = 7  # (crc32 of a module's name): that module's initial weights (ringdit.models.materialize)
+    DATA_BUCKET = 8  # (block of 1024 steps): which bucket each of those steps reads (ringdit.data.steps)
 
 
 def seed_of(stream: Stream, seed: int, *key: int) -> int:

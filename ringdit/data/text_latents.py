@@ -1,7 +1,8 @@
 """Text-conditioned latents (``data=text_latents``): what text-to-video / text-to-image models train on.
 
 On disk, ``data.path`` is one ``.safetensors`` file or a folder of them (shards, read in name order). Each shard
-holds, for its N samples:
+holds, for its N samples (one shape per shard: shards of different latent ``([T,] H, W)`` are the set's buckets,
+and every training step reads one bucket; see ringdit/data/steps.py):
 
     latents     float  (N, C, T, H, W) video or (N, C, H, W) image latents, as the model consumes them (already
                        normalised with the VAE's scaling factor / mean / std)
@@ -13,7 +14,9 @@ holds, for its N samples:
 
 and the metadata keys ``format`` (``ringdit.text_latents/1``) and, optionally, ``captions`` (a JSON list of N
 strings) and ``vae`` (JSON: the VAE class, folder and per-channel ``shift`` / ``scale`` with latents =
-(z - shift) * scale, written by prepare so decoding can invert it; see ringdit/media/vae.py). Every shard has the same C, T, H, W, L, D and P. ``write_text_latents`` writes a shard;
+(z - shift) * scale, written by prepare so decoding can invert it; see ringdit/media/vae.py). Every shard has the same
+C, L, D and P and the same number of latent dims; T, H and W may differ between shards (buckets). ``write_text_latents``
+writes a shard;
 ``python -m ringdit.prepare`` makes them from captioned media, and ``SyntheticTextLatentsDataModule`` makes a small
 procedural set for tests and CPU demos (no download).
 
@@ -156,10 +159,16 @@ class Shard:
                               f"have overflowed, e.g. in float16)")
 
     def layout(self) -> tuple:
-        """What must agree across shards."""
+        """What must agree across shards: latent channels and dims, text (L, D) and pooled (P,) shapes. The latent
+        ``([T,] H, W)`` may differ: each shape is a bucket."""
         latents, text = self.shapes["latents"], self.shapes["text"]
         pooled = self.shapes.get("pooled")
-        return latents[1:], text[1:], pooled[1:] if pooled else None
+        return (latents[1], len(latents) - 2), text[1:], pooled[1:] if pooled else None  # (C, [T,] H, W dims)
+
+    @property
+    def bucket(self) -> tuple[int, ...]:
+        """The latent ``([T,] H, W)`` of every sample in this shard."""
+        return tuple(self.shapes["latents"][2:])
 
     def read(self, keys: tuple[str, ...], start: int, stop: int) -> dict[str, Tensor]:
         from safetensors import safe_open
@@ -202,30 +211,32 @@ class TextLatentsDataModule(ImageDataModule):
     """``data=text_latents``: shards at ``path`` (see the module docstring)."""
 
     def __init__(self, path: str, batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05,
-                 val_batches: int = 4, seed: int = 0, check_values: bool = True):
+                 val_batches: int = 4, seed: int = 0, check_values: bool = True, tokens_per_batch: int | None = None):
         """``check_values``: read every value once now (train.py: in the launching process, before any rank
         starts; not again in the ranks Lightning spawns) and refuse NaN / Inf; False skips that scan (a reader that
         only wants a few prompts, such as infer.py's held-out prompts)."""
-        super().__init__(batch_size, num_workers, val_fraction, val_batches, seed)
+        super().__init__(batch_size, num_workers, val_fraction, val_batches, seed, tokens_per_batch)
         self.path = _text_latents_path(path)
         files = sorted(self.path.glob("*.safetensors")) if self.path.is_dir() else [self.path]
         if not files:
             raise ValueError(f"data.path={path} holds no .safetensors files; expected {LAYOUT}")
         self.shards = [Shard(f) for f in files]
-        layouts = {shard.layout() for shard in self.shards}
-        if len(layouts) > 1:
-            raise ValueError(f"data.path={path}: the shards disagree on shapes ({sorted(map(str, layouts))}); "
-                             f"every shard needs the same latent (C, [T,] H, W), text (L, D) and pooled (P,) shapes")
+        _check_mixable(path, self.shards)
         if check_values and not spawned_by_launcher():
             for shard in self.shards:
                 shard.check_values()
-        latent_shape, (self.text_len, self.text_dim), pooled = self.shards[0].layout()
-        self.channels, self.image_size = latent_shape[0], tuple(latent_shape[1:])
+        (self.channels, _), (self.text_len, self.text_dim), pooled = self.shards[0].layout()
         self.pooled_dim = pooled[0] if pooled else None
         self.num_classes, self.class_names = 0, []
+        # every shard is one bucket: its latent shape; buckets in order of first appearance
+        self.bucket_shapes = list(dict.fromkeys(shard.bucket for shard in self.shards))
+        self.sample_buckets = np.concatenate([np.full(shard.size, self.bucket_shapes.index(shard.bucket))
+                                              for shard in self.shards])
+        self.image_size = tuple(self.describe_buckets()[0]["shape"])  # the most frequent: previews, the default
 
     def describe(self) -> dict:
         info = {"channels": self.channels, "image_size": list(self.image_size), "conditioning": "text",
+                "buckets": self.describe_buckets(),
                 "text_len": self.text_len, "text_dim": self.text_dim, "num_classes": 0, "class_names": [],
                 "latent_scale": 1.0, "source": {"path": str(self.path.resolve()), "seed": self.seed,
                                                  "val_fraction": self.val_fraction}}
@@ -263,6 +274,25 @@ class TextLatentsDataModule(ImageDataModule):
         if any(shard.captions is None for shard in self.shards):
             return None
         return [caption for shard in self.shards for caption in shard.captions]
+
+
+def _check_mixable(path, shards: list[Shard]) -> None:
+    """Shards of different latent ``([T,] H, W)`` are buckets of one set; any other difference cannot be mixed."""
+    first = shards[0]
+    for shard in shards[1:]:
+        (channels, dims), text, pooled = shard.layout()
+        (channels0, dims0), text0, pooled0 = first.layout()
+        what = ("latent channels", channels0, channels) if channels != channels0 else \
+            ("latent dims (image vs video)", dims0, dims) if dims != dims0 else \
+            ("text (L, D)", text0, text) if text != text0 else \
+            ("pooled (P,)", pooled0, pooled) if pooled != pooled0 else None
+        if what is not None:
+            fix = ("store images as 1-frame videos (N, C, 1, H, W) for a video model (prepare does)"
+                   if what[0].startswith("latent dims") else
+                   "encode every shard with the same VAE and text encoder(s) and max_text_len")
+            raise ConfigError(f"data.path={path}: {shard.path.name} has {what[0]} {what[2]} but {first.path.name} has "
+                              f"{what[1]}; shards of different latent shapes are buckets of one set, but these cannot "
+                              f"be mixed: {fix}")
 
 
 def parse_captions(where: str, text: str, count: int) -> list[str]:
@@ -335,16 +365,18 @@ def _text_latents_path(path) -> Path:
 # ---- a procedural set: tests and CPU demos without downloads --------------------------------------------------------
 
 
-def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int = 3, size: int = 8,
+def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int = 3, size: int | tuple[int, int] = 8,
                            text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
-                           seed: int = 0) -> dict:
-    """``num_samples`` latent videos (``frames=0``: images) of a soft blob whose start and direction depend on the
-    prompt; ``pooled_dim`` > 0 adds a pooled prompt embedding (Flux).
+                           seed: int = 0, first_sample: int = 0) -> dict:
+    """``num_samples`` latent videos (``frames=0``: images) of ``size`` (H = W, or (H, W)) of a soft blob whose start
+    and direction depend on the prompt; ``pooled_dim`` > 0 adds a pooled prompt embedding (Flux).
 
     Prompt p has a fixed random text embedding (its first ``3 + p % (text_len - 2)`` tokens real, the rest zero, as
-    padded encoder states are) and caption ``"blob p"``; each video is drawn from (seed, sample index). Returns the
+    padded encoder states are) and caption ``"blob p"``; each video is drawn from (seed, sample index), the samples
+    numbered from ``first_sample`` (a bucket's samples follow the buckets before it). Returns the
     ``write_text_latents`` arguments.
     """
+    height, width = (size, size) if isinstance(size, int) else size
     g = torch.Generator().manual_seed(seed)
     prompt_text = torch.randn(num_prompts, text_len, text_dim, generator=g)
     lengths = torch.tensor([3 + p % max(1, text_len - 2) for p in range(num_prompts)]).clamp(max=text_len)
@@ -352,19 +384,21 @@ def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int =
     prompt_text = prompt_text * prompt_mask[..., None]
     angles = torch.arange(num_prompts) * (2 * math.pi / num_prompts)
     colours = torch.randn(num_prompts, channels, generator=g)
-    prompts = torch.randint(num_prompts, (num_samples,), generator=g)
-    jitter = torch.rand(num_samples, 2, generator=g) - 0.5
-    grid = torch.arange(size, dtype=torch.float32)
     prompt_pooled = torch.randn(num_prompts, pooled_dim, generator=g)
+    # the samples' prompts and jitter: after the prompts' draws (one bucket), or from the bucket's own stream
+    draws = torch.Generator().manual_seed(seed * 1_000_003 + first_sample) if first_sample else g
+    prompts = torch.randint(num_prompts, (num_samples,), generator=draws)
+    jitter = torch.rand(num_samples, 2, generator=draws) - 0.5
+    rows, cols = torch.arange(height, dtype=torch.float32), torch.arange(width, dtype=torch.float32)
     videos = []
     for i, p in enumerate(prompts.tolist()):
         direction = torch.stack([torch.cos(angles[p]), torch.sin(angles[p])])
         frames_ = []
         for f in range(max(frames, 1)):
             # videos: the blob travels along the prompt's direction; images: it sits off-centre in that direction
-            step = (f - (frames - 1) / 2) * size / (2 * frames) if frames else size / 4
-            centre = (size - 1) / 2 + step * direction + jitter[i]
-            blob = torch.exp(-((grid[:, None] - centre[0]) ** 2 + (grid[None, :] - centre[1]) ** 2) / 4.0)  # (H, W)
+            step = (f - (frames - 1) / 2) * min(height, width) / (2 * frames) if frames else min(height, width) / 4
+            centre = torch.tensor([(height - 1) / 2, (width - 1) / 2]) + step * direction + jitter[i]
+            blob = torch.exp(-((rows[:, None] - centre[0]) ** 2 + (cols[None, :] - centre[1]) ** 2) / 4.0)  # (H, W)
             frames_.append(colours[p][:, None, None] * blob)  # (C, H, W)
         videos.append(torch.stack(frames_, dim=1) if frames else frames_[0])  # (C, T, H, W) or (C, H, W)
     null = {"text": torch.zeros(text_len, text_dim), "text_mask": torch.zeros(text_len, dtype=torch.bool)}
@@ -377,18 +411,65 @@ def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int =
 
 class SyntheticTextLatentsDataModule(TextLatentsDataModule):
     """``data=synthetic_text_latents``: ``synthetic_text_latents`` written once to ``cache_dir`` and read like any
-    text_latents folder (so the same code path is exercised); regenerated when the settings change."""
+    text_latents folder (so the same code path is exercised); regenerated when the settings change.
+
+    ``buckets``: a list of latent shapes ``[T, H, W]`` (videos) or ``[H, W]`` (images; ``frames`` is then unused):
+    a mixed-bucket set, one shard per bucket, ``num_samples`` split between them as ``bucket_samples`` says (default
+    evenly). None: one bucket of ``frames`` x ``size`` x ``size``."""
 
     def __init__(self, cache_dir: str, num_samples: int = 512, channels: int = 4, frames: int = 3, size: int = 8,
                  text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
                  batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4,
-                 seed: int = 0):
+                 seed: int = 0, buckets: list | None = None, bucket_samples: list[int] | None = None,
+                 tokens_per_batch: int | None = None):
         settings = dict(num_samples=num_samples, channels=channels, frames=frames, size=size, text_len=text_len,
                         text_dim=text_dim, num_prompts=num_prompts, pooled_dim=pooled_dim, seed=seed)
         for key, value in settings.items():
             require_count(f"data.{key}", value, minimum=0 if key in ("seed", "frames", "pooled_dim") else 1)
-        name = "synthetic-" + "-".join(f"{k}{v}" for k, v in settings.items()) + ".safetensors"
-        path = Path(cache_dir).expanduser() / name
-        if not path.is_file():
-            write_text_latents(path, **synthetic_text_latents(**settings))
-        super().__init__(str(path), batch_size, num_workers, val_fraction, val_batches, seed)
+        common = {key: value for key, value in settings.items() if key not in ("num_samples", "frames", "size")}
+        if buckets is None:  # one file, as before buckets existed
+            path = Path(cache_dir).expanduser() / ("synthetic-" + "-".join(f"{k}{v}" for k, v in settings.items())
+                                                   + ".safetensors")
+            if not path.is_file():
+                write_text_latents(path, **synthetic_text_latents(**settings))
+        else:  # a folder of one shard per bucket
+            shapes = _synthetic_buckets(buckets)
+            counts = _bucket_counts(bucket_samples, num_samples, len(shapes))
+            path = Path(cache_dir).expanduser() / ("synthetic-" + "-".join(f"{k}{v}" for k, v in common.items())
+                                                   + "-buckets-" + "-".join(f"{n}x{'x'.join(map(str, shape))}"
+                                                                            for n, shape in zip(counts, shapes)))
+            first = 0
+            for index, (count, shape) in enumerate(zip(counts, shapes)):
+                shard = path / f"shard-{index:05d}.safetensors"
+                if not shard.is_file():
+                    write_text_latents(shard, **synthetic_text_latents(
+                        count, frames=shape[0] if len(shape) == 3 else 0, size=tuple(shape[-2:]), first_sample=first,
+                        **common))
+                first += count
+        super().__init__(str(path), batch_size, num_workers, val_fraction, val_batches, seed,
+                         tokens_per_batch=tokens_per_batch)
+
+
+def _synthetic_buckets(buckets) -> list[tuple[int, ...]]:
+    from omegaconf import OmegaConf
+
+    buckets = OmegaConf.to_container(buckets) if OmegaConf.is_config(buckets) else buckets
+    shapes = [tuple(b) for b in (list(buckets) if not isinstance(buckets, (str, int)) else [None])
+              if isinstance(b, (list, tuple)) and len(b) in (2, 3) and all(isinstance(n, int) and n > 0 for n in b)]
+    if not buckets or isinstance(buckets, (str, int)) or len(shapes) != len(buckets) or len({len(s) for s in shapes}) > 1:
+        raise ConfigError(f"data.buckets={buckets!r}: give a list of latent shapes, all [T, H, W] (videos) or all "
+                          f"[H, W] (images), e.g. data.buckets='[[3,6,10],[5,10,6]]'")
+    return shapes
+
+
+def _bucket_counts(bucket_samples, num_samples: int, buckets: int) -> list[int]:
+    from omegaconf import OmegaConf
+
+    bucket_samples = OmegaConf.to_container(bucket_samples) if OmegaConf.is_config(bucket_samples) else bucket_samples
+    if bucket_samples is None:
+        return [num_samples // buckets + (b < num_samples % buckets) for b in range(buckets)]
+    counts = list(bucket_samples)
+    if len(counts) != buckets or not all(isinstance(n, int) and n > 0 for n in counts):
+        raise ConfigError(f"data.bucket_samples={bucket_samples!r}: give {buckets} positive sample counts, one per "
+                          f"bucket of data.buckets (or leave it unset to split data.num_samples evenly)")
+    return counts

@@ -44,20 +44,30 @@ class FlowMatching:
     samplers = ("euler", "heun")  # the samplers that fit this objective; the first is the default
 
     def __init__(self, time_sampling: str = "logit_normal", logit_mean: float = 0.0, logit_std: float = 1.0,
-                 shift: float = 1.0):
+                 shift: float | str = 1.0):
+        """``shift``: a number, or ``"resolution"`` (Flux's): ``resolution_shift`` of each sample's token count, so
+        every bucket of a mixed-resolution set is shifted for its own size."""
         if time_sampling not in ("uniform", "logit_normal"):
             raise ValueError(f"time_sampling must be 'uniform' or 'logit_normal', got {time_sampling!r}")
-        if shift <= 0:
-            raise ValueError(f"shift must be > 0, got {shift}")
+        if shift != "resolution" and (isinstance(shift, str) or shift <= 0):
+            raise ValueError(f"shift must be > 0 or 'resolution', got {shift!r}")
         self.time_sampling, self.logit_mean, self.logit_std, self.shift = time_sampling, logit_mean, logit_std, shift
 
-    def sample_time(self, batch: int, generator: torch.Generator) -> Tensor:
-        """(B,) training times in (0, 1)."""
+    def shift_for(self, tokens: int | None) -> float:
+        """The time shift of a sample of ``tokens`` model tokens."""
+        if self.shift != "resolution":
+            return self.shift
+        if tokens is None:
+            raise ValueError("shift='resolution' needs the sample's token count")
+        return resolution_shift(tokens)
+
+    def sample_time(self, batch: int, generator: torch.Generator, tokens: int | None = None) -> Tensor:
+        """(B,) training times in (0, 1) for samples of ``tokens`` tokens (used by ``shift='resolution'``)."""
         if self.time_sampling == "uniform":
             t = torch.rand(batch, generator=generator)
         else:
             t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(batch, generator=generator))
-        return shift_time(t, self.shift)
+        return shift_time(t, self.shift_for(tokens))
 
     def add_noise(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
         t = _broadcast(t, x0)
@@ -83,8 +93,8 @@ class DDPM:
         self.posterior = GaussianPosterior(betas)
         self.alphas_cumprod = self.posterior.alphas_cumprod
 
-    def sample_time(self, batch: int, generator: torch.Generator) -> Tensor:
-        """(B,) integer training steps in [0, num_timesteps)."""
+    def sample_time(self, batch: int, generator: torch.Generator, tokens: int | None = None) -> Tensor:
+        """(B,) integer training steps in [0, num_timesteps) (``tokens``: unused, the schedule is the same for all)."""
         return torch.randint(0, self.num_timesteps, (batch,), generator=generator)
 
     def add_noise(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:

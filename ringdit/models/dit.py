@@ -236,6 +236,10 @@ class DiT(nn.Module):
             config[key] = value
         return config
 
+    @property
+    def patch_shape(self) -> tuple[int, ...]:
+        return self.x_embedder.patch_shape
+
     # ---- conditioning: the interface every model ringdit trains shares (``DiffusersTransformer``'s for text) -----
     @property
     def null_label(self) -> int:

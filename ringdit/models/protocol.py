@@ -25,7 +25,8 @@ Condition = Any  # class labels (B,), or a dict of batch-first tensors (text emb
 class DiffusionModel(Protocol):
     parallel_plan: ParallelPlan  # where it splits, gathers and attends sequence-parallel (ringdit.models.plan)
     in_channels: int  # channels of the data it denoises
-    default_grid: tuple[int, ...]  # its token grid for the data's shape: tokens per sample for throughput logs
+    default_grid: tuple[int, ...]  # its token grid for the data's (most frequent) shape
+    patch_shape: tuple[int, ...]  # the data cells one token covers, ([T,] H, W): any shape divisible by it works
     condition_dropout_prob: float  # the chance training replaces a sample's condition by the null one
 
     @classmethod

@@ -26,7 +26,8 @@ def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tupl
 
 
 def resolve_shift(objective: dict, sampling: dict, tokens: int) -> None:
-    """``diffusion.objective.shift=resolution``: Flux's shift for this many image tokens, for training and sampling."""
+    """``diffusion.objective.shift=resolution``: Flux's shift, for each sample's own token count (every bucket its
+    own), in training and sampling; logged for ``tokens`` (the data's most frequent bucket)."""
     if objective.get("shift") != "resolution":
         if isinstance(objective.get("shift"), str):
             raise ConfigError(f"diffusion.objective.shift must be a number > 0 or 'resolution', got "
@@ -34,10 +35,10 @@ def resolve_shift(objective: dict, sampling: dict, tokens: int) -> None:
         return
     from ringdit.diffusion import resolution_shift
 
-    objective["shift"] = resolution_shift(tokens)
-    log.info("diffusion.objective.shift=resolution: %.4f for %d image tokens", objective["shift"], tokens)
+    log.info("diffusion.objective.shift=resolution: per sample size, e.g. %.4f for %d image tokens",
+             resolution_shift(tokens), tokens)
     if sampling.get("shift") in (None, "resolution"):
-        sampling["shift"] = objective["shift"]
+        sampling["shift"] = "resolution"
 
 
 def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str = "") -> None:

@@ -39,8 +39,11 @@ class ModelSpec:
     @classmethod
     def from_data(cls, model_cfg: DictConfig | dict, data_info: dict,
                   ulysses_degree: int) -> tuple[ModelSpec, nn.Module]:
-        """The model ``model_cfg`` makes of this data (``model_config``), and that model built on meta."""
-        return cls.from_config(model_config(model_cfg, data_info), ulysses_degree)
+        """The model ``model_cfg`` makes of this data (``model_config``), and that model built on meta; every bucket
+        of the data must be a shape it patches."""
+        spec, meta_model = cls.from_config(model_config(model_cfg, data_info), ulysses_degree)
+        check_buckets(data_info, meta_model.patch_shape)
+        return spec, meta_model
 
     @classmethod
     def from_config(cls, config: dict, ulysses_degree: int) -> tuple[ModelSpec, nn.Module]:
@@ -48,6 +51,24 @@ class ModelSpec:
         need its parameters (LoRA targets, weights files, memory)."""
         meta_model = build_on_meta(config, ulysses_degree)
         return cls(config=config, tokens=math.prod(meta_model.default_grid)), meta_model
+
+
+def check_buckets(data_info: dict, patch: tuple[int, ...]) -> None:
+    """A ConfigError for a bucket (sample shape) the model cannot patch: smaller than the patch, or not divisible."""
+    where = f"data.path={data_info['source']['path']}" if "source" in data_info else "data"
+    for bucket in data_info.get("buckets", [{"shape": data_info["image_size"]}]):
+        shape = tuple(bucket["shape"])
+        samples = f" ({bucket['samples']} samples)" if "samples" in bucket else ""
+        if len(shape) != len(patch):
+            raise ConfigError(f"{where}: a bucket of shape {list(shape)}{samples} has {len(shape)} dims, the model "
+                              f"patches {len(patch)}-D data {list(patch)}")
+        if any(s < p for s, p in zip(shape, patch)):
+            raise ConfigError(f"{where}: the bucket {list(shape)}{samples} is smaller than the model's patch "
+                              f"{list(patch)}; prepare it again at a larger size, or leave those samples out")
+        if any(s % p for s, p in zip(shape, patch)):
+            nearest = [s // p * p for s, p in zip(shape, patch)]
+            raise ConfigError(f"{where}: the bucket {list(shape)}{samples} is not divisible by the model's patch "
+                              f"{list(patch)}; prepare it at a multiple of the patch (e.g. {nearest})")
 
 
 def is_diffusers_model(config: dict) -> bool:

@@ -41,6 +41,8 @@ class DataSpec:
     @staticmethod
     def check_settings(data_cfg: DictConfig) -> None:
         require_count("data.batch_size", data_cfg.batch_size)
+        require_count("data.tokens_per_batch", data_cfg.get("tokens_per_batch"), optional=True,
+                      hint="model tokens per rank and step; each bucket's batch is as many samples as fit")
         require_count("data.num_workers", data_cfg.get("num_workers", 0), minimum=0)
         if "val_fraction" in data_cfg:
             require_number("data.val_fraction", data_cfg.val_fraction, low=0, high=1)
@@ -86,6 +88,7 @@ class TrainSpec:
         # the data, the model it shapes (built on meta), and the objective and sampling that fit them
         data = DataSpec.from_config(cfg.data)
         model, meta_model = ModelSpec.from_data(cfg.model, data.info, layout.ulysses_degree)
+        data.module.set_patch_shape(meta_model.patch_shape)  # the bucket's token counts: tokens_per_batch
         objective, sampling = training_diffusion(cfg, model.config, model.tokens)
         check_training_memory(cfg, model.config, meta_model, layout.attention_backend)  # a warning: only an estimate
         # the files the run loads, against the model

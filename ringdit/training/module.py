@@ -29,7 +29,7 @@ from torch import nn
 
 from ringdit.build import build_model
 from ringdit.checkpoints.loading import safe_torch_load
-from ringdit.diffusion import DDPM, draw_noise, noise_generators, sample
+from ringdit.diffusion import DDPM, draw_noise, noise_generators, resolution_shift, sample
 from ringdit.ema import ModelAverage
 from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
@@ -145,9 +145,10 @@ class DiffusionModule(L.LightningModule):
             checkpoint["state_dict"] = {key: value for key, value in checkpoint["state_dict"].items()
                                         if is_adapter_key(key) or key == "ema.n_averaged"}
 
-    @property
-    def tokens_per_sample(self) -> int:
-        return math.prod(self.model.default_grid)  # the data's grid: the model was built for it
+    def tokens_per_sample(self, shape: tuple[int, ...] | None = None) -> int:
+        """Model tokens of one sample of ``shape`` ``([T,] H, W)`` (a bucket's; default the data's image_size)."""
+        shape = tuple(self.hparams.data["image_size"]) if shape is None else tuple(shape)
+        return math.prod(s // p for s, p in zip(shape, self.model.patch_shape))
 
     # ---- training ---------------------------------------------------------------------------------------------------
     def diffusion_loss(self, model: nn.Module, x0: Tensor, condition, generators: list[torch.Generator]) -> Tensor:
@@ -158,7 +159,8 @@ class DiffusionModule(L.LightningModule):
         The gather's backward hands each rank the gradient of its own tokens summed over the group's sp copies of
         that loss, so DDP's gradient average over all ranks is the one-device gradient (the ranks' parameter
         gradients are partial sums: ``ringdit.parallel.collectives``)."""
-        t = torch.cat([self.objective.sample_time(1, g) for g in generators]).to(x0.device)
+        tokens = self.tokens_per_sample(x0.shape[2:])  # this batch's bucket (Flux's shift=resolution follows it)
+        t = torch.cat([self.objective.sample_time(1, g, tokens) for g in generators]).to(x0.device)
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in generators]).to(x0.device, x0.dtype)
         draws = torch.cat([torch.rand(1, generator=g) for g in generators]).to(x0.device)
         x_t = self.objective.add_noise(x0, noise, t)
@@ -215,6 +217,8 @@ class DiffusionModule(L.LightningModule):
         with self.sampling_weights() as model:
             loss = self.diffusion_loss(model, x0, condition, generators)
         self.log("val/loss", loss, sync_dist=True, batch_size=x0.shape[0])
+        if len(self.hparams.data.get("buckets", ())) > 1:  # and per bucket: a shape the model fits worse shows
+            self.log(f"val/loss_{'x'.join(map(str, x0.shape[2:]))}", loss, sync_dist=True, batch_size=x0.shape[0])
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
@@ -227,9 +231,9 @@ class DiffusionModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._step_start
-        samples = batch[0].shape[0] * self.parallel_dims.dp_degree
-        self.log_dict({"train/samples_per_sec": samples / seconds,
-                       "train/tokens_per_sec": samples * self.tokens_per_sample / seconds})
+        samples, tokens = batch[0].shape[0] * self.parallel_dims.dp_degree, self.tokens_per_sample(batch[0].shape[2:])
+        self.log_dict({"train/samples_per_sec": samples / seconds, "train/tokens_per_sec": samples * tokens / seconds,
+                       "train/sample_tokens": float(tokens)})  # this step's bucket: its own token count
 
     def on_before_optimizer_step(self, optimizer) -> None:
         norm = total_grad_norm(self.model)
@@ -295,20 +299,24 @@ class DiffusionModule(L.LightningModule):
 
     @torch.no_grad()
     def generate(self, condition, seeds: list[int], *, use_ema: bool = True, negative: dict | None = None,
-                 **overrides: Any) -> Tensor:
+                 shape: tuple[int, ...] | None = None, **overrides: Any) -> Tensor:
         """Samples ``(N, C, [T,] H, W)`` for ``condition`` -- labels ``(N,)``, or a dict of text tensors ``(N, ...)``
         -- sample i from noise seeded by seeds[i] (a ``ringdit.seeding.seed_of`` value); pixels come in [-1, 1].
         ``negative``: the negative prompt's conditioning for guidance (text models; default the empty prompt's).
+        ``shape``: the sample's ``([T,] H, W)`` in the data's units (latent cells, or pixels), any bucket the model
+        takes; default the data's ``image_size`` (its most frequent bucket).
 
         Collective under sequence parallelism: every rank of the group must call it with the same arguments.
         """
         with self.sampling_weights(use_ema) as model:
-            return self._generate(model, condition, seeds, negative, overrides)
+            return self._generate(model, condition, seeds, negative, shape, overrides)
 
-    def _generate(self, model: nn.Module, condition, seeds: list[int], negative: dict | None, overrides: dict) -> Tensor:
+    def _generate(self, model: nn.Module, condition, seeds: list[int], negative: dict | None,
+                  shape: tuple[int, ...] | None, overrides: dict) -> Tensor:
         settings = {**self.sampling, **{k: v for k, v in overrides.items() if v is not None}}
         generators = noise_generators(seeds)  # sample i's noise: its initial noise, then the ddpm sampler's
-        noise = draw_noise((model.in_channels, *self.hparams.data["image_size"]), generators, device=self.device)
+        shape = tuple(shape) if shape is not None else tuple(self.hparams.data["image_size"])
+        noise = draw_noise((model.in_channels, *shape), generators, device=self.device)
         guided = settings["cfg_scale"] != 1.0
         condition = _to_device(model.model_condition(condition), self.device)
         null = _to_device(model.model_condition(negative if negative is not None else model.null_condition(len(seeds))),
@@ -319,7 +327,9 @@ class DiffusionModule(L.LightningModule):
         split = guided and dims.cfg_group is not None  # CFG parallel: the halves on two data-parallel replicas
         samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use
             model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
-            null=null, sampler=settings["sampler"], shift=settings["shift"], clip_denoised=self.samples_are_pixels,
+            null=null, sampler=settings["sampler"], clip_denoised=self.samples_are_pixels,
+            shift=resolution_shift(self.tokens_per_sample(shape)) if settings["shift"] == "resolution" else
+            settings["shift"],
             exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
             guidance_channels=settings.get("guidance_channels"), generators=generators,
         )

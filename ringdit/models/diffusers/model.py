@@ -152,6 +152,10 @@ class DiffusersTransformer(nn.Module):
     def tokens_per_sample(self) -> int:
         return math.prod(self.default_grid)
 
+    @property
+    def patch_shape(self) -> tuple[int, ...]:
+        return self.patch_size
+
     def pretrained_files(self, pretrained: str, subfolder: str | None = "transformer", setting: str = "init_from"
                          ) -> tuple[list[Path], str]:
         """The safetensors files of a local diffusers folder of this architecture (``model.pretrained``,
