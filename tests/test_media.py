@@ -224,6 +224,131 @@ def test_fit_centre_crops_then_resizes():
     assert out.shape == (8, 8, 3) and (out[..., 0] > 200).all()  # only the middle square is kept
 
 
+# ---- buckets (the bucket choice itself: tests/test_prepare_buckets.py) ----------------------------------------------
+
+
+@pytest.fixture
+def mixed_folder(tmp_path) -> Path:
+    """Landscape and portrait PNGs, clips of 6 and 10 frames (32 x 24), one of 3 frames, one corrupt PNG."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for name, size in (("wide0.png", (48, 16)), ("wide1.png", (50, 18)), ("tall.png", (16, 48))):
+        colour_image(len(name) + size[0], size).save(folder / name)
+    write_video(folder / "clip5.mp4", 6, seed=1)
+    write_video(folder / "clip9.mp4", 10, seed=2)
+    write_video(folder / "short.mp4", 3, seed=3)
+    (folder / "broken.png").write_bytes(b"not a png at all")
+    for i, path in enumerate(sorted(folder.iterdir())):
+        path.with_suffix(".txt").write_text(["a red fox", "a blue cat running", "green field", "a red sky"][i % 4])
+    return folder
+
+
+def test_prepare_buckets_auto_mixes_images_and_videos(models, mixed_folder, tmp_path):
+    """buckets=auto: one folder, one bucket per shard, >= 3 latent shapes; images are one-frame videos for the Wan
+    VAE, clips get the longest 1 + 4k frames they have; too-short and corrupt files are named; a re-run rewrites
+    nothing, and a changed input with shards there is refused."""
+    out = tmp_path / "out"
+    settings = dict(buckets="auto", resolution=32, frames=9, shard_size=2, max_text_len=TEXT_LEN, progress=False)
+    report = encode_folder(str(mixed_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
+    # auto at 32 px (step 16): 16x48, 16x64, 32x32, 64x16; ordered by frames, height, width
+    assert report.unreadable == [str(mixed_folder / "broken.png")]
+    assert report.too_short == [str(mixed_folder / "short.mp4")]  # 3 frames < 5
+    assert report.samples == 5 and report.shards_written == 4
+    assert "; by bucket: 16x48x1: 2 samples, 64x16x1: 1 samples, 32x32x5: 1 samples, 32x32x9: 1 samples" in \
+        report.summary()
+    assert sorted(p.name for p in out.iterdir()) == ["buckets.json"] + [f"shard-0000{i}.safetensors" for i in range(4)]
+    expected = [  # (captions' files, latents shape (N, C, T', H', W'), bucket)
+        (["wide0.png", "wide1.png"], (2, 16, 1, 2, 6), (16, 48, 1)),
+        (["tall.png"], (1, 16, 1, 8, 2), (64, 16, 1)),
+        (["clip5.mp4"], (1, 16, 2, 4, 4), (32, 32, 5)),  # 6 frames -> 5
+        (["clip9.mp4"], (1, 16, 3, 4, 4), (32, 32, 9)),  # 10 frames -> 9 (frames=9 caps)
+    ]
+    vae = VAE(models["wan"])
+    for i, (files, shape, (height, width, count)) in enumerate(expected):
+        tensors, metadata = read_shard(out / f"shard-{i:05d}.safetensors")
+        assert tensors["latents"].shape == shape
+        bucket = json.loads(metadata["bucket"])
+        assert (bucket["height"], bucket["width"], bucket["frames"]) == (height, width, count)
+        assert bucket["frame_stride"] == (1 if count > 1 else None)
+        assert json.loads(metadata["captions"]) == [(mixed_folder / f).with_suffix(".txt").read_text() for f in files]
+    tensors, _ = read_shard(out / "shard-00003.safetensors")
+    direct = vae.encode(read_video(mixed_folder / "clip9.mp4", 32, 32, 9)[None])
+    torch.testing.assert_close(tensors["latents"], direct, rtol=1e-5, atol=1e-5)
+    tensors, _ = read_shard(out / "shard-00001.safetensors")
+    direct = vae.encode(read_image(mixed_folder / "tall.png", 64, 16)[None])  # an image -> (C, 1, H', W')
+    torch.testing.assert_close(tensors["latents"], direct, rtol=1e-5, atol=1e-5)
+    plan = json.loads((out / "buckets.json").read_text())
+    assert [(s["bucket"], s["files"]) for s in plan["shards"]] == [
+        ("16x48x1", ["wide0.png", "wide1.png"]), ("64x16x1", ["tall.png"]), ("32x32x5", ["clip5.mp4"]),
+        ("32x32x9", ["clip9.mp4"])]
+
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = encode_folder(str(mixed_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
+    assert again.shards_written == 0 and again.shards_skipped == 4 and again.samples == 0
+    assert "prepared 0 samples into 0 new shards (4 already done)" in again.summary()
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps  # nothing rewritten, the plan neither
+
+    colour_image(7, (48, 16)).save(mixed_folder / "wide2.png")
+    (mixed_folder / "wide2.txt").write_text("green field")
+    with pytest.raises(ConfigError, match=r"out=.*: the shards there were planned differently \(shard 1 was 1 files "
+                                          r"of 64x16x1, now 1 of 16x48x1\): the input folder or the bucket settings "
+                                          r"changed; prepare into a new out= folder") as error:
+        encode_folder(str(mixed_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
+    assert "\n" not in str(error.value)
+    (mixed_folder / "wide2.png").unlink()
+    with pytest.raises(ConfigError, match="out=.* holds shards prepared with buckets .buckets.json.; pass the "
+                                          "buckets= setting they were made with"):
+        encode_folder(str(mixed_folder), str(out), str(models["wan"]), str(models["wan"]),
+                      **{**settings, "buckets": None})
+
+
+def test_prepare_bucket_list_image_vae_and_ranks(models, image_folder, tmp_path):
+    """A list of [H, W] with an image VAE (no T): each image to the nearest ratio; ranks split the shards and
+    together write what one process writes, each probing every file."""
+    out = tmp_path / "out"
+    colour_image(5, (24, 40)).save(image_folder / "tall.png")  # portrait 40 x 24 (H x W)
+    (image_folder / "tall.txt").write_text("a red sky")
+    common = dict(buckets=[[8, 16], [16, 8], [12, 12]], resolution=16, max_text_len=TEXT_LEN, shard_size=2,
+                  progress=False)
+    first = encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=0,
+                          world_size=2, **common)
+    second = encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=1,
+                           world_size=2, **common)
+    assert first.unreadable == [str(image_folder / "img9.png")] and second.unreadable == []  # probed: rank 0 tells
+    # the 24 x 40 (H x W) images -> 8x16 (ratio 0.6 nearest 0.5): shards 0, 1; tall.png -> 16x8: shard 2
+    assert first.buckets == {"8x16": 2, "16x8": 1} and second.buckets == {"8x16": 2}
+    shapes = [read_shard(out / f"shard-{i:05d}.safetensors")[0]["latents"].shape for i in range(3)]
+    assert shapes == [(2, 4, 4, 8), (2, 4, 4, 8), (1, 4, 8, 4)]  # 2x downsampling, no T
+    assert json.loads(read_shard(out / "shard-00002.safetensors")[1]["bucket"])["frames"] is None
+
+
+def test_prepare_bucket_errors_are_one_line(models, image_folder, video_folder, tmp_path):
+    def run(folder, vae, **kwargs):
+        return encode_folder(str(folder), str(tmp_path / "out"), str(vae), str(models["flux"]),
+                             max_text_len=TEXT_LEN, progress=False, **{"resolution": 16, **kwargs})
+
+    cases = [
+        (dict(buckets="square"), r"buckets='square' is not null, auto or a list of \[H, W\]"),
+        (dict(buckets=[[20, 32]], caption_column="caption"),
+         r"buckets: \[20, 32\] is not a multiple of AutoencoderKLWan's downsampling factor 8"),
+        (dict(buckets="auto", frame_buckets=[6], frames=9, caption_column="caption"),
+         r"frame_buckets: 6 is not a frame count AutoencoderKLWan encodes \(1 \+ k \* 4"),
+        (dict(buckets="auto", resolution=8, caption_column="caption"),
+         r"resolution=8 \(8x8\) is smaller than the smallest bucket buckets=auto can make, 16x16"),
+        (dict(frame_buckets=[5]), r"frame_buckets=\[5\] needs buckets=auto or a list of \[H, W\]"),
+        (dict(bucket_step=16), r"bucket_step=16 is the size step of buckets=auto, but buckets=null; pass buckets=auto"),
+    ]
+    for settings, message in cases:
+        folder = video_folder if "caption_column" in settings else image_folder
+        with pytest.raises(ConfigError, match=message) as error:
+            run(folder, models["wan"], **settings)
+        assert "\n" not in str(error.value)
+    write_video(image_folder / "clip.mp4", 5)
+    (image_folder / "clip.txt").write_text("a red fox")
+    with pytest.raises(ConfigError, match=r"mixes videos \(clip.mp4\) and images .*pass buckets=auto"):
+        run(image_folder, models["wan"])
+
+
 # ---- decoding and writing --------------------------------------------------------------------------------------------
 
 

@@ -1,15 +1,30 @@
 """Encode a folder of captioned images or videos into ``data=text_latents`` shards: the work of
 ``python -m ringdit.prepare`` (ringdit/prepare.py: its command line and SIGTERM handling).
 
+Buckets (the shapes files are encoded at; ringdit/media/buckets.py chooses, ringdit/media/frames.py crops):
+    buckets=null     (the default) one bucket, ``resolution`` x ``frames``: every file is centre-cropped and resized
+                     to it and every shard has that shape; a folder may not mix images and videos.
+    buckets=auto     aspect-ratio buckets of area at most the resolution's (1:4 to 4:1, sides in ``bucket_step``
+    or a list        steps), or the listed [H, W] sizes: each file goes to the bucket of nearest aspect ratio and is
+                     cropped as little as it needs; a clip gets the longest allowed frame count (``frame_buckets``,
+                     default 1 + k * temporal up to ``frames``) it has at ``frame_stride``, and an image is one
+                     frame (latents (C, 1, H', W') with a video VAE), so images and videos can share one run.
+    Every file is probed first (its size and length from the headers, no decoding), by every rank alike.
 Work layout:
-    the sorted file list is cut into shards of ``shard_size`` files; shard i is ``out/shard-{i:05d}.safetensors``.
-    Rank r of W (``RANK`` / ``WORLD_SIZE``, as torchrun sets them; 1 process otherwise) encodes shards r, r + W,
-    r + 2W, ... on ``cuda:LOCAL_RANK`` when there is a GPU; no process group is needed.
+    buckets=null: the sorted file list is cut into shards of ``shard_size`` files. With buckets: the sorted files
+    are grouped by bucket (buckets ordered by frames, height, width), each group cut into shards of ``shard_size``,
+    and the shards numbered in that order, so each shard holds ONE bucket (its latents' shape is the bucket); the
+    plan (each shard's bucket and files) is written to ``out/buckets.json``. Shard i is
+    ``out/shard-{i:05d}.safetensors``; each records its bucket as the ``bucket`` metadata (JSON: height, width,
+    frames). Rank r of W (``RANK`` / ``WORLD_SIZE``, as torchrun sets them; 1 process otherwise) encodes shards
+    r, r + W, r + 2W, ... on ``cuda:LOCAL_RANK`` when there is a GPU; no process group is needed.
 Resume: a shard is written to a temp file and renamed, so a shard that exists is complete and is skipped; re-run
-    the same command after an interruption.
+    the same command after an interruption. With buckets, a re-run whose plan differs from ``out/buckets.json``
+    (files added or removed, other settings) while shards exist is refused: prepare into a new out= folder.
 Skips: a file that cannot be decoded, or a clip shorter than the bucket, is left out of its shard and counted (a
     shard whose files are all skipped is not written), as is a file metadata.jsonl / .csv lists that is not there.
-    The skipped files are returned, and counted and named in the summary printed at the end.
+    The skipped files are returned, and counted and named in the summary printed at the end, with the samples
+    written per bucket.
 Every shard stores the empty prompt's embedding (``null_*``), the captions, the VAE's class, folder and
 normalisation (``vae``) and the text encoder's folders (``text_encoder``), all JSON metadata.
 """
@@ -25,15 +40,20 @@ from pathlib import Path
 
 import torch
 
+from ringdit.atomic import atomic_write
 from ringdit.data.text_latents import write_text_latents
 from ringdit.dtypes import dtype_named
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.folder import MediaItem, list_media
-from ringdit.media.frames import TooShort, read_image, read_video
+from ringdit.media.buckets import Bucket, Buckets, make_buckets, parse_buckets, resolution_pair
+from ringdit.media.frames import TooShort, probe, read_image, read_video
 from ringdit.media.text import TextEncoder
 from ringdit.media.vae import VAE
 
 log = logging.getLogger("ringdit.prepare")
+
+PLAN = "buckets.json"  # with buckets: each shard's bucket and files (see the module docstring)
+PLAN_FORMAT = "ringdit.prepare.buckets/1"
 
 
 @dataclass
@@ -45,6 +65,7 @@ class EncodeReport:
     too_short: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # listed in metadata.jsonl / .csv but not there (rank 0 counts)
     seconds: float = 0.0
+    buckets: dict[str, int] = field(default_factory=dict)  # bucket name (HxWxT) -> samples written now
 
     def summary(self) -> str:
         rate = self.samples / self.seconds if self.seconds > 0 else 0.0
@@ -52,7 +73,9 @@ class EncodeReport:
                 f"({self.shards_skipped} already done) in {self.seconds:.1f} s ({rate:.2f} samples/s); skipped "
                 f"{len(self.unreadable)} unreadable files{_named(self.unreadable)}, {len(self.too_short)} clips too "
                 f"short for the bucket{_named(self.too_short)} and {len(self.missing)} files the metadata lists that "
-                f"are missing or not images / videos{_named(self.missing)}")
+                f"are missing or not images / videos{_named(self.missing)}" + (
+                    "; by bucket: " + ", ".join(f"{name}: {count} samples" for name, count in self.buckets.items())
+                    if self.buckets else ""))
 
 
 def _named(paths: list[str], shown: int = 5) -> str:
@@ -65,13 +88,7 @@ def _named(paths: list[str], shown: int = 5) -> str:
 
 def bucket_size(resolution, spatial: int) -> tuple[int, int]:
     """``resolution`` (an int, ``[H, W]`` or ``"HxW"``) -> (H, W), each a multiple of the VAE's downsampling."""
-    if isinstance(resolution, str) and "x" in resolution:
-        resolution = resolution.split("x")
-    sizes = list(resolution) if isinstance(resolution, (list, tuple)) else [resolution, resolution]
-    try:
-        height, width = (int(s) for s in sizes)
-    except (TypeError, ValueError):
-        raise ConfigError(f"resolution must be an int, [H, W] or 'HxW', got {resolution!r}") from None
+    height, width = resolution_pair(resolution)
     if height < spatial or width < spatial or height % spatial or width % spatial:
         raise ConfigError(f"resolution={height}x{width}: height and width must be positive multiples of the VAE's "
                           f"downsampling factor {spatial}; e.g. resolution={max(spatial, height // spatial * spatial)}")
@@ -92,9 +109,9 @@ def default_device() -> str:
 
 def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | None = None, *,
             vae_subfolder: str | None = "vae", caption_column: str = "text", resolution=256, frames: int = 17,
-            frame_stride: int = 1, max_text_len: int = 512, shard_size: int = 64, batch_size: int = 4,
-            device: str | None = None, dtype: str = "float32", tiling: bool = True, tile: int | None = None,
-            rank: int | None = None,
+            frame_stride: int = 1, buckets=None, bucket_step: int | None = None, frame_buckets=None,
+            max_text_len: int = 512, shard_size: int = 64, batch_size: int = 4, device: str | None = None,
+            dtype: str = "float32", tiling: bool = True, tile: int | None = None, rank: int | None = None,
             world_size: int | None = None, progress: bool = True) -> EncodeReport:
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
     from tqdm.auto import tqdm
@@ -108,18 +125,31 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
     if not isinstance(tiling, bool):
         raise ConfigError(f"tiling must be true or false, got {tiling!r}")
     require_count("tile", tile, optional=True, hint="the VAE's spatial tile size in pixels, e.g. tile=256")
+    bucketed = parse_buckets(buckets) is not None  # its form checked before any model is loaded
+    if not bucketed and frame_buckets is not None:
+        raise ConfigError(f"frame_buckets={frame_buckets!r} needs buckets=auto or a list of [H, W] (with "
+                          f"buckets=null every clip is cut to frames={frames}); pass buckets=auto, or drop "
+                          f"frame_buckets")
+    if bucket_step is not None and parse_buckets(buckets) != "auto":
+        raise ConfigError(f"bucket_step={bucket_step!r} is the size step of buckets=auto, but buckets="
+                          f"{'null' if buckets is None else repr(buckets)}; pass buckets=auto, or drop bucket_step")
     if rank is None or world_size is None:
         rank, world_size = rank_and_world()
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} of world size {world_size} (RANK / WORLD_SIZE) is not a valid process; "
                           f"launch with torchrun, or unset both for one process")
+    out_dir = Path(str(out)).expanduser()
+    if not bucketed and (out_dir / PLAN).is_file() and any(out_dir.glob("shard-*.safetensors")):
+        raise ConfigError(f"out={out} holds shards prepared with buckets ({PLAN}); pass the buckets= setting they "
+                          f"were made with to resume, or prepare into a new out= folder")
     missing: list[str] = []  # the metadata's rows without their file: named in the summary (by rank 0: all see them)
     items = list_media(input, caption_column, missing=missing)
     videos = [item for item in items if item.is_video]
-    if videos and len(videos) < len(items):
+    if videos and len(videos) < len(items) and not bucketed:
         image = next(item for item in items if not item.is_video)
-        raise ConfigError(f"input={input} mixes videos ({videos[0].path.name}) and images ({image.path.name}); a "
-                          f"prepared set has one shape, so prepare them into separate out= folders")
+        raise ConfigError(f"input={input} mixes videos ({videos[0].path.name}) and images ({image.path.name}); with "
+                          f"buckets=null a prepared set has one shape, so pass buckets=auto (images become "
+                          f"one-frame buckets) or prepare them into separate out= folders")
     device = device or default_device()
     codec = VAE(vae, vae_subfolder, device=device, dtype=store, tiling=tiling, tile=tile)
     if videos and not codec.is_video:
@@ -128,43 +158,58 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
     if videos and not codec.frames_ok(frames):
         raise ConfigError(f"frames={frames}: {codec.class_name} encodes 1 + k * {codec.temporal} frames; pass e.g. "
                           f"frames={1 + max(0, frames - 1) // codec.temporal * codec.temporal}")
-    height, width = bucket_size(resolution, codec.spatial)
+    report = EncodeReport(missing=missing if rank == 0 else [])
+    if bucketed:
+        chooser = make_buckets(buckets, resolution, spatial=codec.spatial,
+                               temporal=codec.temporal if codec.is_video else None, frames=frames,
+                               frame_stride=frame_stride, frame_buckets=frame_buckets, bucket_step=bucket_step,
+                               class_name=codec.class_name)
+        placed, unreadable, too_short = place_files(items, chooser, progress=progress)
+        if rank == 0:  # every rank probes every file; rank 0 reports the files left out, so totals add up
+            report.unreadable += unreadable
+            report.too_short += too_short
+        shards = plan_shards(placed, shard_size)
+        check_plan(out_dir, Path(str(input)).expanduser(), shards, rank, unreadable, too_short, chooser)
+    else:
+        height, width = bucket_size(resolution, codec.spatial)
+        bucket = Bucket(height, width, frames if videos else None)
+        shards = [(bucket, items[start:start + shard_size]) for start in range(0, len(items), shard_size)]
     encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=store)
 
-    out_dir = Path(str(out)).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
-    shards = [items[start:start + shard_size] for start in range(0, len(items), shard_size)]
     mine = range(rank, len(shards), world_size)
-    report = EncodeReport(shards_skipped=sum(shard_path(out_dir, i).exists() for i in mine),
-                           missing=missing if rank == 0 else [])
+    report.shards_skipped = sum(shard_path(out_dir, i).exists() for i in mine)
     pending = [i for i in mine if not shard_path(out_dir, i).exists()]
     null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,)]
-    metadata = {"vae": json.dumps(codec.describe()), "text_encoder": json.dumps(encoder.describe()),
-                "bucket": json.dumps({"height": height, "width": width, "frames": frames if videos else None,
-                                      "frame_stride": frame_stride if videos else None, "source": str(input)})}
+    described = {"vae": json.dumps(codec.describe()), "text_encoder": json.dumps(encoder.describe())}
     start = time.perf_counter()
-    bar = tqdm(total=sum(len(shards[i]) for i in pending), unit="file", disable=not progress,
+    bar = tqdm(total=sum(len(shards[i][1]) for i in pending), unit="file", disable=not progress,
                desc=f"prepare (rank {rank}/{world_size})" if world_size > 1 else "prepare")
 
-    def load(item: MediaItem) -> torch.Tensor | None:
+    def load(item: MediaItem, bucket: Bucket) -> torch.Tensor | None:
         try:
             if item.is_video:
-                return read_video(item.path, height, width, frames, frame_stride)
-            return read_image(item.path, height, width)
+                pixels = read_video(item.path, bucket.height, bucket.width, bucket.frames, frame_stride)
+            else:
+                pixels = read_image(item.path, bucket.height, bucket.width)
+            # with buckets, an image in a video VAE's set is a one-frame video, stacked with any 1-frame clips
+            return pixels[:, None] if bucketed and bucket.frames is not None and pixels.ndim == 3 else pixels
         except TooShort as error:
             report.too_short.append(str(item.path))
-            log.warning("skipping a clip too short for frames=%d frame_stride=%d: %s", frames, frame_stride, error)
+            log.warning("skipping a clip too short for frames=%d frame_stride=%d: %s", bucket.frames, frame_stride,
+                        error)
         except Exception as error:  # noqa: BLE001 - any decoder failure means this one file is unusable
             report.unreadable.append(str(item.path))
             log.warning("skipping unreadable %s (%s: %s)", item.path, type(error).__name__, error)
         return None
 
     for index in pending:
+        bucket, files = shards[index]
         rows: dict[str, list[torch.Tensor]] = {}
         captions: list[str] = []
-        for batch_start in range(0, len(shards[index]), batch_size):
-            batch = shards[index][batch_start:batch_start + batch_size]
-            loaded = [(item, load(item)) for item in batch]
+        for batch_start in range(0, len(files), batch_size):
+            batch = files[batch_start:batch_start + batch_size]
+            loaded = [(item, load(item, bucket)) for item in batch]
             loaded = [(item, pixels) for item, pixels in loaded if pixels is not None]
             bar.update(len(batch))
             if not loaded:
@@ -178,6 +223,10 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             log.warning("shard %d: every file was skipped; no shard written", index)
             continue
         tensors = {key: torch.cat(values) for key, values in rows.items()}
+        clips = any(item.is_video for item in files)
+        metadata = {**described, "bucket": json.dumps({
+            "height": bucket.height, "width": bucket.width, "frames": bucket.frames,
+            "frame_stride": frame_stride if clips else None, "source": str(input)})}
         with sigterm_waits():  # under ringdit.prepare's SIGTERM handling: a shard being written is finished first
             write_text_latents(shard_path(out_dir, index), tensors["latents"].to(store), tensors["text"].to(store),
                                tensors["text_mask"], tensors["pooled"].to(store) if "pooled" in tensors else None,
@@ -185,6 +234,101 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
                                captions=captions, metadata=metadata)
             report.shards_written += 1
             report.samples += len(captions)
+            report.buckets[bucket.name] = report.buckets.get(bucket.name, 0) + len(captions)
     bar.close()
     report.seconds = time.perf_counter() - start
     return report
+
+
+def place_files(items: list[MediaItem], chooser: Buckets, progress: bool = False
+                ) -> tuple[list[tuple[MediaItem, Bucket]], list[str], list[str]]:
+    """Each file's bucket from its probed size and length: (placed files, unreadable paths, too-short paths)."""
+    from tqdm.auto import tqdm
+
+    placed, unreadable, too_short = [], [], []
+    for item in tqdm(items, unit="file", desc="probe", disable=not progress):
+        try:
+            height, width, length = probe(item.path, item.is_video)
+        except Exception as error:  # noqa: BLE001 - a file that cannot be opened is skipped, as when decoding
+            unreadable.append(str(item.path))
+            log.warning("skipping unreadable %s (%s: %s)", item.path, type(error).__name__, error)
+            continue
+        bucket = chooser.choose(height, width, length)
+        if bucket is None:
+            too_short.append(str(item.path))
+            log.warning("skipping a clip too short for every frame bucket (%s at frame_stride=%d): %s has %d frames",
+                        ", ".join(map(str, chooser.frame_counts or ())), chooser.frame_stride, item.path.name,
+                        length)
+            continue
+        placed.append((item, bucket))
+    return placed, unreadable, too_short
+
+
+def plan_shards(placed: list[tuple[MediaItem, Bucket]], shard_size: int) -> list[tuple[Bucket, list[MediaItem]]]:
+    """Group the files (in their sorted order) by bucket, buckets in ``Bucket.order``, and cut each group into
+    shards of ``shard_size``: shard i of the result is ``shard-{i:05d}``, the same on every rank and every run."""
+    groups: dict[Bucket, list[MediaItem]] = {}
+    for item, bucket in placed:
+        groups.setdefault(bucket, []).append(item)
+    return [(bucket, files[start:start + shard_size])
+            for bucket in sorted(groups, key=Bucket.order)
+            for files in [groups[bucket]] for start in range(0, len(files), shard_size)]
+
+
+def check_plan(out_dir: Path, root: Path, shards: list[tuple[Bucket, list[MediaItem]]], rank: int,
+               unreadable: list[str], too_short: list[str], chooser: Buckets) -> None:
+    """Write the plan to ``out/buckets.json`` (rank 0, atomically), or, when shards are there already, check that it
+    is the plan they were written by (else resuming would mix two plans): a ``ConfigError`` if not."""
+    def relative(path: Path | str) -> str:
+        try:
+            return Path(path).relative_to(root).as_posix()
+        except ValueError:
+            return str(path)
+
+    planned = [{"shard": shard_path(out_dir, i).name, "bucket": bucket.name,
+                "files": [relative(item.path) for item in files]} for i, (bucket, files) in enumerate(shards)]
+    path = out_dir / PLAN
+    done = any(out_dir.glob("shard-*.safetensors"))
+    if path.is_file():
+        try:
+            before = json.loads(path.read_text())["shards"]
+        except (OSError, ValueError, KeyError, TypeError):
+            before = None
+        if before == planned:
+            return
+        if done:
+            changed = _difference(before, planned)
+            raise ConfigError(f"out={out_dir}: the shards there were planned differently ({changed}"
+                              f"): the input folder or the bucket settings changed; prepare into a new out= folder, "
+                              f"or delete its shard-*.safetensors and {PLAN} to start again")
+    elif done:
+        raise ConfigError(f"out={out_dir} holds shards prepared without buckets (it has no {PLAN}); prepare into a "
+                          f"new out= folder, or delete its shard-*.safetensors to start again")
+    if rank == 0:
+        counts: dict[str, int] = {}
+        for bucket, files in shards:
+            counts[bucket.name] = counts.get(bucket.name, 0) + len(files)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_write(path) as tmp:
+            tmp.write_text(json.dumps({"format": PLAN_FORMAT, "input": str(root), "buckets": chooser.describe(),
+                                       "samples": counts, "shards": planned,
+                                       "skipped": {"unreadable": [relative(p) for p in unreadable],
+                                                   "too_short": [relative(p) for p in too_short]}}, indent=1))
+
+
+def _difference(before, planned: list[dict]) -> str:
+    """What changed between two plans, in a few words."""
+    if not isinstance(before, list):
+        return f"{PLAN} cannot be read"
+    for i, (old, new) in enumerate(zip(before, planned)):
+        if old == new:
+            continue
+        files = old.get("files") if isinstance(old, dict) else None
+        bucket = old.get("bucket") if isinstance(old, dict) else None
+        if isinstance(files, list) and len(files) == len(new["files"]) and bucket == new["bucket"]:
+            was, now = next(((a, b) for a, b in zip(files, new["files"]) if a != b), (None, None))
+            if was is not None:
+                return f"shard {i} would hold {now} instead of {was}"
+        return (f"shard {i} was {len(files) if isinstance(files, list) else '?'} files of {bucket}, now "
+                f"{len(new['files'])} of {new['bucket']}")
+    return f"{len(before)} shards then, {len(planned)} now"

@@ -1,10 +1,13 @@
-"""Reading one image or video into the bucket's pixels: (3, H, W) or (3, T, H, W) float in [-1, 1].
+"""Reading one image or video into its bucket's pixels: (3, H, W) or (3, T, H, W) float in [-1, 1], and probing a
+file's size and length cheaply (``probe``: headers only) so that every file's bucket is known before any decoding.
 
-The bucket rule (one bucket per prepared folder, because every shard of a set has the same shape):
-    space  centre-crop to the bucket's aspect ratio (keep the largest middle region), then resize to (H, W) with
-           Lanczos filtering, so nothing is stretched;
-    time   frames 0, stride, 2 * stride, ... until ``frames`` are taken, read lazily (a long clip is not decoded
-           beyond what is used); a clip with fewer is skipped as too short (``TooShort``).
+The bucket rule, for a bucket of H x W pixels and T frames (``python -m ringdit.prepare``: with ``buckets=null`` one
+bucket per prepared folder, ``resolution`` x ``frames``; with ``buckets=auto`` or a list, each file's own bucket, of
+nearest aspect ratio, chosen by ringdit/media/buckets.py):
+    space  scale to cover (H, W) and centre-crop the excess: crop to the bucket's aspect ratio (keep the largest
+           middle region), then resize to (H, W) with Lanczos filtering, so nothing is stretched;
+    time   frames 0, stride, 2 * stride, ... until T are taken, read lazily (a long clip is not decoded beyond what
+           is used); a clip with fewer is skipped as too short (``TooShort``).
 """
 
 from __future__ import annotations
@@ -58,3 +61,26 @@ def read_video(path: Path, height: int, width: int, frames: int, stride: int = 1
             if len(picked) == frames:
                 return to_pixels(picked)
     raise TooShort(f"{path.name}: {len(picked)} frames at stride {stride}, the bucket needs {frames}")
+
+
+def probe(path: Path, is_video: bool) -> tuple[int, int, int | None]:
+    """(height, width, frames) of an image (frames None) or a video, from the headers: PIL's size without decoding
+    pixels; PyAV's stream metadata (its frame count, else the packets counted, no frame decoded). Raises (OSError,
+    ValueError, av.error.*, ...) when the file cannot be opened as one."""
+    if not is_video:
+        with Image.open(path) as image:
+            width, height = image.size
+            return height, width, None
+    import av
+
+    with av.open(str(path)) as container:
+        if not container.streams.video:
+            raise ValueError(f"{path.name} has no video stream")
+        stream = container.streams.video[0]
+        height, width = stream.codec_context.height, stream.codec_context.width
+        frames = int(stream.frames or 0)
+        if frames <= 0:  # no count in the container (some .webm / .mkv / .avi): one packet per frame
+            frames = sum(1 for packet in container.demux(stream) if packet.size)
+    if not height or not width:
+        raise ValueError(f"{path.name}: the video stream has no frame size")
+    return int(height), int(width), frames
