@@ -6,6 +6,8 @@
 
     python infer.py ckpt_path=<wan run>/checkpoints/last.ckpt text_embeds=prompts.safetensors cfg_scale=5
     python infer.py prompts='[a 3 moving left, a 7 moving up]'   # after train.py experiment=captioned_moving_digits
+    python infer.py prompts='[a red fox running]' size=[480,832] frames=81    # at another size than the data's
+    python infer.py prompt_file=prompts.jsonl num_samples=4   # {"prompt": "...", "size": [H, W], "frames": N} a line
 
     python infer.py ckpt_path=<LoRA run>/checkpoints/last.ckpt                 # on the run's init_from / pretrained
     python infer.py ckpt_path=<LoRA run>/checkpoints/last.ckpt base=weights.safetensors   # or on another copy of it
@@ -14,6 +16,16 @@ A LoRA run's checkpoint holds only the adapters: the base model comes from ``bas
 export, or a diffusers folder) or else from what the run recorded (its ``init_from``, else its ``model.pretrained``);
 it is checked against the adapter before anything starts, and the adapters (EMA or raw, ``weights=``) are loaded
 onto it once it is built.
+
+Sizes: ``size=[H, W]`` and ``frames=N`` (videos) sample at any shape the model patches, default the data's
+image_size (its most frequent bucket). When the checkpoint's data records its VAE (data=text_latents from
+``ringdit.prepare``) they are pixels and video frames, as diffusers pipelines' height / width / num_frames: the
+latents are H / 8 x W / 8 for an 8x VAE, (frames - 1) / 4 + 1 latent frames for Wan's; otherwise (pixel-space DiT
+data, data=latents, synthetic latents) they are the data's own cells. Each is checked before anything starts (a
+whole number of the model's patches, frames 1 + k x the VAE's temporal factor). ``prompt_file=`` (a .jsonl of
+``{"prompt": ..., "size": [H, W], "frames": N, "negative_prompt": ...}`` lines, all but prompt optional, or a .txt
+of one prompt per line) gives each prompt its own size (default size / frames, else the data's); samples of one
+shape are batched together, each keeps its number i and its seed.
 
 Writes samples.png (videos: samples.gif, plus sample-000.mp4 / .gif ... each) and samples.npz (images uint8
 (N, [T,] H, W, C), labels int64 (N,)) into the run's output directory; latent models write latents float32
@@ -24,6 +36,9 @@ prepared with, when that folder exists) latents are also decoded beside samples.
 seeded by (seed, i) (ringdit.seeding, stream INFERENCE), so the same seed gives the same sample i for any
 num_samples, batch size and ring / Ulysses / data-parallel layout: exactly up to fp64 rounding; in fp32 up to the
 rounding of the GEMM kernels the batch size, layout and CPU pick (~2e-7 of the largest value after 10 DDPM steps).
+Samples of several shapes (a prompt file with sizes) are written per shape: samples-<HxW[xF]>.npz (the same keys plus
+``index``, the sample numbers it holds) and its grid samples-<HxW[xF]>.png / .gif; files of one sample keep their
+number (sample-007.mp4), whatever their shape.
 """
 
 from __future__ import annotations
@@ -33,6 +48,8 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import numpy as np
+import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
@@ -43,7 +60,8 @@ from ringdit.errors import ConfigError
 from ringdit.lora import adapter_state, load_adapter
 from ringdit.media.decode import decode_samples, latents_normalised
 from ringdit.run_folder import claim_run_folder
-from ringdit.sampling import SampleRequests, SampleWriter
+from ringdit.images import to_uint8
+from ringdit.sampling import SampleRequests, SampleWriter, write_pixels
 from ringdit.spec import InferSpec
 from ringdit.training import DiffusionModule
 from ringdit.training.preemption import sigterm_stops_at_once, stop_on_sigterm
@@ -56,26 +74,66 @@ def prepare(cfg: DictConfig):
     """Check every setting and the checkpoint (``InferSpec``), then build the trainer, module and sample requests
     from the spec; returns them and the spec."""
     spec = InferSpec.from_config(cfg)
-    captions = negative = None
+    captions = negative = per_sample = None
     if spec.conditioning.labels is not None:
         conditions = list(spec.conditioning.labels)
     else:
-        conditions, captions, negative = text_conditions(spec)
+        conditions, captions, negative, per_sample = text_conditions(spec)
     if spec.lora is None:  # the checkpoint holds the whole model
         weights = {"init_from": spec.ckpt_path, "init_weights": spec.weights}
     else:  # the base, adapted as the run was; the adapters are loaded onto it once built (LoadLoraAdapter)
         weights = {"init_from": spec.lora.init_from, "init_weights": spec.lora.init_weights, "lora": spec.lora.settings}
-    module = DiffusionModule(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
-                             attention_backend=spec.layout.attention_backend, **weights)
+    module = SamplingModule(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
+                            attention_backend=spec.layout.attention_backend, **weights)
     module.negative_condition = negative
-    writer = SampleWriter(spec.output_dir, captions=captions, fps=spec.output.fps)
+    negatives, negative_given = per_sample or (None, None)
+    requests = SampleRequests(conditions, spec.seed, shapes=spec.sample_shapes(), negatives=negatives,
+                              negative_given=negative_given)
+    shapes = requests.distinct_shapes()
+    writer = SampleWriter(spec.output_dir, captions=captions, fps=spec.output.fps, shapes=shapes,
+                          shape_names={shape: spec.sizes.name(shape) for shape in shapes})
     callbacks = [writer, *(hydra.utils.instantiate(c) for c in spec.trainer.callbacks)]
     if spec.lora is not None:
         callbacks.insert(0, LoadLoraAdapter(spec.ckpt_path, spec.weights))
     trainer: L.Trainer = hydra.utils.instantiate(spec.trainer.config, callbacks=callbacks, logger=False)
-    requests = DataLoader(SampleRequests(conditions, spec.seed), batch_size=spec.batch_size)
+    if trainer.is_global_zero:
+        log.info("sampling %d samples at %s", spec.num_samples, ", ".join(
+            f"{spec.sizes.name(shape)} ({'x'.join(map(str, shape))} cells)" for shape in shapes))
+    # batches of one shape each, at most batch_size (Lightning splits the requests over the data-parallel ranks)
+    requests = DataLoader(requests, batch_sampler=requests.batches(spec.batch_size))
     claim_run_folder(spec.output_dir, "infer")  # last: every check has passed
     return trainer, module, requests, spec
+
+
+class SamplingModule(DiffusionModule):
+    """``DiffusionModule`` whose prediction batches (``SampleRequests`` with shapes) carry their samples' shape --
+    one per batch (``ShapeBatches``) -- and, from a prompt file, each sample's own negative prompt."""
+
+    def predict_step(self, batch, batch_idx: int) -> dict:
+        if len(batch) == 3:  # requests without shapes: the data's image_size
+            return super().predict_step(batch, batch_idx)
+        indices, condition, seeds, extra = batch
+        negative = self.negative_condition
+        if "negative" in extra:
+            negative = self._negatives(extra["negative"], extra["negative_given"])
+        shape = tuple(int(s) for s in extra["shape"][0].tolist())
+        samples = self.generate(condition, seeds.tolist(), negative=negative, shape=shape)
+        described = {"index": indices} if self.text_conditioned else {"index": indices, "labels": condition}
+        if self.samples_are_pixels:
+            return {**described, "images": to_uint8(samples)}
+        return {**described, "latents": samples.float() / self.hparams.data["latent_scale"]}
+
+    def _negatives(self, rows: dict[str, torch.Tensor], given: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each sample's negative prompt: its own where ``given``, else the run's (negative_prompt=), else the empty
+        prompt's (the model's null condition, as trained)."""
+        fallback = self.negative_condition or self.model.null_condition(len(given))
+        mixed = {}
+        for key, value in rows.items():
+            if key in fallback:
+                where = given.view(-1, *[1] * (value.dim() - 1))
+                value = torch.where(where, value, fallback[key].to(value).expand_as(value))
+            mixed[key] = value
+        return mixed
 
 
 class LoadLoraAdapter(L.Callback):
@@ -91,18 +149,20 @@ class LoadLoraAdapter(L.Callback):
         load_adapter(pl_module.model, adapter_state(state))
 
 
-def text_conditions(spec: InferSpec) -> tuple[dict, list[str], dict | None]:
-    """A text model's (conditions cycled to num_samples, captions, negative (1, ...) or None for the empty prompt)."""
+def text_conditions(spec: InferSpec) -> tuple[dict, list[str], dict | None, tuple | None]:
+    """A text model's (conditions cycled to num_samples, captions, negative (1, ...) or None for the empty prompt,
+    per-sample negatives or None: (each sample's negative prompt (N, ...), whether it has its own (N,)), from a
+    prompt file's negative_prompt keys)."""
     conditioning = spec.conditioning
-    negative = None
+    negative = per_sample = None
     conditions, captions = text_prompts(spec)
     if conditioning.prompts or conditioning.negative_prompt:
-        conditions, captions, negative = encoded_prompts(spec, conditions, captions)
+        conditions, captions, negative, per_sample = encoded_prompts(spec, conditions, captions)
     if conditioning.negative_text_embeds:
         negative_prompts, _ = read_prompts(conditioning.negative_text_embeds, "negative_text_embeds")
         negative = {key: value[:1] for key, value in negative_prompts.items()}  # the first row
         check_prompt_shape("negative_text_embeds", negative, spec.data)
-    return conditions, captions, negative
+    return conditions, captions, negative, per_sample
 
 
 def text_prompts(spec: InferSpec) -> tuple[dict, list[str]]:
@@ -130,22 +190,29 @@ def text_prompts(spec: InferSpec) -> tuple[dict, list[str]]:
 
 
 def encoded_prompts(spec: InferSpec, conditions, captions):
-    """``prompts`` / ``negative_prompt`` encoded with the spec's text encoder (the data's unless ``text_encoder=``):
-    (conditions cycled to num_samples, captions, negative (1, ...) or None for the empty prompt)."""
-    import torch
-
+    """``prompts`` (or a prompt file's) / ``negative_prompt`` encoded with the spec's text encoder (the data's unless
+    ``text_encoder=``), in one pass with a prompt file's own negative prompts: (conditions cycled to num_samples,
+    captions, negative (1, ...) or None for the empty prompt, per-sample negatives or None; see text_conditions)."""
     from ringdit.media.text import encode_prompts
 
     conditioning, data_info = spec.conditioning, spec.data
-    texts = list(conditioning.prompts)
-    encoded, negative = encode_prompts(texts or [""], conditioning.negative_prompt, conditioning.text_encoder,
+    texts = list(conditioning.prompts) or [""]
+    own = [text for text in dict.fromkeys(conditioning.negative_prompts) if text]  # a prompt file's, each once
+    encoded, negative = encode_prompts(texts + own, conditioning.negative_prompt, conditioning.text_encoder,
                                        conditioning.tokenizer, text_len=data_info["text_len"],
                                        text_dim=data_info["text_dim"],
                                        device="cuda" if torch.cuda.is_available() else "cpu")
-    if texts:
-        picked = [i % len(texts) for i in range(spec.num_samples)]
-        conditions, captions = {key: value[picked] for key, value in encoded.items()}, [texts[i] for i in picked]
-    return conditions, captions, negative if conditioning.negative_prompt else None
+    picked = [i % len(texts) for i in range(spec.num_samples)]
+    if conditioning.prompts:
+        conditions, captions = {key: value[:len(texts)][picked] for key, value in encoded.items()}, \
+            [texts[i] for i in picked]
+    per_sample = None
+    if own:  # row len(texts) + k: the k-th distinct negative; a prompt without one takes row 0 (not read)
+        lines = conditioning.negative_prompts
+        rows = [len(texts) + own.index(lines[i]) if lines[i] else 0 for i in picked]
+        per_sample = ({key: value[rows] for key, value in encoded.items()},
+                      torch.tensor([bool(lines[i]) for i in picked]))
+    return conditions, captions, negative if conditioning.negative_prompt else None, per_sample
 
 
 def check_prompt_shape(setting: str, prompts: dict, data_info: dict) -> None:
@@ -163,15 +230,40 @@ def main(cfg: DictConfig) -> None:
     # SIGTERM: every rank stops at the next sampler step, the finished batches are written, exit code 143
     with stop_on_sigterm(trainer, logger=log):
         trainer.predict(module, dataloaders=requests, return_predictions=False)
-        if output.vae and trainer.is_global_zero:
-            samples = Path(spec.output_dir) / "samples.npz"
+        writer = next(c for c in trainer.callbacks if isinstance(c, SampleWriter))
+        if output.vae and trainer.is_global_zero and writer.npz_files:
+            files = writer.npz_files
+            samples = files[0] if len(files) == 1 else f"{Path(spec.output_dir)}/samples-*.npz"
             kept = f"every sample is in {samples} (decoded files may be incomplete); decode them with python -m " \
                    f"ringdit.media.decode {samples} vae={output.vae}"
             with user_errors(), sigterm_stops_at_once("the VAE decode", kept):  # nothing else would be lost
-                written = decode_samples(samples, output.vae, vae_subfolder=output.vae_subfolder, fps=output.fps,
-                                         tile=output.vae_tile, device=str(trainer.strategy.root_device),
-                                         normalised=latents_normalised(spec.data))
+                written = decode(files, spec, device=str(trainer.strategy.root_device))
             log.info("decoded with vae=%s: %s", output.vae, ", ".join(p.name for p in written))
+
+
+def decode(files: list[Path], spec: InferSpec, device: str) -> list[Path]:
+    """Decode the written samples with ``spec.output.vae``: samples.npz as ``ringdit.media.decode`` does (samples.png
+    / .gif, sample-000.png / .mp4 ...), or each shape's samples-<name>.npz into its grid samples-<name>.png / .gif
+    and its samples' files, named by their numbers (the npz's ``index``)."""
+    output, normalised = spec.output, latents_normalised(spec.data)
+    if len(files) == 1 and files[0].name == "samples.npz":
+        return decode_samples(files[0], output.vae, vae_subfolder=output.vae_subfolder, fps=output.fps,
+                              tile=output.vae_tile, device=device, normalised=normalised)
+    from ringdit.media.decode import decode_latents, read_latents
+    from ringdit.media.vae import VAE
+
+    codec = VAE(output.vae, output.vae_subfolder, device=device, tile=output.vae_tile)
+    written = []
+    for file in files:
+        latents = read_latents(file)
+        with np.load(file, allow_pickle=False) as stored:
+            indices = stored["index"].tolist()
+        try:
+            pixels = decode_latents(latents, codec, normalised)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        written += write_pixels(pixels, file.parent, stem=file.stem, indices=indices, fps=output.fps)
+    return written
 
 
 if __name__ == "__main__":

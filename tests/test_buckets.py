@@ -119,6 +119,20 @@ def test_a_resumed_sampler_reads_the_same_batches():
     assert [whole.bucket_of(s) for s in range(50)] != [sampler(BUCKET_ROWS, seed=8).bucket_of(s) for s in range(50)]
 
 
+def test_gradient_accumulation_reads_one_bucket_per_optimizer_step():
+    """The micro-batches of one optimizer step share its bucket; one bucket without accumulation reads the same
+    samples in the same order."""
+    batches = sampler(BUCKET_ROWS, seed=2, batches_per_step=3)
+    plain = sampler(BUCKET_ROWS, seed=2)
+    for step in range(40):
+        micro = [batches.indices(step * 3 + m) for m in range(3)]
+        bucket = BUCKET_ROWS[plain.bucket_of(step)]
+        assert all(i in bucket for rows in micro for i in rows)
+    one = StepBatches(Rows(10), 2, total_steps=100, batches_per_step=4, seed=1)
+    assert [one.indices(i) for i in range(12)] == [StepBatches(Rows(10), 2, total_steps=100, seed=1).indices(i)
+                                                   for i in range(12)]
+
+
 def test_validation_batches_are_one_bucket_each_and_the_same_count_on_every_rank():
     ranks = [ValidationBatches(Rows(100), [3, 3, 2], BUCKET_ROWS, max_batches=4, dp_rank=r, dp_size=2)
              for r in range(2)]

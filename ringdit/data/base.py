@@ -124,7 +124,7 @@ class ImageDataModule(L.LightningDataModule):
         batches = StepBatches(
             self.train_set, [sizes[b] for b in kept], buckets=[members[b] for b in kept], dp_rank=dp_rank,
             dp_size=dp_size, seed=self.seed, start_step=trainer.global_step * batches_per_step,
-            total_steps=trainer.max_steps * batches_per_step,
+            total_steps=trainer.max_steps * batches_per_step, batches_per_step=batches_per_step,
         )
         return DataLoader(batches, batch_size=None, num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)

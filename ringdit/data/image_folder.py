@@ -6,6 +6,14 @@ spawns any rank, so an empty or mistyped folder fails in seconds. Unreadable fil
 of failing the run -- scraped datasets almost always hold a few. ``verify`` does not decode pixels (a full decode of
 every file would make start-up as slow as an epoch), so a file whose header is fine but whose data is cut off is
 only found when it is read: it is then skipped too (the next readable image takes its place) and logged.
+
+Buckets (``data.buckets``): images of several aspect ratios train at their own shape instead of all being cropped
+to one. ``auto`` makes the sizes as ``python -m ringdit.prepare buckets=auto`` does (ringdit/media/buckets.py: the
+largest square, and for each width a multiple of ``data.bucket_step`` the largest height, with height x width at
+most the area of ``data.image_size``, aspect ratios 1:4 .. 4:1); a list gives the ``[H, W]`` pixel sizes (those
+larger in area than ``image_size`` are left out). Each image goes to the size of nearest aspect ratio, probed from
+its header in the scan (no pixel is decoded; an EXIF rotation is taken into account), and is resized to cover it
+and centre-cropped there. Every used size is one bucket; each training step reads one bucket (ringdit/data/steps.py).
 """
 
 from __future__ import annotations
@@ -17,14 +25,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import ListConfig, OmegaConf
 from PIL import Image, ImageOps
 from torch.utils.data import Dataset
 
 from ringdit.data.base import ImageDataModule
+from ringdit.errors import ConfigError, require_count
+from ringdit.media.buckets import BUCKETS_HINT as PREPARE_HINT
+from ringdit.media.buckets import Buckets, auto_sizes, parse_buckets
 
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+BUCKET_STEP = 8  # px: auto buckets' sizes are multiples of it (the model's patch is unknown here; 8 suits 1, 2, 4, 8)
+EXIF_ORIENTATION = 0x0112
+SWAPPING_ORIENTATIONS = (5, 6, 7, 8)  # exif_transpose turns these by 90 degrees: width and height swap
 
 
 def resize_center_crop(image: Image.Image, height: int, width: int) -> Image.Image:
@@ -59,19 +74,36 @@ class ImageFiles(Dataset):
 
     A file that passed the scan but cannot be decoded (a truncated JPEG passes Pillow's ``verify``) is skipped like
     the scan's unreadable files: sample ``index`` becomes the next decodable one (``index + 1``, ...). Whether a file
-    decodes does not depend on the process, so every rank of a sequence-parallel group reads the same sample."""
+    decodes does not depend on the process, so every rank of a sequence-parallel group reads the same sample.
 
-    def __init__(self, samples: list[tuple[str, int]], height: int, width: int, channels: int):
-        self.samples, self.height, self.width = samples, height, width
+    ``shapes`` (buckets): each sample's (H, W), instead of ``height`` x ``width`` for all. A skipped sample's stand-in
+    is then the next decodable one of the same shape (of any shape if none of its bucket decodes), cropped to the
+    skipped sample's shape, so a batch of one bucket stays one shape."""
+
+    def __init__(self, samples: list[tuple[str, int]], height: int, width: int, channels: int,
+                 shapes: list[tuple[int, int]] | None = None):
+        self.samples, self.height, self.width, self.shapes = samples, height, width, shapes
         self.mode = "RGB" if channels == 3 else "L"
         self.undecodable: set[str] = set()  # found by this process while loading
 
     def __len__(self) -> int:
         return len(self.samples)
 
+    def _candidates(self, index: int):
+        """``index``, then the samples after it (cyclically) that may stand in for it."""
+        order = ((index + offset) % len(self.samples) for offset in range(len(self.samples)))
+        if self.shapes is None:
+            yield from order
+            return
+        shape = self.shapes[index]
+        yield from (i for i in order if self.shapes[i] == shape)
+        yield from (i for i in ((index + o) % len(self.samples) for o in range(len(self.samples)))
+                    if self.shapes[i] != shape)
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        for offset in range(len(self.samples)):
-            path, label = self.samples[(index + offset) % len(self.samples)]
+        height, width = self.shapes[index] if self.shapes is not None else (self.height, self.width)
+        for candidate in self._candidates(index):
+            path, label = self.samples[candidate]
             if path in self.undecodable:
                 continue
             try:
@@ -81,7 +113,7 @@ class ImageFiles(Dataset):
                 log.warning("data.root: could not decode %s (%s); skipped, sample %d uses the next readable image "
                             "(%d file(s) skipped while loading so far)", path, error, index, len(self.undecodable))
                 continue
-            x = to_tensor(resize_center_crop(image, self.height, self.width))  # (C, H, W)
+            x = to_tensor(resize_center_crop(image, height, width))  # (C, H, W)
             return x, torch.tensor(label, dtype=torch.int64)
         raise OSError(f"data.root: none of the {len(self.samples)} image files can be decoded (e.g. "
                       f"{', '.join(sorted(self.undecodable)[:3])}); put readable images in root/<class>/")
@@ -100,14 +132,22 @@ class ImageFolderDataModule(ImageDataModule):
     Args:
         root: the folder of class sub-folders. Sub-folders are searched recursively; hidden ones (``.git``,
             ``.ipynb_checkpoints``) are not classes.
-        image_size: an int (square) or ``[H, W]``: images are resized to cover it and centre-cropped.
+        image_size: an int (square) or ``[H, W]``: images are resized to cover it and centre-cropped. With
+            ``buckets``, the area bound: every bucket's H x W is at most ``image_size ** 2`` (or H x W).
         channels: 3 (RGB) or 1 (grayscale).
+        buckets: None (one shape, ``image_size``), ``"auto"`` or a list of ``[H, W]`` pixel sizes (see the module
+            docstring); ``image_size`` in ``describe()`` is then the most frequent bucket's shape.
+        bucket_step: auto buckets' sizes are multiples of it, in pixels (default 8); the model's patch must divide
+            it (a bucket the patch does not divide is refused before training starts).
+        tokens_per_batch: size each bucket's batch by model tokens instead of ``batch_size`` (ringdit/data/base.py).
     """
 
     def __init__(self, root: str, image_size: int | Sequence[int] = 32, channels: int = 3, batch_size: int = 64,
-                 num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4, seed: int = 0):
-        super().__init__(batch_size, num_workers, val_fraction, val_batches, seed)
+                 num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4, seed: int = 0,
+                 buckets=None, bucket_step: int = BUCKET_STEP, tokens_per_batch: int | None = None):
+        super().__init__(batch_size, num_workers, val_fraction, val_batches, seed, tokens_per_batch)
         self.image_size = _image_size(image_size)
+        chooser = _bucket_rule(buckets, bucket_step, self.image_size)  # settings first: before the scan
         if channels not in (1, 3):
             raise ValueError(f"data.channels must be 3 (RGB) or 1 (grayscale), got {channels!r}")
         self.channels = channels
@@ -117,15 +157,32 @@ class ImageFolderDataModule(ImageDataModule):
             raise ValueError(f"data.root={root} has no class sub-folders; put each class's images in their own "
                              f"sub-folder (e.g. {Path(root) / 'cat' / '0001.png'})")
         self.num_classes = len(self.class_names)
-        self.samples, self.skipped = self._scan()
+        self.samples, self.skipped, sizes = self._scan()
+        self.sample_shapes: list[tuple[int, int]] | None = None
+        if chooser is not None:
+            self._place(chooser, sizes)
 
-    def _scan(self) -> tuple[list[tuple[str, int]], list[str]]:
-        """(path, label) of every readable image, and the paths of the unreadable ones."""
-        samples, skipped = [], []
+    def _place(self, chooser: Buckets, sizes: list[tuple[int, int]]) -> None:
+        """Each image's bucket from its (upright) size: ``bucket_shapes`` (the sizes used, sorted),
+        ``sample_buckets``, and ``image_size`` = the most frequent bucket's shape."""
+        self.sample_shapes = [(b.height, b.width) for b in (chooser.choose(h, w) for h, w in sizes)]
+        self.bucket_shapes = sorted(set(self.sample_shapes))
+        index = {shape: b for b, shape in enumerate(self.bucket_shapes)}
+        self.sample_buckets = np.array([index[shape] for shape in self.sample_shapes], dtype=np.int64)
+        self.image_size = tuple(self.describe_buckets()[0]["shape"])
+        log.info("data.root=%s: %d images in %d buckets: %s", self.root, len(self.samples), len(self.bucket_shapes),
+                 ", ".join(f"{b['shape'][0]}x{b['shape'][1]} ({b['samples']})" for b in self.describe_buckets()))
+
+    def _scan(self) -> tuple[list[tuple[str, int]], list[str], list[tuple[int, int]]]:
+        """(path, label) of every readable image, the paths of the unreadable ones, and each readable image's
+        upright (height, width)."""
+        samples, skipped, sizes = [], [], []
         for label, name in enumerate(self.class_names):
             for path in _image_files(self.root / name):
-                if _readable(path):
+                size = _probe(path)
+                if size is not None:
                     samples.append((str(path), label))
+                    sizes.append(size)
                 else:
                     skipped.append(str(path))
         if skipped:
@@ -141,10 +198,10 @@ class ImageFolderDataModule(ImageDataModule):
         if empty:
             log.warning("data.root=%s: classes without a readable image: %s (they are kept, so class ids stay the "
                         "sorted folder order, but the model never sees them)", self.root, empty)
-        return samples, skipped
+        return samples, skipped, sizes
 
     def build_dataset(self) -> ImageFiles:
-        return ImageFiles(self.samples, *self.image_size, channels=self.channels)
+        return ImageFiles(self.samples, *self.image_size, channels=self.channels, shapes=self.sample_shapes)
 
 
 def _class_root(root) -> Path:
@@ -171,6 +228,44 @@ def _image_size(size) -> tuple[int, int]:
     return (dims[0], dims[-1])
 
 
+BUCKETS_HINT = ("pass data.buckets=null (one shape, data.image_size), data.buckets=auto, or a list of [H, W] pixel "
+                "sizes, e.g. data.buckets=[[32,32],[24,40],[40,24]]")
+
+
+def _bucket_rule(buckets, step, image_size: tuple[int, int]) -> Buckets | None:
+    """``data.buckets`` / ``data.bucket_step`` -> the rule placing each image (prepare's, ringdit/media/buckets.py),
+    or None without buckets; every mistake a one-line ``ConfigError`` naming the setting."""
+    if isinstance(buckets, ListConfig):
+        buckets = OmegaConf.to_container(buckets)
+    try:
+        form = parse_buckets(buckets)
+    except ConfigError as error:
+        raise ConfigError(f"data.{error}".replace(PREPARE_HINT, BUCKETS_HINT)) from None  # prepare's wording
+    if form is None:
+        return None
+    height, width = image_size
+    area = height * width
+    if form == "auto":
+        require_count("data.bucket_step", step, hint="auto buckets' sizes are multiples of it, in pixels; a multiple "
+                                                     "of the model's patch, e.g. data.bucket_step=8")
+        sizes = auto_sizes(area, step)
+        if not sizes:
+            raise ConfigError(f"data.image_size={list(image_size)} ({area} px) is smaller than the smallest bucket "
+                              f"data.buckets=auto can make, {step}x{step} (data.bucket_step={step}); pass a larger "
+                              f"data.image_size or a smaller data.bucket_step")
+    else:
+        sizes = sorted(size for size in form if size[0] * size[1] <= area)
+        dropped = [f"{h}x{w}" for h, w in form if h * w > area]
+        if not sizes:
+            raise ConfigError(f"data.buckets: every size ({', '.join(dropped)}) is larger in area than "
+                              f"data.image_size={list(image_size)} ({area} px), the area bound of buckets; pass a "
+                              f"larger data.image_size or smaller sizes")
+        if dropped:
+            log.warning("data.buckets: leaving out %s, larger in area than data.image_size=%s (%d px)",
+                        ", ".join(dropped), list(image_size), area)
+    return Buckets(tuple(sizes), None)
+
+
 def _image_files(folder: Path) -> list[Path]:
     """Image files under ``folder``, recursively, in a stable order (the dataset order must not depend on the
     file system's)."""
@@ -181,10 +276,23 @@ def _image_files(folder: Path) -> list[Path]:
     return files
 
 
-def _readable(path: Path) -> bool:
+def _probe(path: Path) -> tuple[int, int] | None:
+    """The (height, width) an image has once decoded and turned upright (``ImageOps.exif_transpose``), from its
+    header (Pillow's open + verify: no pixel decoded); None when the file is unreadable."""
     try:
         with Image.open(path) as image:
+            width, height = image.size
+            swapped = _orientation(image) in SWAPPING_ORIENTATIONS
             image.verify()
-        return True
     except Exception:  # Pillow raises many types for broken files (OSError, SyntaxError, struct.error, ...)
-        return False
+        return None
+    return (width, height) if swapped else (height, width)
+
+
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation the header records (1: upright). The base class's ``getexif``, not PNG's, which decodes
+    the whole image to look for an EXIF chunk after the pixels; a broken EXIF block counts as upright."""
+    try:
+        return int(Image.Image.getexif(image).get(EXIF_ORIENTATION, 1))
+    except Exception:  # a malformed EXIF block: Pillow raises struct.error, ValueError, ...
+        return 1

@@ -30,7 +30,8 @@ BLOCK = 1024  # steps whose buckets one generator draws: resuming at step s repl
 
 
 class StepBatches(IterableDataset):
-    """Yields the collated batches of steps ``[start_step, total_steps)`` for one data-parallel rank.
+    """Yields the collated (micro-)batches ``[start_step, total_steps)`` for one data-parallel rank (both counted in
+    micro-batches: ``batches_per_step`` of them per optimizer step under gradient accumulation).
 
     ``buckets``: each bucket's dataset indices (default: one bucket, the whole dataset); ``batch_size``: samples per
     rank and step, one int for every bucket or one per bucket. With DataLoader workers, worker w produces steps w,
@@ -38,7 +39,8 @@ class StepBatches(IterableDataset):
     """
 
     def __init__(self, dataset: Dataset, batch_size: int | Sequence[int], *, total_steps: int, start_step: int = 0,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, buckets: Sequence[Sequence[int]] | None = None):
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, buckets: Sequence[Sequence[int]] | None = None,
+                 batches_per_step: int = 1):
         if len(dataset) == 0:
             raise ValueError("the training dataset is empty")
         self.dataset = dataset
@@ -51,6 +53,7 @@ class StepBatches(IterableDataset):
         self.batch_sizes = sizes
         self.start_step, self.total_steps = start_step, total_steps
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.batches_per_step = batches_per_step  # gradient accumulation: an optimizer step's micro-batches share a bucket
         # a bucket's chance per step: the global batches it holds, so samples are read in the data's proportions
         self.weights = torch.tensor([len(b) / (s * dp_size) for b, s in zip(self.buckets, sizes)], dtype=torch.float64)
         self._permutations: dict[tuple[int, int], torch.Tensor] = {}
@@ -88,12 +91,15 @@ class StepBatches(IterableDataset):
         return torch.multinomial(self.weights, BLOCK, replacement=True,
                                  generator=generator(Stream.DATA_BUCKET, self.seed, block))
 
-    def indices(self, step: int) -> list[int]:
-        """Dataset indices of this rank's share of global batch ``step``."""
+    def indices(self, batch_index: int) -> list[int]:
+        """Dataset indices of this rank's share of global (micro-)batch ``batch_index``: micro-batch
+        ``batch_index % batches_per_step`` of optimizer step ``batch_index // batches_per_step``."""
+        step, micro = divmod(batch_index, self.batches_per_step)
         bucket = self.bucket_of(step)
         members, batch = self.buckets[bucket], self.batch_sizes[bucket]
         size = len(members)
-        first = (self.draws_before(step, bucket) * self.dp_size + self.dp_rank) * batch
+        read = self.draws_before(step, bucket) * self.batches_per_step + micro  # this bucket's batches before this one
+        first = (read * self.dp_size + self.dp_rank) * batch
         return [members[int(self._permutation(bucket, pos // size)[pos % size])] for pos in range(first, first + batch)]
 
     def _permutation(self, bucket: int, epoch: int) -> torch.Tensor:

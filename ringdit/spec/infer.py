@@ -3,7 +3,9 @@
 ``InferSpec.from_config(cfg)`` reads infer.py's composed config and the checkpoint's own configs (model, data,
 objective, sampling: data, never code -- ``ringdit.safe_config``); infer.py builds the trainer, module and sample
 requests from the spec alone. The checkpoint is read once and checked against the model built on the meta device;
-what the samples are conditioned on (class ids, prompts) is checked against what the model takes. An adapter-only
+what the samples are conditioned on (class ids, prompts) is checked against what the model takes, and each sample's
+shape (``size`` / ``frames``, a prompt file's per prompt) against the model's patch (``ringdit.sampling.SampleSizes``:
+pixels and video frames when the data records its VAE, else the data's cells). An adapter-only
 LoRA checkpoint is sampled on its base (``LoraBase``: ``base=``, else the run's init_from / model.pretrained), which
 is checked against the adapter the same way.
 """
@@ -11,6 +13,7 @@ is checked against the adapter the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,8 +25,12 @@ from ringdit.spec.layout import Layout
 from ringdit.spec.model import ModelSpec
 from ringdit.spec.trainer import TrainerSpec
 
+if TYPE_CHECKING:
+    from ringdit.sampling import SampleSizes
+
 SAMPLING_OVERRIDES = ("steps", "cfg_scale", "sampler", "guidance", "guidance_channels")
-TEXT_SETTINGS = ("prompts", "negative_prompt", "text_embeds", "negative_text_embeds", "text_encoder", "tokenizer")
+TEXT_SETTINGS = ("prompts", "prompt_file", "negative_prompt", "text_embeds", "negative_text_embeds", "text_encoder",
+                 "tokenizer")
 
 
 @dataclass(frozen=True)
@@ -37,9 +44,13 @@ class Conditioning:
     negative_text_embeds: str | None = None
     text_encoder: str | None = None        # for prompts / negative_prompt: given, else the data's own encoder
     tokenizer: str | None = None
+    prompt_file: str | None = None         # where ``prompts`` came from (a .jsonl / .txt file), when they did
+    prompt_shapes: tuple[tuple[int, ...], ...] = ()   # prompt_file: each prompt's sample shape (in the data's cells)
+    negative_prompts: tuple[str | None, ...] = ()    # prompt_file: each prompt's own negative prompt (None: the run's)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, data_info: dict, *, ckpt_path: str, num_samples: int) -> Conditioning:
+    def from_config(cls, cfg: DictConfig, data_info: dict, *, ckpt_path: str, num_samples: int,
+                    sizes: SampleSizes | None = None) -> Conditioning:
         if data_info.get("conditioning") != "text":
             given = [key for key in TEXT_SETTINGS if cfg.get(key)]
             if given:  # a class-conditional model has no text input: prompts would be ignored, not followed
@@ -56,18 +67,39 @@ class Conditioning:
                               "embeddings with text_embeds=<file> (or none for the training data's held-out prompts)")
         if cfg.prompts and cfg.text_embeds:
             raise ConfigError("give prompts= (text to encode) or text_embeds= (encoded prompts), not both")
+        prompt_file = cfg.get("prompt_file")
+        for other in ("prompts", "text_embeds"):
+            if prompt_file and cfg.get(other):
+                raise ConfigError(f"give prompt_file= (prompts with their own sizes) or {other}=, not both: "
+                                  f"prompt_file={prompt_file}, {other}={cfg[other]}")
         if cfg.negative_prompt and cfg.negative_text_embeds:
             raise ConfigError("give negative_prompt= (text to encode) or negative_text_embeds= (encoded), not both")
         prepared = data_info.get("text_encoder") or {}
         encoder = cfg.text_encoder or prepared.get("path")
-        if (cfg.prompts or cfg.negative_prompt) and not encoder:
-            raise ConfigError("prompts / negative_prompt need a text encoder: pass text_encoder=FOLDER (the T5 / UMT5 "
-                              "/ CLIP folder the training data was encoded with), or give text_embeds= instead")
+        if (cfg.prompts or prompt_file or cfg.negative_prompt) and not encoder:
+            raise ConfigError("prompts / prompt_file / negative_prompt need a text encoder: pass text_encoder=FOLDER "
+                              "(the T5 / UMT5 / CLIP folder the training data was encoded with), or give text_embeds= "
+                              "instead")
         prompts = () if not cfg.prompts else (cfg.prompts,) if isinstance(cfg.prompts, str) else \
             tuple(str(p) for p in cfg.prompts)
+        file_settings = {}
+        if prompt_file:  # each prompt at its own size (default: size / frames, else the data's)
+            from ringdit.sampling import read_prompt_file
+
+            lines = read_prompt_file(prompt_file)
+            if cfg.negative_text_embeds and any(line.negative_prompt for line in lines):
+                raise ConfigError(f"prompt_file={prompt_file} gives negative prompts to encode, and "
+                                  f"negative_text_embeds= an encoded one: give one of them")
+            prompts = tuple(line.prompt for line in lines)
+            file_settings = dict(
+                prompt_file=str(prompt_file), negative_prompts=tuple(line.negative_prompt for line in lines),
+                prompt_shapes=tuple(sizes.shape(line.size if line.size is not None else _plain(cfg.get("size")),
+                                                line.frames if line.frames is not None else cfg.get("frames"),
+                                                where=line.where) for line in lines))
         return cls(prompts=prompts, negative_prompt=cfg.negative_prompt or None, text_embeds=cfg.text_embeds or None,
                    negative_text_embeds=cfg.negative_text_embeds or None, text_encoder=encoder or None,
-                   tokenizer=cfg.tokenizer or (None if cfg.text_encoder else prepared.get("tokenizer")))
+                   tokenizer=cfg.tokenizer or (None if cfg.text_encoder else prepared.get("tokenizer")),
+                   **file_settings)
 
 
 @dataclass(frozen=True)
@@ -96,7 +128,14 @@ class InferSpec:
     sampling: dict           # the checkpoint's sampling defaults with this run's overrides
     conditioning: Conditioning
     output: OutputSpec
+    sizes: SampleSizes       # size / frames <-> the data's cells, for this model's patch
+    shape: tuple[int, ...]   # the samples' shape ([T,] H, W) in the data's cells: size / frames, else image_size
     lora: LoraBase | None = None  # an adapter-only LoRA checkpoint: its base, under the adapters of ckpt_path
+
+    def sample_shapes(self) -> list[tuple[int, ...]]:
+        """Each sample's shape: a prompt file's per prompt (cycled, as the prompts are), else ``shape``."""
+        shapes = self.conditioning.prompt_shapes
+        return [shapes[i % len(shapes)] if shapes else self.shape for i in range(self.num_samples)]
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> InferSpec:
@@ -132,12 +171,22 @@ class InferSpec:
         else:
             model, meta_model = lora.model_spec(layout.ulysses_degree)
             lora.check(meta_model, state)
+        from ringdit.sampling import SampleSizes, patch_shape
+
+        sizes = SampleSizes.of(info["data"], patch_shape(meta_model))
         del state, meta_model
+        shape = sizes.shape(_plain(cfg.get("size")), cfg.get("frames"))
         overrides = {key: cfg[key] for key in SAMPLING_OVERRIDES if cfg.get(key) is not None}
         sampling = {**info.get("sampling", {}), **overrides}
         check_sampling(info["model"], info["objective"], sampling)
-        conditioning = Conditioning.from_config(cfg, info["data"], ckpt_path=ckpt_path, num_samples=cfg.num_samples)
+        conditioning = Conditioning.from_config(cfg, info["data"], ckpt_path=ckpt_path, num_samples=cfg.num_samples,
+                                                sizes=sizes)
         return cls(seed=cfg.seed, num_samples=cfg.num_samples, batch_size=cfg.batch_size,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, ckpt_path=ckpt_path,
                    weights=cfg.weights, model=model, data=info["data"], objective=info["objective"],
-                   sampling=sampling, conditioning=conditioning, output=output, lora=lora)
+                   sampling=sampling, conditioning=conditioning, output=output, sizes=sizes, shape=shape, lora=lora)
+
+
+def _plain(value):
+    """A Hydra list (``size=[480,832]``) as a plain list, for the checks and their messages; anything else as is."""
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value

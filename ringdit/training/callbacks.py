@@ -9,10 +9,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from omegaconf import OmegaConf
 
 from ringdit.images import grid_image, save_samples, to_uint8
 from ringdit.errors import require_count
+from ringdit.sampling import SampleSizes, patch_shape, size_pair
 from ringdit.seeding import Stream, seed_of
+
+SETTING = "callbacks.sample_grid"
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -63,16 +67,42 @@ class SampleGrid(L.Callback):
     same sharded model, save it under ``<output_dir>/samples/`` and log it to wandb / TensorBoard.
 
     All ranks sample (the model is sharded across them); only global rank 0 writes. One row per class
-    (up to ``max_classes``; text models: per held-out prompt), ``per_class`` samples each, from fixed seeds so grids are comparable across steps.
+    (up to ``max_classes``; text models: per held-out prompt), ``per_class`` samples each, from fixed seeds so grids
+    are comparable across steps. Models trained on latents make no grid (their samples need the VAE to be seen).
+
+    ``size`` ``[H, W]`` / ``frames`` (videos): the grid's sample shape, in the units of infer.py's ``size`` /
+    ``frames`` (``ringdit.sampling.SampleSizes``: pixels and video frames when the data records its VAE, else the
+    data's cells); None: the data's ``image_size``, its most frequent bucket. Their form is checked when the callback
+    is built (train.py: before any rank starts), against the data and the model's patch by ``check_shape`` (at the
+    latest when training starts).
     """
 
     def __init__(self, output_dir: str, every_n_steps: int = 500, per_class: int = 8, max_classes: int = 10,
-                 steps: int | None = None, cfg_scale: float | None = None, seed: int = 0):
+                 steps: int | None = None, cfg_scale: float | None = None, seed: int = 0,
+                 size: list[int] | None = None, frames: int | None = None):
         require_count("callbacks.sample_grid.every_n_steps", every_n_steps)
         self.output_dir = Path(output_dir)
         self.every_n_steps, self.per_class, self.max_classes = every_n_steps, per_class, max_classes
         self.steps, self.cfg_scale, self.seed = steps, cfg_scale, seed
+        size = OmegaConf.to_container(size) if OmegaConf.is_config(size) else size
+        self.size = size_pair(size, f"{SETTING}.size", "(null: the data's image_size)") if size is not None else None
+        require_count(f"{SETTING}.frames", frames, optional=True, hint="video frames (null: the data's)")
+        self.frames = frames
+        self.shape: tuple[int, ...] | None = None  # the grid's sample shape in the data's cells; None: image_size
         self._last_step = -1
+
+    def check_shape(self, data_info: dict, patch: tuple[int, ...]) -> tuple[int, ...] | None:
+        """``size`` / ``frames`` as the sample shape of this data (its ``describe()``) for a model of ``patch``, kept
+        for the grids; a ``ConfigError`` naming the setting if the model cannot sample it. None: image_size."""
+        if self.size is None and self.frames is None:
+            self.shape = None
+        else:
+            self.shape = SampleSizes.of(data_info, patch).shape(self.size, self.frames,
+                                                                names=(f"{SETTING}.size", f"{SETTING}.frames"))
+        return self.shape
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.check_shape(pl_module.hparams.data, patch_shape(pl_module.model))  # before the first step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -96,7 +126,8 @@ class SampleGrid(L.Callback):
             condition = torch.arange(classes).repeat_interleave(self.per_class)
             count = len(condition)
         seeds = [seed_of(Stream.PREVIEW, self.seed, cell) for cell in range(count)]
-        images = to_uint8(pl_module.generate(condition, seeds, steps=self.steps, cfg_scale=self.cfg_scale)).numpy()
+        images = to_uint8(pl_module.generate(condition, seeds, steps=self.steps, cfg_scale=self.cfg_scale,
+                                             shape=self.shape)).numpy()
         if not trainer.is_global_zero:
             return None
         path = save_samples(images, self.output_dir / "samples" / f"step_{step:07d}", columns=self.per_class)
