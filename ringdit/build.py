@@ -95,11 +95,15 @@ def _rows(model: nn.Module) -> int:
     return model.get_parameter(LABEL_TABLE).shape[0]
 
 
-def compile_blocks(model: nn.Module) -> None:
+def compile_blocks(model: nn.Module, **options) -> None:
     """Regional compilation: one graph per repeated block of the plan, reused by all blocks (what diffusers'
-    ``compile_repeated_blocks`` does); the sharded attention paths stay eager, outside the graphs."""
+    ``compile_repeated_blocks`` does); the sharded attention paths stay eager, outside the graphs. ``options``:
+    ``torch.compile``'s (a test's ``backend="aot_eager"``: Dynamo's graphs and guards without Inductor's codegen).
+
+    Buckets (a token count that changes from step to step) need nothing here: the first new length recompiles each
+    graph once with the length symbolic (PyTorch's automatic dynamic shapes), and every later length reuses it."""
     for layer in model.modules():
         if isinstance(layer, USPAttention):
             layer.keep_communication_eager()
     for block in repeated_blocks(model):
-        block.compile()
+        block.compile(**options)

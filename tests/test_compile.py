@@ -59,3 +59,47 @@ def test_compile_with_ring_attention_equals_eager(tmp_path):
         assert compiled[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
     # training compiles the block once per grad mode at most; a recompilation on every step would show up here
     assert proc.stderr.count("Recompiling function") <= 2, proc.stderr[-3000:]
+
+
+def test_compile_on_buckets_recompiles_once_for_a_new_length():
+    """Buckets: a token count that changes from step to step. The first new length recompiles each graph once with
+    the sequence length symbolic (PyTorch's automatic dynamic shapes); later buckets, of any length, reuse those
+    graphs. aot_eager: Dynamo's graphs and guards (what decides a recompilation) traced through AOT autograd, without
+    Inductor's codegen (whose numbers the other tests here check): in fp64, 1e-10 of max as there, measured exact.
+    Inductor on buckets: benchmarks/buckets.py."""
+    from ringdit.build import build_model
+    from tests.helpers import architecture
+
+    torch._dynamo.reset()
+    counters.clear()
+    config = {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "wan",
+              "config": architecture("wan_tiny"), "input_size": [3, 6, 10], "in_channels": 4}
+    torch.manual_seed(0)
+    eager, _ = build_model(config, backend="math")
+    eager = eager.double()
+    compiled = copy.deepcopy(eager)
+    from ringdit.build import compile_blocks
+
+    compile_blocks(compiled, backend="aot_eager")  # Dynamo's graphs and guards, which decide recompiles; no codegen
+    graphs = []
+    shapes = [(3, 6, 10), (5, 6, 10), (3, 10, 6), (7, 6, 10)]  # 45, 75, 45, 105 tokens
+    for step, shape in enumerate(shapes):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2, 4, *shape, generator=g, dtype=torch.float64)
+        t = torch.rand(2, generator=g, dtype=torch.float64) * 1000
+        cond = {"text": torch.randn(2, 8, 16, generator=g, dtype=torch.float64)}
+        outputs = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            out = model(x, t, cond)
+            out.square().mean().backward()
+            outputs.append(out)
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-10 * outputs[0].abs().max().item())
+        for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-10 * a.grad.abs().max().item(), msg=name)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0, "nothing was compiled"
+    # a new length (75) recompiles (the static graphs become dynamic ones) ...
+    assert graphs[1] > graphs[0]
+    # ... and no later shape does: 2 more buckets, 1 more length, no new graph
+    assert graphs[-1] == graphs[1], f"graphs after each step: {graphs}"
