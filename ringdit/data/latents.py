@@ -1,7 +1,7 @@
 """Pre-encoded latents, for training on the output of your own VAE (or any encoder) instead of on pixels.
 
-Encoding is the expensive, model-specific part, so it is done once, outside ringdit, and saved in one of two layouts
-(``data.path``):
+Encoding is the expensive, model-specific part, so it is done once, outside ringdit, and saved in one of three
+layouts (``data.path``):
 
 - a ``.safetensors`` file holding
     ``latents``  floating point, ``(N, C, H, W)`` for images or ``(N, C, T, H, W)`` for videos
@@ -11,7 +11,12 @@ Encoding is the expensive, model-specific part, so it is done once, outside ring
       safetensors.torch.save_file({"latents": z, "labels": y}, "train.safetensors",
                                   metadata={"class_names": json.dumps(names)})
 
-- a folder holding ``latents.npy`` and ``labels.npy`` (the same shapes) and optionally ``class_names.json``.
+- a folder holding ``latents.npy`` and ``labels.npy`` (the same shapes) and optionally ``class_names.json``;
+
+- a folder of such ``.safetensors`` files (read in name order), one latent shape ``([T,] H, W)`` per file: files of
+  different shapes are the set's buckets (images of several aspect ratios, clips of several lengths), and every
+  training step reads one bucket (ringdit/data/steps.py). The channels and the number of latent dims must agree
+  across the files, and so must ``class_names`` where given (a file may leave it out).
 
 ``data.scale`` multiplies the latents as they are read (0.18215 for Stable Diffusion's VAE, which brings its latents
 to about unit variance); unlike pixels, latents are not mapped to [-1, 1]. The scale is recorded with the checkpoint
@@ -32,14 +37,16 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from ringdit.data.base import ImageDataModule
+from ringdit.errors import ConfigError
 from ringdit.launcher import spawned_by_launcher
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names (F8_* are storage formats, not for training)
 INTEGER_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
-LAYOUT = "a .safetensors file with 'latents' and 'labels', or a folder with latents.npy and labels.npy"
+LAYOUT = ("a .safetensors file with 'latents' and 'labels', a folder of them, or a folder with latents.npy and "
+          "labels.npy")
 
 
 class LatentRows(Dataset):
@@ -74,15 +81,21 @@ class LatentRows(Dataset):
 
 
 class LatentsDataModule(ImageDataModule):
-    """Class-conditional latents from ``data.path`` (see the module docstring for the layout), times ``scale``."""
+    """Class-conditional latents from ``data.path`` (see the module docstring for the layouts), times ``scale``.
+    A folder of ``.safetensors`` files is a set of buckets (one per latent shape); ``tokens_per_batch`` then sizes
+    each bucket's batch by model tokens instead of ``batch_size`` (ringdit/data/base.py)."""
 
     def __init__(self, path: str, scale: float = 1.0, batch_size: int = 64, num_workers: int = 0,
-                 val_fraction: float = 0.05, val_batches: int = 4, seed: int = 0):
-        super().__init__(batch_size, num_workers, val_fraction, val_batches, seed)
+                 val_fraction: float = 0.05, val_batches: int = 4, seed: int = 0, tokens_per_batch: int | None = None):
+        super().__init__(batch_size, num_workers, val_fraction, val_batches, seed, tokens_per_batch)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
             raise ValueError(f"data.scale must be a positive number (e.g. 0.18215 for the SD VAE), got {scale!r}")
         self.scale = float(scale)
         self.path = _latents_path(path)
+        self.files = _safetensors_files(self.path)  # [] for the single-file and npy layouts
+        if self.files:
+            self._open_files(path)
+            return
         shape, dtype, labels, names = _read_safetensors(self.path) if self.path.is_file() else _read_npy(self.path)
         self.labels, self.class_names = _check(self.path, shape, dtype, labels, names)
         if not spawned_by_launcher():  # the launcher checked the data before it started this rank
@@ -90,15 +103,71 @@ class LatentsDataModule(ImageDataModule):
         self.channels, self.image_size = shape[1], tuple(shape[2:])
         self.num_classes = len(self.class_names)
 
+    def _open_files(self, setting) -> None:
+        """A folder of ``.safetensors`` files: each checked as a single file is, then against the first (channels,
+        latent dims, class names); every latent shape is a bucket, in order of first appearance."""
+        headers = [_read_safetensors(file) for file in self.files]  # (shape, dtype, labels, names) each
+        _check_mixable(setting, self.files, headers)
+        names = next((h[3] for h in headers if h[3] is not None), None)
+        checked = [_check(file, shape, dtype, labels, names) for file, (shape, dtype, labels, _) in
+                   zip(self.files, headers)]
+        if not spawned_by_launcher():
+            for file, (shape, *_) in zip(self.files, headers):
+                _check_finite(file, shape[0])
+        self.file_labels = [labels for labels, _ in checked]
+        self.labels = torch.cat(self.file_labels)
+        self.class_names = [str(n) for n in names] if names is not None else \
+            [str(i) for i in range(int(self.labels.max()) + 1)]
+        self.num_classes = len(self.class_names)
+        self.channels = headers[0][0][1]
+        shapes = [tuple(shape[2:]) for shape, *_ in headers]
+        self.bucket_shapes = list(dict.fromkeys(shapes))
+        self.sample_buckets = np.concatenate([np.full(shape_n[0], self.bucket_shapes.index(shape))
+                                              for (shape_n, *_), shape in zip(headers, shapes)])
+        self.image_size = tuple(self.describe_buckets()[0]["shape"])  # the most frequent: previews, the default
+
     def describe(self) -> dict:
         return {**super().describe(), "latent_scale": self.scale}
 
-    def build_dataset(self) -> LatentRows:
+    def build_dataset(self) -> Dataset:
+        if self.files:
+            return ConcatDataset([LatentRows(file, labels, self.scale)
+                                  for file, labels in zip(self.files, self.file_labels)])
         return LatentRows(self.path, self.labels, self.scale)
 
 
 def _latents_path(path) -> Path:
     return checked_data_path(path, LAYOUT)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """The files of the folder-of-files layout, in name order; [] for a file, or a folder with latents.npy (the npy
+    layout wins, as before folders of files existed)."""
+    if path.is_file() or (path / "latents.npy").exists():
+        return []
+    return sorted(p for p in path.glob("*.safetensors") if p.is_file())
+
+
+def _check_mixable(setting, files: list[Path], headers: list[tuple]) -> None:
+    """Files of different latent ``([T,] H, W)`` are buckets of one set; a difference in channels, latent dims or
+    class names (where given) cannot be mixed: a one-line ``ConfigError`` naming both files and values."""
+    first, shape0 = files[0], headers[0][0]
+    named = next(((file, list(h[3])) for file, h in zip(files, headers) if h[3] is not None), None)
+    for file, (shape, _, _, names) in zip(files[1:], headers[1:]):
+        if len(shape) not in (4, 5) or len(shape0) not in (4, 5):
+            continue  # _check names the file and its shape
+        what = (("latent channels", first, shape0[1], shape[1], "encode every file with the same VAE")
+                if shape[1] != shape0[1] else
+                ("latent dims (image vs video)", first, len(shape0) - 2, len(shape) - 2,
+                 "store images as 1-frame videos (N, C, 1, H, W) for a video model")
+                if len(shape) != len(shape0) else
+                ("class_names", *named, list(names), "give every file the same class_names metadata (or leave it out)")
+                if names is not None and list(names) != named[1] else None)
+        if what is not None:
+            key, other, expected, found, fix = what
+            raise ConfigError(f"data.path={setting}: {file.name} has {key} {found} but {other.name} has {expected}; "
+                              f"files of different latent shapes are buckets of one set, but these cannot be mixed: "
+                              f"{fix}")
 
 
 def checked_data_path(path, layout: str, unset_hint: str = "") -> Path:
@@ -144,7 +213,8 @@ def _read_npy(folder: Path) -> tuple[tuple[int, ...], str, np.ndarray, list | No
         file = folder / f"{name}.npy"
         if not file.is_file():
             raise ValueError(f"data.path={folder} has no {name}.npy; a latents folder holds latents.npy "
-                             f"(N, C, [T,] H, W), labels.npy (N,) and optionally class_names.json")
+                             f"(N, C, [T,] H, W), labels.npy (N,) and optionally class_names.json, or .safetensors "
+                             f"files with 'latents' and 'labels' (one latent shape per file)")
         try:
             arrays[name] = np.load(file, mmap_mode="r", allow_pickle=False)  # reads the header only
         except (ValueError, OSError) as error:
