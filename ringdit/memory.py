@@ -403,15 +403,24 @@ def setup_from_config(cfg, attention_backend: str | None, device_type: str) -> S
     )
 
 
-def check_training_memory(cfg, model_cfg: dict, meta_model, attention_backend: str | None) -> MemoryEstimate | None:
+def check_training_memory(cfg, model_cfg: dict, meta_model, attention_backend: str | None,
+                          largest_step: tuple[int, int] | None = None) -> MemoryEstimate | None:
     """``warn_if_memory_short`` for train.py's settings (``cfg``) and the model built on the meta device (``model_cfg``
-    its config); None for a model kind whose sizes cannot be read (neither a DiT nor a diffusers transformer)."""
+    its config); None for a model kind whose sizes cannot be read (neither a DiT nor a diffusers transformer).
+    ``largest_step``: (tokens per sample, batch size) of the data's most demanding bucket, which sets the peak
+    (default: the model's default grid at ``data.batch_size``)."""
+    import dataclasses
+
     from ringdit.spec.layout import device_type, world_size
 
     kind = device_type(cfg.trainer)
     size = model_size(model_cfg, meta_model, OmegaConf.to_container(cfg.lora) if cfg.get("lora") else None)
     if size is None:
         return None
+    setup = setup_from_config(cfg, attention_backend, kind)
+    if largest_step is not None:
+        size = dataclasses.replace(size, tokens=largest_step[0])
+        setup = dataclasses.replace(setup, batch_size=largest_step[1])
     devices = world_size(cfg.trainer) // max(1, int(cfg.trainer.get("num_nodes", 1)))
     return warn_if_memory_short(available=available_memory(kind, devices if kind == "cpu" else 1), model=size,
-                                setup=setup_from_config(cfg, attention_backend, kind))
+                                setup=setup)

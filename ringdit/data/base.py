@@ -92,6 +92,11 @@ class ImageDataModule(L.LightningDataModule):
             raise ValueError("data.tokens_per_batch needs the model's patch: call set_patch_shape(model patch) first")
         return [max(1, self.tokens_per_batch // self.tokens_of(shape)) for shape in self.shapes()]
 
+    def largest_step(self) -> tuple[int, int]:
+        """(tokens per sample, batch size) of the bucket whose steps hold the most tokens: the memory peak."""
+        return max(((self.tokens_of(shape), batch) for shape, batch in zip(self.shapes(), self.batch_sizes())),
+                   key=lambda step: (step[0] * step[1], step[0]))
+
     def _members(self, subset: Subset) -> list[list[int]]:
         """Positions in ``subset`` of each bucket's samples."""
         if self.sample_buckets is None:

@@ -90,7 +90,9 @@ class TrainSpec:
         model, meta_model = ModelSpec.from_data(cfg.model, data.info, layout.ulysses_degree)
         data.module.set_patch_shape(meta_model.patch_shape)  # the bucket's token counts: tokens_per_batch
         objective, sampling = training_diffusion(cfg, model.config, model.tokens)
-        check_training_memory(cfg, model.config, meta_model, layout.attention_backend)  # a warning: only an estimate
+        # a warning (only an estimate), for the bucket whose steps hold the most tokens
+        check_training_memory(cfg, model.config, meta_model, layout.attention_backend,
+                              largest_step=data.module.largest_step())
         # the files the run loads, against the model
         checkpoint = CheckpointPlan.from_config(cfg, meta_model, optimizer=optimizer, max_steps=trainer.max_steps)
         return cls(seed=cfg.seed, compile=cfg.compile, nonfinite_loss=cfg.nonfinite_loss,
