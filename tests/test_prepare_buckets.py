@@ -17,18 +17,20 @@ WAN = dict(spatial=8, temporal=4, class_name="AutoencoderKLWan")  # what the Wan
 
 
 def test_auto_sizes_follow_the_area_and_aspect_rule():
-    """Multiples of the step, area at most the resolution's, 1:4 .. 4:1, the largest height for each width, the
-    largest square; the resolution itself is a bucket when it is a multiple of the step."""
+    """Multiples of the step, area at most the resolution's, 1:4 .. 4:1, the largest height for each width and its
+    mirror image, the largest square; the resolution itself is a bucket when it is a multiple of the step."""
     area, step = 480 * 832, 16
     sizes = auto_sizes(area, step)
     assert (480, 832) in sizes and (832, 480) in sizes and (624, 624) in sizes
     for height, width in sizes:
         assert height % step == 0 and width % step == 0 and height * width <= area
         assert 1 / 4 <= width / height <= 4
-        assert (height, width) == (624, 624) or (height + step) * width > area  # the tallest that fits this width
+        # the tallest that fits this width, or the mirror image of one
+        assert (height, width) == (624, 624) or (height + step) * width > area or (width + step) * height > area
+        assert (width, height) in sizes  # portrait and landscape alike
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
-    assert auto_sizes(32 * 32, 16) == [(16, 48), (16, 64), (32, 32), (64, 16)]
-    assert make_buckets("auto", 32, frames=9, **WAN).sizes == ((16, 48), (16, 64), (32, 32), (64, 16))
+    assert auto_sizes(32 * 32, 16) == [(16, 48), (16, 64), (32, 32), (48, 16), (64, 16)]
+    assert make_buckets("auto", 32, frames=9, **WAN).sizes == ((16, 48), (16, 64), (32, 32), (48, 16), (64, 16))
     assert make_buckets("auto", [480, 832], frames=81, **WAN).sizes == tuple(sizes)  # resolution [H, W]: H * W
 
 

@@ -33,13 +33,12 @@ from ringdit.data.base import ImageDataModule
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.buckets import BUCKETS_HINT as PREPARE_HINT
 from ringdit.media.buckets import Buckets, auto_sizes, parse_buckets
+from ringdit.media.frames import upright_size
 
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 BUCKET_STEP = 8  # px: auto buckets' sizes are multiples of it (the model's patch is unknown here; 8 suits 1, 2, 4, 8)
-EXIF_ORIENTATION = 0x0112
-SWAPPING_ORIENTATIONS = (5, 6, 7, 8)  # exif_transpose turns these by 90 degrees: width and height swap
 
 
 def resize_center_crop(image: Image.Image, height: int, width: int) -> Image.Image:
@@ -281,18 +280,8 @@ def _probe(path: Path) -> tuple[int, int] | None:
     header (Pillow's open + verify: no pixel decoded); None when the file is unreadable."""
     try:
         with Image.open(path) as image:
-            width, height = image.size
-            swapped = _orientation(image) in SWAPPING_ORIENTATIONS
+            size = upright_size(image)
             image.verify()
     except Exception:  # Pillow raises many types for broken files (OSError, SyntaxError, struct.error, ...)
         return None
-    return (width, height) if swapped else (height, width)
-
-
-def _orientation(image: Image.Image) -> int:
-    """The EXIF orientation the header records (1: upright). The base class's ``getexif``, not PNG's, which decodes
-    the whole image to look for an EXIF chunk after the pixels; a broken EXIF block counts as upright."""
-    try:
-        return int(Image.Image.getexif(image).get(EXIF_ORIENTATION, 1))
-    except Exception:  # a malformed EXIF block: Pillow raises struct.error, ValueError, ...
-        return 1
+    return size

@@ -102,14 +102,15 @@ def parse_buckets(buckets) -> str | list[tuple[int, int]] | None:
 
 def auto_sizes(area: int, step: int, max_ratio: float = MAX_RATIO) -> list[tuple[int, int]]:
     """(H, W) multiples of ``step`` with H * W <= ``area``: the largest square, and for each width the largest height
-    that fits, kept when 1 / max_ratio <= W / H <= max_ratio (musubi-tuner / kohya); sorted by height, then width."""
+    that fits and its mirror image (portrait and landscape alike), kept when 1 / max_ratio <= W / H <= max_ratio
+    (musubi-tuner / kohya); sorted by height, then width."""
     side = math.isqrt(area) // step * step
     sizes = {(side, side)} if side else set()
     width = step
     while width * step <= area:
         height = area // width // step * step
         if height >= step and 1 / max_ratio <= width / height <= max_ratio:
-            sizes.add((height, width))
+            sizes |= {(height, width), (width, height)}
         width += step
     return sorted(sizes)
 

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
+
+EXIF_ORIENTATION = 0x0112
+SWAPPING_ORIENTATIONS = (5, 6, 7, 8)  # exif_transpose turns these by 90 degrees: width and height swap
 
 
 class TooShort(Exception):
@@ -43,11 +46,28 @@ def to_pixels(frames: list[Image.Image]) -> torch.Tensor:
     return torch.from_numpy(array).permute(3, 0, 1, 2).float() / 127.5 - 1
 
 
+def upright_size(image: Image.Image) -> tuple[int, int]:
+    """(height, width) of an opened image once turned upright (``ImageOps.exif_transpose``: phone photos store their
+    rotation in EXIF), from its header: no pixel is decoded."""
+    width, height = image.size
+    return (width, height) if _orientation(image) in SWAPPING_ORIENTATIONS else (height, width)
+
+
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation the header records (1: upright). The base class's ``getexif``, not PNG's, which decodes
+    the whole image to look for an EXIF chunk after the pixels; a broken EXIF block counts as upright."""
+    try:
+        return int(Image.Image.getexif(image).get(EXIF_ORIENTATION, 1))
+    except Exception:  # a malformed EXIF block: Pillow raises struct.error, ValueError, ...
+        return 1
+
+
 def read_image(path: Path, height: int, width: int) -> torch.Tensor:
-    """(3, H, W) in [-1, 1]; raises (OSError, ValueError, ...) when the file cannot be decoded."""
+    """(3, H, W) in [-1, 1], upright (EXIF rotation applied); raises (OSError, ValueError, ...) when the file cannot
+    be decoded."""
     with Image.open(path) as image:
         image.load()
-        return to_pixels([fit(image.convert("RGB"), height, width)])[:, 0]
+        return to_pixels([fit(ImageOps.exif_transpose(image).convert("RGB"), height, width)])[:, 0]
 
 
 def read_video(path: Path, height: int, width: int, frames: int, stride: int = 1) -> torch.Tensor:
@@ -69,8 +89,7 @@ def probe(path: Path, is_video: bool) -> tuple[int, int, int | None]:
     ValueError, av.error.*, ...) when the file cannot be opened as one."""
     if not is_video:
         with Image.open(path) as image:
-            width, height = image.size
-            return height, width, None
+            return *upright_size(image), None
     import av
 
     with av.open(str(path)) as container:

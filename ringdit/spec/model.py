@@ -53,6 +53,11 @@ class ModelSpec:
         return cls(config=config, tokens=math.prod(meta_model.default_grid)), meta_model
 
 
+BUCKET_FIX = ("make every bucket a multiple of the patch: prepare's bucket_step (or its buckets= list) a multiple of "
+              "the VAE's downsampling x the patch, data=image_folder's data.bucket_step a multiple of the patch; or "
+              "leave those samples out")
+
+
 def check_buckets(data_info: dict, patch: tuple[int, ...]) -> None:
     """A ConfigError for a bucket (sample shape) the model cannot patch: smaller than the patch, or not divisible."""
     where = f"data.path={data_info['source']['path']}" if "source" in data_info else "data"
@@ -64,11 +69,11 @@ def check_buckets(data_info: dict, patch: tuple[int, ...]) -> None:
                               f"patches {len(patch)}-D data {list(patch)}")
         if any(s < p for s, p in zip(shape, patch)):
             raise ConfigError(f"{where}: the bucket {list(shape)}{samples} is smaller than the model's patch "
-                              f"{list(patch)}; prepare it again at a larger size, or leave those samples out")
+                              f"{list(patch)}; {BUCKET_FIX}")
         if any(s % p for s, p in zip(shape, patch)):
             nearest = [s // p * p for s, p in zip(shape, patch)]
             raise ConfigError(f"{where}: the bucket {list(shape)}{samples} is not divisible by the model's patch "
-                              f"{list(patch)}; prepare it at a multiple of the patch (e.g. {nearest})")
+                              f"{list(patch)} (the nearest shape that is: {nearest}); {BUCKET_FIX}")
 
 
 def is_diffusers_model(config: dict) -> bool:
