@@ -250,16 +250,16 @@ def test_prepare_buckets_auto_mixes_images_and_videos(models, mixed_folder, tmp_
     out = tmp_path / "out"
     settings = dict(buckets="auto", resolution=32, frames=9, shard_size=2, max_text_len=TEXT_LEN, progress=False)
     report = encode_folder(str(mixed_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
-    # auto at 32 px (step 16): 16x48, 16x64, 32x32, 64x16; ordered by frames, height, width
+    # auto at 32 px (step 16): 16x48, 16x64, 32x32, 48x16, 64x16; ordered by frames, height, width
     assert report.unreadable == [str(mixed_folder / "broken.png")]
     assert report.too_short == [str(mixed_folder / "short.mp4")]  # 3 frames < 5
     assert report.samples == 5 and report.shards_written == 4
-    assert "; by bucket: 16x48x1: 2 samples, 64x16x1: 1 samples, 32x32x5: 1 samples, 32x32x9: 1 samples" in \
+    assert "; by bucket: 16x48x1: 2 samples, 48x16x1: 1 samples, 32x32x5: 1 samples, 32x32x9: 1 samples" in \
         report.summary()
     assert sorted(p.name for p in out.iterdir()) == ["buckets.json"] + [f"shard-0000{i}.safetensors" for i in range(4)]
     expected = [  # (captions' files, latents shape (N, C, T', H', W'), bucket)
         (["wide0.png", "wide1.png"], (2, 16, 1, 2, 6), (16, 48, 1)),
-        (["tall.png"], (1, 16, 1, 8, 2), (64, 16, 1)),
+        (["tall.png"], (1, 16, 1, 6, 2), (48, 16, 1)),
         (["clip5.mp4"], (1, 16, 2, 4, 4), (32, 32, 5)),  # 6 frames -> 5
         (["clip9.mp4"], (1, 16, 3, 4, 4), (32, 32, 9)),  # 10 frames -> 9 (frames=9 caps)
     ]
@@ -275,11 +275,11 @@ def test_prepare_buckets_auto_mixes_images_and_videos(models, mixed_folder, tmp_
     direct = vae.encode(read_video(mixed_folder / "clip9.mp4", 32, 32, 9)[None])
     torch.testing.assert_close(tensors["latents"], direct, rtol=1e-5, atol=1e-5)
     tensors, _ = read_shard(out / "shard-00001.safetensors")
-    direct = vae.encode(read_image(mixed_folder / "tall.png", 64, 16)[None])  # an image -> (C, 1, H', W')
+    direct = vae.encode(read_image(mixed_folder / "tall.png", 48, 16)[None])  # an image -> (C, 1, H', W')
     torch.testing.assert_close(tensors["latents"], direct, rtol=1e-5, atol=1e-5)
     plan = json.loads((out / "buckets.json").read_text())
     assert [(s["bucket"], s["files"]) for s in plan["shards"]] == [
-        ("16x48x1", ["wide0.png", "wide1.png"]), ("64x16x1", ["tall.png"]), ("32x32x5", ["clip5.mp4"]),
+        ("16x48x1", ["wide0.png", "wide1.png"]), ("48x16x1", ["tall.png"]), ("32x32x5", ["clip5.mp4"]),
         ("32x32x9", ["clip9.mp4"])]
 
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
@@ -291,7 +291,7 @@ def test_prepare_buckets_auto_mixes_images_and_videos(models, mixed_folder, tmp_
     colour_image(7, (48, 16)).save(mixed_folder / "wide2.png")
     (mixed_folder / "wide2.txt").write_text("green field")
     with pytest.raises(ConfigError, match=r"out=.*: the shards there were planned differently \(shard 1 was 1 files "
-                                          r"of 64x16x1, now 1 of 16x48x1\): the input folder or the bucket settings "
+                                          r"of 48x16x1, now 1 of 16x48x1\): the input folder or the bucket settings "
                                           r"changed; prepare into a new out= folder") as error:
         encode_folder(str(mixed_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
     assert "\n" not in str(error.value)
