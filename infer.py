@@ -60,7 +60,6 @@ from ringdit.errors import ConfigError
 from ringdit.lora import adapter_state, load_adapter
 from ringdit.media.decode import decode_samples, latents_normalised
 from ringdit.run_folder import claim_run_folder
-from ringdit.images import to_uint8
 from ringdit.sampling import SampleRequests, SampleWriter, write_pixels
 from ringdit.spec import InferSpec
 from ringdit.training import DiffusionModule
@@ -83,7 +82,7 @@ def prepare(cfg: DictConfig):
         weights = {"init_from": spec.ckpt_path, "init_weights": spec.weights}
     else:  # the base, adapted as the run was; the adapters are loaded onto it once built (LoadLoraAdapter)
         weights = {"init_from": spec.lora.init_from, "init_weights": spec.lora.init_weights, "lora": spec.lora.settings}
-    module = SamplingModule(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
+    module = DiffusionModule(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
                             attention_backend=spec.layout.attention_backend, **weights)
     module.negative_condition = negative
     negatives, negative_given = per_sample or (None, None)
@@ -103,37 +102,6 @@ def prepare(cfg: DictConfig):
     requests = DataLoader(requests, batch_sampler=requests.batches(spec.batch_size))
     claim_run_folder(spec.output_dir, "infer")  # last: every check has passed
     return trainer, module, requests, spec
-
-
-class SamplingModule(DiffusionModule):
-    """``DiffusionModule`` whose prediction batches (``SampleRequests`` with shapes) carry their samples' shape --
-    one per batch (``ShapeBatches``) -- and, from a prompt file, each sample's own negative prompt."""
-
-    def predict_step(self, batch, batch_idx: int) -> dict:
-        if len(batch) == 3:  # requests without shapes: the data's image_size
-            return super().predict_step(batch, batch_idx)
-        indices, condition, seeds, extra = batch
-        negative = self.negative_condition
-        if "negative" in extra:
-            negative = self._negatives(extra["negative"], extra["negative_given"])
-        shape = tuple(int(s) for s in extra["shape"][0].tolist())
-        samples = self.generate(condition, seeds.tolist(), negative=negative, shape=shape)
-        described = {"index": indices} if self.text_conditioned else {"index": indices, "labels": condition}
-        if self.samples_are_pixels:
-            return {**described, "images": to_uint8(samples)}
-        return {**described, "latents": samples.float() / self.hparams.data["latent_scale"]}
-
-    def _negatives(self, rows: dict[str, torch.Tensor], given: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each sample's negative prompt: its own where ``given``, else the run's (negative_prompt=), else the empty
-        prompt's (the model's null condition, as trained)."""
-        fallback = self.negative_condition or self.model.null_condition(len(given))
-        mixed = {}
-        for key, value in rows.items():
-            if key in fallback:
-                where = given.view(-1, *[1] * (value.dim() - 1))
-                value = torch.where(where, value, fallback[key].to(value).expand_as(value))
-            mixed[key] = value
-        return mixed
 
 
 class LoadLoraAdapter(L.Callback):

@@ -196,6 +196,8 @@ BAD = {
                                r"data.tokens_per_batch=60 is smaller than one sample of the largest bucket"),
     "token budget not a count": (["data.tokens_per_batch=-3"], r"data.tokens_per_batch must be a positive integer"),
     "buckets not shapes": (["data.buckets=[[3,6],[5,6,10]]"], r"data.buckets=.*give a list of latent shapes"),
+    "preview size the model cannot sample": (["callbacks.sample_grid.size=[5,8]"],
+                                             r"callbacks.sample_grid.size=\[5, 8\]: the height 5 is not a multiple"),
 }
 
 

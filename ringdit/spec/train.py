@@ -89,6 +89,7 @@ class TrainSpec:
         data = DataSpec.from_config(cfg.data)
         model, meta_model = ModelSpec.from_data(cfg.model, data.info, layout.ulysses_degree)
         data.module.set_patch_shape(meta_model.patch_shape)  # the bucket's token counts: tokens_per_batch
+        check_preview_shapes(trainer.callbacks, data.info, meta_model.patch_shape)
         objective, sampling = training_diffusion(cfg, model.config, model.tokens)
         # a warning (only an estimate), for the bucket whose steps hold the most tokens
         check_training_memory(cfg, model.config, meta_model, layout.attention_backend,
@@ -98,3 +99,10 @@ class TrainSpec:
         return cls(seed=cfg.seed, compile=cfg.compile, nonfinite_loss=cfg.nonfinite_loss,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, data=data, model=model,
                    objective=objective, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint)
+
+
+def check_preview_shapes(callbacks: tuple[dict, ...], data_info: dict, patch: tuple[int, ...]) -> None:
+    """A preview grid's ``size`` / ``frames`` that the model cannot sample: a ConfigError now, not in the ranks."""
+    for config in callbacks:
+        if str(config.get("_target_", "")).endswith("SampleGrid") and (config.get("size") or config.get("frames")):
+            hydra.utils.instantiate(config).check_shape(data_info, patch)

@@ -336,13 +336,33 @@ class DiffusionModule(L.LightningModule):
         return samples.clamp(-1, 1) if self.samples_are_pixels else samples
 
     def predict_step(self, batch, batch_idx: int) -> dict:
-        indices, condition, seeds = batch
-        samples = self.generate(condition, seeds.tolist(), negative=self.negative_condition)
+        """``(indices, condition, seeds[, extra])`` (``ringdit.sampling.SampleRequests``): ``extra`` holds the batch's
+        sample ``shape`` (one per batch: ``ShapeBatches``) and, from a prompt file, each sample's ``negative``
+        prompt where ``negative_given``."""
+        indices, condition, seeds, *rest = batch
+        extra = rest[0] if rest else {}
+        negative = self.negative_condition
+        if "negative" in extra:
+            negative = self._negatives(extra["negative"], extra["negative_given"])
+        shape = tuple(int(s) for s in extra["shape"][0].tolist()) if "shape" in extra else None
+        samples = self.generate(condition, seeds.tolist(), negative=negative, shape=shape)
         described = {"index": indices} if self.text_conditioned else {"index": indices, "labels": condition}
         if self.samples_are_pixels:
             return {**described, "images": to_uint8(samples)}
         # back to the VAE's own scale (data.scale multiplied it in): ready to decode
         return {**described, "latents": samples.float() / self.hparams.data["latent_scale"]}
+
+    def _negatives(self, rows: dict[str, Tensor], given: Tensor) -> dict[str, Tensor]:
+        """Each sample's negative prompt: its own where ``given``, else the run's (negative_prompt=), else the empty
+        prompt's (the model's null condition, as trained)."""
+        fallback = self.negative_condition or self.model.null_condition(len(given))
+        mixed = {}
+        for key, value in rows.items():
+            if key in fallback:
+                where = given.view(-1, *[1] * (value.dim() - 1))
+                value = torch.where(where, value, fallback[key].to(value).expand_as(value))
+            mixed[key] = value
+        return mixed
 
 
 def _to_device(condition, device):
