@@ -10,6 +10,11 @@ whose token counts divide neither 2 nor 4 (the ring pads each step's tail differ
 bucket and as many samples as hold the same tokens. Both runs train the same number of steps with the same batch
 size; throughput is the logged tokens per second over the timed steps (after --warmup), i.e. total tokens / total
 step time. Run on an idle machine: the two runs are measured back to back, in one invocation.
+
+The compile table counts TORCH_LOGS=recompiles lines of both ranks: all of them, those a tensor size change caused,
+how many graphs (a rank's compiled frames: the block, the attention processor, the pieces between graph breaks)
+those hit, and the most any one graph recompiled for a size. With automatic dynamic shapes a graph recompiles once,
+at the first length it was not compiled for, with the length symbolic; later lengths reuse it.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ["model.config.num_attention_heads=4", "model.config.attention_head_dim=32", "model.config.ffn_dim=512",
          "model.config.num_layers=2", "model.config.rope_max_seq_len=64"]
-MIXED = ["data.buckets=[[5,14,26],[5,26,14],[9,14,18]]", "data.bucket_samples=[40,40,40]"]  # 455, 455, 567 tokens
-SINGLE = ["data.buckets=[[5,14,26]]", "data.bucket_samples=[130]"]  # 130 x 455 = 59,150 ~ 40 x (455 + 455 + 567)
+# two aspect ratios, two frame counts, three token counts (455, 455, 567, 585), none divisible by 2
+MIXED = ["data.buckets=[[5,14,26],[5,26,14],[9,14,18],[9,10,26]]", "data.bucket_samples=[40,40,40,40]"]
+SINGLE = ["data.buckets=[[5,14,26]]", "data.bucket_samples=[181]"]  # 181 x 455 = 82,355 ~ 40 x (2 x 455 + 567 + 585)
 
 
 def train(run_dir: Path, data_dir: Path, args, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -55,12 +61,21 @@ def throughput(run_dir: Path, warmup: int, samples: int) -> tuple[float, Counter
     return sum(tokens) / sum(seconds), Counter(int(float(row["train/sample_tokens"])) for row in rows)
 
 
-def recompiles(stderr: str) -> tuple[int, int]:
-    """(recompilations, those caused by a tensor size change) in a TORCH_LOGS=recompiles log."""
-    reasons = re.findall(r"Recompiling function .*?\n(?:.*\n){0,2}?.*triggered by the following guard failure\(s\):\n"
-                         r".*?- (.*)", stderr)
-    total = stderr.count("Recompiling function")
-    return total, sum("size mismatch" in reason for reason in reasons)
+def recompiles(stderr: str) -> tuple[int, int, int, int]:
+    """From a TORCH_LOGS=recompiles log: (recompilations, those a tensor size change caused, the graphs -- a rank's
+    compiled frames -- they hit, the most any one graph recompiled for a size)."""
+    lines = stderr.splitlines()
+    total, sized = 0, Counter()
+    for i, line in enumerate(lines):
+        if "Recompiling function" not in line:
+            continue
+        total += 1
+        reasons = " ".join(lines[i + 1:i + 4])
+        rank = line.split("]")[0]
+        frame = re.search(r"\[(\d+)/\d+\] \[__recompiles\]", line)
+        if "size mismatch" in reasons and frame:
+            sized[rank, frame.group(1)] += 1
+    return total, sum(sized.values()), len(sized), max(sized.values(), default=0)
 
 
 def main() -> None:
@@ -87,14 +102,15 @@ def main() -> None:
         if args.no_compile:
             return
         print()
-        print("| compile=true | distinct token counts | recompilations | of them from a size change |")
-        print("|---|---:|---:|---:|")
+        print("| compile=true | distinct token counts | recompilations (both ranks) | from a size change | graphs they "
+              "hit | most by one graph |")
+        print("|---|---:|---:|---:|---:|---:|")
         for name, data in (("single bucket", SINGLE), ("mixed buckets", MIXED)):
             proc = train(root / f"compiled_{name.replace(' ', '_')}", root / "data", args, *data, "compile=true",
                          env={"TORCH_LOGS": "recompiles"})
             _, steps = throughput(root / f"compiled_{name.replace(' ', '_')}", 0, args.batch_size)
-            total, sized = recompiles(proc.stderr)
-            print(f"| {name} | {len(steps)} | {total} | {sized} |")
+            total, sized, graphs, most = recompiles(proc.stderr)
+            print(f"| {name} | {len(steps)} | {total} | {sized} | {graphs} | {most} |")
 
 
 if __name__ == "__main__":
