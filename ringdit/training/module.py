@@ -145,10 +145,11 @@ class DiffusionModule(L.LightningModule):
             checkpoint["state_dict"] = {key: value for key, value in checkpoint["state_dict"].items()
                                         if is_adapter_key(key) or key == "ema.n_averaged"}
 
-    def tokens_per_sample(self, shape: tuple[int, ...] | None = None) -> int:
-        """Model tokens of one sample of ``shape`` ``([T,] H, W)`` (a bucket's; default the data's image_size)."""
+    def tokens_per_sample(self, shape: tuple[int, ...] | None = None, model: nn.Module | None = None) -> int:
+        """Model tokens of one sample of ``shape`` ``([T,] H, W)`` (a bucket's; default the data's image_size) for
+        ``model`` (default this module's)."""
         shape = tuple(self.hparams.data["image_size"]) if shape is None else tuple(shape)
-        return math.prod(s // p for s, p in zip(shape, self.model.patch_shape))
+        return math.prod(s // p for s, p in zip(shape, (model or self.model).patch_shape))
 
     # ---- training ---------------------------------------------------------------------------------------------------
     def diffusion_loss(self, model: nn.Module, x0: Tensor, condition, generators: list[torch.Generator]) -> Tensor:
@@ -159,7 +160,7 @@ class DiffusionModule(L.LightningModule):
         The gather's backward hands each rank the gradient of its own tokens summed over the group's sp copies of
         that loss, so DDP's gradient average over all ranks is the one-device gradient (the ranks' parameter
         gradients are partial sums: ``ringdit.parallel.collectives``)."""
-        tokens = self.tokens_per_sample(x0.shape[2:])  # this batch's bucket (Flux's shift=resolution follows it)
+        tokens = self.tokens_per_sample(x0.shape[2:], model)  # this batch's bucket (Flux's shift=resolution follows)
         t = torch.cat([self.objective.sample_time(1, g, tokens) for g in generators]).to(x0.device)
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in generators]).to(x0.device, x0.dtype)
         draws = torch.cat([torch.rand(1, generator=g) for g in generators]).to(x0.device)
