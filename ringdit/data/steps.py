@@ -34,8 +34,8 @@ class StepBatches(IterableDataset):
     micro-batches: ``batches_per_step`` of them per optimizer step under gradient accumulation).
 
     ``buckets``: each bucket's dataset indices (default: one bucket, the whole dataset); ``batch_size``: samples per
-    rank and step, one int for every bucket or one per bucket. With DataLoader workers, worker w produces steps w,
-    w + W, ...; the DataLoader's round-robin over workers returns them in step order.
+    rank and step, one int for every bucket or one per bucket. With DataLoader workers, worker w produces batches
+    w, w + W, ...; the DataLoader's round-robin over workers returns them in order.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int | Sequence[int], *, total_steps: int, start_step: int = 0,
@@ -54,8 +54,9 @@ class StepBatches(IterableDataset):
         self.start_step, self.total_steps = start_step, total_steps
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.batches_per_step = batches_per_step  # gradient accumulation: an optimizer step's micro-batches share a bucket
-        # a bucket's chance per step: the global batches it holds, so samples are read in the data's proportions
-        self.weights = torch.tensor([len(b) / (s * dp_size) for b, s in zip(self.buckets, sizes)], dtype=torch.float64)
+        # a bucket's chance per step: the batches it holds, so samples are read in the data's proportions (the dp
+        # size, a common factor, is left out: the draws depend on the data and the batch sizes only)
+        self.weights = torch.tensor([len(b) / s for b, s in zip(self.buckets, sizes)], dtype=torch.float64)
         self._permutations: dict[tuple[int, int], torch.Tensor] = {}
         self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (its draws, counts before it)
 

@@ -15,7 +15,8 @@ time, carrying a small feature cache, so the activations stay bounded however lo
 output tensors grow with its length. ``tiling=True`` (the default) also splits each frame into overlapping spatial
 tiles (diffusers' ``enable_tiling``, blended at the seams; ``tile`` sets the tile size in pixels, default 256) and
 ``enable_slicing`` runs a batch one sample at a time, so peak memory depends on the tile size rather than the frame
-size or the batch (``benchmarks/vae_decode.py`` measures it).
+size or the batch (``benchmarks/vae_decode.py`` measures it). ``decode`` / ``encode`` with ``group=``: the tiles
+split over the ranks of a running process group (``ringdit.media.parallel_vae``), the same result.
 """
 
 from __future__ import annotations
@@ -107,20 +108,47 @@ class VAE:
         return frames >= 1 and (frames - 1) % self.temporal == 0
 
     @torch.no_grad()
-    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+    def encode(self, pixels: torch.Tensor, group=None, dst: int | None = None) -> torch.Tensor | None:
         """(B, 3, [T,] H, W) in [-1, 1] -> normalised latents (B, C, [T',] H', W'); the posterior mode, so that
-        re-running prepare gives the same shards. Images given to a video VAE become one-frame videos."""
+        re-running prepare gives the same shards. Images given to a video VAE become one-frame videos.
+
+        ``group``: a torch.distributed process group whose ranks all call this with the same pixels: the spatial
+        tiles are encoded in parallel over its ranks (``ringdit.media.parallel_vae``); the latents come back on
+        group rank ``dst`` (None: on every rank), None on the others. None (the default): this process alone."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
         if self.is_video and pixels.ndim == 4:
             pixels = pixels[:, :, None]  # (B, 3, 1, H, W)
-        latents = self.model.encode(pixels.to(self.device, self.dtype)).latent_dist.mode().float()
+        pixels = pixels.to(self.device, self.dtype)
+        if _parallel(group):
+            from ringdit.media.parallel_vae import parallel_encode
+
+            moments = parallel_encode(self.model, pixels, group, dst)
+            if moments is None:
+                return None
+            latents = DiagonalGaussianDistribution(moments).mode().float()
+        else:
+            latents = self.model.encode(pixels).latent_dist.mode().float()
         return (latents - self._view(self.shift, latents)) * self._view(self.scale, latents)
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, normalised: bool = True) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, normalised: bool = True, group=None,
+               dst: int | None = 0) -> torch.Tensor | None:
         """Latents (B, C, [T',] H', W') -> pixels (B, 3, [T,] H, W) in [-1, 1], float32 on the CPU. ``normalised``:
-        as prepare stores them (the normalisation is inverted first), else the VAE's raw latents."""
+        as prepare stores them (the normalisation is inverted first), else the VAE's raw latents.
+
+        ``group``: a torch.distributed process group (e.g. ``torch.distributed.group.WORLD``) whose ranks all call
+        this with the same latents: the spatial tiles of the tiled decode are decoded in parallel over its ranks
+        and blended as diffusers blends them (``ringdit.media.parallel_vae``); the pixels come back on group rank
+        ``dst`` (None: on every rank) and None on the others. None (the default), or a group of one rank: this
+        process alone."""
         latents = latents.float().to(self.device)
         raw = latents / self._view(self.scale, latents) + self._view(self.shift, latents) if normalised else latents
+        if _parallel(group):
+            from ringdit.media.parallel_vae import parallel_decode
+
+            pixels = parallel_decode(self.model, raw.to(self.dtype), group, dst)
+            return None if pixels is None else pixels.float().clamp(-1, 1).cpu()
         return self.model.decode(raw.to(self.dtype)).sample.float().clamp(-1, 1).cpu()
 
     @staticmethod
@@ -133,6 +161,13 @@ class VAE:
                 "scale": self.scale.tolist(), "spatial_compression": self.spatial,
                 "temporal_compression": self.temporal if self.is_video else None,
                 "latent_channels": int(self.shift.numel())}
+
+
+def _parallel(group) -> bool:
+    """Whether ``group`` asks for a tile-parallel decode / encode: a process group of more than one rank."""
+    import torch.distributed as dist
+
+    return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def normalisation(config) -> tuple[torch.Tensor, torch.Tensor]:
