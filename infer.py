@@ -48,7 +48,6 @@ from pathlib import Path
 
 import hydra
 import lightning as L
-import numpy as np
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
@@ -199,38 +198,65 @@ def main(cfg: DictConfig) -> None:
     with stop_on_sigterm(trainer, logger=log):
         trainer.predict(module, dataloaders=requests, return_predictions=False)
         writer = next(c for c in trainer.callbacks if isinstance(c, SampleWriter))
-        if output.vae and trainer.is_global_zero and writer.npz_files:
-            files = writer.npz_files
+        group = decode_group() if output.vae else None
+        files = shared_files(writer.npz_files, group)
+        if output.vae and files and (group is not None or trainer.is_global_zero):
             samples = files[0] if len(files) == 1 else f"{Path(spec.output_dir)}/samples-*.npz"
             kept = f"every sample is in {samples} (decoded files may be incomplete); decode them with python -m " \
                    f"ringdit.media.decode {samples} vae={output.vae}"
+            if group is not None and trainer.is_global_zero:
+                log.info("decoding each sample's VAE tiles over the %d ranks", trainer.world_size)
             with user_errors(), sigterm_stops_at_once("the VAE decode", kept):  # nothing else would be lost
-                written = decode(files, spec, device=str(trainer.strategy.root_device))
-            log.info("decoded with vae=%s: %s", output.vae, ", ".join(p.name for p in written))
+                written = decode(files, spec, device=str(trainer.strategy.root_device), group=group)
+            if trainer.is_global_zero:
+                log.info("decoded with vae=%s: %s", output.vae, ", ".join(p.name for p in written))
 
 
-def decode(files: list[Path], spec: InferSpec, device: str) -> list[Path]:
+def decode_group():
+    """The sampling run's ranks, still joined after ``trainer.predict`` (Lightning's ranks run this script to its
+    end; the process group is destroyed at exit): every rank decodes its share of each sample's VAE tiles
+    (``ringdit.media.parallel_vae``) and rank 0 writes the files. None for a single process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def shared_files(files: list[Path], group) -> list[Path]:
+    """Rank 0's written samples*.npz (the SampleWriter writes on rank 0 alone), on every rank of ``group``."""
+    if group is None:
+        return files
+    import torch.distributed as dist
+
+    message = [[str(file) for file in files]]
+    dist.broadcast_object_list(message, src=0, group=group)
+    return [Path(file) for file in message[0]]
+
+
+def decode(files: list[Path], spec: InferSpec, device: str, group=None) -> list[Path]:
     """Decode the written samples with ``spec.output.vae``: samples.npz as ``ringdit.media.decode`` does (samples.png
     / .gif, sample-000.png / .mp4 ...), or each shape's samples-<name>.npz into its grid samples-<name>.png / .gif
-    and its samples' files, named by their numbers (the npz's ``index``)."""
+    and its samples' files, named by their numbers (the npz's ``index``). ``group`` (``decode_group``): every rank
+    calls this and decodes its share of the tiles; rank 0 reads the files and writes the pictures (the others
+    return [])."""
     output, normalised = spec.output, latents_normalised(spec.data)
     if len(files) == 1 and files[0].name == "samples.npz":
         return decode_samples(files[0], output.vae, vae_subfolder=output.vae_subfolder, fps=output.fps,
-                              tile=output.vae_tile, device=device, normalised=normalised)
-    from ringdit.media.decode import decode_latents, read_latents
+                              tile=output.vae_tile, device=device, normalised=normalised, group=group)
+    from ringdit.media.decode import decode_latents, shared_latents
     from ringdit.media.vae import VAE
 
     codec = VAE(output.vae, output.vae_subfolder, device=device, tile=output.vae_tile)
     written = []
     for file in files:
-        latents = read_latents(file)
-        with np.load(file, allow_pickle=False) as stored:
-            indices = stored["index"].tolist()
+        latents, indices = shared_latents(file, group, index=True)
         try:
-            pixels = decode_latents(latents, codec, normalised)
+            pixels = decode_latents(latents, codec, normalised, group=group)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        written += write_pixels(pixels, file.parent, stem=file.stem, indices=indices, fps=output.fps)
+        if pixels is not None:  # rank 0 (or a single process)
+            written += write_pixels(pixels, file.parent, stem=file.stem, indices=indices, fps=output.fps)
     return written
 
 

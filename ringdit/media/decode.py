@@ -33,9 +33,11 @@ from ringdit.media.writing import write_media
 log = logging.getLogger("ringdit.media.decode")
 
 
-def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True) -> np.ndarray:
+def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True, group=None) -> np.ndarray | None:
     """(N, C, [T,] H, W) latents -> uint8 pixels (N, [T,] H, W, 3), one sample at a time (each becomes uint8 at
-    once, so a batch of long videos never sits in memory as float32). ``normalised``: see ``VAE.decode``."""
+    once, so a batch of long videos never sits in memory as float32). ``normalised``: see ``VAE.decode``.
+    ``group``: a process group whose ranks all call this with the same latents: each sample's tiles are decoded
+    over its ranks (``VAE.decode(group=)``) and the pixels come back on its rank 0, None on the others."""
     if vae.is_video and latents.ndim == 4:
         latents = latents[:, :, None]  # (N, C, 1, H, W): an image latent of a video VAE
     if not vae.is_video and latents.ndim == 5:
@@ -44,7 +46,12 @@ def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True) -> 
     if latents.shape[1] != vae.shift.numel():
         raise ValueError(f"latents have {latents.shape[1]} channels but vae={vae.folder} has "
                          f"{vae.shift.numel()}; decode with the VAE the training data was prepared with")
-    pixels = [to_uint8(vae.decode(sample[None], normalised)) for sample in latents]  # each (1, [T,] H, W, 3)
+    pixels = []
+    for sample in latents:
+        decoded = vae.decode(sample[None], normalised, group=group)
+        pixels.append(None if decoded is None else to_uint8(decoded))  # each (1, [T,] H, W, 3)
+    if pixels[0] is None:  # not rank 0 of the group
+        return None
     decoded = torch.cat(pixels).numpy()
     if vae.is_video and decoded.shape[1] == 1:
         decoded = decoded[:, 0]  # one-frame videos are images
@@ -53,10 +60,12 @@ def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True) -> 
 
 def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None = None, *,
                    vae_subfolder: str | None = "vae", fps: int = 16, tiling: bool = True, tile: int | None = None,
-                   device: str = "cpu", normalised: bool = True) -> list[Path]:
+                   device: str = "cpu", normalised: bool = True, group=None) -> list[Path]:
     """samples.npz (its ``latents``) -> media files in ``out`` (default: samples.npz's folder). ``normalised``:
     the latents are as prepare stores them (data=text_latents); false for data=latents, whose samples are the raw
-    VAE latents (infer.py already divides by data.scale)."""
+    VAE latents (infer.py already divides by data.scale). ``group``: a process group whose ranks all call this
+    (infer.py's sampling ranks): its rank 0 reads the file and sends the latents to the others, the tiles are
+    decoded over every rank (``ringdit.media.parallel_vae``), and rank 0 writes the files (the others return [])."""
     from ringdit.errors import ConfigError, require_count
 
     require_count("fps", fps)
@@ -64,16 +73,47 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")
     require_count("tile", tile, optional=True, hint="the VAE's spatial tile size in pixels, e.g. tile=256")
-    latents = read_latents(samples)
+    latents, _ = shared_latents(samples, group)
     target = Path(str(out)).expanduser() if out else None
     if target is not None and target.exists() and not target.is_dir():
         raise ConfigError(f"out={out} is a file; pass a folder to write the pictures / videos into")
     codec = VAE(vae, vae_subfolder, device=device, tiling=tiling, tile=tile)
     try:
-        pixels = decode_latents(latents, codec, normalised)
+        pixels = decode_latents(latents, codec, normalised, group=group)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if pixels is None:  # a rank other than the group's first: its tiles are decoded, rank 0 writes
+        return []
     return write_media(pixels, target or Path(str(samples)).expanduser().parent, fps=fps)
+
+
+def shared_latents(samples: str | Path, group=None, index: bool = False) -> tuple[torch.Tensor, list[int] | None]:
+    """``read_latents(samples)`` (and with ``index``, the npz's ``index`` list) on this process, or with ``group`` on
+    the group's rank 0, sent to its other ranks (the file need not be on their file system); a bad file is the
+    same ``ConfigError`` on every rank."""
+    import torch.distributed as dist
+
+    from ringdit.errors import ConfigError
+
+    def read():
+        latents = read_latents(samples)
+        if not index:
+            return latents, None
+        with np.load(Path(str(samples)).expanduser(), allow_pickle=False) as stored:
+            return latents, stored["index"].tolist()
+
+    if group is None or dist.get_world_size(group) == 1:
+        return read()
+    message = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            message[0] = read()
+        except ConfigError as error:
+            message[0] = error
+    dist.broadcast_object_list(message, src=dist.get_global_rank(group, 0), group=group)
+    if isinstance(message[0], ConfigError):
+        raise message[0]
+    return message[0]
 
 
 UNREADABLE = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)  # what np.load raises on a bad file
