@@ -79,15 +79,8 @@ def decode_grid(model, z: torch.Tensor) -> TileGrid | None:
             min_h, min_w = min_h // patch, min_w // patch
         return TileGrid(tuple(range(0, height, stride_h)), tuple(range(0, width, stride_w)), (latent_h, latent_w),
                         (min_h - keep_h, min_w - keep_w), (keep_h, keep_w), (sample_h, sample_w))
-    if name in IMAGE:
-        if not (z.shape[-1] > model.tile_latent_min_size or z.shape[-2] > model.tile_latent_min_size):
-            return None
-        overlap = int(model.tile_latent_min_size * (1 - model.tile_overlap_factor))
-        blend = int(model.tile_sample_min_size * model.tile_overlap_factor)
-        limit = model.tile_sample_min_size - blend
-        size = model.tile_latent_min_size
-        return TileGrid(tuple(range(0, z.shape[2], overlap)), tuple(range(0, z.shape[3], overlap)), (size, size),
-                        (blend, blend), (limit, limit), None)
+    if name in IMAGE:  # latent tiles in, pixel tiles out
+        return _kl_grid(z, model.tile_latent_min_size, model.tile_sample_min_size, model.tile_overlap_factor)
     raise ValueError(f"tile-parallel decoding knows {', '.join(VIDEO + IMAGE)}, not {name}")
 
 
@@ -110,16 +103,22 @@ def encode_grid(model, x: torch.Tensor) -> TileGrid | None:
                         tuple(range(0, width, model.tile_sample_stride_width)),
                         (model.tile_sample_min_height, model.tile_sample_min_width),
                         (min_h - keep_h, min_w - keep_w), (keep_h, keep_w), (height // ratio, width // ratio))
-    if name in IMAGE:
-        if not (x.shape[-1] > model.tile_sample_min_size or x.shape[-2] > model.tile_sample_min_size):
-            return None
-        overlap = int(model.tile_sample_min_size * (1 - model.tile_overlap_factor))
-        blend = int(model.tile_latent_min_size * model.tile_overlap_factor)
-        limit = model.tile_latent_min_size - blend
-        size = model.tile_sample_min_size
-        return TileGrid(tuple(range(0, x.shape[2], overlap)), tuple(range(0, x.shape[3], overlap)), (size, size),
-                        (blend, blend), (limit, limit), None)
+    if name in IMAGE:  # pixel tiles in, latent tiles out
+        return _kl_grid(x, model.tile_sample_min_size, model.tile_latent_min_size, model.tile_overlap_factor)
     raise ValueError(f"tile-parallel encoding knows {', '.join(VIDEO + IMAGE)}, not {name}")
+
+
+def _kl_grid(x: torch.Tensor, in_size: int, out_size: int, overlap_factor: float) -> TileGrid | None:
+    """AutoencoderKL's tile grid over ``x`` (N, C, H, W), as its ``tiled_decode`` / ``tiled_encode`` compute it:
+    input tiles of ``in_size`` every ``in_size * (1 - overlap)``, output tiles of ``out_size`` blended over
+    ``out_size * overlap``; None where it would not tile."""
+    if not (x.shape[-1] > in_size or x.shape[-2] > in_size):
+        return None
+    step = int(in_size * (1 - overlap_factor))
+    blend = int(out_size * overlap_factor)
+    keep = out_size - blend
+    return TileGrid(tuple(range(0, x.shape[2], step)), tuple(range(0, x.shape[3], step)), (in_size, in_size),
+                    (blend, blend), (keep, keep), None)
 
 
 def _decode_tile(model, tile: torch.Tensor) -> torch.Tensor:
