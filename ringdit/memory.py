@@ -22,8 +22,8 @@ data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4
 - ``activation_bytes``: what backward needs, about 10 x D + 2 x F values per token per block (norm and modulation
   inputs, q, k, v, attention output, projection, residuals, the MLP's hidden layer before and after its activation):
   L blocks' worth; with activation checkpointing the L block inputs (D each) plus one block's worth being recomputed;
-  one block's worth when sampling. Tokens per rank: S / (ring x ulysses), rounded up, plus the text tokens every
-  rank holds whole under joint attention (Flux, QwenImage);
+  one block's worth when sampling. Tokens per rank: S / (ring x ulysses), rounded up, plus as much of the text of
+  joint attention (Flux, QwenImage), which is sharded like the image;
 - ``attention_bytes``: per ring hop, after the Ulysses exchange (S / ring tokens of D / ulysses values): q, k, v,
   output and the K/V block in flight, 6 x B x S / ring x D / ulysses x a; the ``math`` backend also materialises the
   (S / ring)^2 score and probability matrices per head in fp32 (and their gradients when training);
@@ -77,7 +77,7 @@ class ModelSize:
     num_heads: int             # H: attention heads (Ulysses splits them)
     mlp_hidden: int            # F: the MLP's inner width (DiT: mlp_ratio x D; Wan: ffn_dim)
     tokens: int                # S: tokens per sample, the sequence ring x ulysses split
-    text_tokens: int = 0       # tokens every rank holds whole: joint attention's text (Flux, QwenImage)
+    text_tokens: int = 0       # joint attention's text tokens (Flux, QwenImage), sharded with the image
     lora_parameters: int = 0   # the adapters the run's lora settings add; 0: no LoRA
     lora_base_parameters: int = 0  # the Linear / Conv weights: what lora.base_dtype casts
 
@@ -196,7 +196,7 @@ def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
         if training and not model.lora:  # one block's unsharded gradient, before its reduce-scatter
             gathered += model.block_parameters * w
     # activations kept for backward, on this rank's tokens
-    tokens_per_rank = math.ceil(model.tokens / setup.sp_degree) + model.text_tokens
+    tokens_per_rank = math.ceil(model.tokens / setup.sp_degree) + math.ceil(model.text_tokens / setup.sp_degree)
     per_block = 10 * model.hidden_size + 2 * model.mlp_hidden  # values kept per token by one block
     if not training:
         per_token = per_block
@@ -206,7 +206,7 @@ def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
         per_token = model.depth * per_block
     activations = B * tokens_per_rank * per_token * a
     # one ring hop, after the Ulysses exchange: S / ring tokens of H / ulysses heads (D / ulysses values per token)
-    ring_tokens = math.ceil(model.tokens / setup.ring_degree) + model.text_tokens
+    ring_tokens = math.ceil(model.tokens / setup.ring_degree) + math.ceil(model.text_tokens / setup.ring_degree)
     attention = 6 * B * ring_tokens * (model.hidden_size // setup.ulysses_degree) * a  # q k v out, K/V in flight
     if setup.math_attention:
         scores = B * (model.num_heads // setup.ulysses_degree) * ring_tokens**2 * 4  # fp32 scores, probabilities

@@ -14,7 +14,7 @@ then the layout it recommends, and why. Only the model is built, on the meta dev
 The cost model behind the relative figure (it ranks layouts; it does not predict seconds):
 
 - compute, at ``gpu_tflops``: attention 4 x q_tokens x k_tokens x D / ulysses FLOPs per block forward (q_tokens =
-  S / ring, k_tokens = S, plus the text tokens of joint attention), backward 2.5x forward; the linear layers
+  S / ring, k_tokens = S, plus the text tokens of joint attention, which are sharded like the image), backward 2.5x forward; the linear layers
   2 x P x tokens per rank forward, backward 2x (LoRA's frozen base: 1x, no weight gradients); activation
   checkpointing adds one forward;
 - communication per rank and step: ring sends the K/V of S / ring tokens x D / ulysses to the next rank ring - 1
@@ -87,13 +87,14 @@ def step_cost(model: ModelSize, setup: Setup, hardware: Hardware) -> StepCost:
     ring, ulysses, sp, a = setup.ring_degree, setup.ulysses_degree, setup.sp_degree, setup.activation_bytes
     recompute = 1 if setup.activation_checkpointing else 0
     # compute
-    attention = model.depth * 4 * B * (math.ceil(S / ring) + L) * (S + L) * (D / ulysses) * (3.5 + recompute)
-    tokens = math.ceil(S / sp) + L
+    attention = model.depth * 4 * B * (math.ceil(S / ring) + math.ceil(L / ring)) * (S + L) * (D / ulysses) \
+        * (3.5 + recompute)
+    tokens = math.ceil(S / sp) + math.ceil(L / sp)  # joint attention's text is sharded like the image
     linear = 2 * B * tokens * model.parameters * ((2 if model.lora else 3) + recompute)
     # sequence-parallel traffic: K/V (and their gradients) around the ring, the all-to-alls of Ulysses
-    kv_hop = 2 * B * math.ceil(S / ring) * (D / ulysses) * a  # this rank's K and V after the Ulysses exchange
+    kv_hop = 2 * B * (math.ceil(S / ring) + math.ceil(L / ring)) * (D / ulysses) * a  # K, V after the exchange
     ring_bytes = model.depth * (ring - 1) * kv_hop * (1 + 2 + recompute)
-    exchange = 4 * B * math.ceil(S / sp) * D * a * (ulysses - 1) / ulysses  # q, k, v, out
+    exchange = 4 * B * tokens * D * a * (ulysses - 1) / ulysses  # q, k, v, out
     ulysses_bytes = model.depth * exchange * (1 + 1 + recompute)
     # parameter / gradient sync
     trainable = model.lora_parameters if model.lora else model.trainable_parameters
@@ -279,7 +280,7 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     config = model_config(model_cfg, data)
     size = model_size(config, build_on_meta(config), lora)
     grid = " x ".join(str(s // p) for s, p in zip(shape, patch))
-    text = f" + {size.text_tokens} text tokens on every rank" if size.text_tokens else ""
+    text = f" + {size.text_tokens} text tokens (sharded with the image)" if size.text_tokens else ""
     line = (f"{_preset_name(model_cfg)}: {_count(size.parameters)} parameters"
             + (f" ({_count(size.lora_parameters)} of LoRA rank {lora['rank']})" if size.lora else "")
             + f", {size.depth} blocks, hidden {size.hidden_size}, {size.num_heads} heads, MLP {size.mlp_hidden}; "

@@ -145,7 +145,8 @@ def check_flux_layouts(rank, world):
 
 
 def test_flux_matches_unmodified_diffusers_under_every_layout():
-    """Joint attention with replicated text: the text K/V count once, text-side gradients are combined exactly."""
+    """Joint attention with the text sharded like the image (5 text tokens: padded on every layout): every key
+    counts once, text-side gradients are combined exactly."""
     run_ranks(check_flux_layouts, 4)
 
 

@@ -1,4 +1,8 @@
-"""Joint text-image attention (replicated text prefix + sharded image) against a one-device fp64 reference."""
+"""Joint text-image attention with the text sharded like the image, against a one-device fp64 reference.
+
+Every rank's chunk is ``[its text shard ; its image shard]`` (``ringdit.attention.layout``), each stream padded at
+its own tail, text keys optionally masked per sample (QwenImage pads its prompts).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringdit.attention import USPAttention, get_attn_backend, joint_ring_attention
-from ringdit.attention.joint import real_prefix_indices
-from ringdit.attention.ring import ReplicatedText
+from ringdit.attention import Stream, TokenLayout, USPAttention, get_attn_backend, ring_attention
 from ringdit.parallel import ParallelDims, gather_sequence, init_sequence_parallel, shard_sequence
+from ringdit.parallel.collectives import chunk_length
 from tests.distributed import run_ranks
 
 HEADS, HEAD_SIZE = 4, 16
@@ -19,10 +22,10 @@ TEXT = 5  # divides no parallel degree
 FP32_TOL, FP64_TOL = 1e-5, 1e-12
 
 
-def random_joint(batch, text_len, image_len, dtype, seed=0):
+def random_joint(batch, text_len, image_len, dtype, seed=0, head_size=HEAD_SIZE):
     """Full ``[text ; image]`` q, k, v, dout ``(B, P + S, H, D)``, the same on every rank."""
     g = torch.Generator().manual_seed(seed)
-    shape = (batch, text_len + image_len, HEADS, HEAD_SIZE)
+    shape = (batch, text_len + image_len, HEADS, head_size)
     return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for _ in range(4)]
 
 
@@ -58,25 +61,51 @@ def max_error(a, b):
     return (a.double() - b).abs().max().item()
 
 
+def joint_layout(text_len, image_len, ranks, mask=None, text_first=True) -> TokenLayout:
+    text = Stream(text_len, chunk_length(text_len, ranks), mask)
+    image = Stream(image_len, chunk_length(image_len, ranks))
+    return TokenLayout([text, image] if text_first else [image, text])
+
+
+def shard_joint(t, text_len, dims, text_first=True):
+    """This rank's chunk of a full ``[text ; image]`` tensor: its text shard and its image shard, each padded."""
+    text, image = shard_sequence(t[:, :text_len], dims=dims), shard_sequence(t[:, text_len:], dims=dims)
+    return torch.cat([text, image] if text_first else [image, text], dim=1)
+
+
+def unshard_joint(t, text_len, image_len, dims, text_first=True):
+    """The inverse of ``shard_joint``: the full ``[text ; image]`` rows, gathered over the SP group."""
+    text_chunk = chunk_length(text_len, dims.sp_degree)
+    text, image = (t[:, :text_chunk], t[:, text_chunk:]) if text_first else (t[:, -text_chunk:], t[:, :-text_chunk])
+    if dims.sp_degree > 1:
+        text = gather_sequence(text, length=text_len, dims=dims)
+        image = gather_sequence(image, length=image_len, dims=dims)
+    return torch.cat([text[:, :text_len], image[:, :image_len]], dim=1)
+
+
+def padding_rows(text_len, image_len, dims, text_first=True) -> torch.Tensor:
+    """(chunk,) bool: this rank's padded rows."""
+    rows = joint_layout(text_len, image_len, dims.sp_degree, text_first=text_first).real_rows(dims.sp_rank)
+    chunk = chunk_length(text_len, dims.sp_degree) + chunk_length(image_len, dims.sp_degree)
+    return torch.zeros(chunk, dtype=torch.bool) if rows is None else ~rows
+
+
 # ---- one device ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("masked", [False, True], ids=["all_text", "masked_text"])
 @pytest.mark.parametrize(("name", "dtype"), [("math", torch.float64), ("math", torch.float32),
                                              ("torch_flash", torch.float32), ("torch_sdpa", torch.float32)])
 def test_joint_attention_without_sp_matches_reference(name, dtype, masked):
-    image_len, padded_len = 11, 14  # three rows of image tail padding
+    image_len = 11
     q, k, v, dout = random_joint(4, TEXT, image_len, dtype)
     mask = padded_text_mask(4, TEXT) if masked else None
     ref = reference(q, k, v, dout, TEXT, mask)
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, padded_len - image_len))  # noqa: E731
-    inputs = [pad(t).requires_grad_() for t in (q, k, v)]
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     attn = USPAttention(HEADS, HEAD_SIZE, backend=name)
-    out = attn(*inputs, valid_len=image_len, joint_prefix=TEXT, prefix_mask=mask)
-    out.backward(pad(dout))
-    real = slice(0, TEXT + image_len)
+    out = attn(*inputs, layout=joint_layout(TEXT, image_len, 1, mask))
+    out.backward(dout)
     tol = FP64_TOL if dtype == torch.float64 else FP32_TOL
     for got, want, what in zip((out, *(x.grad for x in inputs)), ref, ("out", "dq", "dk", "dv")):
-        assert max_error(got[:, real], want) <= tol, f"{name} {what}: {max_error(got[:, real], want):.3e}"
-        assert (got[:, TEXT + image_len :] == 0).all(), f"{what}: image padding rows must be zero"
+        assert max_error(got, want) <= tol, f"{name} {what}: {max_error(got, want):.3e}"
     if mask is not None:  # masked text keys: exactly zero gradient
         assert (inputs[1].grad[:, :TEXT][~mask] == 0).all() and (inputs[2].grad[:, :TEXT][~mask] == 0).all()
 
@@ -86,35 +115,37 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_joint_ring_function_kernels(device, dtype):
-    """The joint ring function on a ring of one (no communication), so its text-chunk and per-sample paths run on
-    every device's kernels, CUDA included (head size 64: the CUDA flash kernel for bf16, efficient for fp32)."""
+def test_ring_function_with_a_joint_layout_on_every_device(device, dtype):
+    """The ring function on a ring of one (no communication) with a joint layout whose text and image are both
+    padded and whose text is masked per sample, so its cut-key, index and per-sample paths run on every device's
+    kernels, CUDA included (head size 64: the CUDA flash kernel for bf16, efficient for fp32)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    head_size, image_len, padded_len = 64, 37, 40
-    g = torch.Generator().manual_seed(1)
-    shape = (4, TEXT + image_len, HEADS, head_size)
-    q, k, v, dout = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(4))
+    head_size, image_len, text_chunk, image_chunk = 64, 37, 7, 40
+    q, k, v, dout = random_joint(4, TEXT, image_len, torch.float64, seed=1, head_size=head_size)
     mask = padded_text_mask(4, TEXT)
     ref = reference(q, k, v, dout, TEXT, mask)
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 0, 0, padded_len - image_len))  # noqa: E731
-    text = [t[:, :TEXT].to(device, dtype).requires_grad_() for t in (q, k, v)]
-    image = [pad(t[:, TEXT:]).to(device, dtype).requires_grad_() for t in (q, k, v)]
-    out, text_out = joint_ring_attention(
-        *image, ReplicatedText(*text, real_prefix_indices(mask.to(device))), get_attn_backend("torch_flash"),
-        ParallelDims(), softmax_scale=head_size**-0.5, valid_len=image_len,
-    )
-    torch.autograd.backward([out, text_out], [pad(dout[:, TEXT:]).to(device, dtype), dout[:, :TEXT].to(device, dtype)])
-    for what, got_text, got_image, want in zip(
-        ("out", "dq", "dk", "dv"), (text_out, *(t.grad for t in text)), (out, *(t.grad for t in image)), ref
-    ):
-        got = torch.cat([got_text, got_image[:, :image_len]], dim=1).cpu()
+    layout = TokenLayout([Stream(TEXT, text_chunk, mask.to(device)), Stream(image_len, image_chunk)])
+
+    def padded(t):  # [text padded to 7 ; image padded to 40]
+        pad = torch.nn.functional.pad
+        return torch.cat([pad(t[:, :TEXT], (0, 0, 0, 0, 0, text_chunk - TEXT)),
+                          pad(t[:, TEXT:], (0, 0, 0, 0, 0, image_chunk - image_len))], dim=1).to(device, dtype)
+
+    inputs = [padded(t).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*inputs, get_attn_backend("torch_flash"), ParallelDims(), softmax_scale=head_size**-0.5,
+                         layout=layout)
+    out.backward(padded(dout))
+    real = torch.cat([torch.arange(TEXT), text_chunk + torch.arange(image_len)])
+    for what, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in inputs)), ref):
         if dtype == torch.bfloat16:  # the rounding budget of tests/test_backends.py: 2u (out), 4u (grads) of max
             tol = (2 if what == "out" else 4) * BF16_UNIT_ROUNDOFF * want.abs().max().item()
         else:
             tol = FP32_TOL
-        assert max_error(got, want) <= tol, f"{device} {dtype} {what}: {max_error(got, want):.3e} > {tol:.3e}"
-        assert (got_image[:, image_len:] == 0).all()
+        assert max_error(got[:, real].cpu(), want) <= tol, f"{device} {dtype} {what}: {max_error(got[:, real].cpu(), want):.3e}"
+        pad_rows = torch.ones(text_chunk + image_chunk, dtype=torch.bool)
+        pad_rows[real] = False
+        assert (got[:, pad_rows] == 0).all(), f"{what}: padding rows must be zero"
 
 
 def test_reference_tells_text_counted_twice_or_not_at_all():
@@ -126,86 +157,74 @@ def test_reference_tells_text_counted_twice_or_not_at_all():
         assert min(max_error(a, b) for a, b in zip(wrong, right)) > 1e3 * FP32_TOL
 
 
-def test_joint_arguments_are_checked():
+def test_a_layout_that_does_not_fit_the_chunk_is_refused():
     attn = USPAttention(HEADS, HEAD_SIZE, backend="math")
     x = torch.randn(2, 9, HEADS, HEAD_SIZE)
-    with pytest.raises(ValueError, match=r"joint_prefix must be an integer in \[0, 9\].*got 10"):
-        attn(x, x, x, joint_prefix=10)
-    shape_error = r"prefix_mask must be a bool tensor of shape \(batch, joint_prefix\) = \(2, 3\)"
-    with pytest.raises(ValueError, match=shape_error):
-        attn(x, x, x, joint_prefix=3, prefix_mask=torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="prefix_mask was given with joint_prefix=0"):
-        attn(x, x, x, prefix_mask=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"the token layout has 10 tokens per rank, q has 9 \(dim 1\)"):
+        attn(x, x, x, layout=joint_layout(3, 7, 1))
+
+
+def test_layout_key_selections():
+    """Views for one contiguous run, an index for two runs, per sample where samples differ; computed once."""
+    one = TokenLayout.tail_padded(10, 4)  # chunks [0..3], [4..7], [8, 9, pad, pad]
+    assert one.keys(0) is None and one.keys(2) == slice(0, 2) and one.keys(0, 3) == slice(0, 10)
+    assert one.real_rows(0) is None and one.real_rows(2).tolist() == [True, True, False, False]
+    two = joint_layout(5, 9, 2)  # chunk = 3 text + 5 image; rank 1: text [3, 4, pad], image [5..8, pad]
+    assert two.keys(0) is None and torch.equal(two.keys(1), torch.tensor([0, 1, 3, 4, 5, 6]))
+    assert two.keys(1) is two.keys(1)  # kept: one layout serves every layer of a forward
+    masked = joint_layout(5, 9, 2, padded_text_mask(3, 5))  # text masks: all real, [T T F F F], none real
+    all_real, right_padded, no_text = masked.keys(0)  # rank 0: text [0..2], image [0..4]
+    assert all_real is None and torch.equal(right_padded, torch.tensor([0, 1, 3, 4, 5, 6, 7]))
+    assert no_text == slice(3, 8)  # the image keys only: a view
 
 
 # ---- sequence parallel on 4 gloo ranks ----------------------------------------------------------------------------
 LAYOUTS = [(2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]  # (ring, ulysses)
-# backend, dtype, batch, image length, masked text
+# backend, dtype, batch, image length, masked text, text first
 CASES = [
-    ("torch_flash", torch.float32, 2, 27, False),  # 27 image tokens: tail padding on every layout
-    ("torch_flash", torch.float32, 4, 24, True),  # every mask pattern, no padding
-    ("math", torch.float64, 4, 9, True),  # 9 tokens over 4 ranks: the last rank holds only padding
+    ("torch_flash", torch.float32, 2, 27, False, True),  # 27 image tokens: tail padding on every layout
+    ("torch_flash", torch.float32, 4, 24, True, True),  # every mask pattern, no image padding
+    ("math", torch.float64, 4, 9, True, True),  # 9 tokens over 4 ranks: the last rank's image is only padding
+    ("math", torch.float64, 2, 13, True, False),  # the text after the image (HunyuanVideo 1.5)
 ]
-
-
-def joint_step(backend, q, k, v, dout, mask, image_len, dims):
-    """This rank's view: replicated text + its image shard; the text loss is shared equally by the SP ranks."""
-    local = [torch.cat([t[:, :TEXT], shard_sequence(t[:, TEXT:], dims=dims)], dim=1).requires_grad_()
-             for t in (q, k, v)]
-    out = USPAttention(HEADS, HEAD_SIZE, backend=backend, dims=dims)(
-        *local, valid_len=image_len, joint_prefix=TEXT, prefix_mask=mask
-    )
-    out.backward(torch.cat([dout[:, :TEXT] / dims.sp_degree, shard_sequence(dout[:, TEXT:], dims=dims)], dim=1))
-    return out.detach(), [x.grad for x in local]
 
 
 def check_joint_layouts(rank, world, errors_file):
     report = []
     for ring, ulysses in LAYOUTS:  # one group of processes for all layouts: spawning dominates the test's time
         dims = init_sequence_parallel(ring, ulysses)
-        cases = CASES + ([("torch_sdpa", torch.float32, 4, 27, True)] if ring == 1 else [])  # no LSE: Ulysses only
-        for backend, dtype, batch, image_len, masked in cases:
+        cases = CASES + ([("torch_sdpa", torch.float32, 4, 27, True, True)] if ring == 1 else [])  # no LSE
+        for backend, dtype, batch, image_len, masked, text_first in cases:
             q, k, v, dout = random_joint(batch, TEXT, image_len, dtype, seed=image_len)
             mask = padded_text_mask(batch, TEXT) if masked else None
             ref = reference(q, k, v, dout, TEXT, mask)
-            out, grads = joint_step(backend, q, k, v, dout, mask, image_len, dims)
-            label = f"{ring}x{ulysses} {backend} {str(dtype)[6:]} B={batch} S={image_len} mask={masked}"
+            local = [shard_joint(t, TEXT, dims, text_first).requires_grad_() for t in (q, k, v)]
+            layout = joint_layout(TEXT, image_len, dims.sp_degree, mask, text_first)
+            out = USPAttention(HEADS, HEAD_SIZE, backend=backend, dims=dims)(*local, layout=layout)
+            out.backward(shard_joint(dout, TEXT, dims, text_first))
+            label = f"{ring}x{ulysses} {backend} {str(dtype)[6:]} B={batch} S={image_len} mask={masked} " \
+                    f"text_first={text_first}"
             tol = FP64_TOL if dtype == torch.float64 else FP32_TOL
-
-            # image rows: gathered over the SP group, as usual
-            image = [gather_sequence(t[:, TEXT:], length=image_len, dims=dims) for t in (out, *grads)]
-            # text rows: the output is complete on every rank; the gradients are partial sums over the ranks
-            text_grads = [g[:, :TEXT].clone() for g in grads]
-            for g in text_grads:
-                dist.all_reduce(g, group=dims.sp_group)
             errors = {}
-            for what, got_image, got_text, want in zip(
-                ("out", "dq", "dk", "dv"), image, [out[:, :TEXT], *text_grads], ref
-            ):
-                errors[what] = max(max_error(got_image, want[:, TEXT:]), max_error(got_text, want[:, :TEXT]))
+            for what, got, want in zip(("out", "dq", "dk", "dv"), (out, *(x.grad for x in local)), ref):
+                errors[what] = max_error(unshard_joint(got, TEXT, image_len, dims, text_first), want)
                 assert errors[what] <= tol, f"{label} {what}: max abs error {errors[what]:.3e} > {tol:.0e}"
             report.append(f"{label}: " + " ".join(f"{w}={e:.1e}" for w, e in errors.items()))
-
-            # the replicated text output stays exactly replicated: the same bits on every rank
-            copies = [torch.empty_like(out[:, :TEXT]) for _ in range(dims.sp_degree)]
-            dist.all_gather(copies, out[:, :TEXT].contiguous(), group=dims.sp_group)
-            assert all(torch.equal(c, copies[0]) for c in copies), f"{label}: text rows differ between ranks"
-            # no rank alone holds the text gradient: summing over the SP group is necessary
-            for what, g, want in zip(("dq", "dk", "dv"), grads, ref[1:]):
-                assert max_error(g[:, :TEXT], want[:, :TEXT]) > 0.1 * want[:, :TEXT].abs().max(), f"{label} {what}"
             if mask is not None:  # masked text keys get no gradient, on any rank
-                assert all((g[:, :TEXT][~mask] == 0).all() for g in grads[1:]), label
-            # image tail padding: zero output rows and zero gradients
-            pad_from = TEXT + max(0, image_len - dims.sp_rank * (out.shape[1] - TEXT))
-            assert all((t[:, pad_from:] == 0).all() for t in (out, *grads)), label
+                text_mask = shard_sequence(mask, dims=dims)
+                text_rows = slice(0, text_mask.shape[1]) if text_first else slice(-text_mask.shape[1], None)
+                assert all((g[:, text_rows][~text_mask] == 0).all() for g in (local[1].grad, local[2].grad)), label
+            # text and image tail padding: zero output rows and zero gradients
+            pad = padding_rows(TEXT, image_len, dims, text_first)
+            assert all((t[:, pad] == 0).all() for t in (out, *(x.grad for x in local))), label
     if rank == 0:
         with open(errors_file, "w") as f:
             f.write("\n".join(report) + "\n")
 
 
 def test_joint_attention_on_every_layout_matches_one_device(tmp_path):
-    """Ring 2/4, Ulysses 2/4, 2x2; text of 5 tokens (divides nothing); image tail padding, a rank holding only
-    padding; masks of every kind incl. a sample with no real text; text grads summed over SP vs one device."""
+    """Ring 2/4, Ulysses 2/4, 2x2; text of 5 tokens (divides nothing) sharded with the image, both padded, a rank
+    whose image is only padding; masks of every kind incl. a sample with no real text; text before or after."""
     errors_file = tmp_path / "errors.txt"
     run_ranks(check_joint_layouts, 4, str(errors_file))
     print("\n" + errors_file.read_text())

@@ -9,15 +9,9 @@ from ringdit.attention.backends.flash_attn import FlashAttnBackend
 from ringdit.attention.backends.math_backend import MathBackend
 from ringdit.attention.backends.torch_flash import TorchFlashBackend
 from ringdit.attention.backends.torch_sdpa import TorchSDPABackend
-from ringdit.attention.joint import local_joint_attention
+from ringdit.attention.layout import Stream, TokenLayout
 from ringdit.attention.layer import LocalAttention, USPAttention, local_attention
-from ringdit.attention.ring import (
-    JointRingAttentionFunction,
-    RingAttentionFunction,
-    joint_ring_attention,
-    merge_attention_chunk,
-    ring_attention,
-)
+from ringdit.attention.ring import RingAttentionFunction, merge_attention_chunk, ring_attention
 from ringdit.attention.registry import (
     check_ring_capable,
     describe_backends,
@@ -48,13 +42,12 @@ __all__ = [
     "TorchSDPABackend",
     "USPAttention",
     "RingAttentionFunction",
-    "JointRingAttentionFunction",
     "LocalAttention",
-    "joint_ring_attention",
     "local_attention",
-    "local_joint_attention",
     "merge_attention_chunk",
     "ring_attention",
+    "Stream",
+    "TokenLayout",
     "check_ring_capable",
     "describe_backends",
     "get_attn_backend",

@@ -5,44 +5,50 @@ then holds ``ulysses`` consecutive sequence chunks for ``H / ulysses`` heads); r
 on that longer block; the reverse all-to-all restores the ``[B, S_local, H, D]`` layout. With both degrees 1 it is
 plain local attention and communicates nothing.
 
-Joint text-image attention (Flux, QwenImage): ``joint_prefix=P`` says the first P tokens are text, replicated on
-every SP rank; only the image part is sharded. Text K/V are attended once per query as a local, non-rotated chunk
-(ring) and the text is split by heads, not by sequence (Ulysses); ``prefix_mask`` removes padded text keys. The
-scheme, and why the text counts exactly once, are in ``ringdit.attention.joint``.
+Which tokens are real is a ``TokenLayout`` (``ringdit.attention.layout``): ``valid_len`` for one tail-padded
+sequence, or the layout of joint text-image attention (Flux, QwenImage), where every rank's chunk is
+``[its text shard ; its image shard]``, each stream padded at its own tail and the text optionally masked. One
+mechanism serves both: padded and masked keys get no weight, padded query rows return zeros.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ringdit.attention.backend import AttentionBackend, Tensor
 from ringdit.attention.registry import check_ring_capable, get_attn_backend
-from ringdit.attention.joint import (
-    check_joint_args,
-    gather_text_heads,
-    local_joint_attention,
-    real_prefix_indices,
-    text_head_slice,
-)
-from ringdit.attention.ring import ReplicatedText, joint_ring_attention, ring_attention
+from ringdit.attention.layout import TokenLayout, is_empty, take
+from ringdit.attention.ring import ring_attention
 from ringdit.parallel import ParallelDims, all_to_all, check_heads_divisible
 
 
 def local_attention(
-    backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, valid_len=None
+    backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, valid_len=None,
+    layout: TokenLayout | None = None, first: int = 0, count: int = 1,
 ) -> Tensor:
-    """Attention over the whole sequence held here; rows beyond ``valid_len`` are tail padding: they attend to
-    nothing, are attended by nothing, and come back as zeros."""
-    length = q.shape[1]
-    if valid_len is None or valid_len >= length:
+    """Attention over the whole sequence held here, through the backend's differentiable ``forward`` (any backend,
+    also those without the ring hooks). The real keys and rows are those of the layout's chunks ``first ..
+    first + count - 1`` (``valid_len``: one tail-padded sequence); padded rows come back as zeros."""
+    if layout is None and valid_len is not None:
+        layout = TokenLayout.tail_padded(valid_len, q.shape[1])
+    if layout is None:
         return backend.forward(q, k, v, softmax_scale=softmax_scale)
-    if valid_len <= 0:
-        return torch.zeros_like(q)
-    out = backend.forward(q[:, :valid_len], k[:, :valid_len], v[:, :valid_len], softmax_scale=softmax_scale)
-    return F.pad(out, (0, 0, 0, 0, 0, length - valid_len))  # (B, S, H, D), zero rows for the padding
+    keys, rows = layout.keys(first, count), layout.real_rows(first, count)
+    if isinstance(keys, list):  # samples differ (masked text): one call per sample
+        out = torch.cat([_attend_keys(backend, q[b : b + 1], k[b : b + 1], v[b : b + 1], sample_keys, softmax_scale)
+                         for b, sample_keys in enumerate(keys)])
+    else:
+        out = _attend_keys(backend, q, k, v, keys, softmax_scale)
+    if rows is not None:
+        out = out.masked_fill(~rows[None, :, None, None], 0)  # (B, S, H, D), zero rows for the padding
+    return out
 
+
+def _attend_keys(backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, keys, softmax_scale) -> Tensor:
+    if is_empty(keys):  # nothing to attend to
+        return torch.zeros_like(q)
+    return backend.forward(q, take(k, keys, 1), take(v, keys, 1), softmax_scale=softmax_scale)
 
 
 class LocalAttention(nn.Module):
@@ -63,11 +69,9 @@ class USPAttention(nn.Module):
     reordering), forward and backward. ``valid_len`` is the global number of real tokens; the tail padding that
     makes the sequence divisible by the parallel degree never receives attention weight.
 
-    Joint attention: with ``joint_prefix=P``, ``q, k, v: (B, P + S_local, H, D)`` are ``[text ; image shard]``, the
-    text identical on every SP rank, ``valid_len`` the global number of real IMAGE tokens; every query attends to
-    all real text and image keys, and the text output rows come back identical on every rank. ``prefix_mask``
-    ``(B, P)`` bool, True = real text token: masked text keys get no weight (masked text query rows still attend).
-    Gradients of the replicated text q/k/v are partial per rank: their sum over the SP group is the one-device one.
+    ``layout`` (instead of ``valid_len``): which tokens of every rank's chunk are real, for sequences of several
+    streams (joint attention: ``[text shard ; image shard]``, text keys optionally masked per sample); see
+    ``ringdit.attention.layout``. Every query attends to every real key of every rank.
 
     ``dims``: this rank's place in the mesh; without it the layer is plain local attention. Whether the heads split
     over Ulysses and the backend can do ring is checked here, at construction, not at every call.
@@ -96,73 +100,31 @@ class USPAttention(nn.Module):
         """Before ``torch.compile``: the sharded paths break the graph and run eagerly, so point-to-point transfers
         and all-to-alls stay outside compiled graphs. Done here, when compiling, not at import: importing Dynamo costs
         every process about a second, also those that never compile."""
-        for name in ("_parallel_forward", "_joint_parallel_forward"):
-            setattr(self, name, torch.compiler.disable(getattr(self, name)))
+        self._parallel_forward = torch.compiler.disable(self._parallel_forward)
 
     def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        valid_len: int | None = None,
-        joint_prefix: int = 0,
-        prefix_mask: Tensor | None = None,
+        self, q: Tensor, k: Tensor, v: Tensor, *, valid_len: int | None = None, layout: TokenLayout | None = None
     ) -> Tensor:
-        check_joint_args(q, k, v, joint_prefix, prefix_mask)
+        if layout is None and valid_len is not None:
+            layout = TokenLayout.tail_padded(valid_len, q.shape[1])
+        if layout is not None and layout.chunk != q.shape[1]:
+            raise ValueError(f"the token layout has {layout.chunk} tokens per rank, q has {q.shape[1]} (dim 1)")
         dims = self.dims
         if dims.sp_degree == 1:
-            if joint_prefix:
-                return local_joint_attention(
-                    self.backend, q, k, v, joint_prefix=joint_prefix, prefix_mask=prefix_mask,
-                    softmax_scale=self.softmax_scale, valid_len=valid_len,
-                )
-            return local_attention(self.backend, q, k, v, softmax_scale=self.softmax_scale, valid_len=valid_len)
-        if joint_prefix:
-            return self._joint_parallel_forward(q, k, v, valid_len, dims, joint_prefix, prefix_mask)
-        return self._parallel_forward(q, k, v, valid_len, dims)
+            return local_attention(self.backend, q, k, v, softmax_scale=self.softmax_scale, layout=layout)
+        return self._parallel_forward(q, k, v, layout, dims)
 
-    def _parallel_forward(self, q: Tensor, k: Tensor, v: Tensor, valid_len: int | None, dims) -> Tensor:
+    def _parallel_forward(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout | None, dims) -> Tensor:
         if dims.ulysses_degree > 1:
             q, k, v = self._sequence_to_heads(q, k, v, dims)  # (B, U*S_local, H/U, D)
         if dims.ring_degree > 1:
-            out = ring_attention(
-                q, k, v, self.backend, dims, softmax_scale=self.softmax_scale, valid_len=valid_len
-            )
-        else:
-            out = local_attention(self.backend, q, k, v, softmax_scale=self.softmax_scale, valid_len=valid_len)
+            out = ring_attention(q, k, v, self.backend, dims, softmax_scale=self.softmax_scale, layout=layout)
+        else:  # Ulysses only: the chunks of the whole group are here, for this rank's heads
+            out = local_attention(self.backend, q, k, v, softmax_scale=self.softmax_scale, layout=layout,
+                                  count=dims.ulysses_degree)
         if dims.ulysses_degree > 1:
             out = all_to_all(out, dims.ulysses_group, scatter_dim=1, gather_dim=2)  # (B, S_local, H, D)
         return out
-
-    def _joint_parallel_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, valid_len: int | None, dims, joint_prefix: int, prefix_mask
-    ) -> Tensor:
-        """``[text ; image shard]`` ``(B, P + S_local, H, D)``: the image part takes the usual USP path, the
-        replicated text is split by heads (Ulysses) and attended as one local K/V chunk (ring)."""
-        text = [t[:, :joint_prefix] for t in (q, k, v)]  # (B, P, H, D), identical on every SP rank
-        q, k, v = (t[:, joint_prefix:] for t in (q, k, v))  # (B, S_local, H, D), this rank's image shard
-
-        if dims.ulysses_degree > 1:
-            q, k, v = self._sequence_to_heads(q, k, v, dims)  # (B, U*S_local, H/U, D)
-            # Text is whole on every rank already: no exchange, just this rank's heads.
-            text = [text_head_slice(t, dims.ulysses_rank, dims.ulysses_degree) for t in text]  # (B, P, H/U, D)
-        if dims.ring_degree > 1:
-            text = ReplicatedText(*text, real_prefix_indices(prefix_mask))
-            out, text_out = joint_ring_attention(
-                q, k, v, text, self.backend, dims, softmax_scale=self.softmax_scale, valid_len=valid_len
-            )
-        else:  # Ulysses only: the whole joint sequence is here, for this rank's heads
-            joint = local_joint_attention(
-                self.backend, *(torch.cat([t, x], dim=1) for t, x in zip(text, (q, k, v))),
-                joint_prefix=joint_prefix, prefix_mask=prefix_mask, softmax_scale=self.softmax_scale,
-                valid_len=valid_len,
-            )
-            text_out, out = joint[:, :joint_prefix], joint[:, joint_prefix:]
-        if dims.ulysses_degree > 1:
-            out = all_to_all(out, dims.ulysses_group, scatter_dim=1, gather_dim=2)  # (B, S_local, H, D)
-            text_out = gather_text_heads(text_out, dims.ulysses_group)  # (B, P, H, D)
-        return torch.cat([text_out, out], dim=1)  # (B, P + S_local, H, D)
 
     @staticmethod
     def _sequence_to_heads(q: Tensor, k: Tensor, v: Tensor, dims) -> tuple[Tensor, Tensor, Tensor]:

@@ -8,26 +8,22 @@ Backward re-rotates K/V the same way and sends an fp32 dK/dV accumulator along w
 accumulator has visited every rank and arrives back at the rank that owns the block. Every hop calls the backend's
 ``backward_ring_kv_chunk`` with the FINAL merged out and lse, which is what makes the chunk gradients add up exactly.
 
-Padding: the global sequence may be padded at its tail (``valid_len`` real tokens). Query rows beyond it return zeros
-(and get zero gradients), padded keys get no attention weight: hops whose K/V block is all padding are skipped and
-partly padded blocks are cut to their real prefix (the kernels never see an empty or masked block).
+Which keys are real (``layout``, a ``ringdit.attention.layout.TokenLayout``): each stream of the sequence (the
+tokens; or text and image for joint attention, each sharded) may be padded at its tail, and text may carry a key
+mask. Padded and masked keys get no attention weight: hops whose K/V block has no real key are skipped, the others
+are cut to their real keys (a view for one contiguous run), so the kernels never see an empty or masked block.
+Padded query rows return zeros and get zero gradients.
 
-Joint text-image attention (``JointRingAttentionFunction``): a replicated text prefix rides along without rotating;
-its K/V are one extra local chunk merged by LSE, forward and backward (see ringdit.attention.joint).
-
-(303 lines: the forward and backward of both autograd functions share their hop loop, and are easiest to check side
-by side.)
+(The forward and backward share their hop loop, and are easiest to check side by side.)
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ringdit.attention.backend import AttentionBackend, Tensor, accumulation_dtype
-from ringdit.attention.joint import prefix_chunk_backward, prefix_chunk_forward
+from ringdit.attention.layout import TokenLayout, add_at, is_empty, take
 from ringdit.parallel.mesh import ParallelDims
 
 # Separate tags keep the K/V and dK/dV streams apart on backends that match messages by tag (gloo).
@@ -84,146 +80,88 @@ def merge_attention_chunk_(out: Tensor, lse: Tensor, chunk_out: Tensor, chunk_ls
     return lse
 
 
-def real_tokens_in_block(block: int, block_len: int, valid_len: int | None) -> int:
-    """How many of block ``block``'s ``block_len`` tokens lie before ``valid_len`` (the rest is tail padding)."""
-    if valid_len is None:
-        return block_len
-    return max(0, min(block_len, valid_len - block * block_len))
-
-
 class RingAttentionFunction(torch.autograd.Function):
     """Ring attention of this rank's block ``q, k, v: (B, L, H, D)`` -> ``out (B, L, H, D)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, backend: AttentionBackend, softmax_scale, dims: ParallelDims, valid_len):
+    def forward(ctx, q, k, v, backend: AttentionBackend, softmax_scale, dims: ParallelDims, layout):
         # Statistics and merges in fp32 even under autocast (backward runs outside autocast and must agree).
         with torch.autocast(q.device.type, enabled=False):
-            out, lse, _, _ = _ring_forward(q, k, v, None, backend, softmax_scale, dims, valid_len)
+            out, lse = _ring_forward(q, k, v, backend, softmax_scale, dims, layout)
         # k and v rather than the stacked copy: the caller keeps them anyway, the copy would double them.
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backend, ctx.softmax_scale, ctx.dims, ctx.valid_len = backend, softmax_scale, dims, valid_len
+        ctx.backend, ctx.softmax_scale, ctx.dims, ctx.layout = backend, softmax_scale, dims, layout
         return out
 
     @staticmethod
     def backward(ctx, dout):
         with torch.autocast(dout.device.type, enabled=False):  # also when backward is called inside autocast
-            dq, dk, dv, _ = _ring_backward(ctx, dout, *ctx.saved_tensors)
+            dq, dk, dv = _ring_backward(ctx, dout, *ctx.saved_tensors)
         return dq, dk, dv, None, None, None, None
 
 
-@dataclass
-class ReplicatedText:
-    """The replicated text prefix of joint attention on this rank: ``q, k, v (B, P, h, D)``, the same on every rank
-    of the ring, and ``keys``, each sample's real text positions (None: all real). See ringdit.attention.joint."""
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    keys: list[Tensor] | None = None
+def _blocks(dims: ParallelDims, layout: TokenLayout | None, step: int):
+    """The ring block held at ``step`` (ring rank ``(ring_rank - step) % R``) and its real keys: the block of ring
+    rank j is the chunks of its Ulysses group, ``j * U .. j * U + U - 1`` (sp_rank = ring_rank * U + ulysses_rank)."""
+    block = (dims.ring_rank - step) % dims.ring_degree
+    return None if layout is None else layout.keys(block * dims.ulysses_degree, dims.ulysses_degree)
 
 
-class JointRingAttentionFunction(torch.autograd.Function):
-    """Ring attention over ``[text ; image]``: the image blocks ``q, k, v (B, L, h, D)`` rotate, the replicated
-    text ``q_text, k_text, v_text (B, P, h, D)`` stays local as one extra K/V chunk that every query meets once.
-
-    Returns ``(out (B, L, h, D), out_text (B, P, h, D))``; ``out_text`` is bit-identical on every rank of the ring.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, q_text, k_text, v_text, backend, softmax_scale, dims, valid_len, text_keys):
-        text = ReplicatedText(q_text, k_text, v_text, text_keys)
-        with torch.autocast(q.device.type, enabled=False):
-            out, lse, text_out, text_lse = _ring_forward(q, k, v, text, backend, softmax_scale, dims, valid_len)
-        ctx.save_for_backward(q, k, v, out, lse, q_text, k_text, v_text, text_out, text_lse)
-        ctx.backend, ctx.softmax_scale, ctx.dims, ctx.valid_len = backend, softmax_scale, dims, valid_len
-        ctx.text_keys = text_keys
-        return out, text_out
-
-    @staticmethod
-    def backward(ctx, dout, dout_text):
-        q, k, v, out, lse, q_text, k_text, v_text, text_out, text_lse = ctx.saved_tensors
-        text = ReplicatedText(q_text, k_text, v_text, ctx.text_keys)
-        with torch.autocast(dout.device.type, enabled=False):
-            dq, dk, dv, text_grads = _ring_backward(
-                ctx, dout, q, k, v, out, lse, text, dout_text.contiguous(), text_out, text_lse
-            )
-        return dq, dk, dv, *text_grads, None, None, None, None, None
+def _query_rows(dims: ParallelDims, layout: TokenLayout | None) -> Tensor | None:
+    """This rank's real query rows (None: all real)."""
+    if layout is None:
+        return None
+    return layout.real_rows(dims.ring_rank * dims.ulysses_degree, dims.ulysses_degree)
 
 
-def _ring_forward(q, k, v, text: ReplicatedText | None, backend, softmax_scale, dims: ParallelDims, valid_len):
-    """The forward hops; returns ``(out, lse)`` of the image rows and ``(text_out, text_lse)`` (None without text)."""
+def _ring_forward(q, k, v, backend, softmax_scale, dims: ParallelDims, layout):
+    """The forward hops; returns ``(out, lse)`` (padded query rows: zeros)."""
     batch, block_len, heads, head_size = q.shape
-    ring_size, ring_rank = dims.ring_degree, dims.ring_rank
+    ring_size = dims.ring_degree
     exchange = RingExchange(dims)
     acc = accumulation_dtype(q.dtype)
-    n_q = real_tokens_in_block(ring_rank, block_len, valid_len)
 
     out = q.new_zeros(batch, block_len, heads, head_size, dtype=acc)
     lse = q.new_full((batch, heads, block_len), float("-inf"), dtype=acc)
-    text_hops = {}  # image block index -> (out, lse) of the text queries against that block
     kv = torch.stack([k, v])  # (2, B, L, H, D): one message per hop
     for step in range(ring_size):
         if step + 1 < ring_size:
             next_kv = exchange.start(kv, _KV_TAG)
-        block = (ring_rank - step) % ring_size
-        n_k = real_tokens_in_block(block, block_len, valid_len)
-        if n_q and n_k:
-            _attend_hop(backend, softmax_scale, q[:, :n_q], kv[:, :, :n_k], out[:, :n_q], lse[:, :, :n_q])
-        if text is not None and n_k:
-            text_hops[block] = backend.forward_ring_kv_chunk(
-                text.q, kv[0, :, :n_k], kv[1, :, :n_k], softmax_scale=softmax_scale
-            )
+        keys = _blocks(dims, layout, step)
+        if not is_empty(keys):
+            _attend_hop(backend, softmax_scale, q, kv, out, lse, keys)
         if step + 1 < ring_size:
             exchange.wait(_KV_TAG)
             kv = next_kv
-    if text is None:
-        return out.to(q.dtype), lse, None, None
-
-    # The text K/V: a local chunk that never rotates, so every query meets it exactly once.
-    if n_q:
-        text_chunk = prefix_chunk_forward(backend, softmax_scale, q[:, :n_q], text.k, text.v, text.keys)
-        merge_attention_chunk_(out[:, :n_q], lse[:, :, :n_q], *text_chunk)
-    text_out = torch.zeros_like(text.q, dtype=acc)
-    text_lse = q.new_full((batch, heads, text.q.shape[1]), float("-inf"), dtype=acc)
-    merge_attention_chunk_(
-        text_out, text_lse, *prefix_chunk_forward(backend, softmax_scale, text.q, text.k, text.v, text.keys)
-    )
-    # A fixed merge order (not the hop order, which differs per rank) gives the same bits on every rank.
-    for block in sorted(text_hops):
-        merge_attention_chunk_(text_out, text_lse, *text_hops[block])
-    return out.to(q.dtype), lse, text_out.to(q.dtype), text_lse
+    rows = _query_rows(dims, layout)
+    if rows is not None:
+        out[:, ~rows] = 0  # padded query rows: zeros (their lse stays: backward gives them no gradient)
+    return out.to(q.dtype), lse
 
 
-def _ring_backward(ctx, dout, q, k, v, out, lse, text=None, dout_text=None, text_out=None, text_lse=None):
-    """The backward hops; returns ``dq, dk, dv`` of the image block and the text's ``(dq, dk, dv)`` (or None)."""
-    dims, valid_len, backend, scale = ctx.dims, ctx.valid_len, ctx.backend, ctx.softmax_scale
-    ring_size, ring_rank = dims.ring_degree, dims.ring_rank
-    block_len = q.shape[1]
+def _ring_backward(ctx, dout, q, k, v, out, lse):
+    """The backward hops; returns ``dq, dk, dv`` of this rank's block."""
+    dims, layout, backend, scale = ctx.dims, ctx.layout, ctx.backend, ctx.softmax_scale
+    ring_size = dims.ring_degree
     exchange = RingExchange(dims)
-    n_q = real_tokens_in_block(ring_rank, block_len, valid_len)
     dout = dout.contiguous()
+    rows = _query_rows(dims, layout)
+    if rows is not None:
+        dout = dout.masked_fill(~rows[None, :, None, None], 0)  # padded query rows send no gradient
 
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros_like(q, dtype=acc)
     # dkv: the fp32 gradient accumulator of the K/V block held this hop; it travels with the block.
     dkv = q.new_zeros((2, *q.shape), dtype=acc)  # (2, B, L, H, D)
     kv = torch.stack([k, v])
-    if text is not None:
-        dq_text = torch.zeros_like(text.q, dtype=acc)
-        dkv_text = q.new_zeros((2, *text.k.shape), dtype=acc)  # (2, B, P, h, D): stays here, like the text K/V
     for step in range(ring_size):
         if step + 1 < ring_size:
             next_kv = exchange.start(kv, _KV_TAG)
         if step > 0:
             exchange.wait(_DKV_TAG)  # the accumulator that arrived belongs to this hop's block
-        n_k = real_tokens_in_block((ring_rank - step) % ring_size, block_len, valid_len)
-        if n_q and n_k:
-            _grad_hop(
-                backend, scale, dout[:, :n_q], q[:, :n_q], kv[:, :, :n_k], out[:, :n_q],
-                lse[:, :, :n_q], dq[:, :n_q], dkv[:, :, :n_k],
-            )
-        if text is not None and n_k:
-            _grad_hop(backend, scale, dout_text, text.q, kv[:, :, :n_k], text_out, text_lse, dq_text, dkv[:, :, :n_k])
+        keys = _blocks(dims, layout, step)
+        if not is_empty(keys):
+            _grad_hop(backend, scale, dout, q, kv, out, lse, dq, dkv, keys)
         if ring_size > 1:
             dkv = exchange.start(dkv, _DKV_TAG)
         if step + 1 < ring_size:
@@ -232,43 +170,39 @@ def _ring_backward(ctx, dout, q, k, v, out, lse, text=None, dout_text=None, text
     if ring_size > 1:
         exchange.wait(_DKV_TAG)  # after N sends, our own block's accumulator is back
     dk, dv = dkv.to(q.dtype).unbind(0)
-    if text is None:
-        return dq.to(q.dtype), dk, dv, None
-
-    # The local text chunk, met once by this rank's image queries and once by its text queries.
-    if n_q:
-        _grad_text_chunk(
-            backend, scale, dout[:, :n_q], q[:, :n_q], text, out[:, :n_q], lse[:, :, :n_q], dq[:, :n_q], dkv_text
-        )
-    _grad_text_chunk(backend, scale, dout_text, text.q, text, text_out, text_lse, dq_text, dkv_text)
-    dk_text, dv_text = dkv_text.to(q.dtype).unbind(0)
-    return dq.to(q.dtype), dk, dv, (dq_text.to(q.dtype), dk_text, dv_text)
+    return dq.to(q.dtype), dk, dv
 
 
-def _attend_hop(backend, softmax_scale, q, kv, out, lse) -> None:
-    """Attend ``q`` to one K/V block and merge into ``out``/``lse`` in place (temporaries die on return)."""
-    chunk_out, chunk_lse = backend.forward_ring_kv_chunk(q, kv[0], kv[1], softmax_scale=softmax_scale)
+def _attend_hop(backend, softmax_scale, q, kv, out, lse, keys) -> None:
+    """Attend ``q`` to the real keys of one K/V block and merge into ``out``/``lse`` in place."""
+    if isinstance(keys, list):  # samples differ (masked text): one kernel call per sample
+        for b, sample_keys in enumerate(keys):
+            if not is_empty(sample_keys):
+                sample = slice(b, b + 1)
+                _attend_hop(backend, softmax_scale, q[sample], kv[:, sample], out[sample], lse[sample], sample_keys)
+        return
+    chunk_out, chunk_lse = backend.forward_ring_kv_chunk(
+        q, take(kv[0], keys, 1), take(kv[1], keys, 1), softmax_scale=softmax_scale
+    )
     merge_attention_chunk_(out, lse, chunk_out, chunk_lse)
 
 
-def _grad_hop(backend, softmax_scale, dout, q, kv, out, lse, dq, dkv) -> None:
-    """Add one K/V block's share of the gradient into the fp32 accumulators ``dq`` and ``dkv``."""
+def _grad_hop(backend, softmax_scale, dout, q, kv, out, lse, dq, dkv, keys) -> None:
+    """Add one K/V block's share of the gradient into the fp32 accumulators ``dq`` and ``dkv`` (masked and padded
+    keys get none)."""
+    if isinstance(keys, list):
+        for b, sample_keys in enumerate(keys):
+            if not is_empty(sample_keys):
+                s = slice(b, b + 1)
+                _grad_hop(backend, softmax_scale, dout[s], q[s], kv[:, s], out[s], lse[s], dq[s], dkv[:, s],
+                          sample_keys)
+        return
     dq_chunk, dk_chunk, dv_chunk = backend.backward_ring_kv_chunk(
-        dout, q, kv[0], kv[1], out, lse, softmax_scale=softmax_scale
+        dout, q, take(kv[0], keys, 1), take(kv[1], keys, 1), out, lse, softmax_scale=softmax_scale
     )
     dq += dq_chunk
-    dkv[0] += dk_chunk
-    dkv[1] += dv_chunk
-
-
-def _grad_text_chunk(backend, softmax_scale, dout, q, text: ReplicatedText, out, lse, dq, dkv_text) -> None:
-    """Add the text K/V chunk's share of the gradient (masked keys get none) into ``dq`` and ``dkv_text``."""
-    dq_chunk, dk_chunk, dv_chunk = prefix_chunk_backward(
-        backend, softmax_scale, dout, q, text.k, text.v, out, lse, text.keys
-    )
-    dq += dq_chunk
-    dkv_text[0] += dk_chunk
-    dkv_text[1] += dv_chunk
+    add_at(dkv[0], keys, dk_chunk, 1)
+    add_at(dkv[1], keys, dv_chunk, 1)
 
 
 def ring_attention(
@@ -279,28 +213,11 @@ def ring_attention(
     dims: ParallelDims,
     *,
     softmax_scale: float | None = None,
-    valid_len: int | None = None,
+    layout: TokenLayout | None = None,
 ) -> Tensor:
     """Attention of this rank's query block ``(B, L, H, D)`` to the K/V blocks of every rank of its ring.
 
-    Ring rank j holds tokens ``[j * L, (j + 1) * L)`` of the sequence; ``valid_len`` counts the real ones.
+    Ring rank j holds the chunks of its Ulysses group (``L = U * chunk`` tokens); ``layout`` says which of them are
+    real keys and rows (None: all of them).
     """
-    return RingAttentionFunction.apply(q, k, v, backend, softmax_scale, dims, valid_len)
-
-
-def joint_ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    text: ReplicatedText,
-    backend: AttentionBackend,
-    dims: ParallelDims,
-    *,
-    softmax_scale: float | None = None,
-    valid_len: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """``ring_attention`` of the image block ``(B, L, h, D)`` plus a replicated text prefix ``text`` (``(B, P, h, D)``
-    on every rank) that every query attends once; returns ``(out (B, L, h, D), text_out (B, P, h, D))``."""
-    return JointRingAttentionFunction.apply(
-        q, k, v, text.q, text.k, text.v, backend, softmax_scale, dims, valid_len, text.keys
-    )
+    return RingAttentionFunction.apply(q, k, v, backend, softmax_scale, dims, layout)

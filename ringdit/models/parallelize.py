@@ -21,14 +21,14 @@ import contextvars
 import sys
 from fnmatch import fnmatchcase
 from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
 
-from ringdit.attention import AttentionBackend, LocalAttention, USPAttention, get_attn_backend
+from ringdit.attention import AttentionBackend, LocalAttention, Stream, TokenLayout, USPAttention, get_attn_backend
 from ringdit.models.plan import Key, ParallelPlan
 from ringdit.parallel import ParallelDims, gather_sequence, shard_sequence
+from ringdit.parallel.collectives import chunk_length
 
 Tensor = torch.Tensor
 
@@ -36,28 +36,61 @@ Tensor = torch.Tensor
 _active_module: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar("ringdit_attention", default=None)
 
 
+TOKENS, TEXT = "tokens", "text"  # the streams: the (image / video) tokens, and joint attention's text
+
+
 class SequenceState:
-    """The mesh the split and gather run over (``dims``), and the global token count of the forward in flight: fixed
-    by the first split, read by self-attention (the tail padding beyond it gets no attention weight) and by the
-    gather. The count is reset when the model's forward starts and kept after it, because activation checkpointing
-    recomputes blocks during backward."""
+    """The mesh the split and gather run over (``dims``), and what one forward's sequence is: the global length of
+    each stream, fixed by its first split (``TOKENS``, and ``TEXT`` for joint attention) and the text's key mask.
+    From them ``layout`` tells attention which tokens of every rank's chunk are real. All of it is reset when the
+    model's forward starts and kept after it, because activation checkpointing recomputes blocks during backward."""
 
-    def __init__(self, dims: ParallelDims):
-        self.dims = dims
-        self.length: int | None = None
-        self.text_length = 0  # joint attention: the replicated text tokens leading the sequence
-        self.text_mask: Tensor | None = None  # (B, text_length) bool, True on real tokens
+    def __init__(self, dims: ParallelDims, text_first: bool = True):
+        self.dims, self.text_first = dims, text_first
+        self.reset()
 
-    def record(self, length: int) -> None:
-        if self.length is None:
-            self.length = length
-        elif self.length != length:
-            raise ValueError(f"a planned split saw {length} tokens after another saw {self.length}: the plan's split "
-                             f"points must carry the same token sequence")
+    def reset(self) -> None:
+        self.lengths: dict[str, int] = {}
+        self.text_mask: Tensor | None = None  # (B, L) bool, True on real text tokens
+        self.text_mask_seen = False
+        self._layouts: dict[bool, TokenLayout | None] = {}
+
+    @property
+    def length(self) -> int | None:
+        """The global token count of the forward in flight (None before the first split)."""
+        return self.lengths.get(TOKENS)
+
+    def record(self, length: int, stream: str = TOKENS) -> None:
+        if stream not in self.lengths:
+            self.lengths[stream] = length
+            self._layouts.clear()
+        elif self.lengths[stream] != length:
+            raise ValueError(f"a planned {stream} split saw {length} tokens after another saw {self.lengths[stream]}: "
+                             f"the plan's {stream} split points must carry the same sequence")
+
+    def layout(self, joint: bool) -> TokenLayout | None:
+        """Which tokens of every rank's chunk are real: the tokens (self-attention), or text and tokens in the
+        chunk's order (joint attention). None when every token is here and real."""
+        if joint not in self._layouts:
+            self._layouts[joint] = self._build_layout(joint)
+        return self._layouts[joint]
+
+    def _build_layout(self, joint: bool) -> TokenLayout | None:
+        ranks = self.dims.sp_degree
+        if TOKENS not in self.lengths or (ranks == 1 and (not joint or self.text_mask is None)):
+            return None  # every token here and real: plain attention (no mask reading inside compiled graphs)
+        tokens = Stream(self.lengths[TOKENS], chunk_length(self.lengths[TOKENS], ranks))
+        if not joint:
+            return TokenLayout([tokens])
+        if TEXT not in self.lengths:
+            raise ValueError("joint attention ran before any text split: the plan's text_inputs must cut the text "
+                             "before the first joint attention module runs")
+        text = Stream(self.lengths[TEXT], chunk_length(self.lengths[TEXT], ranks), self.text_mask)
+        return TokenLayout([text, tokens] if self.text_first else [tokens, text])
 
     def __deepcopy__(self, memo) -> SequenceState:
         # A copy of the model (the EMA) runs its own forwards: its own counts, over the same mesh (never copied).
-        copy = SequenceState(self.dims)
+        copy = SequenceState(self.dims, self.text_first)
         memo[id(self)] = copy
         return copy
 
@@ -75,7 +108,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | None = None, dims: Parall
         raise ValueError(f"{type(model).__name__} is parallelized already; parallelize a freshly built model")
     plan = model.parallel_plan if plan is None else plan
     backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
-    state = SequenceState(dims or ParallelDims())
+    state = SequenceState(dims or ParallelDims(), plan.text_first)
     model._ringdit_sequence = state
     model.register_forward_pre_hook(_start_sequence)
 
@@ -90,22 +123,22 @@ def parallelize(model: nn.Module, plan: ParallelPlan | None = None, dims: Parall
         _route(module, PlannedAttention(usp, state, joint=name in joint_attention))
     for module in cross_attention.values():
         _route(module, PlannedAttention(LocalAttention(backend), state, joint=False))
-    if joint_attention and plan.text_prefix is None:
-        raise ValueError("a plan with joint_attention must name its text_prefix input")
-    if plan.text_prefix is not None:
-        name, key, dim = plan.text_prefix
-        for module in _matching(model, (name,), "text_prefix").values():
+    if joint_attention and not plan.text_inputs:
+        raise ValueError("a plan with joint_attention must name the inputs that carry its text (text_inputs)")
+    if plan.text_mask is not None:  # registered first: it reads the mask whole, before the split cuts it
+        name, key = plan.text_mask
+        for module in _matching(model, (name,), "text_mask").values():
             module._ringdit_sequence = state
-            module.register_forward_pre_hook(partial(_record_text, key, dim, plan.text_mask), with_kwargs=True)
-
-    for name, module in _matching(model, plan.split_inputs, "split_inputs").items():
-        module._ringdit_sequence = state
-        module.register_forward_pre_hook(partial(_split_inputs, plan.split_inputs[_pattern_of(name, plan.split_inputs)]),
-                                         with_kwargs=True)
-    for table, transform in ((plan.split_outputs, _shard), (plan.gather_outputs, _gather)):
+            module.register_forward_pre_hook(partial(_record_text_mask, key), with_kwargs=True)
+    for table, stream in ((plan.split_inputs, TOKENS), (plan.text_inputs, TEXT)):
+        for name, module in _matching(model, table, "inputs").items():
+            module._ringdit_sequence = state
+            module.register_forward_pre_hook(partial(_split_inputs, _keys_of(name, table), stream), with_kwargs=True)
+    for table, transform in ((plan.split_outputs, partial(_shard, stream=TOKENS)),
+                             (plan.text_outputs, partial(_shard, stream=TEXT)), (plan.gather_outputs, _gather)):
         for name, module in _matching(model, table, "outputs").items():
             module._ringdit_sequence = state
-            module.register_forward_hook(partial(_transform_outputs, table[_pattern_of(name, table)], transform))
+            module.register_forward_hook(partial(_transform_outputs, _keys_of(name, table), transform))
     return model
 
 
@@ -120,7 +153,7 @@ def repeated_blocks(model: nn.Module, plan: ParallelPlan | None = None) -> list[
 
 
 def _start_sequence(model: nn.Module, args) -> None:
-    model._ringdit_sequence.length = None
+    model._ringdit_sequence.reset()
 
 
 # ---- attention ---------------------------------------------------------------------------------------------------
@@ -144,24 +177,27 @@ class PlannedAttention(nn.Module):
             raise NotImplementedError("this attention passes an attention mask; ringdit takes masks only on the text "
                                       "keys of joint attention (plan it as joint_attention)")
         _check_scale(softmax_scale, attention.softmax_scale)
-        valid_len = state.length if state.dims.sp_degree > 1 else None
-        if not self.joint:
-            return attention(query, key, value, valid_len=valid_len)
-        # [text ; image]: the text replicated, the image sharded
-        text_mask = _text_mask_of(attn_mask, state.text_length) if attn_mask is not None else state.text_mask
-        return attention(query, key, value, valid_len=valid_len, joint_prefix=state.text_length, prefix_mask=text_mask)
+        layout = state.layout(self.joint)
+        if attn_mask is not None:
+            _check_key_mask(attn_mask, state, layout, query.shape[1])
+        return attention(query, key, value, layout=layout)
 
 
-def _text_mask_of(attn_mask: Tensor, text_length: int) -> Tensor | None:
-    """A joint attention's key mask ``(B, 1, 1, text + image)`` (QwenImage's) as the text keys' mask ``(B, text)``:
-    the image keys must all be attended (their padding is ringdit's, handled by ``valid_len``)."""
+def _check_key_mask(attn_mask: Tensor, state: SequenceState, layout: TokenLayout | None, length: int) -> None:
+    """A joint attention's own key mask ``(B, 1, 1, keys)`` (QwenImage builds one from its text mask) must mask text
+    keys only, and only those the plan's ``text_mask`` records: the ring reads every rank's text mask from there."""
     keys = attn_mask.reshape(attn_mask.shape[0], -1)
-    if attn_mask.dtype != torch.bool or keys.shape[1] != attn_mask.shape[-1]:
+    if attn_mask.dtype != torch.bool or keys.shape[1] != attn_mask.shape[-1] or keys.shape[1] != length:
         raise NotImplementedError("ringdit takes a joint attention mask only as a boolean key mask (B, 1, 1, keys)")
-    if not bool(keys[:, text_length:].all()):
+    if layout is None:
+        return
+    text = layout.streams[0 if state.text_first else 1].chunk
+    image = keys[:, text:] if state.text_first else keys[:, : keys.shape[1] - text]
+    if not bool(image.all()):
         raise NotImplementedError("ringdit takes masks on the text keys only; this model masks image keys")
-    text_mask = keys[:, :text_length]
-    return None if bool(text_mask.all()) else text_mask
+    if state.text_mask is None and not bool(keys.all()):
+        raise NotImplementedError("this model masks text keys; name the input that carries its text mask in the "
+                                  "plan's text_mask")
 
 
 def _check_scale(scale: float | None, expected: float) -> None:
@@ -225,8 +261,8 @@ def _install_router(processor_module: str) -> None:
 # ---- split / gather ----------------------------------------------------------------------------------------------
 
 
-def _shard(value: Tensor, dim: int, state: SequenceState) -> Tensor:
-    state.record(value.shape[dim])
+def _shard(value: Tensor, dim: int, state: SequenceState, stream: str = TOKENS) -> Tensor:
+    state.record(value.shape[dim], stream)
     return shard_sequence(value, dim=dim, dims=state.dims)
 
 
@@ -242,24 +278,23 @@ def _input(args: tuple, kwargs: dict, key: Key):
     return kwargs.get(key)
 
 
-def _record_text(key: Key, dim: int, mask: tuple[str, Key] | None, module: nn.Module, args: tuple, kwargs: dict):
-    """Remember how many replicated text tokens lead the joint sequence (and which are real) in this forward."""
+def _record_text_mask(key: Key, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Keep the whole text mask of this forward (the first time it is seen): attention reads every rank's part."""
     state = module._ringdit_sequence
-    state.text_length = _input(args, kwargs, key).shape[dim]
-    state.text_mask = None
-    if mask is not None and _input(args, kwargs, mask[1]) is not None:
-        state.text_mask = _input(args, kwargs, mask[1]).bool()
-        if bool(state.text_mask.all()):  # all real: the unmasked path needs no per-sample work
-            state.text_mask = None
+    mask = _input(args, kwargs, key)
+    if not state.text_mask_seen:
+        state.text_mask_seen = True
+        state.text_mask = None if mask is None else mask.bool()
+        state._layouts.clear()
 
 
-def _split_inputs(keys: dict[Key, int], module: nn.Module, args: tuple, kwargs: dict):
+def _split_inputs(keys: dict[Key, int], stream: str, module: nn.Module, args: tuple, kwargs: dict):
     args = list(args)
     for key, dim in keys.items():
-        if isinstance(key, int) and key < len(args):
-            args[key] = _shard(args[key], dim, module._ringdit_sequence)
+        if isinstance(key, int) and key < len(args) and args[key] is not None:
+            args[key] = _shard(args[key], dim, module._ringdit_sequence, stream)
         elif isinstance(key, str) and kwargs.get(key) is not None:
-            kwargs[key] = _shard(kwargs[key], dim, module._ringdit_sequence)
+            kwargs[key] = _shard(kwargs[key], dim, module._ringdit_sequence, stream)
     return tuple(args), kwargs
 
 
@@ -286,5 +321,6 @@ def _matching(model: nn.Module, patterns, what: str) -> dict[str, nn.Module]:
     return found
 
 
-def _pattern_of(name: str, table: dict[str, Any]) -> str:
-    return next(pattern for pattern in table if fnmatchcase(name, pattern))
+def _keys_of(name: str, table: dict[str, dict[Key, int]]) -> dict[Key, int]:
+    """The keys of every pattern of ``table`` that matches ``name``, merged."""
+    return {key: dim for pattern, keys in table.items() if fnmatchcase(name, pattern) for key, dim in keys.items()}

@@ -5,9 +5,9 @@ To add a family (QwenImage, HunyuanVideo, LTX, ...):
 1. Read the transformer's ``forward``: find the module input that first carries the patch tokens
    (``split_inputs``), the module that turns per-position RoPE into per-token rotations or the position ids it
    reads (``split_outputs`` / ``split_inputs``), and the output projection (``gather_outputs``); list the attention
-   modules over the tokens (``self_attention``), over ``[text ; image]`` (``joint_attention``, with the
-   ``text_prefix`` input) and those whose keys are text only (``cross_attention``). Its processors must call
-   ``dispatch_attention_fn``.
+   modules over the tokens (``self_attention``), over ``[text ; image]`` (``joint_attention``: the text is sharded
+   too, so name where it is cut, ``text_inputs`` / ``text_outputs``, and its mask, ``text_mask``) and those whose
+   keys are text only (``cross_attention``). Its processors must call ``dispatch_attention_fn``.
 2. Write ``forward(transformer, x, t, cond)``: how ringdit's ``(B, C, [T,] H, W)`` latents, model time (0..1000)
    and conditioning dict map onto the diffusers call, returning the prediction shaped like ``x``.
 3. Register it in ``FAMILIES`` and add a ``conf/model/<family>*.yaml`` preset; an exactness test like
@@ -111,8 +111,8 @@ FLUX = Family(
     plan=ParallelPlan(
         blocks=("transformer_blocks", "single_transformer_blocks"),
         joint_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
-        text_prefix=("", "encoder_hidden_states", 1),  # replicated: every rank holds all text tokens
         split_inputs={"": {"hidden_states": 1, "img_ids": 0}},  # image tokens (B, S, 4C) and their ids (S, 3)
+        text_inputs={"": {"encoder_hidden_states": 1, "txt_ids": 0}},  # T5 states (B, L, D) and their ids (L, 3)
         gather_outputs={"proj_out": {None: 1}},  # (B, S, 4C): the image tokens only
     ),
     forward=_flux_forward,
@@ -145,9 +145,15 @@ QWENIMAGE = Family(
     plan=ParallelPlan(
         blocks=("transformer_blocks",),
         joint_attention=("transformer_blocks.*.attn",),
-        text_prefix=("", "encoder_hidden_states", 1),
         split_inputs={"transformer_blocks.0": {"hidden_states": 1, 0: 1}},  # (B, S, D) image tokens
         split_outputs={"pos_embed": {0: 0}},  # (image rotations (S, D/2), text rotations (L, D/2))
+        # The text (B, L, D) is cut where the image is; its mask (B, L) at every attention, which each block
+        # passes on whole from the model's forward. Before the cut the model's forward sees the whole text: its
+        # text rotations start after the image's largest position and need the global text length.
+        text_inputs={"transformer_blocks.0": {"encoder_hidden_states": 1, 1: 1},
+                     "transformer_blocks.*.attn": {"encoder_hidden_states_mask": 1}},
+        text_outputs={"pos_embed": {1: 0}},
+        text_mask=("transformer_blocks.0", "encoder_hidden_states_mask"),
         gather_outputs={"proj_out": {None: 1}},
     ),
     forward=_qwenimage_forward,
