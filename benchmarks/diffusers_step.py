@@ -114,16 +114,29 @@ def main() -> None:
         rows.append(results.get())
     base = rows[0][1]
     tokens = rows[0][2]
+    text = 512 if args.family == "flux" else 0  # Wan's text is cross-attention keys, not tokens of the sequence
     width = "12 heads x 128" if args.family == "wan" else "24 heads x 128"
     print(f"{args.family}-shaped transformer: {width}, {args.layers} layers, {tokens} image/video tokens + 512 text "
           f"tokens, backend {args.backend}, 1 thread per rank{', CFG parallel at 2 ranks' if args.cfg_parallel else ''}")
-    print("| ranks | train step (s) | speed-up | sampling step, CFG (s) | speed-up |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| ranks | tokens per rank | train step (s) | speed-up | sampling step, CFG (s) | speed-up |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for world, timings, _ in rows:
         train = timings.get("train")
         train_cells = f"{train:.2f} | {base['train'] / train:.2f}x" if train and "train" in base else "- | -"
-        print(f"| {world} | {train_cells} | {timings['sample']:.2f} | {base['sample'] / timings['sample']:.2f}x |")
+        sp = 1 if args.cfg_parallel else world
+        print(f"| {world} | {tokens_per_rank(tokens, text, sp)} | {train_cells} | {timings['sample']:.2f} | "
+              f"{base['sample'] / timings['sample']:.2f}x |")
+    if args.family == "flux":
+        print("\nTokens each rank computes per step, Flux at 1024x1024 (4096 image + 512 text tokens):")
+        print("| ring | text sharded with the image | text replicated (before) |")
+        print("|---:|---:|---:|")
+        for ring in (1, 2, 4, 8):
+            print(f"| {ring} | {tokens_per_rank(4096, 512, ring)} | {-(-4096 // ring) + 512} |")
 
+
+def tokens_per_rank(tokens: int, text: int, ranks: int) -> int:
+    """Image and text tokens one rank holds: each stream split into equal chunks, padded at its tail."""
+    return -(-tokens // ranks) + -(-text // ranks)
 
 if __name__ == "__main__":
     main()

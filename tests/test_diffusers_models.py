@@ -81,14 +81,35 @@ def check_wan_layouts(rank, world):
                 grad /= world
             where = f"ring {ring} x ulysses {ulysses}, latents {shape}"
             assert_matches_diffusers(out, grads, ref_out, ref_grads, where)
+        # Wan 2.2 TI2V: one timestep per token, 0 on the first (clean) latent frame; 27 tokens pad on every layout
+        reference, model, (x, _, text), dout = wan_case((3, 6, 6), dims=dims)
+        t = per_token_timesteps((3, 6, 6), torch.tensor([30.0, 810.0]))
+        ref_out, ref_grads = forward_backward(lambda: reference(x, t, text, return_dict=False)[0], reference, dout)
+        out, grads = forward_backward(lambda: model(x, t, {"text": text}), model.transformer, dout)
+        for grad in (g for g in grads.values() if g is not None):
+            dist.all_reduce(grad)
+            grad /= world
+        assert_matches_diffusers(out, grads, ref_out, ref_grads, f"ring {ring} x ulysses {ulysses}, per-token t")
+
+
+def per_token_timesteps(shape, t):
+    """(B, S) timesteps of the (T, H/2, W/2) tokens of latents ``shape`` (Wan's 1x2x2 patches): 0 on the first
+    frame's tokens (the given image), ``t`` elsewhere, as Wan 2.2 TI2V samples."""
+    frames, height, width = shape
+    first_frame = torch.zeros(frames, height // 2, width // 2, dtype=torch.bool)
+    first_frame[0] = True
+    return torch.where(first_frame.flatten(), 0.0, t[:, None])  # (B, S)
 
 
 def test_wan_matches_unmodified_diffusers_under_every_layout():
     run_ranks(check_wan_layouts, 4)
 
 
-def test_wan_one_process_equals_diffusers():
+@pytest.mark.parametrize("per_token", [False, True], ids=["timestep", "per_token_timesteps"])
+def test_wan_one_process_equals_diffusers(per_token):
     reference, model, (x, t, text), dout = wan_case((3, 6, 6))
+    if per_token:
+        t = per_token_timesteps((3, 6, 6), t)
     ref_out, ref_grads = forward_backward(lambda: reference(x, t, text, return_dict=False)[0], reference, dout)
     out, grads = forward_backward(lambda: model(x, t, {"text": text}), model.transformer, dout)
     assert_matches_diffusers(out, grads, ref_out, ref_grads)

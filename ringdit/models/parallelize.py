@@ -289,13 +289,19 @@ def _record_text_mask(key: Key, module: nn.Module, args: tuple, kwargs: dict) ->
 
 
 def _split_inputs(keys: dict[Key, int], stream: str, module: nn.Module, args: tuple, kwargs: dict):
+    """Cut the planned inputs to this rank's chunk. An input without the sequence dim in this forward stays whole:
+    a per-sample value (Wan's timestep (B,)) where the model also takes a per-token one (Wan 2.2's (B, S))."""
     args = list(args)
     for key, dim in keys.items():
-        if isinstance(key, int) and key < len(args) and args[key] is not None:
+        if isinstance(key, int) and key < len(args) and _has_dim(args[key], dim):
             args[key] = _shard(args[key], dim, module._ringdit_sequence, stream)
-        elif isinstance(key, str) and kwargs.get(key) is not None:
+        elif isinstance(key, str) and _has_dim(kwargs.get(key), dim):
             kwargs[key] = _shard(kwargs[key], dim, module._ringdit_sequence, stream)
     return tuple(args), kwargs
+
+
+def _has_dim(value, dim: int) -> bool:
+    return isinstance(value, Tensor) and value.dim() > dim
 
 
 def _transform_outputs(keys: dict[Key, int], transform, module: nn.Module, args, output):

@@ -58,7 +58,9 @@ WAN = Family(
         blocks=("blocks",),
         self_attention=("blocks.*.attn1",),
         cross_attention=("blocks.*.attn2",),
-        split_inputs={"blocks.0": {0: 1, "hidden_states": 1}},  # (B, S, D) patch tokens
+        # (B, S, D) patch tokens; Wan 2.2 TI2V's per-token timesteps (B, S) too, so their embeddings and every
+        # block's modulation (B, S, 6, D) are per-rank like the tokens (a per-sample timestep (B,) stays whole)
+        split_inputs={"blocks.0": {0: 1, "hidden_states": 1}, "": {"timestep": 1}},
         split_outputs={"rope": {0: 1, 1: 1}},  # (cos, sin), each (1, S, 1, head_dim)
         gather_outputs={"proj_out": {None: 1}},  # (B, S, patch_volume * C_out)
     ),
