@@ -5,6 +5,7 @@
     python -m ringdit.prepare input=media/ out=data/media vae=Wan2.1-T2V text_encoder=Wan2.1-T2V \
         buckets=auto resolution=[480,832] frames=81               # aspect-ratio / duration buckets, images too
     torchrun --nproc-per-node 8 -m ringdit.prepare ...        # rank r encodes shards r, r + 8, ...; re-run resumes
+    torchrun --nproc-per-node 8 -m ringdit.prepare ... parallel_vae=true  # all 8 ranks on each clip: VAE tiles split
 
 Settings: conf/prepare.yaml (``--help`` lists them with their defaults, ``--cfg job`` shows what a command line
 composes to); the work itself is ``ringdit.media.encode_folder``.

@@ -18,6 +18,14 @@ Work layout:
     ``out/shard-{i:05d}.safetensors``; each records its bucket as the ``bucket`` metadata (JSON: height, width,
     frames). Rank r of W (``RANK`` / ``WORLD_SIZE``, as torchrun sets them; 1 process otherwise) encodes shards
     r, r + W, r + 2W, ... on ``cuda:LOCAL_RANK`` when there is a GPU; no process group is needed.
+Parallel VAE (``parallel_vae=true``): every rank works on every clip instead, for clips too big for one rank to
+    encode quickly. Rank 0 runs the one-process prepare -- reads every file, encodes the captions, writes every
+    shard, resumes and checks the plan as one process does -- and before each VAE batch broadcasts its pixels to
+    the other ranks, which join ``VAE.encode(group=..., dst=0)``: the batch's spatial tiles split over all ranks
+    (``ringdit.media.parallel_vae``) and blended on rank 0. So the shards are one process's shards (bit-identical
+    when each tile is computed with the same kernels and thread count as there). The other ranks load only the VAE
+    and write nothing. The process group (gloo on CPU, nccl on GPUs) is made from torchrun's environment, unless
+    a default group is initialised already.
 Resume: a shard is written to a temp file and renamed, so a shard that exists is complete and is skipped; re-run
     the same command after an interruption. With buckets, a re-run whose plan differs from ``out/buckets.json``
     (files added or removed, other settings) while shards exist is refused: prepare into a new out= folder.
@@ -31,6 +39,8 @@ normalisation (``vae``) and the text encoder's folders (``text_encoder``), all J
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import logging
 import os
@@ -39,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ringdit.atomic import atomic_write
 from ringdit.data.text_latents import write_text_latents
@@ -66,8 +77,12 @@ class EncodeReport:
     missing: list[str] = field(default_factory=list)  # listed in metadata.jsonl / .csv but not there (rank 0 counts)
     seconds: float = 0.0
     buckets: dict[str, int] = field(default_factory=dict)  # bucket name (HxWxT) -> samples written now
+    tile_batches: int | None = None  # parallel_vae=true, ranks > 0: the VAE batches whose tiles this rank shared
 
     def summary(self) -> str:
+        if self.tile_batches is not None:  # a helper rank wrote nothing: say so instead of "0 samples"
+            return (f"parallel_vae=true: encoded a share of the VAE tiles of {self.tile_batches} batches in "
+                    f"{self.seconds:.1f} s; rank 0 wrote the shards and reports them")
         rate = self.samples / self.seconds if self.seconds > 0 else 0.0
         return (f"prepared {self.samples} samples into {self.shards_written} new shards "
                 f"({self.shards_skipped} already done) in {self.seconds:.1f} s ({rate:.2f} samples/s); skipped "
@@ -111,9 +126,38 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             vae_subfolder: str | None = "vae", caption_column: str = "text", resolution=256, frames: int = 17,
             frame_stride: int = 1, buckets=None, bucket_step: int | None = None, frame_buckets=None,
             max_text_len: int = 512, shard_size: int = 64, batch_size: int = 4, device: str | None = None,
-            dtype: str = "float32", tiling: bool = True, tile: int | None = None, rank: int | None = None,
-            world_size: int | None = None, progress: bool = True) -> EncodeReport:
+            dtype: str = "float32", tiling: bool = True, tile: int | None = None, parallel_vae: bool = False,
+            rank: int | None = None, world_size: int | None = None, progress: bool = True) -> EncodeReport:
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
+    if not isinstance(parallel_vae, bool):
+        raise ConfigError(f"parallel_vae must be true or false, got {parallel_vae!r}; pass parallel_vae=true to split "
+                          f"each clip's VAE tiles over the torchrun ranks, or parallel_vae=false (one rank per shard)")
+    if parallel_vae and tiling is False:
+        raise ConfigError("parallel_vae=true splits the VAE's spatial tiles over the ranks, but tiling=false makes "
+                          "no tiles; pass tiling=true (tile= sets their size), or parallel_vae=false")
+    if rank is None and world_size is None and parallel_vae and dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()  # a group made by the caller (e.g. a test)
+    elif rank is None or world_size is None:
+        rank, world_size = rank_and_world()
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} of world size {world_size} (RANK / WORLD_SIZE) is not a valid process; "
+                          f"launch with torchrun, or unset both for one process")
+    if parallel_vae and world_size == 1:
+        log.warning("parallel_vae=true in one process: there are no other ranks to share the tiles with, so this "
+                    "is the plain prepare; launch with torchrun --nproc-per-node N to split them over N ranks")
+    with TileGroup.joined(parallel_vae and world_size > 1, rank, world_size, device) as tiles:
+        return _encode_folder(input, out, vae, text_encoder, tokenizer, vae_subfolder=vae_subfolder,
+                              caption_column=caption_column, resolution=resolution, frames=frames,
+                              frame_stride=frame_stride, buckets=buckets, bucket_step=bucket_step,
+                              frame_buckets=frame_buckets, max_text_len=max_text_len, shard_size=shard_size,
+                              batch_size=batch_size, device=device, dtype=dtype, tiling=tiling, tile=tile,
+                              tiles=tiles, rank=rank, world_size=world_size, progress=progress)
+
+
+def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, caption_column, resolution, frames,
+                   frame_stride, buckets, bucket_step, frame_buckets, max_text_len, shard_size, batch_size, device,
+                   dtype, tiling, tile, tiles: TileGroup | None, rank, world_size, progress) -> EncodeReport:
+    """``encode_folder``'s work, given its ``TileGroup`` (parallel_vae=true on several ranks, else None)."""
     from tqdm.auto import tqdm
 
     from ringdit.training.preemption import sigterm_waits
@@ -133,11 +177,6 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
     if bucket_step is not None and parse_buckets(buckets) != "auto":
         raise ConfigError(f"bucket_step={bucket_step!r} is the size step of buckets=auto, but buckets="
                           f"{'null' if buckets is None else repr(buckets)}; pass buckets=auto, or drop bucket_step")
-    if rank is None or world_size is None:
-        rank, world_size = rank_and_world()
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} of world size {world_size} (RANK / WORLD_SIZE) is not a valid process; "
-                          f"launch with torchrun, or unset both for one process")
     out_dir = Path(str(out)).expanduser()
     if not bucketed and (out_dir / PLAN).is_file() and any(out_dir.glob("shard-*.safetensors")):
         raise ConfigError(f"out={out} holds shards prepared with buckets ({PLAN}); pass the buckets= setting they "
@@ -152,6 +191,13 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
                           f"one-frame buckets) or prepare them into separate out= folders")
     device = device or default_device()
     codec = VAE(vae, vae_subfolder, device=device, dtype=store, tiling=tiling, tile=tile)
+    encode = codec.encode
+    if tiles is not None:
+        tiles.check(codec, vae)
+        if rank != 0:  # a helper: its share of every batch's tiles, until rank 0 is done
+            return tiles.serve(codec)
+        encode = tiles.leader(codec)  # the pixels to the helpers, then the tile-parallel encode
+        rank, world_size = 0, 1  # from here rank 0 prepares every shard, as one process would
     if videos and not codec.is_video:
         raise ConfigError(f"vae={vae} is an image VAE ({codec.class_name}) but input={input} holds videos (first: "
                           f"{videos[0].path.name}); pass a video VAE folder (AutoencoderKLWan)")
@@ -214,7 +260,7 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             bar.update(len(batch))
             if not loaded:
                 continue
-            latents = codec.encode(torch.stack([pixels for _, pixels in loaded]))  # (B, C, [T',] H', W')
+            latents = encode(torch.stack([pixels for _, pixels in loaded]))  # (B, C, [T',] H', W')
             cond = encoder([item.caption for item, _ in loaded])
             for key, value in {"latents": latents, **cond}.items():
                 rows.setdefault(key, []).append(value)
@@ -238,6 +284,103 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
     bar.close()
     report.seconds = time.perf_counter() - start
     return report
+
+
+class TileGroup:
+    """parallel_vae=true on several ranks: rank 0 (the leader) prepares as one process and, for each VAE batch,
+    sends its pixels to the other ranks (the helpers), which then encode their share of its tiles with it.
+
+    One message a batch -- (shape, dtype) by ``broadcast_object_list``, then the pixels by ``broadcast`` -- and
+    ``None`` when the leader is done. The helpers need nothing but the VAE and this stream, so they read no file and
+    load no text encoder, and whatever ends the leader's run (its last shard, a settings error, a SIGTERM) ends
+    theirs: ``joined`` sends the ``None`` on the way out, unless the leader stopped inside a batch's collectives,
+    where a stray message would not match what the helpers wait for; torchrun then stops them."""
+
+    # The helpers wait on the leader's setup (probing every file, loading the text encoder) and on its file reading,
+    # text encoding and writing between batches: far longer than a collective usually takes.
+    TIMEOUT = datetime.timedelta(hours=2)
+
+    def __init__(self, group, transport: torch.device):
+        self.group, self.transport = group, transport
+        self.leading = False  # rank 0 passed the checks every rank makes: the helpers are serving and wait for it
+        self.busy = False  # inside a batch's collectives
+
+    @classmethod
+    @contextlib.contextmanager
+    def joined(cls, wanted: bool, rank: int, world_size: int, device: str | None):
+        """The TileGroup of this rank (None unless ``wanted``); the process group made from torchrun's environment
+        (``MASTER_ADDR`` ...) unless one is initialised, and destroyed after if made here."""
+        if not wanted:
+            yield None
+            return
+        made = not dist.is_initialized()
+        try:
+            on = torch.device(device or default_device())
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device={device!r} is not a torch device; e.g. device=cpu or device=cuda:0") from None
+        if not made and dist.get_world_size() != world_size:
+            raise ConfigError(f"parallel_vae=true: the process group has {dist.get_world_size()} ranks but "
+                              f"world_size={world_size} (WORLD_SIZE); launch with torchrun, which sets both alike")
+        if made:
+            if on.type == "cuda":
+                torch.cuda.set_device(on)
+            dist.init_process_group("nccl" if on.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                                    timeout=cls.TIMEOUT)
+        group = dist.group.WORLD
+        tiles = cls(group, on if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+        try:
+            yield tiles
+        finally:
+            if tiles.leading and not tiles.busy:
+                tiles._announce(None)  # the helpers stop, however the leader ended
+            if made:
+                dist.destroy_process_group()
+
+    @staticmethod
+    def check(codec: VAE, setting) -> None:
+        """A clear error, on every rank alike, where ``codec`` cannot split its encode into tiles."""
+        from ringdit.media.parallel_vae import IMAGE, VIDEO
+
+        name = type(codec.model).__name__
+        if name not in VIDEO + IMAGE:
+            raise ConfigError(f"parallel_vae=true: vae={setting} is {name}, whose encode ringdit cannot split into "
+                              f"tiles (it can for {', '.join(VIDEO + IMAGE)}); pass parallel_vae=false")
+        if not getattr(codec.model, "use_tiling", False):
+            raise ConfigError(f"parallel_vae=true: vae={setting} ({name}) has spatial tiling off, so there are no "
+                              f"tiles to split; pass tiling=true, or parallel_vae=false")
+
+    def _announce(self, pixels: torch.Tensor | None) -> None:
+        dist.broadcast_object_list([None if pixels is None else (tuple(pixels.shape), pixels.dtype)], src=0,
+                                   group=self.group)
+
+    def leader(self, codec: VAE):
+        """Rank 0's ``encode``: the batch to every rank, then its tiles encoded by all of them; latents here."""
+        self.leading = True
+
+        def encode(pixels: torch.Tensor) -> torch.Tensor:
+            self.busy = True
+            self._announce(pixels)
+            dist.broadcast(pixels.to(self.transport).contiguous(), src=0, group=self.group)
+            latents = codec.encode(pixels, group=self.group, dst=0)
+            self.busy = False
+            return latents
+        return encode
+
+    def serve(self, codec: VAE) -> EncodeReport:
+        """A helper's whole run: each batch rank 0 announces, received and encoded with it, until its ``None``."""
+        report, start = EncodeReport(tile_batches=0), time.perf_counter()
+        while True:
+            message = [None]
+            dist.broadcast_object_list(message, src=0, group=self.group)
+            if message[0] is None:
+                break
+            shape, dtype = message[0]
+            pixels = torch.empty(shape, dtype=dtype, device=self.transport)
+            dist.broadcast(pixels, src=0, group=self.group)
+            codec.encode(pixels, group=self.group, dst=0)  # None here: the latents go to rank 0
+            report.tile_batches += 1
+        report.seconds = time.perf_counter() - start
+        return report
 
 
 def place_files(items: list[MediaItem], chooser: Buckets, progress: bool = False
