@@ -27,6 +27,10 @@ whole number of the model's patches, frames 1 + k x the VAE's temporal factor). 
 of one prompt per line) gives each prompt its own size (default size / frames, else the data's); samples of one
 shape are batched together, each keeps its number i and its seed.
 
+Step caching: ``cache=fbcache cache.threshold=0.1`` (First-Block Cache) or ``cache=teacache`` skips the model's
+blocks on steps whose first block (or its modulated input) changed little, reusing their cached residual; the
+decision is the same on every rank (ringdit.caching). ``cache=none`` (the default) samples exactly as without it.
+
 Writes samples.png (videos: samples.gif, plus sample-000.mp4 / .gif ... each) and samples.npz (images uint8
 (N, [T,] H, W, C), labels int64 (N,)) into the run's output directory; latent models write latents float32
 (N, C, [T,] H, W) instead of images, and
@@ -52,6 +56,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
+from ringdit.caching import StepCache
 from ringdit.checkpoints.weights import read_weights
 from ringdit.cli import hydra_main, register_resolvers, user_errors
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
@@ -84,6 +89,8 @@ def prepare(cfg: DictConfig):
     module = DiffusionModule(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
                             attention_backend=spec.layout.attention_backend, **weights)
     module.negative_condition = negative
+    if spec.cache.enabled:  # cache=fbcache / teacache: wrapped around each batch's sampling (ringdit.caching)
+        module.step_cache = StepCache(spec.cache, spec.cache.coefficients)
     negatives, negative_given = per_sample or (None, None)
     requests = SampleRequests(conditions, spec.seed, shapes=spec.sample_shapes(), negatives=negatives,
                               negative_given=negative_given)
@@ -197,6 +204,10 @@ def main(cfg: DictConfig) -> None:
     # SIGTERM: every rank stops at the next sampler step, the finished batches are written, exit code 143
     with stop_on_sigterm(trainer, logger=log):
         trainer.predict(module, dataloaders=requests, return_predictions=False)
+        if module.step_cache is not None and trainer.is_global_zero:
+            counts = module.step_cache.counts
+            log.info("cache=%s threshold=%g: %d of %d model evaluations ran every block (%d reused the cache)",
+                     spec.cache.kind, spec.cache.threshold, counts.full, counts.evaluations, counts.reused)
         writer = next(c for c in trainer.callbacks if isinstance(c, SampleWriter))
         group = decode_group() if output.vae else None
         files = shared_files(writer.npz_files, group)

@@ -24,6 +24,7 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, errors) -> No
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # every rank done with the group before any rank tears it down
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise

@@ -50,6 +50,9 @@ class ParallelDims:
     # unconditional (cfg_rank 1) half of the same samples; cfg_group pairs the ranks of equal sp_rank.
     cfg_group: ProcessGroup | None = None
     cfg_rank: int = 0
+    # CFG parallel with sequence parallelism: both replicas' SP groups together (the ranks that hold parts of one
+    # sample's two guidance halves), for a reduction over a whole sample in one collective (ringdit.caching).
+    cfg_sp_group: ProcessGroup | None = None
     # The (dp, ring, ulysses) mesh the groups come from; FSDP shards over it.
     mesh: DeviceMesh | None = None
 
@@ -73,6 +76,9 @@ class ParallelDims:
         if cfg_parallel:  # replicas 2j and 2j + 1 at equal sp_rank
             cfg_group = _subgroup([pair.tolist() for pair in ranks.reshape(dp // 2, 2, -1).transpose(1, 2).flatten(0, 1)],
                                   timeout)
+        cfg_sp_group = None
+        if cfg_parallel and ring * ulysses > 1:  # replicas 2j and 2j + 1, all their ranks
+            cfg_sp_group = _subgroup(ranks.reshape(dp // 2, -1).tolist(), timeout)
         return cls(
             ring_degree=ring,
             ulysses_degree=ulysses,
@@ -88,6 +94,7 @@ class ParallelDims:
             ring_ranks=tuple(mesh["ring"].mesh.tolist()),
             cfg_group=cfg_group,
             cfg_rank=dp_rank % 2 if cfg_parallel else 0,
+            cfg_sp_group=cfg_sp_group,
             mesh=mesh,
         )
 

@@ -12,11 +12,13 @@ is checked against the adapter the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
+from ringdit.caching import CacheSettings, teacache_coefficients
+from ringdit.caching import check_model as check_cache_model
 from ringdit.checkpoints.weights import WEIGHT_CHOICES
 from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
@@ -131,6 +133,7 @@ class InferSpec:
     sizes: SampleSizes       # size / frames <-> the data's cells, for this model's patch
     shape: tuple[int, ...]   # the samples' shape ([T,] H, W) in the data's cells: size / frames, else image_size
     lora: LoraBase | None = None  # an adapter-only LoRA checkpoint: its base, under the adapters of ckpt_path
+    cache: CacheSettings = CacheSettings()  # cache=: step caching; teacache's coefficients resolved for this model
 
     def sample_shapes(self) -> list[tuple[int, ...]]:
         """Each sample's shape: a prompt file's per prompt (cycled, as the prompts are), else ``shape``."""
@@ -149,6 +152,7 @@ class InferSpec:
         require_count("batch_size", cfg.batch_size)
         require_seed("seed", cfg.seed)
         require_choice("weights", cfg.weights, WEIGHT_CHOICES)
+        cache = CacheSettings.from_config(cfg.get("cache"))
         layout = Layout.from_config(cfg, training=False)
         if cfg.num_samples < layout.dp_degree:  # split over the data-parallel ranks, none repeated: each needs one
             raise ConfigError(f"num_samples={cfg.num_samples} is fewer than the {layout.dp_degree} data-parallel ranks "
@@ -174,6 +178,9 @@ class InferSpec:
         from ringdit.sampling import SampleSizes, patch_shape
 
         sizes = SampleSizes.of(info["data"], patch_shape(meta_model))
+        check_cache_model(cache, meta_model)  # blocks the step cache cannot wrap: refused here, not on the ranks
+        if cache.kind == "teacache":  # the polynomial this model needs, found (or refused) before anything starts
+            cache = replace(cache, coefficients=teacache_coefficients(cache, meta_model, ckpt_path))
         del state, meta_model
         shape = sizes.shape(_plain(cfg.get("size")), cfg.get("frames"))
         overrides = {key: cfg[key] for key in SAMPLING_OVERRIDES if cfg.get(key) is not None}
@@ -184,7 +191,8 @@ class InferSpec:
         return cls(seed=cfg.seed, num_samples=cfg.num_samples, batch_size=cfg.batch_size,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, ckpt_path=ckpt_path,
                    weights=cfg.weights, model=model, data=info["data"], objective=info["objective"],
-                   sampling=sampling, conditioning=conditioning, output=output, sizes=sizes, shape=shape, lora=lora)
+                   sampling=sampling, conditioning=conditioning, output=output, sizes=sizes, shape=shape, lora=lora,
+                   cache=cache)
 
 
 def _plain(value):

@@ -91,6 +91,7 @@ class DiffusionModule(L.LightningModule):
         self.ema: ModelAverage | None = None
         self._step_start: float | None = None
         self.negative_condition: dict[str, Tensor] | None = None  # infer.py's negative prompt (text models)
+        self.step_cache = None  # infer.py's cache=: a ringdit.caching.StepCache wrapped around each generate call
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
@@ -326,14 +327,18 @@ class DiffusionModule(L.LightningModule):
             condition["guidance"] = torch.full((len(seeds),), float(settings["guidance"]), device=self.device)
         dims = self.parallel_dims
         split = guided and dims.cfg_group is not None  # CFG parallel: the halves on two data-parallel replicas
-        samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use
-            model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
-            null=null, sampler=settings["sampler"], clip_denoised=self.samples_are_pixels,
-            shift=resolution_shift(self.tokens_per_sample(shape)) if settings["shift"] == "resolution" else
-            settings["shift"],
-            exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
-            guidance_channels=settings.get("guidance_channels"), generators=generators,
-        )
+        # a step cache lives for this one call (this batch); its decisions are per sample, both halves together
+        cache = self.step_cache.attached(model, dims, pairs=guided and not split) if self.step_cache is not None \
+            else contextlib.nullcontext()
+        with cache:
+            samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use
+                model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
+                null=null, sampler=settings["sampler"], clip_denoised=self.samples_are_pixels,
+                shift=resolution_shift(self.tokens_per_sample(shape)) if settings["shift"] == "resolution" else
+                settings["shift"],
+                exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
+                guidance_channels=settings.get("guidance_channels"), generators=generators,
+            )
         return samples.clamp(-1, 1) if self.samples_are_pixels else samples
 
     def predict_step(self, batch, batch_idx: int) -> dict:

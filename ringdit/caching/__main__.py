@@ -1,0 +1,5 @@
+"""``python -m ringdit.caching calibrate CKPT``: see ``ringdit.caching.calibrate``."""
+
+from ringdit.caching.calibrate import main
+
+main()

@@ -1,0 +1,126 @@
+"""``cache=`` settings, checked, and where TeaCache's rescaling polynomial for a model comes from."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ringdit.caching.blocks import repeated_blocks_of
+from ringdit.errors import ConfigError
+
+KINDS = ("none", "fbcache", "teacache")
+SCOPES = ("sample", "batch")
+COEFFICIENTS_FILE = "teacache.json"  # beside a checkpoint: what ``calibrate`` writes and ``teacache`` reads
+
+# Published TeaCache rescaling polynomials (numpy.polyfit order, highest degree first), keyed by (family, a config
+# fingerprint: the transformer's width and depth). Wan's are TeaCache4Wan2.1's "use_ret_steps" ones, whose input is
+# the timestep projection (``temb`` of the blocks) and which want the first evaluations computed (warmup).
+PUBLISHED_COEFFICIENTS: dict[tuple[str, int, int], tuple[float, ...]] = {
+    ("wan", 1536, 30): (-5.21862437e+04, 9.23041404e+03, -5.28275948e+02, 1.36987616e+01, -4.99875664e-02),  # 1.3B
+    ("wan", 5120, 40): (-3.03318725e+05, 4.90537029e+04, -2.65530556e+03, 5.87365115e+01, -3.15583525e-01),  # 14B
+    ("flux", 3072, 19): (4.98651651e+02, -2.83781631e+02, 5.58554382e+01, -3.82021401e+00, 2.64230861e-01),
+}
+
+
+# ---- settings ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """``cache=`` of infer.py, checked. ``warmup``: model evaluations at the start of each run that always run every
+    block (the residuals and references are seeded there). ``coefficients``: TeaCache's polynomial, or None to look
+    it up (``teacache_coefficients``)."""
+
+    kind: str = "none"
+    threshold: float = 0.0
+    warmup: int = 1
+    coefficients: tuple[float, ...] | None = None
+    scope: str = "sample"  # sample: each sample decides (its result does not depend on its batch); batch: one
+    # decision from the whole batch's sums (more steps skipped in a large batch; a sample then depends on its batch)
+
+    @classmethod
+    def from_config(cls, cache: Any) -> CacheSettings:
+        """From infer.py's ``cache`` group (``conf/cache/*.yaml``); a one-line ConfigError naming the setting."""
+        if cache is None:
+            return cls()
+        cache = dict(cache)
+        kind = cache.get("kind", "none")
+        if kind not in KINDS:
+            raise ConfigError(f"cache.kind={kind!r} is not a step cache; use cache=none, cache=fbcache or "
+                              f"cache=teacache")
+        if kind == "none":
+            return cls()
+        threshold = cache.get("threshold")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
+                or threshold < 0:
+            raise ConfigError(f"cache.threshold={threshold!r} must be a finite number >= 0 (the relative change below "
+                              f"which a step reuses the cache; 0 never reuses); e.g. cache.threshold=0.1")
+        warmup = cache.get("warmup", 1)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ConfigError(f"cache.warmup={warmup!r} must be an integer >= 1 (the first evaluations always run "
+                              f"every block, to seed the cache); e.g. cache.warmup=1")
+        scope = cache.get("scope", "sample")
+        if scope not in SCOPES:
+            raise ConfigError(f"cache.scope={scope!r} is not a decision scope; use cache.scope=sample (each sample "
+                              f"decides alone) or cache.scope=batch (one decision per batch)")
+        coefficients = cache.get("coefficients")
+        if coefficients is not None and kind == "teacache":
+            coefficients = read_coefficients("cache.coefficients", coefficients)
+        return cls(kind=kind, threshold=float(threshold), warmup=warmup,
+                   coefficients=None if kind != "teacache" else coefficients, scope=scope)
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+
+def read_coefficients(setting: str, value: Any) -> tuple[float, ...]:
+    """A polynomial as a list of numbers, or a JSON file (``calibrate``'s) holding ``{"coefficients": [...]}``."""
+    if isinstance(value, (str, Path)):
+        path = Path(value).expanduser()
+        try:
+            value = json.loads(path.read_text())["coefficients"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"{setting}={value}: not a readable TeaCache coefficients file ({error}); pass the "
+                              f"{COEFFICIENTS_FILE} that `python -m ringdit.caching calibrate CKPT` wrote, or a list "
+                              f"of numbers") from None
+    values = list(value) if isinstance(value, (list, tuple)) or hasattr(value, "__iter__") else None
+    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                         for v in values):
+        raise ConfigError(f"{setting}={value!r} must be a non-empty list of finite numbers (a polynomial, highest "
+                          f"degree first, as numpy.polyfit returns)")
+    return tuple(float(v) for v in values)
+
+
+def model_fingerprint(model: nn.Module) -> tuple[str, int, int]:
+    """(family, width, depth) of a ringdit DiT or a diffusers transformer: what TeaCache coefficients are fitted to."""
+    transformer = getattr(model, "transformer", None)
+    if transformer is not None and hasattr(transformer, "config"):  # DiffusersTransformer
+        config = transformer.config
+        width = config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)
+        depth = config.get("num_layers", len(repeated_blocks_of(model)))
+        return model.family.name, int(width), int(depth)
+    return type(model).__name__.lower(), int(model.pos_embed.shape[-1]), len(repeated_blocks_of(model))
+
+
+def teacache_coefficients(settings: CacheSettings, model: nn.Module, ckpt_path: str | None) -> tuple[float, ...]:
+    """TeaCache's polynomial for ``model``: ``cache.coefficients``, else the ``teacache.json`` beside the checkpoint,
+    else a published one; none of them is a one-line ConfigError saying how to fit them."""
+    if settings.coefficients is not None:
+        return settings.coefficients
+    if ckpt_path:
+        beside = Path(ckpt_path).expanduser().parent / COEFFICIENTS_FILE
+        if beside.is_file():
+            return read_coefficients(str(beside), str(beside))
+    fingerprint = model_fingerprint(model)
+    if fingerprint in PUBLISHED_COEFFICIENTS:
+        return PUBLISHED_COEFFICIENTS[fingerprint]
+    raise ConfigError(f"cache=teacache: no TeaCache coefficients for this model ({fingerprint[0]}, width "
+                      f"{fingerprint[1]}, depth {fingerprint[2]}; ckpt_path={ckpt_path}); fit them with `python -m "
+                      f"ringdit.caching calibrate {ckpt_path}` (writes {COEFFICIENTS_FILE} beside it), or "
+                      f"pass cache.coefficients=[...], or use cache=fbcache")
