@@ -4,6 +4,8 @@
     python benchmarks/diffusers_step.py --family flux    # Flux's width and heads, 1 dual + 1 single block, 8192 image
                                                          # tokens + 512 text tokens
     python benchmarks/diffusers_step.py --family flux --cfg-parallel   # one image's sampling step: CFG on 2 ranks
+    python benchmarks/diffusers_step.py --family hunyuan_video15   # HunyuanVideo 1.5's width and heads, 2 layers,
+                                                  # 8192 video tokens (1x1 patches of 8 x 32 x 32) + 514 text tokens
 
 The real head size (128) and widths (Wan: 12 heads = 1536; Flux: 24 heads = 3072) with few layers, so it runs in
 CPU time; 512 text tokens of width 4096 (UMT5 / T5). Every rank runs one thread (gloo), so N ranks use N cores. A
@@ -30,6 +32,10 @@ from benchmarks.cpu_ranks import free_port  # noqa: E402
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                 eps=1e-6, rope_max_seq_len=1024)
+HUNYUAN_VIDEO15 = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128,
+                       num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm",
+                       text_embed_dim=3584, text_embed_2_dim=1472, image_embed_dim=1152, rope_theta=256.0,
+                       rope_axes_dim=(16, 56, 56), target_size=640, task_type="t2v")
 FLUX_DEV = dict(patch_size=1, in_channels=64, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
                 pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 56, 56])
 
@@ -46,6 +52,14 @@ def build(args, dims):
                                 "input_size": shape, "in_channels": 16, "text_len": 512, "text_dim": 4096},
                                dims=dims, backend=args.backend)
         return model, torch.randn(1, 16, *shape), {"text": torch.randn(1, 512, 4096)}
+    if args.family == "hunyuan_video15":  # 1x1 patches: half Wan's latent size gives Wan's token count
+        shape = (args.frames, args.size // 2, args.size // 2)
+        model, _ = build_model({**target, "family": "hunyuan_video15",
+                                "config": {**HUNYUAN_VIDEO15, "num_layers": args.layers}, "input_size": shape,
+                                "in_channels": 32, "text_len": 512, "text_dim": 3584}, dims=dims, backend=args.backend)
+        mask = torch.arange(512)[None] < 384  # (1, 512) Qwen2.5-VL states of a 384-token prompt, padded
+        return model, torch.randn(1, 32, *shape), {"text": torch.randn(1, 512, 3584) * mask[..., None],
+                                                   "text_mask": mask}
     shape = (args.size, 2 * args.size)  # 16-channel latents, 2x2-packed: size/2 x size tokens
     config = {**FLUX_DEV, "num_layers": args.layers // 2, "num_single_layers": args.layers - args.layers // 2}
     model, _ = build_model({**target, "family": "flux", "config": config, "input_size": shape, "in_channels": 16,
@@ -95,7 +109,7 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=("wan", "flux"), default="wan")
+    parser.add_argument("--family", choices=("wan", "flux", "hunyuan_video15"), default="wan")
     parser.add_argument("--cfg-parallel", action="store_true", help="at 2 ranks: the guidance halves on 2 ranks")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--layers", type=int, default=2)
@@ -114,9 +128,11 @@ def main() -> None:
         rows.append(results.get())
     base = rows[0][1]
     tokens = rows[0][2]
-    text = 512 if args.family == "flux" else 0  # Wan's text is cross-attention keys, not tokens of the sequence
-    width = "12 heads x 128" if args.family == "wan" else "24 heads x 128"
-    print(f"{args.family}-shaped transformer: {width}, {args.layers} layers, {tokens} image/video tokens + 512 text "
+    # Wan's text is cross-attention keys, not tokens of the sequence; HunyuanVideo 1.5 joins a masked ByT5 and image
+    # token to its 512 text tokens
+    text = {"wan": 0, "flux": 512, "hunyuan_video15": 514}[args.family]
+    width = {"wan": "12 heads x 128", "flux": "24 heads x 128", "hunyuan_video15": "16 heads x 128"}[args.family]
+    print(f"{args.family}-shaped transformer: {width}, {args.layers} layers, {tokens} image/video tokens + {text or 512} text "
           f"tokens, backend {args.backend}, 1 thread per rank{', CFG parallel at 2 ranks' if args.cfg_parallel else ''}")
     print("| ranks | tokens per rank | train step (s) | speed-up | sampling step, CFG (s) | speed-up |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -18,7 +18,7 @@ from torch import nn
 
 from ringdit.attention.backend import AttentionBackend, Tensor
 from ringdit.attention.registry import check_ring_capable, get_attn_backend
-from ringdit.attention.layout import TokenLayout, is_empty, take
+from ringdit.attention.layout import Stream, TokenLayout, is_empty, take
 from ringdit.attention.ring import ring_attention
 from ringdit.parallel import ParallelDims, all_to_all, check_heads_divisible
 
@@ -59,8 +59,18 @@ class LocalAttention(nn.Module):
         super().__init__()
         self.backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None = None) -> Tensor:
-        return local_attention(self.backend, q, k, v, softmax_scale=softmax_scale)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None = None,
+                key_mask: Tensor | None = None) -> Tensor:
+        """``key_mask`` (B, L) bool, True on the keys each sample attends to (LTX's padded prompts): the others get
+        no weight. It is a layout of one stream that every rank holds whole, so the keys are cut per sample as for
+        joint attention's text (a view where the real keys are one run); a sample with no real key gets zeros."""
+        if key_mask is None:
+            return local_attention(self.backend, q, k, v, softmax_scale=softmax_scale)
+        keys = k.shape[1]
+        if key_mask.shape[-1] != keys:
+            raise ValueError(f"the key mask covers {key_mask.shape[-1]} keys, k has {keys} (dim 1)")
+        layout = TokenLayout([Stream(keys, keys, key_mask)])
+        return local_attention(self.backend, q, k, v, softmax_scale=softmax_scale, layout=layout)
 
 class USPAttention(nn.Module):
     """Attention of this rank's sequence shard ``q, k, v: (B, S_local, H, D)`` -> ``(B, S_local, H, D)``.

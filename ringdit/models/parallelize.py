@@ -171,8 +171,9 @@ class PlannedAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, *, softmax_scale: float | None = None,
                 attn_mask: Tensor | None = None) -> Tensor:
         attention, state = self.attention, self._ringdit_sequence
-        if isinstance(attention, LocalAttention):
-            return attention(query, key, value, softmax_scale=softmax_scale)
+        if isinstance(attention, LocalAttention):  # cross-attention: keys every rank holds whole
+            key_mask = None if attn_mask is None else cross_attention_key_mask(attn_mask, key.shape[1])
+            return attention(query, key, value, softmax_scale=softmax_scale, key_mask=key_mask)
         if attn_mask is not None and not self.joint:
             raise NotImplementedError("this attention passes an attention mask; ringdit takes masks only on the text "
                                       "keys of joint attention (plan it as joint_attention)")
@@ -185,10 +186,17 @@ class PlannedAttention(nn.Module):
 
 def _check_key_mask(attn_mask: Tensor, state: SequenceState, layout: TokenLayout | None, length: int) -> None:
     """A joint attention's own key mask ``(B, 1, 1, keys)`` (QwenImage builds one from its text mask) must mask text
-    keys only, and only those the plan's ``text_mask`` records: the ring reads every rank's text mask from there."""
-    keys = attn_mask.reshape(attn_mask.shape[0], -1)
+    keys only, and only those the plan's ``text_mask`` records: the ring reads every rank's text mask from there.
+
+    A full ``(B, 1, S, S)`` mask (HunyuanVideo 1.5's) is taken when it is the key mask's outer product with itself:
+    a masked token is then a masked key that also attends to nothing, and such a (text) query row's output reaches
+    no other token, so letting it attend normally changes no prediction."""
+    square = attn_mask.dim() == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] > 1
+    keys = _square_key_mask(attn_mask[:, 0]) if square else attn_mask.reshape(attn_mask.shape[0], -1)  # (B, keys)
     if attn_mask.dtype != torch.bool or keys.shape[1] != attn_mask.shape[-1] or keys.shape[1] != length:
-        raise NotImplementedError("ringdit takes a joint attention mask only as a boolean key mask (B, 1, 1, keys)")
+        raise NotImplementedError(f"ringdit takes a joint attention mask only as a boolean key mask (B, 1, 1, keys) "
+                                  f"or its square (B, 1, keys, keys), over the {length} keys; this model passes "
+                                  f"{attn_mask.dtype} {tuple(attn_mask.shape)}")
     if layout is None:
         return
     text = layout.streams[0 if state.text_first else 1].chunk
@@ -198,6 +206,47 @@ def _check_key_mask(attn_mask: Tensor, state: SequenceState, layout: TokenLayout
     if state.text_mask is None and not bool(keys.all()):
         raise NotImplementedError("this model masks text keys; name the input that carries its text mask in the "
                                   "plan's text_mask")
+
+
+def _square_key_mask(square: Tensor) -> Tensor:
+    """The key mask ``(B, S)`` whose outer product with itself is ``square`` (B, S, S); NotImplementedError if none."""
+    if square.dtype != torch.bool or square.shape[1] != square.shape[2]:
+        raise NotImplementedError(f"ringdit takes a (B, 1, queries, keys) attention mask only as a boolean outer "
+                                  f"product of a key mask with itself; this model passes {square.dtype} "
+                                  f"{tuple(square.shape)}")
+    keys = square.diagonal(dim1=1, dim2=2)  # (B, S): token i is real where it may attend to itself
+    if not torch.equal(square, keys[:, :, None] & keys[:, None, :]):
+        raise NotImplementedError("this model's (B, 1, S, S) attention mask is not the outer product of a key mask "
+                                  "with itself (mask[i, j] = real[i] & real[j]); ringdit takes masks on keys only")
+    return keys
+
+
+# an additive bias at or below this is a masked key: its softmax weight exp(bias + logit - max) is 0 in fp32 / fp64
+# for any logits models produce (LTX: -10000; bf16 rounds that to -9984)
+MASKED_BIAS = -1000.0
+
+
+def cross_attention_key_mask(attn_mask: Tensor, keys: int) -> Tensor:
+    """A cross-attention's mask ``(B or 1, [heads, queries,] keys)`` as the per-sample key mask ``(B or 1, keys)``
+    bool (True: attend) that ``LocalAttention`` takes. Boolean masks, and float additive biases that are 0 or a large
+    negative per key (LTX's -10000 on padded text keys, ``(B, heads, 1, L)``), are key masks when they are the same
+    for every head and query: then dropping the masked keys is what the mask does, without a dense ``(S, L)`` bias.
+    A sample whose keys are all masked attends to all of them: a bias that is the same on every key does not change
+    a softmax (diffusers' kernels do the same)."""
+    if attn_mask.dim() < 2 or attn_mask.shape[-1] != keys:
+        raise NotImplementedError(f"a cross-attention mask of shape {tuple(attn_mask.shape)} is not a key mask "
+                                  f"(B, ..., {keys}); ringdit takes masks over the text keys only")
+    rows = attn_mask.reshape(attn_mask.shape[0], -1, keys)  # (B, heads x queries, L)
+    real = rows if attn_mask.dtype == torch.bool else rows == 0
+    if attn_mask.dtype != torch.bool and not bool((real | (rows <= MASKED_BIAS)).all()):
+        raise NotImplementedError(f"this cross-attention passes a float bias with values other than 0 and "
+                                  f"<= {MASKED_BIAS:g} (min {rows.min().item():g}, max {rows.max().item():g}): a "
+                                  f"soft bias, not a key mask; ringdit takes key masks only")
+    if not bool((real == real[:, :1]).all()):
+        raise NotImplementedError("this cross-attention's mask differs between heads or queries: ringdit takes a "
+                                  "mask only as a per-sample key mask, the same for every head and query")
+    mask = real[:, 0]  # (B or 1, L)
+    return mask | ~mask.any(dim=1, keepdim=True)  # a sample with no real key: all of them
 
 
 def _check_scale(scale: float | None, expected: float) -> None:
@@ -319,7 +368,7 @@ def _matching(model: nn.Module, patterns, what: str) -> dict[str, nn.Module]:
     modules = dict(model.named_modules())
     found: dict[str, nn.Module] = {}
     for pattern in patterns:
-        hits = {name: module for name, module in modules.items() if fnmatchcase(name, pattern)}
+        hits = {name: module for name, module in modules.items() if name_matches(name, pattern)}
         if not hits:
             raise ValueError(f"the parallel plan's {what} pattern {pattern!r} matches no module of "
                              f"{type(model).__name__}: the plan does not fit this model")
@@ -329,4 +378,10 @@ def _matching(model: nn.Module, patterns, what: str) -> dict[str, nn.Module]:
 
 def _keys_of(name: str, table: dict[str, dict[Key, int]]) -> dict[Key, int]:
     """The keys of every pattern of ``table`` that matches ``name``, merged."""
-    return {key: dim for pattern, keys in table.items() if fnmatchcase(name, pattern) for key, dim in keys.items()}
+    return {key: dim for pattern, keys in table.items() if name_matches(name, pattern) for key, dim in keys.items()}
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """``fnmatch`` per dotted part: ``*`` stands for one name (``blocks.*`` is every block, not their submodules)."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatchcase(part, want) for part, want in zip(parts, wanted))

@@ -23,9 +23,10 @@ places only:
 ``blocks`` names the ``ModuleList`` s of repeated transformer blocks: each block is a unit FSDP shards on its own and
 a region ``compile=true`` compiles (one graph, reused by every block).
 
-Module names are ``fnmatch`` patterns over ``model.named_modules()`` (``"blocks.*.attn1"``); ``""`` is the model
-itself. Input keys are positional indices or keyword names; output keys index a tuple output (``None``: the output
-itself). Every value is the sequence dimension.
+Module names are ``fnmatch`` patterns over ``model.named_modules()``, matched per dotted part (``"blocks.*.attn1"``;
+``"blocks.*"`` is every block, not their submodules); ``""`` is the model itself. Input keys are positional indices
+or keyword names; output keys index a tuple output (``None``: the output itself). Every value is the sequence
+dimension.
 
 A new model kind or family is a new plan (and a preset), not new machinery.
 """

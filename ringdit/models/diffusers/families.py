@@ -1,6 +1,7 @@
-"""The diffusers model families ringdit runs sequence-parallel: one ``Family`` each, holding its ``ParallelPlan``.
+"""The diffusers model families ringdit runs sequence-parallel: one ``Family`` each, holding its ``ParallelPlan``
+(Wan, Flux and QwenImage here; HunyuanVideo 1.5, SkyReels-V2 and LTX-Video in their own modules).
 
-To add a family (QwenImage, HunyuanVideo, LTX, ...):
+To add a family (its own module, like ``hunyuan_video.py``):
 
 1. Read the transformer's ``forward``: find the module input that first carries the patch tokens
    (``split_inputs``), the module that turns per-position RoPE into per-token rotations or the position ids it
@@ -16,30 +17,16 @@ To add a family (QwenImage, HunyuanVideo, LTX, ...):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 from torch import nn
 
+from ringdit.models.diffusers.family import Family
+from ringdit.models.diffusers.hunyuan_video import HUNYUAN_VIDEO15
+from ringdit.models.diffusers.ltx_video import LTX_VIDEO
+from ringdit.models.diffusers.skyreels import SKYREELS_V2
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    model_class: str  # the diffusers class, e.g. "WanTransformer3DModel"
-    plan: ParallelPlan
-    forward: Callable[[nn.Module, Tensor, Tensor, dict], Tensor]
-    video: bool  # latents (B, C, T, H, W) rather than (B, C, H, W)
-    condition_keys: tuple[str, ...]  # the conditioning tensors the model reads (data=text_latents provides them)
-    text_dim: str  # the config key of the text embedding width
-    pooled_dim: str | None = None  # the config key of the pooled text embedding width, if the model takes one
-    latent_channels: Callable[[dict], int] = lambda config: config["in_channels"]
-    # the latent cells one token covers, (T, H, W) or (H, W)
-    patch_shape: Callable[[dict], tuple[int, ...]] = lambda config: tuple(config["patch_size"])
 
 
 # ---- Wan 2.x: self-attention over video tokens, cross-attention to text, 3-D RoPE -----------------------------------
@@ -166,7 +153,8 @@ QWENIMAGE = Family(
     patch_shape=lambda config: (config["patch_size"], config["patch_size"]),
 )
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, FLUX, QWENIMAGE)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, FLUX, QWENIMAGE, HUNYUAN_VIDEO15, SKYREELS_V2,
+                                                                   LTX_VIDEO)}
 
 
 def get_family(name: str) -> Family:

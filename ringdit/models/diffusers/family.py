@@ -1,0 +1,30 @@
+"""``Family``: what ringdit knows about one diffusers transformer class -- its ``ParallelPlan``, how its inputs map
+onto ringdit's ``(latents, model time, conditioning)``, and its latent geometry. The registry of families is
+``ringdit.models.diffusers.families``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ringdit.models.plan import ParallelPlan
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_class: str  # the diffusers class, e.g. "WanTransformer3DModel"
+    plan: ParallelPlan
+    forward: Callable[[nn.Module, Tensor, Tensor, dict], Tensor]
+    video: bool  # latents (B, C, T, H, W) rather than (B, C, H, W)
+    condition_keys: tuple[str, ...]  # the conditioning tensors the model reads (data=text_latents provides them)
+    text_dim: str  # the config key of the text embedding width
+    pooled_dim: str | None = None  # the config key of the pooled text embedding width, if the model takes one
+    latent_channels: Callable[[dict], int] = lambda config: config["in_channels"]
+    # the latent cells one token covers, (T, H, W) or (H, W)
+    patch_shape: Callable[[dict], tuple[int, ...]] = lambda config: tuple(config["patch_size"])

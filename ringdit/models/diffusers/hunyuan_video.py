@@ -1,0 +1,85 @@
+"""HunyuanVideo 1.5 (``diffusers.HunyuanVideo15Transformer3DModel``): dual-stream joint attention over
+``[video ; text]`` with a padded text mask, 3-D RoPE on the video tokens, run unmodified under ringdit's plan.
+
+What the plan has to know about this model, read from its ``forward`` and its processor:
+
+- The text comes *after* the video tokens in every joint attention, so the plan says ``text_first=False``: each rank's
+  chunk is ``[its video shard ; its text shard]``.
+- The model builds its text before the blocks: the Qwen2.5-VL states go through the token refiner (attention over the
+  text only, by diffusers' generic ``AttnProcessor2_0``, which calls PyTorch attention directly: it is local by
+  nature and stays unrouted, on the whole text, on every rank), then the ByT5 and image-embedding streams are joined
+  and every sample's tokens reordered, real ones first. The blocks receive that joined text and its mask ``(B, L)``
+  positionally, ``block(hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis)``: the plan records the
+  mask whole at the first block (``text_mask``), and cuts the text and the mask at every block (the model's forward
+  hands each block the whole mask).
+- The processor pads the mask with True over the video tokens and passes ``dispatch_attention_fn`` a full
+  ``(B, 1, S, S)`` boolean mask, the outer product of that key mask with itself. ``PlannedAttention`` reduces it to
+  the key mask it is (and refuses any other) and the ring takes the masked keys from the recorded text mask; masked
+  text query rows then attend normally instead of being zeroed as PyTorch does for fully masked rows, which changes
+  nothing the model outputs: no query ever reads a masked key, and the text stream is not predicted.
+- RoPE ``(cos, sin)``, each ``(S, head_dim)``, is cut like the video tokens; the processor rotates q and k in fp32
+  (``apply_rotary_emb`` computes in float and casts back, so an fp64 model's q/k are rounded to fp32), on each rank's
+  own rows: the same elementwise arithmetic as on one process.
+
+ringdit's latents are the model's ``out_channels`` channels; the rest of its input (the first-frame latents and their
+mask, for image-to-video) is zero, as diffusers' text-to-video pipeline passes it, and so are the ByT5 glyph text and
+the image embedding, each a single masked token (the pipeline's 256 and 729 masked tokens change nothing: masked keys
+get no weight). Model time is the flow-matching sigma x 1000, as the pipeline's scheduler passes it; guidance is
+classifier-free (the model has no guidance embedding).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ringdit.models.diffusers.family import Family
+from ringdit.models.plan import ParallelPlan
+
+Tensor = torch.Tensor
+
+
+def _hunyuan_video15_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
+    """x (B, C, T, H, W) latents (C = out_channels), t (B,) in 0..1000, cond: text (B, L, D) Qwen2.5-VL states
+    padded to L, text_mask (B, L) True on real tokens."""
+    config = transformer.config
+    batch, channels = x.shape[:2]
+    # text-to-video: no first-frame condition latents, and a zero condition mask (B, in - C, T, H, W)
+    condition = x.new_zeros(batch, config.in_channels - channels, *x.shape[2:])
+    mask = cond["text_mask"].bool()
+    # the model averages the text over its real tokens: a prompt with none (an empty-prompt encoding that kept no
+    # token) would divide 0 by 0; its first (zero) token stands for it instead
+    mask = mask | ((torch.arange(mask.shape[1], device=mask.device) == 0) & ~mask.any(dim=1, keepdim=True))
+    glyph_text = x.new_zeros(batch, 1, config.text_embed_2_dim)  # (B, 1, D_byt5): no quoted text in the prompt
+    image = x.new_zeros(batch, 1, config.image_embed_dim)  # (B, 1, D_image): zero = text-to-video
+    return transformer(
+        hidden_states=torch.cat([x, condition], dim=1), timestep=t, encoder_hidden_states=cond["text"],
+        encoder_attention_mask=mask, encoder_hidden_states_2=glyph_text,
+        encoder_attention_mask_2=torch.zeros(batch, 1, dtype=torch.bool, device=x.device), image_embeds=image,
+        return_dict=False,
+    )[0]
+
+
+HUNYUAN_VIDEO15 = Family(
+    name="hunyuan_video15",
+    model_class="HunyuanVideo15Transformer3DModel",
+    plan=ParallelPlan(
+        blocks=("transformer_blocks",),
+        joint_attention=("transformer_blocks.*.attn",),
+        split_inputs={"transformer_blocks.0": {0: 1, "hidden_states": 1}},  # (B, S, D) video tokens
+        split_outputs={"rope": {0: 0, 1: 0}},  # (cos, sin), each (S, head_dim)
+        # the joined text (B, L, D) where the blocks start, and its mask (B, L), which every block gets whole as its
+        # 4th positional input (positional only: the pattern also matches each block's attention, whose keyword
+        # attention_mask is the mask already cut)
+        text_inputs={"transformer_blocks.0": {1: 1, "encoder_hidden_states": 1}, "transformer_blocks.*": {3: 1}},
+        text_mask=("transformer_blocks.0", 3),
+        text_first=False,  # [video ; text]
+        gather_outputs={"proj_out": {None: 1}},  # (B, S, patch_volume * C_out)
+    ),
+    forward=_hunyuan_video15_forward,
+    video=True,
+    condition_keys=("text", "text_mask"),
+    text_dim="text_embed_dim",
+    latent_channels=lambda config: config["out_channels"],
+    patch_shape=lambda config: (config["patch_size_t"], config["patch_size"], config["patch_size"]),
+)
