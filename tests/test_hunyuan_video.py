@@ -5,7 +5,6 @@ the same SGD steps through train.py on one process and a ring of 2; bad settings
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 import torch
@@ -14,7 +13,9 @@ import torch.distributed as dist
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
 from tests.distributed import run_ranks
-from tests.helpers import architecture, assert_same_numbers, logged_losses, model_weights, run
+from tests.families import assert_refused_before_spawning, assert_sgd_steps_equal_one_process_and_ring2, wan_folder
+from tests.helpers import architecture, assert_same_numbers, logged_losses, model_weights
+from tests.test_diffusers_models import forward_backward
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,13 +54,6 @@ def hunyuan_case(shape, seed=0, dims=None):
                          image_embeds=torch.zeros(2, 1, 12), return_dict=False)[0]
 
     return reference, model, run_reference, lambda: model(x, t, {"text": text, "text_mask": mask}), dout
-
-
-def forward_backward(call, model, dout):
-    model.zero_grad()
-    out = call()
-    (out * dout).sum().backward()
-    return out.detach(), {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
 
 def assert_matches_diffusers(out, grads, ref_out, ref_grads, where=""):
@@ -122,14 +116,8 @@ HUNYUAN = ["experiment=hunyuan_video15_tiny", "data.num_samples=16", "data.batch
 
 
 def test_hunyuan_video15_sgd_steps_equal_one_process_and_ring2(tmp_path):
-    """fp32: a ring reorders sums only (tests/test_diffusers_training.py reasons the tolerances)."""
-    data = f"data.cache_dir={tmp_path / 'data'}"
-    for name, overrides in (("ring1", []), ("ring2", ["ring_degree=2"])):
-        run("train.py", tmp_path / name, *HUNYUAN, data, *overrides, env={"HF_HUB_OFFLINE": "1"})
-    reference, parallel = logged_losses(tmp_path / "ring1"), logged_losses(tmp_path / "ring2")
-    assert sorted(reference) == sorted(parallel) == [0, 1, 2]
-    for step in reference:
-        assert parallel[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
+    assert_sgd_steps_equal_one_process_and_ring2(tmp_path, HUNYUAN, steps=3)
+    reference = logged_losses(tmp_path / "ring1")
     assert reference[2] != pytest.approx(reference[0], rel=1e-3)  # the steps did change the model
     ref_weights, weights = model_weights(tmp_path / "ring1"), model_weights(tmp_path / "ring2")
     assert any(key.startswith("model.transformer.transformer_blocks.") for key in ref_weights)
@@ -147,16 +135,7 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_hunyuan_video15_bad_input_is_refused_before_spawning(case, tmp_path):
-    from hydra.errors import InstantiationException
-
-    from tests.test_diffusers_training import prepare_train
-
-    (tmp_path / "wan" / "transformer").mkdir(parents=True)
-    (tmp_path / "wan" / "transformer" / "config.json").write_text('{"_class_name": "WanTransformer3DModel"}')
+    wan_folder(tmp_path)
     overrides, message = BAD_INPUTS[case]
-    overrides = [o.format(root=tmp_path) for o in overrides]
-    with pytest.raises((ValueError, InstantiationException)) as raised:  # what user_errors shows as one line
-        prepare_train(["experiment=hunyuan_video15_tiny", f"data.cache_dir={tmp_path}", "data.num_samples=16",
-                       *overrides], tmp_path / "run")
-    assert re.search(message, f"{raised.value} {raised.value.__cause__}"), raised.value
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert_refused_before_spawning(tmp_path, ["experiment=hunyuan_video15_tiny", "data.num_samples=16",
+                                              *(o.format(root=tmp_path) for o in overrides)], message)

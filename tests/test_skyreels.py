@@ -6,7 +6,6 @@ through train.py, and one-line errors for what a user can get wrong."""
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 import torch
@@ -15,9 +14,9 @@ import torch.distributed as dist
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
 from tests.distributed import run_ranks
-from tests.helpers import architecture, logged_losses, run
+from tests.families import assert_refused_before_spawning, assert_sgd_steps_equal_one_process_and_ring2, wan_folder
+from tests.helpers import architecture
 from tests.test_diffusers_models import LAYOUTS, assert_matches_diffusers, forward_backward
-from tests.test_diffusers_training import prepare_train
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -117,15 +116,7 @@ SKYREELS = ["model=skyreels_v2_tiny", "data=synthetic_text_latents", "data.num_s
 
 
 def test_skyreels_sgd_steps_equal_one_process_and_ring_2(tmp_path):
-    """fp32: ring 2 reorders sums only (tests/test_diffusers_training.py reasons the tolerance)."""
-    data = f"data.cache_dir={tmp_path / 'data'}"
-    losses = {}
-    for name, overrides in (("ring1", []), ("ring2", ["ring_degree=2"])):
-        run("train.py", tmp_path / name, *SKYREELS, data, *overrides, env={"HF_HUB_OFFLINE": "1"})
-        losses[name] = logged_losses(tmp_path / name)
-    assert sorted(losses["ring1"]) == [0, 1]
-    for step, loss in losses["ring1"].items():
-        assert losses["ring2"][step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+    assert_sgd_steps_equal_one_process_and_ring2(tmp_path, SKYREELS, steps=2)
 
 
 BAD_INPUTS = {
@@ -138,13 +129,6 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_skyreels_bad_input_is_refused_before_spawning(case, tmp_path):
-    from hydra.errors import InstantiationException
-
-    (tmp_path / "wan" / "transformer").mkdir(parents=True)
-    (tmp_path / "wan" / "transformer" / "config.json").write_text('{"_class_name": "WanTransformer3DModel"}')
+    wan_folder(tmp_path)
     override, message = BAD_INPUTS[case]
-    with pytest.raises((ValueError, InstantiationException)) as raised:  # what user_errors shows as one line
-        prepare_train([*SKYREELS, f"data.cache_dir={tmp_path / 'data'}", override.format(root=tmp_path)],
-                      tmp_path / "run")
-    assert re.search(message, f"{raised.value} {raised.value.__cause__}"), raised.value
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert_refused_before_spawning(tmp_path, [*SKYREELS, override.format(root=tmp_path)], message)
