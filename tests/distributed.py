@@ -32,15 +32,24 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, errors) -> No
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; fail with the first rank's error.
+# The ranks are forked from a fork server that imported these once (per pytest worker), instead of each spawned
+# rank importing torch, diffusers and ringdit again: that start-up was most of a short multi-rank test's time. The
+# server runs no torch op, so no thread pool is forked.
+PRELOAD = ["torch", "torch.distributed", "diffusers.models.transformers", "ringdit.attention", "ringdit.models", "ringdit.parallel",
+           "tests.distributed"]
 
-    ``fn`` must be a module-level function (it is pickled into the spawned processes).
+
+def run_ranks(fn, world_size: int, *args) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` new processes; fail with the first rank's error.
+
+    ``fn`` must be a module-level function (it is pickled into the processes).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call of this pytest process
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(fn, world_size, free_port(), args, errors), nprocs=world_size, start_method="spawn")
+        mp.start_processes(_entry, args=(fn, world_size, free_port(), args, errors), nprocs=world_size,
+                           start_method="forkserver")
     except Exception as error:
         details = []
         while not errors.empty():
