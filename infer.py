@@ -8,6 +8,7 @@
     python infer.py prompts='[a 3 moving left, a 7 moving up]'   # after train.py experiment=captioned_moving_digits
     python infer.py prompts='[a red fox running]' size=[480,832] frames=81    # at another size than the data's
     python infer.py prompt_file=prompts.jsonl num_samples=4   # {"prompt": "...", "size": [H, W], "frames": N} a line
+    python infer.py prompts='[a 3 moving left]' image=first.png   # image-to-video: the first frame given
 
     python infer.py ckpt_path=<LoRA run>/checkpoints/last.ckpt                 # on the run's init_from / pretrained
     python infer.py ckpt_path=<LoRA run>/checkpoints/last.ckpt base=weights.safetensors   # or on another copy of it
@@ -26,6 +27,11 @@ whole number of the model's patches, frames 1 + k x the VAE's temporal factor). 
 ``{"prompt": ..., "size": [H, W], "frames": N, "negative_prompt": ...}`` lines, all but prompt optional, or a .txt
 of one prompt per line) gives each prompt its own size (default size / frames, else the data's); samples of one
 shape are batched together, each keeps its number i and its seed.
+
+Image-to-video models (Wan 2.2 TI2V, Wan 2.1 I2V): ``image=`` gives the first frame (a file, or a folder of them cycled
+over the samples like the prompts), of the samples' aspect ratio; pixel-space models take it as their first frame,
+latent ones encode it with the data's VAE (``ringdit.media.image_condition``). Without ``image=`` and prompts, the
+training data's held-out prompts come with their own first frames.
 
 Step caching: ``cache=fbcache cache.threshold=0.1`` (First-Block Cache) or ``cache=teacache`` skips the model's
 blocks on steps whose first block (or its modulated input) changed little, reusing their cached residual; the
@@ -82,6 +88,8 @@ def prepare(cfg: DictConfig):
         conditions = list(spec.conditioning.labels)
     else:
         conditions, captions, negative, per_sample = text_conditions(spec)
+        if spec.image is not None:  # image-to-video: the given first frames (else the held-out prompts' own)
+            conditions = {**conditions, **image_conditions(spec, spec.num_samples)}
     if spec.lora is None:  # the checkpoint holds the whole model
         weights = {"init_from": spec.ckpt_path, "init_weights": spec.weights}
     else:  # the base, adapted as the run was; the adapters are loaded onto it once built (LoadLoraAdapter)
@@ -139,6 +147,52 @@ def text_conditions(spec: InferSpec) -> tuple[dict, list[str], dict | None, tupl
     return conditions, captions, negative, per_sample
 
 
+def image_conditions(spec: InferSpec, count: int) -> dict[str, torch.Tensor]:
+    """``image=``'s first-frame conditioning of ``count`` samples (sample i: image i % len(files)): a pixel-space
+    model's first frame is the image itself, resized to the samples' size; a latent model's is encoded with the
+    data's VAE (and CLIP where the model takes it), as ``prepare task=i2v`` encodes a clip's first frame."""
+    from PIL import Image, ImageOps
+
+    image = spec.image
+    height, width = image.size
+    pictures = []
+    for file in image.files:  # each was opened and its aspect ratio checked by the spec
+        with Image.open(file) as opened:  # upright as stored (a phone photo's EXIF rotation), as prepare reads it
+            pictures.append(ImageOps.exif_transpose(opened).convert("RGB"))
+    if image.latent:
+        if not spec.output.vae:
+            raise ConfigError(f"image={image.files[0]}: the model samples latents, so the image is encoded with the "
+                              f"data's VAE, and no VAE folder is known; give vae=<the VAE folder the data was "
+                              f"prepared with>")
+        from ringdit.media.image_condition import encode_image_condition
+
+        encoded = encode_image_condition(pictures, vae_folder=spec.output.vae, frames=image.frames, size=(height, width),
+                                         image_encoder=image.image_encoder,
+                                         device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.float32)
+        encoded = {key: value.float().cpu() for key, value in encoded.items()}
+    else:
+        channels = spec.data["channels"]
+        first = torch.stack([image_pixels(p, channels, height, width) for p in pictures])[:, :, None]  # (n, C, 1, H, W)
+        empty = first.new_zeros(first.shape[0], channels, image.frames - 1, height, width)  # the frames to generate
+        encoded = {"image_latents": first, "image_condition": torch.cat([first, empty], dim=2)}  # (n, C, T, H, W)
+    picked = [i % len(pictures) for i in range(count)]
+    return {key: value[picked] for key, value in encoded.items()}
+
+
+def image_pixels(picture, channels: int, height: int, width: int) -> torch.Tensor:
+    """(C, H, W) in [-1, 1], as the pixel-space data stores frames: grey for 1 channel, else RGB."""
+    import numpy as np
+    from PIL import Image
+
+    picture = picture.convert("L" if channels == 1 else "RGB").resize((width, height), Image.Resampling.BICUBIC)
+    values = torch.from_numpy(np.asarray(picture, dtype=np.float32)) / 127.5 - 1.0
+    values = values[None] if values.dim() == 2 else values.permute(2, 0, 1)  # (C, H, W)
+    if values.shape[0] != channels:
+        raise ConfigError(f"image=: the pixel-space model takes {channels} channels; an image gives "
+                          f"{values.shape[0]} (grey and RGB images are converted, other channel counts are not)")
+    return values
+
+
 def text_prompts(spec: InferSpec) -> tuple[dict, list[str]]:
     """``num_samples`` prompt embeddings (cycled): from ``text_embeds``, else the training data's held-out prompts."""
     conditioning, data_info = spec.conditioning, spec.data
@@ -167,7 +221,7 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
     """``prompts`` (or a prompt file's) / ``negative_prompt`` encoded with the spec's text encoder (the data's unless
     ``text_encoder=``), in one pass with a prompt file's own negative prompts: (conditions cycled to num_samples,
     captions, negative (1, ...) or None for the empty prompt, per-sample negatives or None; see text_conditions)."""
-    from ringdit.media.text import encode_prompts
+    from ringdit.media.text import encode_prompts, encoder_settings
 
     conditioning, data_info = spec.conditioning, spec.data
     texts = list(conditioning.prompts) or [""]
@@ -175,7 +229,9 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
     encoded, negative = encode_prompts(texts + own, conditioning.negative_prompt, conditioning.text_encoder,
                                        conditioning.tokenizer, text_len=data_info["text_len"],
                                        text_dim=data_info["text_dim"],
-                                       device="cuda" if torch.cuda.is_available() else "cpu")
+                                       device="cuda" if torch.cuda.is_available() else "cpu",
+                                       # as the data were prepared: Flux's CLIP pooled encoder, the masking, a template
+                                       **encoder_settings(data_info.get("text_encoder") or {}))
     picked = [i % len(texts) for i in range(spec.num_samples)]
     if conditioning.prompts:
         conditions, captions = {key: value[:len(texts)][picked] for key, value in encoded.items()}, \

@@ -13,7 +13,9 @@ diversity, so both are reported. Videos
 by an SVC trained on such windows of real procedural videos (a separate seed), and by a majority vote over each
 video's frames. An SVC trained on the plain 8x8 digits recognises only ~60% of real videos: the window rarely sits
 exactly on the glyph's own 8x8 box, whose border columns are mostly blank. The direction of motion is the larger
-component of the ink centroid's path from the first frame to the last.
+component of the ink centroid's path from the first frame to the last. Image-to-video samples
+(experiment=captioned_moving_digits_i2v), whose first frame is given: ``--given-first-frame`` judges the digit on
+the generated frames only (the direction still from the given frame to the last).
 """
 
 from __future__ import annotations
@@ -106,8 +108,11 @@ def direction_of(video: np.ndarray) -> str:
     return next(name for name, delta in DIRECTIONS.items() if list(delta) == step)
 
 
-def report_videos(videos: np.ndarray, digits: np.ndarray, directions: list[str] | None) -> None:
-    votes, per_frame = judge_videos(videos, video_classifier(videos.shape[1], videos.shape[2]))
+def report_videos(videos: np.ndarray, digits: np.ndarray, directions: list[str] | None, generated_from: int = 0
+                  ) -> None:
+    """``generated_from``: the first frame the model generated (1 for image-to-video, whose first frame is given):
+    the digit is judged on the generated frames only; the direction on the whole path, from the given frame on."""
+    votes, per_frame = judge_videos(videos[:, generated_from:], video_classifier(videos.shape[1], videos.shape[2]))
     print(f"{len(digits)} videos: {(votes == digits).mean():.1%} classified as the requested digit (vote over "
           f"frames), {(per_frame == digits[:, None]).mean():.1%} of frames")
     if directions is not None:
@@ -156,6 +161,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("samples", nargs="?", help="samples.npz from infer.py")
     parser.add_argument("--real", type=int, metavar="N", help="judge N real captioned moving-digit videos instead")
+    parser.add_argument("--given-first-frame", action="store_true",
+                        help="image-to-video samples: judge the digit on the generated frames (after the given first)")
     args = parser.parse_args()
     if args.real:
         real = CaptionedMovingDigits(args.real, seed=0)
@@ -186,7 +193,7 @@ def main() -> None:
             if (mask := labels == digit).any():
                 print(f"  digit {digit}: {(predicted[mask] == digit).mean():.0%} of {mask.sum()}")
         return
-    report_videos(images, labels, directions)
+    report_videos(images, labels, directions, generated_from=1 if args.given_first_frame else 0)
 
 
 if __name__ == "__main__":

@@ -283,7 +283,8 @@ def _architecture(config: dict, meta_model: nn.Module) -> tuple[int, int, int] |
         return None
     heads = arch["num_attention_heads"]
     hidden = heads * arch["attention_head_dim"]
-    return hidden, heads, arch.get("ffn_dim") or 4 * hidden  # Flux and QwenImage: 4 x D, as their FeedForward
+    # Wan: ffn_dim; HunyuanVideo 1.5 and Flux.2: mlp_ratio x D (Flux.2's is 3); Flux and QwenImage: 4 x D
+    return hidden, heads, arch.get("ffn_dim") or int(arch.get("mlp_ratio", 4.0) * hidden)
 
 
 def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:

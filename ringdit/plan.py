@@ -46,7 +46,7 @@ from ringdit.memory import (GiB, MemoryEstimate, ModelSize, Setup, estimate_memo
 
 # the VAE's factors per family: (temporal, spatial); a temporal factor t takes frames = t x k + 1 to k + 1 latents
 VAE_FACTORS = {"wan": (4, 8), "flux": (None, 8), "qwenimage": (None, 8), "hunyuan_video15": (4, 16), "skyreels_v2": (4, 8),
-               "ltx_video": (8, 32), "dit": (1, 8)}
+               "ltx_video": (8, 32), "flux2": (None, 8), "wan_i2v": (4, 8), "wan22_ti2v": (4, 16), "dit": (1, 8)}
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
 
 
@@ -268,7 +268,9 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
         shape = latent_shape(cfg, model_cfg, name, video)
         data = {"conditioning": "text", "image_size": shape, "channels": family.latent_channels(arch),
                 "text_len": cfg.data.text_len, "text_dim": arch[family.text_dim],
-                "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None}
+                "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None,
+                # an image-to-video model is planned as prepare task=i2v stores its data
+                "image_keys": ["image_latents", "image_condition", "image_embeds"] if family.image_condition else []}
     else:
         video = model_cfg.get("temporal_patch_size") is not None
         patch = (model_cfg.get("temporal_patch_size"),) * video + (model_cfg.get("patch_size", 2),) * 2

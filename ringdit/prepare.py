@@ -6,6 +6,10 @@
         buckets=auto resolution=[480,832] frames=81               # aspect-ratio / duration buckets, images too
     torchrun --nproc-per-node 8 -m ringdit.prepare ...        # rank r encodes shards r, r + 8, ...; re-run resumes
     torchrun --nproc-per-node 8 -m ringdit.prepare ... parallel_vae=true  # all 8 ranks on each clip: VAE tiles split
+    python -m ringdit.prepare ... vae=Wan2.1-I2V text_encoder=Wan2.1-I2V task=i2v image_encoder=Wan2.1-I2V
+                                         # + each clip's first-frame latents and CLIP embedding (image-to-video)
+    python -m ringdit.prepare ... vae=FLUX.1-dev text_encoder=FLUX.1-dev/text_encoder_2 pooled_encoder=FLUX.1-dev \
+        max_text_len=512                 # Flux: text from T5, pooled from CLIP, as FluxPipeline encodes prompts
 
 Settings: conf/prepare.yaml (``--help`` lists them with their defaults, ``--cfg job`` shows what a command line
 composes to); the work itself is ``ringdit.media.encode_folder``.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ringdit.attention import Stream, TokenLayout, USPAttention, get_attn_backend, ring_attention
 from ringdit.parallel import ParallelDims, gather_sequence, init_sequence_parallel, shard_sequence

@@ -140,6 +140,37 @@ def test_a_mask_that_is_not_a_key_mask_is_refused(case, message):
         cross_attention_key_mask(bias, TEXT_LEN)
 
 
+# ---- the token-count shift -----------------------------------------------------------------------------------------
+
+
+def test_shift_resolution_is_ltx_pipelines_own():
+    """diffusion.objective.shift=resolution for model.family=ltx_video: LTXPipeline's calculate_shift with the
+    constants of LTX-Video's scheduler config, kept in the run's objective (infer.py samples with it too); a family
+    without its own (Flux) and the DiT keep Flux's; constants the run gives are kept."""
+    import math
+
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    from ringdit.diffusion import FlowMatching
+    from ringdit.spec import resolve_shift
+
+    objective, sampling = {"shift": "resolution"}, {}
+    resolve_shift(objective, sampling, 192, {"family": "ltx_video"})
+    assert sampling == {"shift": "resolution"}
+    for tokens in (192, 1024, 6000):
+        ltx = math.exp(calculate_shift(tokens, 1024, 4096, 0.95, 2.05))  # LTX-Video's scheduler_config.json
+        assert FlowMatching(**objective).shift_for(tokens) == pytest.approx(ltx, rel=1e-12)
+    for model in ({"family": "flux"}, {"_target_": "ringdit.models.DiT"}):
+        objective = {"shift": "resolution"}
+        resolve_shift(objective, {}, 192, model)
+        assert FlowMatching(**objective).shift_for(192) == pytest.approx(math.exp(calculate_shift(192)), rel=1e-12)
+    given = {"shift": "resolution", "resolution": {"base_shift": 1.0}}
+    resolve_shift(given, {}, 192, {"family": "ltx_video"})
+    assert given["resolution"] == {"base_shift": 1.0}
+    with pytest.raises(ValueError, match=r"resolution takes \['base_tokens', .*got \['base_seq_len'\]"):
+        FlowMatching(shift="resolution", resolution={"base_seq_len": 1024})
+
+
 # ---- train.py ------------------------------------------------------------------------------------------------------
 
 LTX = ["model=ltx_video_tiny", "data=synthetic_text_latents", "data.num_samples=32", "data.batch_size=4",

@@ -82,6 +82,10 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         FluxTransformer2DModel(**config).save_pretrained(tmp_path / "flux" / "transformer")
         return [*images, f"model.pretrained={tmp_path / 'flux'}", "data.channels=1", "data.text_dim=32",
                 "data.pooled_dim=32"]
+    if (group, option) == ("model", "flux2_tiny"):
+        return [*images, "data.channels=1", "data.text_dim=32"]
+    if (group, option) == ("model", "flux2"):
+        return [*images, "data.channels=32", "data.text_dim=15360", "data.size=4"]
     if (group, option) == ("model", "qwenimage_tiny"):
         return [*images, "data.text_dim=16"]
     if (group, option) == ("model", "qwenimage"):
@@ -92,12 +96,22 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [*synthetic, "data.channels=32", "data.text_dim=3584", "data.size=4"]
     if (group, option) in (("model", "skyreels_v2_tiny"), ("model", "ltx_video_tiny")):
         return synthetic
+    if (group, option) == ("model", "wan22_ti2v_tiny"):  # image-to-video: the first frames' latents in the data
+        return [*synthetic, "data.image=true"]
+    if (group, option) == ("model", "wan22_ti2v"):
+        return [*synthetic, "data.image=true", "data.channels=48", "data.text_dim=4096", "data.size=4"]
+    if (group, option) == ("model", "wan_i2v_tiny"):  # + CLIP image embeddings; Wan's image keys assume 512 text
+        return [*synthetic, "data.image=true", "data.image_dim=16", "data.text_len=512"]
+    if (group, option) == ("model", "wan_i2v"):
+        return [*synthetic, "data.image=true", "data.image_dim=1280", "data.channels=16", "data.text_dim=4096",
+                "data.text_len=512", "data.size=4"]
     if (group, option) == ("model", "skyreels_v2"):
         return [*synthetic, "data.channels=16", "data.text_dim=4096", "data.size=4"]
     if (group, option) == ("model", "ltx_video"):
         return [*synthetic, "data.channels=128", "data.text_dim=4096", "data.size=4"]
     if (group, option) in (("experiment", "wan_tiny"), ("experiment", "flux_tiny"),
-                           ("experiment", "hunyuan_video15_tiny")):
+                           ("experiment", "hunyuan_video15_tiny"), ("experiment", "skyreels_v2_tiny"),
+                           ("experiment", "ltx_video_tiny"), ("experiment", "flux2_tiny")):
         return [f"data.cache_dir={tmp_path}", "data.num_samples=4"]
     return []
 

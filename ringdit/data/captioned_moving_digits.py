@@ -105,9 +105,11 @@ def build_caption_encoder(folder: Path, text_dim: int, seed: int) -> None:
 
 
 def write_captioned_moving_digits(folder: Path, final: Path, *, num_videos: int, frames: int, canvas: int,
-                                  text_len: int, text_dim: int, seed: int) -> Path:
+                                  text_len: int, text_dim: int, seed: int, image: bool = False) -> Path:
     """The text encoder and one shard ``videos.safetensors`` in ``folder``, which will be renamed ``final`` (the
-    folder the shard's ``text_encoder`` metadata names); returns the shard's path."""
+    folder the shard's ``text_encoder`` metadata names); returns the shard's path. ``image``: with the first frames
+    as image-to-video conditioning (``image_latents``; ``image_condition``: [first frame ; zero frames]), pixels as
+    the videos are."""
     from ringdit.media.text import TextEncoder
 
     build_caption_encoder(folder, text_dim, seed)
@@ -117,23 +119,29 @@ def write_captioned_moving_digits(folder: Path, final: Path, *, num_videos: int,
     distinct = sorted(set(captions))
     encoded = encoder(distinct)  # 40 prompts at most: encode each once
     rows = torch.tensor([distinct.index(c) for c in captions])
+    pixels = torch.stack([videos[i][0] for i in range(num_videos)])  # (N, 1, T, H, W)
+    first = pixels[:, :, :1]  # (N, 1, 1, H, W): the given first frame
+    conditioning = {"image_latents": first,
+                    "image_condition": torch.cat([first, torch.zeros_like(pixels[:, :, 1:])], dim=2)}
     return write_text_latents(
-        folder / "videos.safetensors", torch.stack([videos[i][0] for i in range(num_videos)]),  # (N, 1, T, H, W)
-        encoded["text"][rows], encoded["text_mask"][rows], null=encoder([""]), captions=captions,
+        folder / "videos.safetensors", pixels, encoded["text"][rows], encoded["text_mask"][rows], null=encoder([""]),
+        captions=captions, image=conditioning if image else None,
         metadata={"text_encoder": json.dumps({**encoder.describe(), "path": str(final.resolve() / "text_encoder"),
                                               "tokenizer": str(final.resolve() / "tokenizer")})})
 
 
 class CaptionedMovingDigitsDataModule(TextLatentsDataModule):
     """``data=captioned_moving_digits``: written once to ``cache_dir`` (per settings), then read as text_latents.
-    Pixels, not latents: samples come out as videos (no VAE)."""
+    Pixels, not latents: samples come out as videos (no VAE). ``image``: each video's first frame is stored as
+    image-to-video conditioning too (experiment=captioned_moving_digits_i2v)."""
 
     def __init__(self, cache_dir: str, num_videos: int = 4096, frames: int = 8, canvas: int = 16, text_len: int = 8,
                  text_dim: int = 32, batch_size: int = 32, num_workers: int = 0, val_fraction: float = 0.05,
-                 val_batches: int = 4, seed: int = 0):
+                 val_batches: int = 4, seed: int = 0, image: bool = False):
         settings = dict(num_videos=num_videos, frames=frames, canvas=canvas, text_len=text_len, text_dim=text_dim)
         for key, value in settings.items():
             require_count(f"data.{key}", value)
+        settings.update({"image": True} if image else {})  # image-to-video: the first frames too (a set of its own)
         if text_len < 6:  # "a 3 moving left" and its end token
             raise ConfigError(f"data.text_len={text_len} cuts the captions (5 tokens with the end token); use >= 6")
         CaptionedMovingDigits(1, frames, canvas)  # checks that the canvas fits the motion before anything is written

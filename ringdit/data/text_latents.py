@@ -12,6 +12,17 @@ and every training step reads one bucket; see ringdit/data/steps.py):
     null_text, null_text_mask, null_pooled   (1, ...)   the EMPTY prompt's embedding, used for the condition drop
                        of classifier-free guidance and as the default negative prompt (optional: zeros if absent)
 
+and, for image-to-video (optional, video latents only; ``python -m ringdit.prepare task=i2v`` writes them, by
+ringdit/media/image_condition.py, which ``infer.py image=`` uses too; the condition drop keeps them):
+
+    image_latents    float  (N, C, 1, H, W)  the clip's first frame encoded ALONE as a 1-frame video, normalised
+                            like latents (Wan 2.2 TI2V's first latent frame: WanImageToVideoPipeline with
+                            expand_timesteps)
+    image_condition  float  (N, C, T, H, W)  the latents of [first frame ; zero frames] at the clip's frame count,
+                            normalised like latents (Wan 2.1 I2V: the pipeline's latent_condition, without the mask)
+    image_embeds     float  (N, N_img, D_img)  the first frame's CLIP vision penultimate hidden states (the
+                            pipeline's encode_image; only when prepare is given image_encoder=)
+
 and the metadata keys ``format`` (``ringdit.text_latents/1``) and, optionally, ``captions`` (a JSON list of N
 strings) and ``vae`` (JSON: the VAE class, folder and per-channel ``shift`` / ``scale`` with latents =
 (z - shift) * scale, written by prepare so decoding can invert it; see ringdit/media/vae.py). Every shard has the same
@@ -50,15 +61,22 @@ LAYOUT = ("a .safetensors file, or a folder of them, holding 'latents' (N, C, [T
           "(see ringdit/data/text_latents.py)")
 NULL_KEYS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled"}
 NULL_OF = {"null_text": "text (1, L, D)", "null_text_mask": "text_mask (1, L)", "null_pooled": "pooled (1, P)"}
+# image-to-video conditioning, optional, per sample (ringdit.models.diffusers.image_condition reads them)
+IMAGE_KEYS = ("image_latents", "image_condition", "image_embeds")
+IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (Wan 2.2 TI2V)",
+            "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)",
+            "image_embeds": "CLIP vision penultimate hidden states (Wan 2.1 I2V with image_dim)"}
 
 Tensor = torch.Tensor
 
 
 def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mask: Tensor | None = None,
                        pooled: Tensor | None = None, null: dict[str, Tensor] | None = None,
-                       captions: list[str] | None = None, metadata: dict[str, str] | None = None) -> Path:
+                       captions: list[str] | None = None, metadata: dict[str, str] | None = None,
+                       image: dict[str, Tensor] | None = None) -> Path:
     """Write one shard (see the module docstring); ``null`` holds the empty prompt's ``text`` (L, D) [, mask, pooled];
-    ``metadata`` adds string keys (prepare records ``vae``: the VAE's class and normalisation, as JSON)."""
+    ``metadata`` adds string keys (prepare records ``vae``: the VAE's class and normalisation, as JSON); ``image``
+    the image-to-video conditioning, ``IMAGE_KEYS`` (N, ...) each."""
     from safetensors.torch import save_file
 
     tensors = {"latents": latents, "text": text}
@@ -66,6 +84,10 @@ def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mas
         tensors["text_mask"] = text_mask.bool()
     if pooled is not None:
         tensors["pooled"] = pooled
+    unknown = sorted(set(image or {}) - set(IMAGE_KEYS))
+    if unknown:  # a misspelt key would be written and never read
+        raise ValueError(f"write_text_latents: image holds {unknown}; its keys are {', '.join(IMAGE_KEYS)}")
+    tensors.update(image or {})
     for key, value in (null or {}).items():
         tensors[NULL_KEYS[key]] = value.reshape(1, *value.shape[-(2 if key == "text" else 1):])
     metadata = {**(metadata or {}), "format": FORMAT}
@@ -94,7 +116,7 @@ class Shard:
         where = f"data.path: {path}"
         self.captions = parse_captions(where, self.metadata["captions"], self.size) \
             if "captions" in self.metadata else None
-        for key in ("vae", "text_encoder"):  # what describe() hands to the checkpoint, decoding and prompt encoding
+        for key in ("vae", "text_encoder", "image_encoder"):  # what describe() hands on: decoding, prompt encoding
             if key in self.metadata:
                 parse_json_object(where, key, self.metadata[key])
 
@@ -131,6 +153,26 @@ class Shard:
                     "no null_pooled: the shard holds no pooled embeddings"
                 raise ConfigError(f"{where}: {key} has shape {shape}; expected {wanted} (write the shard with "
                                   f"write_text_latents(..., null=...))")
+        self.check_images()
+
+    @property
+    def image_keys(self) -> tuple[str, ...]:
+        """The image-to-video conditioning this shard holds (``IMAGE_KEYS``), in that order."""
+        return tuple(key for key in IMAGE_KEYS if key in self.shapes)
+
+    def check_images(self) -> None:
+        """The first-frame conditioning, where present, fits the latents (N, C, T, H, W): ``image_latents``
+        (N, C, 1, H, W), ``image_condition`` (N, C, T, H, W), ``image_embeds`` (N, N_img, D_img)."""
+        latents = self.shapes["latents"]
+        expected = {"image_latents": (*latents[:2], 1, *latents[3:]), "image_condition": latents,
+                    "image_embeds": (latents[0], None, None)}
+        for key in self.image_keys:
+            shape, wanted = self.shapes[key], expected[key]
+            fits = len(latents) == 5 and len(shape) == len(wanted) and self.dtypes[key] in FLOAT_DTYPES and \
+                all(w is None or s == w for s, w in zip(shape, wanted))
+            if not fits:
+                raise ConfigError(f"data.path: {self.path}: {key} is {self.dtypes[key]} {shape}; expected float "
+                                  f"{wanted} (None = any) for video latents {latents}: {IMAGE_OF[key]}")
 
     def check_values(self) -> None:
         """Every floating-point tensor (latents, text, pooled, null_*, a float text_mask, any other) holds only
@@ -193,17 +235,21 @@ class TextLatentRows(Dataset):
             raise IndexError(index)
         shard_index = bisect.bisect_right(self.starts, index) - 1
         shard, row = self.shards[shard_index], index - self.starts[shard_index]
-        values = shard.read(("latents", "text", "text_mask", "pooled"), row, row + 1)
+        values = shard.read(("latents", "text", "text_mask", "pooled", *IMAGE_KEYS), row, row + 1)
         return values["latents"][0].float(), condition_of(values, 0)
 
 
 def condition_of(values: dict[str, Tensor], row: int) -> dict[str, Tensor]:
-    """The conditioning dict of one row: text (L, D) float32, text_mask (L,) bool [, pooled (P,)]."""
+    """The conditioning dict of one row: text (L, D) float32, text_mask (L,) bool [, pooled (P,)] [, the image
+    keys (IMAGE_KEYS) float32]."""
     text = values["text"][row].float()
     mask = values["text_mask"][row].bool() if "text_mask" in values else torch.ones(text.shape[0], dtype=torch.bool)
     cond = {"text": text, "text_mask": mask}
     if "pooled" in values:
         cond["pooled"] = values["pooled"][row].float()
+    for key in IMAGE_KEYS:
+        if key in values:
+            cond[key] = values[key][row].float()
     return cond
 
 
@@ -242,7 +288,9 @@ class TextLatentsDataModule(ImageDataModule):
                                                  "val_fraction": self.val_fraction}}
         if self.pooled_dim is not None:
             info["pooled_dim"] = self.pooled_dim
-        for key in ("vae", "text_encoder"):  # written by prepare: how to decode samples and encode prompts
+        if self.shards[0].image_keys:  # image-to-video conditioning (every shard holds the same: _check_mixable)
+            info["image_keys"] = list(self.shards[0].image_keys)
+        for key in ("vae", "text_encoder", "image_encoder"):  # by prepare: how to decode and encode prompts, images
             if key in self.shards[0].metadata:
                 info[key] = json.loads(self.shards[0].metadata[key])
         return info
@@ -285,7 +333,9 @@ def _check_mixable(path, shards: list[Shard]) -> None:
         what = ("latent channels", channels0, channels) if channels != channels0 else \
             ("latent dims (image vs video)", dims0, dims) if dims != dims0 else \
             ("text (L, D)", text0, text) if text != text0 else \
-            ("pooled (P,)", pooled0, pooled) if pooled != pooled0 else None
+            ("pooled (P,)", pooled0, pooled) if pooled != pooled0 else \
+            ("image conditioning", list(first.image_keys), list(shard.image_keys)) \
+            if shard.image_keys != first.image_keys else None
         if what is not None:
             fix = ("store images as 1-frame videos (N, C, 1, H, W) for a video model (prepare does)"
                    if what[0].startswith("latent dims") else
@@ -367,9 +417,11 @@ def _text_latents_path(path) -> Path:
 
 def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int = 3, size: int | tuple[int, int] = 8,
                            text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
-                           seed: int = 0, first_sample: int = 0) -> dict:
+                           seed: int = 0, first_sample: int = 0, image: bool = False, image_dim: int = 0) -> dict:
     """``num_samples`` latent videos (``frames=0``: images) of ``size`` (H = W, or (H, W)) of a soft blob whose start
-    and direction depend on the prompt; ``pooled_dim`` > 0 adds a pooled prompt embedding (Flux).
+    and direction depend on the prompt; ``pooled_dim`` > 0 adds a pooled prompt embedding (Flux); ``image`` adds the
+    first-frame conditioning of image-to-video (``image_latents``: the first latent frame, ``image_condition``: it
+    followed by zero frames) and ``image_dim`` > 0 a random stand-in for CLIP image embeddings (N, 4, image_dim).
 
     Prompt p has a fixed random text embedding (its first ``3 + p % (text_len - 2)`` tokens real, the rest zero, as
     padded encoder states are) and caption ``"blob p"``; each video is drawn from (seed, sample index), the samples
@@ -406,7 +458,25 @@ def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int =
               "null": null, "captions": [f"blob {p}" for p in prompts.tolist()]}
     if pooled_dim:
         result["pooled"], null["pooled"] = prompt_pooled[prompts], torch.zeros(pooled_dim)
+    if image or image_dim:
+        result["image"] = synthetic_image_condition(result["latents"], image, image_dim, draws)
     return result
+
+
+def synthetic_image_condition(latents: Tensor, image: bool, image_dim: int, generator: torch.Generator
+                              ) -> dict[str, Tensor]:
+    """Stand-ins for prepare task=i2v's keys of videos ``latents`` (N, C, T, H, W): the first latent frame as the
+    image's latents (a causal VAE encodes the first frame alone into it), [it ; zeros] as the I2V condition, and
+    ``image_dim`` > 0 random embeddings (N, 4, image_dim) (only their shape and flow are tested)."""
+    if latents.dim() != 5:
+        raise ConfigError("data.image=true needs videos: set data.frames >= 1 (image-to-video conditions on the "
+                          "first frame)")
+    first = latents[:, :, :1]  # (N, C, 1, H, W)
+    out = {"image_latents": first, "image_condition": torch.cat([first, torch.zeros_like(latents[:, :, 1:])], 2)} \
+        if image else {}
+    if image_dim:
+        out["image_embeds"] = torch.randn(latents.shape[0], 4, image_dim, generator=generator)
+    return out
 
 
 class SyntheticTextLatentsDataModule(TextLatentsDataModule):
@@ -415,17 +485,21 @@ class SyntheticTextLatentsDataModule(TextLatentsDataModule):
 
     ``buckets``: a list of latent shapes ``[T, H, W]`` (videos) or ``[H, W]`` (images; ``frames`` is then unused):
     a mixed-bucket set, one shard per bucket, ``num_samples`` split between them as ``bucket_samples`` says (default
-    evenly). None: one bucket of ``frames`` x ``size`` x ``size``."""
+    evenly). None: one bucket of ``frames`` x ``size`` x ``size``. ``image`` / ``image_dim``: the image-to-video keys
+    (``synthetic_image_condition``)."""
 
     def __init__(self, cache_dir: str, num_samples: int = 512, channels: int = 4, frames: int = 3, size: int = 8,
                  text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
                  batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4,
                  seed: int = 0, buckets: list | None = None, bucket_samples: list[int] | None = None,
-                 tokens_per_batch: int | None = None):
+                 tokens_per_batch: int | None = None, image: bool = False, image_dim: int = 0):
         settings = dict(num_samples=num_samples, channels=channels, frames=frames, size=size, text_len=text_len,
                         text_dim=text_dim, num_prompts=num_prompts, pooled_dim=pooled_dim, seed=seed)
         for key, value in settings.items():
             require_count(f"data.{key}", value, minimum=0 if key in ("seed", "frames", "pooled_dim") else 1)
+        require_count("data.image_dim", image_dim, minimum=0)
+        # image-to-video keys (named in the file only when asked for: the text-to-video sets keep their names)
+        settings.update({"image": True} if image else {}, **({"image_dim": image_dim} if image_dim else {}))
         common = {key: value for key, value in settings.items() if key not in ("num_samples", "frames", "size")}
         if buckets is None:  # one file, as before buckets existed
             path = Path(cache_dir).expanduser() / ("synthetic-" + "-".join(f"{k}{v}" for k, v in settings.items())

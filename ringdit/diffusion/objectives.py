@@ -40,17 +40,25 @@ def resolution_shift(tokens: int, base_tokens: int = 256, max_tokens: int = 4096
     return math.exp(mu)
 
 
+RESOLUTION_SHIFT_KEYS = ("base_tokens", "max_tokens", "base_shift", "max_shift")  # resolution_shift's constants
+
+
 class FlowMatching:
     samplers = ("euler", "heun")  # the samplers that fit this objective; the first is the default
 
     def __init__(self, time_sampling: str = "logit_normal", logit_mean: float = 0.0, logit_std: float = 1.0,
-                 shift: float | str = 1.0):
+                 shift: float | str = 1.0, resolution: dict | None = None):
         """``shift``: a number, or ``"resolution"`` (Flux's): ``resolution_shift`` of each sample's token count, so
-        every bucket of a mixed-resolution set is shifted for its own size."""
+        every bucket of a mixed-resolution set is shifted for its own size. ``resolution``: that shift's constants
+        (``resolution_shift``'s keywords) where a model's pipeline has its own (LTX-Video's); None: Flux's."""
         if time_sampling not in ("uniform", "logit_normal"):
             raise ValueError(f"time_sampling must be 'uniform' or 'logit_normal', got {time_sampling!r}")
         if shift != "resolution" and (isinstance(shift, str) or shift <= 0):
             raise ValueError(f"shift must be > 0 or 'resolution', got {shift!r}")
+        self.resolution = dict(resolution or {})
+        unknown = sorted(set(self.resolution) - set(RESOLUTION_SHIFT_KEYS))
+        if unknown:
+            raise ValueError(f"resolution takes {list(RESOLUTION_SHIFT_KEYS)}, got {unknown}")
         self.time_sampling, self.logit_mean, self.logit_std, self.shift = time_sampling, logit_mean, logit_std, shift
 
     def shift_for(self, tokens: int | None) -> float:
@@ -59,7 +67,7 @@ class FlowMatching:
             return self.shift
         if tokens is None:
             raise ValueError("shift='resolution' needs the sample's token count")
-        return resolution_shift(tokens)
+        return resolution_shift(tokens, **self.resolution)
 
     def sample_time(self, batch: int, generator: torch.Generator, tokens: int | None = None) -> Tensor:
         """(B,) training times in (0, 1) for samples of ``tokens`` tokens (used by ``shift='resolution'``)."""

@@ -8,6 +8,7 @@ embeddings only). Needs diffusers, transformers, imageio (+ imageio-ffmpeg / av)
     folder.py         list_media: a captioned folder -> (path, caption) items
     frames.py         read_image / read_video: one file -> bucket pixels
     encode_folder.py  encode_folder: a folder -> text_latents shards (ranks, resume, skips)
+    image_condition.py  encode_image_condition: first frames -> image-to-video conditioning (prepare and infer)
     writing.py        write_media: decoded samples -> PNG grid + PNGs, MP4 + GIF (ringdit.images writes PNG / GIF)
     decode.py         decode_samples; python -m ringdit.media.decode (conf/decode.yaml): samples.npz latents -> media
 """

@@ -35,6 +35,14 @@ Skips: a file that cannot be decoded, or a clip shorter than the bucket, is left
     written per bucket.
 Every shard stores the empty prompt's embedding (``null_*``), the captions, the VAE's class, folder and
 normalisation (``vae``) and the text encoder's folders (``text_encoder``), all JSON metadata.
+Two text encoders (``pooled_encoder``, Flux's CLIP + T5): ``text`` from ``text_encoder`` (T5) and ``pooled`` from
+    the CLIP, both in every shard, as FluxPipeline.encode_prompt gives them (ringdit/media/text.py).
+Image-to-video (``task=i2v``): each clip's shard rows also hold its first frame's ``image_latents`` and
+    ``image_condition`` (ringdit/media/image_condition.py; the extra encodes go through the same VAE path as the
+    clip's, so ``parallel_vae=true`` splits them too) and, with ``image_encoder``, its CLIP ``image_embeds``; the
+    shards record ``task`` (a resume with another task is refused) and ``image_encoder`` metadata. Images, and clips
+    placed in a 1-frame bucket (``frame_buckets`` with 1), have no video to condition: with buckets they are left
+    out, counted and named in the summary (and in ``buckets.json``); a folder without videos is refused.
 """
 
 from __future__ import annotations
@@ -52,19 +60,21 @@ import torch
 import torch.distributed as dist
 
 from ringdit.atomic import atomic_write
-from ringdit.data.text_latents import write_text_latents
+from ringdit.data.text_latents import IMAGE_KEYS, write_text_latents
 from ringdit.dtypes import dtype_named
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.folder import MediaItem, list_media
 from ringdit.media.buckets import Bucket, Buckets, make_buckets, parse_buckets, resolution_pair
-from ringdit.media.frames import TooShort, probe, read_image, read_video
-from ringdit.media.text import TextEncoder
+from ringdit.media.frames import TooShort, probe, read_image, read_video, to_image
+from ringdit.media.image_condition import ImageEncoder, first_frame_condition, image_encoder_folders
+from ringdit.media.text import TextEncoder, chat_template, check_pooled_settings
 from ringdit.media.vae import VAE
 
 log = logging.getLogger("ringdit.prepare")
 
 PLAN = "buckets.json"  # with buckets: each shard's bucket and files (see the module docstring)
 PLAN_FORMAT = "ringdit.prepare.buckets/1"
+TASKS = ("t2v", "i2v")  # text-conditioned latents; + each clip's first-frame conditioning (image-to-video)
 
 
 @dataclass
@@ -75,6 +85,7 @@ class EncodeReport:
     unreadable: list[str] = field(default_factory=list)
     too_short: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # listed in metadata.jsonl / .csv but not there (rank 0 counts)
+    stills: list[str] = field(default_factory=list)  # task=i2v: images (and 1-frame clips), no video to condition
     seconds: float = 0.0
     buckets: dict[str, int] = field(default_factory=dict)  # bucket name (HxWxT) -> samples written now
     tile_batches: int | None = None  # parallel_vae=true, ranks > 0: the VAE batches whose tiles this rank shared
@@ -89,6 +100,8 @@ class EncodeReport:
                 f"{len(self.unreadable)} unreadable files{_named(self.unreadable)}, {len(self.too_short)} clips too "
                 f"short for the bucket{_named(self.too_short)} and {len(self.missing)} files the metadata lists that "
                 f"are missing or not images / videos{_named(self.missing)}" + (
+                    f"; task=i2v: left out {len(self.stills)} images or 1-frame clips, which have no video to "
+                    f"condition on their first frame{_named(self.stills)}" if self.stills else "") + (
                     "; by bucket: " + ", ".join(f"{name}: {count} samples" for name, count in self.buckets.items())
                     if self.buckets else ""))
 
@@ -110,6 +123,40 @@ def bucket_size(resolution, spatial: int) -> tuple[int, int]:
     return height, width
 
 
+def check_task(task, image_encoder, image_processor) -> None:
+    """One-line errors for the task / image encoder settings, before any work (the image encoder's folders are
+    checked, nothing loaded)."""
+    if task not in TASKS:
+        raise ConfigError(f"task={task!r} is not one of {', '.join(TASKS)}; pass task=t2v (text-conditioned latents) "
+                          f"or task=i2v (also each clip's first-frame conditioning, for image-to-video)")
+    if image_encoder is not None and task != "i2v":
+        raise ConfigError(f"image_encoder={image_encoder} gives the CLIP embeddings of image-to-video, but "
+                          f"task={task}; pass task=i2v, or drop image_encoder")
+    if image_processor is not None and image_encoder is None:
+        raise ConfigError(f"image_processor={image_processor} is the image encoder's processor, but image_encoder is "
+                          f"not set; pass image_encoder=<CLIP vision model folder> too, or drop image_processor")
+    if image_encoder is not None:
+        image_encoder_folders(image_encoder, image_processor)
+
+
+def check_resumed_task(out_dir: Path, task: str) -> None:
+    """Shards already in ``out_dir`` were prepared for the same task (else resuming would mix shards with and
+    without the image-to-video keys): a ``ConfigError`` if not."""
+    from safetensors import safe_open
+
+    done = next(iter(sorted(out_dir.glob("shard-*.safetensors"))), None)
+    if done is None:
+        return
+    try:
+        with safe_open(str(done), framework="pt") as f:
+            before = (f.metadata() or {}).get("task", "t2v")  # shards from before task= are text-to-video
+    except Exception:  # noqa: BLE001 - an unreadable shard is the reader's to report; it says nothing of the task
+        return
+    if before != task:
+        raise ConfigError(f"out={out_dir} holds shards prepared with task={before} ({done.name}), but task={task}; "
+                          f"pass task={before} to resume them, or prepare into a new out= folder")
+
+
 def shard_path(out: Path, index: int) -> Path:
     return out / f"shard-{index:05d}.safetensors"
 
@@ -127,8 +174,14 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             frame_stride: int = 1, buckets=None, bucket_step: int | None = None, frame_buckets=None,
             max_text_len: int = 512, shard_size: int = 64, batch_size: int = 4, device: str | None = None,
             dtype: str = "float32", tiling: bool = True, tile: int | None = None, parallel_vae: bool = False,
-            rank: int | None = None, world_size: int | None = None, progress: bool = True) -> EncodeReport:
+            task: str = "t2v", image_encoder: str | None = None, image_processor: str | None = None,
+            pooled_encoder: str | None = None, pooled_tokenizer: str | None = None, max_pooled_len: int = 77,
+            masked_text: bool | None = None, prompt_template: str | None = None, rank: int | None = None,
+            world_size: int | None = None, progress: bool = True) -> EncodeReport:
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
+    check_task(task, image_encoder, image_processor)  # before any work, on every rank alike
+    check_pooled_settings(pooled_encoder, pooled_tokenizer, masked_text)
+    chat_template(prompt_template)  # a name it does not know: one line, before any work
     if not isinstance(parallel_vae, bool):
         raise ConfigError(f"parallel_vae must be true or false, got {parallel_vae!r}; pass parallel_vae=true to split "
                           f"each clip's VAE tiles over the torchrun ranks, or parallel_vae=false (one rank per shard)")
@@ -151,12 +204,17 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
                               frame_stride=frame_stride, buckets=buckets, bucket_step=bucket_step,
                               frame_buckets=frame_buckets, max_text_len=max_text_len, shard_size=shard_size,
                               batch_size=batch_size, device=device, dtype=dtype, tiling=tiling, tile=tile,
+                              task=task, image_encoder=image_encoder, image_processor=image_processor,
+                              pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
+                              max_pooled_len=max_pooled_len, masked_text=masked_text, prompt_template=prompt_template,
                               tiles=tiles, rank=rank, world_size=world_size, progress=progress)
 
 
 def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, caption_column, resolution, frames,
                    frame_stride, buckets, bucket_step, frame_buckets, max_text_len, shard_size, batch_size, device,
-                   dtype, tiling, tile, tiles: TileGroup | None, rank, world_size, progress) -> EncodeReport:
+                   dtype, tiling, tile, task, image_encoder, image_processor, pooled_encoder, pooled_tokenizer,
+                   max_pooled_len, masked_text, prompt_template, tiles: TileGroup | None, rank, world_size,
+                   progress) -> EncodeReport:
     """``encode_folder``'s work, given its ``TileGroup`` (parallel_vae=true on several ranks, else None)."""
     from tqdm.auto import tqdm
 
@@ -181,6 +239,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     if not bucketed and (out_dir / PLAN).is_file() and any(out_dir.glob("shard-*.safetensors")):
         raise ConfigError(f"out={out} holds shards prepared with buckets ({PLAN}); pass the buckets= setting they "
                           f"were made with to resume, or prepare into a new out= folder")
+    check_resumed_task(out_dir, task)  # before any work: a resume must not mix shards with and without image keys
     missing: list[str] = []  # the metadata's rows without their file: named in the summary (by rank 0: all see them)
     items = list_media(input, caption_column, missing=missing)
     videos = [item for item in items if item.is_video]
@@ -189,6 +248,12 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
         raise ConfigError(f"input={input} mixes videos ({videos[0].path.name}) and images ({image.path.name}); with "
                           f"buckets=null a prepared set has one shape, so pass buckets=auto (images become "
                           f"one-frame buckets) or prepare them into separate out= folders")
+    if task == "i2v" and not videos:
+        raise ConfigError(f"task=i2v conditions each clip on its first frame, but input={input} holds no videos"
+                          f"{' (only images)' if items else ''}; pass a folder of clips, or task=t2v")
+    if task == "i2v" and not bucketed and frames == 1:
+        raise ConfigError("task=i2v with frames=1: a 1-frame clip is its own first frame, with nothing to generate; "
+                          "pass frames=1 + k * the VAE's temporal factor (e.g. frames=17), or task=t2v")
     device = device or default_device()
     codec = VAE(vae, vae_subfolder, device=device, dtype=store, tiling=tiling, tile=tile)
     encode = codec.encode
@@ -211,16 +276,27 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
                                frame_stride=frame_stride, frame_buckets=frame_buckets, bucket_step=bucket_step,
                                class_name=codec.class_name)
         placed, unreadable, too_short = place_files(items, chooser, progress=progress)
+        stills = []
+        if task == "i2v":  # an image (or a 1-frame clip) has no video to condition on its first frame: left out
+            stills = [str(item.path) for item, bucket in placed if bucket.frames == 1]
+            placed = [(item, bucket) for item, bucket in placed if bucket.frames != 1]
+            if stills:
+                log.warning("task=i2v: leaving out %d images or 1-frame clips (first: %s); image-to-video trains on "
+                            "clips", len(stills), Path(stills[0]).name)
         if rank == 0:  # every rank probes every file; rank 0 reports the files left out, so totals add up
             report.unreadable += unreadable
             report.too_short += too_short
+            report.stills += stills
         shards = plan_shards(placed, shard_size)
-        check_plan(out_dir, Path(str(input)).expanduser(), shards, rank, unreadable, too_short, chooser)
+        check_plan(out_dir, Path(str(input)).expanduser(), shards, rank, unreadable, too_short, chooser, stills)
     else:
         height, width = bucket_size(resolution, codec.spatial)
         bucket = Bucket(height, width, frames if videos else None)
         shards = [(bucket, items[start:start + shard_size]) for start in range(0, len(items), shard_size)]
-    encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=store)
+    encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=store,
+                          pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
+                          max_pooled_len=max_pooled_len, masked=masked_text, prompt_template=prompt_template)
+    clip = ImageEncoder(image_encoder, image_processor, device=device, dtype=store) if image_encoder else None
 
     out_dir.mkdir(parents=True, exist_ok=True)
     mine = range(rank, len(shards), world_size)
@@ -228,6 +304,10 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     pending = [i for i in mine if not shard_path(out_dir, i).exists()]
     null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,)]
     described = {"vae": json.dumps(codec.describe()), "text_encoder": json.dumps(encoder.describe())}
+    if task == "i2v":
+        described["task"] = "i2v"  # what a resumed run checks (check_resumed_task); no key: t2v, as before
+    if clip is not None:
+        described["image_encoder"] = json.dumps(clip.describe())
     start = time.perf_counter()
     bar = tqdm(total=sum(len(shards[i][1]) for i in pending), unit="file", disable=not progress,
                desc=f"prepare (rank {rank}/{world_size})" if world_size > 1 else "prepare")
@@ -260,8 +340,13 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
             bar.update(len(batch))
             if not loaded:
                 continue
-            latents = encode(torch.stack([pixels for _, pixels in loaded]))  # (B, C, [T',] H', W')
+            pixels = torch.stack([pixels for _, pixels in loaded])  # (B, 3, [T,] H, W)
+            latents = encode(pixels)  # (B, C, [T',] H', W')
             cond = encoder([item.caption for item, _ in loaded])
+            if task == "i2v":  # the first frame's conditioning, its encodes by the same VAE path as the clips'
+                cond.update(first_frame_condition(encode, pixels[:, :, 0], bucket.frames))
+                if clip is not None:  # CLIP sees the first frame as the bucket shows it (the same 8-bit RGB)
+                    cond["image_embeds"] = clip([to_image(frame) for frame in pixels[:, :, 0]])
             for key, value in {"latents": latents, **cond}.items():
                 rows.setdefault(key, []).append(value)
             captions += [item.caption for item, _ in loaded]
@@ -277,7 +362,8 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
             write_text_latents(shard_path(out_dir, index), tensors["latents"].to(store), tensors["text"].to(store),
                                tensors["text_mask"], tensors["pooled"].to(store) if "pooled" in tensors else None,
                                null={k: (v.to(store) if v.is_floating_point() else v) for k, v in null.items()},
-                               captions=captions, metadata=metadata)
+                               captions=captions, metadata=metadata,
+                               image={key: tensors[key].to(store) for key in IMAGE_KEYS if key in tensors})
             report.shards_written += 1
             report.samples += len(captions)
             report.buckets[bucket.name] = report.buckets.get(bucket.name, 0) + len(captions)
@@ -419,7 +505,8 @@ def plan_shards(placed: list[tuple[MediaItem, Bucket]], shard_size: int) -> list
 
 
 def check_plan(out_dir: Path, root: Path, shards: list[tuple[Bucket, list[MediaItem]]], rank: int,
-               unreadable: list[str], too_short: list[str], chooser: Buckets) -> None:
+               unreadable: list[str], too_short: list[str], chooser: Buckets,
+               stills: list[str] = ()) -> None:
     """Write the plan to ``out/buckets.json`` (rank 0, atomically), or, when shards are there already, check that it
     is the plan they were written by (else resuming would mix two plans): a ``ConfigError`` if not."""
     def relative(path: Path | str) -> str:
@@ -456,7 +543,9 @@ def check_plan(out_dir: Path, root: Path, shards: list[tuple[Bucket, list[MediaI
             tmp.write_text(json.dumps({"format": PLAN_FORMAT, "input": str(root), "buckets": chooser.describe(),
                                        "samples": counts, "shards": planned,
                                        "skipped": {"unreadable": [relative(p) for p in unreadable],
-                                                   "too_short": [relative(p) for p in too_short]}}, indent=1))
+                                                   "too_short": [relative(p) for p in too_short],
+                                                   **({"stills": [relative(p) for p in stills]} if stills else {})}},
+                                      indent=1))
 
 
 def _difference(before, planned: list[dict]) -> str:

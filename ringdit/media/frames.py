@@ -62,12 +62,24 @@ def _orientation(image: Image.Image) -> int:
         return 1
 
 
+def to_image(pixels: torch.Tensor) -> Image.Image:
+    """(3, H, W) in [-1, 1] -> the RGB image: the exact inverse of ``to_pixels`` for its 8-bit frames (the float
+    rounding of / 127.5 - 1 is far below the 0.5 that ``round`` absorbs)."""
+    array = ((pixels.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)  # (3, H, W)
+    return Image.fromarray(array.permute(1, 2, 0).numpy())
+
+
+def image_pixels(image: Image.Image, height: int, width: int) -> torch.Tensor:
+    """An opened image -> (3, H, W) in [-1, 1]: upright (EXIF rotation applied), cropped and resized by ``fit``."""
+    return to_pixels([fit(ImageOps.exif_transpose(image).convert("RGB"), height, width)])[:, 0]
+
+
 def read_image(path: Path, height: int, width: int) -> torch.Tensor:
     """(3, H, W) in [-1, 1], upright (EXIF rotation applied); raises (OSError, ValueError, ...) when the file cannot
     be decoded."""
     with Image.open(path) as image:
         image.load()
-        return to_pixels([fit(ImageOps.exif_transpose(image).convert("RGB"), height, width)])[:, 0]
+        return image_pixels(image, height, width)
 
 
 def read_video(path: Path, height: int, width: int, frames: int, stride: int = 1) -> torch.Tensor:

@@ -1,11 +1,20 @@
-"""Prompt encoding with a local transformers text encoder: what prepare stores and what infer conditions on.
+"""Prompt encoding with local transformers text encoders: what prepare stores and what infer conditions on.
 
     encoder = TextEncoder("path/to/Wan2.1-T2V", max_len=512)   # text_encoder/ + tokenizer/ subfolders, or the folders
     cond = encoder(["a red fox running"])   # {"text": (N, L, D) float32, "text_mask": (N, L) bool[, "pooled": (N, P)]}
+    flux = TextEncoder("FLUX.1-dev/text_encoder_2", pooled_encoder="FLUX.1-dev")  # T5 -> text, CLIP -> pooled
 
-As WanPipeline does: the prompt is tokenized to ``max_len`` tokens (truncated), the encoder's last hidden states are
-kept on the real tokens and set to zero after them, and the mask says which tokens are real. CLIP text models also
-give ``pooled`` (their pooled output, as Flux consumes it). The empty prompt ``""`` is the null condition.
+As WanPipeline does (``masked=True``, the default with one encoder): the prompt is tokenized to ``max_len`` tokens
+(truncated), the encoder attends to the real tokens only, its last hidden states are kept on the real tokens and set
+to zero after them, and the mask says which tokens are real. CLIP text models also give ``pooled`` (their pooled
+output). The empty prompt ``""`` is the null condition.
+
+Two encoders (``pooled_encoder``, Flux's CLIP + T5 pair), as ``FluxPipeline.encode_prompt`` does: ``text`` is the
+first encoder's (T5, ``max_len`` tokens, 512 for Flux) last hidden states and ``pooled`` the CLIP's pooled output
+(``max_pooled_len`` tokens, 77); both encoders run over the padded tokens WITHOUT an attention mask and every state
+is kept (``masked=False``, the default with a pooled encoder), since Flux's transformer attends to all ``max_len``
+text tokens: ``text_mask`` is then all True. (CLIP is causal and pools at its end-of-text token, so the padding after
+it never changes ``pooled`` either way.)
 """
 
 from __future__ import annotations
@@ -20,7 +29,11 @@ from ringdit.models.diffusers.folders import check_weights_folder
 
 # config.json "model_type" -> the encoder-only class (a full T5 checkpoint also loads into its encoder)
 ENCODERS = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel", "clip_text_model": "CLIPTextModel",
-            "clip": "CLIPTextModel", "clip_text_with_projection": "CLIPTextModel"}
+            "clip": "CLIPTextModel", "clip_text_with_projection": "CLIPTextModel",
+            "qwen2_5_vl_text": "Qwen2_5_VLTextModel"}  # HunyuanVideo 1.5's, with prompt_template=hunyuan_video15
+TEXT_SETTINGS = ("text_encoder", "tokenizer", "max_text_len")  # the prepare settings named in errors
+POOLED_SETTINGS = ("pooled_encoder", "pooled_tokenizer", "max_pooled_len")
+TEMPLATES = ("hunyuan_video15",)  # prompt_template: a pipeline's chat template around the prompt
 
 
 def _folder(path, subfolder: str, marker: str, setting: str) -> Path:
@@ -35,66 +48,150 @@ def _folder(path, subfolder: str, marker: str, setting: str) -> Path:
                       f"save_pretrained wrote")
 
 
+def chat_template(name: str | None) -> tuple[str, int, int] | None:
+    """(system message, template tokens cropped before the prompt, hidden layers skipped from the end) of a
+    pipeline's chat template, read from the defaults of diffusers' own code so that they cannot drift:
+    ``hunyuan_video15``: HunyuanVideo15Pipeline._get_mllm_prompt_embeds (its Qwen2.5-VL's third-last hidden states
+    after 108 template tokens)."""
+    if name is None:
+        return None
+    if name not in TEMPLATES:
+        raise ConfigError(f"prompt_template={name!r} is not one of {', '.join(TEMPLATES)}; pass "
+                          f"prompt_template=hunyuan_video15 (with its Qwen2.5-VL text encoder), or null")
+    import inspect
+
+    from diffusers import HunyuanVideo15Pipeline
+
+    defaults = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
+    return (defaults["system_message"].default, int(defaults["crop_start"].default),
+            int(defaults["num_hidden_layers_to_skip"].default))
+
+
+def check_pooled_settings(pooled_encoder, pooled_tokenizer, masked) -> None:
+    """One-line errors for the second encoder's settings, before anything is loaded."""
+    if pooled_encoder is None and pooled_tokenizer is not None:
+        raise ConfigError(f"pooled_tokenizer={pooled_tokenizer} is the tokenizer of pooled_encoder, which is not "
+                          f"set; pass pooled_encoder=<CLIP text model folder> too, or drop pooled_tokenizer")
+    if masked is not None and not isinstance(masked, bool):
+        raise ConfigError(f"masked_text must be true, false or null, got {masked!r}; null = true with one text "
+                          f"encoder (Wan), false with pooled_encoder (Flux)")
+
+
 class TextEncoder:
     """Tokenizer + encoder from local folders; ``tokenizer`` defaults to the text encoder's folder (or its
-    pipeline's ``tokenizer/`` subfolder)."""
+    pipeline's tokenizer folder: ``tokenizer/`` beside ``text_encoder/``, ``tokenizer_2/`` beside
+    ``text_encoder_2/``). ``pooled_encoder`` (a CLIP text model folder, or a pipeline folder with ``text_encoder/``):
+    ``pooled`` from it, as Flux takes it (see the module docstring); ``masked`` None: True with one encoder, False
+    with a pooled encoder (each as its pipeline does)."""
 
     def __init__(self, text_encoder: str | Path, tokenizer: str | Path | None = None, *, max_len: int = 512,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 pooled_encoder: str | Path | None = None, pooled_tokenizer: str | Path | None = None,
+                 max_pooled_len: int = 77, masked: bool | None = None,
+                 prompt_template: str | None = None,
+                 settings: tuple[str, str, str] = TEXT_SETTINGS):
         import transformers
 
-        folder = _folder(text_encoder, "text_encoder", "config.json", "text_encoder")
+        setting, tokenizer_setting, length_setting = settings
+        check_pooled_settings(pooled_encoder, pooled_tokenizer, masked)
+        self.masked = pooled_encoder is None if masked is None else masked
+        self.template_name, self.template = prompt_template, chat_template(prompt_template)
+        folder = _folder(text_encoder, "text_encoder", "config.json", setting)
         config = json.loads((folder / "config.json").read_text())
         model_type = config.get("model_type")
         if model_type not in ENCODERS:
-            raise ConfigError(f"text_encoder={text_encoder}: model_type {model_type!r} is not a supported text encoder "
+            raise ConfigError(f"{setting}={text_encoder}: model_type {model_type!r} is not a supported text encoder "
                               f"({', '.join(sorted(ENCODERS))}); pass a T5, UMT5 or CLIP text model folder")
         # safetensors only, their headers checked first: a pickled .bin can run code, and infer.py may take this
         # folder from a checkpoint; a truncated file fails here in one line
-        check_weights_folder(folder, setting="text_encoder", value=text_encoder, class_name=ENCODERS[model_type],
+        check_weights_folder(folder, setting=setting, value=text_encoder, class_name=ENCODERS[model_type],
                              library="transformers")
         try:
             self.model = getattr(transformers, ENCODERS[model_type]).from_pretrained(str(folder), dtype=dtype,
                                                                                      use_safetensors=True)
         except (OSError, ValueError, RuntimeError) as error:
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise ConfigError(f"text_encoder={text_encoder}: cannot load weights from {folder} ({first}); save it "
+            raise ConfigError(f"{setting}={text_encoder}: cannot load weights from {folder} ({first}); save it "
                               f"with save_pretrained (safetensors; .bin pickles are not loaded)") from None
         self.model.to(device).eval().requires_grad_(False)
-        if tokenizer is None:  # a pipeline keeps it beside the encoder (tokenizer/), a bare folder inside it
-            candidates = (folder.parent / "tokenizer", folder)
-            tokenizer = next((c for c in candidates if (c / "tokenizer_config.json").is_file()), folder)
-        tokenizer_folder = _folder(tokenizer, "tokenizer", "tokenizer_config.json", "tokenizer")
+        if tokenizer is None:  # a pipeline keeps it beside the encoder (tokenizer/, tokenizer_2/), a bare folder inside
+            beside = folder.parent / (folder.name.replace("text_encoder", "tokenizer")
+                                      if folder.name.startswith("text_encoder") else "tokenizer")
+            tokenizer = next((c for c in (beside, folder) if (c / "tokenizer_config.json").is_file()), folder)
+        tokenizer_folder = _folder(tokenizer, "tokenizer", "tokenizer_config.json", tokenizer_setting)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder))
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        require_count("max_text_len", max_len)
-        if limit is not None and max_len > limit:
-            raise ConfigError(f"max_text_len={max_len} is longer than {ENCODERS[model_type]} takes ({limit} "
-                              f"positions); pass max_text_len={limit} or less")
+        require_count(length_setting, max_len)
+        cropped = self.template[1] if self.template else 0  # the template's tokens come first, then are cut off
+        if limit is not None and max_len + cropped > limit:
+            limit -= cropped
+            raise ConfigError(f"{length_setting}={max_len} is longer than {ENCODERS[model_type]} takes ({limit} "
+                              f"positions{' after the template' if cropped else ''}); pass {length_setting}={limit} "
+                              f"or less")
         self.folder, self.tokenizer_folder = folder, tokenizer_folder
         self.max_len, self.device = max_len, torch.device(device)
         self.pooled = model_type.startswith("clip")
         self.dim = int(getattr(self.model.config, "d_model", None) or self.model.config.hidden_size)
+        self.pooled_encoder = None
+        if pooled_encoder is not None:
+            self.pooled_encoder = TextEncoder(pooled_encoder, pooled_tokenizer, max_len=max_pooled_len,
+                                              device=device, dtype=dtype, masked=False, settings=POOLED_SETTINGS)
+            if not self.pooled_encoder.pooled:
+                raise ConfigError(f"pooled_encoder={pooled_encoder} is {type(self.pooled_encoder.model).__name__}, "
+                                  f"which has no pooled output; pass a CLIP text model folder (Flux: its "
+                                  f"text_encoder/, or the pipeline folder)")
+            self.pooled = True
 
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        if self.template is not None:
+            return self._templated(prompts)
         tokens = self.tokenizer(list(prompts), padding="max_length", max_length=self.max_len, truncation=True,
                                 add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
         ids, mask = tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)
-        out = self.model(input_ids=ids, attention_mask=mask)
-        mask = mask.bool()
-        text = out.last_hidden_state.float() * mask[..., None]  # (N, L, D), zero after the real tokens
+        if self.masked:  # WanPipeline: attend to the real tokens, zero the states after them
+            out = self.model(input_ids=ids, attention_mask=mask)
+            mask = mask.bool()
+            text = out.last_hidden_state.float() * mask[..., None]  # (N, L, D), zero after the real tokens
+        else:  # FluxPipeline: every token attended and kept, as its transformer reads them
+            out = self.model(input_ids=ids)
+            mask = torch.ones_like(mask, dtype=torch.bool)  # (N, L)
+            text = out.last_hidden_state.float()  # (N, L, D)
         cond = {"text": text.cpu(), "text_mask": mask.cpu()}
-        if self.pooled:
+        if self.pooled_encoder is not None:
+            cond["pooled"] = self.pooled_encoder(prompts)["pooled"]  # (N, P) from the CLIP
+        elif self.pooled:
             cond["pooled"] = out.pooler_output.float().cpu()  # (N, P)
         return cond
 
+    def _templated(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """As HunyuanVideo15Pipeline._get_mllm_prompt_embeds: the prompt in the chat template (system message, an
+        empty prompt as " "), ``max_len`` + the template's tokens, the hidden states ``skip`` layers from the end,
+        the template's tokens cut off; then masked as any prompt (zero after the real tokens)."""
+        system, crop, skip = self.template
+        messages = [[{"role": "system", "content": system}, {"role": "user", "content": p if p else " "}]
+                    for p in prompts]
+        tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True, padding="max_length",
+                                                    max_length=self.max_len + crop, truncation=True,
+                                                    return_tensors="pt")
+        ids, mask = tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        states = out.hidden_states[-(skip + 1)][:, crop:]  # (N, L, D)
+        mask = mask[:, crop:].bool()  # (N, L)
+        return {"text": (states.float() * mask[..., None]).cpu(), "text_mask": mask.cpu()}
+
     def describe(self) -> dict:
         """What a shard records as its ``text_encoder`` metadata key (so sampling can encode prompts the same way)."""
-        return {"class": type(self.model).__name__, "path": str(self.folder.resolve()),
+        info = {"class": type(self.model).__name__, "path": str(self.folder.resolve()),
                 "tokenizer": str(self.tokenizer_folder.resolve()), "max_len": self.max_len, "dim": self.dim,
-                "pooled": self.pooled}
-
+                "pooled": self.pooled, "masked": self.masked}
+        if self.template_name is not None:
+            info["prompt_template"] = self.template_name
+        if self.pooled_encoder is not None:
+            pooled = self.pooled_encoder.describe()
+            info["pooled_encoder"] = {key: pooled[key] for key in ("class", "path", "tokenizer", "max_len", "dim")}
+        return info
 
 def word_level_tokenizer(words: list[str] | tuple[str, ...]):
     """A T5-style fast tokenizer over a fixed word list, built in code (no download): whitespace-split words, ids in
@@ -112,16 +209,36 @@ def word_level_tokenizer(words: list[str] | tuple[str, ...]):
 
 def encode_prompts(prompts: list[str], negative_prompt: str | None, text_encoder: str | Path,
                    tokenizer: str | Path | None = None, *, text_len: int, text_dim: int,
-                   device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                   device: str | torch.device = "cpu", pooled_encoder: str | Path | None = None,
+                   pooled_tokenizer: str | Path | None = None, max_pooled_len: int = 77,
+                   masked: bool | None = None, prompt_template: str | None = None
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """infer.py's prompts: (cond (N, ...), negative (1, ...)) as the model was trained on them.
 
     ``text_len`` / ``text_dim`` are the training data's (its ``describe()``); the negative prompt defaults to the
-    empty prompt, which is what the condition drop trained the model to read as "no condition".
+    empty prompt, which is what the condition drop trained the model to read as "no condition". ``pooled_encoder``,
+    ``pooled_tokenizer``, ``max_pooled_len``, ``masked``, ``prompt_template``: as the data were prepared
+    (``encoder_settings`` of the data's ``text_encoder`` description gives them).
     """
-    encoder = TextEncoder(text_encoder, tokenizer, max_len=text_len, device=device)
+    encoder = TextEncoder(text_encoder, tokenizer, max_len=text_len, device=device, pooled_encoder=pooled_encoder,
+                          pooled_tokenizer=pooled_tokenizer, max_pooled_len=max_pooled_len, masked=masked,
+                          prompt_template=prompt_template)
     if encoder.dim != text_dim:
         raise ConfigError(f"text_encoder={text_encoder} gives {encoder.dim}-dim states but the model was trained on "
                           f"{text_dim}-dim text; pass the text encoder the training data was prepared with")
     if isinstance(prompts, str) or not prompts:
         raise ConfigError(f"prompts must be a non-empty list of strings, got {prompts!r}; e.g. prompts='[a red fox]'")
     return encoder([str(p) for p in prompts]), encoder([negative_prompt or ""])
+
+
+def encoder_settings(described: dict) -> dict:
+    """``TextEncoder.describe()`` (a shard's ``text_encoder`` metadata) -> the ``encode_prompts`` keywords beyond the
+    text encoder itself that encode prompts as that shard's were: the pooled encoder, the masking, the template."""
+    pooled = described.get("pooled_encoder") or {}
+    settings = {"masked": described.get("masked")}  # absent (shards from before): None, the one-encoder default
+    if described.get("prompt_template"):
+        settings["prompt_template"] = described["prompt_template"]
+    if pooled:
+        settings.update(pooled_encoder=pooled["path"], pooled_tokenizer=pooled.get("tokenizer"),
+                        max_pooled_len=pooled.get("max_len", 77))
+    return settings

@@ -3,6 +3,10 @@
 The model consumes latents ``(z - shift) * scale``, per channel:
 
     AutoencoderKLWan / AutoencoderKLQwenImage    shift = latents_mean, scale = 1 / latents_std   (as WanPipeline)
+    AutoencoderKLLTXVideo                        shift = latents_mean, scale = scaling_factor / latents_std, from the
+                                                 model's latents_mean / latents_std BUFFERS (its weights, not its
+                                                 config; LTXPipeline._normalize_latents)
+    AutoencoderKLHunyuanVideo15                  shift = 0, scale = scaling_factor (HunyuanVideo15Pipeline)
     AutoencoderKL                                shift = shift_factor (0 if None), scale = scaling_factor (Flux, SD)
                                                  with latents_mean / latents_std set (SDXL-style configs):
                                                  shift = latents_mean, scale = scaling_factor / latents_std
@@ -29,7 +33,8 @@ import torch
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.folders import check_weights_folder
 
-VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")  # (B, 3, T, H, W) in, (B, C, T', H', W') out
+VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo",
+              "AutoencoderKLHunyuanVideo15")  # (B, 3, T, H, W) in, (B, C, T', H', W') out
 IMAGE_VAES = ("AutoencoderKL",)  # (B, 3, H, W) in, (B, C, H', W') out
 
 
@@ -86,15 +91,20 @@ class VAE:
                               f"save it with save_pretrained (safetensors; .bin pickles are not loaded)") from None
         self.model.to(device).eval().requires_grad_(False)
         self.device, self.dtype = torch.device(device), dtype
-        self.shift, self.scale = normalisation(self.model.config)
+        self.shift, self.scale = normalisation(self.model.config, self.model)
         self.spatial = int(getattr(self.model, "spatial_compression_ratio", None)
                            or 2 ** (len(self.model.config.block_out_channels) - 1))
-        self.temporal = int(self.model.config.get("scale_factor_temporal") or 4) if self.is_video else 1
+        # Wan: scale_factor_temporal (4); LTX-Video: temporal_compression_ratio (8); HunyuanVideo 1.5: 4
+        self.temporal = int(getattr(self.model, "temporal_compression_ratio", None)
+                            or self.model.config.get("scale_factor_temporal") or 4) if self.is_video else 1
         if tiling:
             self.model.enable_tiling(**({} if tile is None else self._tile_kwargs(tile)))
         self.model.enable_slicing()
 
     def _tile_kwargs(self, tile: int) -> dict:
+        if self.class_name == "AutoencoderKLHunyuanVideo15":  # tile sizes and an overlap factor, no strides
+            return dict(tile_sample_min_height=tile, tile_sample_min_width=tile,
+                        tile_latent_min_height=tile // self.spatial, tile_latent_min_width=tile // self.spatial)
         if self.is_video:  # overlapping tiles: stride 3/4 of the tile, blended in the overlap
             stride = max(self.spatial, tile * 3 // 4)
             return dict(tile_sample_min_height=tile, tile_sample_min_width=tile,
@@ -170,10 +180,14 @@ def _parallel(group) -> bool:
     return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def normalisation(config) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel (shift, scale) such that the model's latents are ``(z - shift) * scale`` (see the module doc)."""
+def normalisation(config, model=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (shift, scale) such that the model's latents are ``(z - shift) * scale`` (see the module doc);
+    ``model``: where its latents_mean / latents_std are buffers (LTX-Video), they are read from it."""
     channels = int(config.get("z_dim") or config.get("latent_channels"))
     mean, std = config.get("latents_mean"), config.get("latents_std")
+    buffers = dict(model.named_buffers()) if model is not None else {}
+    if mean is None and "latents_mean" in buffers and "latents_std" in buffers:
+        mean, std = buffers["latents_mean"].float().tolist(), buffers["latents_std"].float().tolist()
     scaling = config.get("scaling_factor")
     scaling = 1.0 if scaling is None else float(scaling)
     if mean is not None and std is not None:

@@ -258,6 +258,8 @@ def _attention_shape(module: nn.Module) -> tuple[int, int]:
     """(heads, head size) of a ringdit attention module (``num_heads``, ``head_dim``) or a diffusers one."""
     if hasattr(module, "num_heads") and hasattr(module, "head_dim"):
         return module.num_heads, module.head_dim
+    if not hasattr(module, "to_q"):  # q, k, v in one fused projection (Flux.2's single-stream to_qkv_mlp_proj)
+        return module.heads, module.head_dim
     return module.heads, module.to_q.out_features // module.heads
 
 

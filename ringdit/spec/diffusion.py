@@ -17,7 +17,7 @@ def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tupl
     and ``diffusion.sampling`` checked against it and the model, with the preview grids' own cfg_scale too."""
     objective = OmegaConf.to_container(cfg.diffusion.objective, resolve=True)
     sampling = OmegaConf.to_container(cfg.diffusion.sampling, resolve=True)
-    resolve_shift(objective, sampling, tokens)
+    resolve_shift(objective, sampling, tokens, model_config)
     check_sampling(model_config, objective, sampling, prefix="diffusion.sampling.")
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:  # the preview grids sample with their own scale
@@ -25,18 +25,26 @@ def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tupl
     return objective, sampling
 
 
-def resolve_shift(objective: dict, sampling: dict, tokens: int) -> None:
+def resolve_shift(objective: dict, sampling: dict, tokens: int, model_config: dict | None = None) -> None:
     """``diffusion.objective.shift=resolution``: Flux's shift, for each sample's own token count (every bucket its
-    own), in training and sampling; logged for ``tokens`` (the data's most frequent bucket)."""
+    own), in training and sampling; logged for ``tokens`` (the data's most frequent bucket). A diffusers family whose
+    pipeline has its own constants (LTX-Video's) gets them in ``objective["resolution"]``, unless it gives some."""
     if objective.get("shift") != "resolution":
         if isinstance(objective.get("shift"), str):
             raise ConfigError(f"diffusion.objective.shift must be a number > 0 or 'resolution', got "
                               f"{objective['shift']!r}")
         return
     from ringdit.diffusion import resolution_shift
+    from ringdit.spec.model import is_diffusers_model
 
+    if objective.get("resolution") is None and model_config is not None and is_diffusers_model(model_config):
+        from ringdit.models.diffusers.families import get_family
+
+        constants = get_family(model_config["family"]).resolution_shift
+        if constants is not None:  # kept with the run's objective: infer.py samples with them too
+            objective["resolution"] = dict(constants)
     log.info("diffusion.objective.shift=resolution: per sample size, e.g. %.4f for %d image tokens",
-             resolution_shift(tokens), tokens)
+             resolution_shift(tokens, **(objective.get("resolution") or {})), tokens)
     if sampling.get("shift") in (None, "resolution"):
         sampling["shift"] = "resolution"
 

@@ -104,6 +104,100 @@ class Conditioning:
                    **file_settings)
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """``image=``: the first frames of an image-to-video model's samples, read and checked before anything starts.
+    Image i % len(files) conditions sample i (as the prompts are cycled). Each image must have the samples' aspect
+    ratio (it is then resized to the samples' size; a different ratio is refused rather than cropped silently)."""
+
+    files: tuple[str, ...]
+    kind: str                  # the model's Family.image_condition: "first_frame" | "channels"
+    size: tuple[int, int]      # (H, W) in pixels of the samples
+    frames: int                # video frames of the samples
+    latent: bool               # encoded with the data's VAE (encode_image_condition), else used as pixels
+    image_encoder: str | None  # a CLIP vision folder for models with image_dim (given, else the data's)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, model_config: dict, data_info: dict, *, ckpt_path: str,
+                    user_size: tuple[list[int], int | None], conditioning: Conditioning) -> ImageInput | None:
+        kind = image_kind(model_config)
+        image = cfg.get("image")
+        if not image:
+            if kind is not None and (conditioning.prompts or conditioning.text_embeds):
+                raise ConfigError(f"ckpt_path={ckpt_path} is an image-to-video model (model.family="
+                                  f"{model_config.get('family')}): give the first frame(s) with image=<file or "
+                                  f"folder>, or neither prompts nor text_embeds for the training data's held-out "
+                                  f"prompts and their first frames")
+            return None
+        if kind is None:
+            raise ConfigError(f"image={image}: ckpt_path={ckpt_path} is not an image-to-video model "
+                              f"(model.family={model_config.get('family', 'dit')}: it takes no image); leave image= "
+                              f"unset, or train an image-to-video model (model=wan22_ti2v*, model=wan_i2v*)")
+        if len(set(conditioning.prompt_shapes)) > 1:
+            raise ConfigError(f"image={image} with prompt_file={conditioning.prompt_file} of several sizes: the first "
+                              f"frames fit one size; give the prompts one size (or one prompt file per size)")
+        (height, width), frames = user_size
+        files = image_files(str(image))
+        for file in files:
+            check_image(file, height, width)
+        latent = "vae" in data_info
+        prepared = data_info.get("image_encoder") if isinstance(data_info.get("image_encoder"), dict) else {}
+        encoder = cfg.get("image_encoder") or prepared.get("path")  # given, else the CLIP the data was prepared with
+        if latent and (model_config.get("config") or {}).get("image_dim") and not encoder:
+            raise ConfigError(f"image={image}: the model takes CLIP image embeddings (model.config.image_dim); give "
+                              f"the CLIP vision folder the data was prepared with, image_encoder=FOLDER")
+        return cls(files=tuple(files), kind=kind, size=(height, width), frames=int(frames or 1), latent=latent,
+                   image_encoder=encoder)
+
+
+def image_kind(model_config: dict) -> str | None:
+    """The model's image conditioning (``Family.image_condition``), None for text-to-video and DiT models."""
+    family = model_config.get("family")
+    if not family:
+        return None
+    from ringdit.models.diffusers.families import get_family
+
+    return get_family(family).image_condition
+
+
+def image_files(image: str) -> list[str]:
+    """``image=``: one image file, or a folder's images in name order."""
+    from pathlib import Path
+
+    path = Path(image).expanduser()
+    if path.is_dir():
+        files = sorted(str(f) for f in path.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise ConfigError(f"image={image} is a folder without images ({', '.join(IMAGE_SUFFIXES)}); give an image "
+                              f"file or a folder of them")
+        return files
+    if not path.is_file():
+        raise ConfigError(f"image={image} does not exist; give an image file or a folder of them")
+    return [str(path)]
+
+
+def check_image(file: str, height: int, width: int) -> None:
+    """The image opens and has the samples' aspect ratio (within one pixel of rounding)."""
+    from PIL import Image, UnidentifiedImageError
+
+    from ringdit.media.frames import upright_size
+
+    try:
+        with Image.open(file) as opened:
+            opened.load()
+            h, w = upright_size(opened)  # as it is shown: a phone photo's EXIF rotation applied
+    except (OSError, UnidentifiedImageError, ValueError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ConfigError(f"image={file} is not a readable image ({first}); give a PNG / JPEG / WebP file") from None
+    if abs(w * height - h * width) >= max(height, width):  # not the same ratio up to one pixel's rounding
+        raise ConfigError(f"image={file} is {w}x{h} (W x H) but the samples are {width}x{height}: a different aspect "
+                          f"ratio; crop the image to {width}:{height} (nothing is cropped for you), or sample at "
+                          f"size=[H, W] of the image's ratio")
+
+
 @dataclass(frozen=True)
 class OutputSpec:
     """How the samples are written besides samples.npz: decoded with a VAE (latent models), videos at fps."""
@@ -134,6 +228,8 @@ class InferSpec:
     shape: tuple[int, ...]   # the samples' shape ([T,] H, W) in the data's cells: size / frames, else image_size
     lora: LoraBase | None = None  # an adapter-only LoRA checkpoint: its base, under the adapters of ckpt_path
     cache: CacheSettings = CacheSettings()  # cache=: step caching; teacache's coefficients resolved for this model
+    image: ImageInput | None = None  # image=: an image-to-video model's first frames (None: text-to-video, or the
+    # training data's held-out first frames)
 
     def sample_shapes(self) -> list[tuple[int, ...]]:
         """Each sample's shape: a prompt file's per prompt (cycled, as the prompts are), else ``shape``."""
@@ -188,11 +284,14 @@ class InferSpec:
         check_sampling(info["model"], info["objective"], sampling)
         conditioning = Conditioning.from_config(cfg, info["data"], ckpt_path=ckpt_path, num_samples=cfg.num_samples,
                                                 sizes=sizes)
+        image_shape = conditioning.prompt_shapes[0] if conditioning.prompt_shapes else shape  # one size (checked)
+        image = ImageInput.from_config(cfg, info["model"], info["data"], ckpt_path=ckpt_path,
+                                       user_size=sizes.user_size(image_shape), conditioning=conditioning)
         return cls(seed=cfg.seed, num_samples=cfg.num_samples, batch_size=cfg.batch_size,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, ckpt_path=ckpt_path,
                    weights=cfg.weights, model=model, data=info["data"], objective=info["objective"],
                    sampling=sampling, conditioning=conditioning, output=output, sizes=sizes, shape=shape, lora=lora,
-                   cache=cache)
+                   cache=cache, image=image)
 
 
 def _plain(value):

@@ -177,6 +177,9 @@ class DiffusionModule(L.LightningModule):
             # terms are means over a sample's elements, so adding them per element gives mse + vb.
             error = error + self.objective.vb_bits(x0.float(), x_t.float(), t, eps, prediction[:, channels:].float())
         # otherwise a learned variance gets no loss: flow matching and DDIM ignore it
+        weights = model.loss_weights(x0) if hasattr(model, "loss_weights") else None
+        if weights is not None:  # image-to-video with a given first frame: the mean over the frames that were noised
+            return (error * weights).sum() / weights.expand_as(error).sum()
         return error.mean()
 
     def sample_generators(self, stream: Stream, batch: tuple[int, ...], batch_size: int) -> list[torch.Generator]:
@@ -334,11 +337,13 @@ class DiffusionModule(L.LightningModule):
             samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use
                 model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
                 null=null, sampler=settings["sampler"], clip_denoised=self.samples_are_pixels,
-                shift=resolution_shift(self.tokens_per_sample(shape)) if settings["shift"] == "resolution" else
-                settings["shift"],
+                shift=resolution_shift(self.tokens_per_sample(shape), **getattr(self.objective, "resolution", {}))
+                if settings["shift"] == "resolution" else settings["shift"],
                 exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
                 guidance_channels=settings.get("guidance_channels"), generators=generators,
             )
+        if hasattr(model, "with_condition_frames"):  # image-to-video: the given first frame, as the pipeline ends
+            samples = model.with_condition_frames(samples, condition)
         return samples.clamp(-1, 1) if self.samples_are_pixels else samples
 
     def predict_step(self, batch, batch_idx: int) -> dict:

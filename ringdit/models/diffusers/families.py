@@ -1,5 +1,6 @@
 """The diffusers model families ringdit runs sequence-parallel: one ``Family`` each, holding its ``ParallelPlan``
-(Wan, Flux and QwenImage here; HunyuanVideo 1.5, SkyReels-V2 and LTX-Video in their own modules).
+(Wan -- text-to-video, Wan 2.2 TI2V and Wan 2.1 I2V --, Flux and QwenImage here; HunyuanVideo 1.5, SkyReels-V2,
+LTX-Video and Flux.2 in their own modules).
 
 To add a family (its own module, like ``hunyuan_video.py``):
 
@@ -17,10 +18,13 @@ To add a family (its own module, like ``hunyuan_video.py``):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from ringdit.models.diffusers.family import Family
+from ringdit.models.diffusers.flux2 import FLUX2
 from ringdit.models.diffusers.hunyuan_video import HUNYUAN_VIDEO15
 from ringdit.models.diffusers.ltx_video import LTX_VIDEO
 from ringdit.models.diffusers.skyreels import SKYREELS_V2
@@ -33,9 +37,12 @@ Tensor = torch.Tensor
 
 
 def _wan_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
-    """x (B, C, T, H, W) latents, t (B,) in 0..1000 (Wan's sigma x 1000), cond["text"] (B, L, D_text) UMT5 states
-    zero-padded to L (Wan attends to the padding as it was trained: no mask)."""
-    return transformer(hidden_states=x, timestep=t, encoder_hidden_states=cond["text"], return_dict=False)[0]
+    """x (B, C_in, T, H, W) model input (Wan 2.1 I2V's carries the mask and image channels too), t (B,) in 0..1000
+    (Wan's sigma x 1000) or (B, S) one per token (Wan 2.2 TI2V), cond["text"] (B, L, D_text) UMT5 states
+    zero-padded to L (Wan attends to the padding as it was trained: no mask) [, cond["image_embeds"] (B, N, D_img)
+    CLIP states for models with ``image_dim``] -> (B, C_out, T, H, W)."""
+    return transformer(hidden_states=x, timestep=t, encoder_hidden_states=cond["text"],
+                       encoder_hidden_states_image=cond.get("image_embeds"), return_dict=False)[0]
 
 
 WAN = Family(
@@ -56,6 +63,18 @@ WAN = Family(
     condition_keys=("text",),
     text_dim="text_dim",
 )
+
+# Wan 2.2 TI2V (image and text to video, the 5B): the same transformer, in_channels == out_channels; the image is the
+# clean first latent frame, with per-token timesteps (WanImageToVideoPipeline with expand_timesteps=True). A family of
+# its own, not a Wan setting: the architecture alone cannot tell it from text-to-video (Wan2.2-TI2V-5B also samples
+# text-to-video), so the preset says which conditioning its checkpoints were trained with.
+WAN22_TI2V = replace(WAN, name="wan22_ti2v", condition_keys=("text", "image_latents"), image_condition="first_frame")
+
+# Wan 2.1 I2V (the 14B 480p / 720p): in_channels = 2 * out_channels + 4 (video ; mask ; first-frame latents), and
+# CLIP image embeddings as extra cross-attention keys where the config has image_dim. ringdit's latents have
+# out_channels channels: the model input is built from them (ringdit.models.diffusers.image_condition).
+WAN_I2V = replace(WAN, name="wan_i2v", condition_keys=("text", "image_condition"), image_condition="channels",
+                  latent_channels=lambda config: config["out_channels"])
 
 
 # ---- Flux: joint [text ; image] attention in dual- and single-stream blocks, RoPE from position ids --------------
@@ -153,8 +172,8 @@ QWENIMAGE = Family(
     patch_shape=lambda config: (config["patch_size"], config["patch_size"]),
 )
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, FLUX, QWENIMAGE, HUNYUAN_VIDEO15, SKYREELS_V2,
-                                                                   LTX_VIDEO)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, WAN22_TI2V, WAN_I2V, FLUX, QWENIMAGE,
+                                                                   HUNYUAN_VIDEO15, SKYREELS_V2, LTX_VIDEO, FLUX2)}
 
 
 def get_family(name: str) -> Family:

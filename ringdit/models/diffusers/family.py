@@ -28,3 +28,12 @@ class Family:
     latent_channels: Callable[[dict], int] = lambda config: config["in_channels"]
     # the latent cells one token covers, (T, H, W) or (H, W)
     patch_shape: Callable[[dict], tuple[int, ...]] = lambda config: tuple(config["patch_size"])
+    # image-to-video: "first_frame" (the clean first latent frame replaces the noisy one, per-token timesteps; Wan 2.2
+    # TI2V) or "channels" (the first frame's latents and a mask concatenated to the input channels; Wan 2.1 I2V); None:
+    # text only. See ringdit.models.diffusers.image_condition.
+    image_condition: str | None = None
+    # diffusion.objective.shift=resolution's constants (ringdit.diffusion.resolution_shift's keywords) where the
+    # family's pipeline has its own (its scheduler's base / max image_seq_len and shift); None: Flux's
+    resolution_shift: dict | None = None
+    # LoRA's default targets (module-name suffixes, peft's rule): every attention projection
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")

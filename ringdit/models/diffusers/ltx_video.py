@@ -73,4 +73,6 @@ LTX_VIDEO = Family(
     text_dim="caption_channels",
     latent_channels=lambda config: config["in_channels"] // (config["patch_size_t"] * config["patch_size"] ** 2),
     patch_shape=lambda config: (config["patch_size_t"], config["patch_size"], config["patch_size"]),
+    # LTXPipeline's calculate_shift constants, from LTX-Video's scheduler_config.json (shift=resolution)
+    resolution_shift={"base_tokens": 1024, "max_tokens": 4096, "base_shift": 0.95, "max_shift": 2.05},
 )

@@ -19,6 +19,8 @@ from torch import nn
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.families import Family, get_family
 from ringdit.models.diffusers.folders import check_weights_folder
+from ringdit.models.diffusers.image_condition import (CONDITION_KEY, channel_input, first_frame_mask,
+                                                    replace_first_frame, require_image, token_timesteps)
 from ringdit.models.materialize import building_on_meta
 from ringdit.models.plan import ParallelPlan
 
@@ -64,6 +66,10 @@ class DiffusersTransformer(nn.Module):
         self.pretrained = (pretrained, subfolder) if pretrained is not None else None  # the weights to load
         arch = dict(self.transformer.config)
         self.in_channels = self.family.latent_channels(arch)  # of the latents ringdit sees
+        self.image_condition = self.family.image_condition  # image-to-video: how the first frame enters
+        _check_image_architecture(self.family, arch)
+        # the conditioning the model reads: CLIP image embeddings too where the architecture takes them (image_dim)
+        self.condition_keys = self.family.condition_keys + (("image_embeds",) if arch.get("image_dim") else ())
         self.condition_dropout_prob = condition_dropout_prob
         self.guidance = guidance
         if arch.get("guidance_embeds") and guidance is None:
@@ -85,7 +91,10 @@ class DiffusersTransformer(nn.Module):
         if activation_checkpointing or gradient_checkpointing:  # recompute each block in backward
             self.transformer.enable_gradient_checkpointing()
 
-    lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # LoRA's default: every attention projection
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """LoRA's default targets: the family's attention projections."""
+        return self.family.lora_targets
 
     @classmethod
     def config_for_data(cls, config: dict, data: dict) -> dict:
@@ -102,6 +111,7 @@ class DiffusersTransformer(nn.Module):
         if family.pooled_dim is not None and not data.get("pooled_dim"):
             raise ConfigError(f"model.family={family.name} takes a pooled text embedding, but the data has none; "
                               f"encode the captions with the model's pooled text encoder too (text_latents 'pooled')")
+        _check_image_data(config, family, data)
         return {**config, "input_size": list(data["image_size"]), "in_channels": data["channels"],
                 "text_len": data["text_len"], "text_dim": data["text_dim"], "pooled_dim": data.get("pooled_dim")}
 
@@ -115,7 +125,27 @@ class DiffusersTransformer(nn.Module):
         gathered from every sequence-parallel rank."""
         if self.guidance is not None and "guidance" not in cond:  # a guidance-distilled model's embedding input
             cond = {**cond, "guidance": x.new_full((x.shape[0],), float(self.guidance))}
+        if self.image_condition == "first_frame":  # Wan 2.2 TI2V: the clean first frame, its tokens at time 0
+            x = replace_first_frame(x, require_image(self.image_condition, cond, self.family.name))
+            t = token_timesteps(t.to(x.dtype), x.shape, self.patch_size)  # (B, S)
+        elif self.image_condition == "channels":  # Wan 2.1 I2V: (B, 2C + 4, T, H, W) [video ; mask ; image]
+            x = channel_input(x, require_image(self.image_condition, cond, self.family.name))
         return self.family.forward(self.transformer, x, t, cond)
+
+    # ---- image-to-video ------------------------------------------------------------------------------------------
+    def loss_weights(self, x0: Tensor) -> Tensor | None:
+        """(1, 1, T, 1, 1) 0/1 weights of the latents the loss covers, None for all: Wan 2.2 TI2V's first frame is
+        given, not denoised, so only the frames that were noised count (Wan 2.1 I2V denoises the whole video)."""
+        if self.image_condition != "first_frame":
+            return None
+        return first_frame_mask(x0.shape, x0.device, x0.dtype)[..., :1, :1]
+
+    def with_condition_frames(self, x: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        """A finished sample with the given first frame in place (the pipeline's last blend, Wan 2.2 TI2V); others
+        unchanged."""
+        if self.image_condition != "first_frame":
+            return x
+        return replace_first_frame(x, require_image(self.image_condition, cond, self.family.name))
 
     # ---- conditioning --------------------------------------------------------------------------------------------
     def null_condition(self, batch: int) -> dict[str, Tensor]:
@@ -132,8 +162,11 @@ class DiffusersTransformer(nn.Module):
                 if key in null else value for key, value in cond.items()}
 
     def model_condition(self, cond: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The conditioning tensors this family reads (the data may carry more, e.g. a text mask)."""
-        return {key: cond[key] for key in self.family.condition_keys}
+        """The conditioning tensors this family reads (the data may carry more, e.g. a text mask). A key the
+        condition lacks is left out: the null condition holds the text only, and classifier-free guidance then
+        shares the image between its halves (Wan keeps the image in the unconditional prediction); ``forward``
+        refuses a conditional batch without its image."""
+        return {key: cond[key] for key in self.condition_keys if key in cond}
 
     @torch.no_grad()
     def set_null_condition(self, null: dict[str, Tensor]) -> None:
@@ -193,6 +226,46 @@ def _check_width(what: str, width: int, key: str, arch: dict) -> None:
     if width != arch[key]:
         raise ConfigError(f"the data's {what} have width {width} but the model's {key} is {arch[key]}: encode the "
                           f"captions with the model's own text encoder(s)")
+
+
+def _check_image_architecture(family: Family, arch: dict) -> None:
+    """Wan 2.1 I2V takes [video ; mask (4) ; image latents] on its input channels; Wan 2.2 TI2V the video alone."""
+    if family.image_condition == "channels" and arch["in_channels"] != 2 * arch["out_channels"] + 4:
+        raise ConfigError(f"model.family={family.name} takes [video ; mask ; first-frame latents] on its channels: "
+                          f"in_channels must be 2 * out_channels + 4 = {2 * arch['out_channels'] + 4}, got "
+                          f"{arch['in_channels']}; use model=wan_i2v* (or model.family=wan for a text-to-video model)")
+    if family.image_condition == "first_frame" and arch["in_channels"] != arch["out_channels"]:
+        raise ConfigError(f"model.family={family.name} replaces the first latent frame: in_channels "
+                          f"({arch['in_channels']}) must equal out_channels ({arch['out_channels']}); for "
+                          f"[video ; mask ; image] inputs use model.family=wan_i2v")
+
+
+# Wan's attention processor cuts the image keys off the front of [image ; text] as "all but the last 512"
+WAN_IMAGE_TEXT_LEN = 512
+
+
+def _check_image_data(config: dict, family: Family, data: dict) -> None:
+    """An image-to-video model needs the data's first-frame conditioning (``data["image_keys"]``: the image keys its
+    samples hold, text_latents' describe())."""
+    if family.image_condition is None:
+        return
+    keys = set(data.get("image_keys", ()))
+    needed = CONDITION_KEY[family.image_condition]
+    what = {"image_latents": "the first frame's latents, encoded alone (Wan 2.2 TI2V)",
+            "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)"}[needed]
+    if needed not in keys:
+        raise ConfigError(f"model.family={family.name} is image-to-video but the data has no {needed!r} ({what}); "
+                          f"prepare it with `python -m ringdit.prepare task=i2v`, or use a text-to-video model")
+    arch = config.get("config") or {}
+    if arch.get("image_dim"):
+        if "image_embeds" not in keys:
+            raise ConfigError(f"model.config.image_dim={arch['image_dim']}: the model takes CLIP image embeddings "
+                              f"but the data has no 'image_embeds'; prepare with image_encoder=<CLIP folder>, or set "
+                              f"model.config.image_dim=null")
+        if data["text_len"] != WAN_IMAGE_TEXT_LEN:
+            raise ConfigError(f"model.config.image_dim is set, so Wan's attention takes the last 512 keys as text, "
+                              f"but the data's captions are {data['text_len']} tokens; encode them padded to 512 "
+                              f"(prepare max_text_len=512)")
 
 
 def _plain(value):

@@ -1,0 +1,133 @@
+"""Flux.2 (diffusers' Flux2Transformer2DModel, unmodified) under ringdit's plan against the model on one process called
+as Flux2Pipeline calls it (its own patchify, packing and position ids): forward and every parameter gradient, the
+image and the text both tail-padded, under ring 2, ring 4, Ulysses 2 and 2 x 2 on 4 gloo CPU ranks, in fp32 and (on
+one process and 2 x 2) fp64 -- where RoPE's rounding of q and k to fp32 must happen alike on both sides --; the same
+SGD losses through train.py on one process and a ring of 2; and one-line errors before spawning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringdit.models import parallelize
+from ringdit.parallel import init_sequence_parallel
+from tests.distributed import run_ranks
+from tests.families import assert_refused_before_spawning, assert_sgd_steps_equal_one_process_and_ring2, wan_folder
+from tests.helpers import architecture, assert_same_numbers
+from tests.test_diffusers_models import LAYOUTS, assert_matches_diffusers, forward_backward
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# (H, W) latents of 1 channel, packed 2x2: 3 x 5 = 15 image tokens and 5 text tokens, tail-padded on every layout
+SHAPE = (6, 10)
+TEXT_LEN = 5
+GUIDANCE = 4.0  # the tiny architecture is guidance-distilled, as FLUX.2-dev
+
+
+def flux2_case(seed=0, dims=None, dtype=torch.float32):
+    """The same weights and inputs on every rank: the unmodified reference and its pipeline call, a ringdit model and
+    its call, dout."""
+    import diffusers
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+
+    from ringdit.models.diffusers import DiffusersTransformer
+
+    config = architecture("flux2_tiny")
+    torch.manual_seed(seed)
+    reference = diffusers.Flux2Transformer2DModel.from_config(config).to(dtype)
+    model = DiffusersTransformer("flux2", config=config, input_size=SHAPE, in_channels=1, text_len=TEXT_LEN,
+                                 text_dim=32, guidance=GUIDANCE)
+    model.transformer.load_state_dict(reference.state_dict())
+    model.to(dtype)
+    parallelize(model, dims=dims)  # dims None: one process, attention still routed to ringdit
+    g = torch.Generator().manual_seed(seed + 1)
+    x, dout = (torch.randn(2, 1, *SHAPE, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    text = torch.randn(2, TEXT_LEN, 32, generator=g, dtype=torch.float64).to(dtype)
+    t = torch.tensor([30.0, 810.0], dtype=dtype)
+
+    def run_reference():  # Flux2Pipeline's __call__: patchify, pack, (B, S, 4) ids, sigma, guidance; then unpack
+        patches = Flux2Pipeline._patchify_latents(x)  # (B, 4C, H/2, W/2)
+        ids = Flux2Pipeline._prepare_latent_ids(patches)
+        out = reference(hidden_states=Flux2Pipeline._pack_latents(patches), encoder_hidden_states=text,
+                        timestep=t / 1000, guidance=torch.full((2,), GUIDANCE, dtype=dtype),
+                        txt_ids=Flux2Pipeline._prepare_text_ids(text), img_ids=ids, return_dict=False)[0]
+        return Flux2Pipeline._unpatchify_latents(Flux2Pipeline._unpack_latents_with_ids(out, ids))
+
+    return reference, model, run_reference, lambda: model(x, t, {"text": text}), dout
+
+
+def assert_fp64_matches(out, grads, ref_out, ref_grads, where=""):
+    """fp64: only the sums' order differs (~1e-15). Both sides round q and k to fp32 in RoPE (and its backward's
+    gradients); a side that rounded otherwise, or not at all, would be off by ~1e-7 relative."""
+    assert_same_numbers(out, ref_out, atol=1e-11, where=f"{where} fp64 output")
+    assert_same_numbers(grads, ref_grads, of_max=1e-9, where=f"{where} fp64 gradient")
+
+
+def check_layouts(rank, world):
+    for ring, ulysses in LAYOUTS:
+        dims = init_sequence_parallel(ring, ulysses)
+        for dtype in (torch.float32, torch.float64) if (ring, ulysses) == (2, 2) else (torch.float32,):
+            reference, model, run_reference, run_model, dout = flux2_case(dims=dims, dtype=dtype)
+            ref_out, ref_grads = forward_backward(run_reference, reference, dout)
+            out, grads = forward_backward(run_model, model.transformer, dout)
+            for grad in (g for g in grads.values() if g is not None):  # DDP's average over the dp x sp ranks
+                dist.all_reduce(grad)
+                grad /= world
+            where = f"ring {ring} x ulysses {ulysses}"
+            check = assert_matches_diffusers if dtype == torch.float32 else assert_fp64_matches
+            check(out, grads, ref_out, ref_grads, where)
+
+
+def test_flux2_matches_unmodified_diffusers_under_every_layout():
+    """Joint [text ; image] attention in double- and single-stream blocks, image and text sharded together (15 image
+    and 5 text tokens: padded on every layout): every real key counts once, text-side gradients are combined."""
+    run_ranks(check_layouts, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_flux2_one_process_equals_diffusers(dtype):
+    reference, model, run_reference, run_model, dout = flux2_case(dtype=dtype)
+    ref_out, ref_grads = forward_backward(run_reference, reference, dout)
+    out, grads = forward_backward(run_model, model.transformer, dout)
+    (assert_matches_diffusers if dtype == torch.float32 else assert_fp64_matches)(out, grads, ref_out, ref_grads)
+
+
+# ---- train.py ------------------------------------------------------------------------------------------------------
+
+FLUX2 = ["experiment=flux2_tiny", "data.num_samples=16", "data.batch_size=2", "trainer.max_steps=2", "logger=csv",
+         "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5", "trainer.val_check_interval=2",
+         "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.sample_grid.steps=2",
+         "data.size=6", "data.text_len=5"]  # 9 image and 5 text tokens: both padded on a ring of 2
+
+
+def test_flux2_sgd_steps_equal_one_process_and_ring_2(tmp_path):
+    assert_sgd_steps_equal_one_process_and_ring2(tmp_path, FLUX2, steps=2)
+
+
+def flux2_folder(root):
+    """A diffusers folder that holds a Flux.2 transformer (its config only)."""
+    (root / "flux2" / "transformer").mkdir(parents=True)
+    (root / "flux2" / "transformer" / "config.json").write_text('{"_class_name": "Flux2Transformer2DModel"}')
+    return root / "flux2"
+
+
+BAD_INPUTS = {
+    "a folder of another family": (["model.pretrained={root}/wan"], r"holds a WanTransformer3DModel, not a "
+                                                                    r"Flux2Transformer2DModel \(model.family=flux2\)"),
+    # Flux.2's folder for Flux (data.pooled_dim: Flux's own data check passes, the folder is what is wrong)
+    "model.family does not match model.pretrained": (
+        ["model.family=flux", "data.pooled_dim=32", "model.pretrained={root}/flux2"],
+        r"holds a Flux2Transformer2DModel, not a FluxTransformer2DModel \(model.family=flux\)"),
+    "heads do not split": (["ulysses_degree=4"], r"num_heads=2 is not divisible by ulysses_degree=4"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_flux2_bad_input_is_refused_before_spawning(case, tmp_path):
+    wan_folder(tmp_path)
+    flux2_folder(tmp_path)
+    overrides, message = BAD_INPUTS[case]
+    assert_refused_before_spawning(tmp_path, [*FLUX2, *(o.format(root=tmp_path) for o in overrides)], message)

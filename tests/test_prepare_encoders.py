@@ -1,0 +1,236 @@
+"""Two text encoders into one shard (``pooled_encoder``, Flux's CLIP + T5): what ``python -m ringdit.prepare`` stores
+is checked against diffusers' own ``FluxPipeline.encode_prompt`` on tiny random CLIP and T5 models, laid out as a Flux
+pipeline folder (text_encoder/ + tokenizer/ = CLIP, text_encoder_2/ + tokenizer_2/ = T5)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from PIL import Image  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.media.encode_folder import encode_folder  # noqa: E402
+from ringdit.media.text import TextEncoder, encode_prompts, encoder_settings  # noqa: E402
+from tests.helpers import TEXT_LEN  # noqa: E402
+
+CLIP_LEN = 16  # the tiny CLIP's positions (Flux's is 77)
+CAPTIONS = ["a red fox", "a blue cat running", "green field"]
+
+
+@pytest.fixture(scope="module")
+def flux(models, tmp_path_factory) -> Path:
+    """A Flux-shaped pipeline folder from the tiny models: vae/, CLIP text_encoder/ + tokenizer/, T5 text_encoder_2/
+    + tokenizer_2/ (the T5 and CLIP share a word list; the CLIP's tokenizer says its length, as CLIP's does)."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("flux") / "FLUX"
+    shutil.copytree(models["flux"], root)
+    shutil.copytree(models["wan"] / "text_encoder", root / "text_encoder_2")
+    shutil.copytree(models["wan"] / "tokenizer", root / "tokenizer_2")
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    tokenizer.model_max_length = CLIP_LEN  # FluxPipeline pads CLIP prompts to its tokenizer's model_max_length
+    tokenizer.save_pretrained(root / "tokenizer")
+    return root
+
+
+@pytest.fixture
+def images(tmp_path) -> Path:
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i, caption in enumerate(CAPTIONS):
+        Image.new("RGB", (24, 16), (40 * i, 90, 200 - 30 * i)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(caption)
+    return folder
+
+
+def test_flux_pair_matches_flux_pipeline(flux, images, tmp_path):
+    """text = FluxPipeline's prompt_embeds (T5, unmasked, every state kept), pooled = its pooled_prompt_embeds (CLIP),
+    the empty prompt's too; text_mask all True (Flux attends every token); the shard records both encoders, and
+    encode_prompts with the recorded settings (infer.py's prompts) gives the same."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+    out = tmp_path / "out"
+    report = encode_folder(str(images), str(out), str(flux), str(flux / "text_encoder_2"), resolution=16,
+                           max_text_len=TEXT_LEN, pooled_encoder=str(flux), max_pooled_len=CLIP_LEN, progress=False)
+    assert report.samples == 3
+    with safe_open(str(out / "shard-00000.safetensors"), framework="pt") as f:
+        tensors, metadata = {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
+    described = json.loads(metadata["text_encoder"])
+    assert described["class"] == "T5EncoderModel" and described["masked"] is False and described["pooled"] is True
+    assert described["tokenizer"] == str((flux / "tokenizer_2").resolve())  # beside text_encoder_2/, not CLIP's
+    assert described["pooled_encoder"] == {"class": "CLIPTextModel", "path": str((flux / "text_encoder").resolve()),
+                                           "tokenizer": str((flux / "tokenizer").resolve()), "max_len": CLIP_LEN,
+                                           "dim": 16}
+
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, transformer=None,
+                        text_encoder=CLIPTextModel.from_pretrained(flux / "text_encoder"),
+                        tokenizer=AutoTokenizer.from_pretrained(flux / "tokenizer"),
+                        text_encoder_2=T5EncoderModel.from_pretrained(flux / "text_encoder_2"),
+                        tokenizer_2=AutoTokenizer.from_pretrained(flux / "tokenizer_2"))
+    assert pipe.tokenizer_max_length == CLIP_LEN
+    with torch.no_grad():
+        text, pooled, _ = pipe.encode_prompt(CAPTIONS, device=torch.device("cpu"), max_sequence_length=TEXT_LEN)
+        null_text, null_pooled, _ = pipe.encode_prompt([""], device=torch.device("cpu"), max_sequence_length=TEXT_LEN)
+    assert text.shape == (3, TEXT_LEN, 16) and pooled.shape == (3, 16)
+    assert text[0, -1].abs().max() > 0  # Flux keeps the states on the padding: what its transformer reads
+    # the same models, tokens and kernels on one process; batches of 3 both ways: equal up to fp32 reordering
+    torch.testing.assert_close(tensors["text"], text, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tensors["pooled"], pooled, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tensors["null_text"], null_text, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tensors["null_pooled"], null_pooled, rtol=1e-6, atol=1e-6)
+    assert tensors["text_mask"].all() and tensors["null_text_mask"].all()
+
+    cond, negative = encode_prompts(CAPTIONS, None, described["path"], described["tokenizer"], text_len=TEXT_LEN,
+                                    text_dim=16, **encoder_settings(described))
+    torch.testing.assert_close(cond["text"], tensors["text"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cond["pooled"], tensors["pooled"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(negative["pooled"], tensors["null_pooled"], rtol=1e-6, atol=1e-6)
+
+
+def test_masked_text_overrides_and_one_encoder_unchanged(flux, models):
+    """masked_text=true with a pooled encoder: Wan's masking (zero after the real tokens); one encoder keeps it by
+    default and records masked=True; an old description (no 'masked') encodes as before."""
+    masked = TextEncoder(flux / "text_encoder_2", max_len=TEXT_LEN, pooled_encoder=flux, max_pooled_len=CLIP_LEN,
+                         masked=True)
+    cond = masked(["a red fox"])  # "a red fox </s>": 4 real tokens
+    assert cond["text_mask"][0].tolist() == [True] * 4 + [False] * (TEXT_LEN - 4)
+    assert cond["text"][0, 4:].abs().max() == 0 and cond["pooled"].shape == (1, 16)
+    single = TextEncoder(models["wan"], max_len=TEXT_LEN)
+    assert single.describe()["masked"] is True and "pooled_encoder" not in single.describe()
+    assert encoder_settings({"path": "x", "tokenizer": "y"}) == {"masked": None}
+
+
+def test_pooled_encoder_errors_are_one_line(flux, models, images, tmp_path):
+    def run(**kwargs):
+        encode_folder(str(images), str(tmp_path / "out"), str(flux), str(flux / "text_encoder_2"), resolution=16,
+                      max_text_len=TEXT_LEN, progress=False, **kwargs)
+
+    with pytest.raises(ConfigError, match=r"pooled_encoder=.*text_encoder_2 is T5EncoderModel, which has no pooled "
+                                          r"output; pass a CLIP text model folder"):
+        run(pooled_encoder=str(flux / "text_encoder_2"))
+    with pytest.raises(ConfigError, match=r"max_pooled_len=77 is longer than CLIPTextModel takes \(16 positions\); "
+                                          r"pass max_pooled_len=16 or less"):
+        run(pooled_encoder=str(flux))
+    with pytest.raises(ConfigError, match=r"pooled_tokenizer=.* pooled_encoder, which is not set"):
+        run(pooled_tokenizer=str(flux / "tokenizer"))
+    with pytest.raises(ConfigError, match=r"pooled_encoder=.*nowhere does not exist"):
+        run(pooled_encoder=str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match=r"masked_text must be true, false or null, got 'yes'"):
+        run(masked_text="yes")
+
+
+# ---- the new families' video VAEs (LTX-Video, HunyuanVideo 1.5), normalised as their pipelines ---------------------
+
+
+def tiny_video_vae(name: str, folder: Path):
+    """A tiny random VAE of each family, saved to ``folder``; LTX's latents_mean / latents_std (buffers, in its
+    weights) and scaling factor set away from 0 / 1 / 1 so that the normalisation is seen."""
+    from diffusers import AutoencoderKLHunyuanVideo15, AutoencoderKLLTXVideo
+
+    torch.manual_seed(0)
+    if name == "ltx":
+        model = AutoencoderKLLTXVideo(
+            latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+            layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, False, False),
+            decoder_spatio_temporal_scaling=(True, True, False, False),
+            decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4, upsample_factor=(1,) * 4,
+            patch_size=1, patch_size_t=1, scaling_factor=0.7)
+        model.latents_mean.copy_(torch.randn(8) * 0.1)
+        model.latents_std.copy_(torch.rand(8) + 0.5)
+    else:
+        model = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(16, 16, 16), layers_per_block=1,
+                                            spatial_compression_ratio=4, temporal_compression_ratio=2,
+                                            scaling_factor=1.03682)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", ["ltx", "hunyuan_video15"])
+def test_new_video_vaes_normalise_as_their_pipelines(name, models, tmp_path):
+    """VAE.encode = the pipeline's normalised latents (LTXPipeline._normalize_latents with the model's buffers;
+    HunyuanVideo 1.5: z * scaling_factor), the family's spatial / temporal factors; decode inverts it; prepare takes
+    the VAE with a T5 (LTX's text encoder)."""
+    from diffusers import LTXPipeline
+
+    from ringdit.media.vae import VAE
+    from tests.helpers import write_video
+
+    model = tiny_video_vae(name, tmp_path / "vae")
+    codec = VAE(tmp_path)  # a pipeline-shaped folder: vae/
+    assert (codec.spatial, codec.temporal) == (4, 4 if name == "ltx" else 2)
+    frames = 1 + 2 * codec.temporal
+    pixels = torch.rand(1, 3, frames, 16, 16, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.no_grad():
+        raw = model.encode(pixels).latent_dist.mode()
+        expected = LTXPipeline._normalize_latents(raw, model.latents_mean, model.latents_std,
+                                                  model.config.scaling_factor) if name == "ltx" else \
+            raw * model.config.scaling_factor  # HunyuanVideo15Pipeline decodes latents / scaling_factor
+        decoded = model.decode(raw).sample.clamp(-1, 1)
+    assert raw.shape == (1, model.config.latent_channels, 3, 4, 4)
+    latents = codec.encode(pixels)
+    torch.testing.assert_close(latents, expected, rtol=1e-5, atol=1e-5)  # the same model, fp32
+    torch.testing.assert_close(codec.decode(latents), decoded, rtol=1e-4, atol=1e-4)  # through the inverse
+    assert codec.describe()["temporal_compression"] == codec.temporal
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    write_video(clips / "a.mp4", frames, seed=1)
+    (clips / "a.txt").write_text("a red fox")
+    report = encode_folder(str(clips), str(tmp_path / "out"), str(tmp_path), str(models["wan"]), resolution=16,
+                           frames=frames, max_text_len=TEXT_LEN, progress=False)
+    assert report.samples == 1
+    with safe_open(str(tmp_path / "out" / "shard-00000.safetensors"), framework="pt") as f:
+        assert tuple(f.get_slice("latents").get_shape()) == (1, model.config.latent_channels, 3, 4, 4)
+
+
+def test_hunyuan_video15_prompt_template_matches_the_pipeline(tmp_path):
+    """prompt_template=hunyuan_video15 with a tiny random Qwen2.5-VL: text = HunyuanVideo15Pipeline's
+    _get_mllm_prompt_embeds on the real tokens (its chat template, third-last hidden states, the template's tokens
+    cut off), zero after them; text_mask = its mask; an unknown template is one line."""
+    from diffusers import HunyuanVideo15Pipeline
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    from ringdit.media.text import chat_template, word_level_tokenizer
+    from tests.helpers import WORDS
+
+    torch.manual_seed(0)
+    folder = tmp_path / "qwen"
+    Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+    )).save_pretrained(folder / "text_encoder")
+    system, crop, skip = chat_template("hunyuan_video15")
+    tokenizer = word_level_tokenizer(WORDS)
+    # a chat template whose system part is exactly the 108 tokens the pipeline cuts off (Qwen's is), then the prompt
+    filler = crop - len(tokenizer(system, add_special_tokens=False).input_ids)
+    assert filler >= 0
+    tokenizer.chat_template = "{{ messages[0]['content'] }}" + " a" * filler + " {{ messages[1]['content'] }} </s>"
+    tokenizer.save_pretrained(folder / "tokenizer")
+    assert (crop, skip) == (108, 2) and system.startswith("You are a helpful assistant. Describe the video")
+
+    encoder = TextEncoder(folder, max_len=TEXT_LEN, prompt_template="hunyuan_video15")
+    cond = encoder(CAPTIONS + [""])
+    with torch.no_grad():
+        states, mask = HunyuanVideo15Pipeline._get_mllm_prompt_embeds(
+            encoder.model, encoder.tokenizer, CAPTIONS + [""], torch.device("cpu"), tokenizer_max_length=TEXT_LEN,
+            system_message=system, crop_start=crop)
+    assert states.shape == (4, TEXT_LEN, 16) and mask.sum() > 0
+    assert torch.equal(cond["text_mask"], mask.bool())
+    torch.testing.assert_close(cond["text"], states * mask[..., None], rtol=1e-6, atol=1e-6)  # same model, fp32
+    assert encoder.describe()["prompt_template"] == "hunyuan_video15"
+    with pytest.raises(ConfigError, match=r"prompt_template='qwenimage' is not one of hunyuan_video15"):
+        TextEncoder(folder, max_len=TEXT_LEN, prompt_template="qwenimage")
+    with pytest.raises(ConfigError, match=r"max_text_len=200 is longer than Qwen2_5_VLTextModel takes \(148 "
+                                          r"positions after the template\); pass max_text_len=148 or less"):
+        TextEncoder(folder, max_len=200, prompt_template="hunyuan_video15")
