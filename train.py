@@ -54,15 +54,19 @@ def prepare(cfg: DictConfig):
         nonfinite_loss=spec.nonfinite_loss,
         lora=plan.lora,
         resume_optimizer=plan.resume_optimizer,
+        expert=spec.expert,
     )
     callbacks = [hydra.utils.instantiate(c) for c in spec.trainer.callbacks]
     loggers = [hydra.utils.instantiate(c) for c in spec.trainer.loggers]
     # diffusers models may hold parameters no loss reaches (QwenImage's last text-stream MLP): DDP's static graph
-    # learns which in the first step instead of failing on them (FSDP reduces whatever gradients exist)
+    # learns which in the first step instead of failing on them (FSDP reduces whatever gradients exist); a
+    # two-expert model training both runs one expert a step, a set that changes, which DDP finds anew each step
     strategy_cfg = spec.trainer.config["strategy"]
     ddp = str(strategy_cfg.get("_target_", "")).endswith("RingDDPStrategy")
-    static_graph = spec.model.diffusers and ddp and "static_graph" not in strategy_cfg
-    strategy = hydra.utils.instantiate(strategy_cfg, **({"static_graph": True} if static_graph else {}))
+    unused = {"find_unused_parameters": True} if spec.expert == "both" else {"static_graph": True}
+    if not (spec.model.diffusers and ddp) or {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
+        unused = {}  # the DiT's loss reaches every parameter; a strategy config that says how wins
+    strategy = hydra.utils.instantiate(strategy_cfg, **unused)
     trainer = hydra.utils.instantiate(
         spec.trainer.config, strategy=strategy, callbacks=callbacks, logger=loggers or False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files

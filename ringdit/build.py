@@ -7,7 +7,8 @@ and the tests all call it; each step sees the model the previous one left:
   ``ringdit.models.materialize``);
 - **parallelize**: the model's ``ParallelPlan`` over the mesh ``dims`` with the attention ``backend`` (the layers
   check heads and ring capability here);
-- **LoRA**: adapters on the frozen base layers;
+- **LoRA**: adapters on the frozen base layers; a two-expert model training one expert (``expert``) freezes the
+  other;
 - **shard**: FSDP2's ``fully_shard`` (``shard``: the strategy's ``shard_model``), still on the meta device;
 - **materialize**: each parameter allocated as this rank holds it (its shard under FSDP, whole under DDP) and filled
   from ``init_from`` / ``model.pretrained`` -- a diffusers folder, a ringdit export, checkpoint or sharded checkpoint
@@ -48,6 +49,7 @@ def build_model(
     resize_labels: bool = False,
     null_condition: dict[str, Tensor] | None = None,
     lora: dict | None = None,
+    expert: str | None = None,
     ema_decay: float | None = None,
     shard: Callable[[nn.Module], nn.Module] | None = None,
     offload_shards: bool = False,
@@ -55,6 +57,7 @@ def build_model(
     seed: int = 0,
 ) -> tuple[nn.Module, ModelAverage | None]:
     """``(model, ema)`` for the model ``config`` (a dict with ``_target_``); the steps are the module docstring's.
+    ``expert``: the one expert of a two-expert model that trains (``high`` / ``low``; None: all that can);
     ``offload_shards``: FSDP's CPU offload (the shards in CPU memory); ``seed``: the initial weights of everything
     not loaded (the same for every rank layout)."""
     device = torch.empty(0).device  # Lightning's device for the model (the rank's GPU), or the CPU
@@ -65,6 +68,8 @@ def build_model(
         return model, None
     if lora_enabled(lora):  # only the adapters train and are saved; the base comes from init_from
         add_lora(model, **lora)
+    if expert in ("high", "low"):  # the other expert samples, but gets no gradient, optimizer state or EMA
+        model.train_only(expert)
     if shard is not None:  # FSDP: each rank will hold 1/world of every parameter
         shard(model)
     source = _weights(model, init_from, init_weights)
@@ -87,8 +92,7 @@ def _weights(model: nn.Module, init_from: str | None, prefer: str) -> WeightSour
     pretrained = getattr(model, "pretrained", None)  # (folder, subfolder)
     if pretrained is None:
         return None
-    files, prefix = model.pretrained_files(*pretrained, setting="model.pretrained")
-    return SafetensorsSource(pretrained[0], files, prefix)
+    return SafetensorsSource(pretrained[0], model.pretrained_files(*pretrained, setting="model.pretrained"))
 
 
 def _rows(model: nn.Module) -> int:

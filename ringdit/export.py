@@ -10,7 +10,15 @@ use it directly. ``ckpt_path`` may be a sharded (FSDP) checkpoint folder: it is 
     python -m ringdit.export ckpt_path=.../last.ckpt out=adapter/ lora=true   # a LoRA run's adapter, diffusers format
 
 writes ``adapter/pytorch_lora_weights.safetensors``, which diffusers' ``load_lora_adapter`` /
-``pipeline.load_lora_weights("adapter/")`` read. A LoRA run's checkpoint holds only the adapters, so its plain export
+``pipeline.load_lora_weights("adapter/")`` read (a two-expert model's low-noise expert's adapter in
+``adapter/transformer_2/``, for ``load_lora_weights(..., load_into_transformer_2=True)``).
+
+    python -m ringdit.export ckpt_path=.../last.ckpt out=finetuned/ format=diffusers
+
+writes a diffusers model's transformer as diffusers folders: ``finetuned/transformer/`` (and ``transformer_2/``, a
+two-expert model's low-noise expert), each ``config.json`` + ``diffusion_pytorch_model.safetensors``.
+
+A LoRA run's checkpoint holds only the adapters, so its plain export
 (``lora=false``) is refused: it would be a model file without its model; ``infer.py ckpt_path=<the .ckpt>`` samples
 it on its base.
 """
@@ -25,6 +33,8 @@ from omegaconf import DictConfig
 from ringdit.cli import hydra_main, user_errors
 from ringdit.errors import ConfigError
 
+FORMATS = ("ringdit", "diffusers")  # format=: a .safetensors file with the configs, or diffusers transformer folders
+
 
 @hydra_main("export")  # conf/export.yaml
 def export(cfg: DictConfig) -> None:
@@ -33,9 +43,13 @@ def export(cfg: DictConfig) -> None:
             raise ConfigError(f"weights must be ema or model, got {cfg.weights!r}")
         if not isinstance(cfg.lora, bool):
             raise ConfigError(f"lora must be true or false, got {cfg.lora!r}")
+        if cfg.format not in FORMATS:
+            raise ConfigError(f"format={cfg.format!r} is not one of {', '.join(FORMATS)}: ringdit writes one "
+                              f".safetensors file with the run's configs, diffusers a folder per transformer")
         ckpt = Path(str(cfg.ckpt_path))
-        out = cfg.out if cfg.out is not None else str(ckpt.with_name(f"{ckpt.stem}_lora") if cfg.lora
-                                                      else ckpt.with_suffix(".safetensors"))
+        out = cfg.out if cfg.out is not None else str(ckpt.with_name(f"{ckpt.stem}_lora") if cfg.lora else
+                                                      ckpt.with_name(f"{ckpt.stem}_diffusers") if cfg.format ==
+                                                      "diffusers" else ckpt.with_suffix(".safetensors"))
         from ringdit.checkpoints.safetensors_export import export_safetensors
         from ringdit.checkpoints.weights import read_weights
         from ringdit.lora import lora_enabled
@@ -50,6 +64,10 @@ def export(cfg: DictConfig) -> None:
 
             state, info = read_weights(str(ckpt), prefer=cfg.weights)
             written = export_lora(state, info.get("lora") or {}, str(out))
+        elif cfg.format == "diffusers":
+            from ringdit.checkpoints.diffusers_export import export_diffusers
+
+            written = export_diffusers(str(ckpt), str(out), prefer=cfg.weights)
         else:
             written = export_safetensors(str(ckpt), str(out), prefer=cfg.weights)
     print(f"wrote {cfg.weights} weights and configs to {written}")

@@ -206,18 +206,29 @@ def diffusers_lora_state(state: dict[str, Tensor], prefix: str = "transformer.")
 
 def export_lora(state: dict[str, Tensor], lora: dict, out_dir: str | Path) -> Path:
     """Write ``state``'s adapter as diffusers' ``pytorch_lora_weights.safetensors`` in ``out_dir`` (with the peft
-    config as diffusers' ``lora_adapter_metadata``)."""
+    config as diffusers' ``lora_adapter_metadata``); a two-expert model's low-noise expert's (``transformer_2.``) in
+    ``out_dir/transformer_2/``, keyed ``transformer.`` as diffusers' ``load_into_transformer_2=True`` reads it."""
+    experts = {"": {}, "transformer_2": {}}
+    for key, value in adapter_state(state).items():
+        low = key.startswith("transformer_2.")
+        experts["transformer_2" if low else ""][key.removeprefix("transformer_2.") if low else key] = value
+    if not experts[""] and not experts["transformer_2"]:
+        raise ConfigError("the checkpoint holds no LoRA adapter weights (trained without lora.rank > 0?)")
+    written = [_write_lora(adapters, lora, Path(out_dir) / subfolder) for subfolder, adapters in experts.items()
+               if adapters]
+    return written[0]
+
+
+def _write_lora(adapters: dict[str, Tensor], lora: dict, out_dir: Path) -> Path:
     from safetensors.torch import save_file
 
-    tensors = diffusers_lora_state(state)
-    if not tensors:
-        raise ConfigError("the checkpoint holds no LoRA adapter weights (trained without lora.rank > 0?)")
+    tensors = diffusers_lora_state(adapters)
     modules = sorted({key[len("transformer."):].rsplit(".lora_", 1)[0] for key in tensors})
     rank = int(next(v for k, v in tensors.items() if ".lora_A." in k).shape[0])
     config = {"r": rank, "lora_alpha": lora.get("alpha") or rank, "target_modules": modules, "lora_dropout": 0.0,
               "bias": "none", "use_dora": False}
     metadata = {f"transformer.{key}": value for key, value in config.items()}  # diffusers keys it by component
-    path = Path(out_dir) / "pytorch_lora_weights.safetensors"
+    path = out_dir / "pytorch_lora_weights.safetensors"
     with atomic_write(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt",
                                                "lora_adapter_metadata": json.dumps(metadata, sort_keys=True)})

@@ -31,6 +31,7 @@ class Stream(enum.IntEnum):
     DATA_SPLIT = 6  # (): which samples are held out for validation
     INIT = 7  # (crc32 of a module's name): that module's initial weights (ringdit.models.materialize)
     DATA_BUCKET = 8  # (block of 1024 steps): which bucket each of those steps reads (ringdit.data.steps)
+    EXPERT = 9  # (step, micro-batch) in training, (batch,) in validation: the expert a two-expert model runs then
 
 
 def seed_of(stream: Stream, seed: int, *key: int) -> int:

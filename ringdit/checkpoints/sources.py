@@ -45,7 +45,7 @@ class WeightSource:
     """A weights file's tensors by the model's names; ``shapes`` come from its header, nothing else is read yet."""
 
     path: str
-    scope: str = ""  # the model names this file holds all of: those starting with scope
+    scope: str | tuple[str, ...] = ""  # the model names this file holds all of: those starting with (one of) scope
     shapes: dict[str, torch.Size]
 
     def read(self, name: str, index: tuple[slice, ...]) -> Tensor:
@@ -61,22 +61,24 @@ class WeightSource:
 
 class SafetensorsSource(WeightSource):
     """One or more safetensors files (a diffusers folder's shards, a ringdit export); ``prefix`` is prepended to the
-    file's keys to give the model's names."""
+    file's keys to give the model's names. ``files`` may also be ``{prefix: files}``: a folder whose parts are
+    different modules of the model (a two-expert model's ``transformer/`` and ``transformer_2/``)."""
 
-    def __init__(self, path: str, files: Iterable[Path], prefix: str = ""):
+    def __init__(self, path: str, files: Iterable[Path] | dict[str, Iterable[Path]], prefix: str = ""):
         from safetensors import SafetensorError, safe_open
 
-        self.path, self.scope, self.shapes, self._where = path, prefix, {}, {}
+        parts = files if isinstance(files, dict) else {prefix: files}
+        self.path, self.scope, self.shapes, self._where = path, tuple(parts), {}, {}
         self._files = {}
-        for file in files:
+        for key_prefix, file in ((key_prefix, file) for key_prefix, part in parts.items() for file in part):
             try:
                 handle = safe_open(str(file), framework="pt")
             except (SafetensorError, OSError) as error:
                 raise CheckpointError(f"{file} is not a readable safetensors file: {first_line(error)}") from None
             self._files[file] = handle
             for key in handle.keys():
-                self.shapes[prefix + key] = torch.Size(handle.get_slice(key).get_shape())
-                self._where[prefix + key] = (file, key)
+                self.shapes[key_prefix + key] = torch.Size(handle.get_slice(key).get_shape())
+                self._where[key_prefix + key] = (file, key)
 
     def read(self, name: str, index: tuple[slice, ...]) -> Tensor:
         file, key = self._where[name]
@@ -152,8 +154,7 @@ def weights_source(path: str, prefer: str = "ema", model=None) -> WeightSource:
 
     where = Path(path).expanduser()
     if where.is_dir() and not is_sharded_checkpoint(where):  # a diffusers folder: the model knows its layout
-        files, prefix = model.pretrained_files(str(where))
-        return SafetensorsSource(str(where), files, prefix)
+        return SafetensorsSource(str(where), model.pretrained_files(str(where)))
     where = existing_checkpoint(where)
     if where.is_dir():
         _, info = read_weights(where, prefer, load_tensors=False)  # the configs it carries are checked; shapes only

@@ -69,13 +69,34 @@ class FlowMatching:
             raise ValueError("shift='resolution' needs the sample's token count")
         return resolution_shift(tokens, **self.resolution)
 
-    def sample_time(self, batch: int, generator: torch.Generator, tokens: int | None = None) -> Tensor:
-        """(B,) training times in (0, 1) for samples of ``tokens`` tokens (used by ``shift='resolution'``)."""
+    def sample_time(self, batch: int, generator: torch.Generator, tokens: int | None = None,
+                    within: tuple[float, float] | None = None) -> Tensor:
+        """(B,) training times in (0, 1) for samples of ``tokens`` tokens (used by ``shift='resolution'``).
+        ``within``: ``(low, high)``, times from the same distribution restricted to that range (by inverting its
+        CDF, so no draw is rejected): a two-expert model's expert trains on its own range of times."""
+        if within is not None:
+            low, high = (self.cumulative(end, tokens) for end in within)
+            quantile = low + (high - low) * torch.rand(batch, generator=generator, dtype=torch.float64)
+            return self._time_at(quantile, tokens).float().clamp(*within)
         if self.time_sampling == "uniform":
             t = torch.rand(batch, generator=generator)
         else:
             t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(batch, generator=generator))
         return shift_time(t, self.shift_for(tokens))
+
+    def cumulative(self, t: float, tokens: int | None = None) -> float:
+        """P(a training time <= t): the distribution ``sample_time`` draws from, for samples of ``tokens``."""
+        shift = self.shift_for(tokens)
+        unshifted = torch.tensor(t / (shift - (shift - 1) * t), dtype=torch.float64)  # shift_time's inverse
+        if self.time_sampling == "uniform":
+            return float(unshifted)
+        return float(torch.special.ndtr((torch.logit(unshifted) - self.logit_mean) / self.logit_std))
+
+    def _time_at(self, quantile: Tensor, tokens: int | None) -> Tensor:
+        """The training time whose ``cumulative`` is ``quantile`` (float64)."""
+        unshifted = quantile if self.time_sampling == "uniform" else \
+            torch.sigmoid(self.logit_mean + self.logit_std * torch.special.ndtri(quantile))
+        return shift_time(unshifted, self.shift_for(tokens))
 
     def add_noise(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
         t = _broadcast(t, x0)
@@ -101,8 +122,12 @@ class DDPM:
         self.posterior = GaussianPosterior(betas)
         self.alphas_cumprod = self.posterior.alphas_cumprod
 
-    def sample_time(self, batch: int, generator: torch.Generator, tokens: int | None = None) -> Tensor:
-        """(B,) integer training steps in [0, num_timesteps) (``tokens``: unused, the schedule is the same for all)."""
+    def sample_time(self, batch: int, generator: torch.Generator, tokens: int | None = None,
+                    within: None = None) -> Tensor:
+        """(B,) integer training steps in [0, num_timesteps) (``tokens``: unused, the schedule is the same for all;
+        ``within``: a time range is FlowMatching's, for two-expert models, which train with flow matching only)."""
+        if within is not None:
+            raise ValueError("DDPM draws no time range: a two-expert model trains with diffusion=flow")
         return torch.randint(0, self.num_timesteps, (batch,), generator=generator)
 
     def add_noise(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:

@@ -21,38 +21,44 @@ Condition = Tensor | dict[str, Tensor]
 Model = Callable[[Tensor, Tensor, Condition], Tensor]
 
 
-def classifier_free_guidance(model: Model, condition: Condition, null: int | Condition | None, scale: float,
+def classifier_free_guidance(model: Model, condition: Condition, null: int | Condition | None,
+                             scale: float | Callable[[Tensor], float],
                              exchange: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None, half: int = 0,
                              channels: int | None = None):
     """``(x, t) -> uncond + scale * (cond - uncond)``: the conditional and unconditional halves share ONE forward.
 
+    ``scale``: a number, or ``scale(t)`` per evaluation (a two-expert model guides each expert with its own scale).
     ``channels``: guide only the prediction's first ``channels`` channels and take the rest (further latent
     channels, a learned variance) from the conditional half, as the original DiT's ``forward_with_cfg`` does with 3
     of its 4 latent channels; None guides every channel.
 
     ``condition``: class labels ``(B,)``, or a dict of batch-first tensors (text embeddings ...). ``null``: the null
-    class id, or the unconditional condition (same structure as ``condition``; the empty / negative prompt). With
+    class id, or the unconditional condition (same structure as ``condition``; the empty / negative prompt). At
     scale 1 guidance is the conditional prediction, so only that is computed.
 
     CFG parallel: with ``exchange``, this process computes only ``half`` (0: conditional, 1: unconditional) and
     ``exchange(prediction) -> (conditional, unconditional)`` swaps halves with its partner process.
     """
-    if scale == 1.0:
+    if not callable(scale) and scale == 1.0:
         return lambda x, t: model(x, t, condition)
     if null is None:
         raise ValueError("classifier-free guidance needs a model trained with condition dropout (a null class or "
                          "prompt)")
     if isinstance(null, int):
         null = torch.full_like(condition, null)
+    scale_at = scale if callable(scale) else lambda t: scale
 
     def guided(x: Tensor, t: Tensor) -> Tensor:
+        strength = scale_at(t)
+        if strength == 1.0 and exchange is None:  # (both halves of CFG parallel still exchange: they run in step)
+            return model(x, t, condition)
         if exchange is not None:
             cond, uncond = exchange(model(x, t, _half_condition(condition, null) if half else condition))
         else:
             cond, uncond = model(torch.cat([x, x]), torch.cat([t, t]), _cat_conditions(condition, null)).chunk(2)
         if channels is None or channels >= cond.shape[1]:
-            return uncond + scale * (cond - uncond)
-        guided_part = uncond[:, :channels] + scale * (cond[:, :channels] - uncond[:, :channels])
+            return uncond + strength * (cond - uncond)
+        guided_part = uncond[:, :channels] + strength * (cond[:, :channels] - uncond[:, :channels])
         return torch.cat([guided_part, cond[:, channels:]], dim=1)
 
     return guided
@@ -163,7 +169,8 @@ def initial_noise(shape: tuple[int, ...], seeds: list[int], device=None, dtype=t
     return draw_noise(shape, noise_generators(seeds), device, dtype)
 
 
-def sample(model: Model, objective, noise: Tensor, condition: Condition, *, steps: int, cfg_scale: float = 1.0,
+def sample(model: Model, objective, noise: Tensor, condition: Condition, *, steps: int,
+           cfg_scale: float | Callable[[Tensor], float] = 1.0,
            null: int | Condition | None = None, sampler: str | None = None, shift: float = 1.0,
            clip_denoised: bool = False, exchange=None, half: int = 0, guidance_channels: int | None = None,
            generators: list[torch.Generator] | None = None) -> Tensor:

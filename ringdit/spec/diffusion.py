@@ -25,6 +25,27 @@ def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tupl
     return objective, sampling
 
 
+def training_expert(cfg: DictConfig, model_config: dict, objective: dict) -> str | None:
+    """``diffusion.expert``: which expert of a two-expert model (``model.boundary_ratio``) trains -- ``high``,
+    ``low`` or ``both`` (the default) --; None for a model with one transformer, where setting it is a mistake."""
+    from ringdit.diffusion.experts import EXPERT_SETTINGS
+
+    setting = cfg.diffusion.get("expert")
+    if setting is not None and setting not in EXPERT_SETTINGS:
+        raise ConfigError(f"diffusion.expert={setting!r} is not one of {', '.join(EXPERT_SETTINGS)}: the high-noise "
+                          f"expert, the low-noise one, or both in one run")
+    if model_config.get("boundary_ratio") is None:
+        if setting is not None:
+            raise ConfigError(f"diffusion.expert={setting} picks an expert of a two-expert model (Wan 2.2 A14B: "
+                              f"model=wan22_a14b*), but this model has one transformer (no model.boundary_ratio); "
+                              f"leave diffusion.expert unset")
+        return None
+    if not str(objective["_target_"]).endswith("FlowMatching"):
+        raise ConfigError(f"model.boundary_ratio={model_config['boundary_ratio']}: a two-expert model splits the "
+                          f"flow-matching times between its experts; train it with diffusion=flow")
+    return setting or "both"
+
+
 def resolve_shift(objective: dict, sampling: dict, tokens: int, model_config: dict | None = None) -> None:
     """``diffusion.objective.shift=resolution``: Flux's shift, for each sample's own token count (every bucket its
     own), in training and sampling; logged for ``tokens`` (the data's most frequent bucket). A diffusers family whose
@@ -71,6 +92,9 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
         raise ConfigError(f"{prefix}guidance_channels={guided!r} is not a number of the model's {channels} latent "
                           f"channels; use null to guide all of them, or 1..{channels} (3: the original DiT's)")
     cfg_scale = sampling.get("cfg_scale")
+    if sampling.get("cfg_scale_2") is not None and model_cfg.get("boundary_ratio") is None:
+        raise ConfigError(f"{prefix}cfg_scale_2={sampling['cfg_scale_2']} is the low-noise expert's guidance of a "
+                          f"two-expert model (Wan 2.2 A14B), but this model has one transformer; set cfg_scale only")
     if sampling.get("guidance") is not None and not is_diffusers_model(model_cfg):
         raise ConfigError(f"{prefix}guidance={sampling['guidance']!r} is the guidance embedding's value of a "
                           f"guidance-distilled model (Flux-dev); the DiT has none and would ignore it: leave it unset, "

@@ -30,7 +30,7 @@ from ringdit.spec.trainer import TrainerSpec
 if TYPE_CHECKING:
     from ringdit.sampling import SampleSizes
 
-SAMPLING_OVERRIDES = ("steps", "cfg_scale", "sampler", "guidance", "guidance_channels")
+SAMPLING_OVERRIDES = ("steps", "cfg_scale", "cfg_scale_2", "sampler", "guidance", "guidance_channels")
 TEXT_SETTINGS = ("prompts", "prompt_file", "negative_prompt", "text_embeds", "negative_text_embeds", "text_encoder",
                  "tokenizer")
 
@@ -241,7 +241,8 @@ class InferSpec:
         """Check every setting of infer.py's ``cfg`` and the checkpoint; return the run (nothing is spawned)."""
         from ringdit.media.decode import sampling_vae
 
-        require_number("cfg_scale", cfg.get("cfg_scale"), optional=True)  # cfg_scale=nan gives black images
+        for key in ("cfg_scale", "cfg_scale_2"):  # cfg_scale=nan gives black images
+            require_number(key, cfg.get(key), optional=True)
         TrainerSpec.check_settings(cfg, training=False)
         ckpt_path = resolve_sampling_ckpt(cfg.ckpt_path, cfg.paths.log_dir)
         require_count("num_samples", cfg.num_samples)

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from ringdit.errors import ConfigError, require_count, require_number, require_seed
 from ringdit.memory import check_training_memory
 from ringdit.spec.checkpoint import CheckpointPlan
-from ringdit.spec.diffusion import training_diffusion
+from ringdit.spec.diffusion import training_diffusion, training_expert
 from ringdit.spec.layout import Layout
 from ringdit.spec.model import ModelSpec
 from ringdit.spec.optimizer import OptimizerSpec
@@ -65,6 +65,7 @@ class TrainSpec:
     data: DataSpec
     model: ModelSpec
     objective: dict          # the objective's config (_target_ FlowMatching / DDPM), shift resolved
+    expert: str | None       # a two-expert model's expert that trains: high | low | both; None: one transformer
     sampling: dict           # preview and infer.py defaults: sampler, steps, cfg_scale, shift, guidance
     optimizer: OptimizerSpec
     checkpoint: CheckpointPlan
@@ -81,7 +82,8 @@ class TrainSpec:
         if cfg.nonfinite_loss not in NONFINITE_LOSS:
             raise ConfigError(f"nonfinite_loss must be 'stop' or 'skip', got {cfg.nonfinite_loss!r}")
         optimizer = OptimizerSpec.from_config(cfg)
-        require_number("diffusion.sampling.cfg_scale", cfg.diffusion.sampling.get("cfg_scale"), optional=True)
+        for key in ("cfg_scale", "cfg_scale_2"):
+            require_number(f"diffusion.sampling.{key}", cfg.diffusion.sampling.get(key), optional=True)
         # the processes and what they run: before the data, whose opening can take long
         layout = Layout.from_config(cfg, training=True)
         trainer = TrainerSpec.from_config(cfg, training=True)
@@ -91,6 +93,7 @@ class TrainSpec:
         data.module.set_patch_shape(meta_model.patch_shape)  # the bucket's token counts: tokens_per_batch
         check_preview_shapes(trainer.callbacks, data.info, meta_model.patch_shape)
         objective, sampling = training_diffusion(cfg, model.config, model.tokens)
+        expert = training_expert(cfg, model.config, objective)
         # a warning (only an estimate), for the bucket whose steps hold the most tokens
         check_training_memory(cfg, model.config, meta_model, layout.attention_backend,
                               largest_step=data.module.largest_step())
@@ -98,7 +101,7 @@ class TrainSpec:
         checkpoint = CheckpointPlan.from_config(cfg, meta_model, optimizer=optimizer, max_steps=trainer.max_steps)
         return cls(seed=cfg.seed, compile=cfg.compile, nonfinite_loss=cfg.nonfinite_loss,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, data=data, model=model,
-                   objective=objective, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint)
+                   objective=objective, expert=expert, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint)
 
 
 def check_preview_shapes(callbacks: tuple[dict, ...], data_info: dict, patch: tuple[int, ...]) -> None:

@@ -144,7 +144,8 @@ class RingFSDPStrategy(SequenceParallelStrategy, ModelParallelStrategy):
 
 
 def shard_model(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None, cpu_offload: bool = False) -> nn.Module:
-    """``fully_shard`` each repeated block of ``model`` (one all-gather per block), then the root (the rest). On a
+    """``fully_shard`` each repeated block of ``model`` (one all-gather per block), then each expert of a two-expert
+    model (its embeddings and output layers: gathered only in the steps it runs), then the root (the rest). On a
     model built on the meta device this only plans the shards; ``ringdit.models.materialize`` allocates them."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -153,7 +154,7 @@ def shard_model(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None, 
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    for block in repeated_blocks(model):
-        fully_shard(block, **options)
+    for unit in (*repeated_blocks(model), *getattr(model, "expert_modules", ())):
+        fully_shard(unit, **options)
     fully_shard(model, **options)
     return model

@@ -30,6 +30,7 @@ from torch import nn
 from ringdit.build import build_model
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.diffusion import DDPM, draw_noise, noise_generators, resolution_shift, sample
+from ringdit.diffusion.experts import expert_guidance, step_expert, time_range
 from ringdit.ema import ModelAverage
 from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
@@ -56,6 +57,7 @@ class DiffusionModule(L.LightningModule):
     ``sampling``: defaults for preview grids and ``infer.py`` (``steps``, ``cfg_scale``, ``sampler``, ``shift``,
     ``guidance_channels``).
     ``data``: what the data module describes (channels, image_size, num_classes, class_names).
+    ``expert``: which expert of a two-expert model trains: ``high``, ``low`` or ``both`` (None: both).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class DiffusionModule(L.LightningModule):
         nonfinite_loss: str = "stop",
         lora: dict | None = None,
         resume_optimizer: bool = True,
+        expert: str | None = None,
     ):
         super().__init__()
         self.skipped_steps = 0
@@ -128,6 +131,7 @@ class DiffusionModule(L.LightningModule):
             # a resumed run restores the checkpoint's own empty-prompt embedding after this
             null_condition=datamodule.null_condition() if self.text_conditioned and datamodule is not None else None,
             lora=self.hparams.lora if lora_enabled(self.hparams.lora) else None,
+            expert=self.hparams.get("expert") if training else None,
             ema_decay=self.hparams.ema_decay if training else None,  # sampling uses the weights it loaded
             shard=getattr(self.trainer.strategy, "shard_model", None) if self._trainer is not None else None,
             offload_shards=getattr(self.trainer.strategy, "cpu_offload", False) if self._trainer is not None else False,
@@ -153,22 +157,34 @@ class DiffusionModule(L.LightningModule):
         return math.prod(s // p for s, p in zip(shape, (model or self.model).patch_shape))
 
     # ---- training ---------------------------------------------------------------------------------------------------
-    def diffusion_loss(self, model: nn.Module, x0: Tensor, condition, generators: list[torch.Generator]) -> Tensor:
+    def batch_expert(self, model: nn.Module, x0: Tensor, draw: torch.Generator) -> str | None:
+        """The expert of a two-expert model that this batch trains (``draw``: a generator every rank shares, for
+        ``diffusion.expert=both``); None for one transformer."""
+        if not getattr(model, "experts", ()):
+            return None
+        tokens = self.tokens_per_sample(x0.shape[2:], model)
+        return step_expert(self.hparams.get("expert") or "both", model.boundary_ratio, self.objective, tokens, draw)
+
+    def diffusion_loss(self, model: nn.Module, x0: Tensor, condition, generators: list[torch.Generator],
+                       expert: str | None = None) -> Tensor:
         """This rank's loss for the batch: the mean squared error (+ the variational bound for a learned variance under
-        DDPM) over the whole prediction; ``generators[i]`` draws sample i's time, noise and condition drop.
+        DDPM) over the whole prediction; ``generators[i]`` draws sample i's time, noise and condition drop;
+        ``expert``: the expert of a two-expert model that runs, on times from its own range (``batch_expert``).
 
         Every model gathers its prediction, so every rank of a sequence-parallel group holds the whole sample's loss.
         The gather's backward hands each rank the gradient of its own tokens summed over the group's sp copies of
         that loss, so DDP's gradient average over all ranks is the one-device gradient (the ranks' parameter
         gradients are partial sums: ``ringdit.parallel.collectives``)."""
         tokens = self.tokens_per_sample(x0.shape[2:], model)  # this batch's bucket (Flux's shift=resolution follows)
-        t = torch.cat([self.objective.sample_time(1, g, tokens) for g in generators]).to(x0.device)
+        within = time_range(expert, model.boundary_ratio) if expert else None
+        t = torch.cat([self.objective.sample_time(1, g, tokens, within) for g in generators]).to(x0.device)
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in generators]).to(x0.device, x0.dtype)
         draws = torch.cat([torch.rand(1, generator=g) for g in generators]).to(x0.device)
         x_t = self.objective.add_noise(x0, noise, t)
         if model.condition_dropout_prob > 0:  # no null condition, no drop
             condition = model.drop_condition(condition, draws < model.condition_dropout_prob)
-        prediction = model(x_t, self.objective.model_time(t), condition)  # (B, C or 2C, [T,] H, W)
+        run = {"expert": expert} if expert else {}  # a two-expert model runs the one the times were drawn for
+        prediction = model(x_t, self.objective.model_time(t), condition, **run)  # (B, C or 2C, [T,] H, W)
         channels = x0.shape[1]
         eps = prediction[:, :channels].float()
         error = (eps - self.objective.target(x0, noise, t).float()).square()  # (B, C, [T,] H, W)
@@ -191,12 +207,16 @@ class DiffusionModule(L.LightningModule):
         x0, condition = batch  # condition: labels (B,), or a dict of text tensors
         # (step, micro-batch within gradient accumulation): the same after a resume, which starts at a step boundary
         micro_batch = batch_idx % self.trainer.accumulate_grad_batches
-        generators = self.sample_generators(Stream.TRAIN, (self.trainer.global_step, micro_batch), x0.shape[0])
-        loss = self.diffusion_loss(self.model, x0, condition, generators)
+        key = (self.trainer.global_step, micro_batch)
+        generators = self.sample_generators(Stream.TRAIN, key, x0.shape[0])
+        expert = self.batch_expert(self.model, x0, generator(Stream.EXPERT, self.hparams.seed, *key))
+        loss = self.diffusion_loss(self.model, x0, condition, generators, expert)
         # The mean over all ranks is the batch loss (averaged over replicas), and every rank sees the same value, so
         # they all take the same decision about a non-finite loss.
         batch_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
         self.log("train/loss", batch_loss, prog_bar=True)
+        if expert is not None:  # the experts' losses differ in scale (their noise levels): each its own curve
+            self.log(f"train/loss_{expert}", batch_loss)
         self._step_skipped = not torch.isfinite(batch_loss)
         if self._step_skipped:
             return self._on_nonfinite_loss(batch_loss.item())
@@ -220,7 +240,8 @@ class DiffusionModule(L.LightningModule):
         x0, condition = batch
         generators = self.sample_generators(Stream.VALIDATION, (batch_idx,), x0.shape[0])
         with self.sampling_weights() as model:
-            loss = self.diffusion_loss(model, x0, condition, generators)
+            expert = self.batch_expert(model, x0, generator(Stream.EXPERT, self.hparams.seed, batch_idx))
+            loss = self.diffusion_loss(model, x0, condition, generators, expert)
         self.log("val/loss", loss, sync_dist=True, batch_size=x0.shape[0])
         if len(self.hparams.data.get("buckets", ())) > 1:  # and per bucket: a shape the model fits worse shows
             self.log(f"val/loss_{'x'.join(map(str, x0.shape[2:]))}", loss, sync_dist=True, batch_size=x0.shape[0])
@@ -322,7 +343,8 @@ class DiffusionModule(L.LightningModule):
         generators = noise_generators(seeds)  # sample i's noise: its initial noise, then the ddpm sampler's
         shape = tuple(shape) if shape is not None else tuple(self.hparams.data["image_size"])
         noise = draw_noise((model.in_channels, *shape), generators, device=self.device)
-        guided = settings["cfg_scale"] != 1.0
+        cfg_scale = expert_guidance(model, settings["cfg_scale"], settings.get("cfg_scale_2"))  # one per expert
+        guided = settings["cfg_scale"] != 1.0 or settings.get("cfg_scale_2") not in (None, 1.0)
         condition = _to_device(model.model_condition(condition), self.device)
         null = _to_device(model.model_condition(negative if negative is not None else model.null_condition(len(seeds))),
                           self.device) if guided else None
@@ -335,7 +357,7 @@ class DiffusionModule(L.LightningModule):
             else contextlib.nullcontext()
         with cache:
             samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use
-                model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=settings["cfg_scale"],
+                model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=cfg_scale,
                 null=null, sampler=settings["sampler"], clip_denoised=self.samples_are_pixels,
                 shift=resolution_shift(self.tokens_per_sample(shape), **getattr(self.objective, "resolution", {}))
                 if settings["shift"] == "resolution" else settings["shift"],

@@ -38,6 +38,9 @@ class DiffusersTransformer(nn.Module):
         text_len, text_dim: the shape of one text embedding ``(L, D_text)``, for the null-condition buffer.
         condition_dropout_prob: the chance that training replaces a sample's conditioning by the null one.
         activation_checkpointing: recompute each transformer block in backward (``gradient_checkpointing``: alias).
+        boundary_ratio: a two-expert model (Wan 2.2 A14B): ``transformer`` denoises model times at and above
+            ``boundary_ratio * 1000`` (the high-noise expert), ``transformer_2`` those below (the low-noise expert),
+            as WanPipeline switches them; ``pretrained`` then holds ``<subfolder>/`` and ``<subfolder>_2/``.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class DiffusersTransformer(nn.Module):
         guidance: float | None = None,
         activation_checkpointing: bool = False,
         gradient_checkpointing: bool = False,
+        boundary_ratio: float | None = None,
     ):
         super().__init__()
         if not 0 <= condition_dropout_prob < 1:
@@ -62,7 +66,11 @@ class DiffusersTransformer(nn.Module):
         self.family: Family = get_family(family)
         if OmegaConf.is_config(config):  # Hydra passes nested settings as DictConfig; diffusers wants plain values
             config = OmegaConf.to_container(config, resolve=True)
+        self.boundary_ratio = _check_boundary(boundary_ratio, pretrained, subfolder)
         self.transformer = build_transformer(self.family, config, pretrained, subfolder)
+        if self.boundary_ratio is not None:  # the low-noise expert: the same architecture, its own weights
+            self.transformer_2 = build_transformer(self.family, config, pretrained, _second(subfolder))
+            _check_same_architecture(self.transformer, self.transformer_2, pretrained)
         self.pretrained = (pretrained, subfolder) if pretrained is not None else None  # the weights to load
         arch = dict(self.transformer.config)
         self.in_channels = self.family.latent_channels(arch)  # of the latents ringdit sees
@@ -89,7 +97,8 @@ class DiffusersTransformer(nn.Module):
             _check_width("pooled text embeddings", pooled_dim, self.family.pooled_dim, arch)
             self.register_buffer("null_pooled", torch.zeros(1, pooled_dim))  # (1, P)
         if activation_checkpointing or gradient_checkpointing:  # recompute each block in backward
-            self.transformer.enable_gradient_checkpointing()
+            for expert in self.expert_modules or (self.transformer,):
+                expert.enable_gradient_checkpointing()
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
@@ -117,12 +126,43 @@ class DiffusersTransformer(nn.Module):
 
     @property
     def parallel_plan(self) -> ParallelPlan:
-        """The family's plan, for the diffusers model this wraps as ``transformer``."""
-        return self.family.plan.under("transformer")
+        """The family's plan, for the diffusers model this wraps as ``transformer`` (and ``transformer_2``: the
+        pattern matches both experts, which share one sequence state, as only one runs in a forward)."""
+        return self.family.plan.under("transformer*" if self.experts else "transformer")
 
-    def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
+    # ---- two experts (Wan 2.2 A14B) ------------------------------------------------------------------------------
+    @property
+    def experts(self) -> tuple[str, ...]:
+        """``("high", "low")`` for a two-expert model, ``()`` for one transformer."""
+        return EXPERTS if self.boundary_ratio is not None else ()
+
+    @property
+    def expert_modules(self) -> tuple[nn.Module, ...]:
+        """The experts' transformers (high, low), each a unit FSDP gathers only when it runs; ``()`` for one."""
+        return (self.transformer, self.transformer_2) if self.experts else ()
+
+    def expert_at(self, t: Tensor) -> str | None:
+        """The expert that denoises model time ``t`` (B,) in 0..1000: ``high`` at and above the boundary, as
+        WanPipeline's ``t >= boundary_ratio * num_train_timesteps``; None for a one-expert model."""
+        if not self.experts:
+            return None
+        high = t >= self.boundary_ratio * 1000
+        if bool(high.all()) or not bool(high.any()):
+            return "high" if bool(high[0]) else "low"
+        raise ValueError(f"a batch's model times {t.tolist()} straddle the experts' boundary "
+                         f"{self.boundary_ratio * 1000:g}: a two-expert model denoises one side of it per forward")
+
+    def train_only(self, expert: str) -> None:
+        """Freeze the other expert (``diffusion.expert=high|low``): it keeps its weights for sampling, and no
+        gradient, optimizer state or EMA is spent on it."""
+        (self.transformer_2 if expert == "high" else self.transformer).requires_grad_(False)
+
+    def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor], expert: str | None = None) -> Tensor:
         """x (B, C, [T,] H, W) noisy latents, t (B,) model time 0..1000 -> the prediction (B, C, [T,] H, W),
-        gathered from every sequence-parallel rank."""
+        gathered from every sequence-parallel rank. ``expert``: the expert that runs (training names the one whose
+        time range it drew t from); default the one ``t`` falls to."""
+        expert = expert or self.expert_at(t)
+        transformer = self.transformer_2 if expert == "low" else self.transformer
         if self.guidance is not None and "guidance" not in cond:  # a guidance-distilled model's embedding input
             cond = {**cond, "guidance": x.new_full((x.shape[0],), float(self.guidance))}
         if self.image_condition == "first_frame":  # Wan 2.2 TI2V: the clean first frame, its tokens at time 0
@@ -130,7 +170,7 @@ class DiffusersTransformer(nn.Module):
             t = token_timesteps(t.to(x.dtype), x.shape, self.patch_size)  # (B, S)
         elif self.image_condition == "channels":  # Wan 2.1 I2V: (B, 2C + 4, T, H, W) [video ; mask ; image]
             x = channel_input(x, require_image(self.image_condition, cond, self.family.name))
-        return self.family.forward(self.transformer, x, t, cond)
+        return self.family.forward(transformer, x, t, cond)
 
     # ---- image-to-video ------------------------------------------------------------------------------------------
     def loss_weights(self, x0: Tensor) -> Tensor | None:
@@ -190,12 +230,23 @@ class DiffusersTransformer(nn.Module):
         return self.patch_size
 
     def pretrained_files(self, pretrained: str, subfolder: str | None = "transformer", setting: str = "init_from"
-                         ) -> tuple[list[Path], str]:
+                         ) -> dict[str, list[Path]]:
         """The safetensors files of a local diffusers folder of this architecture (``model.pretrained``,
-        ``init_from=<folder>``), checked whole, and the prefix of their keys in this module (``transformer.``)."""
-        folder = pretrained_folder(self.family, pretrained, subfolder, setting=setting)
-        return check_weights_folder(folder, setting=setting, value=pretrained,
-                                    class_name=self.family.model_class), "transformer."
+        ``init_from=<folder>``), checked whole, by the prefix of their keys in this module: ``transformer.`` (and
+        ``transformer_2.``, the low-noise expert's, from ``<subfolder>_2/``)."""
+        files = {}
+        for prefix, part in self.subfolders(subfolder):
+            folder = pretrained_folder(self.family, pretrained, part, setting=setting)
+            files[prefix] = check_weights_folder(folder, setting=setting, value=pretrained,
+                                                 class_name=self.family.model_class)
+        return files
+
+    def subfolders(self, subfolder: str | None = "transformer") -> list[tuple[str, str | None]]:
+        """(key prefix in this module, subfolder of a diffusers folder) of each transformer this model holds."""
+        parts = [("transformer.", subfolder)]
+        if self.experts:
+            parts.append(("transformer_2.", _second(subfolder)))
+        return parts
 
     def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> Tensor | None:
         """The random init of the parameters whose module has no ``reset_parameters``, as diffusers' constructors
@@ -210,16 +261,54 @@ class DiffusersTransformer(nn.Module):
         return None
 
     def check_pretrained(self, pretrained: str, subfolder: str | None = "transformer") -> None:
-        """Raise a ConfigError unless ``pretrained`` holds this family's model with the same architecture."""
-        folder = pretrained_folder(self.family, pretrained, subfolder, setting="init_from")
-        config = read_config(self.family, folder, pretrained, setting="init_from")
+        """Raise a ConfigError unless ``pretrained`` holds this family's model with the same architecture (each
+        expert's, for a two-expert model)."""
+        _check_boundary(self.boundary_ratio, pretrained, subfolder, setting="init_from")
         ours = {key: value for key, value in self.transformer.config.items() if not key.startswith("_")}
-        differing = sorted(key for key in config if key in ours and _plain(config[key]) != _plain(ours[key]))
-        if differing:
-            details = ", ".join(f"{key}={config[key]!r} vs {ours[key]!r}" for key in differing[:6])
-            raise ConfigError(f"init_from={pretrained} is another {self.family.model_class} architecture than "
-                              f"the model ({details}); pick the model preset that matches it, or model.pretrained")
-        check_weights_folder(folder, setting="init_from", value=pretrained, class_name=self.family.model_class)
+        for _, part in self.subfolders(subfolder):
+            folder = pretrained_folder(self.family, pretrained, part, setting="init_from")
+            config = read_config(self.family, folder, pretrained, setting="init_from")
+            differing = sorted(key for key in config if key in ours and _plain(config[key]) != _plain(ours[key]))
+            if differing:
+                details = ", ".join(f"{key}={config[key]!r} vs {ours[key]!r}" for key in differing[:6])
+                raise ConfigError(f"init_from={pretrained} is another {self.family.model_class} architecture than "
+                                  f"the model ({details}); pick the model preset that matches it, or model.pretrained")
+            check_weights_folder(folder, setting="init_from", value=pretrained, class_name=self.family.model_class)
+
+
+EXPERTS = ("high", "low")  # a two-expert model's transformer and transformer_2, in WanPipeline's order
+
+
+def _second(subfolder: str | None) -> str:
+    """The low-noise expert's subfolder (diffusers' ``transformer_2``)."""
+    return f"{subfolder}_2"
+
+
+def _check_boundary(boundary_ratio, pretrained: str | None, subfolder: str | None,
+                    setting: str = "model.pretrained") -> float | None:
+    if boundary_ratio is None:
+        return None
+    if isinstance(boundary_ratio, bool) or not isinstance(boundary_ratio, (int, float)) \
+            or not 0 < boundary_ratio < 1:
+        raise ConfigError(f"model.boundary_ratio={boundary_ratio!r} is not in (0, 1): it is the fraction of the "
+                          f"1000 training timesteps where a two-expert model switches from its high-noise to its "
+                          f"low-noise expert (Wan 2.2 A14B: 0.875 text-to-video, 0.9 image-to-video); null for one "
+                          f"transformer")
+    if pretrained is not None and not subfolder:
+        raise ConfigError(f"{setting}={pretrained} with model.subfolder=null: a two-expert model "
+                          f"(model.boundary_ratio) reads its experts from <folder>/transformer and "
+                          f"<folder>/transformer_2; set model.subfolder=transformer")
+    return float(boundary_ratio)
+
+
+def _check_same_architecture(high: nn.Module, low: nn.Module, pretrained: str | None) -> None:
+    """WanPipeline runs the experts on the same latents: they must be one architecture."""
+    ours, theirs = (dict(expert.config) for expert in (high, low))
+    differing = sorted(key for key in ours if not key.startswith("_") and _plain(ours[key]) != _plain(theirs.get(key)))
+    if differing:
+        details = ", ".join(f"{key}={ours[key]!r} vs {theirs.get(key)!r}" for key in differing[:6])
+        raise ConfigError(f"model.pretrained={pretrained}: transformer/ and transformer_2/ are different "
+                          f"architectures ({details}); a two-expert model's experts share one")
 
 
 def _check_width(what: str, width: int, key: str, arch: dict) -> None:
