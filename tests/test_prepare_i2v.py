@@ -35,21 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 CLOSE = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def clip_folder(tmp_path_factory) -> Path:
-    """A pipeline-shaped CLIP: image_encoder/ (a tiny random CLIPVisionModel, 2 layers so that the penultimate
-    hidden states are not the last) and image_processor/ (224 -> 32 px)."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
-
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("clip")
-    CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     image_size=32, patch_size=8)).save_pretrained(root / "image_encoder")
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
-        root / "image_processor")
-    return root
-
-
 @pytest.fixture
 def clips(tmp_path) -> Path:
     """Two 32 x 24 clips (6 and 10 frames) with sidecar captions."""

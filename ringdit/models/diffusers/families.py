@@ -41,8 +41,11 @@ def _wan_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Te
     (Wan's sigma x 1000) or (B, S) one per token (Wan 2.2 TI2V), cond["text"] (B, L, D_text) UMT5 states
     zero-padded to L (Wan attends to the padding as it was trained: no mask) [, cond["image_embeds"] (B, N, D_img)
     CLIP states for models with ``image_dim``] -> (B, C_out, T, H, W)."""
+    # data prepared with an image_encoder carry image_embeds for every model trained on them; only a transformer with
+    # image_dim has the embedder that reads them (diffusers would call its None image_embedder)
+    image = cond.get("image_embeds") if transformer.config.get("image_dim") else None
     return transformer(hidden_states=x, timestep=t, encoder_hidden_states=cond["text"],
-                       encoder_hidden_states_image=cond.get("image_embeds"), return_dict=False)[0]
+                       encoder_hidden_states_image=image, return_dict=False)[0]
 
 
 WAN = Family(
