@@ -10,6 +10,8 @@
                                          # + each clip's first-frame latents and CLIP embedding (image-to-video)
     python -m ringdit.prepare ... vae=FLUX.1-dev text_encoder=FLUX.1-dev/text_encoder_2 pooled_encoder=FLUX.1-dev \
         max_text_len=512                 # Flux: text from T5, pooled from CLIP, as FluxPipeline encodes prompts
+    python -m ringdit.prepare ... vae=FLUX.2-dev text_encoder=FLUX.2-dev prompt_template=flux2 max_text_len=512
+                                         # Flux.2: Mistral3 in Flux2Pipeline's chat format, its VAE's bn statistics
 
 Settings: conf/prepare.yaml (``--help`` lists them with their defaults, ``--cfg job`` shows what a command line
 composes to); the work itself is ``ringdit.media.encode_folder``.

@@ -210,14 +210,15 @@ def test_hunyuan_video15_prompt_template_matches_the_pipeline(tmp_path):
         vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=256, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
     )).save_pretrained(folder / "text_encoder")
-    system, crop, skip = chat_template("hunyuan_video15")
+    template = chat_template("hunyuan_video15")
+    system, crop = template.system, template.crop
     tokenizer = word_level_tokenizer(WORDS)
     # a chat template whose system part is exactly the 108 tokens the pipeline cuts off (Qwen's is), then the prompt
     filler = crop - len(tokenizer(system, add_special_tokens=False).input_ids)
     assert filler >= 0
     tokenizer.chat_template = "{{ messages[0]['content'] }}" + " a" * filler + " {{ messages[1]['content'] }} </s>"
     tokenizer.save_pretrained(folder / "tokenizer")
-    assert (crop, skip) == (108, 2) and system.startswith("You are a helpful assistant. Describe the video")
+    assert (crop, template.layers) == (108, (-3,)) and system.startswith("You are a helpful assistant. Describe the")
 
     encoder = TextEncoder(folder, max_len=TEXT_LEN, prompt_template="hunyuan_video15")
     cond = encoder(CAPTIONS + [""])
@@ -229,8 +230,211 @@ def test_hunyuan_video15_prompt_template_matches_the_pipeline(tmp_path):
     assert torch.equal(cond["text_mask"], mask.bool())
     torch.testing.assert_close(cond["text"], states * mask[..., None], rtol=1e-6, atol=1e-6)  # same model, fp32
     assert encoder.describe()["prompt_template"] == "hunyuan_video15"
-    with pytest.raises(ConfigError, match=r"prompt_template='qwenimage' is not one of hunyuan_video15"):
+    with pytest.raises(ConfigError, match=r"prompt_template='qwenimage' is not one of hunyuan_video15, flux2"):
         TextEncoder(folder, max_len=TEXT_LEN, prompt_template="qwenimage")
     with pytest.raises(ConfigError, match=r"max_text_len=200 is longer than Qwen2_5_VLTextModel takes \(148 "
                                           r"positions after the template\); pass max_text_len=148 or less"):
         TextEncoder(folder, max_len=200, prompt_template="hunyuan_video15")
+
+
+# ---- Flux.2: its VAE (batch-norm statistics over 2x2 patches) and its Mistral3 chat encoder (prompt_template=flux2) --
+
+FLUX2_LEN = 40  # Flux.2's template keeps its system message (about 25 words here) before the prompt: room for both
+FLUX2_CHANNELS = 2  # the tiny VAE's latent channels: 8 batch-norm statistics over its 2x2 patches
+
+
+@pytest.fixture(scope="module")
+def flux2(tmp_path_factory) -> Path:
+    """A Flux.2-shaped pipeline folder: vae/ (a tiny random AutoencoderKLFlux2, batch-norm statistics set away from
+    0 / 1 so the normalisation is seen), text_encoder/ (a tiny random Mistral3ForConditionalGeneration with the 30
+    layers Flux2Pipeline reads) and tokenizer/ (the word-level tokenizer with a chat template over the pipeline's
+    content parts: the system message, then the prompt)."""
+    from diffusers import AutoencoderKLFlux2
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    from ringdit.media.text import word_level_tokenizer
+    from tests.helpers import WORDS
+
+    root = tmp_path_factory.mktemp("flux2") / "FLUX.2"
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=FLUX2_CHANNELS,
+                             norm_num_groups=4, layers_per_block=1)
+    vae.bn.running_mean.copy_(torch.randn(4 * FLUX2_CHANNELS) * 0.1)
+    vae.bn.running_var.copy_(torch.rand(4 * FLUX2_CHANNELS) + 0.5)
+    vae.save_pretrained(root / "vae")
+    Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=MistralConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=30,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                  max_position_embeddings=64),
+        vision_config=PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, head_dim=8, image_size=32, patch_size=8),
+        image_token_index=2)).save_pretrained(root / "text_encoder")
+    tokenizer = word_level_tokenizer(WORDS)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'][0]['text'] }} {% endfor %}"
+    tokenizer.save_pretrained(root / "tokenizer")
+    return root
+
+
+def flux2_pipeline(root: Path, transformer=None):
+    """Flux2Pipeline over the fixture's folders, loaded as a user's pipeline loads them."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    from transformers import AutoTokenizer, Mistral3ForConditionalGeneration
+
+    return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), transformer=transformer,
+                         vae=AutoencoderKLFlux2.from_pretrained(root / "vae").eval(),
+                         text_encoder=Mistral3ForConditionalGeneration.from_pretrained(root / "text_encoder").eval(),
+                         tokenizer=AutoTokenizer.from_pretrained(root / "tokenizer"))
+
+
+def test_flux2_vae_normalises_and_decodes_as_flux2_pipeline(flux2):
+    """VAE.encode = Flux2Pipeline._encode_vae_image (mode, 2x2 patchify, the batch norm's mean / std) unpatchified to
+    32 (here 2) channels, so that the flux2 family's packing gives the pipeline's very tokens; VAE.decode of what the
+    pipeline samples (unpacked and unpatchified, as ringdit's model returns it) = the pipeline's own decoded images,
+    through a two-step run of the real pipeline with a tiny transformer; sizes step by 8 x 2 pixels."""
+    import diffusers
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+
+    from ringdit.media.vae import VAE
+    from ringdit.models.diffusers.families import pack_latents
+    from tests.helpers import architecture
+
+    config = architecture("flux2_tiny")
+    config["in_channels"] = 4 * FLUX2_CHANNELS  # the tokens are 2x2 patches of the VAE's channels
+    torch.manual_seed(1)
+    pipe = flux2_pipeline(flux2, diffusers.Flux2Transformer2DModel.from_config(config).eval())
+    codec = VAE(flux2)  # a pipeline folder: vae/
+    assert (codec.class_name, codec.spatial, codec.patch, codec.size_step) == ("AutoencoderKLFlux2", 2, 2, 4)
+    assert codec.describe()["latent_channels"] == FLUX2_CHANNELS and len(codec.describe()["shift"]) == 8
+
+    pixels = torch.rand(2, 3, 8, 12, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    latents = codec.encode(pixels)  # (2, 2, 4, 6): 2 channels at 1/2 the pixels
+    with torch.no_grad():
+        expected = pipe._encode_vae_image(pixels, generator=None)  # (2, 8, 2, 3): normalised 2x2 patches
+    assert latents.shape == (2, FLUX2_CHANNELS, 4, 6) and expected.shape == (2, 4 * FLUX2_CHANNELS, 2, 3)
+    torch.testing.assert_close(latents, Flux2Pipeline._unpatchify_latents(expected), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pack_latents(latents), Flux2Pipeline._pack_latents(expected), rtol=1e-6, atol=1e-6)
+
+    text = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(3))
+    run = dict(prompt_embeds=text, height=8, width=12, num_inference_steps=2, guidance_scale=4.0)
+    with torch.no_grad():
+        tokens = pipe(**run, generator=torch.Generator().manual_seed(4), output_type="latent").images  # (1, 6, 8)
+        images = pipe(**run, generator=torch.Generator().manual_seed(4), output_type="pt").images  # (1, 3, 8, 12)
+    sampled = Flux2Pipeline._unpatchify_latents(
+        Flux2Pipeline._unpack_latents_with_ids(tokens, Flux2Pipeline._prepare_latent_ids(expected[:1])))
+    assert sampled.shape == (1, FLUX2_CHANNELS, 4, 6)  # what ringdit's flux2 model samples
+    torch.testing.assert_close(codec.decode(sampled) / 2 + 0.5, images.clamp(0, 1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"latents of 4x5 do not split into the VAE's 2x2 latent patches"):
+        codec.decode(torch.zeros(1, FLUX2_CHANNELS, 4, 5))
+
+
+def test_flux2_prepare_matches_flux2_pipeline(flux2, images, tmp_path):
+    """prepare vae=FLUX.2 text_encoder=FLUX.2 prompt_template=flux2: text = Flux2Pipeline.encode_prompt's
+    prompt_embeds (its system message and chat format, the encoder attending to the real tokens, layers 10, 20, 30
+    joined per token: D = 3 x 16, every state kept), the empty prompt's too, text_mask all True; latents = the
+    pipeline's encoded images (unpatchified); the shard records the template, and encode_prompts with the recorded
+    settings (infer.py's prompts) gives the same."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+
+    from ringdit.media.frames import read_image
+
+    out = tmp_path / "out"
+    report = encode_folder(str(images), str(out), str(flux2), str(flux2), resolution=16, max_text_len=FLUX2_LEN,
+                           prompt_template="flux2", progress=False)
+    assert report.samples == 3
+    with safe_open(str(out / "shard-00000.safetensors"), framework="pt") as f:
+        tensors, metadata = {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
+    described = json.loads(metadata["text_encoder"])
+    assert described["class"] == "Mistral3ForConditionalGeneration" and described["dim"] == 48
+    assert described["prompt_template"] == "flux2" and described["masked"] is False
+    assert json.loads(metadata["vae"])["patch"] == 2
+
+    pipe = flux2_pipeline(flux2)
+    with torch.no_grad():
+        text, _ = pipe.encode_prompt(CAPTIONS, device=torch.device("cpu"), max_sequence_length=FLUX2_LEN)
+        null_text, _ = pipe.encode_prompt("", device=torch.device("cpu"), max_sequence_length=FLUX2_LEN)
+        pixels = torch.stack([read_image(images / f"img{i}.png", 16, 16) for i in range(3)])
+        latents = Flux2Pipeline._unpatchify_latents(pipe._encode_vae_image(pixels, generator=None))
+    assert text.shape == (3, FLUX2_LEN, 48) and text[0, -1].abs().max() > 0  # the padding's states are kept
+    # the same models, tokens and kernels on one process, batches of 3 both ways: equal up to fp32 reordering
+    torch.testing.assert_close(tensors["text"], text, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tensors["null_text"], null_text, rtol=1e-6, atol=1e-6)
+    assert tensors["text_mask"].all() and tensors["null_text_mask"].all()
+    torch.testing.assert_close(tensors["latents"], latents, rtol=1e-6, atol=1e-6)
+
+    cond, negative = encode_prompts(CAPTIONS, None, described["path"], described["tokenizer"], text_len=FLUX2_LEN,
+                                    text_dim=48, **encoder_settings(described))
+    torch.testing.assert_close(cond["text"], tensors["text"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(negative["text"], tensors["null_text"], rtol=1e-6, atol=1e-6)
+
+
+def test_flux2_wrong_inputs_are_one_line(flux2, models, images, tmp_path):
+    """Flux.2's encoder without its template, the template with another encoder or one too shallow for layers 10,
+    20, 30, a tokenizer without a chat template, too long a text, a VAE config of other patches or without weights,
+    a size that is not whole latent patches, another kind of folder as the VAE: each one ConfigError line, before any
+    file is encoded."""
+    def run(vae=flux2, text_encoder=flux2, **kwargs):
+        settings = dict(resolution=16, max_text_len=FLUX2_LEN, prompt_template="flux2", progress=False) | kwargs
+        encode_folder(str(images), str(tmp_path / "out"), str(vae), str(text_encoder), **settings)
+
+    def copy(subfolder: str, edit, weights: bool = True) -> Path:
+        folder = tmp_path / f"copy{len(list(tmp_path.glob('copy*')))}" / subfolder
+        shutil.copytree(flux2 / subfolder, folder, ignore=None if weights else shutil.ignore_patterns("*.safetensors"))
+        config = json.loads((folder / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder
+
+    with pytest.raises(ConfigError, match=r"text_encoder=.* is Mistral3ForConditionalGeneration, Flux.2's chat text "
+                                          r"encoder, .*; pass prompt_template=flux2"):
+        run(prompt_template=None)
+    with pytest.raises(ConfigError, match=r"prompt_template=flux2 is for Mistral3ForConditionalGeneration \(model_type "
+                                          r"mistral3\), but text_encoder=.* is T5EncoderModel"):
+        run(text_encoder=models["wan"])
+    shallow = copy("text_encoder", lambda c: c["text_config"].update(num_hidden_layers=4), weights=False)
+    with pytest.raises(ConfigError, match=r"text_encoder=.* has 4 hidden layers, but prompt_template=flux2 reads the "
+                                          r"hidden states of layers 10, 20, 30"):
+        run(text_encoder=shallow)
+    with pytest.raises(ConfigError, match=r"tokenizer=.*wan/tokenizer has no chat template .*, which "
+                                          r"prompt_template=flux2 puts the prompt in"):
+        run(tokenizer=str(models["wan"] / "tokenizer"))
+    with pytest.raises(ConfigError, match=r"max_text_len=65 is longer than Mistral3ForConditionalGeneration takes "
+                                          r"\(64 positions\); pass max_text_len=64 or less"):
+        run(max_text_len=65)
+    with pytest.raises(ConfigError, match=r"vae=.*AutoencoderKLFlux2 with patch_size=\[1, 1\]; Flux2Pipeline "
+                                          r"normalises 2x2 patches"):
+        run(vae=copy("vae", lambda c: c.update(patch_size=[1, 1])))
+    with pytest.raises(ConfigError, match=r"resolution=6x6: height and width must be positive multiples of "
+                                          r"AutoencoderKLFlux2's 2x downsampling x its 2x2 latent patches, 4"):
+        run(resolution=6)
+    with pytest.raises(ConfigError, match=r"vae=.*FLUX.2/text_encoder: .*config.json describes 'None', not a VAE"):
+        run(vae=flux2 / "text_encoder")
+    with pytest.raises(ConfigError, match=r"vae=.*copy\d/vae.*safetensors"):
+        run(vae=copy("vae", lambda c: None, weights=False))
+
+
+def _flux2_tiles_over_ranks(rank, world, folder):
+    """Each rank: the tile-parallel decode and encode (infer.py's decode over its sampling ranks, prepare's
+    parallel_vae=true) of Flux.2's VAE, 3 x 3 tiles, against this process's own tiled decode / encode."""
+    import torch.distributed as dist
+
+    from ringdit.media.parallel_vae import decode_grid
+    from ringdit.media.vae import VAE
+
+    torch.set_num_threads(1)
+    codec = VAE(folder, tile=8)  # 8-pixel tiles, 4 latents: AutoencoderKL's tiling, which Flux.2's copies
+    latents = torch.randn(1, FLUX2_CHANNELS, 8, 8, generator=torch.Generator().manual_seed(1))
+    assert len(decode_grid(codec.model, latents).tiles()) == 9
+    torch.testing.assert_close(codec.decode(latents, group=dist.group.WORLD, dst=None), codec.decode(latents),
+                               rtol=0, atol=1e-6)
+    pixels = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    torch.testing.assert_close(codec.encode(pixels, group=dist.group.WORLD, dst=None), codec.encode(pixels),
+                               rtol=0, atol=1e-6)
+
+
+def test_flux2_vae_tiles_split_over_2_ranks(flux2):
+    """Flux.2's VAE in ringdit.media.parallel_vae: its tiles over 2 gloo ranks = one process's tiled decode and
+    encode (normalised as the pipeline's, through the same VAE.decode / encode)."""
+    from tests.distributed import run_ranks
+
+    run_ranks(_flux2_tiles_over_ranks, 2, str(flux2))

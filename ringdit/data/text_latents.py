@@ -5,8 +5,11 @@ holds, for its N samples (one shape per shard: shards of different latent ``([T,
 and every training step reads one bucket; see ringdit/data/steps.py):
 
     latents     float  (N, C, T, H, W) video or (N, C, H, W) image latents, as the model consumes them (already
-                       normalised with the VAE's scaling factor / mean / std)
-    text        float  (N, L, D)  the text encoder's last hidden states, zero-padded after each prompt to L tokens
+                       normalised with the VAE's scaling factor / mean / std; Flux.2's per channel of its 2x2
+                       latent patches, then unpatchified: C = 32 at 1/8 of the pixels)
+    text        float  (N, L, D)  the text encoder's last hidden states, zero-padded after each prompt to L tokens;
+                       with prepare's prompt_template, the template's hidden layers joined per token (Flux.2: layers
+                       10, 20, 30 of its Mistral3, D = 3 x 5120, every state kept and text_mask all True)
     text_mask   bool   (N, L)     True on real tokens (optional; default all True)
     pooled      float  (N, P)     a pooled text embedding, for models that take one (optional)
     null_text, null_text_mask, null_pooled   (1, ...)   the EMPTY prompt's embedding, used for the condition drop
@@ -25,7 +28,9 @@ ringdit/media/image_condition.py, which ``infer.py image=`` uses too; the condit
 
 and the metadata keys ``format`` (``ringdit.text_latents/1``) and, optionally, ``captions`` (a JSON list of N
 strings) and ``vae`` (JSON: the VAE class, folder and per-channel ``shift`` / ``scale`` with latents =
-(z - shift) * scale, written by prepare so decoding can invert it; see ringdit/media/vae.py). Every shard has the same
+(z - shift) * scale -- ``patch`` 2 (Flux.2): per channel of the 2x2-patchified z, C x 4 values --, written by
+prepare so decoding can invert it; see ringdit/media/vae.py) and ``text_encoder`` (JSON: its folders, ``max_len``,
+``masked``, and ``prompt_template`` / ``pooled_encoder`` where prepare was given them). Every shard has the same
 C, L, D and P and the same number of latent dims; T, H and W may differ between shards (buckets). ``write_text_latents``
 writes a shard;
 ``python -m ringdit.prepare`` makes them from captioned media, and ``SyntheticTextLatentsDataModule`` makes a small

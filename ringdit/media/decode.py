@@ -43,9 +43,9 @@ def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True, gro
     if not vae.is_video and latents.ndim == 5:
         raise ValueError(f"latents are videos {tuple(latents.shape)} (N, C, T, H, W) but vae={vae.folder} is an "
                          f"image VAE ({vae.class_name}); decode with the video VAE the training data was prepared with")
-    if latents.shape[1] != vae.shift.numel():
+    if latents.shape[1] != vae.channels:
         raise ValueError(f"latents have {latents.shape[1]} channels but vae={vae.folder} has "
-                         f"{vae.shift.numel()}; decode with the VAE the training data was prepared with")
+                         f"{vae.channels}; decode with the VAE the training data was prepared with")
     pixels = []
     for sample in latents:
         decoded = vae.decode(sample[None], normalised, group=group)

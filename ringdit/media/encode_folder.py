@@ -37,6 +37,10 @@ Every shard stores the empty prompt's embedding (``null_*``), the captions, the 
 normalisation (``vae``) and the text encoder's folders (``text_encoder``), all JSON metadata.
 Two text encoders (``pooled_encoder``, Flux's CLIP + T5): ``text`` from ``text_encoder`` (T5) and ``pooled`` from
     the CLIP, both in every shard, as FluxPipeline.encode_prompt gives them (ringdit/media/text.py).
+Chat text encoders (``prompt_template``: HunyuanVideo 1.5's Qwen2.5-VL, Flux.2's Mistral3): the prompt in the
+    pipeline's chat template, ``text`` its hidden layers as the pipeline takes them (ringdit/media/text.py).
+Flux.2's VAE (AutoencoderKLFlux2): normalised per channel of its 2x2 latent patches (ringdit/media/vae.py), so bucket
+    sizes are multiples of 16 px and ``bucket_step`` defaults to 16.
 Image-to-video (``task=i2v``): each clip's shard rows also hold its first frame's ``image_latents`` and
     ``image_condition`` (ringdit/media/image_condition.py; the extra encodes go through the same VAE path as the
     clip's, so ``parallel_vae=true`` splits them too) and, with ``image_encoder``, its CLIP ``image_embeds``; the
@@ -114,12 +118,13 @@ def _named(paths: list[str], shown: int = 5) -> str:
     return f" ({', '.join(paths[:shown])}{more})"
 
 
-def bucket_size(resolution, spatial: int) -> tuple[int, int]:
-    """``resolution`` (an int, ``[H, W]`` or ``"HxW"``) -> (H, W), each a multiple of the VAE's downsampling."""
+def bucket_size(resolution, spatial: int, why: str = "the VAE's downsampling factor") -> tuple[int, int]:
+    """``resolution`` (an int, ``[H, W]`` or ``"HxW"``) -> (H, W), each a multiple of ``spatial``: the VAE's
+    downsampling (x its latent patch, for Flux.2's: ``VAE.size_step``)."""
     height, width = resolution_pair(resolution)
     if height < spatial or width < spatial or height % spatial or width % spatial:
-        raise ConfigError(f"resolution={height}x{width}: height and width must be positive multiples of the VAE's "
-                          f"downsampling factor {spatial}; e.g. resolution={max(spatial, height // spatial * spatial)}")
+        raise ConfigError(f"resolution={height}x{width}: height and width must be positive multiples of {why} "
+                          f"{spatial}; e.g. resolution={max(spatial, height // spatial * spatial)}")
     return height, width
 
 
@@ -271,7 +276,9 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
                           f"frames={1 + max(0, frames - 1) // codec.temporal * codec.temporal}")
     report = EncodeReport(missing=missing if rank == 0 else [])
     if bucketed:
-        chooser = make_buckets(buckets, resolution, spatial=codec.spatial,
+        if bucket_step is None and codec.patch > 1:  # Flux.2: one token's 16 px (as 2 x 8 px for Flux's 2x2 packing)
+            bucket_step = codec.size_step
+        chooser = make_buckets(buckets, resolution, spatial=codec.size_step,
                                temporal=codec.temporal if codec.is_video else None, frames=frames,
                                frame_stride=frame_stride, frame_buckets=frame_buckets, bucket_step=bucket_step,
                                class_name=codec.class_name)
@@ -290,7 +297,9 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
         shards = plan_shards(placed, shard_size)
         check_plan(out_dir, Path(str(input)).expanduser(), shards, rank, unreadable, too_short, chooser, stills)
     else:
-        height, width = bucket_size(resolution, codec.spatial)
+        height, width = bucket_size(resolution, codec.size_step, "the VAE's downsampling factor" if codec.patch == 1
+                                    else f"{codec.class_name}'s {codec.spatial}x downsampling x its {codec.patch}x"
+                                         f"{codec.patch} latent patches,")
         bucket = Bucket(height, width, frames if videos else None)
         shards = [(bucket, items[start:start + shard_size]) for start in range(0, len(items), shard_size)]
     encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=store,

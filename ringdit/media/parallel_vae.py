@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 VIDEO = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
-IMAGE = ("AutoencoderKL",)
+IMAGE = ("AutoencoderKL", "AutoencoderKLFlux2")  # Flux.2's tiled encode / decode are AutoencoderKL's, line for line
 
 
 @dataclass(frozen=True)

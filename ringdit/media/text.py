@@ -15,11 +15,23 @@ first encoder's (T5, ``max_len`` tokens, 512 for Flux) last hidden states and ``
 is kept (``masked=False``, the default with a pooled encoder), since Flux's transformer attends to all ``max_len``
 text tokens: ``text_mask`` is then all True. (CLIP is causal and pools at its end-of-text token, so the padding after
 it never changes ``pooled`` either way.)
+
+A chat model (``prompt_template``, ``ChatTemplate``): the prompt goes into its pipeline's chat template, the encoder
+attends to the real tokens, and ``text`` is the hidden states of the template's layers joined per token:
+    hunyuan_video15   Qwen2.5-VL, HunyuanVideo15Pipeline._get_mllm_prompt_embeds: the third-last layer's states, the
+                      template's 108 leading tokens cut off, zero after the real tokens (masked)
+    flux2             Mistral3ForConditionalGeneration, Flux2Pipeline._get_mistral_3_small_prompt_embeds: layers 10,
+                      20 and 30 joined (D = 3 x hidden size; 15360 for FLUX.2-dev), nothing cut off, every state
+                      kept and ``text_mask`` all True, since Flux2Pipeline hands its transformer all ``max_len``
+                      states with no mask
+``masked_text`` true / false overrides the template's choice of zeroing the states after the real tokens.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,10 +42,11 @@ from ringdit.models.diffusers.folders import check_weights_folder
 # config.json "model_type" -> the encoder-only class (a full T5 checkpoint also loads into its encoder)
 ENCODERS = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel", "clip_text_model": "CLIPTextModel",
             "clip": "CLIPTextModel", "clip_text_with_projection": "CLIPTextModel",
-            "qwen2_5_vl_text": "Qwen2_5_VLTextModel"}  # HunyuanVideo 1.5's, with prompt_template=hunyuan_video15
+            "qwen2_5_vl_text": "Qwen2_5_VLTextModel",  # HunyuanVideo 1.5's, with prompt_template=hunyuan_video15
+            "mistral3": "Mistral3ForConditionalGeneration"}  # Flux.2's, with prompt_template=flux2
 TEXT_SETTINGS = ("text_encoder", "tokenizer", "max_text_len")  # the prepare settings named in errors
 POOLED_SETTINGS = ("pooled_encoder", "pooled_tokenizer", "max_pooled_len")
-TEMPLATES = ("hunyuan_video15",)  # prompt_template: a pipeline's chat template around the prompt
+TEMPLATES = ("hunyuan_video15", "flux2")  # prompt_template: a pipeline's chat template around the prompt
 
 
 def _folder(path, subfolder: str, marker: str, setting: str) -> Path:
@@ -48,23 +61,53 @@ def _folder(path, subfolder: str, marker: str, setting: str) -> Path:
                       f"save_pretrained wrote")
 
 
-def chat_template(name: str | None) -> tuple[str, int, int] | None:
-    """(system message, template tokens cropped before the prompt, hidden layers skipped from the end) of a
-    pipeline's chat template, read from the defaults of diffusers' own code so that they cannot drift:
-    ``hunyuan_video15``: HunyuanVideo15Pipeline._get_mllm_prompt_embeds (its Qwen2.5-VL's third-last hidden states
-    after 108 template tokens)."""
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How a pipeline encodes prompts with a chat model (``prompt_template``; see the module docstring)."""
+
+    name: str
+    system: str  # the system message
+    crop: int  # template tokens before the prompt, cut off (their states are not kept)
+    layers: tuple[int, ...]  # ``hidden_states`` indices, joined per token along the features
+    masked: bool  # the default of ``masked``: states zeroed after the real tokens, text_mask = the real tokens
+    generation_prompt: bool  # apply_chat_template's add_generation_prompt
+    model_types: tuple[str, ...] | None  # config.json model_type the pipeline's encoder has (None: not checked)
+
+    def messages(self, prompts: list[str]) -> list[list[dict]]:
+        """The chats the pipeline tokenizes, one a prompt."""
+        if self.name == "flux2":  # Flux.2's own formatting (its content parts, "[IMG]" taken out of the prompt)
+            from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+            return format_input(prompts=list(prompts), system_message=self.system)
+        # HunyuanVideo 1.5: plain-string content, an empty prompt as " "
+        return [[{"role": "system", "content": self.system}, {"role": "user", "content": p if p else " "}]
+                for p in prompts]
+
+
+def chat_template(name: str | None) -> ChatTemplate | None:
+    """The ``ChatTemplate`` of a pipeline, its constants read from the defaults of diffusers' own code so that they
+    cannot drift: ``hunyuan_video15``: HunyuanVideo15Pipeline._get_mllm_prompt_embeds (its Qwen2.5-VL's third-last
+    hidden states after 108 template tokens); ``flux2``: Flux2Pipeline.encode_prompt (its Mistral's layers 10, 20,
+    30 and its system message)."""
     if name is None:
         return None
     if name not in TEMPLATES:
         raise ConfigError(f"prompt_template={name!r} is not one of {', '.join(TEMPLATES)}; pass "
-                          f"prompt_template=hunyuan_video15 (with its Qwen2.5-VL text encoder), or null")
-    import inspect
+                          f"prompt_template=hunyuan_video15 (with its Qwen2.5-VL text encoder), "
+                          f"prompt_template=flux2 (with its Mistral3 text encoder), or null")
+    if name == "flux2":
+        from diffusers.pipelines.flux2 import pipeline_flux2
 
+        # encode_prompt hands _get_mistral_3_small_prompt_embeds its own layers and the module's system message
+        layers = inspect.signature(pipeline_flux2.Flux2Pipeline.encode_prompt).parameters["text_encoder_out_layers"]
+        return ChatTemplate(name, pipeline_flux2.SYSTEM_MESSAGE, 0, tuple(int(i) for i in layers.default),
+                            masked=False, generation_prompt=False, model_types=("mistral3",))
     from diffusers import HunyuanVideo15Pipeline
 
     defaults = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
-    return (defaults["system_message"].default, int(defaults["crop_start"].default),
-            int(defaults["num_hidden_layers_to_skip"].default))
+    skip = int(defaults["num_hidden_layers_to_skip"].default)
+    return ChatTemplate(name, defaults["system_message"].default, int(defaults["crop_start"].default), (-(skip + 1),),
+                        masked=True, generation_prompt=True, model_types=None)
 
 
 def check_pooled_settings(pooled_encoder, pooled_tokenizer, masked) -> None:
@@ -94,14 +137,16 @@ class TextEncoder:
 
         setting, tokenizer_setting, length_setting = settings
         check_pooled_settings(pooled_encoder, pooled_tokenizer, masked)
-        self.masked = pooled_encoder is None if masked is None else masked
         self.template_name, self.template = prompt_template, chat_template(prompt_template)
+        default = self.template.masked if self.template else pooled_encoder is None  # as each pipeline does
+        self.masked = default if masked is None else masked
         folder = _folder(text_encoder, "text_encoder", "config.json", setting)
         config = json.loads((folder / "config.json").read_text())
         model_type = config.get("model_type")
         if model_type not in ENCODERS:
             raise ConfigError(f"{setting}={text_encoder}: model_type {model_type!r} is not a supported text encoder "
                               f"({', '.join(sorted(ENCODERS))}); pass a T5, UMT5 or CLIP text model folder")
+        self._check_template(model_type, config, f"{setting}={text_encoder}")
         # safetensors only, their headers checked first: a pickled .bin can run code, and infer.py may take this
         # folder from a checkpoint; a truncated file fails here in one line
         check_weights_folder(folder, setting=setting, value=text_encoder, class_name=ENCODERS[model_type],
@@ -119,10 +164,18 @@ class TextEncoder:
                                       if folder.name.startswith("text_encoder") else "tokenizer")
             tokenizer = next((c for c in (beside, folder) if (c / "tokenizer_config.json").is_file()), folder)
         tokenizer_folder = _folder(tokenizer, "tokenizer", "tokenizer_config.json", tokenizer_setting)
+        # a chat model's pipeline may load a processor here (Flux.2's PixtralProcessor); for text alone it renders
+        # the same template and tokenizes with this tokenizer, adding no special tokens when the template starts with
+        # BOS (Mistral's does), as the tokenizer's apply_chat_template never adds them: the same ids
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder))
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if self.template is not None and not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"{tokenizer_setting}={tokenizer_folder} has no chat template (chat_template.jinja or "
+                              f"in tokenizer_config.json), which prompt_template={self.template.name} puts the prompt "
+                              f"in; pass the pipeline's own tokenizer/ folder")
+        text_config = self.model.config.get_text_config()  # a chat model's language part (Mistral3's text_config)
+        limit = getattr(text_config, "max_position_embeddings", None)
         require_count(length_setting, max_len)
-        cropped = self.template[1] if self.template else 0  # the template's tokens come first, then are cut off
+        cropped = self.template.crop if self.template else 0  # the template's tokens come first, then are cut off
         if limit is not None and max_len + cropped > limit:
             limit -= cropped
             raise ConfigError(f"{length_setting}={max_len} is longer than {ENCODERS[model_type]} takes ({limit} "
@@ -131,7 +184,9 @@ class TextEncoder:
         self.folder, self.tokenizer_folder = folder, tokenizer_folder
         self.max_len, self.device = max_len, torch.device(device)
         self.pooled = model_type.startswith("clip")
-        self.dim = int(getattr(self.model.config, "d_model", None) or self.model.config.hidden_size)
+        self.dim = int(getattr(text_config, "d_model", None) or text_config.hidden_size)
+        if self.template is not None:  # the template's layers joined per token
+            self.dim *= len(self.template.layers)
         self.pooled_encoder = None
         if pooled_encoder is not None:
             self.pooled_encoder = TextEncoder(pooled_encoder, pooled_tokenizer, max_len=max_pooled_len,
@@ -141,6 +196,25 @@ class TextEncoder:
                                   f"which has no pooled output; pass a CLIP text model folder (Flux: its "
                                   f"text_encoder/, or the pipeline folder)")
             self.pooled = True
+
+    def _check_template(self, model_type: str, config: dict, given: str) -> None:
+        """One-line errors, before the weights load, for a chat model without its template, a template with another
+        kind of encoder, and an encoder too shallow for the template's layers."""
+        template = self.template
+        if template is None:
+            if model_type == "mistral3":  # its logits are no text states: only Flux.2's template reads it
+                raise ConfigError(f"{given} is Mistral3ForConditionalGeneration, Flux.2's chat text encoder, whose "
+                                  f"states are read through its pipeline's template; pass prompt_template=flux2")
+            return
+        if template.model_types is not None and model_type not in template.model_types:
+            raise ConfigError(f"prompt_template={template.name} is for {ENCODERS[template.model_types[0]]} (model_type "
+                              f"{template.model_types[0]}), but {given} is {ENCODERS[model_type]}; pass that "
+                              f"pipeline's text_encoder/ folder, or another prompt_template")
+        layers = int((config.get("text_config") or config).get("num_hidden_layers") or 0)
+        if layers and any(not -(layers + 1) <= index <= layers for index in template.layers):
+            raise ConfigError(f"{given} has {layers} hidden layers, but prompt_template={template.name} reads the "
+                              f"hidden states of layers {', '.join(map(str, template.layers))}; pass that pipeline's "
+                              f"own text encoder")
 
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -165,20 +239,23 @@ class TextEncoder:
         return cond
 
     def _templated(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """As HunyuanVideo15Pipeline._get_mllm_prompt_embeds: the prompt in the chat template (system message, an
-        empty prompt as " "), ``max_len`` + the template's tokens, the hidden states ``skip`` layers from the end,
-        the template's tokens cut off; then masked as any prompt (zero after the real tokens)."""
-        system, crop, skip = self.template
-        messages = [[{"role": "system", "content": system}, {"role": "user", "content": p if p else " "}]
-                    for p in prompts]
-        tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        """As the template's pipeline (``ChatTemplate``): its chats, ``max_len`` + the template's leading tokens, the
+        encoder attending to the real tokens, the template's layers joined per token, its leading tokens cut off;
+        then zero after the real tokens if ``masked``, else every state kept and the mask all True."""
+        template = self.template
+        tokens = self.tokenizer.apply_chat_template(template.messages(prompts),
+                                                    add_generation_prompt=template.generation_prompt, tokenize=True,
                                                     return_dict=True, padding="max_length",
-                                                    max_length=self.max_len + crop, truncation=True,
+                                                    max_length=self.max_len + template.crop, truncation=True,
                                                     return_tensors="pt")
         ids, mask = tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        states = out.hidden_states[-(skip + 1)][:, crop:]  # (N, L, D)
-        mask = mask[:, crop:].bool()  # (N, L)
+        # a chat model with a language head: its logits for one token only, not L x its vocabulary (131k for Mistral)
+        head = {"logits_to_keep": 1} if hasattr(self.model, "lm_head") else {}
+        out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False, **head)
+        states = torch.cat([out.hidden_states[i] for i in template.layers], dim=-1)[:, template.crop:]  # (N, L, D)
+        mask = mask[:, template.crop:].bool()  # (N, L)
+        if not self.masked:  # Flux.2: its transformer reads every state, with no mask
+            return {"text": states.float().cpu(), "text_mask": torch.ones_like(mask).cpu()}
         return {"text": (states.float() * mask[..., None]).cpu(), "text_mask": mask.cpu()}
 
     def describe(self) -> dict:

@@ -10,8 +10,18 @@ The model consumes latents ``(z - shift) * scale``, per channel:
     AutoencoderKL                                shift = shift_factor (0 if None), scale = scaling_factor (Flux, SD)
                                                  with latents_mean / latents_std set (SDXL-style configs):
                                                  shift = latents_mean, scale = scaling_factor / latents_std
+    AutoencoderKLFlux2                           per channel of the 2x2-PATCHIFIED latents (32 -> 128 channels at half
+                                                 the size): shift = bn.running_mean, scale = 1 / sqrt(bn.running_var +
+                                                 batch_norm_eps), the VAE's batch-norm statistics (Flux2Pipeline); the
+                                                 result is unpatchified back to 32 channels, which the flux2 family
+                                                 packs 2x2 into the pipeline's tokens. So sizes are multiples of 16 px
 
-``VAE.describe()`` records the class, shift and scale (a JSON dict stored as the ``vae`` metadata key of every
+Patchified normalisation (``patch`` 2, Flux.2): ``latents = unpatchify((patchify(z) - shift) * scale)``, channel
+``c * 4 + 2 * row + col`` of the patchified latents being sub-pixel (row, col) of channel c (Flux2Pipeline's
+``_patchify_latents``); ``shift`` / ``scale`` have ``latent_channels * 4`` values in that order. ``patch`` 1 (every
+other VAE): ``patchify`` is the identity.
+
+``VAE.describe()`` records the class, shift, scale and patch (a JSON dict stored as the ``vae`` metadata key of every
 shard) so that decoding can invert the normalisation without guessing.
 
 Memory: a video VAE here is causal in time: it encodes 1 + 4k frames in steps of 4 and decodes one latent frame at a
@@ -35,7 +45,7 @@ from ringdit.models.diffusers.folders import check_weights_folder
 
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo",
               "AutoencoderKLHunyuanVideo15")  # (B, 3, T, H, W) in, (B, C, T', H', W') out
-IMAGE_VAES = ("AutoencoderKL",)  # (B, 3, H, W) in, (B, C, H', W') out
+IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")  # (B, 3, H, W) in, (B, C, H', W') out
 
 
 def vae_folder(path: str | Path, subfolder: str | None = "vae", setting: str = "vae") -> Path:
@@ -82,6 +92,7 @@ class VAE:
         self.class_name = vae_class(folder, path, setting)
         self.folder = folder
         self.is_video = self.class_name in VIDEO_VAES
+        self.patch = latent_patch(self.class_name, folder, path, setting)  # its config checked before the weights
         try:  # safetensors only: a pickled .bin can run code, and infer.py may take this folder from a checkpoint
             self.model = getattr(diffusers, self.class_name).from_pretrained(str(folder), torch_dtype=dtype,
                                                                              use_safetensors=True)
@@ -92,8 +103,10 @@ class VAE:
         self.model.to(device).eval().requires_grad_(False)
         self.device, self.dtype = torch.device(device), dtype
         self.shift, self.scale = normalisation(self.model.config, self.model)
+        self.channels = self.shift.numel() // self.patch ** 2  # of the latents (Flux.2: 32 of 128 statistics)
         self.spatial = int(getattr(self.model, "spatial_compression_ratio", None)
                            or 2 ** (len(self.model.config.block_out_channels) - 1))
+        self.size_step = self.spatial * self.patch  # a pixel size's multiple: whole latent patches (Flux.2: 16)
         # Wan: scale_factor_temporal (4); LTX-Video: temporal_compression_ratio (8); HunyuanVideo 1.5: 4
         self.temporal = int(getattr(self.model, "temporal_compression_ratio", None)
                             or self.model.config.get("scale_factor_temporal") or 4) if self.is_video else 1
@@ -139,7 +152,8 @@ class VAE:
             latents = DiagonalGaussianDistribution(moments).mode().float()
         else:
             latents = self.model.encode(pixels).latent_dist.mode().float()
-        return (latents - self._view(self.shift, latents)) * self._view(self.scale, latents)
+        patches = patchify(latents, self.patch)  # (B, C p^2, [T',] H'/p, W'/p)
+        return unpatchify((patches - self._view(self.shift, patches)) * self._view(self.scale, patches), self.patch)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, normalised: bool = True, group=None,
@@ -153,7 +167,11 @@ class VAE:
         ``dst`` (None: on every rank) and None on the others. None (the default), or a group of one rank: this
         process alone."""
         latents = latents.float().to(self.device)
-        raw = latents / self._view(self.scale, latents) + self._view(self.shift, latents) if normalised else latents
+        if normalised:
+            patches = patchify(latents, self.patch)  # (B, C p^2, [T',] H'/p, W'/p)
+            raw = unpatchify(patches / self._view(self.scale, patches) + self._view(self.shift, patches), self.patch)
+        else:
+            raw = latents
         if _parallel(group):
             from ringdit.media.parallel_vae import parallel_decode
 
@@ -170,7 +188,7 @@ class VAE:
         return {"class": self.class_name, "path": str(self.folder.resolve()), "shift": self.shift.tolist(),
                 "scale": self.scale.tolist(), "spatial_compression": self.spatial,
                 "temporal_compression": self.temporal if self.is_video else None,
-                "latent_channels": int(self.shift.numel())}
+                "latent_channels": self.channels, "patch": self.patch}
 
 
 def _parallel(group) -> bool:
@@ -182,7 +200,12 @@ def _parallel(group) -> bool:
 
 def normalisation(config, model=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel (shift, scale) such that the model's latents are ``(z - shift) * scale`` (see the module doc);
-    ``model``: where its latents_mean / latents_std are buffers (LTX-Video), they are read from it."""
+    ``model``: where its latents_mean / latents_std are buffers (LTX-Video), or its statistics a batch norm
+    (Flux.2: per channel of the patchified latents), they are read from it."""
+    bn = getattr(model, "bn", None)
+    if isinstance(bn, torch.nn.BatchNorm2d):  # AutoencoderKLFlux2: Flux2Pipeline's (z - mean) / sqrt(var + eps)
+        std = torch.sqrt(bn.running_var.float() + float(config.get("batch_norm_eps")))
+        return bn.running_mean.float().cpu(), (1 / std).cpu()
     channels = int(config.get("z_dim") or config.get("latent_channels"))
     mean, std = config.get("latents_mean"), config.get("latents_std")
     buffers = dict(model.named_buffers()) if model is not None else {}
@@ -197,3 +220,37 @@ def normalisation(config, model=None) -> tuple[torch.Tensor, torch.Tensor]:
         shift = torch.full((channels,), float(config.get("shift_factor") or 0.0))
         scale = torch.full((channels,), scaling)
     return shift.reshape(channels), scale.reshape(channels)
+
+
+def latent_patch(class_name: str, folder: Path, path, setting: str = "vae") -> int:
+    """The side of the latent patches the normalisation applies to: 2 for AutoencoderKLFlux2 (its batch norm is
+    over the 2x2-patchified channels), 1 for every other VAE. ``folder``: the VAE's (its config.json is read)."""
+    if class_name != "AutoencoderKLFlux2":
+        return 1
+    config = json.loads((folder / "config.json").read_text())  # valid JSON: vae_class read it
+    if tuple(config.get("patch_size") or (2, 2)) != (2, 2):  # Flux2Pipeline patchifies 2x2, whatever it says
+        raise ConfigError(f"{setting}={path}: AutoencoderKLFlux2 with patch_size={config.get('patch_size')}; "
+                          f"Flux2Pipeline normalises 2x2 patches (patch_size [2, 2]), so only those can be used")
+    return 2
+
+
+def patchify(latents: torch.Tensor, patch: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, C p^2, H/p, W/p), channel c * p^2 + p * row + col = sub-pixel (row, col) of channel c,
+    as Flux2Pipeline._patchify_latents; ``patch`` 1: unchanged. A size that is not a multiple of p: ValueError."""
+    if patch == 1:
+        return latents
+    batch, channels, height, width = latents.shape
+    if height % patch or width % patch:
+        raise ValueError(f"latents of {height}x{width} do not split into the VAE's {patch}x{patch} latent patches, "
+                         f"which its normalisation is per; their sizes must be multiples of {patch}")
+    patches = latents.reshape(batch, channels, height // patch, patch, width // patch, patch)
+    return patches.permute(0, 1, 3, 5, 2, 4).reshape(batch, channels * patch ** 2, height // patch, width // patch)
+
+
+def unpatchify(patches: torch.Tensor, patch: int) -> torch.Tensor:
+    """The inverse of ``patchify`` (Flux2Pipeline._unpatchify_latents)."""
+    if patch == 1:
+        return patches
+    batch, channels, height, width = patches.shape
+    latents = patches.reshape(batch, channels // patch ** 2, patch, patch, height, width).permute(0, 1, 4, 2, 5, 3)
+    return latents.reshape(batch, channels // patch ** 2, height * patch, width * patch)

@@ -23,7 +23,8 @@ What the plan has to know about this model, read from its ``forward`` and its pr
 ringdit's latents are the VAE's 32 channels at 1/8 of the pixels, as Flux2Pipeline holds them normalised (its
 ``vae.bn`` statistics apply to the 2x2-patchified channels: the data must be the patchified, normalised latents
 unpatchified back to 32 channels); the family packs them 2x2 into 128-channel tokens, row-major, as the pipeline's
-``_patchify_latents`` + ``_pack_latents`` do (the same order as Flux's packing). Model time is sigma x 1000; the
+``_patchify_latents`` + ``_pack_latents`` do (the same order as Flux's packing); ``ringdit.media.vae`` makes such
+latents from AutoencoderKLFlux2 (for prepare) and decodes them (for infer.py). Model time is sigma x 1000; the
 model is called with sigma (the pipeline's ``timestep / 1000``) and multiplies by 1000 itself, and the guidance
 embedding (FLUX.2-dev is guidance-distilled) takes the guidance scale, ``model.guidance``.
 """
