@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ringdit.diffusion import FlowMatching
+from ringdit.errors import ConfigError
 from ringdit.diffusion.experts import step_expert, time_range
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
@@ -228,6 +229,7 @@ def test_two_experts_load_from_a_diffusers_folder(tmp_path):
 
     from ringdit.build import build_model
     from ringdit.cli import model_preset
+    from ringdit.models.diffusers import DiffusersTransformer
 
     config = architecture("wan22_a14b_tiny")
     saved = {}
@@ -243,6 +245,13 @@ def test_two_experts_load_from_a_diffusers_folder(tmp_path):
         ours = getattr(model, part).state_dict()
         for name, value in state.items():
             torch.testing.assert_close(ours[name], value, rtol=0, atol=0)
+    # the folder's own boundary (WanPipeline's model_index.json) must be the model's; one expert is not enough
+    (tmp_path / "a14b" / "model_index.json").write_text('{"_class_name": "WanPipeline", "boundary_ratio": 0.9}')
+    settings = {key: value for key, value in model_cfg.items() if key != "_target_"}
+    with pytest.raises(ConfigError, match=r"model.boundary_ratio=0.875 but .* switches its experts at 0.9"):
+        DiffusersTransformer(**settings)
+    with pytest.raises(ConfigError, match=r"holds two experts \(transformer_2/, boundary_ratio=0.9\): use "):
+        DiffusersTransformer(**{**settings, "boundary_ratio": None})
 
 
 # ---- refused before anything starts ---------------------------------------------------------------------------------

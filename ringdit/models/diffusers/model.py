@@ -67,6 +67,8 @@ class DiffusersTransformer(nn.Module):
         if OmegaConf.is_config(config):  # Hydra passes nested settings as DictConfig; diffusers wants plain values
             config = OmegaConf.to_container(config, resolve=True)
         self.boundary_ratio = _check_boundary(boundary_ratio, pretrained, subfolder)
+        if pretrained is not None and subfolder:
+            _check_folder_experts(pretrained, subfolder, self.boundary_ratio)
         self.transformer = build_transformer(self.family, config, pretrained, subfolder)
         if self.boundary_ratio is not None:  # the low-noise expert: the same architecture, its own weights
             self.transformer_2 = build_transformer(self.family, config, pretrained, _second(subfolder))
@@ -299,6 +301,26 @@ def _check_boundary(boundary_ratio, pretrained: str | None, subfolder: str | Non
                           f"(model.boundary_ratio) reads its experts from <folder>/transformer and "
                           f"<folder>/transformer_2; set model.subfolder=transformer")
     return float(boundary_ratio)
+
+
+def _check_folder_experts(pretrained: str, subfolder: str, boundary_ratio: float | None) -> None:
+    """A pipeline folder with two experts (``transformer_2/``; its ``model_index.json`` says where they switch) for a
+    model configured with one, or with another boundary: a ConfigError, not half a model or experts switched where
+    they were not trained to."""
+    root = Path(pretrained).expanduser()
+    try:  # plain JSON data, nothing in it is run
+        index = json.loads((root / "model_index.json").read_text())
+    except (OSError, ValueError):
+        index = {}
+    folder_ratio = index.get("boundary_ratio") if isinstance(index, dict) else None
+    if boundary_ratio is None and (folder_ratio is not None or (root / _second(subfolder)).is_dir()):
+        raise ConfigError(f"model.pretrained={pretrained} holds two experts ({_second(subfolder)}/, boundary_ratio="
+                          f"{folder_ratio}): use model=wan22_a14b (or set model.boundary_ratio={folder_ratio}), so "
+                          f"that both load and each denoises its own times")
+    if boundary_ratio is not None and isinstance(folder_ratio, (int, float)) and folder_ratio != boundary_ratio:
+        raise ConfigError(f"model.boundary_ratio={boundary_ratio} but model.pretrained={pretrained} switches its "
+                          f"experts at {folder_ratio} (model_index.json), where they were trained to; set "
+                          f"model.boundary_ratio={folder_ratio}")
 
 
 def _check_same_architecture(high: nn.Module, low: nn.Module, pretrained: str | None) -> None:
