@@ -73,7 +73,8 @@ class ModelSize:
     root_parameters: int       # outside the repeated blocks (embeddings, output layer): FSDP's root unit
     block_parameters: int      # the largest repeated block: FSDP's unit of all-gather
     hidden_size: int           # D
-    depth: int                 # L: repeated blocks (Flux: dual- and single-stream together)
+    depth: int                 # L: repeated blocks a forward runs (Flux: dual- and single-stream together; two
+                               # experts: one expert's)
     num_heads: int             # H: attention heads (Ulysses splits them)
     mlp_hidden: int            # F: the MLP's inner width (DiT: mlp_ratio x D; Wan: ffn_dim)
     tokens: int                # S: tokens per sample, the sequence ring x ulysses split
@@ -265,7 +266,8 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
         largest_parameter=max(p.numel() for p in params),
         root_parameters=sum(p.numel() for p in params) - sum(in_blocks),
         block_parameters=max(in_blocks),
-        hidden_size=hidden_size, depth=len(blocks), num_heads=num_heads, mlp_hidden=mlp_hidden,
+        hidden_size=hidden_size, depth=len(blocks) // max(len(getattr(meta_model, "expert_modules", ())), 1),
+        num_heads=num_heads, mlp_hidden=mlp_hidden,
         tokens=math.prod(meta_model.default_grid),
         text_tokens=text.shape[1] if joint and text is not None else 0,
         **dict(zip(("lora_parameters", "lora_base_parameters"), lora_parameters(meta_model, lora))),

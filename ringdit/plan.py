@@ -281,7 +281,14 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
         raise ConfigError(f"data.size / data.frames give a latent shape {shape} that the model's patch {list(patch)} "
                           f"does not divide; choose sizes whose latents are multiples of it")
     config = model_config(model_cfg, data)
-    size = model_size(config, build_on_meta(config), lora)
+    meta_model = build_on_meta(config)
+    expert = cfg.get("expert")
+    if expert not in (None, "both"):
+        if expert not in ("high", "low") or not getattr(meta_model, "experts", ()):
+            raise ConfigError(f"expert={expert!r}: high or low picks the expert of a two-expert model "
+                              f"(model=wan22_a14b*) that trains; null for every other model")
+        meta_model.train_only(expert)  # its gradients, optimizer state and EMA only
+    size = model_size(config, meta_model, lora)
     grid = " x ".join(str(s // p) for s, p in zip(shape, patch))
     text = f" + {size.text_tokens} text tokens (sharded with the image)" if size.text_tokens else ""
     line = (f"{_preset_name(model_cfg)}: {_count(size.parameters)} parameters"

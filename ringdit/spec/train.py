@@ -94,6 +94,8 @@ class TrainSpec:
         check_preview_shapes(trainer.callbacks, data.info, meta_model.patch_shape)
         objective, sampling = training_diffusion(cfg, model.config, model.tokens)
         expert = training_expert(cfg, model.config, objective)
+        if expert in ("high", "low"):  # the estimate counts gradients and optimizer state of the expert that trains
+            meta_model.train_only(expert)
         # a warning (only an estimate), for the bucket whose steps hold the most tokens
         check_training_memory(cfg, model.config, meta_model, layout.attention_backend,
                               largest_step=data.module.largest_step())
