@@ -272,7 +272,10 @@ def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(target, models
     settings = prepare_settings(many_images, out, models)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                "ringdit.prepare", *(f"{key}={value}" for key, value in settings.items())]
-    proc, seconds, ranks = signal_when(command, lambda: any(out.glob("shard-*")), target)
+    # signalled once both ranks encode (a shard of each: rank r writes shards i % 2 == r), not while one still loads
+    # its models: a rank signalled then stops only after loading, by when a busy machine's other rank may be done
+    proc, seconds, ranks = signal_when(command, lambda: {int(path.name[6:11]) % 2 for path in out.glob("shard-*")}
+                                       == {0, 1}, target)
     assert proc.returncode != 0  # torchrun's own code for "a rank failed" or "I was signalled": 1
     assert seconds < STOP_SECONDS, f"{seconds:.1f} s from SIGTERM to exit"
     assert all(gone(pid) for pid in ranks), "a rank was left behind"

@@ -63,7 +63,13 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [f"data.path={shard}", "model=wan_tiny"]
     if (group, option) in (("data", "synthetic_text_latents"), ("model", "wan_tiny")):
         return [*synthetic, "model=wan_tiny"]
-    if (group, option) in (("model", "wan_1_3b"), ("model", "wan_14b")):
+    if (group, option) == ("model", "wan22_a14b_tiny"):  # two experts
+        return synthetic
+    if (group, option) == ("model", "wan22_i2v_a14b_tiny"):
+        return [*synthetic, "data.image=true"]
+    if (group, option) == ("model", "wan22_i2v_a14b"):
+        return [*synthetic, "data.image=true", "data.channels=16", "data.text_dim=4096", "data.size=4"]
+    if (group, option) in (("model", "wan_1_3b"), ("model", "wan_14b"), ("model", "wan22_a14b")):
         return [*synthetic, "data.channels=16", "data.text_dim=4096"]
     if (group, option) == ("model", "wan"):
         from tests.helpers import save_tiny_wan
