@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from ringdit.diffusion import FlowMatching
-from ringdit.errors import ConfigError
 from ringdit.diffusion.experts import step_expert, time_range
+from ringdit.errors import ConfigError
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
 from tests.distributed import run_ranks
 from tests.families import assert_refused_before_spawning, assert_sgd_steps_equal_one_process_and_ring2
-from tests.helpers import WAN, architecture, assert_refused, fail_fast, logged_losses, run
+from tests.helpers import WAN, architecture, logged_losses, run
 from tests.test_diffusers_models import LAYOUTS, assert_matches_diffusers, forward_backward
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -279,12 +279,19 @@ def test_bad_expert_settings_are_refused_before_spawning(case, tmp_path):
     assert_refused_before_spawning(tmp_path, [*WAN, *overrides], message)
 
 
-def test_step_caching_is_refused_on_two_experts(tmp_path):
-    run("train.py", tmp_path / "a14b", *A14B, "trainer.max_steps=1", f"data.cache_dir={tmp_path / 'data'}",
-        env={"HF_HUB_OFFLINE": "1"})
-    proc, seconds = fail_fast("infer.py", f"ckpt_path={tmp_path / 'a14b' / 'checkpoints' / 'last.ckpt'}",
-                              "cache=fbcache", f"hydra.run.dir={tmp_path / 'refused'}")
-    assert_refused(proc, r"cache=fbcache does not run on a two-expert model", seconds=seconds)
+def test_step_caching_is_refused_on_two_experts():
+    """infer.py's check (InferSpec calls it with the checkpoint's model built on meta), before any rank starts."""
+    from ringdit.caching import CacheSettings
+    from ringdit.caching import check_model as check_cache_model
+    from ringdit.spec.model import build_on_meta
+
+    meta = build_on_meta({"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "wan",
+                          "config": architecture("wan22_a14b_tiny"), "boundary_ratio": BOUNDARY,
+                          "input_size": list(SHAPE), "in_channels": 4, "text_len": 7, "text_dim": 16})
+    for kind in ("fbcache", "teacache"):
+        with pytest.raises(ConfigError, match=f"cache={kind} does not run on a two-expert model"):
+            check_cache_model(CacheSettings(kind=kind, threshold=0.1), meta)
+    check_cache_model(CacheSettings(), meta)  # cache=none samples as usual
 
 
 def test_a_lora_export_puts_each_experts_adapter_where_diffusers_loads_it(tmp_path):
