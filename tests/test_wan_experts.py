@@ -95,6 +95,48 @@ def test_each_expert_on_one_process_and_the_boundary_is_wanpipelines():
         model(x, torch.tensor([10.0, 900.0]), {"text": text})
 
 
+def check_only_the_running_expert_is_gathered(rank, world):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from ringdit.build import build_model
+    from ringdit.parallel import build_shard_mesh
+    from ringdit.training.fsdp import shard_model
+
+    mesh = build_shard_mesh(world)
+    config = {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "wan",
+              "config": architecture("wan22_a14b_tiny"), "boundary_ratio": BOUNDARY, "input_size": list(SHAPE),
+              "in_channels": 4, "text_len": 7, "text_dim": 16}
+    model, _ = build_model(config, dims=init_sequence_parallel(world, 1), shard=lambda m: shard_model(m, mesh))
+    gathered, unshard = [], FSDPParamGroup.unshard
+
+    def recording(group, *args, **kwargs):
+        gathered.extend(group.modules)
+        return unshard(group, *args, **kwargs)
+
+    FSDPParamGroup.unshard = recording
+    try:
+        x, text = torch.randn(2, 4, *SHAPE), torch.randn(2, 7, 16)
+        for expert, t in TIMES.items():
+            gathered.clear()
+            model(x, t, {"text": text}).square().sum().backward()
+            idle = model.transformer_2 if expert == "high" else model.transformer
+            running = model.transformer if expert == "high" else model.transformer_2
+            idle_modules = set(idle.modules())
+            assert gathered and not any(module in idle_modules for module in gathered), expert
+            assert running in gathered and all(block in gathered for block in running.blocks), expert
+            assert all(p.grad is None for p in idle.parameters()), expert
+            assert all(p.grad is not None for p in running.parameters() if p.requires_grad), expert
+            model.zero_grad(set_to_none=True)
+    finally:
+        FSDPParamGroup.unshard = unshard
+
+
+def test_fsdp_gathers_only_the_expert_that_runs():
+    """Each expert is its own FSDP unit (its blocks units within it): a step's forward and backward unshard the
+    running expert's units and never the idle one's, whose parameters get no gradient."""
+    run_ranks(check_only_the_running_expert_is_gathered, 2)
+
+
 # ---- the times a step trains on ------------------------------------------------------------------------------------
 
 OBJECTIVES = {"uniform, shift 3": FlowMatching("uniform", shift=3.0),
