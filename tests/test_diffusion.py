@@ -130,3 +130,108 @@ def test_a_tiny_dit_overfits_a_fixed_batch():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] / 20, f"loss {losses[0]:.3f} -> {losses[-1]:.4f}"
+
+
+# ---- the flow sampler's time grid: diffusers' scheduler's sigmas, as train.py and infer.py sample ------------------
+
+
+def scheduler_sigmas(config: dict, steps: int, mu: float | None = None) -> torch.Tensor:
+    """The sigmas (float64, ending in 0) of diffusers' FlowMatchEulerDiscreteScheduler of ``config`` after
+    ``retrieve_timesteps(scheduler, steps, sigmas=linspace(1, 1 / steps, steps), mu=mu)``, as LTXPipeline and
+    Flux2Pipeline call it."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux2.pipeline_flux2 import retrieve_timesteps
+
+    scheduler = FlowMatchEulerDiscreteScheduler(**config)
+    retrieve_timesteps(scheduler, steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    return scheduler.sigmas.double()
+
+
+class VelocityIsX(torch.nn.Module):
+    """A model whose velocity is its input and that records the sigma of each call: each Euler step then multiplies x
+    by 1 + (t_next - t), so a sample over its noise is the product of these over the whole grid, the last step to 0
+    included."""
+
+    in_channels = 1
+
+    def __init__(self, patch_shape: tuple[int, ...]):
+        super().__init__()
+        self.patch_shape, self.sigmas = patch_shape, []
+
+    def model_condition(self, condition):
+        return condition
+
+    def forward(self, x, t, condition):
+        self.sigmas.append(t[0].item() / 1000)
+        return x
+
+
+def sampled_grid(overrides: list[str], shape: tuple[int, ...], patch: tuple[int, ...], steps: int) -> torch.Tensor:
+    """The times 1 .. 0 (float64) that ``DiffusionModule.generate`` steps through for one sample of ``shape`` (latent
+    cells; ``patch`` cells a token) in ``steps`` Euler steps, in a run of train.py's config with ``overrides``: its
+    objective and sampling settings resolved as train.py resolves them (the model family's defaults), the shift as
+    the module computes it for the sample's token count. Checked against the samples: ``VelocityIsX``."""
+    import math
+
+    from hydra import compose, initialize_config_dir
+
+    from ringdit.spec.diffusion import training_diffusion
+    from ringdit.training import DiffusionModule
+    from tests.helpers import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    tokens = math.prod(s // p for s, p in zip(shape, patch))
+    objective, sampling = training_diffusion(cfg, {"family": cfg.model.family}, tokens)
+    module = DiffusionModule(model={}, objective=objective, data={"image_size": list(shape), "latent_scale": 1.0},
+                             sampling=sampling)
+    module.model = model = VelocityIsX(patch)
+    samples = module.generate({"text": torch.zeros(1, 1)}, [0], shape=shape, steps=steps, cfg_scale=1.0)
+    noise = initial_noise((1, *shape), [0])
+    times = torch.tensor([*model.sigmas, 0.0], dtype=torch.float64)
+    factor = torch.prod(1 + times.diff()).item()
+    torch.testing.assert_close(samples, noise * factor, rtol=1e-5, atol=0)  # the sampler stepped through these
+    return times
+
+
+def test_a_terminal_stretch_is_diffusers_for_any_shift():
+    """``flow_times``' stretch against the scheduler with a fixed shift and shift_terminal (not only LTX-Video's
+    dynamic shift); one step has only t = 1 before 0, which it leaves (diffusers divides 0 by 0 there)."""
+    from ringdit.diffusion import flow_times
+
+    for shift, terminal, steps in ((1.0, 0.1, 10), (3.0, 0.05, 7), (12.0, 0.2, 4)):
+        expected = scheduler_sigmas({"shift": shift, "shift_terminal": terminal}, steps)
+        torch.testing.assert_close(flow_times(steps, shift, terminal), expected, rtol=0, atol=1e-6)
+        assert flow_times(steps, shift, terminal)[-2].item() == pytest.approx(terminal, abs=1e-12)
+    torch.testing.assert_close(flow_times(1, 3.0, 0.1), torch.tensor([1.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(flow_times(5, 2.0, None), shift_time(torch.linspace(1, 0, 6, dtype=torch.float64), 2.0))
+
+
+def test_bad_sampling_times_are_refused_in_one_line(tmp_path):
+    """diffusion.sampling.shift_terminal / infer.py's shift_terminal outside (0, 1) or on DDPM, and a
+    diffusion.objective.resolution that resolution_shift cannot take: ConfigErrors naming setting, value and fix
+    (train.py reports them as one line before spawning, like every spec check)."""
+    from ringdit.errors import ConfigError
+    from ringdit.spec.diffusion import check_resolution, check_sampling
+    from tests.helpers import assert_refused, fail_fast
+
+    flow = {"_target_": "ringdit.diffusion.FlowMatching"}
+    for value in (1, 0, -0.1, float("nan"), "abc", True, [0.1]):
+        with pytest.raises(ConfigError, match=r"^diffusion.sampling.shift_terminal=.* is not a time in \(0, 1\): "
+                                              r"give the last non-zero sampling time"):
+            check_sampling({}, flow, {"shift_terminal": value}, prefix="diffusion.sampling.")
+    for fine in (None, False, 0.1):
+        check_sampling({}, flow, {"shift_terminal": fine})
+    with pytest.raises(ConfigError, match=r"^shift_terminal=0.1 stretches a flow sampler's times, but this is the "
+                                          r"DDPM objective; leave shift_terminal null"):
+        check_sampling({}, {"_target_": "ringdit.diffusion.DDPM"}, {"shift_terminal": 0.1})
+    for resolution, message in (
+            ({"empirical_mu_steps": 0}, r"empirical_mu_steps=0 is not a number of steps; give a whole number >= 1"),
+            ({"empirical_mu_steps": 200, "base_shift": 1.0}, r"replaces the linear rule, whose constants would"),
+            ({"base_seq_len": 1024}, r"is not a map of resolution_shift's constants \(base_tokens, "),
+            ("abc", r"='abc' is not a map")):
+        with pytest.raises(ConfigError, match=rf"^diffusion.objective.resolution.*{message}"):
+            check_resolution(resolution)
+    proc, seconds = fail_fast("infer.py", "shift_terminal=2", f"hydra.run.dir={tmp_path}")  # before the checkpoint
+    assert_refused(proc, r"^Error: shift_terminal=2 is not a time in \(0, 1\)", seconds=seconds, run_dir=tmp_path)

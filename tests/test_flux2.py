@@ -95,6 +95,51 @@ def test_flux2_one_process_equals_diffusers(dtype):
     (assert_matches_diffusers if dtype == torch.float32 else assert_fp64_matches)(out, grads, ref_out, ref_grads)
 
 
+# ---- the shift: Flux2Pipeline's, of the token count and the step count ----------------------------------------------
+
+# FLUX.2-dev's scheduler_config.json, which Flux2Pipeline samples with (passing mu, so the base / max are unused)
+FLUX2_SCHEDULER = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15,
+                   "shift": 3.0, "use_dynamic_shifting": True, "time_shift_type": "exponential"}
+
+
+@pytest.mark.parametrize(("shape", "steps"), [((6, 10), 1), ((6, 10), 50), ((64, 64), 4), ((128, 128), 28),
+                                              ((132, 132), 50)])
+def test_flux2_samples_at_flux2_pipelines_sigmas(shape, steps):
+    """experiment=flux2_tiny with diffusion.objective.shift=resolution: the times the module samples at are
+    Flux2Pipeline's sigmas -- its scheduler after retrieve_timesteps(..., sigmas=linspace(1, 1/steps, steps),
+    mu=compute_empirical_mu(image tokens, steps)) -- for 15, 1024, 4096 and 4356 image tokens (above 4300 its mu no
+    longer depends on the steps). float32 in diffusers: 1e-6."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    from tests.test_diffusion import sampled_grid, scheduler_sigmas
+
+    tokens = shape[0] // 2 * (shape[1] // 2)  # 2x2 packed, as the pipeline's latents.shape[1]
+    expected = scheduler_sigmas(FLUX2_SCHEDULER, steps, compute_empirical_mu(tokens, steps))
+    grid = sampled_grid(["experiment=flux2_tiny", "diffusion.objective.shift=resolution"], shape, (2, 2), steps)
+    torch.testing.assert_close(grid, expected, rtol=0, atol=1e-6)
+
+
+def test_flux2_trains_with_the_shift_of_200_steps():
+    """Training has no step count: the family takes compute_empirical_mu at 200 steps (flux2.py says why), kept in
+    the run's objective; that is FLUX.1's linear shift (calculate_shift), for every size."""
+    import math
+
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    from ringdit.diffusion import FlowMatching
+    from ringdit.spec import resolve_shift
+
+    objective = {"shift": "resolution"}
+    resolve_shift(objective, {"steps": 50}, 15, {"family": "flux2"})
+    assert objective["resolution"] == {"empirical_mu_steps": 200}
+    for tokens in (15, 1024, 4096, 4356, 16384):
+        shift = FlowMatching(**objective).shift_for(tokens)
+        assert shift == pytest.approx(math.exp(compute_empirical_mu(tokens, 200)), rel=1e-12)
+        # (its coefficients are FLUX.1's rounded to 5 digits: 4e-6 apart at 4096 tokens, 1.4e-5 at 16384)
+        assert math.log(shift) == pytest.approx(calculate_shift(tokens), abs=2e-5)
+
+
 # ---- train.py ------------------------------------------------------------------------------------------------------
 
 FLUX2 = ["experiment=flux2_tiny", "data.num_samples=16", "data.batch_size=2", "trainer.max_steps=2", "logger=csv",

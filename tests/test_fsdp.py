@@ -130,6 +130,17 @@ def test_fsdp_trains_wan_like_one_process(tmp_path):
     assert_same_run(tmp_path / "fsdp", tmp_path / "reference")
 
 
+def test_fsdp_trains_flux2_like_one_process(tmp_path):
+    """Flux.2 (its double- and single-stream blocks each an FSDP unit, the text sharded with the image) under FSDP at
+    ring 2: one process's SGD steps, weights and EMA."""
+    from tests.test_flux2 import FLUX2
+
+    common = [*FLUX2, f"data.cache_dir={tmp_path / 'data'}"]
+    run("train.py", tmp_path / "reference", *common, env={"HF_HUB_OFFLINE": "1"})
+    run("train.py", tmp_path / "fsdp", *common, *FSDP, "ring_degree=2", env={"HF_HUB_OFFLINE": "1"})
+    assert_same_run(tmp_path / "fsdp", tmp_path / "reference", steps=(0, 1))
+
+
 def fake_sharded_checkpoint(folder: Path, step: int) -> Path:
     folder.mkdir(parents=True)
     torch.save({"global_step": step}, folder / "meta.pt")

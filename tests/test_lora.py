@@ -71,6 +71,26 @@ def test_lora_trains_only_adapters_under_ddp_and_fsdp(tmp_path):
     assert exported.keys() == {"transformer." + key.replace(".default.", ".") for key in adapters["fsdp"]}
 
 
+def test_flux2_lora_trains_only_its_adapters_single_stream_projection_included(tmp_path):
+    """experiment=flux2_tiny with LoRA and the default targets: the optimizer holds the adapters and nothing else,
+    the checkpoint only them, and they adapt every default target -- the single-stream blocks' fused
+    to_qkv_mlp_proj (they have no to_q) with the image stream's projections -- and trained (B starts at zero)."""
+    from tests.test_flux2 import FLUX2
+
+    run("train.py", tmp_path, *FLUX2, *LORA, f"data.cache_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})
+    state, info = read_weights(tmp_path / "checkpoints" / "last.ckpt", prefer="model")
+    assert state and all(is_adapter_key(key) for key in state), sorted(state)[:5]
+    adapted = {re.sub(r"\.lora_[AB]\.default\.weight$", "", key) for key in state}
+    assert adapted == {"transformer.transformer_blocks.0.attn.to_q", "transformer.transformer_blocks.0.attn.to_k",
+                       "transformer.transformer_blocks.0.attn.to_v", "transformer.transformer_blocks.0.attn.to_out.0",
+                       "transformer.single_transformer_blocks.0.attn.to_qkv_mlp_proj"}
+    optimizer = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0]
+    assert sum(len(group["params"]) for group in optimizer["param_groups"]) == len(state)  # nothing else trains
+    fused_b = state["transformer.single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_B.default.weight"]
+    assert fused_b.abs().max() > 0
+    assert info["lora"]["rank"] == 4
+
+
 # ---- the diffusers side ------------------------------------------------------------------------------------------
 
 

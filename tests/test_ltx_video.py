@@ -171,6 +171,30 @@ def test_shift_resolution_is_ltx_pipelines_own():
         FlowMatching(shift="resolution", resolution={"base_seq_len": 1024})
 
 
+# LTX-Video's scheduler_config.json (Lightricks/LTX-Video), which LTXPipeline samples with
+LTX_SCHEDULER = {"base_image_seq_len": 1024, "max_image_seq_len": 4096, "base_shift": 0.95, "max_shift": 2.05,
+                 "shift_terminal": 0.1, "use_dynamic_shifting": True}
+
+
+@pytest.mark.parametrize(("shape", "steps"), [((3, 3, 5), 2), ((3, 3, 5), 50), ((4, 16, 24), 8), ((6, 32, 32), 20)])
+def test_ltx_samples_at_ltx_pipelines_sigmas(shape, steps):
+    """experiment=ltx_video_tiny (shift=resolution; diffusion.sampling.shift_terminal null: the family's 0.1): the times
+    the module samples at are LTXPipeline's sigmas -- its scheduler after retrieve_timesteps(..., sigmas=linspace(1,
+    1/steps, steps), mu=calculate_shift(tokens, its constants)) --, for 45 tokens (below the base 1024), 1536 and
+    6144 (beyond the max 4096): the shift and the stretch to 0.1. float32 in diffusers: 1e-6."""
+    import math
+
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    from tests.test_diffusion import sampled_grid, scheduler_sigmas
+
+    mu = calculate_shift(math.prod(shape), *(LTX_SCHEDULER[key] for key in ("base_image_seq_len", "max_image_seq_len",
+                                                                             "base_shift", "max_shift")))
+    expected = scheduler_sigmas(LTX_SCHEDULER, steps, mu)  # as LTXPipeline computes mu from its scheduler's config
+    torch.testing.assert_close(sampled_grid(["experiment=ltx_video_tiny"], shape, (1, 1, 1), steps), expected,
+                               rtol=0, atol=1e-6)
+
+
 # ---- train.py ------------------------------------------------------------------------------------------------------
 
 LTX = ["model=ltx_video_tiny", "data=synthetic_text_latents", "data.num_samples=32", "data.batch_size=4",

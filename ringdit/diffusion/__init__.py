@@ -5,6 +5,7 @@ from ringdit.diffusion.objectives import DDPM, FlowMatching, resolution_shift, s
 from ringdit.diffusion.samplers import (
     classifier_free_guidance,
     draw_noise,
+    flow_times,
     initial_noise,
     noise_generators,
     sample,
@@ -19,6 +20,7 @@ __all__ = [
     "GaussianPosterior",
     "classifier_free_guidance",
     "draw_noise",
+    "flow_times",
     "initial_noise",
     "noise_generators",
     "resolution_shift",

@@ -33,14 +33,23 @@ def shift_time(t: Tensor, shift: float) -> Tensor:
 
 
 def resolution_shift(tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_shift: float = 0.5,
-                     max_shift: float = 1.15) -> float:
+                     max_shift: float = 1.15, empirical_mu_steps: int | None = None, steps: int | None = None) -> float:
     """Flux's resolution-dependent shift for ``tokens`` image tokens: ``exp(mu)`` with mu linear in the token count
-    (FluxPipeline's ``calculate_shift`` + exponential time shift, which is ``shift_time`` with shift = exp(mu))."""
+    (FluxPipeline's ``calculate_shift`` + exponential time shift, which is ``shift_time`` with shift = exp(mu)).
+
+    ``empirical_mu_steps``: Flux.2's rule instead (the other constants unused): Flux2Pipeline's
+    ``compute_empirical_mu(tokens, steps)``, imported from diffusers, whose mu depends on the sampler's ``steps``
+    too; training, which has no steps, takes it at ``empirical_mu_steps``."""
+    if empirical_mu_steps is not None:
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        return math.exp(compute_empirical_mu(image_seq_len=tokens, num_steps=steps or empirical_mu_steps))
     mu = base_shift + (max_shift - base_shift) * (tokens - base_tokens) / (max_tokens - base_tokens)
     return math.exp(mu)
 
 
-RESOLUTION_SHIFT_KEYS = ("base_tokens", "max_tokens", "base_shift", "max_shift")  # resolution_shift's constants
+# resolution_shift's constants: the linear rule's, or Flux.2's step count
+RESOLUTION_SHIFT_KEYS = ("base_tokens", "max_tokens", "base_shift", "max_shift", "empirical_mu_steps")
 
 
 class FlowMatching:
@@ -50,7 +59,7 @@ class FlowMatching:
                  shift: float | str = 1.0, resolution: dict | None = None):
         """``shift``: a number, or ``"resolution"`` (Flux's): ``resolution_shift`` of each sample's token count, so
         every bucket of a mixed-resolution set is shifted for its own size. ``resolution``: that shift's constants
-        (``resolution_shift``'s keywords) where a model's pipeline has its own (LTX-Video's); None: Flux's."""
+        (``resolution_shift``'s keywords) where a model's pipeline has its own (LTX-Video's, Flux.2's); None: Flux's."""
         if time_sampling not in ("uniform", "logit_normal"):
             raise ValueError(f"time_sampling must be 'uniform' or 'logit_normal', got {time_sampling!r}")
         if shift != "resolution" and (isinstance(shift, str) or shift <= 0):
@@ -59,6 +68,11 @@ class FlowMatching:
         unknown = sorted(set(self.resolution) - set(RESOLUTION_SHIFT_KEYS))
         if unknown:
             raise ValueError(f"resolution takes {list(RESOLUTION_SHIFT_KEYS)}, got {unknown}")
+        steps = self.resolution.get("empirical_mu_steps")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+                                  or len(self.resolution) > 1):
+            raise ValueError(f"resolution's empirical_mu_steps is a step count >= 1 without the linear rule's "
+                             f"constants, got {self.resolution}")
         self.time_sampling, self.logit_mean, self.logit_std, self.shift = time_sampling, logit_mean, logit_std, shift
 
     def shift_for(self, tokens: int | None) -> float:

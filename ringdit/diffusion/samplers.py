@@ -79,14 +79,29 @@ def _cat_conditions(first: Condition, second: Condition) -> Condition:
     return torch.cat([first, second])
 
 
+def flow_times(steps: int, shift: float = 1.0, shift_terminal: float | None = None) -> Tensor:
+    """The ``steps + 1`` times (float64) a flow sampler steps through, 1 to 0: even, then shifted (``shift_time``),
+    then, with ``shift_terminal``, stretched so that the last time before 0 is ``shift_terminal``: diffusers'
+    ``FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal`` (LTX-Video's scheduler ends its shifted sigmas at
+    0.1, then steps to 0), which scales 1 - t; t = 1 and the final 0 stay."""
+    times = shift_time(torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64), shift)
+    # one step has only t = 1 before 0, which no stretch moves (diffusers divides 0 by 0 there): left as it is
+    if shift_terminal is not None and steps > 1:
+        remaining = 1 - times[:-1]
+        times[:-1] = 1 - remaining * (1 - shift_terminal) / remaining[-1]
+    return times
+
+
 @torch.no_grad()
-def sample_flow(denoiser, noise: Tensor, steps: int, method: str = "euler", shift: float = 1.0) -> Tensor:
-    """Integrate dx/dt = v from t = 1 (noise) to t = 0 (data). ``denoiser(x, model_time) -> velocity``."""
+def sample_flow(denoiser, noise: Tensor, steps: int, method: str = "euler", shift: float = 1.0,
+                shift_terminal: float | None = None) -> Tensor:
+    """Integrate dx/dt = v from t = 1 (noise) to t = 0 (data) over ``flow_times``. ``denoiser(x, model_time) ->
+    velocity``."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if method not in ("euler", "heun"):
         raise ValueError(f"flow sampler must be 'euler' or 'heun', got {method!r}")
-    times = shift_time(torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64), shift)
+    times = flow_times(steps, shift, shift_terminal)
     x = noise
     batch = noise.shape[0]
     for t, t_next in zip(times[:-1].tolist(), times[1:].tolist()):
@@ -173,10 +188,11 @@ def sample(model: Model, objective, noise: Tensor, condition: Condition, *, step
            cfg_scale: float | Callable[[Tensor], float] = 1.0,
            null: int | Condition | None = None, sampler: str | None = None, shift: float = 1.0,
            clip_denoised: bool = False, exchange=None, half: int = 0, guidance_channels: int | None = None,
-           generators: list[torch.Generator] | None = None) -> Tensor:
+           generators: list[torch.Generator] | None = None, shift_terminal: float | None = None) -> Tensor:
     """Draw samples for ``condition`` (labels, or a dict of text tensors) starting from ``noise`` with the sampler that
     fits the objective; ``null`` is what classifier-free guidance guides away from (see ``classifier_free_guidance``),
-    in the first ``guidance_channels`` channels (None: all of the samples' channels).
+    in the first ``guidance_channels`` channels (None: all of the samples' channels). Flow matching steps through
+    ``flow_times(steps, shift, shift_terminal)``.
 
     Deterministic given the noise and, for the ``ddpm`` sampler, ``generators`` (sample i's fresh noise comes from
     generators[i], see ``noise_generators``): every rank of a sequence-parallel group computes the same samples and
@@ -196,7 +212,7 @@ def sample(model: Model, objective, noise: Tensor, condition: Condition, *, step
         return sample_ddpm(guided, noise, steps, objective, generators, clip_denoised=clip_denoised)
     denoiser = lambda x, t: guided(x, t)[:, :channels]  # the other samplers ignore a learned variance
     if isinstance(objective, FlowMatching):
-        return sample_flow(denoiser, noise, steps, method=sampler, shift=shift)
+        return sample_flow(denoiser, noise, steps, method=sampler, shift=shift, shift_terminal=shift_terminal)
     if isinstance(objective, DDPM):
         return sample_ddim(denoiser, noise, steps, objective, clip_denoised=clip_denoised)
     raise TypeError(f"unknown objective {type(objective).__name__}")

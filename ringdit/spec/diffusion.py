@@ -1,5 +1,6 @@
-"""The objective and the sampling settings of a run: Flux's resolution shift resolved, and samplers, steps and
-guidance that fit the objective and the model."""
+"""The objective and the sampling settings of a run: Flux's resolution shift and the sampler's terminal stretch
+resolved (a model family's own where it has them), and samplers, steps and guidance that fit the objective and the
+model."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tupl
     sampling = OmegaConf.to_container(cfg.diffusion.sampling, resolve=True)
     resolve_shift(objective, sampling, tokens, model_config)
     check_sampling(model_config, objective, sampling, prefix="diffusion.sampling.")
+    resolve_shift_terminal(sampling, model_config, objective)
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:  # the preview grids sample with their own scale
         check_sampling(model_config, objective, {**sampling, "cfg_scale": grid_cfg_scale})
@@ -49,7 +51,9 @@ def training_expert(cfg: DictConfig, model_config: dict, objective: dict) -> str
 def resolve_shift(objective: dict, sampling: dict, tokens: int, model_config: dict | None = None) -> None:
     """``diffusion.objective.shift=resolution``: Flux's shift, for each sample's own token count (every bucket its
     own), in training and sampling; logged for ``tokens`` (the data's most frequent bucket). A diffusers family whose
-    pipeline has its own constants (LTX-Video's) gets them in ``objective["resolution"]``, unless it gives some."""
+    pipeline has its own constants (LTX-Video's) or rule (Flux.2's, which depends on the sampling steps too) gets them
+    in ``objective["resolution"]``, unless it gives some."""
+    check_resolution(objective.get("resolution"))
     if objective.get("shift") != "resolution":
         if isinstance(objective.get("shift"), str):
             raise ConfigError(f"diffusion.objective.shift must be a number > 0 or 'resolution', got "
@@ -64,10 +68,57 @@ def resolve_shift(objective: dict, sampling: dict, tokens: int, model_config: di
         constants = get_family(model_config["family"]).resolution_shift
         if constants is not None:  # kept with the run's objective: infer.py samples with them too
             objective["resolution"] = dict(constants)
-    log.info("diffusion.objective.shift=resolution: per sample size, e.g. %.4f for %d image tokens",
-             resolution_shift(tokens, **(objective.get("resolution") or {})), tokens)
+    constants, steps = objective.get("resolution") or {}, sampling.get("steps")
+    sampled = f" (sampling at {steps} steps: {resolution_shift(tokens, steps=steps, **constants):.4f})" \
+        if "empirical_mu_steps" in constants and steps else ""  # Flux.2's depends on the steps
+    log.info("diffusion.objective.shift=resolution: per sample size, e.g. %.4f for %d image tokens%s",
+             resolution_shift(tokens, **constants), tokens, sampled)
     if sampling.get("shift") in (None, "resolution"):
         sampling["shift"] = "resolution"
+
+
+def check_resolution(resolution) -> None:
+    """``diffusion.objective.resolution``: null, or some of ``resolution_shift``'s constants -- the linear rule's, or
+    Flux.2's ``empirical_mu_steps`` alone."""
+    from ringdit.diffusion.objectives import RESOLUTION_SHIFT_KEYS
+
+    if resolution is None:
+        return
+    setting = "diffusion.objective.resolution"
+    unknown = sorted(set(resolution) - set(RESOLUTION_SHIFT_KEYS)) if isinstance(resolution, dict) else None
+    if unknown is None or unknown:
+        raise ConfigError(f"{setting}={resolution!r} is not a map of resolution_shift's constants "
+                          f"({', '.join(RESOLUTION_SHIFT_KEYS)}); give some of them, or null for the model family's")
+    steps = resolution.get("empirical_mu_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ConfigError(f"{setting}.empirical_mu_steps={steps!r} is not a number of steps; give a whole number "
+                          f">= 1 (Flux.2's training default: 200), or null for the linear rule")
+    if steps is not None and len(resolution) > 1:
+        raise ConfigError(f"{setting}={resolution}: empirical_mu_steps (Flux.2's rule) replaces the linear rule, whose "
+                          f"constants would be ignored; give empirical_mu_steps alone, or the constants alone")
+
+
+def check_shift_terminal(setting: str, value) -> None:
+    """A sampler's ``shift_terminal``: null, false, or a time in (0, 1) (0 would be no step; 1 no time left)."""
+    if value is None or value is False:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ConfigError(f"{setting}={value!r} is not a time in (0, 1): give the last non-zero sampling time "
+                          f"(LTX-Video's scheduler: 0.1), null for the model family's, or false for no stretch")
+
+
+def resolve_shift_terminal(sampling: dict, model_config: dict, objective: dict) -> None:
+    """``diffusion.sampling.shift_terminal`` (flow matching): null takes the model family's (LTX-Video's scheduler:
+    0.1), kept in the run's sampling settings, so infer.py samples with it too (and a checkpoint from before the
+    setting gets it there); false: none."""
+    from ringdit.spec.model import is_diffusers_model
+
+    if not str(objective.get("_target_", "")).endswith("FlowMatching"):
+        return  # (check_sampling refused a stretch for another objective)
+    if sampling.get("shift_terminal") is None and is_diffusers_model(model_config):
+        from ringdit.models.diffusers.families import get_family
+
+        sampling["shift_terminal"] = get_family(model_config["family"]).shift_terminal
 
 
 def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str = "") -> None:
@@ -82,6 +133,11 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
         raise ConfigError(f"sampler={sampling['sampler']!r} does not fit the {objective} objective; use one of {allowed}")
     if sampling.get("steps") is not None:
         require_count("steps", sampling["steps"])
+    terminal = sampling.get("shift_terminal")
+    check_shift_terminal(f"{prefix}shift_terminal", terminal)
+    if terminal is not None and terminal is not False and objective != "FlowMatching":
+        raise ConfigError(f"{prefix}shift_terminal={terminal!r} stretches a flow sampler's times, but this is the "
+                          f"{objective} objective; leave shift_terminal null")
     timesteps = objective_cfg.get("num_timesteps", 1000) if objective == "DDPM" else None
     if timesteps is not None and sampling.get("steps") is not None and sampling["steps"] > timesteps:
         raise ConfigError(f"{prefix}steps={sampling['steps']} is more than the DDPM schedule's {timesteps} steps; "

@@ -22,7 +22,7 @@ from ringdit.caching import check_model as check_cache_model
 from ringdit.checkpoints.weights import WEIGHT_CHOICES
 from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
-from ringdit.spec.diffusion import check_sampling
+from ringdit.spec.diffusion import check_sampling, check_shift_terminal, resolve_shift_terminal
 from ringdit.spec.layout import Layout
 from ringdit.spec.model import ModelSpec
 from ringdit.spec.trainer import TrainerSpec
@@ -30,7 +30,8 @@ from ringdit.spec.trainer import TrainerSpec
 if TYPE_CHECKING:
     from ringdit.sampling import SampleSizes
 
-SAMPLING_OVERRIDES = ("steps", "cfg_scale", "cfg_scale_2", "sampler", "guidance", "guidance_channels")
+SAMPLING_OVERRIDES = ("steps", "cfg_scale", "cfg_scale_2", "sampler", "guidance", "guidance_channels",
+                      "shift_terminal")
 TEXT_SETTINGS = ("prompts", "prompt_file", "negative_prompt", "text_embeds", "negative_text_embeds", "text_encoder",
                  "tokenizer")
 
@@ -243,6 +244,7 @@ class InferSpec:
 
         for key in ("cfg_scale", "cfg_scale_2"):  # cfg_scale=nan gives black images
             require_number(key, cfg.get(key), optional=True)
+        check_shift_terminal("shift_terminal", cfg.get("shift_terminal"))
         TrainerSpec.check_settings(cfg, training=False)
         ckpt_path = resolve_sampling_ckpt(cfg.ckpt_path, cfg.paths.log_dir)
         require_count("num_samples", cfg.num_samples)
@@ -283,6 +285,7 @@ class InferSpec:
         overrides = {key: cfg[key] for key in SAMPLING_OVERRIDES if cfg.get(key) is not None}
         sampling = {**info.get("sampling", {}), **overrides}
         check_sampling(info["model"], info["objective"], sampling)
+        resolve_shift_terminal(sampling, info["model"], info["objective"])  # a checkpoint of before: the family's
         conditioning = Conditioning.from_config(cfg, info["data"], ckpt_path=ckpt_path, num_samples=cfg.num_samples,
                                                 sizes=sizes)
         image_shape = conditioning.prompt_shapes[0] if conditioning.prompt_shapes else shape  # one size (checked)

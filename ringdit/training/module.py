@@ -359,8 +359,10 @@ class DiffusionModule(L.LightningModule):
             samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use
                 model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=cfg_scale,
                 null=null, sampler=settings["sampler"], clip_denoised=self.samples_are_pixels,
-                shift=resolution_shift(self.tokens_per_sample(shape), **getattr(self.objective, "resolution", {}))
+                shift=resolution_shift(self.tokens_per_sample(shape), steps=settings["steps"],
+                                       **getattr(self.objective, "resolution", {}))
                 if settings["shift"] == "resolution" else settings["shift"],
+                shift_terminal=settings.get("shift_terminal") or None,  # false: no stretch
                 exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
                 guidance_channels=settings.get("guidance_channels"), generators=generators,
             )

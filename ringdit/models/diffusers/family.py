@@ -25,6 +25,9 @@ class Family:
     condition_keys: tuple[str, ...]  # the conditioning tensors the model reads (data=text_latents provides them)
     text_dim: str  # the config key of the text embedding width
     pooled_dim: str | None = None  # the config key of the pooled text embedding width, if the model takes one
+    # the config key of the glyph text width (HunyuanVideo 1.5's ByT5 states of the prompt's quoted text: the data's
+    # glyph_text / glyph_text_mask), if the model reads glyph text; it reads it only where the data holds it
+    glyph_dim: str | None = None
     latent_channels: Callable[[dict], int] = lambda config: config["in_channels"]
     # the latent cells one token covers, (T, H, W) or (H, W)
     patch_shape: Callable[[dict], tuple[int, ...]] = lambda config: tuple(config["patch_size"])
@@ -33,7 +36,10 @@ class Family:
     # text only. See ringdit.models.diffusers.image_condition.
     image_condition: str | None = None
     # diffusion.objective.shift=resolution's constants (ringdit.diffusion.resolution_shift's keywords) where the
-    # family's pipeline has its own (its scheduler's base / max image_seq_len and shift); None: Flux's
+    # family's pipeline has its own (its scheduler's base / max image_seq_len and shift, or Flux.2's rule); None: Flux's
     resolution_shift: dict | None = None
+    # diffusion.sampling.shift_terminal's default: the last non-zero sampling time, where the family's scheduler
+    # config stretches its sigmas to one (its shift_terminal); None: no stretch
+    shift_terminal: float | None = None
     # LoRA's default targets (module-name suffixes, peft's rule): every attention projection
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")

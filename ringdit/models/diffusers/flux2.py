@@ -90,4 +90,11 @@ FLUX2 = Family(
     # projection (they have no to_q); not their to_out (attention and MLP out in one Linear): its suffix
     # "attn.to_out" also names the double-stream blocks' ModuleList, which peft cannot adapt
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj"),
+    # shift=resolution: Flux2Pipeline's compute_empirical_mu(tokens, steps), imported from diffusers. Sampling takes
+    # it at its own steps, as the pipeline does. Training has no step count; it takes 200, the fit's upper anchor (mu
+    # is interpolated in the step count between fits at 10 and 200 steps), where the rule is one line for every size,
+    # mu = a2 x tokens + b2: the line it uses at any step count above 4300 tokens (so training's shift has no jump
+    # there), and FLUX.1's resolution shift (calculate_shift: 0.5 at 256 tokens, 1.15 at 4096; 4e-6 apart there).
+    # Fewer sampling steps take a larger mu (at 50 steps and 4096 tokens 2.02 against 1.15).
+    resolution_shift={"empirical_mu_steps": 200},
 )

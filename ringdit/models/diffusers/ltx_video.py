@@ -75,4 +75,5 @@ LTX_VIDEO = Family(
     patch_shape=lambda config: (config["patch_size_t"], config["patch_size"], config["patch_size"]),
     # LTXPipeline's calculate_shift constants, from LTX-Video's scheduler_config.json (shift=resolution)
     resolution_shift={"base_tokens": 1024, "max_tokens": 4096, "base_shift": 0.95, "max_shift": 2.05},
+    shift_terminal=0.1,  # the same scheduler_config.json's: its sigmas are stretched to end at 0.1
 )
