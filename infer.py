@@ -230,8 +230,10 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
                                        conditioning.tokenizer, text_len=data_info["text_len"],
                                        text_dim=data_info["text_dim"],
                                        device="cuda" if torch.cuda.is_available() else "cpu",
-                                       # as the data were prepared: Flux's CLIP pooled encoder, the masking, a template
+                                       # as the data were prepared: Flux's CLIP pooled encoder, the masking, a template,
+                                       # HunyuanVideo 1.5's glyph encoder
                                        **encoder_settings(data_info.get("text_encoder") or {}))
+    check_prompt_shape("prompts", encoded, data_info)  # the glyph text too: its encoder's folder may have changed
     picked = [i % len(texts) for i in range(spec.num_samples)]
     if conditioning.prompts:
         conditions, captions = {key: value[:len(texts)][picked] for key, value in encoded.items()}, \
@@ -250,6 +252,12 @@ def check_prompt_shape(setting: str, prompts: dict, data_info: dict) -> None:
     if tuple(prompts["text"].shape[1:]) != expected:
         raise ConfigError(f"{setting}: the prompt embeddings are {tuple(prompts['text'].shape[1:])} (L, D) but the "
                           f"model was trained on {expected}; encode them with the same text encoder and length")
+    glyph = (data_info.get("glyph_len"), data_info.get("glyph_dim"))  # HunyuanVideo 1.5's glyph text, if trained on
+    given = tuple(prompts["glyph_text"].shape[1:]) if "glyph_text" in prompts else None
+    if glyph[0] and given != glyph:  # without it, quoted text would be read as none
+        raise ConfigError(f"{setting}: the model was trained with glyph text {glyph} (G, D: the ByT5 states of the "
+                          f"prompts' quoted text) but the prompt embeddings have {given or 'none'}; encode them as "
+                          f"the data were (prepare's glyph_encoder), or pass prompts=")
 
 
 @hydra_main("infer")

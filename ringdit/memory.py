@@ -260,6 +260,7 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
     in_blocks = [sum(p.numel() for p in block.parameters()) for block in blocks]
     joint = bool(meta_model.parallel_plan.joint_attention)
     text = getattr(meta_model, "null_text", None)  # (1, L, D_text): the text length the model was built for
+    glyph = getattr(meta_model, "null_glyph_text", None)  # (1, G, D_glyph): joined to the text (HunyuanVideo 1.5)
     return ModelSize(
         parameters=sum(p.numel() for p in params),
         trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
@@ -269,7 +270,7 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
         hidden_size=hidden_size, depth=len(blocks) // max(len(getattr(meta_model, "expert_modules", ())), 1),
         num_heads=num_heads, mlp_hidden=mlp_hidden,
         tokens=math.prod(meta_model.default_grid),
-        text_tokens=text.shape[1] if joint and text is not None else 0,
+        text_tokens=text.shape[1] + (glyph.shape[1] if glyph is not None else 0) if joint and text is not None else 0,
         **dict(zip(("lora_parameters", "lora_base_parameters"), lora_parameters(meta_model, lora))),
     )
 

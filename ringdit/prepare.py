@@ -12,6 +12,8 @@
         max_text_len=512                 # Flux: text from T5, pooled from CLIP, as FluxPipeline encodes prompts
     python -m ringdit.prepare ... vae=FLUX.2-dev text_encoder=FLUX.2-dev prompt_template=flux2 max_text_len=512
                                          # Flux.2: Mistral3 in Flux2Pipeline's chat format, its VAE's bn statistics
+    python -m ringdit.prepare ... vae=HunyuanVideo-1.5 text_encoder=HunyuanVideo-1.5 prompt_template=hunyuan_video15 \
+        max_text_len=1000 glyph_encoder=HunyuanVideo-1.5  # + its ByT5 over the captions' quoted text (glyph_text)
 
 Settings: conf/prepare.yaml (``--help`` lists them with their defaults, ``--cfg job`` shows what a command line
 composes to); the work itself is ``ringdit.media.encode_folder``.

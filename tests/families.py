@@ -11,12 +11,14 @@ import pytest
 from tests.helpers import logged_losses, run
 
 
-def assert_sgd_steps_equal_one_process_and_ring2(tmp_path: Path, overrides: list[str], steps: int) -> None:
+def assert_sgd_steps_equal_one_process_and_ring2(tmp_path: Path, overrides: list[str], steps: int,
+                                                 synthetic: bool = True) -> None:
     """fp32: a ring reorders sums only (tests/test_diffusers_training.py reasons the tolerance). The runs are left in
-    ``tmp_path / "ring1"`` and ``tmp_path / "ring2"``."""
-    data = f"data.cache_dir={tmp_path / 'data'}"
+    ``tmp_path / "ring1"`` and ``tmp_path / "ring2"``; ``synthetic``: the overrides' data=synthetic_text_latents are
+    written once, to ``tmp_path / "data"`` (False: the overrides name their own data, e.g. prepared shards)."""
+    data = [f"data.cache_dir={tmp_path / 'data'}"] if synthetic else []
     for name, layout in (("ring1", []), ("ring2", ["ring_degree=2"])):
-        run("train.py", tmp_path / name, *overrides, data, *layout, env={"HF_HUB_OFFLINE": "1"})
+        run("train.py", tmp_path / name, *overrides, *data, *layout, env={"HF_HUB_OFFLINE": "1"})
     reference, parallel = logged_losses(tmp_path / "ring1"), logged_losses(tmp_path / "ring2")
     assert sorted(reference) == sorted(parallel) == list(range(steps))
     for step in reference:

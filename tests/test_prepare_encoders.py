@@ -194,30 +194,40 @@ def test_new_video_vaes_normalise_as_their_pipelines(name, models, tmp_path):
         assert tuple(f.get_slice("latents").get_shape()) == (1, model.config.latent_channels, 3, 4, 4)
 
 
-def test_hunyuan_video15_prompt_template_matches_the_pipeline(tmp_path):
-    """prompt_template=hunyuan_video15 with a tiny random Qwen2.5-VL: text = HunyuanVideo15Pipeline's
-    _get_mllm_prompt_embeds on the real tokens (its chat template, third-last hidden states, the template's tokens
-    cut off), zero after them; text_mask = its mask; an unknown template is one line."""
-    from diffusers import HunyuanVideo15Pipeline
+def save_tiny_qwen(folder: Path) -> None:
+    """HunyuanVideo 1.5's text encoder, tiny and random: a Qwen2.5-VL text model (hidden 16, 3 layers) in
+    ``folder/text_encoder`` and the word-level tokenizer in ``folder/tokenizer``, with a chat template whose system
+    part is exactly the 108 tokens HunyuanVideo15Pipeline cuts off (Qwen's is), then the prompt."""
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     from ringdit.media.text import chat_template, word_level_tokenizer
     from tests.helpers import WORDS
 
     torch.manual_seed(0)
-    folder = tmp_path / "qwen"
     Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
         vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=256, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
     )).save_pretrained(folder / "text_encoder")
     template = chat_template("hunyuan_video15")
-    system, crop = template.system, template.crop
     tokenizer = word_level_tokenizer(WORDS)
-    # a chat template whose system part is exactly the 108 tokens the pipeline cuts off (Qwen's is), then the prompt
-    filler = crop - len(tokenizer(system, add_special_tokens=False).input_ids)
+    filler = template.crop - len(tokenizer(template.system, add_special_tokens=False).input_ids)
     assert filler >= 0
     tokenizer.chat_template = "{{ messages[0]['content'] }}" + " a" * filler + " {{ messages[1]['content'] }} </s>"
     tokenizer.save_pretrained(folder / "tokenizer")
+
+
+def test_hunyuan_video15_prompt_template_matches_the_pipeline(tmp_path):
+    """prompt_template=hunyuan_video15 with a tiny random Qwen2.5-VL: text = HunyuanVideo15Pipeline's
+    _get_mllm_prompt_embeds on the real tokens (its chat template, third-last hidden states, the template's tokens
+    cut off), zero after them; text_mask = its mask; an unknown template is one line."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    from ringdit.media.text import chat_template
+
+    folder = tmp_path / "qwen"
+    save_tiny_qwen(folder)
+    template = chat_template("hunyuan_video15")
+    system, crop = template.system, template.crop
     assert (crop, template.layers) == (108, (-3,)) and system.startswith("You are a helpful assistant. Describe the")
 
     encoder = TextEncoder(folder, max_len=TEXT_LEN, prompt_template="hunyuan_video15")

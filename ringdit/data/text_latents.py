@@ -12,8 +12,14 @@ and every training step reads one bucket; see ringdit/data/steps.py):
                        10, 20, 30 of its Mistral3, D = 3 x 5120, every state kept and text_mask all True)
     text_mask   bool   (N, L)     True on real tokens (optional; default all True)
     pooled      float  (N, P)     a pooled text embedding, for models that take one (optional)
-    null_text, null_text_mask, null_pooled   (1, ...)   the EMPTY prompt's embedding, used for the condition drop
-                       of classifier-free guidance and as the default negative prompt (optional: zeros if absent)
+    glyph_text  float  (N, G, D_g)  HunyuanVideo 1.5's glyph text (optional; prepare's glyph_encoder): its ByT5's last
+                       hidden states of the prompt's quoted text, G = 256 tokens, kept on the padding too; zero
+                       where the prompt quotes nothing (HunyuanVideo15Pipeline's encoder_hidden_states_2)
+    glyph_text_mask  bool  (N, G)  True on its real tokens; all False where the prompt quotes nothing (with
+                       glyph_text, always both)
+    null_text, null_text_mask, null_pooled, null_glyph_text, null_glyph_text_mask   (1, ...)   the EMPTY prompt's
+                       embedding, used for the condition drop of classifier-free guidance and as the default negative
+                       prompt (optional: zeros, all masked, if absent)
 
 and, for image-to-video (optional, video latents only; ``python -m ringdit.prepare task=i2v`` writes them, by
 ringdit/media/image_condition.py, which ``infer.py image=`` uses too; the condition drop keeps them):
@@ -30,13 +36,14 @@ and the metadata keys ``format`` (``ringdit.text_latents/1``) and, optionally, `
 strings) and ``vae`` (JSON: the VAE class, folder and per-channel ``shift`` / ``scale`` with latents =
 (z - shift) * scale -- ``patch`` 2 (Flux.2): per channel of the 2x2-patchified z, C x 4 values --, written by
 prepare so decoding can invert it; see ringdit/media/vae.py) and ``text_encoder`` (JSON: its folders, ``max_len``,
-``masked``, and ``prompt_template`` / ``pooled_encoder`` where prepare was given them). Every shard has the same
-C, L, D and P and the same number of latent dims; T, H and W may differ between shards (buckets). ``write_text_latents``
-writes a shard;
-``python -m ringdit.prepare`` makes them from captioned media, and ``SyntheticTextLatentsDataModule`` makes a small
-procedural set for tests and CPU demos (no download).
+``masked``, and ``prompt_template`` / ``pooled_encoder`` / ``glyph_encoder`` where prepare was given them). Every
+shard has the same C, L, D, P and (G, D_g), the same image keys and the same number of latent dims; T, H and W may
+differ between shards (buckets). ``write_text_latents`` writes a shard; ``python -m ringdit.prepare`` makes them
+from captioned media, and ``SyntheticTextLatentsDataModule`` makes a small procedural set for tests and CPU demos (no
+download).
 
-A sample is ``(latents (C, [T,] H, W), {"text": (L, D), "text_mask": (L,)[, "pooled": (P,)]})``.
+A sample is ``(latents (C, [T,] H, W), {"text": (L, D), "text_mask": (L,)[, "pooled": (P,)][, "glyph_text": (G, D_g),
+"glyph_text_mask": (G,)][, the image keys]})``.
 
 (Over 300 lines: the format, its reader with every check of a user's shard, its writer and the synthetic data module
 are one contract, kept in one file so that they cannot drift apart.)
@@ -64,8 +71,12 @@ FORMAT = "ringdit.text_latents/1"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 LAYOUT = ("a .safetensors file, or a folder of them, holding 'latents' (N, C, [T,] H, W) and 'text' (N, L, D) "
           "(see ringdit/data/text_latents.py)")
-NULL_KEYS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled"}
-NULL_OF = {"null_text": "text (1, L, D)", "null_text_mask": "text_mask (1, L)", "null_pooled": "pooled (1, P)"}
+NULL_KEYS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled",
+             "glyph_text": "null_glyph_text", "glyph_text_mask": "null_glyph_text_mask"}
+NULL_OF = {"null_text": "text (1, L, D)", "null_text_mask": "text_mask (1, L)", "null_pooled": "pooled (1, P)",
+           "null_glyph_text": "glyph_text (1, G, D_g)", "null_glyph_text_mask": "glyph_text_mask (1, G)"}
+# HunyuanVideo 1.5's glyph text, optional, per sample: the ByT5 states of the prompt's quoted text and their mask
+GLYPH_KEYS = ("glyph_text", "glyph_text_mask")
 # image-to-video conditioning, optional, per sample (ringdit.models.diffusers.image_condition reads them)
 IMAGE_KEYS = ("image_latents", "image_condition", "image_embeds")
 IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (Wan 2.2 TI2V)",
@@ -78,10 +89,11 @@ Tensor = torch.Tensor
 def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mask: Tensor | None = None,
                        pooled: Tensor | None = None, null: dict[str, Tensor] | None = None,
                        captions: list[str] | None = None, metadata: dict[str, str] | None = None,
-                       image: dict[str, Tensor] | None = None) -> Path:
-    """Write one shard (see the module docstring); ``null`` holds the empty prompt's ``text`` (L, D) [, mask, pooled];
-    ``metadata`` adds string keys (prepare records ``vae``: the VAE's class and normalisation, as JSON); ``image``
-    the image-to-video conditioning, ``IMAGE_KEYS`` (N, ...) each."""
+                       image: dict[str, Tensor] | None = None, glyph: dict[str, Tensor] | None = None) -> Path:
+    """Write one shard (see the module docstring); ``null`` holds the empty prompt's ``text`` (L, D) [, mask, pooled,
+    glyph_text (G, D_g), glyph_text_mask (G,)]; ``metadata`` adds string keys (prepare records ``vae``: the VAE's class
+    and normalisation, as JSON); ``image`` the image-to-video conditioning, ``IMAGE_KEYS`` (N, ...) each; ``glyph``
+    the glyph text, ``GLYPH_KEYS`` (N, ...) both."""
     from safetensors.torch import save_file
 
     tensors = {"latents": latents, "text": text}
@@ -93,8 +105,13 @@ def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mas
     if unknown:  # a misspelt key would be written and never read
         raise ValueError(f"write_text_latents: image holds {unknown}; its keys are {', '.join(IMAGE_KEYS)}")
     tensors.update(image or {})
+    if glyph and sorted(glyph) != sorted(GLYPH_KEYS):  # one without the other could not be read
+        raise ValueError(f"write_text_latents: glyph holds {sorted(glyph)}; give both {', '.join(GLYPH_KEYS)}")
+    tensors.update({key: value.bool() if key.endswith("mask") else value for key, value in (glyph or {}).items()})
     for key, value in (null or {}).items():
-        tensors[NULL_KEYS[key]] = value.reshape(1, *value.shape[-(2 if key == "text" else 1):])
+        states = key in ("text", "glyph_text")  # (L, D) rows; the others (L,) or (P,)
+        value = value.bool() if key.endswith("mask") else value
+        tensors[NULL_KEYS[key]] = value.reshape(1, *value.shape[-(2 if states else 1):])
     metadata = {**(metadata or {}), "format": FORMAT}
     if captions is not None:
         metadata["captions"] = json.dumps(list(captions))
@@ -158,7 +175,35 @@ class Shard:
                     "no null_pooled: the shard holds no pooled embeddings"
                 raise ConfigError(f"{where}: {key} has shape {shape}; expected {wanted} (write the shard with "
                                   f"write_text_latents(..., null=...))")
+        self.check_glyph()
         self.check_images()
+
+    def check_glyph(self) -> None:
+        """The glyph text, where present: ``glyph_text`` float (N, G, D_g) and ``glyph_text_mask`` (N, G), both or
+        neither, and the empty prompt's (1, ...) of the same G, D_g."""
+        where, count = f"data.path: {self.path}", self.size
+        for pair in (GLYPH_KEYS, tuple(NULL_KEYS[key] for key in GLYPH_KEYS)):
+            present = [key for key in pair if key in self.shapes]
+            if len(present) == 1:
+                missing = next(key for key in pair if key not in self.shapes)
+                raise ConfigError(f"{where} holds {present[0]} but no {missing}; write both (write_text_latents(..., "
+                                  f"glyph=..., null=...), as prepare's glyph_encoder does)")
+        glyph = self.shapes.get("glyph_text")
+        expected = {"glyph_text": (count, None, None), "glyph_text_mask": (count, glyph[1] if glyph else None),
+                    "null_glyph_text": (1, *glyph[1:]) if glyph else None,
+                    "null_glyph_text_mask": (1, glyph[1]) if glyph else None}
+        for key, wanted in expected.items():
+            shape = self.shapes.get(key)
+            if shape is None:
+                continue
+            if wanted is None:
+                raise ConfigError(f"{where} holds {key} but no glyph_text: the empty prompt's glyph text without the "
+                                  f"samples'; write both (write_text_latents(..., glyph=..., null=...))")
+            fits = len(shape) == len(wanted) and all(w is None or s == w for s, w in zip(shape, wanted))
+            states = key.endswith("glyph_text")
+            if not fits or (states and self.dtypes[key] not in FLOAT_DTYPES):
+                raise ConfigError(f"{where}: {key} is {self.dtypes[key]} {shape}; expected {'float ' if states else ''}"
+                                  f"{wanted} (None = any), {NULL_OF.get(key, 'the glyph text of each sample')}")
 
     @property
     def image_keys(self) -> tuple[str, ...]:
@@ -206,11 +251,12 @@ class Shard:
                               f"have overflowed, e.g. in float16)")
 
     def layout(self) -> tuple:
-        """What must agree across shards: latent channels and dims, text (L, D) and pooled (P,) shapes. The latent
-        ``([T,] H, W)`` may differ: each shape is a bucket."""
+        """What must agree across shards: latent channels and dims, text (L, D), pooled (P,) and glyph text (G, D_g)
+        shapes. The latent ``([T,] H, W)`` may differ: each shape is a bucket."""
         latents, text = self.shapes["latents"], self.shapes["text"]
-        pooled = self.shapes.get("pooled")
-        return (latents[1], len(latents) - 2), text[1:], pooled[1:] if pooled else None  # (C, [T,] H, W dims)
+        pooled, glyph = self.shapes.get("pooled"), self.shapes.get("glyph_text")
+        return (latents[1], len(latents) - 2), text[1:], pooled[1:] if pooled else None, \
+            glyph[1:] if glyph else None  # (C, [T,] H, W dims), (L, D), (P,), (G, D_g)
 
     @property
     def bucket(self) -> tuple[int, ...]:
@@ -240,18 +286,21 @@ class TextLatentRows(Dataset):
             raise IndexError(index)
         shard_index = bisect.bisect_right(self.starts, index) - 1
         shard, row = self.shards[shard_index], index - self.starts[shard_index]
-        values = shard.read(("latents", "text", "text_mask", "pooled", *IMAGE_KEYS), row, row + 1)
+        values = shard.read(("latents", "text", "text_mask", "pooled", *GLYPH_KEYS, *IMAGE_KEYS), row, row + 1)
         return values["latents"][0].float(), condition_of(values, 0)
 
 
 def condition_of(values: dict[str, Tensor], row: int) -> dict[str, Tensor]:
-    """The conditioning dict of one row: text (L, D) float32, text_mask (L,) bool [, pooled (P,)] [, the image
-    keys (IMAGE_KEYS) float32]."""
+    """The conditioning dict of one row: text (L, D) float32, text_mask (L,) bool [, pooled (P,)] [, glyph_text
+    (G, D_g) float32, glyph_text_mask (G,) bool] [, the image keys (IMAGE_KEYS) float32]."""
     text = values["text"][row].float()
     mask = values["text_mask"][row].bool() if "text_mask" in values else torch.ones(text.shape[0], dtype=torch.bool)
     cond = {"text": text, "text_mask": mask}
     if "pooled" in values:
         cond["pooled"] = values["pooled"][row].float()
+    if "glyph_text" in values:
+        cond["glyph_text"] = values["glyph_text"][row].float()
+        cond["glyph_text_mask"] = values["glyph_text_mask"][row].bool()
     for key in IMAGE_KEYS:
         if key in values:
             cond[key] = values[key][row].float()
@@ -276,7 +325,7 @@ class TextLatentsDataModule(ImageDataModule):
         if check_values and not spawned_by_launcher():
             for shard in self.shards:
                 shard.check_values()
-        (self.channels, _), (self.text_len, self.text_dim), pooled = self.shards[0].layout()
+        (self.channels, _), (self.text_len, self.text_dim), pooled, self.glyph_shape = self.shards[0].layout()
         self.pooled_dim = pooled[0] if pooled else None
         self.num_classes, self.class_names = 0, []
         # every shard is one bucket: its latent shape; buckets in order of first appearance
@@ -293,6 +342,8 @@ class TextLatentsDataModule(ImageDataModule):
                                                  "val_fraction": self.val_fraction}}
         if self.pooled_dim is not None:
             info["pooled_dim"] = self.pooled_dim
+        if self.glyph_shape is not None:  # HunyuanVideo 1.5's glyph text (G, D_g)
+            info["glyph_len"], info["glyph_dim"] = self.glyph_shape
         if self.shards[0].image_keys:  # image-to-video conditioning (every shard holds the same: _check_mixable)
             info["image_keys"] = list(self.shards[0].image_keys)
         for key in ("vae", "text_encoder", "image_encoder"):  # by prepare: how to decode and encode prompts, images
@@ -333,12 +384,13 @@ def _check_mixable(path, shards: list[Shard]) -> None:
     """Shards of different latent ``([T,] H, W)`` are buckets of one set; any other difference cannot be mixed."""
     first = shards[0]
     for shard in shards[1:]:
-        (channels, dims), text, pooled = shard.layout()
-        (channels0, dims0), text0, pooled0 = first.layout()
+        (channels, dims), text, pooled, glyph = shard.layout()
+        (channels0, dims0), text0, pooled0, glyph0 = first.layout()
         what = ("latent channels", channels0, channels) if channels != channels0 else \
             ("latent dims (image vs video)", dims0, dims) if dims != dims0 else \
             ("text (L, D)", text0, text) if text != text0 else \
             ("pooled (P,)", pooled0, pooled) if pooled != pooled0 else \
+            ("glyph text (G, D_g)", glyph0, glyph) if glyph != glyph0 else \
             ("image conditioning", list(first.image_keys), list(shard.image_keys)) \
             if shard.image_keys != first.image_keys else None
         if what is not None:
@@ -382,7 +434,8 @@ def _json_metadata(where: str, key: str, text: str, kind: type, fix: str):
 
 def read_prompts(path: str, setting: str = "text_embeds") -> tuple[dict[str, Tensor], list[str] | None]:
     """Prompt embeddings from a file in this format (``latents`` not needed): ``text`` (N, L, D) [+ ``text_mask``,
-    ``pooled``] and the ``captions`` metadata if present. Returns the conditioning batch and the captions."""
+    ``pooled``, ``glyph_text`` and ``glyph_text_mask``] and the ``captions`` metadata if present. Returns the
+    conditioning batch and the captions."""
     from safetensors import SafetensorError, safe_open
 
     file = Path(os.path.expanduser(str(path)))
@@ -394,7 +447,7 @@ def read_prompts(path: str, setting: str = "text_embeds") -> tuple[dict[str, Ten
             keys = set(f.keys())
             if "text" not in keys:
                 raise ValueError(f"{setting}={path} has no tensor 'text' (it holds {sorted(keys)})")
-            values = {key: f.get_tensor(key) for key in ("text", "text_mask", "pooled") if key in keys}
+            values = {key: f.get_tensor(key) for key in ("text", "text_mask", "pooled", *GLYPH_KEYS) if key in keys}
             metadata = f.metadata() or {}
     except SafetensorError as error:
         raise ValueError(f"{setting}={path} is not a readable .safetensors file ({error})") from None

@@ -5,6 +5,7 @@ embeddings only). Needs diffusers, transformers, imageio (+ imageio-ffmpeg / av)
 
     vae.py            VAE: a local diffusers VAE, encode / decode with the latent normalisation, tiling
     text.py           TextEncoder: a local T5 / UMT5 / CLIP text model, prompts -> (text, text_mask[, pooled])
+    glyph.py          GlyphEncoder: HunyuanVideo 1.5's ByT5, a prompt's quoted text -> (glyph_text, glyph_text_mask)
     folder.py         list_media: a captioned folder -> (path, caption) items
     frames.py         read_image / read_video: one file -> bucket pixels
     encode_folder.py  encode_folder: a folder -> text_latents shards (ranks, resume, skips)

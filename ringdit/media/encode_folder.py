@@ -39,6 +39,9 @@ Two text encoders (``pooled_encoder``, Flux's CLIP + T5): ``text`` from ``text_e
     the CLIP, both in every shard, as FluxPipeline.encode_prompt gives them (ringdit/media/text.py).
 Chat text encoders (``prompt_template``: HunyuanVideo 1.5's Qwen2.5-VL, Flux.2's Mistral3): the prompt in the
     pipeline's chat template, ``text`` its hidden layers as the pipeline takes them (ringdit/media/text.py).
+HunyuanVideo 1.5's glyph encoder (``glyph_encoder``, its ByT5, with ``prompt_template=hunyuan_video15``): each
+    caption's quoted text also as ``glyph_text`` / ``glyph_text_mask`` (N, 256, ...), the empty prompt's as
+    ``null_glyph_*``, in the same shards, as HunyuanVideo15Pipeline.encode_prompt gives them (ringdit/media/glyph.py).
 Flux.2's VAE (AutoencoderKLFlux2): normalised per channel of its 2x2 latent patches (ringdit/media/vae.py), so bucket
     sizes are multiples of 16 px and ``bucket_step`` defaults to 16.
 Image-to-video (``task=i2v``): each clip's shard rows also hold its first frame's ``image_latents`` and
@@ -64,14 +67,14 @@ import torch
 import torch.distributed as dist
 
 from ringdit.atomic import atomic_write
-from ringdit.data.text_latents import IMAGE_KEYS, write_text_latents
+from ringdit.data.text_latents import GLYPH_KEYS, IMAGE_KEYS, write_text_latents
 from ringdit.dtypes import dtype_named
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.folder import MediaItem, list_media
 from ringdit.media.buckets import Bucket, Buckets, make_buckets, parse_buckets, resolution_pair
 from ringdit.media.frames import TooShort, probe, read_image, read_video, to_image
 from ringdit.media.image_condition import ImageEncoder, first_frame_condition, image_encoder_folders
-from ringdit.media.text import TextEncoder, chat_template, check_pooled_settings
+from ringdit.media.text import TextEncoder, chat_template, check_glyph_settings, check_pooled_settings
 from ringdit.media.vae import VAE
 
 log = logging.getLogger("ringdit.prepare")
@@ -144,9 +147,9 @@ def check_task(task, image_encoder, image_processor) -> None:
         image_encoder_folders(image_encoder, image_processor)
 
 
-def check_resumed_task(out_dir: Path, task: str) -> None:
-    """Shards already in ``out_dir`` were prepared for the same task (else resuming would mix shards with and
-    without the image-to-video keys): a ``ConfigError`` if not."""
+def check_resumed_task(out_dir: Path, task: str, glyph_encoder: str | None = None) -> None:
+    """Shards already in ``out_dir`` were prepared for the same task and with a glyph encoder alike (else resuming
+    would mix shards with and without the image-to-video or the glyph keys): a ``ConfigError`` if not."""
     from safetensors import safe_open
 
     done = next(iter(sorted(out_dir.glob("shard-*.safetensors"))), None)
@@ -155,11 +158,16 @@ def check_resumed_task(out_dir: Path, task: str) -> None:
     try:
         with safe_open(str(done), framework="pt") as f:
             before = (f.metadata() or {}).get("task", "t2v")  # shards from before task= are text-to-video
+            glyph = "glyph_text" in f.keys()  # noqa: SIM118 - a safetensors handle lists its tensors with keys()
     except Exception:  # noqa: BLE001 - an unreadable shard is the reader's to report; it says nothing of the task
         return
     if before != task:
         raise ConfigError(f"out={out_dir} holds shards prepared with task={before} ({done.name}), but task={task}; "
                           f"pass task={before} to resume them, or prepare into a new out= folder")
+    if glyph != (glyph_encoder is not None):
+        raise ConfigError(f"out={out_dir} holds shards prepared {'with' if glyph else 'without'} a glyph_encoder "
+                          f"({done.name}), but glyph_encoder={glyph_encoder or 'null'}; resume them as they were "
+                          f"prepared, or prepare into a new out= folder")
 
 
 def shard_path(out: Path, index: int) -> Path:
@@ -181,12 +189,14 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             dtype: str = "float32", tiling: bool = True, tile: int | None = None, parallel_vae: bool = False,
             task: str = "t2v", image_encoder: str | None = None, image_processor: str | None = None,
             pooled_encoder: str | None = None, pooled_tokenizer: str | None = None, max_pooled_len: int = 77,
-            masked_text: bool | None = None, prompt_template: str | None = None, rank: int | None = None,
-            world_size: int | None = None, progress: bool = True) -> EncodeReport:
+            masked_text: bool | None = None, prompt_template: str | None = None, glyph_encoder: str | None = None,
+            glyph_tokenizer: str | None = None, rank: int | None = None, world_size: int | None = None,
+            progress: bool = True) -> EncodeReport:
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
     check_task(task, image_encoder, image_processor)  # before any work, on every rank alike
     check_pooled_settings(pooled_encoder, pooled_tokenizer, masked_text)
     chat_template(prompt_template)  # a name it does not know: one line, before any work
+    check_glyph_settings(glyph_encoder, glyph_tokenizer, prompt_template)
     if not isinstance(parallel_vae, bool):
         raise ConfigError(f"parallel_vae must be true or false, got {parallel_vae!r}; pass parallel_vae=true to split "
                           f"each clip's VAE tiles over the torchrun ranks, or parallel_vae=false (one rank per shard)")
@@ -212,14 +222,15 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
                               task=task, image_encoder=image_encoder, image_processor=image_processor,
                               pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
                               max_pooled_len=max_pooled_len, masked_text=masked_text, prompt_template=prompt_template,
+                              glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer,
                               tiles=tiles, rank=rank, world_size=world_size, progress=progress)
 
 
 def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, caption_column, resolution, frames,
                    frame_stride, buckets, bucket_step, frame_buckets, max_text_len, shard_size, batch_size, device,
                    dtype, tiling, tile, task, image_encoder, image_processor, pooled_encoder, pooled_tokenizer,
-                   max_pooled_len, masked_text, prompt_template, tiles: TileGroup | None, rank, world_size,
-                   progress) -> EncodeReport:
+                   max_pooled_len, masked_text, prompt_template, glyph_encoder, glyph_tokenizer,
+                   tiles: TileGroup | None, rank, world_size, progress) -> EncodeReport:
     """``encode_folder``'s work, given its ``TileGroup`` (parallel_vae=true on several ranks, else None)."""
     from tqdm.auto import tqdm
 
@@ -244,7 +255,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     if not bucketed and (out_dir / PLAN).is_file() and any(out_dir.glob("shard-*.safetensors")):
         raise ConfigError(f"out={out} holds shards prepared with buckets ({PLAN}); pass the buckets= setting they "
                           f"were made with to resume, or prepare into a new out= folder")
-    check_resumed_task(out_dir, task)  # before any work: a resume must not mix shards with and without image keys
+    check_resumed_task(out_dir, task, glyph_encoder)  # before any work: no resume that mixes shards' keys
     missing: list[str] = []  # the metadata's rows without their file: named in the summary (by rank 0: all see them)
     items = list_media(input, caption_column, missing=missing)
     videos = [item for item in items if item.is_video]
@@ -304,14 +315,15 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
         shards = [(bucket, items[start:start + shard_size]) for start in range(0, len(items), shard_size)]
     encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=store,
                           pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
-                          max_pooled_len=max_pooled_len, masked=masked_text, prompt_template=prompt_template)
+                          max_pooled_len=max_pooled_len, masked=masked_text, prompt_template=prompt_template,
+                          glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer)
     clip = ImageEncoder(image_encoder, image_processor, device=device, dtype=store) if image_encoder else None
 
     out_dir.mkdir(parents=True, exist_ok=True)
     mine = range(rank, len(shards), world_size)
     report.shards_skipped = sum(shard_path(out_dir, i).exists() for i in mine)
     pending = [i for i in mine if not shard_path(out_dir, i).exists()]
-    null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,)]
+    null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,), ...]
     described = {"vae": json.dumps(codec.describe()), "text_encoder": json.dumps(encoder.describe())}
     if task == "i2v":
         described["task"] = "i2v"  # what a resumed run checks (check_resumed_task); no key: t2v, as before
@@ -372,7 +384,9 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
                                tensors["text_mask"], tensors["pooled"].to(store) if "pooled" in tensors else None,
                                null={k: (v.to(store) if v.is_floating_point() else v) for k, v in null.items()},
                                captions=captions, metadata=metadata,
-                               image={key: tensors[key].to(store) for key in IMAGE_KEYS if key in tensors})
+                               image={key: tensors[key].to(store) for key in IMAGE_KEYS if key in tensors},
+                               glyph={key: tensors[key] if key.endswith("mask") else tensors[key].to(store)
+                                      for key in GLYPH_KEYS if key in tensors})
             report.shards_written += 1
             report.samples += len(captions)
             report.buckets[bucket.name] = report.buckets.get(bucket.name, 0) + len(captions)

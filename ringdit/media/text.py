@@ -25,6 +25,10 @@ attends to the real tokens, and ``text`` is the hidden states of the template's 
                       kept and ``text_mask`` all True, since Flux2Pipeline hands its transformer all ``max_len``
                       states with no mask
 ``masked_text`` true / false overrides the template's choice of zeroing the states after the real tokens.
+
+A glyph encoder (``glyph_encoder``, HunyuanVideo 1.5's ByT5, with ``prompt_template=hunyuan_video15``): the
+pipeline's second text encoder, over the prompt's quoted text; it adds ``glyph_text`` (N, 256, D_byt5) and
+``glyph_text_mask`` (N, 256) as ``HunyuanVideo15Pipeline._get_byt5_prompt_embeds`` gives them (ringdit/media/glyph.py).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class ChatTemplate:
     masked: bool  # the default of ``masked``: states zeroed after the real tokens, text_mask = the real tokens
     generation_prompt: bool  # apply_chat_template's add_generation_prompt
     model_types: tuple[str, ...] | None  # config.json model_type the pipeline's encoder has (None: not checked)
+    glyph: bool = False  # the pipeline also encodes the prompt's quoted text (glyph_encoder: HunyuanVideo 1.5's ByT5)
 
     def messages(self, prompts: list[str]) -> list[list[dict]]:
         """The chats the pipeline tokenizes, one a prompt."""
@@ -107,7 +112,7 @@ def chat_template(name: str | None) -> ChatTemplate | None:
     defaults = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
     skip = int(defaults["num_hidden_layers_to_skip"].default)
     return ChatTemplate(name, defaults["system_message"].default, int(defaults["crop_start"].default), (-(skip + 1),),
-                        masked=True, generation_prompt=True, model_types=None)
+                        masked=True, generation_prompt=True, model_types=None, glyph=True)
 
 
 def check_pooled_settings(pooled_encoder, pooled_tokenizer, masked) -> None:
@@ -120,23 +125,40 @@ def check_pooled_settings(pooled_encoder, pooled_tokenizer, masked) -> None:
                           f"encoder (Wan), false with pooled_encoder (Flux)")
 
 
+def check_glyph_settings(glyph_encoder, glyph_tokenizer, prompt_template) -> None:
+    """One-line errors for the glyph encoder's settings, before anything is loaded: its tokenizer alone, or a glyph
+    encoder for a pipeline that encodes no glyph text."""
+    if glyph_encoder is None:
+        if glyph_tokenizer is not None:
+            raise ConfigError(f"glyph_tokenizer={glyph_tokenizer} is the tokenizer of glyph_encoder, which is not set; "
+                              f"pass glyph_encoder=<HunyuanVideo 1.5 pipeline folder> too, or drop glyph_tokenizer")
+        return
+    template = chat_template(prompt_template)
+    if template is None or not template.glyph:
+        raise ConfigError(f"glyph_encoder={glyph_encoder} encodes a prompt's quoted text as HunyuanVideo 1.5's "
+                          f"pipeline does (its ByT5), but prompt_template={prompt_template or 'null'}; pass "
+                          f"prompt_template=hunyuan_video15 with its Qwen2.5-VL text_encoder, or drop glyph_encoder")
+
+
 class TextEncoder:
     """Tokenizer + encoder from local folders; ``tokenizer`` defaults to the text encoder's folder (or its
     pipeline's tokenizer folder: ``tokenizer/`` beside ``text_encoder/``, ``tokenizer_2/`` beside
     ``text_encoder_2/``). ``pooled_encoder`` (a CLIP text model folder, or a pipeline folder with ``text_encoder/``):
     ``pooled`` from it, as Flux takes it (see the module docstring); ``masked`` None: True with one encoder, False
-    with a pooled encoder (each as its pipeline does)."""
+    with a pooled encoder (each as its pipeline does). ``glyph_encoder`` (with ``prompt_template=hunyuan_video15``):
+    ``glyph_text`` / ``glyph_text_mask`` from HunyuanVideo 1.5's ByT5 (``ringdit.media.glyph.GlyphEncoder``)."""
 
     def __init__(self, text_encoder: str | Path, tokenizer: str | Path | None = None, *, max_len: int = 512,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  pooled_encoder: str | Path | None = None, pooled_tokenizer: str | Path | None = None,
                  max_pooled_len: int = 77, masked: bool | None = None,
-                 prompt_template: str | None = None,
-                 settings: tuple[str, str, str] = TEXT_SETTINGS):
+                 prompt_template: str | None = None, glyph_encoder: str | Path | None = None,
+                 glyph_tokenizer: str | Path | None = None, settings: tuple[str, str, str] = TEXT_SETTINGS):
         import transformers
 
         setting, tokenizer_setting, length_setting = settings
         check_pooled_settings(pooled_encoder, pooled_tokenizer, masked)
+        check_glyph_settings(glyph_encoder, glyph_tokenizer, prompt_template)
         self.template_name, self.template = prompt_template, chat_template(prompt_template)
         default = self.template.masked if self.template else pooled_encoder is None  # as each pipeline does
         self.masked = default if masked is None else masked
@@ -196,6 +218,11 @@ class TextEncoder:
                                   f"which has no pooled output; pass a CLIP text model folder (Flux: its "
                                   f"text_encoder/, or the pipeline folder)")
             self.pooled = True
+        self.glyph_encoder = None
+        if glyph_encoder is not None:  # the pipeline's second encoder, over the prompt's quoted text
+            from ringdit.media.glyph import GlyphEncoder  # it loads its ByT5 through this class
+
+            self.glyph_encoder = GlyphEncoder(glyph_encoder, glyph_tokenizer, device=device, dtype=dtype)
 
     def _check_template(self, model_type: str, config: dict, given: str) -> None:
         """One-line errors, before the weights load, for a chat model without its template, a template with another
@@ -218,8 +245,13 @@ class TextEncoder:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        if self.template is not None:
-            return self._templated(prompts)
+        cond = self._templated(prompts) if self.template is not None else self._plain(prompts)
+        if self.glyph_encoder is not None:  # + glyph_text (N, G, D_byt5), glyph_text_mask (N, G)
+            cond.update(self.glyph_encoder(prompts))
+        return cond
+
+    def _plain(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """The prompt as it is, tokenized to ``max_len``: masked (Wan) or every state kept (Flux) [+ pooled]."""
         tokens = self.tokenizer(list(prompts), padding="max_length", max_length=self.max_len, truncation=True,
                                 add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
         ids, mask = tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)
@@ -268,6 +300,8 @@ class TextEncoder:
         if self.pooled_encoder is not None:
             pooled = self.pooled_encoder.describe()
             info["pooled_encoder"] = {key: pooled[key] for key in ("class", "path", "tokenizer", "max_len", "dim")}
+        if self.glyph_encoder is not None:
+            info["glyph_encoder"] = self.glyph_encoder.describe()
         return info
 
 def word_level_tokenizer(words: list[str] | tuple[str, ...]):
@@ -288,18 +322,19 @@ def encode_prompts(prompts: list[str], negative_prompt: str | None, text_encoder
                    tokenizer: str | Path | None = None, *, text_len: int, text_dim: int,
                    device: str | torch.device = "cpu", pooled_encoder: str | Path | None = None,
                    pooled_tokenizer: str | Path | None = None, max_pooled_len: int = 77,
-                   masked: bool | None = None, prompt_template: str | None = None
+                   masked: bool | None = None, prompt_template: str | None = None,
+                   glyph_encoder: str | Path | None = None, glyph_tokenizer: str | Path | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """infer.py's prompts: (cond (N, ...), negative (1, ...)) as the model was trained on them.
 
     ``text_len`` / ``text_dim`` are the training data's (its ``describe()``); the negative prompt defaults to the
     empty prompt, which is what the condition drop trained the model to read as "no condition". ``pooled_encoder``,
-    ``pooled_tokenizer``, ``max_pooled_len``, ``masked``, ``prompt_template``: as the data were prepared
-    (``encoder_settings`` of the data's ``text_encoder`` description gives them).
+    ``pooled_tokenizer``, ``max_pooled_len``, ``masked``, ``prompt_template``, ``glyph_encoder``, ``glyph_tokenizer``:
+    as the data were prepared (``encoder_settings`` of the data's ``text_encoder`` description gives them).
     """
     encoder = TextEncoder(text_encoder, tokenizer, max_len=text_len, device=device, pooled_encoder=pooled_encoder,
                           pooled_tokenizer=pooled_tokenizer, max_pooled_len=max_pooled_len, masked=masked,
-                          prompt_template=prompt_template)
+                          prompt_template=prompt_template, glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer)
     if encoder.dim != text_dim:
         raise ConfigError(f"text_encoder={text_encoder} gives {encoder.dim}-dim states but the model was trained on "
                           f"{text_dim}-dim text; pass the text encoder the training data was prepared with")
@@ -310,12 +345,15 @@ def encode_prompts(prompts: list[str], negative_prompt: str | None, text_encoder
 
 def encoder_settings(described: dict) -> dict:
     """``TextEncoder.describe()`` (a shard's ``text_encoder`` metadata) -> the ``encode_prompts`` keywords beyond the
-    text encoder itself that encode prompts as that shard's were: the pooled encoder, the masking, the template."""
-    pooled = described.get("pooled_encoder") or {}
+    text encoder itself that encode prompts as that shard's were: the pooled encoder, the masking, the template, the
+    glyph encoder."""
+    pooled, glyph = described.get("pooled_encoder") or {}, described.get("glyph_encoder") or {}
     settings = {"masked": described.get("masked")}  # absent (shards from before): None, the one-encoder default
     if described.get("prompt_template"):
         settings["prompt_template"] = described["prompt_template"]
     if pooled:
         settings.update(pooled_encoder=pooled["path"], pooled_tokenizer=pooled.get("tokenizer"),
                         max_pooled_len=pooled.get("max_len", 77))
+    if glyph:
+        settings.update(glyph_encoder=glyph["path"], glyph_tokenizer=glyph.get("tokenizer"))
     return settings

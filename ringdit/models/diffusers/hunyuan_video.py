@@ -22,10 +22,14 @@ What the plan has to know about this model, read from its ``forward`` and its pr
   own rows: the same elementwise arithmetic as on one process.
 
 ringdit's latents are the model's ``out_channels`` channels; the rest of its input (the first-frame latents and their
-mask, for image-to-video) is zero, as diffusers' text-to-video pipeline passes it, and so are the ByT5 glyph text and
-the image embedding, each a single masked token (the pipeline's 256 and 729 masked tokens change nothing: masked keys
-get no weight). Model time is the flow-matching sigma x 1000, as the pipeline's scheduler passes it; guidance is
-classifier-free (the model has no guidance embedding).
+mask, for image-to-video) is zero, as diffusers' text-to-video pipeline passes it, and so is the image embedding, a
+single masked token (the pipeline's 729 masked tokens change nothing: masked keys get no weight). The ByT5 glyph text
+is the data's (``glyph_text`` / ``glyph_text_mask``, (B, 256, D_byt5) from prepare's ``glyph_encoder``, the
+pipeline's ``encoder_hidden_states_2`` / ``encoder_attention_mask_2``; the empty prompt's, all masked, is the null
+condition's, so classifier-free guidance and the training condition drop replace it as they replace the text); data
+without it give a single masked zero token, the pipeline's for a prompt without quoted text. Model time is the
+flow-matching sigma x 1000, as the pipeline's scheduler passes it; guidance is classifier-free (the model has no
+guidance embedding).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ Tensor = torch.Tensor
 
 def _hunyuan_video15_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
     """x (B, C, T, H, W) latents (C = out_channels), t (B,) in 0..1000, cond: text (B, L, D) Qwen2.5-VL states
-    padded to L, text_mask (B, L) True on real tokens."""
+    padded to L, text_mask (B, L) True on real tokens [, glyph_text (B, G, D_byt5) ByT5 states of the quoted text,
+    glyph_text_mask (B, G) True on its real tokens]."""
     config = transformer.config
     batch, channels = x.shape[:2]
     # text-to-video: no first-frame condition latents, and a zero condition mask (B, in - C, T, H, W)
@@ -50,14 +55,21 @@ def _hunyuan_video15_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond:
     # the model averages the text over its real tokens: a prompt with none (an empty-prompt encoding that kept no
     # token) would divide 0 by 0; its first (zero) token stands for it instead
     mask = mask | ((torch.arange(mask.shape[1], device=mask.device) == 0) & ~mask.any(dim=1, keepdim=True))
-    glyph_text = x.new_zeros(batch, 1, config.text_embed_2_dim)  # (B, 1, D_byt5): no quoted text in the prompt
+    glyph_text, glyph_mask = _glyph(cond, x, config.text_embed_2_dim)
     image = x.new_zeros(batch, 1, config.image_embed_dim)  # (B, 1, D_image): zero = text-to-video
     return transformer(
         hidden_states=torch.cat([x, condition], dim=1), timestep=t, encoder_hidden_states=cond["text"],
-        encoder_attention_mask=mask, encoder_hidden_states_2=glyph_text,
-        encoder_attention_mask_2=torch.zeros(batch, 1, dtype=torch.bool, device=x.device), image_embeds=image,
-        return_dict=False,
+        encoder_attention_mask=mask, encoder_hidden_states_2=glyph_text, encoder_attention_mask_2=glyph_mask,
+        image_embeds=image, return_dict=False,
     )[0]
+
+
+def _glyph(cond: dict, x: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """(glyph text (B, G, D_byt5), its mask (B, G) bool): the data's, else one masked zero token (no quoted text)."""
+    if "glyph_text" in cond:
+        return cond["glyph_text"], cond["glyph_text_mask"].bool()
+    batch = x.shape[0]
+    return x.new_zeros(batch, 1, width), torch.zeros(batch, 1, dtype=torch.bool, device=x.device)
 
 
 HUNYUAN_VIDEO15 = Family(
@@ -80,6 +92,7 @@ HUNYUAN_VIDEO15 = Family(
     video=True,
     condition_keys=("text", "text_mask"),
     text_dim="text_embed_dim",
+    glyph_dim="text_embed_2_dim",
     latent_channels=lambda config: config["out_channels"],
     patch_shape=lambda config: (config["patch_size_t"], config["patch_size"], config["patch_size"]),
 )

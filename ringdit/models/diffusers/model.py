@@ -36,6 +36,8 @@ class DiffusersTransformer(nn.Module):
         pretrained: a local diffusers folder; ``subfolder`` inside it holds ``config.json`` and the weights.
         input_size: the latent shape ``(T, H, W)`` / ``(H, W)`` of the data; in_channels: latent channels.
         text_len, text_dim: the shape of one text embedding ``(L, D_text)``, for the null-condition buffer.
+        glyph_len, glyph_dim: the shape ``(G, D_glyph)`` of the data's glyph text (HunyuanVideo 1.5's ByT5 states of
+            the quoted text), for its null-condition buffers; None: the data have none, and the model reads none.
         condition_dropout_prob: the chance that training replaces a sample's conditioning by the null one.
         activation_checkpointing: recompute each transformer block in backward (``gradient_checkpointing``: alias).
         boundary_ratio: a two-expert model (Wan 2.2 A14B): ``transformer`` denoises model times at and above
@@ -54,6 +56,8 @@ class DiffusersTransformer(nn.Module):
         text_len: int | None = None,
         text_dim: int | None = None,
         pooled_dim: int | None = None,
+        glyph_len: int | None = None,
+        glyph_dim: int | None = None,
         condition_dropout_prob: float = 0.1,
         guidance: float | None = None,
         activation_checkpointing: bool = False,
@@ -98,6 +102,12 @@ class DiffusersTransformer(nn.Module):
             pooled_dim = pooled_dim or arch[self.family.pooled_dim]
             _check_width("pooled text embeddings", pooled_dim, self.family.pooled_dim, arch)
             self.register_buffer("null_pooled", torch.zeros(1, pooled_dim))  # (1, P)
+        if glyph_len:  # the empty prompt's glyph text: zero and all masked (no quoted text) unless the data say
+            _glyph_shape(self.family, {"glyph_len": glyph_len, "glyph_dim": glyph_dim})  # a family that reads it
+            _check_width("glyph text embeddings", glyph_dim, self.family.glyph_dim, arch)
+            self.register_buffer("null_glyph_text", torch.zeros(1, glyph_len, glyph_dim))  # (1, G, D_glyph)
+            self.register_buffer("null_glyph_text_mask", torch.zeros(1, glyph_len, dtype=torch.bool))  # (1, G)
+            self.condition_keys += GLYPH_KEYS
         if activation_checkpointing or gradient_checkpointing:  # recompute each block in backward
             for expert in self.expert_modules or (self.transformer,):
                 expert.enable_gradient_checkpointing()
@@ -123,8 +133,10 @@ class DiffusersTransformer(nn.Module):
             raise ConfigError(f"model.family={family.name} takes a pooled text embedding, but the data has none; "
                               f"encode the captions with the model's pooled text encoder too (text_latents 'pooled')")
         _check_image_data(config, family, data)
+        glyph = _glyph_shape(family, data)
         return {**config, "input_size": list(data["image_size"]), "in_channels": data["channels"],
-                "text_len": data["text_len"], "text_dim": data["text_dim"], "pooled_dim": data.get("pooled_dim")}
+                "text_len": data["text_len"], "text_dim": data["text_dim"], "pooled_dim": data.get("pooled_dim"),
+                **glyph}
 
     @property
     def parallel_plan(self) -> ParallelPlan:
@@ -190,12 +202,14 @@ class DiffusersTransformer(nn.Module):
         return replace_first_frame(x, require_image(self.image_condition, cond, self.family.name))
 
     # ---- conditioning --------------------------------------------------------------------------------------------
+    def null_buffers(self) -> dict[str, Tensor]:
+        """The empty prompt's conditioning (1, ...) by key: its text and mask, and its pooled embedding and glyph
+        text where the model reads them (``NULL_BUFFERS``)."""
+        return {key: getattr(self, name) for key, name in NULL_BUFFERS.items() if hasattr(self, name)}
+
     def null_condition(self, batch: int) -> dict[str, Tensor]:
         """The empty prompt's conditioning, expanded to ``batch``."""
-        null = {"text": self.null_text, "text_mask": self.null_text_mask}
-        if self.family.pooled_dim is not None:
-            null["pooled"] = self.null_pooled
-        return {key: value.expand(batch, *value.shape[1:]) for key, value in null.items()}
+        return {key: value.expand(batch, *value.shape[1:]) for key, value in self.null_buffers().items()}
 
     def drop_condition(self, cond: dict[str, Tensor], drop: Tensor) -> dict[str, Tensor]:
         """Replace the conditioning of the samples where ``drop`` (B,) is True by the null conditioning."""
@@ -205,17 +219,17 @@ class DiffusersTransformer(nn.Module):
 
     def model_condition(self, cond: dict[str, Tensor]) -> dict[str, Tensor]:
         """The conditioning tensors this family reads (the data may carry more, e.g. a text mask). A key the
-        condition lacks is left out: the null condition holds the text only, and classifier-free guidance then
-        shares the image between its halves (Wan keeps the image in the unconditional prediction); ``forward``
-        refuses a conditional batch without its image."""
+        condition lacks is left out: the null condition holds the prompt's keys only (text, pooled, glyph text), and
+        classifier-free guidance then shares the image between its halves (Wan keeps the image in the unconditional
+        prediction); ``forward`` refuses a conditional batch without its image."""
         return {key: cond[key] for key in self.condition_keys if key in cond}
 
     @torch.no_grad()
     def set_null_condition(self, null: dict[str, Tensor]) -> None:
-        """The empty / negative prompt's conditioning: ``text`` (L, D) [, ``text_mask`` (L,), ``pooled`` (P,)]."""
-        for key, buffer in (("text", self.null_text), ("text_mask", self.null_text_mask),
-                            ("pooled", getattr(self, "null_pooled", None))):
-            if buffer is None or key not in null:
+        """The empty / negative prompt's conditioning: ``text`` (L, D) [, ``text_mask`` (L,), ``pooled`` (P,),
+        ``glyph_text`` (G, D_glyph), ``glyph_text_mask`` (G,)]; the keys the model has no buffer for are not read."""
+        for key, buffer in self.null_buffers().items():
+            if key not in null:
                 continue
             value = null[key].reshape(buffer.shape) if null[key].numel() == buffer.numel() else None
             if value is None:
@@ -279,6 +293,10 @@ class DiffusersTransformer(nn.Module):
 
 
 EXPERTS = ("high", "low")  # a two-expert model's transformer and transformer_2, in WanPipeline's order
+GLYPH_KEYS = ("glyph_text", "glyph_text_mask")  # HunyuanVideo 1.5's glyph text (data=text_latents' keys)
+# condition key -> the buffer of the empty prompt's value (those of pooled and glyph text only where the model has them)
+NULL_BUFFERS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled",
+                "glyph_text": "null_glyph_text", "glyph_text_mask": "null_glyph_text_mask"}
 
 
 def _second(subfolder: str | None) -> str:
@@ -337,6 +355,19 @@ def _check_width(what: str, width: int, key: str, arch: dict) -> None:
     if width != arch[key]:
         raise ConfigError(f"the data's {what} have width {width} but the model's {key} is {arch[key]}: encode the "
                           f"captions with the model's own text encoder(s)")
+
+
+def _glyph_shape(family: Family, data: dict) -> dict:
+    """``glyph_len`` / ``glyph_dim`` of the data's glyph text for a family that reads it, {} for data without it; a
+    ConfigError for glyph text that the model would not read."""
+    if not data.get("glyph_len"):
+        return {}
+    if family.glyph_dim is None:
+        raise ConfigError(f"the data hold glyph text (glyph_text {data['glyph_len']} x {data['glyph_dim']}: "
+                          f"HunyuanVideo 1.5's ByT5 states of the captions' quoted text), which "
+                          f"model.family={family.name} does not read; prepare the data without glyph_encoder, or "
+                          f"train model=hunyuan_video15")
+    return {"glyph_len": data["glyph_len"], "glyph_dim": data["glyph_dim"]}
 
 
 def _check_image_architecture(family: Family, arch: dict) -> None:
