@@ -131,29 +131,28 @@ def main() -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 34))
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 34))
 
-    rows = []
-    for world in args.ranks:
-        ctx = mp.get_context("spawn")
-        results = ctx.SimpleQueue()
-        mp.start_processes(worker, args=(world, free_port(), args, results), nprocs=world, start_method="spawn")
-        rows.append(results.get())
-    base = rows[0][1]
-    tokens = rows[0][2]
     # Wan's text is cross-attention keys, not tokens of the sequence; HunyuanVideo 1.5 joins a masked ByT5 and image
     # token to its 512 text tokens
     text = {"wan": 0, "flux": 512, "hunyuan_video15": 514}[args.family]
     width = {"wan": "12 heads x 128", "flux": "24 heads x 128", "hunyuan_video15": "16 heads x 128"}[args.family]
-    print(f"{args.family}-shaped transformer: {width}, {args.layers} layers, {tokens} image/video tokens + {text or 512} text "
-          f"tokens, backend {args.backend}, 1 thread per rank{', CFG parallel at 2 ranks' if args.cfg_parallel else ''}")
-    print("| ranks | tokens per rank | train step (s) | speed-up | sampling step, CFG (s) | speed-up |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for world, timings, _ in rows:
-        train = timings.get("train")
+    base = None
+    for world in args.ranks:  # each row printed as it is measured: a later rank count that fails loses no row
+        ctx = mp.get_context("spawn")
+        results = ctx.SimpleQueue()
+        mp.start_processes(worker, args=(world, free_port(), args, results), nprocs=world, start_method="spawn")
+        world, timings, tokens = results.get()
+        if base is None:
+            base = timings
+            print(f"{args.family}-shaped transformer: {width}, {args.layers} layers, {tokens} image/video tokens + "
+                  f"{text or 512} text tokens, backend {args.backend}, 1 thread per rank"
+                  f"{', CFG parallel at 2 ranks' if args.cfg_parallel else ''}")
+            print("| ranks | tokens per rank | train step (s) | speed-up | sampling step, CFG (s) | speed-up |")
+            print("|---:|---:|---:|---:|---:|---:|")
         train, sample = timings.get("train"), timings.get("sample")
         train_cells = f"{train:.2f} | {base['train'] / train:.2f}x" if train and "train" in base else "- | -"
-        sample_cells = f"{sample:.2f} | {base['sample'] / sample:.2f}x" if sample else "- | -"
+        sample_cells = f"{sample:.2f} | {base['sample'] / sample:.2f}x" if sample and "sample" in base else "- | -"
         sp = 1 if args.cfg_parallel else world
-        print(f"| {world} | {tokens_per_rank(tokens, text, sp)} | {train_cells} | {sample_cells} |")
+        print(f"| {world} | {tokens_per_rank(tokens, text, sp)} | {train_cells} | {sample_cells} |", flush=True)
     if args.family == "flux":
         print("\nTokens each rank computes per step, Flux at 1024x1024 (4096 image + 512 text tokens):")
         print("| ring | text sharded with the image | text replicated (before) |")

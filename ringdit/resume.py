@@ -19,14 +19,16 @@ TRAINING_STATE = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "g
 
 
 def check_resume(ckpt_path: str, *, max_steps: int, optimizer: Callable | None, optimizer_name: str,
-                 resume_optimizer: bool = True) -> dict:
+                 resume_optimizer: bool = True, expert: str | None = None) -> dict:
     """Raise ``ConfigError`` if ``ckpt_path`` cannot resume this run; return the checkpoint (tensors memory-mapped).
 
     - a weights-only file (a safetensors export, a bare state dict, a checkpoint saved without optimizer state)
       belongs in ``init_from``;
     - the checkpoint's optimizer state must fit ``optimizer`` (a partial that takes ``params``), unless
       ``resume_optimizer`` is false (weights, EMA, step and data position resume; the optimizer starts afresh);
-    - the checkpoint must be before ``max_steps``.
+    - the checkpoint must be before ``max_steps``;
+    - a two-expert model's checkpoint must have trained the same ``expert`` (``diffusion.expert``): another one's
+      optimizer state holds another set of parameters (unless ``resume_optimizer`` is false).
     """
     if not isinstance(resume_optimizer, bool):
         raise ConfigError(f"resume_optimizer must be true or false, got {resume_optimizer!r}")
@@ -48,6 +50,12 @@ def check_resume(ckpt_path: str, *, max_steps: int, optimizer: Callable | None, 
     if step >= max_steps:
         raise ConfigError(f"ckpt_path={ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is "
                           f"left to train; raise trainer.max_steps above {step} to train on")
+    trained = (checkpoint.get("hyper_parameters") or {}).get("expert")
+    if resume_optimizer and trained != expert:
+        raise ConfigError(f"ckpt_path={ckpt_path} trained diffusion.expert={trained} but this run trains "
+                          f"diffusion.expert={expert}: its optimizer state is another expert's; resume with "
+                          f"diffusion.expert={trained}, or with resume_optimizer=false (weights, EMA, step and data "
+                          f"position resume, the optimizer starts afresh)")
     if resume_optimizer and optimizer is not None:
         _check_optimizer(ckpt_path, checkpoint["optimizer_states"], optimizer, optimizer_name)
     return checkpoint

@@ -250,7 +250,7 @@ def assert_exports_keep_the_experts_apart(ckpt, out):
 
 def test_one_expert_trains_and_the_other_stays_as_loaded(tmp_path):
     """expert=low: only transformer_2 changes (the high expert samples with the weights it had), and every step's
-    times are the low expert's."""
+    times are the low expert's; resuming it with another expert setting is refused."""
     run("train.py", tmp_path / "low", *A14B, "diffusion.expert=low", "trainer.max_steps=2", "ema_decay=null",
         f"data.cache_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})
     from ringdit.build import build_model
@@ -263,6 +263,9 @@ def test_one_expert_trains_and_the_other_stays_as_loaded(tmp_path):
                if name.startswith("model.")}
     changed = {name for name, value in initial.items() if not torch.equal(trained[name], value)}
     assert changed and all(name.startswith("transformer_2.") for name in changed), sorted(changed)[:3]
+    # resuming it for both experts would load one expert's optimizer state into both's: refused before spawning
+    assert_refused_before_spawning(tmp_path, [*A14B, f"ckpt_path={tmp_path / 'low' / 'checkpoints' / 'last.ckpt'}"],
+                                   r"trained diffusion.expert=low but this run trains diffusion.expert=both")
 
 
 def test_two_experts_load_from_a_diffusers_folder(tmp_path):

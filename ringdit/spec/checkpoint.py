@@ -56,7 +56,7 @@ class CheckpointPlan:
 
     @classmethod
     def from_config(cls, cfg: DictConfig, meta_model: nn.Module, *, optimizer: OptimizerSpec,
-                    max_steps: int) -> CheckpointPlan:
+                    max_steps: int, expert: str | None = None) -> CheckpointPlan:
         """Resolve ``ckpt_path`` and check every file the run will load against ``meta_model`` (the plain model),
         the LoRA targets against its modules, and that a resumed checkpoint can continue this run."""
         lora = _lora_settings(cfg)
@@ -68,7 +68,7 @@ class CheckpointPlan:
         elif ckpt_path:
             check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
             check_resume(ckpt_path, max_steps=max_steps, optimizer=optimizer.optimizer_factory(),
-                         optimizer_name=optimizer.name, resume_optimizer=cfg.resume_optimizer)
+                         optimizer_name=optimizer.name, resume_optimizer=cfg.resume_optimizer, expert=expert)
         elif cfg.init_from:  # a resumed run takes its weights from ckpt_path
             check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
                                resize_labels=cfg.init_resize_labels)

@@ -100,7 +100,8 @@ class TrainSpec:
         check_training_memory(cfg, model.config, meta_model, layout.attention_backend,
                               largest_step=data.module.largest_step())
         # the files the run loads, against the model
-        checkpoint = CheckpointPlan.from_config(cfg, meta_model, optimizer=optimizer, max_steps=trainer.max_steps)
+        checkpoint = CheckpointPlan.from_config(cfg, meta_model, optimizer=optimizer, max_steps=trainer.max_steps,
+                                                expert=expert)
         return cls(seed=cfg.seed, compile=cfg.compile, nonfinite_loss=cfg.nonfinite_loss,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, data=data, model=model,
                    objective=objective, expert=expert, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint)
