@@ -170,3 +170,24 @@ def test_optimizer_state_keys_convert_both_ways():
     assert set(named["state"]) == {"a.weight", "b.weight"}
     assert named["param_groups"][1] == {"lr": 0.2, "params": ["b.weight"]}
     assert optimizer_state_by_index(named) == numbered
+
+
+def family_runs(family: str) -> tuple[list[str], tuple[int, ...]]:
+    """(train.py overrides, the steps they take) of a family's SGD test (its own test module's)."""
+    from tests.test_hunyuan_video import HUNYUAN
+    from tests.test_ltx_video import LTX
+    from tests.test_skyreels import SKYREELS
+
+    return {"hunyuan_video15": (HUNYUAN, (0, 1, 2)), "ltx_video": (LTX, (0, 1)),
+            "skyreels_v2": (SKYREELS, (0, 1))}[family]
+
+
+@pytest.mark.parametrize("family", ["hunyuan_video15", "ltx_video", "skyreels_v2"])
+def test_fsdp_trains_the_video_families_like_one_process(family, tmp_path):
+    """HunyuanVideo 1.5 (text after the video, its token refiner local), LTX-Video and SkyReels-V2 (per-frame
+    timesteps) under FSDP at ring 2, each block a unit: one process's SGD steps, weights and EMA."""
+    overrides, steps = family_runs(family)
+    common = [*overrides, f"data.cache_dir={tmp_path / 'data'}"]
+    run("train.py", tmp_path / "reference", *common, env={"HF_HUB_OFFLINE": "1"})
+    run("train.py", tmp_path / "fsdp", *common, *FSDP, "ring_degree=2", env={"HF_HUB_OFFLINE": "1"})
+    assert_same_run(tmp_path / "fsdp", tmp_path / "reference", steps=steps)

@@ -464,3 +464,18 @@ def sample_latents(run_dir, ckpt, *overrides):
     """infer.py's latents for a text model's ``ckpt`` (2 samples, 3 Euler steps, the data's held-out prompts)."""
     run("infer.py", run_dir, f"ckpt_path={ckpt}", "num_samples=2", "steps=3", *overrides)
     return np.load(run_dir / "samples.npz")["latents"]
+
+
+@pytest.mark.parametrize("family", ["hunyuan_video15", "ltx_video", "skyreels_v2"])
+def test_lora_trains_only_adapters_of_the_video_families(family, tmp_path):
+    """LoRA with the family's default targets (its attention projections, HunyuanVideo 1.5's token refiner's among
+    them): the checkpoint and the optimizer hold the adapters and nothing else, and they trained (B starts at 0)."""
+    from tests.test_fsdp import family_runs
+
+    overrides, _ = family_runs(family)
+    run("train.py", tmp_path, *overrides, *LORA, f"data.cache_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})
+    state, _ = read_weights(tmp_path / "checkpoints" / "last.ckpt", prefer="model")
+    assert state and all(is_adapter_key(key) for key in state), sorted(state)[:5]
+    optimizer = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0]
+    assert sum(len(group["params"]) for group in optimizer["param_groups"]) == len(state)  # nothing else trains
+    assert any(value.abs().max() > 0 for key, value in state.items() if ".lora_B." in key)
