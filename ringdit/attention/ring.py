@@ -157,11 +157,14 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
     for step in range(ring_size):
         if step + 1 < ring_size:
             next_kv = exchange.start(kv, _KV_TAG)
+        keys = _blocks(dims, layout, step)
+        # the hop's kernel runs while this block's accumulator is still on its way from the previous rank
+        shares = [] if is_empty(keys) else _grad_hop(backend, scale, dout, q, kv, out, lse, dq, keys)
         if step > 0:
             exchange.wait(_DKV_TAG)  # the accumulator that arrived belongs to this hop's block
-        keys = _blocks(dims, layout, step)
-        if not is_empty(keys):
-            _grad_hop(backend, scale, dout, q, kv, out, lse, dq, dkv, keys)
+        for sample, sample_keys, dk_chunk, dv_chunk in shares:
+            add_at(dkv[0, sample], sample_keys, dk_chunk, 1)
+            add_at(dkv[1, sample], sample_keys, dv_chunk, 1)
         if ring_size > 1:
             dkv = exchange.start(dkv, _DKV_TAG)
         if step + 1 < ring_size:
@@ -187,22 +190,23 @@ def _attend_hop(backend, softmax_scale, q, kv, out, lse, keys) -> None:
     merge_attention_chunk_(out, lse, chunk_out, chunk_lse)
 
 
-def _grad_hop(backend, softmax_scale, dout, q, kv, out, lse, dq, dkv, keys) -> None:
-    """Add one K/V block's share of the gradient into the fp32 accumulators ``dq`` and ``dkv`` (masked and padded
-    keys get none)."""
-    if isinstance(keys, list):
+def _grad_hop(backend, softmax_scale, dout, q, kv, out, lse, dq, keys, sample=slice(None)) -> list:
+    """Add one K/V block's share of dQ into the fp32 accumulator ``dq``; returns its dK/dV shares as ``[(samples,
+    keys, dk_chunk, dv_chunk)]``, for the caller to add into the block's accumulator once it has arrived (masked
+    and padded keys get none)."""
+    if isinstance(keys, list):  # samples differ (masked text): one kernel call per sample
+        shares = []
         for b, sample_keys in enumerate(keys):
             if not is_empty(sample_keys):
                 s = slice(b, b + 1)
-                _grad_hop(backend, softmax_scale, dout[s], q[s], kv[:, s], out[s], lse[s], dq[s], dkv[:, s],
-                          sample_keys)
-        return
+                shares += _grad_hop(backend, softmax_scale, dout[s], q[s], kv[:, s], out[s], lse[s], dq[s],
+                                    sample_keys, s)
+        return shares
     dq_chunk, dk_chunk, dv_chunk = backend.backward_ring_kv_chunk(
         dout, q, take(kv[0], keys, 1), take(kv[1], keys, 1), out, lse, softmax_scale=softmax_scale
     )
     dq += dq_chunk
-    add_at(dkv[0], keys, dk_chunk, 1)
-    add_at(dkv[1], keys, dv_chunk, 1)
+    return [(sample, keys, dk_chunk, dv_chunk)]
 
 
 def ring_attention(
