@@ -11,12 +11,15 @@ The real head size (128) and widths (Wan: 12 heads = 1536; Flux: 24 heads = 3072
 CPU time; 512 text tokens of width 4096 (UMT5 / T5). Every rank runs one thread (gloo), so N ranks use N cores. A
 train step is forward + backward of the flow-matching loss; a sampling step is one classifier-free-guided denoiser
 call (conditional and unconditional halves in one batch of 2, or, with --cfg-parallel at 2 ranks, one half each).
-`--only sample` times the sampling step alone (with --warmup 1, a first step that faults the heap in is not timed).
+`--only sample` times the sampling step alone (the untimed --warmup steps fault the heap in).
 
 Every rank keeps freed activations in its heap (glibc's mmap and trim thresholds, set before the ranks are spawned),
 as PyTorch's CUDA caching allocator does on a GPU. Without it each large activation is a fresh mmap whose pages are
 faulted in on first touch, and on this VM the page faults of concurrent ranks serialize: an elementwise op such as
 GELU then took as long at 2 ranks on half the tokens as at 1 rank on all of them. One and N ranks run alike.
+The heap reaches its steady layout only after two steps (the second still faults in about 1.5 GiB at 2 ranks, whose
+page faults serialize, the third almost none), so two untimed steps come first; the table's last column counts the
+page faults of the timed steps on rank 0, near 0 in a steady state.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -97,20 +101,22 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
         else:
             model(torch.cat([x, x]), torch.cat([t, t]), {k: torch.cat([cond[k], null[k]]) for k in cond})
 
-    timings = {}
+    timings, faults = {}, 0
     steps = (("sample", sampling_step),) if cfg_parallel else (("train", train_step), ("sample", sampling_step))
     steps = tuple(step for step in steps if args.only in (None, step[0]))
     for name, step in steps:
         for _ in range(args.warmup):
             step()
         dist.barrier()
+        faults -= resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
         dist.barrier()
         timings[name] = (time.perf_counter() - start) / args.steps
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     if rank == 0:
-        results.put((world, timings, model.tokens_per_sample))
+        results.put((world, timings, model.tokens_per_sample, faults))
     dist.destroy_process_group()
 
 
@@ -123,7 +129,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=8)
     parser.add_argument("--size", type=int, default=64, help="Wan: latent H = W; Flux: latent H (W = 2 H)")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the heap settles in two)")
     parser.add_argument("--backend", default="torch_flash")
     parser.add_argument("--only", choices=("train", "sample"), help="time one of the two steps")
     args = parser.parse_args()
@@ -140,19 +146,19 @@ def main() -> None:
         ctx = mp.get_context("spawn")
         results = ctx.SimpleQueue()
         mp.start_processes(worker, args=(world, free_port(), args, results), nprocs=world, start_method="spawn")
-        world, timings, tokens = results.get()
+        world, timings, tokens, faults = results.get()
         if base is None:
             base = timings
             print(f"{args.family}-shaped transformer: {width}, {args.layers} layers, {tokens} image/video tokens + "
                   f"{text or 512} text tokens, backend {args.backend}, 1 thread per rank"
                   f"{', CFG parallel at 2 ranks' if args.cfg_parallel else ''}")
-            print("| ranks | tokens per rank | train step (s) | speed-up | sampling step, CFG (s) | speed-up |")
-            print("|---:|---:|---:|---:|---:|---:|")
+            print("| ranks | tokens per rank | train step (s) | speed-up | sampling step, CFG (s) | speed-up | page faults |")
+            print("|---:|---:|---:|---:|---:|---:|---:|")
         train, sample = timings.get("train"), timings.get("sample")
         train_cells = f"{train:.2f} | {base['train'] / train:.2f}x" if train and "train" in base else "- | -"
         sample_cells = f"{sample:.2f} | {base['sample'] / sample:.2f}x" if sample and "sample" in base else "- | -"
         sp = 1 if args.cfg_parallel else world
-        print(f"| {world} | {tokens_per_rank(tokens, text, sp)} | {train_cells} | {sample_cells} |", flush=True)
+        print(f"| {world} | {tokens_per_rank(tokens, text, sp)} | {train_cells} | {sample_cells} | {faults} |", flush=True)
     if args.family == "flux":
         print("\nTokens each rank computes per step, Flux at 1024x1024 (4096 image + 512 text tokens):")
         print("| ring | text sharded with the image | text replicated (before) |")
