@@ -281,11 +281,15 @@ def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(target, models
     assert all(gone(pid) for pid in ranks), "a rank was left behind"
     stopped = [line for line in proc.stdout.replace("\r", "\n").splitlines()
                if "preempted: SIGTERM stopped preparing" in line]
-    assert len(stopped) == 2 and all(line.endswith("exit code 143") for line in stopped), proc.stdout[-3000:]
-    if target == "child":  # torchrun reports each rank's exit code
-        assert proc.stdout.count("exitcode: 143") + proc.stdout.count("exitcode  : 143") >= 2, proc.stdout[-3000:]
     kept = check_shards(out)
     assert 0 < len(kept) < SHARDS
+    # every rank still encoding when signalled stops; on a loaded machine one rank may have written its whole share
+    # before the other's first shard appeared (the signal's cue), and ends as done instead
+    working = len({i % 2 for i in range(SHARDS) if f"shard-{i:05d}.safetensors" not in kept})
+    assert working >= 1 and len(stopped) == working, proc.stdout[-3000:]
+    assert all(line.endswith("exit code 143") for line in stopped), proc.stdout[-3000:]
+    if target == "child":  # torchrun reports each stopped rank's exit code
+        assert proc.stdout.count("exitcode: 143") + proc.stdout.count("exitcode  : 143") >= working, proc.stdout[-3000:]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as torchrun's ranks (OMP_NUM_THREADS=1); two threads on two busy cores: 25x slower
