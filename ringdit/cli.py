@@ -96,8 +96,10 @@ def hydra_main(config_name: str):
         @functools.wraps(task)
         def entry(argv: list[str] | None = None) -> None:
             register_resolvers()
-            for name, text in (("command_help", doc), ("command_settings", _settings_text(config_name))):
-                OmegaConf.register_new_resolver(name, lambda text=text: text, replace=True)  # hydra/command.yaml
+            # for the help templates (hydra/default.yaml, hydra/command.yaml); the settings are read from conf/ only
+            # when --help renders them, not on every launch
+            OmegaConf.register_new_resolver("command_help", lambda: doc, replace=True)
+            OmegaConf.register_new_resolver("command_settings", lambda: _settings_text(config_name), replace=True)
             run.update(started=False, user_value=os.environ.get(FULL_ERROR))
             saved_argv = sys.argv
             if argv is not None:
@@ -120,14 +122,12 @@ def hydra_main(config_name: str):
 
 
 def _settings_text(config_name: str) -> str:
-    """``conf/<config_name>.yaml`` without its defaults list: every setting with its default and its comment, for
-    ``--help`` (``$`` doubled: Hydra's help template is a ``string.Template``)."""
-    lines, in_defaults = [], False
-    for line in (CONF_DIR / f"{config_name}.yaml").read_text().splitlines():
-        in_defaults = line.startswith("defaults:") or (in_defaults and line.startswith((" ", "-")))
-        if not in_defaults:
-            lines.append(line)
-    return "\n".join(lines).strip().replace("$", "$$")
+    """For ``--help``: the groups ``conf/<config_name>.yaml`` selects from with their options, its own settings and
+    those of each group's default option, every one with its default and its comment (``ringdit.reference``; ``$``
+    doubled: Hydra's help template is a ``string.Template``)."""
+    from ringdit.reference import help_settings
+
+    return help_settings(config_name)
 
 
 def _set_env(name: str, value: str | None) -> None:

@@ -1,0 +1,139 @@
+"""The docs cannot go stale.
+
+- Every code block titled ``runs on a CPU`` in docs/ runs as written (docs/contributing.md, "The docs"): a page's
+  blocks in order, in one fresh folder, the entry points in this process (no new interpreter to pay for), with the
+  overrides of the block titled ``appended by the doc tests`` (shown on docs/tutorials.md) added to ``train.py`` and
+  ``infer.py`` lines so that the runs take seconds.
+- The generated reference pages equal what ``python -m ringdit.reference`` makes from conf/ and the commands now.
+- mkdocs.yml lists every page, and the README stays a short entry point that links into them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+DOCS = REPO / "docs"
+CPU_TITLE = 'title="runs on a CPU"'
+SHORT_TITLE = 'title="appended by the doc tests"'
+# ```lang attributes\n body ``` (a block may be indented, inside an admonition)
+FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>\w+)(?P<attrs>[^\n]*)\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
+
+
+def blocks(page: Path, title: str) -> list[tuple[str, str]]:
+    """(language, code) of the page's blocks with ``title``, their indentation removed."""
+    found = []
+    for match in FENCE.finditer(page.read_text()):
+        if title in match["attrs"]:
+            indent = len(match["indent"])
+            found.append((match["lang"], "\n".join(line[indent:] for line in match["body"].splitlines())))
+    return found
+
+
+def shortening() -> dict[str, list[str]]:
+    """``{"train.py": [overrides], "infer.py": [...]}`` from the block the tutorials page shows."""
+    (_, text), = blocks(DOCS / "tutorials.md", SHORT_TITLE)
+    return {script: shlex.split(overrides) for script, overrides in (line.split(":", 1) for line in text.splitlines())}
+
+
+def commands(code: str) -> list[str]:
+    """A shell block's commands: continuation lines joined, comments and blank lines dropped."""
+    joined = code.replace("\\\n", " ")
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def pages_with_cpu_blocks() -> list[str]:
+    return sorted(str(page.relative_to(DOCS)) for page in DOCS.rglob("*.md") if blocks(page, CPU_TITLE))
+
+
+def run_in_process(argv: list[str]) -> tuple[int, str]:
+    """``python ...`` as its command line would run it, in this process: (exit code, output)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    out, saved_argv = io.StringIO(), sys.argv
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            if argv[0] == "-c":
+                exec(compile(argv[1], "<python -c>", "exec"), {"__name__": "__main__"})
+            elif argv[0] == "-m":
+                sys.argv = [argv[1], *argv[2:]]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                script = Path(argv[0]) if Path(argv[0]).exists() else REPO / argv[0]  # repo scripts from anywhere
+                sys.argv = [str(script), *argv[1:]]
+                runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        GlobalHydra.instance().clear()
+    return code, out.getvalue()
+
+
+def run_command(line: str, short: dict[str, list[str]]) -> tuple[int, str]:
+    words = shlex.split(line)
+    if words[0] != "python":  # not an entry point of ours: a real shell
+        proc = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=120)
+        return proc.returncode, proc.stdout + proc.stderr
+    argv = words[1:]
+    script = Path(argv[0]).name
+    return run_in_process(argv + short.get(script, []))
+
+
+@pytest.mark.parametrize("page", pages_with_cpu_blocks())
+def test_the_cpu_commands_of_a_page_run_as_written(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths (outputs/, first.png) as in a fresh folder
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("PROJECT_ROOT", raising=False)  # paths.root_dir: where the command runs
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    short = shortening()
+    for language, code in blocks(DOCS / page, CPU_TITLE):
+        if language == "python":
+            code_, output = run_in_process(["-c", code])
+            assert code_ == 0, f"{page}: the python block failed:\n{output[-3000:]}"
+            continue
+        for line in commands(code):
+            code_, output = run_command(line, short)
+            assert code_ == 0, f"{page}: `{line}` exited {code_}:\n{output[-3000:]}"
+
+
+def test_the_shortening_is_shown_where_the_tests_use_it():
+    short = shortening()
+    assert set(short) == {"train.py", "infer.py"} and all(short.values())
+
+
+def test_the_reference_pages_are_generated_from_conf():
+    """docs/reference/ is what ``python -m ringdit.reference`` makes now: a changed yaml comment, option or command
+    help fails here until the pages are generated again."""
+    from ringdit import reference
+
+    for name, make in reference.PAGES.items():
+        path = DOCS / "reference" / name
+        assert path.read_text() == make(), f"{path} is out of date: run python -m ringdit.reference"
+
+
+def test_every_page_is_in_the_navigation():
+    nav = set(re.findall(r"([\w/.-]+\.md)\s*$", (REPO / "mkdocs.yml").read_text(), re.M))
+    pages = {str(page.relative_to(DOCS)) for page in DOCS.rglob("*.md")}
+    assert pages <= nav, f"pages missing from mkdocs.yml's nav: {sorted(pages - nav)}"
+
+
+def test_the_readme_is_short_and_links_into_the_docs():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
+        assert (REPO / link).exists(), f"README links to {link}, which does not exist"
+    assert 'pip install torch==2.13.0 && pip install -e ".[dev]" && python train.py' in readme
+    assert "python -m pytest -q" in readme
