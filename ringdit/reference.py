@@ -14,6 +14,7 @@ import contextlib
 import functools
 import io
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,8 +128,9 @@ def help_settings(config_name: str) -> str:
         out.append("== Groups (group=option on the command line; the default in [brackets]) ==\n")
         width = max(len(g.key) for g in groups)
         for group in groups:
-            names = [f"[{o}]" if o == group.default else o for o in group.options]
-            out.append(f"{group.key:<{width}}  " + " ".join(names))
+            names = " ".join(f"[{o}]" if o == group.default else o for o in group.options)
+            out.append(textwrap.fill(names, 118, initial_indent=f"{group.key:<{width}}  ",
+                                     subsequent_indent=" " * (width + 2), break_on_hyphens=False))
         out.append("")
     out.append(f"== Settings (key=value on the command line; ??? = required): conf/{config_name}.yaml ==\n")
     out.append(yaml_body(CONF_DIR / f"{config_name}.yaml"))
