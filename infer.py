@@ -151,13 +151,15 @@ def image_conditions(spec: InferSpec, count: int) -> dict[str, torch.Tensor]:
     """``image=``'s first-frame conditioning of ``count`` samples (sample i: image i % len(files)): a pixel-space
     model's first frame is the image itself, resized to the samples' size; a latent model's is encoded with the
     data's VAE (and CLIP where the model takes it), as ``prepare task=i2v`` encodes a clip's first frame."""
-    from PIL import Image, ImageOps
+    from PIL import ImageOps
+
+    from ringdit.media.frames import open_image
 
     image = spec.image
     height, width = image.size
     pictures = []
     for file in image.files:  # each was opened and its aspect ratio checked by the spec
-        with Image.open(file) as opened:  # upright as stored (a phone photo's EXIF rotation), as prepare reads it
+        with open_image(file) as opened:  # upright as stored (a phone photo's EXIF rotation), as prepare reads it
             pictures.append(ImageOps.exif_transpose(opened).convert("RGB"))
     if image.latent:
         if not spec.output.vae:

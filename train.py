@@ -16,6 +16,7 @@ import logging
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from ringdit.atomic import DiskFullError
 from ringdit.cli import hydra_main, register_resolvers, user_errors
 from ringdit.errors import NonFiniteLossError
 from ringdit.run_folder import claim_run_folder
@@ -89,8 +90,9 @@ def main(cfg: DictConfig) -> None:
         trainer, module, datamodule, ckpt_path = prepare(cfg)
     from ringdit.training.preemption import stop_on_sigterm
 
-    # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; anything else is a fault: traceback
-    with user_errors(NonFiniteLossError), stop_on_sigterm(trainer):
+    # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; a non-finite loss or a disk that
+    # fills while a checkpoint is written: one line, exit code 2; anything else is a fault: traceback
+    with user_errors(NonFiniteLossError, DiskFullError), stop_on_sigterm(trainer):
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         log.info("outputs in %s (checkpoints/last.ckpt, samples/)", cfg.paths.output_dir)

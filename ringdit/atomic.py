@@ -5,9 +5,59 @@ complete new one, never a torn one; and a new file gets the mode ``open()`` woul
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+NEARLY_FULL_BYTES = 2**20  # a write that failed with less than this left failed for lack of space: torch.save's own
+# writer reports that as "enforce fail at inline_container.cc ... unexpected pos", without an errno
+
+
+class DiskFullError(OSError):
+    """A write that failed because its file system (or the user's quota) is full; what was there before is intact."""
+
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]"
+        return self.strerror or super().__str__()
+
+
+def free_bytes(folder: str | Path) -> int | None:
+    """Bytes this process can still write under ``folder`` (root may use the blocks reserved for it); None where
+    the file system cannot say."""
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return None
+    return (stats.f_bfree if os.geteuid() == 0 else stats.f_bavail) * stats.f_frsize
+
+
+def disk_full(error: BaseException, folder: str | Path) -> bool:
+    """Whether ``error``, raised while writing under ``folder``, came from a full disk or quota: ENOSPC / EDQUOT
+    anywhere in its chain, or (a writer that hides the errno) almost no space left now."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    free = free_bytes(folder)
+    return free is not None and free < NEARLY_FULL_BYTES
+
+
+def disk_full_error(path: str | Path, *, replaced: str) -> DiskFullError:
+    """The one message for a write that filled the disk: what, where, how much is left, and what is still intact
+    (``replaced``: the thing the write would have replaced, e.g. "the previous checkpoint")."""
+    path = Path(path)
+    free = free_bytes(path.parent)
+    left = f"{free / 2**20:.1f} MiB left" if free is not None else "no space left"
+    if path.exists():
+        intact = f"{replaced} ({path}) is intact"
+    else:  # a new file (step_*.ckpt): the newest of its kind beside it is the last good one
+        siblings = [p for p in path.parent.glob(f"*{path.suffix}") if p.is_file() and p != path] if path.suffix else []
+        newest = max(siblings, key=lambda p: p.stat().st_mtime, default=None)
+        intact = f"nothing was written at {path}" + (f"; the last good one, {newest.name}, is intact" if newest else "")
+    return DiskFullError(errno.ENOSPC, f"the disk is full: writing {path} failed ({left} on the file system of "
+                                       f"{path.parent}); {intact}; free space (or write elsewhere) and run again")
 
 
 def file_mode() -> int:
@@ -29,7 +79,8 @@ def atomic_write(path: str | Path):
     """Yield a temporary path beside ``path`` to write; on success it gets the usual new-file mode (umask
     respected, instead of mkstemp's 0600, which would hide the file from a shared group), is fsynced and renamed
     onto ``path`` (atomic on POSIX), and the rename is made durable; on failure it is removed. Temporary files left
-    by an earlier write of ``path`` that was killed are removed first."""
+    by an earlier write of ``path`` that was killed are removed first. A write that fills the disk ends in one
+    ``DiskFullError`` that says so, where, and that the previous ``path`` is intact."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):
@@ -45,8 +96,11 @@ def atomic_write(path: str | Path):
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
+        full = isinstance(error, Exception) and disk_full(error, path.parent)  # before the partial file is gone
         Path(tmp).unlink(missing_ok=True)
+        if full and not isinstance(error, DiskFullError):
+            raise disk_full_error(path, replaced=f"the previous {path.name}") from error
         raise
     _fsync_folder(path.parent)
 

@@ -143,8 +143,8 @@ def _exit_with(message: str) -> None:
 
 
 COMMANDS = {"export": "python -m ringdit.export", "prepare": "python -m ringdit.prepare",
-            "decode": "python -m ringdit.media.decode",
-            "plan": "python -m ringdit.plan"}  # config name -> its command, where not <name>.py
+            "decode": "python -m ringdit.media.decode", "plan": "python -m ringdit.plan",
+            "calibrate": "python -m ringdit.caching calibrate"}  # config name -> its command, where not <name>.py
 
 
 def command_of(config_name: str) -> str:

@@ -50,6 +50,7 @@ def export(cfg: DictConfig) -> None:
         out = cfg.out if cfg.out is not None else str(ckpt.with_name(f"{ckpt.stem}_lora") if cfg.lora else
                                                       ckpt.with_name(f"{ckpt.stem}_diffusers") if cfg.format ==
                                                       "diffusers" else ckpt.with_suffix(".safetensors"))
+        from ringdit.checkpoints.layout import checked_output
         from ringdit.checkpoints.safetensors_export import export_safetensors
         from ringdit.checkpoints.weights import read_weights
         from ringdit.lora import lora_enabled
@@ -59,6 +60,8 @@ def export(cfg: DictConfig) -> None:
             raise ConfigError(f"ckpt_path={ckpt} is a LoRA run's checkpoint: it holds only the adapters, not a model; "
                               f"export them with lora=true (diffusers' LoRA format), or sample it with infer.py "
                               f"ckpt_path={ckpt}")
+        what = "lora=true" if cfg.lora else f"format={cfg.format}"
+        checked_output(out, folder=cfg.lora or cfg.format == "diffusers", what=what)  # before reading any weights
         if cfg.lora:
             from ringdit.lora import export_lora
 

@@ -4,7 +4,6 @@ the samples from every rank into files (``SampleWriter``: one set of files per s
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from ringdit.atomic import atomic_write
 from ringdit.errors import ConfigError
 from ringdit.images import save_samples, to_image, write_gif
 from ringdit.media.writing import write_media, write_mp4
+from ringdit.safe_json import parse_json
 from ringdit.seeding import Stream, seed_of
 
 Shape = tuple[int, ...]  # a sample's ([T,] H, W) in the data's cells (latent cells, or pixels of pixel-space data)
@@ -88,17 +88,20 @@ class SampleSizes:
     spatial: int = 1        # pixels per cell along H and W (the data's VAE); 1: sizes are cells
     temporal: int = 1       # video frames per latent frame after the first (a video VAE); 1: frames are cells
     pixels: bool = False    # the data records a VAE: sizes in pixels and video frames
+    max_grid: Shape | None = None  # the most tokens per axis the model's position embedding covers; None: any
 
     @classmethod
-    def of(cls, data_info: dict, patch) -> SampleSizes:
-        """The data's units (its ``describe()``, a checkpoint's ``hparams.data``) for a model of ``patch``."""
+    def of(cls, data_info: dict, patch, max_grid=None) -> SampleSizes:
+        """The data's units (its ``describe()``, a checkpoint's ``hparams.data``) for a model of ``patch`` (and
+        ``max_grid``: ``DiffusionModel.max_grid``)."""
         default = tuple(int(s) for s in data_info["image_size"])
+        patch, max_grid = tuple(int(p) for p in patch), None if max_grid is None else tuple(map(int, max_grid))
         vae = data_info.get("vae")
         if not isinstance(vae, dict):
-            return cls(default, tuple(int(p) for p in patch))
+            return cls(default, patch, max_grid=max_grid)
         spatial, temporal = vae.get("spatial_compression"), vae.get("temporal_compression")
-        return cls(default, tuple(int(p) for p in patch), spatial=int(spatial or 1), temporal=int(temporal or 1),
-                   pixels=spatial is not None)
+        return cls(default, patch, spatial=int(spatial or 1), temporal=int(temporal or 1), pixels=spatial is not None,
+                   max_grid=max_grid)
 
     @property
     def video(self) -> bool:
@@ -127,7 +130,26 @@ class SampleSizes:
                 raise ConfigError(f"{where}{frames_name}={frames!r}: the model makes images ({self.name(self.default)}"
                                   f"), not videos; drop {frames_name}")
             shape[0] = self._latent_frames(frames, where, frames_name)
+        self._check_grid(shape, where, names)
         return tuple(shape)
+
+    def _check_grid(self, shape: list[int], where: str, names: tuple[str, str]) -> None:
+        """Each axis's tokens within what the model's position embedding covers (Wan's RoPE table), named in the
+        units of the setting that set it."""
+        if self.max_grid is None:
+            return
+        for axis, (cells, patch, most) in enumerate(zip(shape, self.patch, self.max_grid)):
+            if cells // patch <= most:
+                continue
+            largest = list(shape)
+            largest[axis] = most * patch
+            (given, given_frames), (bound, bound_frames) = self.user_size(tuple(shape)), self.user_size(tuple(largest))
+            frames_axis = len(shape) == 3 and axis == 0
+            setting, fix = ((f"{names[1]}={given_frames}", f"{names[1]}={bound_frames}") if frames_axis else
+                            (f"{names[0]}={given}", f"{names[0]}={bound}"))
+            raise ConfigError(f"{where}{setting}: {cells // patch} tokens along one axis, more than the {most} "
+                              f"positions the model's position embedding covers (its rope_max_seq_len); the most it "
+                              f"samples there is {fix}")
 
     def _cells(self, size, where: str, setting: str) -> list[int]:
         default, _ = self.user_size(self.default)
@@ -219,14 +241,7 @@ def read_prompt_file(path, setting: str = "prompt_file") -> list[PromptLine]:
 
 
 def _prompt_line(raw: str, where: str) -> PromptLine:
-    try:
-        entry = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{where}not JSON ({error.msg} at column {error.colno}); each line is one object such as "
-                          f"{PROMPT_LINE}") from None
-    except RecursionError:
-        raise ConfigError(f"{where}not JSON (nested too deeply); each line is one object such as {PROMPT_LINE}") \
-            from None
+    entry = parse_json(raw, f"{where}the line", fix=f"each line is one object such as {PROMPT_LINE}")
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}a JSON {type(entry).__name__}, not an object such as {PROMPT_LINE}")
     unknown = [key for key in entry if key not in PROMPT_KEYS]

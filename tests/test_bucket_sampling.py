@@ -141,7 +141,7 @@ BAD = {  # (which export, overrides, the one-line error)
                                                                      r"class-conditional model, which takes no text"),
 }
 BAD_LINES = {  # a prompt file's second line -> the error naming it
-    "not JSON": ('{"prompt": "a cat",}', r"not JSON \(Expecting property name"),
+    "not JSON": ('{"prompt": "a cat",}', r"the line is not valid JSON \(Expecting property name"),
     "not an object": ('["a cat"]', r"a JSON list, not an object such as"),
     "prompt not a string": ('{"prompt": 3}', r"\"prompt\" must be a non-empty string, got 3"),
     "unknown key": ('{"prompt": "a cat", "sise": [64, 64]}', r"unknown key 'sise'; a line holds prompt, size, "

@@ -88,9 +88,9 @@ def gone(pid: int) -> bool:
 
 
 def signal_when(command: list[str], ready, target: str = "launcher", env: dict | None = None,
-                timeout: float = 240) -> tuple[subprocess.CompletedProcess, float, list[int]]:
-    """Start ``command``; once ``ready()``, SIGTERM the launching process (``launcher``) or its first child
-    (``child``): (the finished process, seconds from SIGTERM to its exit, its children then)."""
+                timeout: float = 240, sig: int = signal.SIGTERM) -> tuple[subprocess.CompletedProcess, float, list[int]]:
+    """Start ``command``; once ``ready()``, send ``sig`` (SIGTERM) to the launching process (``launcher``) or its
+    first child (``child``): (the finished process, seconds from the signal to its exit, its children then)."""
     environment = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "", "HF_HUB_OFFLINE": "1", **(env or {})}
     proc = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -101,7 +101,7 @@ def signal_when(command: list[str], ready, target: str = "launcher", env: dict |
             pytest.fail(f"the run to signal ended or stalled first:\n{proc.communicate()[0][-3000:]}")
         time.sleep(0.05)
     children = children_of(proc.pid)
-    os.kill(proc.pid if target == "launcher" else children[0], signal.SIGTERM)
+    os.kill(proc.pid if target == "launcher" else children[0], sig)
     start = time.monotonic()
     try:
         proc.wait(timeout=120)
@@ -109,7 +109,7 @@ def signal_when(command: list[str], ready, target: str = "launcher", env: dict |
         for pid in [proc.pid, *children]:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        pytest.fail(f"no exit 120 s after SIGTERM:\n{proc.communicate()[0][-3000:]}")
+        pytest.fail(f"no exit 120 s after signal {sig}:\n{proc.communicate()[0][-3000:]}")
     seconds = time.monotonic() - start
     output = proc.stdout.read()
     return subprocess.CompletedProcess(command, proc.returncode, output, output), seconds, children
@@ -145,6 +145,24 @@ def test_sigterm_stops_ring2_sampling_and_keeps_the_finished_batches(tiny_checkp
     assert (f"preempted: SIGTERM stopped sampling on every rank; wrote {kept} of 8 samples (the finished batches) to "
             f"{tmp_path / 'samples.png'} and {tmp_path / 'samples.npz'}") in proc.stdout, proc.stdout[-3000:]
     assert "exit code 143" in proc.stdout and "Traceback" not in proc.stdout
+
+
+KILLED_SECONDS = 60  # one rank SIGKILLed (no handler runs) to every other process gone
+
+
+def test_sigkill_of_one_rank_ends_ring2_sampling(tiny_checkpoint, tmp_path):
+    """A rank killed outright mid-sampling: its ring partner's next collective fails (the peer's socket closed), the
+    run ends non-zero within seconds, nothing is left running, and no partial samples.npz is written."""
+    command = [sys.executable, "infer.py", f"hydra.run.dir={tmp_path}", f"ckpt_path={tiny_checkpoint}", "trainer=cpu",
+               "ring_degree=2", "steps=20", "batch_size=2", "num_samples=8", "trainer.strategy.timeout_s=60",
+               "+callbacks.slow._target_=tests.test_preemption.SlowSampling", "+callbacks.slow.seconds=0.1",
+               f"+callbacks.slow.output_dir={tmp_path}"]
+    proc, seconds, ranks = signal_when(command, lambda: (tmp_path / "batches" / "0").exists(), "child",
+                                       sig=signal.SIGKILL)
+    assert proc.returncode not in (0, 143), proc.stdout[-3000:]
+    assert seconds < KILLED_SECONDS, f"{seconds:.1f} s from SIGKILL to exit"
+    assert all(gone(pid) for pid in ranks), "a rank was left behind"
+    assert not (tmp_path / "samples.npz").exists() and not list(tmp_path.glob(".samples*"))
 
 
 def test_sigterm_to_a_data_parallel_rank_that_is_done_stops_the_other(tiny_checkpoint, tmp_path):
@@ -309,6 +327,30 @@ def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(target, models
         finally:
             torch.set_num_threads(threads)
         assert_same_shards(out, straight)
+
+
+def test_sigkill_of_one_rank_ends_prepare_under_torchrun(models, many_images, tmp_path):
+    """torchrun's agent sees a worker die and stops the other: every process is gone within seconds, and each shard
+    written before is whole (atomic writes), so a rerun resumes from them."""
+    out = tmp_path / "out"
+    settings = prepare_settings(many_images, out, models)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "ringdit.prepare", *(f"{key}={value}" for key, value in settings.items())]
+    proc, seconds, _ = signal_when(command, lambda: {int(path.name[6:11]) % 2 for path in out.glob("shard-*")}
+                                   == {0, 1}, "child", sig=signal.SIGKILL)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert seconds < KILLED_SECONDS, f"{seconds:.1f} s from SIGKILL to exit"
+    workers = [pid for pid in map(int, [p.name for p in Path("/proc").glob("[0-9]*")]) if _runs_prepare(pid, out)]
+    assert not workers, f"processes left running: {workers}"
+    assert 0 < len(check_shards(out)) < SHARDS
+
+
+def _runs_prepare(pid: int, out: Path) -> bool:
+    """Whether process ``pid`` is alive and a prepare of ``out`` (its command line names it)."""
+    try:
+        return not gone(pid) and str(out) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
 
 
 def assert_same_shards(got: Path, expected: Path) -> None:

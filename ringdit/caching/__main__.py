@@ -1,5 +1,7 @@
-"""``python -m ringdit.caching calibrate CKPT``: see ``ringdit.caching.calibrate``."""
+"""``python -m ringdit.caching calibrate ckpt_path=CKPT``: see ``ringdit.caching.calibrate``."""
+
+import sys
 
 from ringdit.caching.calibrate import main
 
-main()
+sys.exit(main())

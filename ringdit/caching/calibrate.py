@@ -1,19 +1,23 @@
 """TeaCache calibration: fit the rescaling polynomial of a checkpoint's model and store it beside the checkpoint.
 
-    python -m ringdit.caching calibrate CKPT [--num-samples 32] [--steps N] [--cfg-scale S] [--out FILE]
+    python -m ringdit.caching calibrate ckpt_path=CKPT [num_samples=32] [steps=N] [cfg_scale=S] [out=FILE]
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 
+from ringdit.atomic import atomic_write
 from ringdit.caching.cache import StepCache
 from ringdit.caching.settings import COEFFICIENTS_FILE, CacheSettings, model_fingerprint
-from ringdit.errors import ConfigError
+from ringdit.cli import hydra_main, user_errors
+from ringdit.errors import ConfigError, require_choice, require_count, require_number
 
 
 def fit_coefficients(records: list[tuple[float, float]], degree: int = 4) -> tuple[float, ...]:
@@ -51,26 +55,44 @@ def load_for_sampling(ckpt_path: str, weights: str = "ema"):
     return module.eval()
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m ringdit.caching", description="Fit TeaCache's rescaling "
-                                     "polynomial for a checkpoint and write it beside it (teacache.json).")
-    parser.add_argument("command", choices=["calibrate"])
-    parser.add_argument("ckpt_path")
-    parser.add_argument("--num-samples", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=None, help="default: the checkpoint's sampling steps")
-    parser.add_argument("--cfg-scale", type=float, default=None)
-    parser.add_argument("--out", default=None, help=f"default: {COEFFICIENTS_FILE} beside the checkpoint")
-    args = parser.parse_args(argv)
-    module = load_for_sampling(args.ckpt_path)
-    seeds = list(range(args.num_samples))
-    if module.text_conditioned:  # no prompts at hand: the empty prompt's trajectories (a fit of the dynamics)
-        condition = module.model.null_condition(args.num_samples)
-    else:
-        condition = torch.arange(args.num_samples) % module.hparams.data["num_classes"]
-    coefficients = calibrate(module, condition, seeds, steps=args.steps, cfg_scale=args.cfg_scale)
-    out = Path(args.out) if args.out else Path(args.ckpt_path).expanduser().parent / COEFFICIENTS_FILE
-    out.write_text(json.dumps({"coefficients": coefficients, "model": list(model_fingerprint(module.model)),
-                               "ckpt_path": str(args.ckpt_path), "num_samples": args.num_samples}, indent=1))
+@hydra_main("calibrate")  # conf/calibrate.yaml
+def calibrate_command(cfg: DictConfig) -> None:
+    """Fit TeaCache's rescaling polynomial for a checkpoint and write it beside it (teacache.json)."""
+    with user_errors():  # a wrong setting or checkpoint (CheckpointError): one line, exit code 2
+        require_count("num_samples", cfg.num_samples, hint="each sample adds one point per step to the fit")
+        require_count("steps", cfg.steps, optional=True)
+        require_number("cfg_scale", cfg.cfg_scale, low=0, optional=True)
+        require_choice("weights", cfg.weights, ("ema", "model"))
+        ckpt = Path(str(cfg.ckpt_path)).expanduser()
+        if not ckpt.is_file():
+            raise ConfigError(f"ckpt_path={cfg.ckpt_path} is not a file; give a training run's .ckpt (e.g. "
+                              f"outputs/train/runs/<run>/checkpoints/last.ckpt)")
+        out = Path(str(cfg.out)).expanduser() if cfg.out is not None else ckpt.parent / COEFFICIENTS_FILE
+        if out.is_dir():
+            raise ConfigError(f"out={cfg.out} is a folder; give the file to write (e.g. out={out / COEFFICIENTS_FILE})")
+        module = load_for_sampling(str(ckpt), weights=cfg.weights)
+        seeds = list(range(cfg.num_samples))
+        if module.text_conditioned:  # no prompts at hand: the empty prompt's trajectories (a fit of the dynamics)
+            condition = module.model.null_condition(cfg.num_samples)
+        else:
+            condition = torch.arange(cfg.num_samples) % module.hparams.data["num_classes"]
+        coefficients = calibrate(module, condition, seeds, steps=cfg.steps, cfg_scale=cfg.cfg_scale)
+    record = {"coefficients": coefficients, "model": list(model_fingerprint(module.model)), "ckpt_path": str(ckpt),
+              "num_samples": cfg.num_samples}
+    with atomic_write(out) as tmp:
+        tmp.write_text(json.dumps(record, indent=1))
     print(f"wrote {out}: coefficients {list(coefficients)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ringdit.caching calibrate key=value ...``; the exit code: 0, or 2 for a settings mistake."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "calibrate":
+        print("Error: python -m ringdit.caching has one command: calibrate (python -m ringdit.caching calibrate "
+              "ckpt_path=CKPT; --help lists its settings)", file=sys.stderr)
+        return 2
+    try:
+        calibrate_command(argv[1:])
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    return 0

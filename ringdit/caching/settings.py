@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from torch import nn
 
 from ringdit.caching.blocks import repeated_blocks_of
 from ringdit.errors import ConfigError
+from ringdit.safe_json import read_json
 
 KINDS = ("none", "fbcache", "teacache")
 SCOPES = ("sample", "batch")
@@ -79,21 +79,31 @@ class CacheSettings:
         return self.kind != "none"
 
 
+MAX_COEFFICIENTS = 16  # degree 15: calibrate fits degree 4, the published fits are degree 4; every cache decision
+# evaluates the polynomial, so a file of millions of them would turn each step into seconds of Python
+
+
 def read_coefficients(setting: str, value: Any) -> tuple[float, ...]:
     """A polynomial as a list of numbers, or a JSON file (``calibrate``'s) holding ``{"coefficients": [...]}``."""
+    where = setting  # the setting, and the file when the numbers come from one
     if isinstance(value, (str, Path)):
-        path = Path(value).expanduser()
-        try:
-            value = json.loads(path.read_text())["coefficients"]
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise ConfigError(f"{setting}={value}: not a readable TeaCache coefficients file ({error}); pass the "
-                              f"{COEFFICIENTS_FILE} that `python -m ringdit.caching calibrate CKPT` wrote, or a list "
-                              f"of numbers") from None
+        where = f"{setting}={value}"
+        fix = (f"pass the {COEFFICIENTS_FILE} that `python -m ringdit.caching calibrate ckpt_path=CKPT` wrote, or a "
+               f"list of numbers")
+        content = read_json(value, where, fix=fix, max_bytes=2**20, kind=dict)
+        if "coefficients" not in content:
+            raise ConfigError(f"{where} has no \"coefficients\" key; {fix}")
+        value = content["coefficients"]
     values = list(value) if isinstance(value, (list, tuple)) or hasattr(value, "__iter__") else None
     if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                          for v in values):
-        raise ConfigError(f"{setting}={value!r} must be a non-empty list of finite numbers (a polynomial, highest "
+        shown = value if not isinstance(value, (list, tuple)) or len(value) <= 8 else f"[{len(value)} values]"
+        raise ConfigError(f"{where}: {shown!r} must be a non-empty list of finite numbers (a polynomial, highest "
                           f"degree first, as numpy.polyfit returns)")
+    if len(values) > MAX_COEFFICIENTS:
+        raise ConfigError(f"{where} holds {len(values):,} coefficients, a polynomial of degree {len(values) - 1}; "
+                          f"TeaCache's rescaling is degree 4 (at most {MAX_COEFFICIENTS} coefficients are taken): "
+                          f"calibrate again, or pass the list numpy.polyfit returned")
     return tuple(float(v) for v in values)
 
 
@@ -116,11 +126,11 @@ def teacache_coefficients(settings: CacheSettings, model: nn.Module, ckpt_path: 
     if ckpt_path:
         beside = Path(ckpt_path).expanduser().parent / COEFFICIENTS_FILE
         if beside.is_file():
-            return read_coefficients(str(beside), str(beside))
+            return read_coefficients(f"the {COEFFICIENTS_FILE} beside ckpt_path", str(beside))
     fingerprint = model_fingerprint(model)
     if fingerprint in PUBLISHED_COEFFICIENTS:
         return PUBLISHED_COEFFICIENTS[fingerprint]
     raise ConfigError(f"cache=teacache: no TeaCache coefficients for this model ({fingerprint[0]}, width "
                       f"{fingerprint[1]}, depth {fingerprint[2]}; ckpt_path={ckpt_path}); fit them with `python -m "
-                      f"ringdit.caching calibrate {ckpt_path}` (writes {COEFFICIENTS_FILE} beside it), or "
+                      f"ringdit.caching calibrate ckpt_path={ckpt_path}` (writes {COEFFICIENTS_FILE} beside it), or "
                       f"pass cache.coefficients=[...], or use cache=fbcache")

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from ringdit.atomic import atomic_write
-from ringdit.checkpoints.layout import first_line, replace_folder, temporary_folder
+from ringdit.checkpoints.layout import checked_output, first_line, replace_folder, temporary_folder
 from ringdit.checkpoints.weights import read_weights
 from ringdit.errors import CheckpointError
 
@@ -28,10 +28,7 @@ def export_diffusers(ckpt_path: str | Path, out: str | Path, prefer: str = "ema"
     if not is_diffusers_model(info.get("model") or {}):
         raise CheckpointError(f"{ckpt_path} holds ringdit's DiT, not a diffusers transformer: export it with "
                               f"format=ringdit (a .safetensors file)")
-    out = Path(out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"out={out} is a file; format=diffusers writes a folder (transformer/ ...): give a "
-                              f"folder path")
+    out = checked_output(out, folder=True, what="format=diffusers (transformer/ ...)")
     _, model = ModelSpec.from_config(info["model"], 1)  # on meta: the architecture configs, no weights
     tmp = Path(temporary_folder(out))
     try:

@@ -25,6 +25,21 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def checked_output(out: str | Path, *, folder: bool, what: str) -> Path:
+    """``out=`` of an export, before anything is read or written: a folder path for what writes a folder (``folder``),
+    a file path otherwise, and no file where a parent folder has to be. ``what`` names the export in the message."""
+    out = Path(out).expanduser()
+    if folder and out.exists() and not out.is_dir():
+        raise CheckpointError(f"out={out} is a file; {what} writes a folder: give a folder path")
+    if not folder and out.is_dir():
+        raise CheckpointError(f"out={out} is a folder; {what} writes a file: give the file to write, e.g. "
+                              f"out={out / 'weights.safetensors'}")
+    blocking = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise CheckpointError(f"out={out}: {blocking} is a file, not a folder; choose another path")
+    return out
+
+
 def is_sharded_checkpoint(path: str | Path) -> bool:
     path = Path(path).expanduser()
     return path.is_dir() and (path / SHARDED_METADATA).is_file() and (path / ".metadata").is_file()

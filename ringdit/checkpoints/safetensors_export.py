@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ringdit.atomic import atomic_write
-from ringdit.checkpoints.layout import first_line
+from ringdit.checkpoints.layout import checked_output, first_line
 from ringdit.checkpoints.weights import read_weights
 from ringdit.errors import CheckpointError
 
@@ -23,9 +23,7 @@ def export_safetensors(ckpt_path: str | Path, out: str | Path, prefer: str = "em
     state, info = read_weights(ckpt_path, prefer)
     if "model" not in info:
         raise CheckpointError(f"{ckpt_path} carries no model config: only ringdit checkpoints can be exported")
-    out = Path(out).expanduser()
-    if out.is_dir():
-        raise CheckpointError(f"out={out} is a folder; give the file to write, e.g. out={out / 'weights.safetensors'}")
+    out = checked_output(out, folder=False, what="format=ringdit")
     if out.suffix != ".safetensors":
         raise CheckpointError(f"out={out} must end in .safetensors (infer.py and init_from recognise exports by it)")
     metadata = {key: json.dumps(value) for key, value in info.items()}

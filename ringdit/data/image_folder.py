@@ -33,7 +33,7 @@ from ringdit.data.base import ImageDataModule
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.buckets import BUCKETS_HINT as PREPARE_HINT
 from ringdit.media.buckets import Buckets, auto_sizes, parse_buckets
-from ringdit.media.frames import upright_size
+from ringdit.media.frames import open_image, upright_size
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class ImageFiles(Dataset):
                       f"{', '.join(sorted(self.undecodable)[:3])}); put readable images in root/<class>/")
 
     def decode(self, path: str) -> Image.Image:
-        with Image.open(path) as image:
+        with open_image(path) as image:
             image = ImageOps.exif_transpose(image)  # phone photos store their rotation in EXIF
             image = image.convert(self.mode)
             image.load()  # decode every pixel now: a file cut off fails here, not later
@@ -279,7 +279,7 @@ def _probe(path: Path) -> tuple[int, int] | None:
     """The (height, width) an image has once decoded and turned upright (``ImageOps.exif_transpose``), from its
     header (Pillow's open + verify: no pixel decoded); None when the file is unreadable."""
     try:
-        with Image.open(path) as image:
+        with open_image(path) as image:
             size = upright_size(image)
             image.verify()
     except Exception:  # Pillow raises many types for broken files (OSError, SyntaxError, struct.error, ...)

@@ -29,7 +29,6 @@ latents are read one sample at a time from a memory map, so a dataset larger tha
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from pathlib import Path
@@ -42,6 +41,7 @@ from torch.utils.data import ConcatDataset, Dataset
 from ringdit.data.base import ImageDataModule
 from ringdit.errors import ConfigError
 from ringdit.launcher import spawned_by_launcher
+from ringdit.safe_json import parse_json
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names (F8_* are storage formats, not for training)
 INTEGER_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
@@ -229,11 +229,7 @@ def _read_npy(folder: Path) -> tuple[tuple[int, ...], str, np.ndarray, list | No
 
 
 def _parse_names(path: Path, where: str, text: str) -> list:
-    try:
-        names = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"data.path={path}: {where} is not valid JSON ({error}); give a list like "
-                         f'["cat", "dog"]') from None
+    names = parse_json(text, f"data.path={path}: {where}", fix='give a list like ["cat", "dog"]')
     if not isinstance(names, list) or not names or not all(isinstance(n, (str, int)) for n in names):
         raise ValueError(f"data.path={path}: {where} must be a non-empty JSON list of names, got {text[:100]!r}")
     return names

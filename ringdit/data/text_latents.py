@@ -66,6 +66,7 @@ from ringdit.data.base import ImageDataModule
 from ringdit.data.latents import checked_data_path, count_nonfinite
 from ringdit.errors import ConfigError, require_count
 from ringdit.launcher import spawned_by_launcher
+from ringdit.safe_json import parse_json
 
 FORMAT = "ringdit.text_latents/1"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -422,10 +423,7 @@ def parse_json_object(where: str, key: str, text: str) -> dict:
 
 def _json_metadata(where: str, key: str, text: str, kind: type, fix: str):
     """Metadata entry ``key``: JSON of type ``kind`` (list or dict), else a ``ConfigError`` that ends with ``fix``."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{where}: the {key} metadata is not valid JSON ({error}: {text[:60]!r}); {fix}") from None
+    value = parse_json(text, f"{where}: the {key} metadata", fix=f"{text[:60]!r}; {fix}")
     if not isinstance(value, kind):
         raise ConfigError(f"{where}: the {key} metadata is a JSON {type(value).__name__}, not "
                           f"{'a list' if kind is list else 'an object'}; {fix}")

@@ -298,6 +298,11 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
         if task == "i2v":  # an image (or a 1-frame clip) has no video to condition on its first frame: left out
             stills = [str(item.path) for item, bucket in placed if bucket.frames == 1]
             placed = [(item, bucket) for item, bucket in placed if bucket.frames != 1]
+            if stills and not placed:  # nothing would be prepared: say why instead of "prepared 0 samples"
+                raise ConfigError(f"task=i2v: every file of input={input} falls in a 1-frame bucket (buckets="
+                                  f"{buckets}, frames={frames}), and a 1-frame clip is its own first frame, with "
+                                  f"nothing to generate; give frame buckets of 1 + k * {codec.temporal} frames (e.g. "
+                                  f"frames={1 + codec.temporal * 4}), or task=t2v")
             if stills:
                 log.warning("task=i2v: leaving out %d images or 1-frame clips (first: %s); image-to-video trains on "
                             "clips", len(stills), Path(stills[0]).name)

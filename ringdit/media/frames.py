@@ -12,6 +12,7 @@ nearest aspect ratio, chosen by ringdit/media/buckets.py):
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,35 @@ SWAPPING_ORIENTATIONS = (5, 6, 7, 8)  # exif_transpose turns these by 90 degrees
 
 class TooShort(Exception):
     """The clip has fewer frames than the bucket needs at this stride."""
+
+
+class UnreadableImage(ValueError):
+    """A file Pillow cannot open or decode, or one whose header declares more pixels than Pillow's bomb guard
+    (``Image.MAX_IMAGE_PIXELS``) allows."""
+
+
+@contextlib.contextmanager
+def open_image(path):
+    """``Image.open(path)`` whose every failure -- not an image, a broken header, a decompression bomb (Pillow's
+    ``DecompressionBombError``, for more than twice ``Image.MAX_IMAGE_PIXELS``, is a plain ``Exception``) -- is one
+    ``UnreadableImage`` naming the file; a failure of the caller's own code inside the block passes through."""
+    try:
+        image = Image.open(path)
+    except Exception as error:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, DecompressionBombError, ...
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UnreadableImage(f"{path} is not a readable image ({first})") from None
+    with image:
+        yield image
+
+
+def decoded(image: Image.Image) -> Image.Image:
+    """``image.load()`` (every pixel decoded now: a file cut off fails here, not later) as an ``UnreadableImage``."""
+    try:
+        image.load()
+    except Exception as error:  # noqa: BLE001 - any decoder failure: this file is unusable
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UnreadableImage(f"{image.filename or 'the image'} is not a readable image ({first})") from None
+    return image
 
 
 def fit(image: Image.Image, height: int, width: int) -> Image.Image:
@@ -77,9 +107,8 @@ def image_pixels(image: Image.Image, height: int, width: int) -> torch.Tensor:
 def read_image(path: Path, height: int, width: int) -> torch.Tensor:
     """(3, H, W) in [-1, 1], upright (EXIF rotation applied); raises (OSError, ValueError, ...) when the file cannot
     be decoded."""
-    with Image.open(path) as image:
-        image.load()
-        return image_pixels(image, height, width)
+    with open_image(path) as image:
+        return image_pixels(decoded(image), height, width)
 
 
 def read_video(path: Path, height: int, width: int, frames: int, stride: int = 1) -> torch.Tensor:
@@ -100,7 +129,7 @@ def probe(path: Path, is_video: bool) -> tuple[int, int, int | None]:
     pixels; PyAV's stream metadata (its frame count, else the packets counted, no frame decoded). Raises (OSError,
     ValueError, av.error.*, ...) when the file cannot be opened as one."""
     if not is_video:
-        with Image.open(path) as image:
+        with open_image(path) as image:
             return *upright_size(image), None
     import av
 

@@ -28,7 +28,7 @@ import torch
 
 from ringdit.errors import ConfigError
 from ringdit.media.frames import image_pixels, to_image, upright_size
-from ringdit.media.text import _folder
+from ringdit.media.text import REMOTE_CODE, _folder
 from ringdit.models.diffusers.folders import check_weights_folder
 
 log = logging.getLogger("ringdit.media")
@@ -81,8 +81,9 @@ class ImageEncoder:
         self.folder, self.processor_folder = image_encoder_folders(image_encoder, image_processor)
         try:  # safetensors only (checked above): a pickled .bin can run code
             self.model = transformers.CLIPVisionModel.from_pretrained(str(self.folder), dtype=dtype,
-                                                                      use_safetensors=True)
-            self.processor = transformers.CLIPImageProcessor.from_pretrained(str(self.processor_folder))
+                                                                      use_safetensors=True, **REMOTE_CODE)
+            self.processor = transformers.CLIPImageProcessor.from_pretrained(str(self.processor_folder),
+                                                                             **REMOTE_CODE)
         except (OSError, ValueError, RuntimeError) as error:
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ConfigError(f"image_encoder={image_encoder}: cannot load the CLIP vision model from {self.folder} "

@@ -34,7 +34,6 @@ pipeline's second text encoder, over the prompt's quoted text; it adds ``glyph_t
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +41,7 @@ import torch
 
 from ringdit.errors import ConfigError, require_count
 from ringdit.models.diffusers.folders import check_weights_folder
+from ringdit.safe_json import read_json
 
 # config.json "model_type" -> the encoder-only class (a full T5 checkpoint also loads into its encoder)
 ENCODERS = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel", "clip_text_model": "CLIPTextModel",
@@ -60,9 +60,29 @@ def _folder(path, subfolder: str, marker: str, setting: str) -> Path:
         raise ConfigError(f"{setting}={path} does not exist; pass a local transformers folder (save_pretrained's)")
     for folder in (root / subfolder, root):
         if (folder / marker).is_file():
+            refuse_remote_code(folder, marker, setting, path)
             return folder
     raise ConfigError(f"{setting}={path} has no {marker} (looked in {root / subfolder} and {root}); pass the folder "
                       f"save_pretrained wrote")
+
+
+def refuse_remote_code(folder: Path, marker: str, setting: str, path) -> None:
+    """A folder whose configs name their own Python classes (``auto_map``: transformers would import the folder's
+    code, and on a terminal offer to run it) is refused: ringdit loads only the classes transformers ships, with
+    ``trust_remote_code=False`` (see ``REMOTE_CODE``) so that nothing is ever offered."""
+    for name in dict.fromkeys((marker, "config.json")):
+        if not (folder / name).is_file():
+            continue
+        config = read_json(folder / name, f"{setting}={path}: {folder / name}", kind=dict,
+                           fix="pass the folder save_pretrained wrote")
+        if "auto_map" in config:
+            raise ConfigError(f"{setting}={path}: {folder / name} names custom code (auto_map: "
+                              f"{', '.join(sorted(map(str, config['auto_map'])))[:80]}), which ringdit never runs; "
+                              f"pass a folder of a model transformers itself implements (T5, UMT5, CLIP, Qwen2.5-VL, "
+                              f"Mistral3, ...)")
+
+
+REMOTE_CODE = {"trust_remote_code": False}  # every transformers load: never the folder's code, never a prompt
 
 
 @dataclass(frozen=True)
@@ -163,7 +183,8 @@ class TextEncoder:
         default = self.template.masked if self.template else pooled_encoder is None  # as each pipeline does
         self.masked = default if masked is None else masked
         folder = _folder(text_encoder, "text_encoder", "config.json", setting)
-        config = json.loads((folder / "config.json").read_text())
+        config = read_json(folder / "config.json", f"{setting}={text_encoder}: {folder / 'config.json'}", kind=dict,
+                           fix="pass the folder save_pretrained wrote")
         model_type = config.get("model_type")
         if model_type not in ENCODERS:
             raise ConfigError(f"{setting}={text_encoder}: model_type {model_type!r} is not a supported text encoder "
@@ -174,8 +195,8 @@ class TextEncoder:
         check_weights_folder(folder, setting=setting, value=text_encoder, class_name=ENCODERS[model_type],
                              library="transformers")
         try:
-            self.model = getattr(transformers, ENCODERS[model_type]).from_pretrained(str(folder), dtype=dtype,
-                                                                                     use_safetensors=True)
+            self.model = getattr(transformers, ENCODERS[model_type]).from_pretrained(
+                str(folder), dtype=dtype, use_safetensors=True, **REMOTE_CODE)
         except (OSError, ValueError, RuntimeError) as error:
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ConfigError(f"{setting}={text_encoder}: cannot load weights from {folder} ({first}); save it "
@@ -189,7 +210,7 @@ class TextEncoder:
         # a chat model's pipeline may load a processor here (Flux.2's PixtralProcessor); for text alone it renders
         # the same template and tokenizes with this tokenizer, adding no special tokens when the template starts with
         # BOS (Mistral's does), as the tokenizer's apply_chat_template never adds them: the same ids
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder))
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder), **REMOTE_CODE)
         if self.template is not None and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"{tokenizer_setting}={tokenizer_folder} has no chat template (chat_template.jinja or "
                               f"in tokenizer_config.json), which prompt_template={self.template.name} puts the prompt "

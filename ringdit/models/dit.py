@@ -240,6 +240,14 @@ class DiT(nn.Module):
     def patch_shape(self) -> tuple[int, ...]:
         return self.x_embedder.patch_shape
 
+    @staticmethod
+    def patch_shape_of(config: dict) -> tuple[int, ...]:
+        """The patch a model of ``config`` will have, before it is built: ([T,] H, W) data cells per token."""
+        patch, temporal = int(config.get("patch_size", 2)), config.get("temporal_patch_size")
+        return (patch, patch) if temporal is None else (int(temporal), patch, patch)
+
+    max_grid = None  # its sin-cos position embedding is computed for any grid
+
     # ---- conditioning: the interface every model ringdit trains shares (``DiffusersTransformer``'s for text) -----
     @property
     def null_label(self) -> int:

@@ -352,7 +352,9 @@ def _split_inputs(keys: dict[Key, int], stream: str, module: nn.Module, args: tu
 
 
 def _has_dim(value, dim: int) -> bool:
-    return isinstance(value, Tensor) and value.dim() > dim
+    """``value`` is a tensor with dim ``dim`` (a negative one counts from the end: ``-2`` is the token dim of both
+    ``(S, 4)`` and ``(B, S, 4)`` position ids)."""
+    return isinstance(value, Tensor) and (value.dim() > dim if dim >= 0 else value.dim() >= -dim)
 
 
 def _transform_outputs(keys: dict[Key, int], transform, module: nn.Module, args, output):

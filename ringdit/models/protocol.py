@@ -27,12 +27,18 @@ class DiffusionModel(Protocol):
     in_channels: int  # channels of the data it denoises
     default_grid: tuple[int, ...]  # its token grid for the data's (most frequent) shape
     patch_shape: tuple[int, ...]  # the data cells one token covers, ([T,] H, W): any shape divisible by it works
+    max_grid: tuple[int, ...] | None  # the largest token grid its position embedding covers per axis; None: any
     condition_dropout_prob: float  # the chance training replaces a sample's condition by the null one
 
     @classmethod
     def config_for_data(cls, config: dict, data: dict) -> dict:
         """Its config (``_target_`` and settings) with what the data module describes filled in: channels, shape,
         classes or text embedding shape; a ConfigError where the data does not fit the model."""
+
+    @staticmethod
+    def patch_shape_of(config: dict) -> tuple[int, ...] | None:
+        """The ``patch_shape`` a model of ``config`` (``config_for_data``'s) will have, read from the config alone:
+        the data's buckets are checked against it before the model is built around the most frequent one."""
 
     def forward(self, x: Tensor, t: Tensor, condition: Condition) -> Tensor:
         """x (B, C, [T,] H, W) noisy data, t (B,) model time -> the prediction (B, C or 2C, [T,] H, W), whole (the

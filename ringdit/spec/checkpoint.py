@@ -10,6 +10,7 @@ name the setting that named the file.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,6 +240,16 @@ class LoraBase:
         """The base fits the model the adapter was trained on (names and shapes), and the adapter fits the base:
         before any process starts, naming the first key that does not."""
         fix = "give base= the weights the run fine-tuned (its init_from or model.pretrained): same family and size"
+        recorded, built = self.model.get("config"), getattr(getattr(meta_model, "transformer", None), "config", None)
+        if self.init_from is None and recorded and built is not None:  # a diffusers folder: the architecture the
+            # run recorded (config_for_data) against the folder's; adapters on attention alone would fit a wider MLP
+            differs = [key for key in sorted(recorded)
+                       if key in built and _as_json(built[key]) != _as_json(recorded[key])]
+            if differs:
+                shown = ", ".join(f"{key} {_as_json(built[key])} (trained on {_as_json(recorded[key])})"
+                                  for key in differs[:3])
+                raise ConfigError(f"{self.described} does not fit the LoRA adapter in ckpt_path={self.ckpt_path}: its "
+                                  f"architecture differs: {shown}; {fix}")
         if self.init_from is not None:
             try:
                 base, _ = read_weights(self.init_from, prefer=self.init_weights, load_tensors=False)
@@ -253,6 +264,11 @@ class LoraBase:
         if problem is not None:
             raise ConfigError(f"{self.described} does not fit the LoRA adapter in ckpt_path={self.ckpt_path}: "
                               f"{problem}; {fix}")
+
+
+def _as_json(value):
+    """A config value as JSON has it (tuples as lists), so a folder's config.json and a recorded config compare."""
+    return json.loads(json.dumps(value))
 
 
 def recorded_hparams(ckpt_path: str) -> dict:

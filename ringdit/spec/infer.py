@@ -182,17 +182,13 @@ def image_files(image: str) -> list[str]:
 
 def check_image(file: str, height: int, width: int) -> None:
     """The image opens and has the samples' aspect ratio (within one pixel of rounding)."""
-    from PIL import Image, UnidentifiedImageError
-
-    from ringdit.media.frames import upright_size
+    from ringdit.media.frames import UnreadableImage, decoded, open_image, upright_size
 
     try:
-        with Image.open(file) as opened:
-            opened.load()
-            h, w = upright_size(opened)  # as it is shown: a phone photo's EXIF rotation applied
-    except (OSError, UnidentifiedImageError, ValueError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ConfigError(f"image={file} is not a readable image ({first}); give a PNG / JPEG / WebP file") from None
+        with open_image(file) as opened:
+            h, w = upright_size(decoded(opened))  # as it is shown: a phone photo's EXIF rotation applied
+    except UnreadableImage as error:
+        raise ConfigError(f"image={error}; give a PNG / JPEG / WebP file") from None
     if abs(w * height - h * width) >= max(height, width):  # not the same ratio up to one pixel's rounding
         raise ConfigError(f"image={file} is {w}x{h} (W x H) but the samples are {width}x{height}: a different aspect "
                           f"ratio; crop the image to {width}:{height} (nothing is cropped for you), or sample at "
@@ -276,7 +272,7 @@ class InferSpec:
             lora.check(meta_model, state)
         from ringdit.sampling import SampleSizes, patch_shape
 
-        sizes = SampleSizes.of(info["data"], patch_shape(meta_model))
+        sizes = SampleSizes.of(info["data"], patch_shape(meta_model), meta_model.max_grid)
         check_cache_model(cache, meta_model)  # blocks the step cache cannot wrap: refused here, not on the ranks
         if cache.kind == "teacache":  # the polynomial this model needs, found (or refused) before anything starts
             cache = replace(cache, coefficients=teacache_coefficients(cache, meta_model, ckpt_path))

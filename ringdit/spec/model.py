@@ -41,7 +41,11 @@ class ModelSpec:
                   ulysses_degree: int) -> tuple[ModelSpec, nn.Module]:
         """The model ``model_cfg`` makes of this data (``model_config``), and that model built on meta; every bucket
         of the data must be a shape it patches."""
-        spec, meta_model = cls.from_config(model_config(model_cfg, data_info), ulysses_degree)
+        config = model_config(model_cfg, data_info)
+        patch = model_class(config).patch_shape_of(config)
+        if patch is not None:  # before the model is built around the most frequent bucket, which may be the bad one
+            check_buckets(data_info, patch)
+        spec, meta_model = cls.from_config(config, ulysses_degree)
         check_buckets(data_info, meta_model.patch_shape)
         return spec, meta_model
 

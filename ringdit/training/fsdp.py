@@ -23,6 +23,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from ringdit.atomic import disk_full, disk_full_error
 from ringdit.checkpoints.layout import SHARDED_METADATA, is_sharded_checkpoint, replace_folder, temporary_folder
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.checkpoints.optimizer_state import optimizer_state_by_name
@@ -85,7 +86,12 @@ class RingFSDPStrategy(SequenceParallelStrategy, ModelParallelStrategy):
         ``replace_folder``)."""
         path = Path(self.broadcast(str(filepath)))
         tmp = Path(self.broadcast(temporary_folder(path) if self.is_global_zero else None))
-        super().save_checkpoint(checkpoint, tmp, storage_options)
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+        except Exception as error:
+            if disk_full(error, tmp):
+                raise disk_full_error(path, replaced=f"the previous {path.name}") from error
+            raise
         self.barrier("checkpoint_written")
         if self.is_global_zero:
             replace_folder(tmp, path)

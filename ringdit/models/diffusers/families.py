@@ -65,6 +65,7 @@ WAN = Family(
     video=True,
     condition_keys=("text",),
     text_dim="text_dim",
+    max_grid=lambda config: (config.get("rope_max_seq_len", 1024),) * 3,  # WanRotaryPosEmbed's table, per axis
 )
 
 # Wan 2.2 TI2V (image and text to video, the 5B): the same transformer, in_channels == out_channels; the image is the
@@ -122,8 +123,10 @@ FLUX = Family(
     plan=ParallelPlan(
         blocks=("transformer_blocks", "single_transformer_blocks"),
         joint_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
-        split_inputs={"": {"hidden_states": 1, "img_ids": 0}},  # image tokens (B, S, 4C) and their ids (S, 3)
-        text_inputs={"": {"encoder_hidden_states": 1, "txt_ids": 0}},  # T5 states (B, L, D) and their ids (L, 3)
+        # image tokens (B, S, 4C) and their ids (S, 3), or (B, S, 3) as older pipelines pass them (the model takes
+        # ids[0]): the ids' token dim is the second to last in both forms
+        split_inputs={"": {"hidden_states": 1, "img_ids": -2}},
+        text_inputs={"": {"encoder_hidden_states": 1, "txt_ids": -2}},  # T5 states (B, L, D), ids (L, 3) / (B, L, 3)
         gather_outputs={"proj_out": {None: 1}},  # (B, S, 4C): the image tokens only
     ),
     forward=_flux_forward,

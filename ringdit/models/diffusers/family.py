@@ -41,5 +41,8 @@ class Family:
     # diffusion.sampling.shift_terminal's default: the last non-zero sampling time, where the family's scheduler
     # config stretches its sigmas to one (its shift_terminal); None: no stretch
     shift_terminal: float | None = None
+    # the largest token grid ([T,] H, W) its position embedding covers, from the config (Wan's RoPE table has
+    # rope_max_seq_len positions per axis: a longer axis fails inside the model); None: any grid
+    max_grid: Callable[[dict], tuple[int, ...]] | None = None
     # LoRA's default targets (module-name suffixes, peft's rule): every attention projection
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")

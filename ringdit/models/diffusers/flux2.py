@@ -76,8 +76,10 @@ FLUX2 = Family(
     plan=ParallelPlan(
         blocks=("transformer_blocks", "single_transformer_blocks"),
         joint_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
-        split_inputs={"": {"hidden_states": 1, "img_ids": 0}},  # image tokens (B, S, 4C) and their ids (S, 4)
-        text_inputs={"": {"encoder_hidden_states": 1, "txt_ids": 0}},  # text states (B, L, D) and their ids (L, 4)
+        # image tokens (B, S, 4C) and their ids (S, 4), or (B, S, 4) as Flux2Pipeline passes them (the model takes
+        # ids[0]): the ids' token dim is the second to last in both forms
+        split_inputs={"": {"hidden_states": 1, "img_ids": -2}},
+        text_inputs={"": {"encoder_hidden_states": 1, "txt_ids": -2}},  # text states (B, L, D), ids (L, 4) / (B, L, 4)
         gather_outputs={"proj_out": {None: 1}},  # (B, S, 4C): the image tokens only
     ),
     forward=_flux2_forward,

@@ -23,6 +23,7 @@ from ringdit.models.diffusers.image_condition import (CONDITION_KEY, channel_inp
                                                     replace_first_frame, require_image, token_timesteps)
 from ringdit.models.materialize import building_on_meta
 from ringdit.models.plan import ParallelPlan
+from ringdit.safe_json import read_json
 
 Tensor = torch.Tensor
 
@@ -134,6 +135,9 @@ class DiffusersTransformer(nn.Module):
                               f"encode the captions with the model's pooled text encoder too (text_latents 'pooled')")
         _check_image_data(config, family, data)
         glyph = _glyph_shape(family, data)
+        if config.get("pretrained"):  # the run records the architecture it trains: the folder's, not a preset's
+            folder = pretrained_folder(family, config["pretrained"], config.get("subfolder", "transformer"))
+            config = {**config, "config": read_config(family, folder, config["pretrained"])}
         return {**config, "input_size": list(data["image_size"]), "in_channels": data["channels"],
                 "text_len": data["text_len"], "text_dim": data["text_dim"], "pooled_dim": data.get("pooled_dim"),
                 **glyph}
@@ -244,6 +248,18 @@ class DiffusersTransformer(nn.Module):
     @property
     def patch_shape(self) -> tuple[int, ...]:
         return self.patch_size
+
+    @staticmethod
+    def patch_shape_of(config: dict) -> tuple[int, ...] | None:
+        """The patch a model of ``config`` (``config_for_data``'s: its architecture recorded) will have, before it is
+        built; None where the config holds no architecture (it does not build either)."""
+        arch = config.get("config")
+        return tuple(get_family(config["family"]).patch_shape(arch)) if arch else None
+
+    @property
+    def max_grid(self) -> tuple[int, ...] | None:
+        """The largest token grid ([T,] H, W) the transformer's position embedding covers; None: any."""
+        return None if self.family.max_grid is None else tuple(self.family.max_grid(self.transformer.config))
 
     def pretrained_files(self, pretrained: str, subfolder: str | None = "transformer", setting: str = "init_from"
                          ) -> dict[str, list[Path]]:
@@ -461,12 +477,8 @@ def pretrained_folder(family: Family, pretrained: str, subfolder: str | None, se
 
 def read_config(family: Family, folder: Path, pretrained: str, setting: str = "model.pretrained") -> dict:
     """The architecture in ``folder/config.json`` (plain JSON data: nothing in it is imported or run)."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{setting}={pretrained}: {folder / 'config.json'} is not valid JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{setting}={pretrained}: {folder / 'config.json'} is not a JSON object")
+    config = read_json(folder / "config.json", f"{setting}={pretrained}: {folder / 'config.json'}", kind=dict,
+                       fix=f"give a diffusers {family.model_class} folder (as save_pretrained writes it)")
     kind = config.get("_class_name", family.model_class)
     if kind != family.model_class:
         raise ConfigError(f"{setting}={pretrained} holds a {kind}, not a {family.model_class} "

@@ -63,4 +63,5 @@ SKYREELS_V2 = Family(
     video=True,
     condition_keys=("text",),
     text_dim="text_dim",
+    max_grid=lambda config: (config.get("rope_max_seq_len", 1024),) * 3,  # its RoPE table (Wan's), per axis
 )

@@ -1,0 +1,335 @@
+"""Hostile and wrong inputs to the newest surfaces -- images, JSON files (TeaCache coefficients, prompt lines),
+the calibrate and export commands, sample sizes beyond a model's RoPE table, a LoRA base of another architecture,
+image-to-video buckets without videos, a full disk, bucket steps the patch cannot divide, folders that name their
+own code, Flux.2's pipeline-shaped position ids -- each ends in one line naming the setting or file, the value and
+the fix, or works as the model itself would."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ringdit.errors import ConfigError
+from tests.distributed import run_ranks
+from tests.helpers import (TEXT_LEN, TINY, WAN, architecture, assert_refused, assert_same_numbers, fail_fast, run,
+                           write_video)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+# ---- images: one guard for every reader ------------------------------------------------------------------------------
+
+
+def bomb_png(path: Path, side: int = 30000) -> Path:
+    """A PNG whose header declares ``side`` x ``side`` pixels (900 M at 30000: Pillow's bomb guard refuses it at
+    open); its one IDAT row is all there is."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 4))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def test_a_decompression_bomb_is_one_unreadable_image_everywhere(tmp_path):
+    """Pillow's DecompressionBombError is a plain Exception: infer.py's image check, prepare's probe and reader and
+    the image folder's probe all see it as an unreadable file named in one line."""
+    from ringdit.data.image_folder import _probe
+    from ringdit.media.frames import UnreadableImage, probe, read_image
+    from ringdit.spec.infer import check_image
+
+    bomb = bomb_png(tmp_path / "bomb.png")
+    with pytest.raises(ConfigError, match=rf"image={bomb} is not a readable image \(Image size \(900000000 pixels\) "
+                                          r"exceeds limit .*decompression bomb.*; give a PNG / JPEG / WebP file"):
+        check_image(str(bomb), 16, 16)
+    for reader in (lambda: probe(bomb, is_video=False), lambda: read_image(bomb, 16, 16)):
+        with pytest.raises(UnreadableImage, match=rf"{bomb} is not a readable image"):
+            reader()
+    assert _probe(bomb) is None  # a folder's bad file is skipped and counted, as every other unreadable one
+
+
+# ---- JSON files: size and depth bounds ------------------------------------------------------------------------------
+
+
+def test_teacache_coefficient_files_are_bounded(tmp_path):
+    """A file nested past the parser's recursion limit, one of millions of coefficients, one larger than a
+    coefficients file can be, and the wrong JSON shapes: each one ConfigError naming the file."""
+    from ringdit.caching.settings import read_coefficients
+
+    cases = {
+        "deep": ("[" * 100_000 + "]" * 100_000, r"is not valid JSON \(nested too deeply\)"),
+        "many": (json.dumps({"coefficients": [0.5] * 50_000}), r"holds 50,000 coefficients, a polynomial of degree "
+                                                                r"49999; .*at most 16 coefficients"),
+        "huge": (json.dumps({"coefficients": [0.5] * 300_000}), r"is 1,\d{3},\d{3} bytes, more than the 1,048,576 "
+                                                                 r"such a file can need"),
+        "array": ("[1, 2]", r"holds a JSON array, not an object"),
+        "no key": ('{"coefs": [1, 2]}', r'has no "coefficients" key'),
+        "not numbers": ('{"coefficients": ["a"]}', r"must be a non-empty list of finite numbers"),
+        "not utf-8": (b"\xff\xfe{}", r"is not UTF-8 text"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.json"
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(ConfigError, match=rf"cache.coefficients={path}.*{message}"):
+            read_coefficients("cache.coefficients", str(path))
+    with pytest.raises(ConfigError, match=r"cache.coefficients holds 17 coefficients"):
+        read_coefficients("cache.coefficients", [1.0] * 17)
+    assert read_coefficients("cache.coefficients", [1.0] * 16) == (1.0,) * 16
+
+
+def test_deeply_nested_json_in_data_files_is_one_line(tmp_path):
+    """Prompt-file lines and a latents folder's class names go through the same parser guard."""
+    from ringdit.data.latents import _parse_names
+    from ringdit.sampling import read_prompt_file
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a cat"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=rf"prompt_file={prompts} line 2: the line is not valid JSON \(nested too "
+                                          r"deeply\); each line is one object"):
+        read_prompt_file(str(prompts))
+    with pytest.raises(ConfigError, match=r"class_names.json is not valid JSON \(nested too deeply\); give a list"):
+        _parse_names(tmp_path, "class_names.json", "[" * 100_000)
+
+
+# ---- the calibrate and export commands -------------------------------------------------------------------------------
+
+
+def command(main, argv, capsys) -> tuple[int, str]:
+    """A ``python -m`` command's ``main(argv)`` in this process: its exit code and stderr."""
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_calibrate_is_a_hydra_command_with_one_line_errors(tiny_checkpoint, tmp_path, capsys):
+    from ringdit.caching.calibrate import main
+
+    for argv, message in (
+        (["calibrate", f"ckpt_path={tmp_path / 'missing.ckpt'}"], r"ckpt_path=.*missing.ckpt is not a file; give a "
+                                                                  r"training run's .ckpt"),
+        (["calibrate", f"ckpt_path={tiny_checkpoint}", "num_samples=0"], r"num_samples must be a positive integer, "
+                                                                         r"got 0"),
+        (["calibrate", f"ckpt_path={tiny_checkpoint}", "steps=-2"], r"steps must be a positive integer, got -2"),
+        (["calibrate", f"ckpt_path={tiny_checkpoint}", f"out={tmp_path}"], r"out=.* is a folder; give the file"),
+        (["calibrate"], r"ckpt_path is required"),
+        (["fit"], r"python -m ringdit.caching has one command: calibrate"),
+        # a 1-step model: adaLN-Zero blocks still add almost nothing, so no evaluation's change is a usable point
+        (["calibrate", f"ckpt_path={tiny_checkpoint}", "num_samples=2", "steps=3", f"out={tmp_path / 'c.json'}"],
+         r"calibration recorded 0 usable evaluations, fewer than degree \+ 1 = 5; sample more steps or samples"),
+    ):
+        code, err = command(main, argv, capsys)
+        assert code == 2 and len(err.strip().splitlines()) <= 2 and "Traceback" not in err, err
+        assert re.search(message, err.splitlines()[0]), err
+
+
+def test_export_refuses_an_out_it_cannot_write(tiny_checkpoint, tmp_path, capsys):
+    """A LoRA export over a file, a file export into a folder or below a file: one line before reading weights."""
+    from ringdit.export import main
+
+    (tmp_path / "file").write_text("keep me")
+    for overrides, message in (
+        (["lora=true", f"out={tmp_path / 'file'}"], r"out=.*file is a file; lora=true writes a folder"),
+        (["format=diffusers", f"out={tmp_path / 'file'}"], r"out=.*file is a file; format=diffusers"),
+        ([f"out={tmp_path}"], r"out=.* is a folder; format=ringdit writes a file"),
+        ([f"out={tmp_path / 'file' / 'w.safetensors'}"], r"out=.*: .*file is a file, not a folder"),
+    ):
+        code, err = command(main, [f"ckpt_path={tiny_checkpoint}", *overrides], capsys)
+        assert code == 2 and re.search(message, err.splitlines()[0]) and "Traceback" not in err, err
+    assert (tmp_path / "file").read_text() == "keep me"
+
+
+# ---- sizes beyond the RoPE table, a LoRA base of another size ------------------------------------------------------
+
+
+def test_sample_sizes_beyond_the_position_table_are_refused():
+    """Wan's RoPE table has rope_max_seq_len positions per axis: a longer axis is named in the units it was given."""
+    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.sampling import SampleSizes
+
+    with torch.device("meta"):
+        wan = DiffusersTransformer("wan", config={**architecture("wan_tiny"), "rope_max_seq_len": 16})
+    assert wan.max_grid == (16, 16, 16)
+    sizes = SampleSizes.of({"image_size": [3, 8, 8], "vae": {"spatial_compression": 8, "temporal_compression": 4}},
+                           wan.patch_shape, wan.max_grid)
+    assert sizes.shape([256, 256], 61) == (16, 32, 32)  # 16 x 16 x 16 tokens: the table's end
+    with pytest.raises(ConfigError, match=r"size=\[256, 272\]: 17 tokens along one axis, more than the 16 positions "
+                                          r"the model's position embedding covers .* there is size=\[256, 256\]"):
+        sizes.shape([256, 272])
+    with pytest.raises(ConfigError, match=r"frames=65: 17 tokens .* there is frames=61"):
+        sizes.shape(None, 65)
+
+
+@pytest.fixture(scope="module")
+def wan_lora(tmp_path_factory):
+    """A Wan LoRA run (adapters on attention only) on a tiny pipeline folder."""
+    import diffusers
+
+    root = tmp_path_factory.mktemp("wan_lora")
+    diffusers.WanTransformer3DModel.from_config(architecture("wan_tiny")).save_pretrained(root / "wan" / "transformer")
+    run("train.py", root / "run", *WAN, "trainer.max_steps=1", "lora.rank=4", f"model.pretrained={root / 'wan'}")
+    return root
+
+
+def test_a_lora_base_of_another_architecture_is_refused(wan_lora, tmp_path):
+    """Attention-only adapters fit a base whose MLP is twice as wide; the recorded architecture does not."""
+    import diffusers
+
+    ckpt = wan_lora / "run" / "checkpoints" / "last.ckpt"
+    wide = {**architecture("wan_tiny"), "ffn_dim": 2 * architecture("wan_tiny")["ffn_dim"]}
+    diffusers.WanTransformer3DModel.from_config(wide).save_pretrained(tmp_path / "wide" / "transformer")
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={ckpt}", f"base={tmp_path / 'wide'}",
+                              f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_refused(proc, rf"base={tmp_path / 'wide'} does not fit the LoRA adapter in ckpt_path={ckpt}: its "
+                         rf"architecture differs: ffn_dim {wide['ffn_dim']} \(trained on {wide['ffn_dim'] // 2}\)",
+                   seconds=seconds)
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={ckpt}", "size=[16384,32]",
+                              f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_refused(proc, r"size=\[16384, 32\]: 8192 tokens along one axis, more than the 32 positions the model's "
+                         r"position embedding covers", seconds=seconds)
+
+
+# ---- prepare: image-to-video without a clip; folders that name their own code ---------------------------------------
+
+
+def test_i2v_with_only_one_frame_buckets_is_refused(models, tmp_path):
+    from ringdit.media.encode_folder import encode_folder
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    write_video(clips / "a.mp4", 6)
+    (clips / "a.txt").write_text("a red fox")
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"task=i2v: every file of input=.* falls in a 1-frame bucket .*a 1-frame "
+                                          r"clip is its own first frame.*give frame buckets of 1 \+ k \* 4 frames"):
+        encode_folder(str(clips), str(out), str(models["wan"]), str(models["wan"]), task="i2v", buckets=[[16, 24]],
+                      resolution=[16, 24], frames=5, frame_buckets=[1], max_text_len=TEXT_LEN, progress=False)
+    assert not list(out.glob("shard-*")) if out.exists() else True
+
+
+def test_folders_that_name_their_own_code_are_refused_before_loading(models, tmp_path):
+    """transformers would import a folder's ``auto_map`` classes (and, on a terminal, ask to run them): refused in
+    one line naming the setting; the folder's code never runs."""
+    import shutil
+
+    from ringdit.media.text import TextEncoder
+
+    sentinel = tmp_path / "ran"
+    for part, name in (("tokenizer", "tokenizer_config.json"), ("text_encoder", "config.json")):
+        folder = tmp_path / part
+        shutil.copytree(models["wan"], folder)
+        target = folder / part / name
+        config = json.loads(target.read_text())
+        config["auto_map"] = {"AutoTokenizer": ["evil.Evil", None], "AutoModel": "evil.Evil"}
+        target.write_text(json.dumps(config))
+        (folder / part / "evil.py").write_text(f"open({str(sentinel)!r}, 'w').write('ran')\n")
+        with pytest.raises(ConfigError, match=rf"(tokenizer|text_encoder)={folder}(/{part})?: .*{name} names custom "
+                                              r"code \(auto_map: .*\), which ringdit never runs"):
+            TextEncoder(folder, max_len=TEXT_LEN)
+    assert not sentinel.exists()
+
+
+# ---- a full disk, a bucket step the patch cannot divide --------------------------------------------------------------
+
+
+def test_a_full_disk_is_said_and_the_previous_file_kept(tmp_path, monkeypatch):
+    """torch.save's own writer hides ENOSPC ("unexpected pos"): a write that fails with the disk (nearly) full is
+    one DiskFullError naming the file, and the previous file is intact."""
+    from ringdit import atomic
+
+    target = tmp_path / "last.ckpt"
+    target.write_bytes(b"previous")
+    monkeypatch.setattr(atomic, "free_bytes", lambda folder: 4096)
+    with pytest.raises(atomic.DiskFullError, match=rf"the disk is full: writing {target} failed \(0.0 MiB left .*"
+                                                   r"the previous last.ckpt .* is intact"):
+        with atomic.atomic_write(target) as tmp:
+            tmp.write_bytes(b"partial")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    assert target.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="not about space"):  # plenty of space: the error stays what it was
+        with atomic.atomic_write(target) as tmp:
+            raise RuntimeError("not about space")
+    assert atomic.disk_full(OSError(28, "No space left on device"), tmp_path)
+
+
+def test_a_real_full_file_system(tmp_path):
+    """A 1 MiB tmpfs (where this machine lets the test mount one) filled by a checkpoint write."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
+    try:
+        from ringdit.atomic import DiskFullError, atomic_write
+
+        (mount / "step_0000002.ckpt").write_bytes(b"good")
+        with pytest.raises(DiskFullError, match=r"nothing was written at .*step_0000004.ckpt; the last good one, "
+                                                r"step_0000002.ckpt, is intact"):
+            with atomic_write(mount / "step_0000004.ckpt") as tmp:
+                torch.save({"w": torch.zeros(2**20)}, tmp)
+        assert sorted(p.name for p in mount.iterdir()) == ["step_0000002.ckpt"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_bucket_step_the_patch_cannot_divide_is_named(tmp_path):
+    """The most frequent bucket is the bad one: the bucket check runs before the model is built around it."""
+    rng = np.random.default_rng(0)
+    for name, count, (height, width) in (("a", 6, (35, 35)), ("b", 2, (30, 42))):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(count):
+            Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(
+                tmp_path / "images" / name / f"{i}.png")
+    proc, seconds = fail_fast("train.py", *TINY, "data=image_folder", f"data.root={tmp_path / 'images'}",
+                              "data.buckets=auto", "data.bucket_step=5", "data.image_size=35",
+                              f"hydra.run.dir={tmp_path / 'run'}")
+    assert_refused(proc, r"the bucket \[35, 35\] \(6 samples\) is not divisible by the model's patch \[2, 2\].*"
+                         r"data.bucket_step a multiple of the patch", seconds=seconds)
+
+
+# ---- Flux.2 called as Flux2Pipeline calls it -------------------------------------------------------------------------
+
+
+def check_flux2_pipeline_ids(rank, world):
+    """(B, S, 4) ids, as Flux2Pipeline passes them, and (S, 4) ids give the unmodified model's output at ring 2."""
+    import diffusers
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+
+    from ringdit.models import parallelize
+    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.parallel import init_sequence_parallel
+
+    config = architecture("flux2_tiny")
+    torch.manual_seed(0)
+    reference = diffusers.Flux2Transformer2DModel.from_config(config).double()
+    model = DiffusersTransformer("flux2", config=config, input_size=(6, 10), in_channels=1, text_len=5, text_dim=32,
+                                 guidance=4.0)
+    model.transformer.load_state_dict(reference.state_dict())
+    parallelize(model.double(), dims=init_sequence_parallel(world, 1))
+    g = torch.Generator().manual_seed(1)
+    x, text = torch.randn(2, 1, 6, 10, generator=g, dtype=torch.float64), torch.randn(2, 5, 32, generator=g,
+                                                                                     dtype=torch.float64)
+    patches = Flux2Pipeline._patchify_latents(x)
+    call = dict(hidden_states=Flux2Pipeline._pack_latents(patches), encoder_hidden_states=text,
+                timestep=torch.tensor([0.03, 0.81], dtype=torch.float64),
+                guidance=torch.full((2,), 4.0, dtype=torch.float64), txt_ids=Flux2Pipeline._prepare_text_ids(text),
+                img_ids=Flux2Pipeline._prepare_latent_ids(patches), return_dict=False)
+    expected = reference(**call)[0]
+    # fp64: only the order of the sums differs between one process and the ring (RoPE rounds q, k to fp32 alike)
+    assert_same_numbers(model.transformer(**call)[0], expected, atol=1e-11, where="(B, S, 4) ids")
+    flat = {**call, "img_ids": call["img_ids"][0], "txt_ids": call["txt_ids"][0]}
+    assert_same_numbers(model.transformer(**flat)[0], expected, atol=1e-11, where="(S, 4) ids")
+
+
+def test_flux2_takes_the_pipelines_3d_ids_at_ring_2():
+    run_ranks(check_flux2_pipeline_ids, 2)
+
