@@ -16,6 +16,16 @@ weights of Wan or DiT-XL -- can be held in a narrower dtype than the adapters (`
 default on GPUs: half the memory of an fp32 base), as musubi-tuner and DiffSynth fine-tune on a bf16 base; the
 adapters and their optimizer state stay fp32. Sampling from an adapter-only checkpoint builds the base from the
 weights the run started from and loads the adapters onto it (``load_adapter``).
+
+An fp8 base (``lora.base_dtype=float8_e4m3fn`` or ``float8_e5m2``, musubi-tuner's ``--fp8_base --fp8_scaled``) holds
+the frozen Linear weights of the repeated blocks -- nearly all of a model -- in 8 bits with one fp32 scale per output
+row (``weight_scale``: the row's largest magnitude maps to fp8's largest value), a quarter of an fp32 base; the other
+frozen projections (embeddings, output layer: a few of the weights and the most sensitive) are held in bf16. Each fp8
+layer computes by casting its weight up to the activations' dtype and scaling it, one layer at a time
+(``ScaledFloat8Linear``). Weights are quantized as they load (``load_float8_weight``, from
+``ringdit.models.materialize``), one tensor at a time and per row, so an FSDP rank quantizes its own rows, and never
+holds the whole base at full precision. e4m3 keeps 3 mantissa bits (relative rounding <= 2^-4), e5m2 2 bits but a
+wider range (rows with outliers); a full fine-tune cannot train fp8 weights, so an fp8 base needs LoRA.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ ADAPTER_NAME = "default"
 # The layers whose frozen weights ``base_dtype`` casts: the model's projections (LoRA's own A and B are Linears too,
 # but they train).
 BASE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+FLOAT8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+BASE_DTYPES = ("float32", "bfloat16", "float16", *FLOAT8)  # what lora.base_dtype takes
 
 
 def lora_enabled(lora: dict | None) -> bool:
@@ -51,6 +63,10 @@ def check_lora_settings(lora: dict | None) -> None:
     lora = lora or {}
     require_count("lora.rank", lora.get("rank", 0), minimum=0, hint="0 disables LoRA, > 0 is the adapters' rank")
     if not lora_enabled(lora):
+        if str(lora.get("base_dtype")) in FLOAT8:
+            raise ConfigError(f"lora.base_dtype={lora['base_dtype']} holds a frozen base in fp8, but lora.rank="
+                              f"{lora.get('rank', 0)} is a full fine-tune, which cannot train fp8 weights; set "
+                              f"lora.rank > 0 (e.g. lora.rank=16) or lora.base_dtype=null")
         return
     alpha = lora.get("alpha")
     require_number("lora.alpha", alpha, optional=True)
@@ -75,10 +91,13 @@ def resolve_base_dtype(name) -> torch.dtype | None:
     null to the device's default before a run starts)."""
     if name is None or isinstance(name, torch.dtype):
         return name
+    if str(name) in FLOAT8:
+        return FLOAT8[str(name)]
     try:
         return dtype_named("lora.base_dtype", str(name))
-    except ConfigError as error:
-        raise ConfigError(f"{error} (null: bfloat16 on GPUs, float32 on CPUs)") from None
+    except ConfigError:
+        raise ConfigError(f"lora.base_dtype={str(name)!r} is not a dtype ringdit takes; use one of "
+                          f"{', '.join(BASE_DTYPES)} (null: bfloat16 on GPUs, float32 on CPUs)") from None
 
 
 def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0):
@@ -137,10 +156,17 @@ def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
     fifth of Wan 1.3B's weights, not half). Norms, embedding and modulation tables, position tables keep their dtype
     (they are small, and some are sensitive to rounding), and the adapters stay as they are (fp32: their updates and
     optimizer state are not rounded). Each cast layer computes in its own dtype (``_forward_in_own_dtype``).
+    An fp8 ``dtype``: the blocks' Linear layers in fp8 with per-row scales (``hold_in_float8``), the rest in bf16.
     """
+    if dtype in FLOAT8.values():
+        in_blocks = _block_linears(model)
+        for layer in in_blocks:
+            if not any(p.requires_grad for p in layer.parameters()):
+                hold_in_float8(layer, dtype)
+        dtype = torch.bfloat16
     for layer in model.modules():
         if isinstance(layer, BASE_LAYERS) and not any(p.requires_grad for p in layer.parameters()) \
-                and layer.weight.dtype != dtype:
+                and layer.weight.dtype != dtype and not hasattr(layer, "weight_scale"):
             layer.to(dtype)
             # an instance attribute, not forward hooks: the output is cast back to the dtype the input had, which a
             # post-hook no longer sees once a pre-hook cast it; deepcopy rebinds the method to the copy (a meta check's
@@ -159,6 +185,98 @@ def _forward_in_own_dtype(self: nn.Module, x: Tensor, *args, **kwargs) -> Tensor
     if x.dtype == self.weight.dtype or torch.is_autocast_enabled(x.device.type):
         return own(self, x, *args, **kwargs)
     return own(self, x.to(self.weight.dtype), *args, **kwargs).to(x.dtype)
+
+
+# ---- an fp8 base ---------------------------------------------------------------------------------------------------
+
+
+def _block_linears(model: nn.Module) -> list[nn.Linear]:
+    """The Linear layers of the model's repeated blocks (all of them for a model without a parallel plan)."""
+    from ringdit.models import repeated_blocks
+
+    blocks = repeated_blocks(model) if getattr(model, "parallel_plan", None) is not None else [model]
+    return [layer for block in blocks for layer in block.modules() if type(layer) is nn.Linear]
+
+
+def hold_in_float8(layer: nn.Linear, dtype: torch.dtype) -> None:
+    """Hold the frozen ``layer``'s weight in ``dtype`` (fp8) with one fp32 scale per output row (``weight_scale``, a
+    frozen parameter, so that FSDP shards it with the weight's rows), its bias in bf16; it computes through
+    ``ScaledFloat8Linear``. On the meta device only the dtypes change (``load_float8_weight`` fills it later)."""
+    weight = layer.weight.detach()
+    layer.weight = nn.Parameter(torch.empty_like(weight, dtype=dtype), requires_grad=False)
+    layer.weight_scale = nn.Parameter(torch.empty(weight.shape[0], device=weight.device), requires_grad=False)
+    if layer.bias is not None:
+        layer.bias = nn.Parameter(layer.bias.detach().to(torch.bfloat16), requires_grad=False)
+    if not weight.is_meta:
+        load_float8_weight(layer, weight)
+    layer.forward = types.MethodType(_forward_float8, layer)
+
+
+def float8_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """The layers held in fp8, by their weight's name (``blocks.0.attn.qkv.base_layer.weight``)."""
+    return {f"{name}.weight": layer for name, layer in model.named_modules() if hasattr(layer, "weight_scale")}
+
+
+@torch.no_grad()
+def load_float8_weight(layer: nn.Linear, rows: Tensor) -> None:
+    """Quantize ``rows`` -- the full-precision values of the rows of ``layer.weight`` this rank holds (its FSDP
+    shard's rows, or all) -- into the fp8 weight and its per-row scales: each row divided by its largest magnitude
+    over fp8's largest value, so that the row spans fp8's range. A zero row keeps scale 1."""
+    from ringdit.checkpoints.sources import local_part
+
+    weight, scale = local_part(layer.weight), local_part(layer.weight_scale)
+    if weight.shape[0] != rows.shape[0] or scale.shape[0] != rows.shape[0]:
+        raise RuntimeError(f"fp8 weight rows {weight.shape[0]}, scale rows {scale.shape[0]} and values "
+                           f"{rows.shape[0]} differ: the weight and its scales must be sharded alike")
+    finfo = torch.finfo(weight.dtype)
+    rows = rows.float()
+    row_scale = rows.abs().amax(dim=1) / finfo.max  # (out,)
+    row_scale = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
+    weight.copy_((rows / row_scale[:, None]).clamp(finfo.min, finfo.max).to(weight.dtype))
+    scale.copy_(row_scale)
+
+
+class ScaledFloat8Linear(torch.autograd.Function):
+    """``x @ (weight x scale).T + bias`` for a frozen fp8 weight: the weight is cast up to ``dtype`` for this layer
+    only, in forward and again in backward. Only the fp8 weight and its scales are kept for backward (a plain
+    F.linear would keep the cast-up weight: every layer's, a full-precision copy of the base during the step)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(weight, scale)
+        ctx.dtype, ctx.input_dtype = dtype, x.dtype
+        bias = None if bias is None else bias.to(dtype)
+        return nn.functional.linear(x.to(dtype), _scaled(weight, scale, dtype), bias)  # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        weight, scale = ctx.saved_tensors
+        grad_x = grad.to(ctx.dtype) @ _scaled(weight, scale, ctx.dtype)  # (..., in)
+        return grad_x.to(ctx.input_dtype), None, None, None, None
+
+
+def _scaled(weight: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return weight.to(dtype) * scale.to(dtype)[:, None]  # (out, in)
+
+
+def _forward_float8(self: nn.Linear, x: Tensor) -> Tensor:
+    """The fp8 layer computes in the activations' dtype (autocast's under autocast: bf16-mixed)."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    with torch.autocast(device, enabled=False):
+        return ScaledFloat8Linear.apply(x, self.weight, self.weight_scale, self.bias, dtype)
+
+
+def keep_float8_out_of_ddp(module: nn.Module) -> None:
+    """DDP broadcasts every parameter from rank 0 when it wraps a model; gloo cannot send fp8 tensors ("Invalid
+    scalar type"), and every rank already holds the same fp8 base (read from the same file, or drawn from the same
+    seed, and quantized alike), so the fp8 weights are left out of DDP (they are frozen: no gradients to reduce)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = [name for name, param in module.named_parameters() if param.dtype in FLOAT8.values()]
+    if names:
+        ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored + names)
 
 
 def is_adapter_key(key: str) -> bool:

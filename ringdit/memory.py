@@ -12,8 +12,11 @@ data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4
 
 - ``weights_bytes``: P x w / n; under LoRA the frozen Linear / Conv weights in ``lora.base_dtype`` (2 bytes for
   bfloat16; the rest of the base -- norms, embedding and modulation tables -- keeps w) plus the adapters (for each
-  targeted Linear (in, out): rank x (in + out) parameters) in w;
-- ``gradient_bytes``: T x w / n;  ``optimizer_bytes``: AdamW's two moments, 2 x T x w / n;
+  targeted Linear (in, out): rank x (in + out) parameters) in w; an fp8 base (``float8_e4m3fn`` / ``float8_e5m2``):
+  the blocks' Linear weights 1 byte each plus a 4-byte scale per output row, the other Linear / Conv weights and
+  every bias 2 bytes (``ringdit.lora.hold_in_float8``);
+- ``gradient_bytes``: T x w / n;  ``optimizer_bytes``: AdamW's two moments, 2 x T x w / n; 8-bit states
+  (``optimizer=adamw8bit``): 1 byte a value plus a 4-byte scale per block of 256 (``ringdit.optimizers``);
 - ``ema_bytes``: T x w / n when ``ema_decay`` is on (under LoRA the EMA tracks only the adapters);
 - ``bucket_bytes`` (DDP): its gradient all-reduce buckets, a second copy of the gradients, T x w;
 - ``gathered_bytes`` (FSDP): the all-gathered parameters in flight -- the root module's (not resharded) and two
@@ -21,8 +24,10 @@ data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4
   unsharded gradient before its reduce-scatter;
 - ``activation_bytes``: what backward needs, about 10 x D + 2 x F values per token per block (norm and modulation
   inputs, q, k, v, attention output, projection, residuals, the MLP's hidden layer before and after its activation):
-  L blocks' worth; with activation checkpointing the L block inputs (D each) plus one block's worth being recomputed;
-  one block's worth when sampling. Tokens per rank: S / (ring x ulysses), rounded up, plus as much of the text of
+  L blocks' worth; with activation checkpointing of c = ceil(f x L) blocks (``model.activation_checkpointing``: f = 1,
+  a fraction, 1 / N for every_N) their inputs (D each), the other L - c blocks' worth, plus one block's worth being
+  recomputed; with ``activation_offload`` the c inputs are in host memory (``host_bytes``) but one, in flight; one
+  block's worth when sampling. Tokens per rank: S / (ring x ulysses), rounded up, plus as much of the text of
   joint attention (Flux, QwenImage), which is sharded like the image;
 - ``attention_bytes``: per ring hop, after the Ulysses exchange (S / ring tokens of D / ulysses values): q, k, v,
   output and the K/V block in flight, 6 x B x S / ring x D / ulysses x a; the ``math`` backend also materialises the
@@ -32,7 +37,7 @@ data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4
   random init or loading: the largest single tensor, in fp32. DDP holds the whole model (the base in its dtype under
   LoRA) and a whole EMA copy, plus that one tensor in flight;
 - ``host_bytes``: under FSDP's ``cpu_offload`` the sharded weights, gradients, optimizer state and EMA live in CPU
-  memory: counted here, not on the device.
+  memory, and the checkpointed blocks' inputs under ``activation_offload``: counted here, not on the device.
 
 The step's peak (``step_bytes``) is the sum of the device terms; the rank's peak (``peak_bytes``) is the larger of
 start-up and step. Not modelled: the CUDA context and NCCL buffers, allocator fragmentation, the data loader, the
@@ -53,10 +58,14 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from ringdit.models.checkpointing import checkpoint_fraction
+
 log = logging.getLogger("ringdit.memory")
 
 GiB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
+STATE_BLOCK = 256  # values per fp32 scale of an 8-bit optimizer state (conf/optimizer/adamw8bit.yaml)
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -81,6 +90,8 @@ class ModelSize:
     text_tokens: int = 0       # joint attention's text tokens (Flux, QwenImage), sharded with the image
     lora_parameters: int = 0   # the adapters the run's lora settings add; 0: no LoRA
     lora_base_parameters: int = 0  # the Linear / Conv weights: what lora.base_dtype casts
+    float8_parameters: int = 0     # of those, the blocks' Linear weights (no biases): what an fp8 base holds in fp8
+    float8_rows: int = 0           # their output rows: one fp32 scale each
 
     @property
     def lora(self) -> bool:
@@ -100,10 +111,12 @@ class Setup:
     cpu_offload: bool = False          # FSDP: the sharded state in host memory
     param_dtype: str | None = None     # FSDP: the dtype blocks are gathered and computed in; None: their own
     precision: str = "32-true"         # trainer.precision
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | float = False  # the share of the blocks checkpointed (true: 1)
+    activation_offload: bool = False   # the checkpointed blocks' inputs in host memory (CUDA)
     ema: bool = True
     lora_base_dtype: str = "float32"   # the frozen base under LoRA (ModelSize.lora_parameters > 0)
     optimizer_states: int = 2          # tensors per trainable parameter: AdamW 2, SGD with momentum 1, SGD 0
+    optimizer_8bit: bool = False       # the states in 8 bits with block scales (optimizer=adamw8bit)
     training: bool = True              # False: sampling (no gradients, optimizer, EMA; nothing kept for backward)
     math_attention: bool = False       # the math backend materialises the (S / ring)^2 scores
 
@@ -113,6 +126,15 @@ class Setup:
         for name, value in (("param_dtype", self.param_dtype), ("lora_base_dtype", self.lora_base_dtype)):
             if value not in DTYPE_BYTES and not (name == "param_dtype" and value is None):
                 raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {value!r}")
+
+    @property
+    def checkpoint_fraction(self) -> float:
+        return float(self.activation_checkpointing)
+
+    @property
+    def state_bytes(self) -> float:
+        """Bytes of one optimizer state value."""
+        return 1 + 4 / STATE_BLOCK if self.optimizer_8bit else self.weight_bytes
 
     @property
     def sp_degree(self) -> int:
@@ -187,7 +209,7 @@ def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
     # the training state, this rank's share of it
     weights = model_bytes(model, setup) // n
     gradients = trainable * w // n if training else 0
-    optimizer = setup.optimizer_states * trainable * w // n if training else 0
+    optimizer = int(setup.optimizer_states * trainable * setup.state_bytes) // n if training else 0
     ema = trainable * w // n if training and setup.ema else 0
     buckets = trainable * w if training and not fsdp else 0
     gathered = 0
@@ -199,12 +221,15 @@ def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
     # activations kept for backward, on this rank's tokens
     tokens_per_rank = math.ceil(model.tokens / setup.sp_degree) + math.ceil(model.text_tokens / setup.sp_degree)
     per_block = 10 * model.hidden_size + 2 * model.mlp_hidden  # values kept per token by one block
+    checkpointed = math.ceil(setup.checkpoint_fraction * model.depth - 1e-9) if training else 0
+    offloaded = checkpointed * model.hidden_size if setup.activation_offload else 0  # block inputs in host memory
     if not training:
         per_token = per_block
-    elif setup.activation_checkpointing:  # block inputs only, plus the block being recomputed
-        per_token = model.depth * model.hidden_size + per_block
-    else:
-        per_token = model.depth * per_block
+    else:  # the checkpointed blocks' inputs, the others' activations, the block being recomputed
+        per_token = checkpointed * model.hidden_size + (model.depth - checkpointed) * per_block \
+            + (per_block if checkpointed else 0)
+        if offloaded:  # one input stays on the device, in flight
+            per_token -= offloaded - model.hidden_size
     activations = B * tokens_per_rank * per_token * a
     # one ring hop, after the Ulysses exchange: S / ring tokens of H / ulysses heads (D / ulysses values per token)
     ring_tokens = math.ceil(model.tokens / setup.ring_degree) + math.ceil(model.text_tokens / setup.ring_degree)
@@ -214,9 +239,9 @@ def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
         attention += 2 * scores * (2 if training else 1)  # and their gradients
     # start-up: what is materialised before the first step, plus one full tensor being initialised or loaded
     in_flight = model.largest_parameter * 4
-    host = 0
+    host = B * tokens_per_rank * offloaded * a
     if fsdp and setup.cpu_offload:
-        host = weights + gradients + optimizer + ema
+        host += weights + gradients + optimizer + ema
         startup = in_flight
         weights = gradients = optimizer = ema = 0
     else:
@@ -231,7 +256,13 @@ def model_bytes(model: ModelSize, setup: Setup) -> int:
     """The whole model's weights as the run holds them: w a parameter; under LoRA the frozen Linear / Conv weights
     in ``lora_base_dtype`` and the adapters in w."""
     w = setup.weight_bytes
-    cast = model.lora_base_parameters * (DTYPE_BYTES[setup.lora_base_dtype] - w) if model.lora else 0
+    if not model.lora:
+        return model.parameters * w
+    if setup.lora_base_dtype in FLOAT8:  # block Linear weights in fp8 with row scales, the rest of the base in bf16
+        cast = model.float8_parameters * (1 - w) + model.float8_rows * 4 \
+            + (model.lora_base_parameters - model.float8_parameters) * (2 - w)
+    else:
+        cast = model.lora_base_parameters * (DTYPE_BYTES[setup.lora_base_dtype] - w)
     return (model.parameters + model.lora_parameters) * w + cast
 
 
@@ -272,6 +303,7 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
         tokens=math.prod(meta_model.default_grid),
         text_tokens=text.shape[1] + (glyph.shape[1] if glyph is not None else 0) if joint and text is not None else 0,
         **dict(zip(("lora_parameters", "lora_base_parameters"), lora_parameters(meta_model, lora))),
+        **dict(zip(("float8_parameters", "float8_rows"), float8_parameters(meta_model, lora))),
     )
 
 
@@ -306,6 +338,17 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     return (sum(lora["rank"] * (layer.in_features + layer.out_features) for layer in adapted),
             sum(p.numel() for layer in model.modules() if isinstance(layer, BASE_LAYERS)
                 for p in layer.parameters(recurse=False)))
+
+
+def float8_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
+    """(weights, output rows) of the Linear layers of the repeated blocks: what an fp8 base holds in fp8 (with one
+    scale per row, ``ringdit.lora.hold_in_float8``); (0, 0) when LoRA is off."""
+    from ringdit.lora import _block_linears, lora_enabled
+
+    if not lora_enabled(lora):
+        return 0, 0
+    layers = _block_linears(model)
+    return sum(layer.weight.numel() for layer in layers), sum(layer.out_features for layer in layers)
 
 
 def estimate_model_memory(config: dict, *, lora: dict | None = None, meta_model: nn.Module | None = None,
@@ -372,7 +415,7 @@ def warn_if_memory_short(*, available: int | None, model: ModelSize, setup: Setu
                      if estimate.terms()[name])
     hint = (f"{fits} would fit; or lower data.batch_size" if fits else
             "Even 1024x the ring ranks would not fit; lower data.batch_size or the resolution")
-    if setup.training and not setup.activation_checkpointing:
+    if setup.training and setup.checkpoint_fraction < 1:
         hint += ", or set model.activation_checkpointing=true"
     log.warning(
         "memory: about %.1f GiB per rank needed (%d tokens per rank x hidden %d x depth %d, batch %d, %s; start-up "
@@ -390,6 +433,11 @@ def setup_from_config(cfg, attention_backend: str | None, device_type: str) -> S
     model = cfg.get("model") or {}
     lora = cfg.get("lora") or {}
     optimizer = str(OmegaConf.select(cfg, "optimizer._target_", default="AdamW") or "")
+    checkpointing = model.get("activation_checkpointing") or model.get("gradient_checkpointing")
+    offload = bool(model.get("activation_offload")) and checkpoint_fraction(checkpointing) > 0
+    if offload and device_type != "cuda":
+        log.warning("model.activation_offload=true is ignored on %s ranks: the activations already live in host "
+                    "memory there, and offloading would only copy them; it acts on CUDA", device_type.upper())
     momentum = OmegaConf.select(cfg, "optimizer.momentum", default=0) or 0
     base_dtype = lora.get("base_dtype") or ("bfloat16" if device_type == "cuda" else "float32")
     return Setup(
@@ -400,9 +448,11 @@ def setup_from_config(cfg, attention_backend: str | None, device_type: str) -> S
         param_dtype=OmegaConf.select(cfg, "trainer.strategy.param_dtype", default=None),
         precision=str(cfg.trainer.get("precision", "32")),
         # the models take the older name gradient_checkpointing too: either recomputes the blocks
-        activation_checkpointing=bool(model.get("activation_checkpointing") or model.get("gradient_checkpointing")),
+        activation_checkpointing=checkpoint_fraction(checkpointing),
+        activation_offload=offload and device_type == "cuda",
         ema=bool(cfg.get("ema_decay")), lora_base_dtype=base_dtype,
         optimizer_states=(1 if momentum else 0) if "SGD" in optimizer else 2,
+        optimizer_8bit=optimizer.endswith("adamw8bit"),
         math_attention=attention_backend == "math",
     )
 

@@ -1,5 +1,6 @@
-"""Plan a training run's layout: which (dp, ring, ulysses, strategy, activation checkpointing) fits the GPUs, and
-which of those costs least.
+"""Plan a training run's layout: which (dp, ring, ulysses, strategy) and memory options -- activation checkpointing
+of all, half or none of the blocks, their inputs offloaded to CPU memory, an fp8 LoRA base, 8-bit optimizer states --
+fit the GPUs, and which of those costs least.
 
     python -m ringdit.plan model=wan_14b data.frames=81 data.size=[480,832] gpus=16 gpu_memory_gb=80
     python -m ringdit.plan model=flux_dev data.size=1024 gpus=8 lora.rank=64
@@ -9,30 +10,41 @@ For every layout of ``gpus`` ranks (dp x ring x ulysses = gpus, Ulysses dividing
 than the tokens) it prints the estimated peak memory per rank at start-up and during a step (``ringdit.memory``: what
 it models is in its docstring), the attention TFLOPs per rank and step, the GB each rank sends per step for ring,
 Ulysses and the parameter / gradient sync, and an estimated time per sample relative to the best layout that fits;
-then the layout it recommends, and why. Only the model is built, on the meta device; nothing is downloaded.
+then the layout it recommends, and why. Only the model is built, on the meta device; nothing is downloaded. A setting
+left null (``strategy``, ``activation_checkpointing``, ``activation_offload``, ``lora.base_dtype``,
+``optimizer_8bit``) is searched over: every combination is a candidate, and the table shows the ``show`` best that fit
+and the ``show`` nearest that do not.
 
 The cost model behind the relative figure (it ranks layouts; it does not predict seconds):
 
 - compute, at ``gpu_tflops``: attention 4 x q_tokens x k_tokens x D / ulysses FLOPs per block forward (q_tokens =
   S / ring, k_tokens = S, plus the text tokens of joint attention, which are sharded like the image), backward 2.5x forward; the linear layers
   2 x P x tokens per rank forward, backward 2x (LoRA's frozen base: 1x, no weight gradients); activation
-  checkpointing adds one forward;
+  checkpointing of a share f of the blocks adds f of a forward; an fp8 base's cast-up and 8-bit states' quantization
+  are not timed (memory-bound, small beside the matmuls of long sequences);
 - communication per rank and step: ring sends the K/V of S / ring tokens x D / ulysses to the next rank ring - 1
   times per block forward, and K/V plus their gradients in backward; Ulysses runs 4 all-to-alls (q, k, v, out) of
   this rank's S / (ring x ulysses) tokens per block forward and 4 in backward, each sending (u - 1) / u of them;
   FSDP all-gathers the parameters in forward and again in backward (in ``param_dtype``) and reduce-scatters the fp32
   gradients (HSDP: plus an all-reduce across replicas); DDP all-reduces the gradients. Recomputation (activation
-  checkpointing) repeats the forward's ring and Ulysses traffic;
+  checkpointing) repeats the forward's ring and Ulysses traffic (its share f of it); offloaded block inputs go to
+  host memory and back at ``host_gbps``, overlapping compute;
 - a group whose ranks lie in one node (``gpus_per_node``; ranks are placed as ``ringdit.parallel.mesh`` says:
   Ulysses groups contiguous, ring groups strided by ulysses, FSDP's shard groups contiguous) sends at
   ``intra_node_gbps``, one across nodes at ``inter_node_gbps``;
 - ring hops, FSDP's gathers and DDP's buckets are issued ahead of need and overlap compute; Ulysses' all-to-alls
   block (their output is the next operation's input): step = max(compute, ring + sync) + ulysses;
 - per sample: the step over the samples it trains, dp x data.batch_size.
+
+The recommendation is the candidate that fits with the least time per sample; among equal times (to 4 digits) the one
+with exact numerics (a bf16 base, fp32 optimizer states), then DDP, then less recomputation, then no offloading, then
+the most headroom. So an fp8 base or 8-bit states are recommended only when they buy something: a layout that fits
+only with them, or one that needs less recomputation.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from dataclasses import dataclass, replace
@@ -41,8 +53,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.cli import hydra_main, user_errors
 from ringdit.errors import ConfigError, require_count
-from ringdit.memory import (GiB, MemoryEstimate, ModelSize, Setup, estimate_memory, gathered_bytes_per_parameter,
-                            model_size)
+from ringdit.memory import (FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estimate_memory,
+                            gathered_bytes_per_parameter, model_size)
 
 # the VAE's factors per family: (temporal, spatial); a temporal factor t takes frames = t x k + 1 to k + 1 latents
 VAE_FACTORS = {"wan": (4, 8), "flux": (None, 8), "qwenimage": (None, 8), "hunyuan_video15": (4, 16), "skyreels_v2": (4, 8),
@@ -61,6 +73,7 @@ class Hardware:
     flops: float             # per GPU per second
     intra_node: float        # bytes per second one GPU sends within its node
     inter_node: float        # ... to another node
+    host: float = 25e9       # bytes per second one GPU copies to or from host memory (offloaded activations)
 
     def bandwidth(self, span: int) -> float:
         """For a group spanning ``span`` consecutive ranks."""
@@ -86,7 +99,7 @@ def step_cost(model: ModelSize, setup: Setup, hardware: Hardware) -> StepCost:
     """The work and traffic of one training step on one rank (the module docstring's cost model)."""
     S, L, D, B = model.tokens, model.text_tokens, model.hidden_size, setup.batch_size
     ring, ulysses, sp, a = setup.ring_degree, setup.ulysses_degree, setup.sp_degree, setup.activation_bytes
-    recompute = 1 if setup.activation_checkpointing else 0
+    recompute = setup.checkpoint_fraction
     # compute
     attention = model.depth * 4 * B * (math.ceil(S / ring) + math.ceil(L / ring)) * (S + L) * (D / ulysses) \
         * (3.5 + recompute)
@@ -111,7 +124,8 @@ def step_cost(model: ModelSize, setup: Setup, hardware: Hardware) -> StepCost:
         sync_bytes = 2 * (world - 1) / world * trainable * w
         sync_s = sync_bytes / hardware.bandwidth(world)
     compute_s = (attention + linear) / hardware.flops
-    overlapped_s = ring_bytes / hardware.bandwidth(sp) + sync_s
+    offloaded = estimate_memory(model, setup).host_bytes if setup.activation_offload else 0
+    overlapped_s = ring_bytes / hardware.bandwidth(sp) + sync_s + 2 * offloaded / hardware.host
     seconds = max(compute_s, overlapped_s) + ulysses_bytes / hardware.bandwidth(ulysses)
     return StepCost(attention_flops=attention, linear_flops=linear, ring_bytes=ring_bytes,
                     ulysses_bytes=ulysses_bytes, sync_bytes=sync_bytes, seconds=seconds,
@@ -131,8 +145,22 @@ class Candidate:
     @property
     def label(self) -> str:
         s = self.setup
-        ckpt = " +ckpt" if s.activation_checkpointing else ""
-        return f"dp={s.dp_degree} ring={s.ring_degree} ulysses={s.ulysses_degree} {s.strategy}{ckpt}"
+        return f"dp={s.dp_degree} ring={s.ring_degree} ulysses={s.ulysses_degree} {s.strategy}{options_label(s)}"
+
+
+def options_label(s: Setup) -> str:
+    """The memory options of ``s`` as the settings that ask for them: `` +ckpt=every_2+offload fp8 8bit``."""
+    parts = []
+    if s.checkpoint_fraction:
+        fraction = s.checkpoint_fraction
+        period = 1 / fraction
+        ckpt = "" if fraction == 1 else f"=every_{round(period)}" if period.is_integer() else f"={fraction:g}"
+        parts.append(f"+ckpt{ckpt}" + ("+offload" if s.activation_offload else ""))
+    if s.lora_base_dtype in FLOAT8:
+        parts.append(s.lora_base_dtype.replace("float8_", "fp8-"))
+    if s.optimizer_8bit:
+        parts.append("adamw8bit")
+    return "".join(f" {part}" for part in parts)
 
 
 def divisors(n: int) -> list[int]:
@@ -140,8 +168,12 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(model: ModelSize, base: Setup, hardware: Hardware, strategies: tuple[str, ...],
-               checkpointing: tuple[bool, ...]) -> list[Candidate]:
-    """Every feasible layout of ``hardware.gpus`` ranks, with its memory and cost."""
+               checkpointing: tuple, options: dict[str, tuple] | None = None) -> list[Candidate]:
+    """Every feasible layout of ``hardware.gpus`` ranks under every combination of the strategies, checkpointed
+    shares and ``options`` (Setup fields: ``activation_offload``, ``lora_base_dtype``, ``optimizer_8bit``: the
+    values to try), with its memory and cost. Offloading is tried only where blocks are checkpointed."""
+    options = {"activation_offload": (False,), **(options or {})}
+    names = list(options)
     found = []
     for dp in divisors(hardware.gpus):
         sp = hardware.gpus // dp
@@ -149,21 +181,26 @@ def candidates(model: ModelSize, base: Setup, hardware: Hardware, strategies: tu
             ring = sp // ulysses
             if model.num_heads % ulysses or sp > model.tokens:
                 continue
-            for strategy in strategies:
-                for ckpt in checkpointing:
-                    setup = replace(base, dp_degree=dp, ring_degree=ring, ulysses_degree=ulysses, strategy=strategy,
-                                    activation_checkpointing=ckpt)
-                    memory = estimate_memory(model, setup)
-                    found.append(Candidate(setup, memory, step_cost(model, setup, hardware),
-                                           memory.peak_bytes <= hardware.usable_bytes))
+            for strategy, ckpt, *values in itertools.product(strategies, checkpointing, *options.values()):
+                chosen = dict(zip(names, values))
+                if chosen["activation_offload"] and not ckpt:
+                    continue
+                setup = replace(base, dp_degree=dp, ring_degree=ring, ulysses_degree=ulysses, strategy=strategy,
+                                activation_checkpointing=ckpt, **chosen)
+                memory = estimate_memory(model, setup)
+                found.append(Candidate(setup, memory, step_cost(model, setup, hardware),
+                                       memory.peak_bytes <= hardware.usable_bytes))
     return found
 
 
 def preference(c: Candidate) -> tuple:
-    """Least time per sample first; among equal times (to 4 digits, as when communication hides behind compute) DDP
-    (fewer collectives), then no recomputation, then the most headroom."""
+    """Least time per sample first; among equal times (to 4 digits, as when communication hides behind compute) exact
+    numerics (no fp8 base, no 8-bit states), DDP (fewer collectives), then less recomputation, no offloading, then the
+    most headroom."""
     s = c.setup
-    return float(f"{c.cost.per_sample:.4g}"), s.strategy != "ddp", s.activation_checkpointing, c.memory.peak_bytes
+    approximations = (s.lora_base_dtype in FLOAT8) + s.optimizer_8bit
+    return (float(f"{c.cost.per_sample:.4g}"), approximations, s.strategy != "ddp", s.checkpoint_fraction,
+            s.activation_offload, c.memory.peak_bytes)
 
 
 def recommend(found: list[Candidate], hardware: Hardware) -> tuple[Candidate | None, list[str]]:
@@ -173,8 +210,8 @@ def recommend(found: list[Candidate], hardware: Hardware) -> tuple[Candidate | N
     if not fitting:
         least = min(found, key=lambda c: c.memory.peak_bytes)
         return None, [f"No layout fits in {usable:.1f} GiB per GPU: the least memory is {least.label}'s "
-                      f"{least.memory.peak_bytes / GiB:.1f} GiB. Try lora.rank=16, cpu_offload=true, more gpus, "
-                      f"a smaller data.size or data.frames, or data.batch_size=1."]
+                      f"{least.memory.peak_bytes / GiB:.1f} GiB. Try lora.rank=16 (and lora.base_dtype=null: an fp8 "
+                      f"base), cpu_offload=true, more gpus, a smaller data.size or data.frames, or data.batch_size=1."]
     best = fitting[0]
     first = (f"Recommended: {best.label} -- {_number(best.memory.peak_bytes / GiB)} of {usable:.1f} GiB per GPU, and "
              f"the least estimated time per sample of the {len(fitting)} layouts that fit")
@@ -200,12 +237,7 @@ def _reasons(best: Candidate, found: list[Candidate], hardware: Hardware) -> lis
         reasons.append(f"FSDP: sharding over {s.shard_degree} ranks costs less than replicating")
     else:
         reasons.append("DDP: the replicated state fits, and DDP does without FSDP's per-step all-gathers")
-    plain = variant(activation_checkpointing=False)
-    if s.activation_checkpointing and plain is None:  # the settings asked for it
-        reasons.append("activation checkpointing (activation_checkpointing=true)")
-    elif s.activation_checkpointing and not plain.fits:
-        reasons.append(f"activation checkpointing, as without it the step would need "
-                       f"{plain.memory.peak_bytes / GiB:.1f} GiB")
+    reasons += _option_reasons(s, variant)
     if s.sp_degree == 1:
         reasons.append(f"no sequence parallelism: every rank trains whole samples (dp={s.dp_degree}), which needs "
                        f"the least communication per sample")
@@ -218,6 +250,37 @@ def _reasons(best: Candidate, found: list[Candidate], hardware: Hardware) -> lis
             where = "within a node" if s.sp_degree <= hardware.gpus_per_node else "across nodes"
             parts.append(f"ring={s.ring_degree} {where} (its K/V hops overlap the attention)")
         reasons.append(f"the sequence split over {s.sp_degree} ranks: " + ", ".join(parts))
+    return reasons
+
+
+def _option_reasons(s: Setup, variant) -> list[str]:
+    """Why each memory option of the recommended setup ``s`` is on: its variant without it (``variant(**changes)``,
+    None when the settings fixed it) does not fit, or costs more time."""
+    def because(what: str, other, without: str) -> str:
+        if other is None:
+            return f"{what} (as set)"
+        if not other.fits:
+            return f"{what}, as {without} the step would need {other.memory.peak_bytes / GiB:.1f} GiB"
+        return f"{what}, as {without} it would take {other.cost.per_sample / best_time:.2f}x the time"
+
+    best_time = variant().cost.per_sample
+    reasons = []
+    fraction = s.checkpoint_fraction
+    if fraction:  # against the next smaller share that was tried
+        less = [c for c in (variant(activation_checkpointing=f, activation_offload=False)
+                            for f in sorted({0.5, 0.0}, reverse=True) if f < fraction) if c is not None]
+        share = "every block" if fraction == 1 else options_label(replace(s, activation_offload=False)).strip()
+        reasons.append(because(f"activation checkpointing ({share})", less[0] if less else None,
+                               "with less checkpointing"))
+    if s.activation_offload:
+        reasons.append(because("the checkpointed blocks' inputs offloaded to CPU memory",
+                               variant(activation_offload=False), "on the device"))
+    if s.lora_base_dtype in FLOAT8:
+        reasons.append(because(f"an fp8 base ({s.lora_base_dtype})", variant(lora_base_dtype="bfloat16"),
+                               "with a bf16 base"))
+    if s.optimizer_8bit:
+        reasons.append(because("8-bit optimizer states (optimizer=adamw8bit)", variant(optimizer_8bit=False),
+                               "with fp32 states"))
     return reasons
 
 
@@ -335,12 +398,14 @@ def _choice(setting: str, value, choices: tuple) -> None:
         raise ConfigError(f"{setting} must be one of {' | '.join(map(str, choices))}, got {value!r}")
 
 
-def settings(cfg: DictConfig) -> tuple[Hardware, Setup, tuple[str, ...], tuple[bool, ...]]:
+def settings(cfg: DictConfig) -> tuple[Hardware, Setup, tuple[str, ...], tuple, dict[str, tuple]]:
     """Every setting but the model's, checked: the hardware, the run's setup (degrees are filled in per layout), the
-    strategies and checkpointing choices to try."""
+    strategies and checkpointed shares to try, and the other memory options' values to try (``candidates``)."""
+    from ringdit.models.checkpointing import checkpoint_fraction
+
     from ringdit.attention import list_backends
     from ringdit.dtypes import dtype_named
-    from ringdit.lora import check_lora_settings
+    from ringdit.lora import check_lora_settings, resolve_base_dtype
 
     require_count("gpus", cfg.gpus, hint="the GPUs to lay out, e.g. gpus=16")
     require_count("gpus_per_node", cfg.gpus_per_node, hint="the GPUs of one node, e.g. gpus_per_node=8")
@@ -349,20 +414,27 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Setup, tuple[str, ...], tuple[b
     hardware = Hardware(gpus=cfg.gpus, gpus_per_node=cfg.gpus_per_node, usable_bytes=memory * usable * GiB,
                         flops=_positive("gpu_tflops", cfg.gpu_tflops, "400") * 1e12,
                         intra_node=_positive("intra_node_gbps", cfg.intra_node_gbps, "150") * 1e9,
-                        inter_node=_positive("inter_node_gbps", cfg.inter_node_gbps, "25") * 1e9)
+                        inter_node=_positive("inter_node_gbps", cfg.inter_node_gbps, "25") * 1e9,
+                        host=_positive("host_gbps", cfg.host_gbps, "25") * 1e9)
     require_count("data.batch_size", cfg.data.batch_size, hint="samples per data-parallel rank, e.g. 1")
     require_count("data.text_len", cfg.data.text_len, hint="text tokens per sample, e.g. 512")
     require_count("data.channels", cfg.data.channels, optional=True, hint="null takes the model's")
     require_count("data.num_classes", cfg.data.num_classes, hint="e.g. 1000")
     _choice("data.latent", cfg.data.latent, (True, False))
     _choice("strategy", cfg.strategy, (None, "ddp", "fsdp"))
-    _choice("activation_checkpointing", cfg.activation_checkpointing, (None, True, False))
+    checkpointing = (0.0, 0.5, 1.0) if cfg.activation_checkpointing is None else \
+        (checkpoint_fraction(cfg.activation_checkpointing),)
+    _choice("activation_offload", cfg.activation_offload, (None, True, False))
+    _choice("optimizer_8bit", cfg.optimizer_8bit, (None, True, False))
+    require_count("show", cfg.show, hint="rows of the table that fit (and as many that do not)")
     _choice("precision", str(cfg.precision), PRECISIONS)
     _choice("cpu_offload", cfg.cpu_offload, (True, False))
     _choice("attention_backend", cfg.attention_backend, list_backends())
     if cfg.param_dtype is not None:
         dtype_named("param_dtype", cfg.param_dtype)
-    dtype_named("lora.base_dtype", cfg.lora.base_dtype)
+    base = cfg.lora.base_dtype
+    if base is not None:
+        resolve_base_dtype(base)
     require_count("optimizer_states", cfg.optimizer_states, minimum=0, hint="AdamW 2, SGD with momentum 1, SGD 0")
     require_count("replicate_degree", cfg.replicate_degree, hint="1 shards over every GPU")
     if cfg.gpus % cfg.replicate_degree:
@@ -375,16 +447,22 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Setup, tuple[str, ...], tuple[b
     check_lora_settings(OmegaConf.to_container(cfg.lora, resolve=True))
     setup = Setup(batch_size=cfg.data.batch_size, replicate_degree=cfg.replicate_degree, cpu_offload=cfg.cpu_offload,
                   param_dtype=cfg.param_dtype, precision=str(cfg.precision), ema=bool(decay),
-                  lora_base_dtype=cfg.lora.base_dtype, optimizer_states=cfg.optimizer_states,
+                  lora_base_dtype=base or "bfloat16", optimizer_states=cfg.optimizer_states,
                   math_attention=cfg.attention_backend == "math")
     strategies = (cfg.strategy,) if cfg.strategy else ("ddp", "fsdp")
-    checkpointing = (False, True) if cfg.activation_checkpointing is None else (cfg.activation_checkpointing,)
-    return hardware, setup, strategies, checkpointing
+    lora = (cfg.lora.rank or 0) > 0
+    options = {
+        "activation_offload": (False, True) if cfg.activation_offload is None else (cfg.activation_offload,),
+        "lora_base_dtype": ("bfloat16", "float8_e4m3fn") if base is None and lora else (base or "bfloat16",),
+        "optimizer_8bit": (False, True) if cfg.optimizer_8bit is None else (cfg.optimizer_8bit,),
+    }
+    return hardware, setup, strategies, checkpointing, options
 
 
 # ---- the table -----------------------------------------------------------------------------------------------------
 
-HEADER = (f"{'dp':>4}{'ring':>5}{'uly':>5} {'strategy':<9}{'ckpt':<5}|{'start GiB':>10}{'step GiB':>9}{'state':>7}"
+HEADER = (f"{'dp':>4}{'ring':>5}{'uly':>5} {'strategy':<9}{'memory options':<40}|{'start GiB':>10}{'step GiB':>9}"
+          f"{'state':>7}"
           f"{'acts':>7} |{'attn TFLOP':>11}{'ring GB':>9}{'uly GB':>8}{'sync GB':>9} |{'s/sample':>9}{'rel':>7}")
 
 
@@ -409,46 +487,48 @@ def table_row(c: Candidate, reference: float) -> str:
               ((m.activation_bytes + m.attention_bytes) / GiB, 7)]
     traffic = [(k.attention_flops / 1e12, 11), (k.ring_bytes / 1e9, 9), (k.ulysses_bytes / 1e9, 8),
                (k.sync_bytes / 1e9, 9)]
-    ckpt = "yes" if s.activation_checkpointing else "no"
-    return (f"{s.dp_degree:>4}{s.ring_degree:>5}{s.ulysses_degree:>5} {s.strategy:<9}{ckpt:<5}|"
+    options = options_label(s).strip() or "-"
+    return (f"{s.dp_degree:>4}{s.ring_degree:>5}{s.ulysses_degree:>5} {s.strategy:<9}{options:<40}|"
             + "".join(f"{_number(x):>{width}}" for x, width in memory) + " |"
             + "".join(f"{_number(x):>{width}}" for x, width in traffic) + " |"
             + f"{k.per_sample:>9.3g}{k.per_sample / reference:>6.2f}x")
 
 
-def format_plan(found: list[Candidate], hardware: Hardware, setup: Setup, model: ModelSize, model_line: str) -> str:
-    """The plan as printed: the model and the settings, the layouts that fit (best first), those that do not, and the
-    recommendation."""
+def format_plan(found: list[Candidate], hardware: Hardware, setup: Setup, model: ModelSize, model_line: str,
+                show: int = 1000) -> str:
+    """The plan as printed: the model and the settings, the ``show`` candidates that fit best (best first), the
+    ``show`` nearest that do not, and the recommendation."""
     best, why = recommend(found, hardware)
     fitting = sorted((c for c in found if c.fits), key=preference)
     short = sorted((c for c in found if not c.fits), key=lambda c: c.memory.peak_bytes)
     reference = (best or min(found, key=preference)).cost.per_sample
     nodes = math.ceil(hardware.gpus / hardware.gpus_per_node)
-    lora = f", LoRA base {setup.lora_base_dtype}" if model.lora else ""
     lines = [
         model_line,
         f"{hardware.gpus} GPUs on {nodes} node(s), {hardware.usable_bytes / GiB:.1f} GiB usable each; batch "
         f"{setup.batch_size} per dp rank, {setup.precision}, FSDP param_dtype {setup.param_dtype}, "
-        f"{'EMA' if setup.ema else 'no EMA'}{lora}{', cpu_offload' if setup.cpu_offload else ''}",
+        f"{'EMA' if setup.ema else 'no EMA'}{', cpu_offload' if setup.cpu_offload else ''}",
         "memory per rank (state: weights, gradients, optimizer, EMA; acts: activations and attention); traffic sent "
         "per rank and step; rel: estimated time per sample / the recommended layout's",
         "",
         HEADER,
-        *(table_row(c, reference) for c in fitting),
+        *(table_row(c, reference) for c in fitting[:show]),
     ]
+    if len(fitting) > show:
+        lines.append(f"... and {len(fitting) - show} more that fit")
     if short:
-        lines += ["", f"does not fit in {hardware.usable_bytes / GiB:.1f} GiB:", *(table_row(c, reference)
-                                                                                 for c in short)]
+        lines += ["", f"does not fit in {hardware.usable_bytes / GiB:.1f} GiB ({min(show, len(short))} nearest of "
+                      f"{len(short)}):", *(table_row(c, reference) for c in short[:show])]
     return "\n".join([*lines, "", *why])
 
 
 @hydra_main("plan")  # conf/plan.yaml
 def plan(cfg: DictConfig) -> None:
     with user_errors():  # a wrong setting: one line, exit code 2
-        hardware, setup, strategies, checkpointing = settings(cfg)
+        hardware, setup, strategies, checkpointing, options = settings(cfg)
         size, model_line = planned_model(cfg)
-        found = candidates(size, setup, hardware, strategies, checkpointing)
-    print(format_plan(found, hardware, setup, size, model_line))
+        found = candidates(size, setup, hardware, strategies, checkpointing, options)
+    print(format_plan(found, hardware, setup, size, model_line, cfg.show))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -397,7 +397,8 @@ def test_default_base_dtype_is_bfloat16_on_gpus_and_float32_on_cpus():
 def test_a_base_dtype_that_is_not_a_float_dtype_is_refused(value, tmp_path):
     proc, seconds = fail_fast("train.py", *TINY, *LORA, f"lora.base_dtype={value}", f"hydra.run.dir={tmp_path}")
     assert_refused(proc, text=f"lora.base_dtype='{value}' is not a dtype ringdit takes; use one of float32, bfloat16, "
-                              f"float16 (null: bfloat16 on GPUs, float32 on CPUs)", seconds=seconds, run_dir=tmp_path)
+                              f"float16, float8_e4m3fn, float8_e5m2 (null: bfloat16 on GPUs, float32 on CPUs)",
+                   seconds=seconds, run_dir=tmp_path)
 
 
 def test_a_lora_checkpoint_whose_run_recorded_no_base_is_refused(lora_run, tmp_path):

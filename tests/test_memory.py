@@ -212,11 +212,12 @@ def test_plan_lays_out_wan_14b_on_16_gpus(capsys):
                           "gpu_memory_gb=80")
     assert code == 0, err
     assert "14.29 B parameters" in out and "32760 tokens per sample (21 x 30 x 52" in out
-    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+) (ddp|fsdp)\s+(yes|no)\s+\|", out, flags=re.M)
-    assert len(rows) == len(set(rows)) == 4 * 14  # (dp, ring, ulysses): 14 with ulysses dividing 40 heads
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+) (ddp|fsdp)\s+(\S.*?)\s+\|", out, flags=re.M)
+    assert len(rows) == len(set(rows)) == 2 * 12  # the 12 best that fit, the 12 nearest that do not
     assert all(int(dp) * int(ring) * int(ulysses) == 16 and 40 % int(ulysses) == 0 for dp, ring, ulysses, *_ in rows)
-    short = out.split("does not fit in 72.0 GiB:")[1]
-    assert re.search(r"^\s+1\s+16\s+1 ddp", short, flags=re.M)  # replicated 14B never fits, and is shown
+    # (dp, ring, ulysses): 14 with ulysses dividing 40 heads, x 2 strategies x 5 checkpointing / offload x 2 optimizers
+    fit, short = re.search(r"\.\.\. and (\d+) more that fit", out), re.search(r"\(12 nearest of (\d+)\)", out)
+    assert int(fit.group(1)) + 12 + int(short.group(1)) == 14 * 2 * 5 * 2
     recommended = re.search(r"^Recommended: dp=(\d+) ring=(\d+) ulysses=(\d+) fsdp", out, flags=re.M)
     assert recommended and re.search(r"^Why: FSDP, as replicated \(DDP\) state would need", out, flags=re.M)
 

@@ -14,10 +14,10 @@ from functools import lru_cache
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ringdit.attention import LocalAttention
 from ringdit.errors import ConfigError
+from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.embeddings import LabelEmbedder, PatchEmbed, TimestepEmbedder, sincos_pos_embed
 from ringdit.models.plan import ParallelPlan
 
@@ -93,9 +93,10 @@ class DiT(nn.Module):
     """Class-conditional DiT over image latents/pixels ``(B, C, H, W)`` or videos ``(B, C, T, H, W)``.
 
     Args mirror the original; additions: ``input_size`` may be ``(H, W)`` or ``(T, H, W)``,
-    ``temporal_patch_size`` makes it a video model, ``activation_checkpointing`` recomputes each block in backward
-    (``gradient_checkpointing``: its older name). Any grid divisible by the patch works at run time; ``input_size``
-    only fixes the stored ``pos_embed`` (the original's parameter) and the default shape.
+    ``temporal_patch_size`` makes it a video model, ``activation_checkpointing`` recomputes all, a share or every N-th
+    of the blocks in backward (``ringdit.models.checkpointing``; ``gradient_checkpointing``: its older name), and
+    ``activation_offload`` keeps their inputs in CPU memory on CUDA. Any grid divisible by the patch works at run
+    time; ``input_size`` only fixes the stored ``pos_embed`` (the original's parameter) and the default shape.
     """
 
     # Sequence parallelism (ringdit.models.plan): the tokens, patch- and position-embedded, split where they enter
@@ -121,8 +122,9 @@ class DiT(nn.Module):
         num_classes: int = 1000,
         learn_sigma: bool = True,
         temporal_patch_size: int | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | float | str = False,
         gradient_checkpointing: bool = False,
+        activation_offload: bool = False,
     ):
         super().__init__()
         self.in_channels = in_channels
@@ -143,6 +145,7 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, math.prod(self.x_embedder.patch_shape), self.out_channels)
         self.initialize_weights()
+        checkpoint_model_blocks(self, self.activation_checkpointing, activation_offload)
 
     def initialize_weights(self) -> None:
         """The original's init (``initial_value``), drawn from the global RNG; a model built on the meta device
@@ -204,11 +207,8 @@ class DiT(nn.Module):
         grid = self.x_embedder.grid(x)
         tokens = self.x_embedder(x) + self.position_embedding(grid)  # (B, N, D)
         c = self.t_embedder(t) + self.y_embedder(y, drop_labels)  # (B, D)
-        for block in self.blocks:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                tokens = checkpoint(block, tokens, c, use_reentrant=False)
-            else:
-                tokens = block(tokens, c)
+        for block in self.blocks:  # the checkpointed ones recompute in backward (ringdit.models.checkpointing)
+            tokens = block(tokens, c)
         return self.unpatchify(self.final_layer(tokens, c), grid)  # (B, N, patch_volume * out_channels) -> pixels
 
     @classmethod

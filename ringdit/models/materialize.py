@@ -79,7 +79,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int, source: Weigh
             if module._buffers[name] is not None:
                 module._buffers[name] = buffers[f"{module_name}.{name}".lstrip(".")].to(device)
     params = dict(model.named_parameters())
+    float8 = _float8_weights(model, params)  # an fp8 base: filled at full precision, then quantized (below)
     loaded: dict[str, Tensor] = {}
+    staged: dict[str, Tensor] = {}
     if source is not None:
         loaded = {file_name(name): param for name, param in params.items()
                   if not _is_adapter(name) and file_name(name).startswith(source.scope)}
@@ -88,14 +90,45 @@ def materialize(model: nn.Module, device: torch.device, seed: int, source: Weigh
                        if name in persistent and name in source.shapes})  # a ringdit file's null prompt, ...
         check_source(loaded, source, transforms)
         transformed = {name: loaded.pop(name) for name in list(loaded) if name in (transforms or {})}
+        staged = {name: loaded.pop(name) for name in list(loaded) if name in float8}
         source.fill(loaded)
         with torch.no_grad():
             for name, target in transformed.items():
                 full = transforms[name](source.read(name, ()))
                 local_part(target).copy_(full[local_index(target)])
     initial = {name: param for name, param in params.items() if file_name(name) not in loaded
-               and file_name(name) not in (transforms or {})}
+               and file_name(name) not in (transforms or {}) and file_name(name) not in staged}
+    _fill_float8(model, {name: initial.pop(name) for name in list(initial) if file_name(name) in float8},
+                 float8, seed, None)
     initialize(model, initial, seed)
+    _fill_float8(model, staged, float8, seed, source)
+
+
+def _float8_weights(model: nn.Module, params: dict[str, Tensor]) -> dict:
+    """``{file name: fp8 layer}`` of an fp8 base (``ringdit.lora``); their scales are dropped from ``params``: they
+    are made with their weights."""
+    from ringdit.lora import float8_layers
+
+    layers = float8_layers(model)
+    for name in layers:
+        params.pop(name.removesuffix("weight") + "weight_scale")
+    return {file_name(name): layer for name, layer in layers.items()}
+
+
+def _fill_float8(model: nn.Module, targets: dict[str, Tensor], layers: dict, seed: int,
+                 source: WeightSource | None) -> None:
+    """Read (``source``) or initialise each fp8 weight of ``targets`` into an fp32 twin of this rank's part, one at a
+    time, and quantize it into the layer (``ringdit.lora.load_float8_weight``): no rank holds the whole base at full
+    precision. The initial values are those of an fp32 model (the same generator per owning module)."""
+    from ringdit.lora import load_float8_weight
+
+    for name, target in targets.items():
+        twin = torch.empty_like(target, dtype=torch.float32)  # a DTensor placed as the target under FSDP
+        if source is not None:
+            source.fill({file_name(name): twin})
+        else:
+            initialize(model, {name: twin}, seed)
+        load_float8_weight(layers[file_name(name)], local_part(twin))
 
 
 def file_name(name: str) -> str:

@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.errors import require_count, require_number
+from ringdit.optimizers import check_optimizer_installed
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class OptimizerSpec:
     def from_config(cls, cfg: DictConfig) -> OptimizerSpec:
         require_number("ema_decay", cfg.ema_decay, low=0, high=1, optional=True)
         optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True) if cfg.get("optimizer") else {}
+        check_optimizer_installed(optimizer.get("_target_"))  # optimizer=adamw8bit without torchao
         if "lr" in optimizer:
             require_number("optimizer.lr", optimizer["lr"], low=0)  # 0 is legitimate: evaluate a start, freeze a run
         for key in ("weight_decay", "momentum"):

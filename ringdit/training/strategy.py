@@ -26,3 +26,9 @@ class RingDDPStrategy(SequenceParallelStrategy, DDPStrategy):
 
     def _init_process_group(self) -> None:
         DDPStrategy.setup_environment(self)  # the device, then the default process group
+
+    def _setup_model(self, model):
+        from ringdit.lora import keep_float8_out_of_ddp
+
+        keep_float8_out_of_ddp(model)  # an fp8 LoRA base: gloo cannot broadcast it, and every rank holds it already
+        return super()._setup_model(model)

@@ -21,6 +21,7 @@ from ringdit.models.diffusers.families import Family, get_family
 from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.models.diffusers.image_condition import (CONDITION_KEY, channel_input, first_frame_mask,
                                                     replace_first_frame, require_image, token_timesteps)
+from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.materialize import building_on_meta
 from ringdit.models.plan import ParallelPlan
 from ringdit.safe_json import read_json
@@ -40,7 +41,9 @@ class DiffusersTransformer(nn.Module):
         glyph_len, glyph_dim: the shape ``(G, D_glyph)`` of the data's glyph text (HunyuanVideo 1.5's ByT5 states of
             the quoted text), for its null-condition buffers; None: the data have none, and the model reads none.
         condition_dropout_prob: the chance that training replaces a sample's conditioning by the null one.
-        activation_checkpointing: recompute each transformer block in backward (``gradient_checkpointing``: alias).
+        activation_checkpointing: recompute all (true), a share (0.5) or every N-th (every_2) of the transformer
+            blocks in backward (``ringdit.models.checkpointing``; ``gradient_checkpointing``: alias).
+        activation_offload: the checkpointed blocks' inputs in pinned CPU memory (CUDA; ignored on CPU).
         boundary_ratio: a two-expert model (Wan 2.2 A14B): ``transformer`` denoises model times at and above
             ``boundary_ratio * 1000`` (the high-noise expert), ``transformer_2`` those below (the low-noise expert),
             as WanPipeline switches them; ``pretrained`` then holds ``<subfolder>/`` and ``<subfolder>_2/``.
@@ -61,8 +64,9 @@ class DiffusersTransformer(nn.Module):
         glyph_dim: int | None = None,
         condition_dropout_prob: float = 0.1,
         guidance: float | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | float | str = False,
         gradient_checkpointing: bool = False,
+        activation_offload: bool = False,
         boundary_ratio: float | None = None,
     ):
         super().__init__()
@@ -109,9 +113,8 @@ class DiffusersTransformer(nn.Module):
             self.register_buffer("null_glyph_text", torch.zeros(1, glyph_len, glyph_dim))  # (1, G, D_glyph)
             self.register_buffer("null_glyph_text_mask", torch.zeros(1, glyph_len, dtype=torch.bool))  # (1, G)
             self.condition_keys += GLYPH_KEYS
-        if activation_checkpointing or gradient_checkpointing:  # recompute each block in backward
-            for expert in self.expert_modules or (self.transformer,):
-                expert.enable_gradient_checkpointing()
+        # all or a share of the blocks recompute in backward (ringdit.models.checkpointing)
+        checkpoint_model_blocks(self, activation_checkpointing or gradient_checkpointing, activation_offload)
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
