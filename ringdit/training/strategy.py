@@ -27,8 +27,10 @@ class RingDDPStrategy(SequenceParallelStrategy, DDPStrategy):
     def _init_process_group(self) -> None:
         DDPStrategy.setup_environment(self)  # the device, then the default process group
 
-    def _setup_model(self, model):
+    def setup(self, trainer) -> None:
         from ringdit.lora import keep_float8_out_of_ddp
 
-        keep_float8_out_of_ddp(model)  # an fp8 LoRA base: gloo cannot broadcast it, and every rank holds it already
-        return super()._setup_model(model)
+        # an fp8 LoRA base: kept out of the start-up broadcast (DDP's, or Lightning's when sampling): gloo cannot
+        # send fp8, and every rank holds the same base already
+        keep_float8_out_of_ddp(self.model)
+        super().setup(trainer)
