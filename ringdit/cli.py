@@ -11,6 +11,7 @@ import math
 import os
 import secrets
 import sys
+import time
 from pathlib import Path
 
 from hydra.errors import InstantiationException
@@ -19,11 +20,25 @@ from omegaconf import OmegaConf
 
 def register_resolvers() -> None:
     """``${mul:a,b,c}``: the product (the default device count dp x ring x ulysses); ``${min:a,b}``;
-    ``${run_id:}``: a short random suffix that keeps two runs started in the same second apart (cached per config,
-    like Hydra's ``${now:}``, so that a run and the jobs of one sweep see one value)."""
+    ``${run_id:}``: a short random suffix that keeps two runs started in the same second apart, and ``${run_name:}``:
+    a run folder's name, the time stamp and that suffix (both cached per config, like Hydra's ``${now:}``, so that a
+    run and the jobs of one sweep see one value)."""
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs), replace=True)
     OmegaConf.register_new_resolver("min", lambda *xs: min(int(x) for x in xs), replace=True)
     OmegaConf.register_new_resolver("run_id", lambda: secrets.token_hex(3), use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("run_name", run_name, use_cache=True, replace=True)
+
+
+def run_name() -> str:
+    """The name of a run's folder: ``<time>_<random id>``. The ranks of one torchrun or srun job each compose the
+    config themselves, so a time and a random id would give each rank a folder of its own (a sharded checkpoint
+    scattered over them): there the name is the job's, the same on every rank."""
+    environ = os.environ
+    if environ.get("TORCHELASTIC_RUN_ID") and int(environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: the rendezvous id
+        return f"torchrun-{environ['TORCHELASTIC_RUN_ID']}"
+    if environ.get("SLURM_JOB_ID") and int(environ.get("SLURM_NTASKS", "1")) > 1:  # srun: the job and its step
+        return f"slurm-{environ['SLURM_JOB_ID']}.{environ.get('SLURM_STEP_ID', '0')}"
+    return f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(3)}"
 
 
 SETTINGS_ERRORS = (ValueError, TypeError, FileNotFoundError, InstantiationException)
@@ -107,6 +122,9 @@ def hydra_main(config_name: str):
             os.environ[FULL_ERROR] = "1"
             try:
                 main()
+            except BrokenPipeError:  # `--help | head`: the reader left; nothing went wrong, nothing to report
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit fails alike
+                sys.exit(1)  # as Python's own docs advise (a shell reports the pipeline's last command anyway)
             except Exception as error:  # noqa: BLE001 - what is not a settings mistake is raised again, in full
                 message = hydra_error_message(error, config_name, in_task=run["started"])
                 if message is None or run["user_value"] == "1":

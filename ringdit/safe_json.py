@@ -14,15 +14,17 @@ from ringdit.errors import ConfigError
 MAX_JSON_BYTES = 16 * 2**20  # no JSON file ringdit reads from a user (coefficients, plans, names) comes near this
 
 
-def parse_json(text: str, where: str, *, fix: str) -> Any:
-    """``text`` parsed, or a ``ConfigError`` "<where> is not valid JSON (<why>); <fix>"."""
+def parse_json(text: str, where: str, *, fix: str, excerpt: bool = False) -> Any:
+    """``text`` parsed, or a ``ConfigError`` "<where> is not valid JSON (<why>[: <the text's start>]); <fix>"
+    (``excerpt``: quote the start of a short text, e.g. a metadata entry, where no line number helps)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
         why = str(error)
     except RecursionError:  # "[[[[..." deeper than the interpreter's stack: the parser gives up, not an answer
         why = "nested too deeply"
-    raise ConfigError(f"{where} is not valid JSON ({why}); {fix}")
+    shown = f": {text[:60]!r}" if excerpt else ""
+    raise ConfigError(f"{where} is not valid JSON ({why}{shown}); {fix}")
 
 
 def read_json(path: str | Path, where: str, *, fix: str, max_bytes: int = MAX_JSON_BYTES,

@@ -140,8 +140,8 @@ def test_export_refuses_an_out_it_cannot_write(tiny_checkpoint, tmp_path, capsys
     for overrides, message in (
         (["lora=true", f"out={tmp_path / 'file'}"], r"out=.*file is a file; lora=true writes a folder"),
         (["format=diffusers", f"out={tmp_path / 'file'}"], r"out=.*file is a file; format=diffusers"),
-        ([f"out={tmp_path}"], r"out=.* is a folder; format=ringdit writes a file"),
-        ([f"out={tmp_path / 'file' / 'w.safetensors'}"], r"out=.*: .*file is a file, not a folder"),
+        ([f"out={tmp_path}"], r"out=.* is a folder; give the file to write \(format=ringdit writes one file\)"),
+        ([f"out={tmp_path / 'file' / 'w.safetensors'}"], r"cannot write out=.* \(.*file is a file, not a folder\)"),
     ):
         code, err = command(main, [f"ckpt_path={tiny_checkpoint}", *overrides], capsys)
         assert code == 2 and re.search(message, err.splitlines()[0]) and "Traceback" not in err, err
@@ -333,3 +333,26 @@ def check_flux2_pipeline_ids(rank, world):
 def test_flux2_takes_the_pipelines_3d_ids_at_ring_2():
     run_ranks(check_flux2_pipeline_ids, 2)
 
+
+
+# ---- the launchers: one run folder per job ---------------------------------------------------------------------------
+
+
+def test_the_ranks_of_a_torchrun_or_srun_job_share_one_run_folder(monkeypatch):
+    """Each torchrun / srun rank composes the config itself: the folder's name is the job's, not a time and a random
+    id per process (which scattered a run, and an FSDP checkpoint, over one folder per rank)."""
+    from ringdit.cli import run_name
+
+    for name in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    alone = {run_name() for _ in range(3)}
+    assert len(alone) == 3 and all(re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", n) for n in alone)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4f1c")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert run_name() == run_name() == "torchrun-4f1c"
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: its own folder as usual
+    assert run_name() != run_name()
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("SLURM_STEP_ID", "2")
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    assert run_name() == "slurm-1234.2"

@@ -386,8 +386,9 @@ def test_an_image_that_breaks_when_decoded_is_skipped(tmp_path, caplog):
 
 
 def test_remote_code_in_a_text_encoder_folder_is_never_run(models, tmp_path):
-    """A text encoder (and tokenizer) whose config.json names its own code with ``auto_map`` loads as the plain
-    transformers class: the folder's Python file is never imported (transformers would need trust_remote_code)."""
+    """A text encoder (and tokenizer) whose config.json names its own code with ``auto_map`` is refused in one line
+    (transformers would import it, and on a terminal offer to run it): the folder's Python file is never imported.
+    Each part alone: tests/test_hostile_inputs.py."""
     import shutil
 
     from ringdit.media.text import TextEncoder
@@ -401,6 +402,7 @@ def test_remote_code_in_a_text_encoder_folder_is_never_run(models, tmp_path):
         config_file = folder / ("config.json" if folder.name == "text_encoder" else "tokenizer_config.json")
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
         config_file.write_text(json.dumps({**config, key: value}))
-    encoder = TextEncoder(pipeline / "text_encoder")
-    assert type(encoder.model).__name__ == "T5EncoderModel"
+    with pytest.raises(ConfigError, match=r"text_encoder=.*config.json names custom code \(auto_map: AutoConfig, "
+                                          r"AutoModel\), which ringdit never runs"):
+        TextEncoder(pipeline / "text_encoder")
     assert not sentinel.exists()

@@ -98,7 +98,8 @@ def read_coefficients(setting: str, value: Any) -> tuple[float, ...]:
     if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                          for v in values):
         shown = value if not isinstance(value, (list, tuple)) or len(value) <= 8 else f"[{len(value)} values]"
-        raise ConfigError(f"{where}: {shown!r} must be a non-empty list of finite numbers (a polynomial, highest "
+        what = f"{where}: {shown!r}" if where != setting else f"{setting}={shown!r}"
+        raise ConfigError(f"{what} must be a non-empty list of finite numbers (a polynomial, highest "
                           f"degree first, as numpy.polyfit returns)")
     if len(values) > MAX_COEFFICIENTS:
         raise ConfigError(f"{where} holds {len(values):,} coefficients, a polynomial of degree {len(values) - 1}; "

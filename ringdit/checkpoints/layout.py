@@ -32,11 +32,12 @@ def checked_output(out: str | Path, *, folder: bool, what: str) -> Path:
     if folder and out.exists() and not out.is_dir():
         raise CheckpointError(f"out={out} is a file; {what} writes a folder: give a folder path")
     if not folder and out.is_dir():
-        raise CheckpointError(f"out={out} is a folder; {what} writes a file: give the file to write, e.g. "
+        raise CheckpointError(f"out={out} is a folder; give the file to write ({what} writes one file), e.g. "
                               f"out={out / 'weights.safetensors'}")
     blocking = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
     if blocking is not None:
-        raise CheckpointError(f"out={out}: {blocking} is a file, not a folder; choose another path")
+        raise CheckpointError(f"cannot write out={out} ({blocking} is a file, not a folder); choose a writable "
+                              f"{'folder' if folder else 'file'} path")
     return out
 
 

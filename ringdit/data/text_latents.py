@@ -423,7 +423,7 @@ def parse_json_object(where: str, key: str, text: str) -> dict:
 
 def _json_metadata(where: str, key: str, text: str, kind: type, fix: str):
     """Metadata entry ``key``: JSON of type ``kind`` (list or dict), else a ``ConfigError`` that ends with ``fix``."""
-    value = parse_json(text, f"{where}: the {key} metadata", fix=f"{text[:60]!r}; {fix}")
+    value = parse_json(text, f"{where}: the {key} metadata", fix=fix, excerpt=True)
     if not isinstance(value, kind):
         raise ConfigError(f"{where}: the {key} metadata is a JSON {type(value).__name__}, not "
                           f"{'a list' if kind is list else 'an object'}; {fix}")
