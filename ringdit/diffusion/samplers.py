@@ -15,6 +15,7 @@ import torch
 
 from ringdit.diffusion.gaussian import GaussianPosterior, space_timesteps
 from ringdit.diffusion.objectives import DDPM, FlowMatching, shift_time
+from ringdit.diffusion.schedulers import SCHEDULERS, is_scheduler_sampler, sample_with_scheduler, scheduler_config
 
 Tensor = torch.Tensor
 Condition = Tensor | dict[str, Tensor]
@@ -188,20 +189,27 @@ def sample(model: Model, objective, noise: Tensor, condition: Condition, *, step
            cfg_scale: float | Callable[[Tensor], float] = 1.0,
            null: int | Condition | None = None, sampler: str | None = None, shift: float = 1.0,
            clip_denoised: bool = False, exchange=None, half: int = 0, guidance_channels: int | None = None,
-           generators: list[torch.Generator] | None = None, shift_terminal: float | None = None) -> Tensor:
+           generators: list[torch.Generator] | None = None, shift_terminal: float | None = None,
+           scheduler: dict | None = None) -> Tensor:
     """Draw samples for ``condition`` (labels, or a dict of text tensors) starting from ``noise`` with the sampler that
     fits the objective; ``null`` is what classifier-free guidance guides away from (see ``classifier_free_guidance``),
     in the first ``guidance_channels`` channels (None: all of the samples' channels). Flow matching steps through
     ``flow_times(steps, shift, shift_terminal)``.
+
+    ``sampler`` may also name one of diffusers' flow schedulers (``flow_euler``, ``unipc``, ``dpmpp``:
+    ``ringdit.diffusion.schedulers``); ``scheduler`` then holds ``sample_with_scheduler``'s keywords (``config``,
+    ``pipeline``, ``tokens``, ``resolution``, ``model_dtype``), default a config of ``shift`` and ``shift_terminal``.
 
     Deterministic given the noise and, for the ``ddpm`` sampler, ``generators`` (sample i's fresh noise comes from
     generators[i], see ``noise_generators``): every rank of a sequence-parallel group computes the same samples and
     sample i depends only on its own noise.
     """
     sampler = sampler or objective.samplers[0]
-    if sampler not in objective.samplers:
+    flow = isinstance(objective, FlowMatching)
+    if sampler not in objective.samplers and not (flow and is_scheduler_sampler(sampler)):
+        schedulers = f" or one of diffusers' flow schedulers {tuple(SCHEDULERS)}" if flow else ""
         raise ValueError(f"sampler={sampler!r} does not fit the {type(objective).__name__} objective; use one of "
-                         f"{objective.samplers}")
+                         f"{objective.samplers}{schedulers}")
     channels = noise.shape[1]
     guided = classifier_free_guidance(model, condition, null, cfg_scale, exchange, half,
                                       channels=guidance_channels or channels)
@@ -211,6 +219,9 @@ def sample(model: Model, objective, noise: Tensor, condition: Condition, *, step
                              "(noise_generators(seeds))")
         return sample_ddpm(guided, noise, steps, objective, generators, clip_denoised=clip_denoised)
     denoiser = lambda x, t: guided(x, t)[:, :channels]  # the other samplers ignore a learned variance
+    if is_scheduler_sampler(sampler):
+        settings = scheduler or {"config": scheduler_config(sampler, shift=shift, shift_terminal=shift_terminal)}
+        return sample_with_scheduler(denoiser, noise, steps, sampler, **settings)
     if isinstance(objective, FlowMatching):
         return sample_flow(denoiser, noise, steps, method=sampler, shift=shift, shift_terminal=shift_terminal)
     if isinstance(objective, DDPM):

@@ -21,6 +21,7 @@ def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tupl
     resolve_shift(objective, sampling, tokens, model_config)
     check_sampling(model_config, objective, sampling, prefix="diffusion.sampling.")
     resolve_shift_terminal(sampling, model_config, objective)
+    resolve_scheduler(sampling, model_config, prefix="diffusion.sampling.")
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:  # the preview grids sample with their own scale
         check_sampling(model_config, objective, {**sampling, "cfg_scale": grid_cfg_scale})
@@ -127,10 +128,23 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
     from ringdit.diffusion import objectives
     from ringdit.spec.model import is_diffusers_model
 
+    from ringdit.diffusion.schedulers import SCHEDULERS, is_scheduler_sampler
+
     objective = str(objective_cfg["_target_"]).rsplit(".", 1)[-1]
     allowed = getattr(getattr(objectives, objective, None), "samplers", ())  # each objective declares its samplers
-    if sampling.get("sampler") is not None and sampling["sampler"] not in allowed:
-        raise ConfigError(f"sampler={sampling['sampler']!r} does not fit the {objective} objective; use one of {allowed}")
+    sampler = sampling.get("sampler")
+    if is_scheduler_sampler(sampler) and objective != "FlowMatching":
+        raise ConfigError(f"{prefix}sampler={sampler} is diffusers' {SCHEDULERS[sampler]} for flow-matching models "
+                          f"(it steps a velocity), but this model is trained with the {objective} objective (it "
+                          f"predicts noise, epsilon); use one of {', '.join(allowed)}")
+    if objective == "FlowMatching":
+        allowed = (*allowed, *SCHEDULERS)
+    if sampler is not None and sampler not in allowed:
+        raise ConfigError(f"{prefix}sampler={sampler!r} does not fit the {objective} objective; use one of "
+                          f"{', '.join(allowed)} (ringdit's own: {', '.join(getattr(objectives, objective).samplers)};"
+                          f" diffusers' flow schedulers: {', '.join(SCHEDULERS)})" if objective == "FlowMatching" else
+                          f"{prefix}sampler={sampler!r} does not fit the {objective} objective; use one of "
+                          f"{', '.join(allowed)}")
     if sampling.get("steps") is not None:
         require_count("steps", sampling["steps"])
     terminal = sampling.get("shift_terminal")
@@ -160,3 +174,47 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
     if cfg_scale is not None and cfg_scale != 1.0 and not model_cfg.get("class_dropout_prob", 0.1) > 0:
         raise ConfigError(f"cfg_scale={cfg_scale} needs a model trained with label dropout (a null class), but "
                           f"model.class_dropout_prob={model_cfg.get('class_dropout_prob')}; use cfg_scale=1")
+
+
+def resolve_scheduler(sampling: dict, model_config: dict, prefix: str = "") -> None:
+    """A diffusers scheduler sampler (``sampler=flow_euler / unipc / dpmpp``): its configuration is the pipeline
+    folder's ``scheduler/scheduler_config.json`` when ``model.pretrained`` is a pipeline folder that has one -- read
+    (``ringdit.safe_json``), built and stepped once here, so that a broken file is refused before any rank starts --
+    and kept in the sampling settings (``scheduler_config``: a checkpoint samples with it even where the folder is
+    gone); else the run's schedule (``shift``, ``shift_terminal``), built when sampling."""
+    from pathlib import Path
+
+    from ringdit.diffusion.schedulers import (SCHEDULERS, PipelineTimesteps, build_scheduler, check_flow_scheduler,
+                                              is_scheduler_sampler, scheduler_config, set_timesteps)
+    from ringdit.safe_json import read_json
+
+    sampler = sampling.get("sampler")
+    if not is_scheduler_sampler(sampler):
+        return
+    pretrained = model_config.get("pretrained")
+    file = Path(str(pretrained)).expanduser() / "scheduler" / "scheduler_config.json" if pretrained else None
+    fix = (f"give the pipeline's scheduler_config.json (a JSON object of {SCHEDULERS[sampler]}'s settings), or "
+           f"remove scheduler/ from the folder to sample with the run's shift")
+    if file is not None and (file.exists() or file.parent.is_dir()):
+        sampling["scheduler_config"] = read_json(file, f"model.pretrained's scheduler config {file}", fix=fix,
+                                                 kind=dict)
+    folder_config = sampling.get("scheduler_config")
+    terminal = (folder_config or {}).get("shift_terminal") if folder_config is not None else \
+        sampling.get("shift_terminal")
+    if terminal and sampler == "dpmpp":
+        raise ConfigError(f"{prefix}sampler=dpmpp: DPMSolverMultistepScheduler cannot stretch its sigmas to end at "
+                          f"shift_terminal={terminal} (the model family's scheduler's: LTX-Video's); use "
+                          f"sampler=flow_euler or unipc, or set shift_terminal=false")
+    if folder_config is None:
+        return
+    where = f"{file if file is not None else 'the checkpoint'}'s scheduler config (for {prefix}sampler={sampler})"
+    try:
+        scheduler = build_scheduler(sampler, scheduler_config(sampler, folder_config))
+        set_timesteps(scheduler, 4, PipelineTimesteps(), 256, None)  # every setting used once: a bad value fails here
+    except Exception as error:  # diffusers' own complaint about a value (a str shift, an unknown spacing ...)
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(f"{where} does not build a working {SCHEDULERS[sampler]} ({reason}); {fix}") from None
+    try:
+        check_flow_scheduler(scheduler, where)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None

@@ -22,7 +22,7 @@ from ringdit.caching import check_model as check_cache_model
 from ringdit.checkpoints.weights import WEIGHT_CHOICES
 from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
-from ringdit.spec.diffusion import check_sampling, check_shift_terminal, resolve_shift_terminal
+from ringdit.spec.diffusion import check_sampling, check_shift_terminal, resolve_scheduler, resolve_shift_terminal
 from ringdit.spec.layout import Layout
 from ringdit.spec.model import ModelSpec
 from ringdit.spec.trainer import TrainerSpec
@@ -282,6 +282,7 @@ class InferSpec:
         sampling = {**info.get("sampling", {}), **overrides}
         check_sampling(info["model"], info["objective"], sampling)
         resolve_shift_terminal(sampling, info["model"], info["objective"])  # a checkpoint of before: the family's
+        resolve_scheduler(sampling, info["model"])  # sampler=unipc ...: the pipeline folder's scheduler config
         conditioning = Conditioning.from_config(cfg, info["data"], ckpt_path=ckpt_path, num_samples=cfg.num_samples,
                                                 sizes=sizes)
         image_shape = conditioning.prompt_shapes[0] if conditioning.prompt_shapes else shape  # one size (checked)

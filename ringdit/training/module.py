@@ -31,6 +31,7 @@ from ringdit.build import build_model
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.diffusion import DDPM, draw_noise, noise_generators, resolution_shift, sample
 from ringdit.diffusion.experts import expert_guidance, step_expert, time_range
+from ringdit.diffusion.schedulers import PipelineTimesteps, is_scheduler_sampler, scheduler_config
 from ringdit.ema import ModelAverage
 from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
@@ -365,10 +366,25 @@ class DiffusionModule(L.LightningModule):
                 shift_terminal=settings.get("shift_terminal") or None,  # false: no stretch
                 exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
                 guidance_channels=settings.get("guidance_channels"), generators=generators,
+                scheduler=self._scheduler_settings(model, settings, shape)
+                if is_scheduler_sampler(settings["sampler"]) else None,
             )
         if hasattr(model, "with_condition_frames"):  # image-to-video: the given first frame, as the pipeline ends
             samples = model.with_condition_frames(samples, condition)
         return samples.clamp(-1, 1) if self.samples_are_pixels else samples
+
+    def _scheduler_settings(self, model: nn.Module, settings: dict, shape: tuple[int, ...]) -> dict:
+        """``sample_with_scheduler``'s keywords for a diffusers scheduler (``sampler=flow_euler / unipc / dpmpp``):
+        its config -- the pipeline folder's (``scheduler_config``, recorded by the spec), else the run's shift --, how
+        the model family's pipeline steps it, the sample's token count (a dynamic shift's mu) and the dtype the model
+        computes in (the pipelines feed it ``latents.to(transformer.dtype)``)."""
+        resolution = getattr(self.objective, "resolution", None) or None
+        config = scheduler_config(settings["sampler"], settings.get("scheduler_config"), shift=settings["shift"],
+                                  shift_terminal=settings.get("shift_terminal") or None, resolution=resolution)
+        return {"config": config, "pipeline": getattr(getattr(model, "family", None), "pipeline_timesteps",
+                                                      PipelineTimesteps()),
+                "tokens": self.tokens_per_sample(shape, model), "resolution": resolution,
+                "model_dtype": _compute_dtype(model)}
 
     def predict_step(self, batch, batch_idx: int) -> dict:
         """``(indices, condition, seeds[, extra])`` (``ringdit.sampling.SampleRequests``): ``extra`` holds the batch's
@@ -398,6 +414,15 @@ class DiffusionModule(L.LightningModule):
                 value = torch.where(where, value, fallback[key].to(value).expand_as(value))
             mixed[key] = value
         return mixed
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype the model computes in: its first floating-point parameter's (an fp8 frozen base computes in its
+    adapters' / norms' dtype, so 1-byte floats are skipped); None for a model without parameters."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.element_size() > 1:
+            return parameter.dtype
+    return None
 
 
 def _to_device(condition, device):

@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ringdit.models.diffusers.family import Family
+from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.diffusers.flux2 import FLUX2
 from ringdit.models.diffusers.hunyuan_video import HUNYUAN_VIDEO15
 from ringdit.models.diffusers.ltx_video import LTX_VIDEO
@@ -136,6 +136,8 @@ FLUX = Family(
     pooled_dim="pooled_projection_dim",
     latent_channels=lambda config: config["in_channels"] // 4,
     patch_shape=lambda config: (2 * config["patch_size"], 2 * config["patch_size"]),  # 2x2 packing x its patch
+    # FluxPipeline: sigmas linspace(1, 1 / steps, steps), none for a flow-sigmas scheduler (UniPC, DPM-Solver++)
+    pipeline_timesteps=PipelineTimesteps(sigmas="to_last", drops_for_flow_sigmas=True),
 )
 
 # ---- QwenImage: joint attention in dual-stream blocks, text padded to a fixed length with a mask -----------------
@@ -176,6 +178,7 @@ QWENIMAGE = Family(
     text_dim="joint_attention_dim",
     latent_channels=lambda config: config["in_channels"] // 4,
     patch_shape=lambda config: (config["patch_size"], config["patch_size"]),
+    pipeline_timesteps=PipelineTimesteps(sigmas="to_last"),  # QwenImagePipeline: linspace(1, 1 / steps, steps)
 )
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, WAN22_TI2V, WAN_I2V, FLUX, QWENIMAGE,

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ringdit.diffusion.schedulers import PipelineTimesteps
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -44,5 +45,8 @@ class Family:
     # the largest token grid ([T,] H, W) its position embedding covers, from the config (Wan's RoPE table has
     # rope_max_seq_len positions per axis: a longer axis fails inside the model); None: any grid
     max_grid: Callable[[dict], tuple[int, ...]] | None = None
+    # how the family's diffusers pipeline sets and steps its scheduler (sampler=flow_euler / unipc / dpmpp step it
+    # the same way); the default is WanPipeline's: set_timesteps(steps)
+    pipeline_timesteps: PipelineTimesteps = PipelineTimesteps()
     # LoRA's default targets (module-name suffixes, peft's rule): every attention projection
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")

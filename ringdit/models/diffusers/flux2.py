@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringdit.models.diffusers.family import Family
+from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -99,4 +99,6 @@ FLUX2 = Family(
     # there), and FLUX.1's resolution shift (calculate_shift: 0.5 at 256 tokens, 1.15 at 4096; 4e-6 apart there).
     # Fewer sampling steps take a larger mu (at 50 steps and 4096 tokens 2.02 against 1.15).
     resolution_shift={"empirical_mu_steps": 200},
+    # Flux2Pipeline: sigmas linspace(1, 1 / steps, steps), none for a flow-sigmas scheduler
+    pipeline_timesteps=PipelineTimesteps(sigmas="to_last", drops_for_flow_sigmas=True),
 )

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringdit.models.diffusers.family import Family
+from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -95,4 +95,5 @@ HUNYUAN_VIDEO15 = Family(
     glyph_dim="text_embed_2_dim",
     latent_channels=lambda config: config["out_channels"],
     patch_shape=lambda config: (config["patch_size_t"], config["patch_size"], config["patch_size"]),
+    pipeline_timesteps=PipelineTimesteps(sigmas="to_zero"),  # HunyuanVideo15Pipeline: linspace(1, 0, steps + 1)[:-1]
 )

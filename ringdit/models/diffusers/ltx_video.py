@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringdit.models.diffusers.family import Family
+from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -76,4 +76,6 @@ LTX_VIDEO = Family(
     # LTXPipeline's calculate_shift constants, from LTX-Video's scheduler_config.json (shift=resolution)
     resolution_shift={"base_tokens": 1024, "max_tokens": 4096, "base_shift": 0.95, "max_shift": 2.05},
     shift_terminal=0.1,  # the same scheduler_config.json's: its sigmas are stretched to end at 0.1
+    # LTXPipeline: sigmas linspace(1, 1 / steps, steps); it steps the scheduler on noise_pred.float()
+    pipeline_timesteps=PipelineTimesteps(sigmas="to_last", float32_prediction=True),
 )

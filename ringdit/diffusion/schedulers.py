@@ -1,0 +1,186 @@
+"""Samplers from diffusers' flow schedulers, through their own classes: ``sampler=flow_euler``
+(``FlowMatchEulerDiscreteScheduler``: Flux's, LTX-Video's, HunyuanVideo 1.5's), ``unipc`` (``UniPCMultistepScheduler``
+with flow sigmas: Wan's and SkyReels-V2's) and ``dpmpp`` (``DPMSolverMultistepScheduler`` with flow sigmas,
+DPM-Solver++). They step a flow-matching model (velocity, ``noise - x0``) exactly as the model family's diffusers
+pipeline steps it, so that a sample equals the pipeline's for the same initial latents, prompt and scheduler.
+
+Their configuration (``scheduler_config``) is the pipeline folder's ``scheduler/scheduler_config.json`` when the model
+comes from one (read and checked before any rank starts: ``ringdit.spec.diffusion``), else built from the run's
+sampling settings (``shift``, ``shift_terminal``, the objective's resolution constants): the schedule ringdit's own
+``euler`` steps through, in the scheduler's own arithmetic.
+
+A scheduler is stateful (its step index, a multistep solver's history of predictions): ``sample_with_scheduler``
+builds a fresh one per call (one batch). Every rank of a sequence-parallel group builds the same one and steps it on
+the same gathered prediction, so every rank holds the same samples; the model call itself is sequence-parallel, and
+guidance, CFG parallel, step caching and a two-expert model's choice of expert all live in the denoiser it is given.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Tensor = torch.Tensor
+
+# sampler= name -> the diffusers scheduler class that samples with it
+SCHEDULERS = {
+    "flow_euler": "FlowMatchEulerDiscreteScheduler",
+    "unipc": "UniPCMultistepScheduler",
+    "dpmpp": "DPMSolverMultistepScheduler",
+}
+# what makes UniPC / DPM-Solver++ step a flow-matching model: sigmas 1 -> 0 and a velocity prediction
+FLOW_SIGMAS = {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}
+# the keys of the flow shift: FlowMatchEuler calls it shift, the multistep solvers flow_shift
+SHIFT_KEY = {"FlowMatchEulerDiscreteScheduler": "shift"}
+
+
+@dataclass(frozen=True)
+class PipelineTimesteps:
+    """How a model family's diffusers pipeline sets its scheduler's timesteps and steps it (``Family``'s
+    ``pipeline_timesteps``; the default is WanPipeline's and SkyReels-V2's: ``set_timesteps(steps)``).
+
+    ``sigmas``: the sigmas it hands ``set_timesteps``: None (the scheduler's own), ``"to_last"``
+    (``linspace(1, 1 / steps, steps)``: FluxPipeline, LTXPipeline, QwenImagePipeline, Flux2Pipeline) or ``"to_zero"``
+    (``linspace(1, 0, steps + 1)[:-1]``: HunyuanVideo15Pipeline). A scheduler whose ``set_timesteps`` takes no sigmas
+    (DPM-Solver++) makes its own, as would ``drops_for_flow_sigmas`` pipelines (Flux's) for any flow-sigmas scheduler.
+    ``float32_prediction``: the pipeline steps the scheduler on ``prediction.float()`` (LTXPipeline's
+    ``noise_pred.float()``; the same numbers as an upcast bf16 prediction, a rounding of an fp64 one).
+    """
+
+    sigmas: str | None = None
+    drops_for_flow_sigmas: bool = False
+    float32_prediction: bool = False
+
+
+def is_scheduler_sampler(sampler) -> bool:
+    return isinstance(sampler, str) and sampler in SCHEDULERS
+
+
+def scheduler_class(sampler: str):
+    import diffusers
+
+    return getattr(diffusers, SCHEDULERS[sampler])
+
+
+def scheduler_config(sampler: str, folder_config: dict | None = None, *, shift: float | str = 1.0,
+                     shift_terminal: float | None = None, resolution: dict | None = None) -> dict:
+    """The configuration ``sampler``'s scheduler class is built from.
+
+    ``folder_config``: a pipeline folder's ``scheduler_config.json``. Of the same class it is used as it is (the
+    pipeline's scheduler); of another flow scheduler (Wan's UniPC config for ``sampler=flow_euler``), its settings
+    are carried over -- the flow shift under the other class's name, flow sigmas for the multistep solvers.
+    None: the run's schedule -- ``shift`` (a number, or ``"resolution"``: dynamic shifting with ``resolution``'s
+    constants, Flux's by default), ``shift_terminal``.
+    """
+    cls = scheduler_class(sampler)
+    name, shift_key = cls.__name__, SHIFT_KEY.get(cls.__name__, "flow_shift")
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    if folder_config is not None:
+        config = {k: v for k, v in folder_config.items() if not k.startswith("_")}
+        if folder_config.get("_class_name") == name:
+            return config
+        given_shift = config.pop("shift", config.pop("flow_shift", None))
+        if given_shift is not None:
+            config[shift_key] = given_shift
+        if shift_key == "flow_shift":
+            config.update(FLOW_SIGMAS)
+        return {k: v for k, v in config.items() if k in accepted}
+    config = {} if shift_key == "shift" else dict(FLOW_SIGMAS)
+    if shift == "resolution":
+        constants = resolution or {}
+        config.update(use_dynamic_shifting=True, time_shift_type="exponential")
+        for key in ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift"):  # the linear rule's
+            source = {"base_image_seq_len": "base_tokens", "max_image_seq_len": "max_tokens"}.get(key, key)
+            if source in constants:
+                config[key] = constants[source]
+    else:
+        config[shift_key] = float(shift)
+    if shift_terminal:
+        config["shift_terminal"] = float(shift_terminal)
+    return {k: v for k, v in config.items() if k in accepted}
+
+
+def build_scheduler(sampler: str, config: dict):
+    """A fresh scheduler of ``sampler``'s class from ``config`` (``scheduler_config``'s)."""
+    return scheduler_class(sampler).from_config(config)
+
+
+def check_flow_scheduler(scheduler, where: str) -> None:
+    """A multistep solver that steps epsilon or v predictions over a DDPM schedule would sample a flow model wrongly
+    without failing: refuse it (``ValueError`` starting with ``where``)."""
+    config = scheduler.config
+    if "use_flow_sigmas" in config and not (config.use_flow_sigmas and config.prediction_type == "flow_prediction"):
+        raise ValueError(f"{where}: {type(scheduler).__name__} with use_flow_sigmas={config.use_flow_sigmas}, "
+                         f"prediction_type={config.prediction_type!r} steps a DDPM schedule, not a flow-matching "
+                         f"model's velocity; a flow model needs use_flow_sigmas=true and "
+                         f"prediction_type=flow_prediction")
+
+
+def dynamic_mu(config, tokens: int, steps: int, resolution: dict | None) -> float:
+    """The exponent of dynamic shifting for a sample of ``tokens`` model tokens, as the pipelines compute it:
+    Flux.2's empirical rule when ``resolution`` holds ``empirical_mu_steps``, else ``calculate_shift`` with the
+    scheduler config's constants (FluxPipeline's, LTXPipeline's, QwenImagePipeline's)."""
+    if resolution and "empirical_mu_steps" in resolution:
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        return compute_empirical_mu(image_seq_len=tokens, num_steps=steps)
+    base, most = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (most - base)  # calculate_shift's arithmetic, in its order
+    return tokens * slope + (base_shift - slope * base)
+
+
+def set_timesteps(scheduler, steps: int, pipeline: PipelineTimesteps, tokens: int | None,
+                  resolution: dict | None, device=None) -> None:
+    """``scheduler.set_timesteps`` called as the family's pipeline calls it (``pipeline``), with the dynamic shift's
+    mu for ``tokens`` model tokens where the config shifts dynamically."""
+    arguments = {"device": device}
+    accepted = inspect.signature(scheduler.set_timesteps).parameters
+    sigmas = None
+    if pipeline.sigmas is not None and "sigmas" in accepted:
+        flow_sigmas = getattr(scheduler.config, "use_flow_sigmas", False)
+        if not (flow_sigmas and pipeline.drops_for_flow_sigmas):
+            sigmas = (np.linspace(1.0, 1 / steps, steps) if pipeline.sigmas == "to_last" else
+                      np.linspace(1.0, 0.0, steps + 1)[:-1])
+    if getattr(scheduler.config, "use_dynamic_shifting", False):
+        if tokens is None:
+            raise ValueError("a scheduler with use_dynamic_shifting needs the sample's token count")
+        arguments["mu"] = dynamic_mu(scheduler.config, tokens, steps, resolution)
+    if sigmas is not None:
+        scheduler.set_timesteps(sigmas=sigmas, **arguments)
+    else:
+        scheduler.set_timesteps(steps, **arguments)
+
+
+@torch.no_grad()
+def sample_with_scheduler(denoiser, noise: Tensor, steps: int, sampler: str, config: dict, *,
+                          pipeline: PipelineTimesteps = PipelineTimesteps(), tokens: int | None = None,
+                          resolution: dict | None = None, model_dtype: torch.dtype | None = None) -> Tensor:
+    """Step a fresh ``sampler`` scheduler of ``config`` from ``noise`` through ``steps`` steps, as the pipeline does:
+    the model sees the latents in ``model_dtype`` (the pipelines' ``latents.to(transformer_dtype)``; None: as they
+    are) and the scheduler's timestep as model time (sigma x 1000), and ``scheduler.step`` keeps the latents in the
+    dtype it returns (float32 noise stays float32 under UniPC, as in WanPipeline). ``denoiser(x, model_time) ->
+    velocity``."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    scheduler = build_scheduler(sampler, config)
+    check_flow_scheduler(scheduler, f"sampler={sampler}")
+    set_timesteps(scheduler, steps, pipeline, tokens, resolution, device=noise.device)
+    x = noise
+    for t in scheduler.timesteps:
+        model_input = x if model_dtype is None else x.to(model_dtype)
+        # model time as a float: float64 for an fp64 model (Flux divides it by 1000 as the pipeline does), else
+        # float32 (a bf16 timestep would round it)
+        time_dtype = torch.float64 if model_input.dtype == torch.float64 else torch.float32
+        prediction = denoiser(model_input, t.to(time_dtype).expand(x.shape[0]))
+        if pipeline.float32_prediction:
+            prediction = prediction.float()
+        x = scheduler.step(prediction, t, x, return_dict=False)[0]
+    return x
+
+
+__all__ = ["SCHEDULERS", "PipelineTimesteps", "build_scheduler", "check_flow_scheduler", "dynamic_mu",
+           "is_scheduler_sampler", "sample_with_scheduler", "scheduler_class", "scheduler_config", "set_timesteps"]
