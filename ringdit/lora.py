@@ -256,7 +256,9 @@ class ScaledFloat8Linear(torch.autograd.Function):
 
 
 def _scaled(weight: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    return weight.to(dtype) * scale.to(dtype)[:, None]  # (out, in)
+    """The weight cast up and scaled in one new tensor (a copy even when FSDP gathered it in ``dtype`` already, so the
+    in-place scaling never touches the parameter): one layer's full-precision weight in flight."""
+    return weight.to(dtype, copy=True).mul_(scale.to(dtype)[:, None])  # (out, in)
 
 
 def _forward_float8(self: nn.Linear, x: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4
   L blocks' worth; with activation checkpointing of c = ceil(f x L) blocks (``model.activation_checkpointing``: f = 1,
   a fraction, 1 / N for every_N) their inputs (D each), the other L - c blocks' worth, plus one block's worth being
   recomputed; with ``activation_offload`` the c inputs are in host memory (``host_bytes``) but one, in flight; one
-  block's worth when sampling. Tokens per rank: S / (ring x ulysses), rounded up, plus as much of the text of
+  block's worth when sampling; an fp8 base adds its largest block Linear weight cast up to the compute dtype; Tokens per rank: S / (ring x ulysses), rounded up, plus as much of the text of
   joint attention (Flux, QwenImage), which is sharded like the image;
 - ``attention_bytes``: per ring hop, after the Ulysses exchange (S / ring tokens of D / ulysses values): q, k, v,
   output and the K/V block in flight, 6 x B x S / ring x D / ulysses x a; the ``math`` backend also materialises the
@@ -92,6 +92,7 @@ class ModelSize:
     lora_base_parameters: int = 0  # the Linear / Conv weights: what lora.base_dtype casts
     float8_parameters: int = 0     # of those, the blocks' Linear weights (no biases): what an fp8 base holds in fp8
     float8_rows: int = 0           # their output rows: one fp32 scale each
+    float8_largest: int = 0        # the largest of those weights: cast up while its layer computes
 
     @property
     def lora(self) -> bool:
@@ -231,6 +232,8 @@ def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
         if offloaded:  # one input stays on the device, in flight
             per_token -= offloaded - model.hidden_size
     activations = B * tokens_per_rank * per_token * a
+    if model.lora and setup.lora_base_dtype in FLOAT8:  # one fp8 layer's weight cast up to the compute dtype
+        activations += model.float8_largest * a
     # one ring hop, after the Ulysses exchange: S / ring tokens of H / ulysses heads (D / ulysses values per token)
     ring_tokens = math.ceil(model.tokens / setup.ring_degree) + math.ceil(model.text_tokens / setup.ring_degree)
     attention = 6 * B * ring_tokens * (model.hidden_size // setup.ulysses_degree) * a  # q k v out, K/V in flight
@@ -303,7 +306,7 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
         tokens=math.prod(meta_model.default_grid),
         text_tokens=text.shape[1] + (glyph.shape[1] if glyph is not None else 0) if joint and text is not None else 0,
         **dict(zip(("lora_parameters", "lora_base_parameters"), lora_parameters(meta_model, lora))),
-        **dict(zip(("float8_parameters", "float8_rows"), float8_parameters(meta_model, lora))),
+        **dict(zip(("float8_parameters", "float8_rows", "float8_largest"), float8_parameters(meta_model, lora))),
     )
 
 
@@ -340,15 +343,16 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
                 for p in layer.parameters(recurse=False)))
 
 
-def float8_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
-    """(weights, output rows) of the Linear layers of the repeated blocks: what an fp8 base holds in fp8 (with one
-    scale per row, ``ringdit.lora.hold_in_float8``); (0, 0) when LoRA is off."""
+def float8_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int, int]:
+    """(weights, output rows, the largest weight) of the Linear layers of the repeated blocks: what an fp8 base holds
+    in fp8 (with one scale per row, ``ringdit.lora.hold_in_float8``); zeros when LoRA is off."""
     from ringdit.lora import _block_linears, lora_enabled
 
     if not lora_enabled(lora):
-        return 0, 0
+        return 0, 0, 0
     layers = _block_linears(model)
-    return sum(layer.weight.numel() for layer in layers), sum(layer.out_features for layer in layers)
+    return (sum(layer.weight.numel() for layer in layers), sum(layer.out_features for layer in layers),
+            max((layer.weight.numel() for layer in layers), default=0))
 
 
 def estimate_model_memory(config: dict, *, lora: dict | None = None, meta_model: nn.Module | None = None,

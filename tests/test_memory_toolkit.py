@@ -346,3 +346,15 @@ def test_the_planner_takes_an_fp8_base_only_where_a_bf16_one_does_not_fit(capsys
     out = capsys.readouterr().out
     assert re.search(r"^Recommended: dp=1 ring=2 ulysses=1 fsdp \+ckpt\+offload fp8-e4m3fn -- ", out, flags=re.M), out
     assert re.search(r"an fp8 base \(float8_e4m3fn\), as with a bf16 base the step would need \d+\.\d GiB", out), out
+
+
+def test_an_fp8_layer_never_scales_its_weight_in_place():
+    """Under FSDP's param_dtype=bfloat16 the gathered weight already has the compute dtype: the cast-up is a copy
+    even then, so scaling it leaves the parameter as it was."""
+    from ringdit.lora import ScaledFloat8Linear
+
+    weight = torch.randn(4, 3).to(torch.bfloat16)
+    before = weight.clone()
+    out = ScaledFloat8Linear.apply(torch.ones(2, 3, dtype=torch.bfloat16), weight, torch.full((4,), 2.0), None,
+                                   torch.bfloat16)
+    assert torch.equal(weight, before) and torch.equal(out, 2 * before.sum(1).expand(2, 4))

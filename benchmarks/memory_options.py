@@ -1,0 +1,136 @@
+"""Each memory option of issue 41 measured on a CPU rank against ``ringdit.memory``'s estimate, and its step time as a
+ratio to the plain run: a Wan-1.3B-shaped transformer (``fsdp_memory.py``'s), LoRA rank 64 unless a full fine-tune.
+
+    python benchmarks/memory_options.py                      # 2 layers, latents (4, 16, 16): 256 tokens, 4 steps
+    python benchmarks/memory_options.py --layers 4 --cases plain fp8 ckpt_half
+
+Each case runs in a fresh process (spawned), so its peak RSS is its own. Per case:
+- state: this rank's parameter, gradient and optimizer-state tensor bytes (an 8-bit state counted as its codes,
+  scales and map), against the estimate's weights + gradients + optimizer terms;
+- acts: the peak of live tensors (``tensor_memory.PeakTensorMemory``) during forward and backward above what lived
+  before, against the estimate's activations + attention;
+- RSS: the process's peak RSS minus its RSS before the model was built, against the estimate's peak (start-up or
+  step, whichever is larger); RSS also holds the allocator's slack and torch's own buffers, so it reads high on
+  small models;
+- step: the median wall time of the steps after the first (the first compiles torchao's step), as a ratio to the
+  ``plain`` case. Only an idle machine gives meaningful ratios.
+
+``activation_offload`` is not a case: on CPU ranks it is off (the activations are in host memory already).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ringdit, also in spawned ranks
+from benchmarks.fsdp_memory import TEXT_LEN, WAN_1_3B, rss_mb  # noqa: E402
+from benchmarks.tensor_memory import PeakTensorMemory  # noqa: E402
+
+LORA = {"rank": 64, "alpha": 64}
+# name: (LoRA base dtype or None for a full fine-tune, 8-bit AdamW, activation_checkpointing)
+CASES = {
+    "plain": ("float32", False, False),
+    "bf16_base": ("bfloat16", False, False),
+    "fp8": ("float8_e4m3fn", False, False),
+    "fp8_8bit": ("float8_e4m3fn", True, False),
+    "ckpt_all": ("float32", False, True),
+    "ckpt_half": ("float32", False, 0.5),
+    "full": (None, False, False),
+    "full_8bit": (None, True, False),
+}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds: an 8-bit optimizer state's codes, scales and map; else numel x element size."""
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if hasattr(tensor, "codes"):
+        return sum(t.numel() * t.element_size() for t in (tensor.codes, tensor.scale, tensor.qmap))
+    return tensor.numel() * tensor.element_size()
+
+
+def config(layers: int, latents: tuple, checkpointing) -> dict:
+    return {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "wan",
+            "config": {**WAN_1_3B, "num_layers": layers}, "input_size": list(latents), "in_channels": 16,
+            "text_len": TEXT_LEN, "text_dim": 4096, "activation_checkpointing": checkpointing}
+
+
+def measure(rank: int, case: str, layers: int, steps: int, latents: tuple, results) -> None:
+    from ringdit.build import build_model
+    from ringdit.memory import estimate_model_memory
+    from ringdit.optimizers import adamw8bit
+
+    import diffusers.models.transformers  # noqa: F401  (the libraries' own memory is no case's: imported first)
+    import peft  # noqa: F401
+    import torchao.optim  # noqa: F401
+
+    torch.set_num_threads(1)
+    base, eight_bit, checkpointing = CASES[case]
+    lora = {**LORA, "base_dtype": base} if base else None
+    cfg = config(layers, latents, checkpointing)
+    estimate = estimate_model_memory(cfg, lora=lora, lora_base_dtype=base or "float32", ema=False,
+                                     optimizer_8bit=eight_bit, activation_checkpointing=float(checkpointing))
+    before = rss_mb()
+    model, _ = build_model(cfg, lora=lora, seed=0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = (adamw8bit if eight_bit else torch.optim.AdamW)(trained, lr=1e-5)
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(1, 16, *latents, generator=g), torch.tensor([500.0])
+    cond = {"text": torch.randn(1, TEXT_LEN, 4096, generator=g)}
+    times, acts = [], 0
+    for step in range(steps):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        memory = PeakTensorMemory()
+        # tensors that lived before (weights, buffers, inputs, gradients) are not the step's: a view of one is no
+        # new storage
+        existing = [*model.parameters(), *model.buffers(), x, t, *cond.values(), *(p.grad for p in trained)]
+        memory._seen.update(e.untyped_storage().data_ptr() for e in existing if e is not None)
+        with memory:
+            model(x, t, cond).square().mean().backward()
+        acts = max(acts, memory.peak_bytes)
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    state = sum(tensor_bytes(p) for p in model.parameters()) + sum(tensor_bytes(p.grad) for p in trained) \
+        + sum(tensor_bytes(v) for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    results.put({"case": case, "state": state, "acts": acts, "rss": (rss_mb() - before) * 2**20,
+                 "step_s": statistics.median(times[1:] or times),
+                 "est_state": estimate.weights_bytes + estimate.gradient_bytes + estimate.optimizer_bytes,
+                 "est_acts": estimate.activation_bytes + estimate.attention_bytes, "est_peak": estimate.peak_bytes})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--latents", type=int, nargs=3, default=[4, 16, 16], metavar=("T", "H", "W"))
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    rows = []
+    for case in args.cases:
+        results = ctx.SimpleQueue()
+        mp.start_processes(measure, args=(case, args.layers, args.steps, tuple(args.latents), results), nprocs=1,
+                           start_method="spawn")
+        rows.append(results.get())
+    mib = 2**20
+    plain = next((r["step_s"] for r in rows if r["case"] == "plain"), None)
+    print(f"Wan-1.3B-shaped, {args.layers} layers, latents {tuple(args.latents)}, LoRA rank 64 (full: every weight), "
+          f"fp32 activations, one CPU rank; MiB measured / estimated (ratio)")
+    print(f"{'case':<11}{'state MiB':>24}{'acts MiB':>24}{'peak RSS MiB':>24}{'step s':>8}{'vs plain':>9}")
+    for r in rows:
+        cells = "".join(f"{f'{m / mib:.0f} / {e / mib:.0f} ({m / e:.2f})':>24}"
+                        for m, e in ((r["state"], r["est_state"]), (r["acts"], r["est_acts"]),
+                                     (r["rss"], r["est_peak"])))
+        ratio = f"{r['step_s'] / plain:.2f}x" if plain else "-"
+        print(f"{r['case']:<11}{cells}{r['step_s']:>8.2f}{ratio:>9}")
+
+
+if __name__ == "__main__":
+    main()
