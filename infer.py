@@ -287,6 +287,43 @@ def main(cfg: DictConfig) -> None:
                 written = decode(files, spec, device=str(trainer.strategy.root_device), group=group)
             if trainer.is_global_zero:
                 log.info("decoded with vae=%s: %s", output.vae, ", ".join(p.name for p in written))
+        if trainer.is_global_zero and spec.loggers:
+            log_written_samples(spec)
+
+
+def log_written_samples(spec: InferSpec) -> None:
+    """``logger=wandb``: the samples this run wrote -- samples.npz's pictures, or a latent model's decoded files --
+    logged to a new wandb run (offline when there is no API key or network), each captioned with its prompt or
+    class; videos as MP4 files (written here for pixel-space videos, which infer.py otherwise keeps as a GIF grid)."""
+    import numpy as np
+    from PIL import Image
+
+    from ringdit.media.writing import write_mp4
+    from ringdit.training.callbacks import log_samples
+
+    out = Path(spec.output_dir)
+    npz = np.load(out / "samples.npz") if (out / "samples.npz").is_file() else {}
+    if "images" in npz:  # uint8 (N, [T,] H, W, C)
+        images = npz["images"]
+    else:  # a latent model: what the decode wrote (sample-000.png ... / sample-000.mp4 ...)
+        pictures = sorted(out.glob("sample-*.png"))
+        images = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in pictures]) if pictures else None
+    videos = sorted(out.glob("sample-*.mp4"))
+    if images is not None and images.ndim == 5 and len(videos) != len(images):
+        videos = [write_mp4(video, out / f"sample-{i:03d}.mp4", spec.output.fps) for i, video in enumerate(images)]
+    if images is None and not videos:
+        log.warning("logger: nothing to log in %s: latent samples need vae= to become pictures", out)
+        return
+    count = len(videos) or len(images)
+    captions = [str(c) for c in npz["captions"]] if "captions" in npz else \
+        [str(label) for label in npz["labels"]] if "labels" in npz else [f"sample {i}" for i in range(count)]
+    loggers = [hydra.utils.instantiate(config) for config in spec.loggers]
+    for logger in loggers:
+        logger.log_hyperparams({"ckpt_path": spec.ckpt_path, "num_samples": spec.num_samples, **spec.sampling})
+    log_samples(loggers, images, captions[:count], step=0, videos=videos)
+    for logger in loggers:
+        logger.finalize("success")
+        logger.experiment.finish()  # the run's files complete on disk (offline: ready for wandb sync)
 
 
 def decode_group():

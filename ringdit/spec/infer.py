@@ -25,7 +25,7 @@ from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_f
 from ringdit.spec.diffusion import check_sampling, check_shift_terminal, resolve_scheduler, resolve_shift_terminal
 from ringdit.spec.layout import Layout
 from ringdit.spec.model import ModelSpec
-from ringdit.spec.trainer import TrainerSpec
+from ringdit.spec.trainer import TrainerSpec, group_targets
 
 if TYPE_CHECKING:
     from ringdit.sampling import SampleSizes
@@ -225,6 +225,7 @@ class InferSpec:
     shape: tuple[int, ...]   # the samples' shape ([T,] H, W) in the data's cells: size / frames, else image_size
     lora: LoraBase | None = None  # an adapter-only LoRA checkpoint: its base, under the adapters of ckpt_path
     cache: CacheSettings = CacheSettings()  # cache=: step caching; teacache's coefficients resolved for this model
+    loggers: tuple[dict, ...] = ()  # logger=wandb: the run's written samples logged there (ringdit.training.wandb)
     image: ImageInput | None = None  # image=: an image-to-video model's first frames (None: text-to-video, or the
     # training data's held-out first frames)
 
@@ -288,11 +289,16 @@ class InferSpec:
         image_shape = conditioning.prompt_shapes[0] if conditioning.prompt_shapes else shape  # one size (checked)
         image = ImageInput.from_config(cfg, info["model"], info["data"], ckpt_path=ckpt_path,
                                        user_size=sizes.user_size(image_shape), conditioning=conditioning)
+        other = sorted(set(cfg.get("logger") or {}) - {"wandb"})  # the entries logger=<option> selected
+        if other:  # the samples are pictures: wandb shows them; a metrics file would hold nothing
+            raise ConfigError(f"logger={other[0]}: infer.py logs its samples to wandb only; use logger=wandb or "
+                              f"logger=none")
+        loggers = group_targets(cfg, "logger")
         return cls(seed=cfg.seed, num_samples=cfg.num_samples, batch_size=cfg.batch_size,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, ckpt_path=ckpt_path,
                    weights=cfg.weights, model=model, data=info["data"], objective=info["objective"],
                    sampling=sampling, conditioning=conditioning, output=output, sizes=sizes, shape=shape, lora=lora,
-                   cache=cache, image=image)
+                   cache=cache, image=image, loggers=loggers)
 
 
 def _plain(value):

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import OmegaConf
 
 from ringdit.images import grid_image, save_samples, to_uint8
+from ringdit.media.writing import write_mp4
 from ringdit.errors import require_count
 from ringdit.sampling import SampleSizes, patch_shape, size_pair
 from ringdit.seeding import Stream, seed_of
@@ -68,7 +69,10 @@ class SampleGrid(L.Callback):
 
     All ranks sample (the model is sharded across them); only global rank 0 writes. One row per class
     (up to ``max_classes``; text models: per held-out prompt), ``per_class`` samples each, from fixed seeds so grids
-    are comparable across steps. Models trained on latents make no grid (their samples need the VAE to be seen).
+    are comparable across steps. Models trained on latents are previewed through their VAE (``vae``, else the one
+    the data was prepared with, when that folder is here), each sample's tiles decoded over the ranks that sampled
+    it, as infer.py decodes. Loggers get images as images and videos as MP4 videos (``samples/step_N/``), each
+    captioned with its prompt or class.
 
     ``size`` ``[H, W]`` / ``frames`` (videos): the grid's sample shape, in the units of infer.py's ``size`` /
     ``frames`` (``ringdit.sampling.SampleSizes``: pixels and video frames when the data records its VAE, else the
@@ -79,8 +83,12 @@ class SampleGrid(L.Callback):
 
     def __init__(self, output_dir: str, every_n_steps: int = 500, per_class: int = 8, max_classes: int = 10,
                  steps: int | None = None, cfg_scale: float | None = None, seed: int = 0,
-                 size: list[int] | None = None, frames: int | None = None):
+                 size: list[int] | None = None, frames: int | None = None, vae: str | None = None,
+                 vae_subfolder: str | None = "vae", fps: int = 16):
         require_count("callbacks.sample_grid.every_n_steps", every_n_steps)
+        require_count(f"{SETTING}.fps", fps)
+        self.vae_setting, self.vae_subfolder, self.fps = vae, vae_subfolder, fps
+        self._codec = None  # the VAE, loaded at the first preview of a latent model (None: no VAE here)
         self.output_dir = Path(output_dir)
         self.every_n_steps, self.per_class, self.max_classes = every_n_steps, per_class, max_classes
         self.steps, self.cfg_scale, self.seed = steps, cfg_scale, seed
@@ -115,25 +123,78 @@ class SampleGrid(L.Callback):
 
     def make_grid(self, trainer: L.Trainer, pl_module) -> Path | None:
         self._last_step = step = trainer.global_step
-        if not pl_module.samples_are_pixels:  # latents need the user's VAE to become pictures
-            return None
+        if not pl_module.samples_are_pixels and self.preview_vae(pl_module.hparams.data) is None:
+            return None  # latents without their VAE cannot be looked at (said once, by preview_vae)
         if pl_module.text_conditioned:  # one row per held-out prompt (the same prompts at every step)
-            prompts, _ = trainer.datamodule.held_out(self.max_classes)
+            prompts, names = trainer.datamodule.held_out(self.max_classes)
             condition = {key: value.repeat_interleave(self.per_class, 0) for key, value in prompts.items()}
             count = len(condition["text"])
         else:
             classes = min(pl_module.hparams.data["num_classes"], self.max_classes)
             condition = torch.arange(classes).repeat_interleave(self.per_class)
+            names = list(pl_module.hparams.data.get("class_names") or range(classes))[:classes]
             count = len(condition)
+        captions = [str(name) for name in names for _ in range(self.per_class)]
         seeds = [seed_of(Stream.PREVIEW, self.seed, cell) for cell in range(count)]
-        images = to_uint8(pl_module.generate(condition, seeds, steps=self.steps, cfg_scale=self.cfg_scale,
-                                             shape=self.shape)).numpy()
+        samples = pl_module.generate(condition, seeds, steps=self.steps, cfg_scale=self.cfg_scale, shape=self.shape)
+        if pl_module.samples_are_pixels:
+            images = to_uint8(samples).numpy() if trainer.is_global_zero else None
+        else:  # every rank decodes its share of each sample's tiles; rank 0 gets the pixels
+            images = self.decode(samples, pl_module.hparams.data, trainer)
         if not trainer.is_global_zero:
             return None
-        path = save_samples(images, self.output_dir / "samples" / f"step_{step:07d}", columns=self.per_class)
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                logger.log_image(key="samples", images=[grid_image(images, self.per_class)], step=step)
-            elif isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_image("samples", grid_image(images, self.per_class), step, dataformats="HWC")
+        folder = self.output_dir / "samples"
+        path = save_samples(images, folder / f"step_{step:07d}", columns=self.per_class)
+        videos = []
+        if images.ndim == 5:  # (N, T, H, W, C): each one an MP4 too, which the loggers upload
+            (folder / f"step_{step:07d}").mkdir(parents=True, exist_ok=True)
+            videos = [write_mp4(video, folder / f"step_{step:07d}" / f"{i:03d}.mp4", self.fps)
+                      for i, video in enumerate(images)]
+        log_samples(trainer.loggers, images, captions, step, videos=videos, columns=self.per_class)
         return path
+
+    def preview_vae(self, data_info: dict):
+        """The VAE latent previews decode with (``vae``, else the data's when its folder is here), loaded once;
+        None, said once, where there is none."""
+        if self._codec is None:
+            from ringdit.media.decode import sampling_vae
+            from ringdit.media.vae import VAE
+
+            folder = sampling_vae(self.vae_setting, self.vae_subfolder, data_info)
+            if folder is None:
+                rank_zero_warn(f"{SETTING}: no previews: the model samples latents and the VAE the data was prepared "
+                               f"with ({(data_info.get('vae') or {}).get('path')}) is not here; set "
+                               f"{SETTING}.vae=<the VAE folder> to see them")
+                self._codec = False
+            else:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+                self._codec = VAE(folder, self.vae_subfolder, device=device)
+        return self._codec or None
+
+    def decode(self, latents: torch.Tensor, data_info: dict, trainer: L.Trainer):
+        """(N, C, [T,] H, W) latents -> uint8 pixels on global rank 0 (None elsewhere), each sample's VAE tiles
+        decoded over every rank (``ringdit.media.parallel_vae``): they all sampled the same latents."""
+        import torch.distributed as dist
+
+        from ringdit.media.decode import decode_latents, latents_normalised
+
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 else None
+        return decode_latents(latents.float().cpu(), self.preview_vae(data_info), latents_normalised(data_info),
+                              group=group)
+
+
+def log_samples(loggers, images, captions: list[str], step: int | None, *, videos: list[Path] = (),
+                columns: int | None = None, key: str = "samples") -> None:
+    """To wandb: images (N, H, W, C) one by one (upscaled RGB, as the grid shows them), videos as the MP4 files
+    ``videos`` (wandb uploads the files themselves), each with its caption; to TensorBoard: the grid (for videos,
+    its first frame: TensorBoard's own video encoder needs moviepy)."""
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            if len(videos):
+                logger.log_video(key=key, videos=[str(v) for v in videos], step=step, caption=list(captions),
+                                 format=["mp4"] * len(videos))
+            else:
+                logger.log_image(key=key, images=[grid_image(image[None], 1) for image in images], step=step,
+                                 caption=list(captions))
+        elif isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_image(key, grid_image(images, columns), step, dataformats="HWC")
