@@ -25,10 +25,20 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def checked_output(out: str | Path, *, folder: bool, what: str) -> Path:
+def checked_output(out: str | Path, *, folder: bool, what: str, overwrite: bool | None = None,
+                   source: str | Path | None = None) -> Path:
     """``out=`` of an export, before anything is read or written: a folder path for what writes a folder (``folder``),
-    a file path otherwise, and no file where a parent folder has to be. ``what`` names the export in the message."""
+    a file path otherwise, and no file where a parent folder has to be. ``what`` names the export in the message.
+
+    ``overwrite=False``: an existing ``out`` is refused (``True``: it is replaced, whole; None: not checked here, for
+    callers that checked already). ``source``: the checkpoint being exported, which ``out`` may never be or hold,
+    overwrite or not."""
     out = Path(out).expanduser()
+    if source is not None:
+        source = Path(source).expanduser().resolve()
+        if out.resolve() == source or out.resolve() in source.parents:
+            held = "is the checkpoint itself" if out.resolve() == source else f"holds the checkpoint {source}"
+            raise CheckpointError(f"out={out} {held}: exporting would replace it; choose another out")
     if folder and out.exists() and not out.is_dir():
         raise CheckpointError(f"out={out} is a file; {what} writes a folder: give a folder path")
     if not folder and out.is_dir():
@@ -38,6 +48,9 @@ def checked_output(out: str | Path, *, folder: bool, what: str) -> Path:
     if blocking is not None:
         raise CheckpointError(f"cannot write out={out} ({blocking} is a file, not a folder); choose a writable "
                               f"{'folder' if folder else 'file'} path")
+    if overwrite is False and (out.exists() or out.is_symlink()):
+        raise CheckpointError(f"out={out} exists (a {'folder' if out.is_dir() else 'file'}); {what} would replace "
+                              f"it: give a new out, or add overwrite=true to replace it")
     return out
 
 
