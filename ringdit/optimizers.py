@@ -51,8 +51,13 @@ def check_optimizer_installed(target: str | None) -> None:
 def adamw8bit(params, **settings) -> torch.optim.Optimizer:
     """``torchao.optim.AdamW8bit`` whose checkpoints hold plain fp32 moments (the module docstring says why).
     ``settings``: torchao's (``lr``, ``betas``, ``eps``, ``weight_decay``, ``block_size`` ...)."""
+    import torch._functorch.config
     from torchao.optim import AdamW8bit
 
+    # AOT autograd's on-disk cache keys torchao's 8-bit state (a tensor subclass) without its inner scales' size, so
+    # an FSDP shard can get a graph compiled for another shard shape ("expected size 16==128"); the FX graph cache is
+    # keyed correctly and stays on
+    torch._functorch.config.enable_autograd_cache = False
     if AdamW8bit not in _resumable:
         _resumable[AdamW8bit] = type("ResumableAdamW8bit", (AdamW8bit,), {
             "state_dict": _state_dict, "load_state_dict": _load_state_dict, "__module__": __name__})
