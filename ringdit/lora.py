@@ -114,9 +114,10 @@ def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets
                       lora_dropout=dropout, init_lora_weights=True)
 
 
-def adapted_module(model: nn.Module) -> nn.Module:
-    """What the adapters go into: a diffusers model's transformer, else the model itself."""
-    return getattr(model, "transformer", model)
+def adapted_modules(model: nn.Module) -> tuple[nn.Module, ...]:
+    """What the adapters go into: each expert of a two-expert model (Wan 2.2 A14B: both transformers, each with its
+    own adapters), a diffusers model's transformer, else the model itself."""
+    return tuple(getattr(model, "expert_modules", ()) or ()) or (getattr(model, "transformer", model),)
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0,
@@ -126,11 +127,23 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=No
     ``base_dtype``: the dtype the frozen projections are held in (see ``hold_base_in``); None keeps them as built.
     Works on a model whose parameters are on the meta device (only the dtype they will have changes).
     """
-    from peft import inject_adapter_in_model
 
     config = lora_config(model, rank, alpha, targets, dropout)
-    root = adapted_module(model)
     model.requires_grad_(False)
+    for root in adapted_modules(model):
+        _inject(root, config, model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_key(name))
+    dtype = resolve_base_dtype(base_dtype)
+    if dtype is not None:  # after the injection: peft would otherwise cast the new adapters to the base's dtype
+        hold_base_in(model, dtype)
+    return model
+
+
+def _inject(root: nn.Module, config, model: nn.Module) -> None:
+    """The adapters of ``config`` into ``root`` (one transformer of ``model``)."""
+    from peft import inject_adapter_in_model
+
     try:
         if hasattr(root, "add_adapter"):  # diffusers: registers the config, so diffusers can save / fuse it
             root.add_adapter(config, adapter_name=ADAPTER_NAME)
@@ -142,12 +155,6 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=No
         raise ConfigError(f"lora.targets={sorted(config.target_modules)} match no module of "
                           f"{type(model).__name__} ({str(error).splitlines()[0]}); name linear layers by their "
                           f"path suffix, e.g. {linears[:8]}") from None
-    for name, param in model.named_parameters():
-        param.requires_grad_(is_adapter_key(name))
-    dtype = resolve_base_dtype(base_dtype)
-    if dtype is not None:  # after the injection: peft would otherwise cast the new adapters to the base's dtype
-        hold_base_in(model, dtype)
-    return model
 
 
 def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:

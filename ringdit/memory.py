@@ -330,13 +330,13 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     name ends with a target (peft's rule; the model's default ``lora_targets`` when the settings name none), and the
     weights and biases of every Linear / Conv layer of the model (``ringdit.lora.hold_base_in`` casts them all, adapted
     or not, as they are all frozen); (0, 0) when LoRA is off."""
-    from ringdit.lora import BASE_LAYERS, adapted_module, lora_enabled
+    from ringdit.lora import BASE_LAYERS, adapted_modules, lora_enabled
 
     if not lora_enabled(lora):
         return 0, 0
     targets = lora.get("targets") or getattr(model, "lora_targets", ())
     targets = [targets] if isinstance(targets, str) else list(targets)
-    adapted = [module for name, module in adapted_module(model).named_modules()
+    adapted = [module for root in adapted_modules(model) for name, module in root.named_modules()
                if isinstance(module, nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)]
     return (sum(lora["rank"] * (layer.in_features + layer.out_features) for layer in adapted),
             sum(p.numel() for layer in model.modules() if isinstance(layer, BASE_LAYERS)

@@ -94,6 +94,9 @@ class DiffusersTransformer(nn.Module):
         if arch.get("guidance_embeds") and guidance is None:
             raise ConfigError(f"model.guidance is not set: this {self.family.model_class} is guidance-distilled "
                               f"(guidance_embeds); set it, e.g. model.guidance=3.5 for sampling, 1.0 to fine-tune")
+        if guidance is not None and "guidance_embeds" in arch and not arch["guidance_embeds"]:
+            raise ConfigError(f"model.guidance={guidance}: this {self.family.model_class} has no guidance embedding "
+                              f"(guidance_embeds: false, e.g. FLUX.1-schnell); set model.guidance=null")
         self.input_size = tuple(input_size) if input_size is not None else None
         self.patch_size = self.family.patch_shape(arch)
         if self.input_size is not None:
