@@ -113,23 +113,22 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
-    rows = []
-    for case in args.cases:
+    mib = 2**20
+    print(f"Wan-1.3B-shaped, {args.layers} layers, latents {tuple(args.latents)}, LoRA rank 64 (full: every weight), "
+          f"fp32 activations, one CPU rank; MiB measured / estimated (ratio)")
+    print(f"{'case':<11}{'state MiB':>24}{'acts MiB':>24}{'peak RSS MiB':>24}{'step s':>8}{'vs plain':>9}", flush=True)
+    plain = None
+    for case in args.cases:  # each row as soon as its case is done
         results = ctx.SimpleQueue()
         mp.start_processes(measure, args=(case, args.layers, args.steps, tuple(args.latents), results), nprocs=1,
                            start_method="spawn")
-        rows.append(results.get())
-    mib = 2**20
-    plain = next((r["step_s"] for r in rows if r["case"] == "plain"), None)
-    print(f"Wan-1.3B-shaped, {args.layers} layers, latents {tuple(args.latents)}, LoRA rank 64 (full: every weight), "
-          f"fp32 activations, one CPU rank; MiB measured / estimated (ratio)")
-    print(f"{'case':<11}{'state MiB':>24}{'acts MiB':>24}{'peak RSS MiB':>24}{'step s':>8}{'vs plain':>9}")
-    for r in rows:
+        r = results.get()
+        plain = r["step_s"] if case == "plain" else plain
         cells = "".join(f"{f'{m / mib:.0f} / {e / mib:.0f} ({m / e:.2f})':>24}"
                         for m, e in ((r["state"], r["est_state"]), (r["acts"], r["est_acts"]),
                                      (r["rss"], r["est_peak"])))
         ratio = f"{r['step_s'] / plain:.2f}x" if plain else "-"
-        print(f"{r['case']:<11}{cells}{r['step_s']:>8.2f}{ratio:>9}")
+        print(f"{r['case']:<11}{cells}{r['step_s']:>8.2f}{ratio:>9}", flush=True)
 
 
 if __name__ == "__main__":
