@@ -84,7 +84,11 @@ def export(cfg: DictConfig) -> None:
         what = ("format=comfyui" if fmt == "comfyui" else "lora=true" if cfg.format is None else
                 f"lora=true format={fmt}") if lora else f"format={fmt}"
         # before reading any weights: the one guard for every destination (file or folder, existing, the checkpoint)
-        checked_output(out, folder=lora or fmt == "diffusers", what=what, overwrite=cfg.overwrite, source=ckpt)
+        folder = lora or fmt == "diffusers"
+        if folder and Path(str(out)).suffix == ".safetensors":  # a file name where a folder is written
+            raise ConfigError(f"out={out}: {what} writes a folder (the adapter file inside, one per expert of a "
+                              f"two-expert model); give a folder, e.g. out={Path(str(out)).with_suffix('')}")
+        checked_output(out, folder=folder, what=what, overwrite=cfg.overwrite, source=ckpt)
         note = None
         if lora:
             written = export_adapter(str(ckpt), Path(out).expanduser(), fmt, cfg.weights)
@@ -95,7 +99,7 @@ def export(cfg: DictConfig) -> None:
                                              max_shard_size=cfg.max_shard_size)
         else:
             written = export_safetensors(str(ckpt), str(out), prefer=cfg.weights)
-    print(f"wrote {cfg.weights} weights{'' if lora else ' and configs'} to {written}")
+    print(f"wrote the {cfg.weights} weights' {'LoRA adapter' if lora else 'model and configs'} to {written}")
     if note:
         print(f"note: {note}")
 

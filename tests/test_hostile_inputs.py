@@ -141,6 +141,8 @@ def test_export_refuses_an_out_it_cannot_write(tiny_checkpoint, tmp_path, capsys
         (["lora=true", f"out={tmp_path / 'file'}"], r"out=.*file is a file; lora=true writes a folder"),
         (["format=diffusers", f"out={tmp_path / 'file'}"], r"out=.*file is a file; format=diffusers"),
         ([f"out={tmp_path}"], r"out=.* is a folder; give the file to write \(format=ringdit writes one file\)"),
+        (["format=comfyui", f"out={tmp_path / 'lora.safetensors'}"], r"out=.*lora.safetensors: format=comfyui writes "
+                                                                     r"a folder .*; give a folder, e.g. out=.*lora$"),
         ([f"out={tmp_path / 'file' / 'w.safetensors'}"], r"cannot write out=.* \(.*file is a file, not a folder\)"),
     ):
         code, err = command(main, [f"ckpt_path={tiny_checkpoint}", *overrides], capsys)
