@@ -81,11 +81,12 @@ def test_an_fp8_base_is_within_fp8_rounding_of_the_bf16_base(kind):
     """Every Linear of the blocks is fp8 with fp32 row scales, the rest of the base bf16, the adapters fp32; only the
     adapters get gradients. Output and adapter gradients against the bf16 base, as norm-relative errors.
 
-    Why these bounds: e4m3 rounds each weight to 3 mantissa bits (relative error <= 2^-4, uniform: rms 2^-4 / sqrt(3)
-    = 3.6e-2 of a weight); a layer's output sums `in` products whose errors are independent, so it is off by about
-    3.6e-2 / sqrt(in) x sqrt(in) ... of its rms, i.e. ~2-4% of the weights' contribution, damped by the residual stream
-    that fp8 does not touch. Measured (output, worst adapter gradient): Wan 6.4e-3, 3.1e-2; Flux 5.7e-3, 2.5e-2 for
-    e4m3; e5m2 (2 mantissa bits) about twice that. Bounds: 3x the measured, e5m2 twice e4m3's.
+    Why these bounds: e4m3 rounds each weight to 3 mantissa bits (relative error <= 2^-4, rms about 2^-4 / sqrt(3)
+    = 3.6e-2 of a weight); a layer's output error averages that over its `in` products and is damped by the residual
+    stream, which fp8 does not touch: measured 7.3e-3 (Wan) and 5.7e-3 (Flux) of the output's norm. A gradient meets
+    every fp8 layer after its adapter, and at widths of 32 to 64 few terms average the rounding out: measured 6.9e-2
+    and 5.7e-2 for the worst adapter. e5m2 keeps 2 mantissa bits: twice the error (measured 1.6e-2, 1.0e-2; 1.3e-1).
+    Bounds: output 2e-2, gradients 1.5e-1 for e4m3, twice that for e5m2.
     """
     bf16_out, bf16_grads = output_and_grads(*adapted(kind, "bfloat16"))
     report = {}
@@ -103,7 +104,7 @@ def test_an_fp8_base_is_within_fp8_rounding_of_the_bf16_base(kind):
         worst = max(relative(grads[key], bf16_grads[key]) for key in grads)
         report[name] = (relative(out, bf16_out), worst)
         assert report[name][0] < 2e-2 * bound, report
-        assert worst < 1e-1 * bound, report
+        assert worst < 1.5e-1 * bound, report
     print(f"{kind} vs the bf16 base (output, worst adapter gradient; norm-relative): {report}")
 
 
