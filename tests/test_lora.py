@@ -439,7 +439,7 @@ def test_a_plain_export_of_a_lora_checkpoint_is_refused(lora_run, tmp_path, caps
 def test_a_diffusers_lora_samples_on_its_pretrained_folder_or_on_base(tmp_path):
     """A Wan LoRA run on model.pretrained: sampled on that folder (recorded), or on a diffusers folder given as base=
     when the recorded one is gone -- the same latents; a folder of another architecture is refused naming the first
-    adapter weight that does not fit, with both shapes."""
+    setting of the recorded architecture that differs (tests/test_hostile_inputs.py: one the adapters alone fit)."""
     import diffusers
 
     save_tiny_wan(tmp_path / "wan")
@@ -457,8 +457,7 @@ def test_a_diffusers_lora_samples_on_its_pretrained_folder_or_on_base(tmp_path):
     proc, seconds = fail_fast("infer.py", f"ckpt_path={ckpt}", f"base={tmp_path / 'wider'}",
                               f"hydra.run.dir={tmp_path / 'refused'}")
     assert_refused(proc, rf"Error: base={tmp_path / 'wider'} does not fit the LoRA adapter in ckpt_path={ckpt}: "
-                         rf"transformer\.blocks\.0\.attn1\.to_k\.lora_A\.default\.weight is \(4, 24\) in the adapter "
-                         rf"but \(4, 32\) in the base", seconds=seconds)
+                         rf"its architecture differs: attention_head_dim 16 \(trained on 12\)", seconds=seconds)
 
 
 def sample_latents(run_dir, ckpt, *overrides):
