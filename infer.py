@@ -226,8 +226,12 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
     from ringdit.media.text import encode_prompts, encoder_settings
 
     conditioning, data_info = spec.conditioning, spec.data
-    texts = list(conditioning.prompts) or [""]
-    own = [text for text in dict.fromkeys(conditioning.negative_prompts) if text]  # a prompt file's, each once
+    texts = list(conditioning.prompts)[:spec.num_samples] or [""]  # a prompt file's lines past num_samples: unused
+    if len(conditioning.prompts) > spec.num_samples:
+        log.info("sampling the first %d of the %d prompts (num_samples=%d; num_samples=%d samples them all)",
+                 spec.num_samples, len(conditioning.prompts), spec.num_samples, len(conditioning.prompts))
+    negatives = conditioning.negative_prompts[:len(texts)]
+    own = [text for text in dict.fromkeys(negatives) if text]  # a prompt file's, each once
     encoded, negative = encode_prompts(texts + own, conditioning.negative_prompt, conditioning.text_encoder,
                                        conditioning.tokenizer, text_len=data_info["text_len"],
                                        text_dim=data_info["text_dim"],
@@ -242,10 +246,9 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
             [texts[i] for i in picked]
     per_sample = None
     if own:  # row len(texts) + k: the k-th distinct negative; a prompt without one takes row 0 (not read)
-        lines = conditioning.negative_prompts
-        rows = [len(texts) + own.index(lines[i]) if lines[i] else 0 for i in picked]
+        rows = [len(texts) + own.index(negatives[i]) if negatives[i] else 0 for i in picked]
         per_sample = ({key: value[rows] for key, value in encoded.items()},
-                      torch.tensor([bool(lines[i]) for i in picked]))
+                      torch.tensor([bool(negatives[i]) for i in picked]))
     return conditions, captions, negative if conditioning.negative_prompt else None, per_sample
 
 
@@ -302,7 +305,7 @@ def log_written_samples(spec: InferSpec) -> None:
     from ringdit.training.callbacks import log_samples
 
     out = Path(spec.output_dir)
-    npz = np.load(out / "samples.npz") if (out / "samples.npz").is_file() else {}
+    npz = np.load(out / "samples.npz", allow_pickle=False) if (out / "samples.npz").is_file() else {}
     if "images" in npz:  # uint8 (N, [T,] H, W, C)
         images = npz["images"]
     else:  # a latent model: what the decode wrote (sample-000.png ... / sample-000.mp4 ...)
@@ -357,11 +360,12 @@ def decode(files: list[Path], spec: InferSpec, device: str, group=None) -> list[
     output, normalised = spec.output, latents_normalised(spec.data)
     if len(files) == 1 and files[0].name == "samples.npz":
         return decode_samples(files[0], output.vae, vae_subfolder=output.vae_subfolder, fps=output.fps,
-                              tile=output.vae_tile, device=device, normalised=normalised, group=group)
+                              tile=output.vae_tile, device=device, normalised=normalised, group=group,
+                              tile_setting="vae_tile")
     from ringdit.media.decode import decode_latents, shared_latents
     from ringdit.media.vae import VAE
 
-    codec = VAE(output.vae, output.vae_subfolder, device=device, tile=output.vae_tile)
+    codec = VAE(output.vae, output.vae_subfolder, device=device, tile=output.vae_tile, tile_setting="vae_tile")
     written = []
     for file in files:
         latents, indices = shared_latents(file, group, index=True)

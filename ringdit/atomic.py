@@ -82,6 +82,10 @@ def atomic_write(path: str | Path):
     by an earlier write of ``path`` that was killed are removed first. A write that fills the disk ends in one
     ``DiskFullError`` that says so, where, and that the previous ``path`` is intact."""
     path = Path(path)
+    if (path.exists() or path.is_symlink()) and not path.is_file():  # a FIFO, a device (/dev/null), a folder: a
+        # rename would put a regular file in its place (as root, even over /dev/full)
+        raise FileExistsError(errno.EEXIST, f"{path} exists and is not a regular file (a device, pipe or folder); "
+                                            f"refusing to replace it: write to a file path", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):
         stale.unlink(missing_ok=True)

@@ -338,6 +338,13 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     targets = [targets] if isinstance(targets, str) else list(targets)
     adapted = [module for root in adapted_modules(model) for name, module in root.named_modules()
                if isinstance(module, nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)]
+    if not adapted:  # training would refuse them (peft finds no module): a plan without the adapters misleads
+        from ringdit.errors import ConfigError
+
+        linears = sorted({name.rsplit(".", 1)[-1] for root in adapted_modules(model)
+                          for name, module in root.named_modules() if isinstance(module, nn.Linear)})
+        raise ConfigError(f"lora.targets={targets} match no linear layer of {type(model).__name__}; name linear "
+                          f"layers by their path suffix, e.g. {linears[:8]}")
     return (sum(lora["rank"] * (layer.in_features + layer.out_features) for layer in adapted),
             sum(p.numel() for layer in model.modules() if isinstance(layer, BASE_LAYERS)
                 for p in layer.parameters(recurse=False)))

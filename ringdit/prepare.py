@@ -58,7 +58,18 @@ def main(cfg: DictConfig) -> None:
         from ringdit.media.encode_folder import encode_folder
 
         report = encode_folder(**settings)  # a wrong setting or input: one line, exit code 2
+        if report.tile_batches is None and not report.samples and not report.shards_skipped and world_of() == 1:
+            from ringdit.errors import ConfigError  # every file unreadable, too short or missing: not a success
+
+            raise ConfigError(f"input={settings['input']}: nothing was prepared -- {report.summary()}; fix or "
+                              f"replace those files, or lower frames= / the buckets for short clips")
     print(report.summary(), flush=True)
+
+
+def world_of() -> int:
+    from ringdit.media.encode_folder import rank_and_world
+
+    return rank_and_world()[1]
 
 
 def preempted(out: str):

@@ -18,11 +18,15 @@ def parse_json(text: str, where: str, *, fix: str, excerpt: bool = False) -> Any
     """``text`` parsed, or a ``ConfigError`` "<where> is not valid JSON (<why>[: <the text's start>]); <fix>"
     (``excerpt``: quote the start of a short text, e.g. a metadata entry, where no line number helps)."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # "\ud800": an escape JSON allows, no character
+        return value
     except json.JSONDecodeError as error:
         why = str(error)
     except RecursionError:  # "[[[[..." deeper than the interpreter's stack: the parser gives up, not an answer
         why = "nested too deeply"
+    except UnicodeEncodeError as error:  # a tokenizer or file writer would fail on it later, far from here
+        why = f"a lone UTF-16 surrogate escape {error.object[error.start:error.end]!r} is no character"
     shown = f": {text[:60]!r}" if excerpt else ""
     raise ConfigError(f"{where} is not valid JSON ({why}{shown}); {fix}")
 

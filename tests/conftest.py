@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import TINY, WORDS, run
+
+LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -18,6 +21,20 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@pytest.fixture(autouse=True)
+def launcher_environment_restored():
+    """Each test starts with the worker's own environment: a run in this process that Lightning launched leaves
+    LOCAL_RANK, NODE_RANK and MASTER_* behind (its teardown removes only WORLD_SIZE), which the next train.py this
+    worker starts would take for one rank of an external launch."""
+    saved = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ def run_in_process(argv: list[str]) -> tuple[int, str]:
     """``python ...`` as its command line would run it, in this process: (exit code, output)."""
     from hydra.core.global_hydra import GlobalHydra
 
-    out, saved_argv = io.StringIO(), sys.argv
+    out, saved_argv, saved_env = io.StringIO(), sys.argv, dict(os.environ)
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -76,8 +76,10 @@ def run_in_process(argv: list[str]) -> tuple[int, str]:
                 runpy.run_path(str(script), run_name="__main__")
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    finally:
+    finally:  # Lightning's launcher leaves LOCAL_RANK, NODE_RANK, MASTER_* in the environment of the process it ran in
         sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
         GlobalHydra.instance().clear()
     return code, out.getvalue()
 

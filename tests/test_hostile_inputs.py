@@ -358,3 +358,163 @@ def test_the_ranks_of_a_torchrun_or_srun_job_share_one_run_folder(monkeypatch):
     monkeypatch.setenv("SLURM_STEP_ID", "2")
     monkeypatch.setenv("SLURM_NTASKS", "16")
     assert run_name() == "slurm-1234.2"
+
+
+# ---- values a sweep of every new setting found: each one line -------------------------------------------------------
+
+
+def test_json_with_a_lone_surrogate_escape_is_refused():
+    """``"\\ud800"`` is JSON, but no character: a tokenizer or a file writer would fail on it far from the file."""
+    from ringdit.safe_json import parse_json
+
+    with pytest.raises(ConfigError, match=r"prompts.jsonl line 1 is not valid JSON \(a lone UTF-16 surrogate escape "
+                                          r"'\\ud800' is no character\); give"):
+        parse_json('{"prompt": "a \\ud800 cat"}', "prompts.jsonl line 1", fix="give UTF-8 text")
+    assert parse_json('{"prompt": "a \\ud83d\\ude00 cat"}', "x", fix="") == {"prompt": "a \U0001F600 cat"}
+
+
+def test_images_of_more_than_8_bits_are_named_not_whitened(tmp_path):
+    """Pillow's convert("RGB") clips a 16-bit or float image to white / black: such a file is unreadable, named."""
+    from ringdit.media.frames import UnreadableImage, read_image
+
+    deep = tmp_path / "deep.png"
+    Image.fromarray(np.full((8, 8), 40_000, dtype=np.uint16)).save(deep)
+    with pytest.raises(UnreadableImage, match=rf"{deep} is a 16-bit image \(Pillow mode I;16\), not a readable 8-bit "
+                                              r"one .*save it as an 8-bit PNG / JPEG"):
+        read_image(deep, 8, 8)
+    flat = tmp_path / "flat.png"
+    Image.fromarray(np.full((8, 8, 3), 200, dtype=np.uint8)).save(flat)
+    assert read_image(flat, 8, 8).shape == (3, 8, 8)
+
+
+def test_bucket_settings_out_of_range_are_named():
+    from ringdit.media.buckets import allowed_frames, resolution_pair
+
+    with pytest.raises(ConfigError, match=r"frame_buckets: inf is not a frame count the VAE encodes .*use e.g. 5"):
+        allowed_frames(17, 4, [float("inf")])
+    with pytest.raises(ConfigError, match=r"resolution=480832: 480832 pixels on a side is more than 16384; give "
+                                          r"\[H, W\], e.g. resolution=\[480,832\]"):
+        resolution_pair(480832)
+    assert resolution_pair("480x832") == (480, 832)
+
+
+def test_prepare_refuses_a_device_it_cannot_encode_on(models, tmp_path):
+    from ringdit.media.encode_folder import encode_folder
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    write_video(clips / "a.mp4", frames=5, size=(16, 16))
+    (clips / "a.txt").write_text("a cat")
+    for device, message in (("meta", r"device=meta holds no data, so nothing can be encoded on it; use device=cpu"),
+                            ("cuda:7", r"device=cuda:7: this machine has .*; use device=cpu or an index it has"),
+                            ("gpu0", r"device='gpu0' is not a torch device")):
+        with pytest.raises(ConfigError, match=message):
+            encode_folder(str(clips), str(tmp_path / "out"), str(models["wan"]), str(models["wan"]), device=device)
+    assert not (tmp_path / "out").exists()
+
+
+def test_metadata_lines_go_through_the_json_guard(tmp_path):
+    from ringdit.media.folder import list_media
+
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    (tmp_path / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "a cat"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=r"metadata.jsonl row 2 is not valid JSON \(nested too deeply: '\[\[\[.*"
+                                          r"each line is one object like"):
+        list_media(tmp_path)
+
+
+def test_outputs_that_are_not_regular_files_are_never_replaced(tiny_checkpoint, tmp_path, capsys):
+    """A FIFO or a device given as out= (as root a rename would replace /dev/null itself), and calibrate's out= that
+    holds an earlier fit: refused before any work, the file left as it was."""
+    from ringdit.atomic import atomic_write
+    from ringdit.caching.calibrate import main
+    from ringdit.checkpoints.layout import CheckpointError, checked_output
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(FileExistsError, match=rf"{fifo} exists and is not a regular file"):
+        with atomic_write(fifo):
+            pass
+    assert fifo.is_fifo()
+    with pytest.raises(CheckpointError, match=r"out=/dev/null is not a regular file or folder \(a device or pipe\)"):
+        checked_output("/dev/null", folder=False, what="export", overwrite=True)
+    earlier = tmp_path / "teacache.json"
+    earlier.write_text('{"coefficients": [1.0, 0.0]}')
+    code, err = command(main, ["calibrate", f"ckpt_path={tiny_checkpoint}", f"out={earlier}"], capsys)
+    assert code == 2 and re.search(r"out=.*teacache.json exists.*overwrite=true", err), err
+    assert earlier.read_text() == '{"coefficients": [1.0, 0.0]}'
+
+
+def test_a_teacache_file_fitted_to_another_model_is_refused(tmp_path):
+    """calibrate records the model it fitted (family, width, depth); the file beside a checkpoint of another model
+    is named, not used."""
+    from ringdit.caching.settings import read_coefficients
+
+    fitted = tmp_path / "teacache.json"
+    fitted.write_text(json.dumps({"coefficients": [1.0, 0.5], "model": ["dit", 64, 4]}))
+    assert read_coefficients("f", str(fitted), fingerprint=("dit", 64, 4)) == (1.0, 0.5)
+    with pytest.raises(ConfigError, match=r"was fitted to another model \(\['dit', 64, 4\]: family, width, depth\), "
+                                          r"not this one \(\['dit', 32, 2\]\); calibrate this checkpoint"):
+        read_coefficients("f", str(fitted), fingerprint=("dit", 32, 2))
+
+
+def test_prepare_that_prepares_nothing_fails(models, tmp_path, capsys):
+    """Every file unreadable: the summary, as an error (exit 2), not "prepared 0 samples" and exit 0."""
+    from ringdit.prepare import main
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "broken.png").write_bytes(b"not a png at all")
+    (folder / "broken.txt").write_text("a broken file")
+    with pytest.raises(SystemExit) as stop:
+        main([f"input={folder}", f"out={tmp_path / 'out'}", f"vae={models['flux']}", f"text_encoder={models['flux']}",
+              "resolution=16", "max_text_len=8"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and re.search(rf"Error: input={folder}: nothing was prepared -- prepared 0 samples .*"
+                                              rf"skipped 1 unreadable files \({folder / 'broken.png'}\)", err), err
+
+
+def test_vae_tiles_smaller_than_two_latent_cells_are_named(models):
+    """diffusers' tiles are whole latent cells blended over a quarter of one: a smaller tile divides by zero."""
+    from ringdit.media.vae import VAE
+
+    for tile in (2, 3):  # the tiny AutoencoderKL: 2-pixel latent cells
+        with pytest.raises(ConfigError, match=rf"vae_tile={tile}: the VAE's tiles are whole 2-pixel latent cells, at "
+                                              r"least 2 of them; use a multiple of 2 from 4, e.g. vae_tile=256"):
+            VAE(models["flux"], tile=tile, tile_setting="vae_tile")
+    assert VAE(models["flux"], tile=4).spatial == 2
+
+
+def test_infer_output_settings_are_checked_without_a_vae(tiny_checkpoint, tmp_path):
+    """fps and vae_tile are checked although this checkpoint has no VAE to use them; guidance= on a model without a
+    guidance embedding is refused, not ignored."""
+    common = [f"ckpt_path={tiny_checkpoint}", f"hydra.run.dir={tmp_path}"]
+    for setting, message in (("fps=0", r"fps must be a positive integer, got 0"),
+                             ("vae_tile=-8", r"vae_tile must be a positive integer, got -8; the VAE's spatial tile"),
+                             ("guidance=3.5", r"guidance=3.5 is the guidance embedding's value of a guidance-distilled "
+                                              r"model \(Flux-dev\); the DiT has none")):
+        assert_refused(fail_fast("infer.py", *common, setting)[0], message)
+
+
+def test_guidance_on_a_diffusers_model_without_the_embedding_is_refused():
+    """Wan and FLUX.1-schnell-like models have no guidance embedding; FLUX.2's class has one by default."""
+    from ringdit.spec.diffusion import check_sampling
+
+    flow = {"_target_": "ringdit.diffusion.objectives.FlowMatching"}
+    with pytest.raises(ConfigError, match=r"guidance=3.5 is the guidance embedding's value .*but this wan model has "
+                                          r"none \(guidance_embeds\) and would ignore it"):
+        check_sampling({"family": "wan", "config": {"num_layers": 2}}, flow, {"guidance": 3.5})
+    check_sampling({"family": "flux2", "config": {"num_layers": 1}}, flow, {"guidance": 3.5})
+    check_sampling({"family": "flux", "config": {"guidance_embeds": True}}, flow, {"guidance": 3.5})
+    check_sampling({"family": "wan", "pretrained": "/models/Wan"}, flow, {"guidance": 3.5})  # read when built
+
+
+def test_the_planner_refuses_lora_targets_that_match_nothing(capsys):
+    """Training would refuse them; a plan that left the adapters out would quote memory for another run."""
+    from ringdit.plan import main as plan
+
+    common = ["model=wan_tiny", "data.frames=5", "data.size=[16,16]", "gpus=2", "lora.rank=4"]
+    assert plan([*common, "lora.targets=[nothing_here]"]) == 2
+    assert re.search(r"Error: lora.targets=\['nothing_here'\] match no linear layer of DiffusersTransformer; name "
+                     r"linear layers by their path suffix, e.g. \[.*'to_k'", capsys.readouterr().err)
+    assert plan([*common, "lora.targets=[to_q]"]) == 0

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from ringdit.atomic import atomic_write
 from ringdit.caching.cache import StepCache
 from ringdit.caching.settings import COEFFICIENTS_FILE, CacheSettings, model_fingerprint
+from ringdit.checkpoints.layout import checked_output
 from ringdit.cli import hydra_main, user_errors
 from ringdit.errors import ConfigError, require_choice, require_count, require_number
 
@@ -70,6 +71,9 @@ def calibrate_command(cfg: DictConfig) -> None:
         out = Path(str(cfg.out)).expanduser() if cfg.out is not None else ckpt.parent / COEFFICIENTS_FILE
         if out.is_dir():
             raise ConfigError(f"out={cfg.out} is a folder; give the file to write (e.g. out={out / COEFFICIENTS_FILE})")
+        if not isinstance(cfg.overwrite, bool):
+            raise ConfigError(f"overwrite must be true or false, got {cfg.overwrite!r}")
+        checked_output(out, folder=False, what="calibrate", overwrite=cfg.overwrite, source=ckpt)
         module = load_for_sampling(str(ckpt), weights=cfg.weights)
         seeds = list(range(cfg.num_samples))
         if module.text_conditioned:  # no prompts at hand: the empty prompt's trajectories (a fit of the dynamics)

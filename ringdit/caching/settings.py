@@ -83,8 +83,9 @@ MAX_COEFFICIENTS = 16  # degree 15: calibrate fits degree 4, the published fits 
 # evaluates the polynomial, so a file of millions of them would turn each step into seconds of Python
 
 
-def read_coefficients(setting: str, value: Any) -> tuple[float, ...]:
-    """A polynomial as a list of numbers, or a JSON file (``calibrate``'s) holding ``{"coefficients": [...]}``."""
+def read_coefficients(setting: str, value: Any, fingerprint: tuple | None = None) -> tuple[float, ...]:
+    """A polynomial as a list of numbers, or a JSON file (``calibrate``'s) holding ``{"coefficients": [...]}``; a
+    file that records the model it was fitted to (``"model"``: family, width, depth) must name ``fingerprint``."""
     where = setting  # the setting, and the file when the numbers come from one
     if isinstance(value, (str, Path)):
         where = f"{setting}={value}"
@@ -93,6 +94,11 @@ def read_coefficients(setting: str, value: Any) -> tuple[float, ...]:
         content = read_json(value, where, fix=fix, max_bytes=2**20, kind=dict)
         if "coefficients" not in content:
             raise ConfigError(f"{where} has no \"coefficients\" key; {fix}")
+        fitted = content.get("model")
+        if fingerprint is not None and fitted is not None and list(fitted) != list(fingerprint):
+            raise ConfigError(f"{where} was fitted to another model ({fitted}: family, width, depth), not this one "
+                              f"({list(fingerprint)}); calibrate this checkpoint (`python -m ringdit.caching "
+                              f"calibrate ckpt_path=...`), or pass cache.coefficients=[...]")
         value = content["coefficients"]
     values = list(value) if isinstance(value, (list, tuple)) or hasattr(value, "__iter__") else None
     if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
@@ -126,8 +132,9 @@ def teacache_coefficients(settings: CacheSettings, model: nn.Module, ckpt_path: 
         return settings.coefficients
     if ckpt_path:
         beside = Path(ckpt_path).expanduser().parent / COEFFICIENTS_FILE
-        if beside.is_file():
-            return read_coefficients(f"the {COEFFICIENTS_FILE} beside ckpt_path", str(beside))
+        if beside.exists():  # a folder or a pipe there is named, not skipped
+            return read_coefficients(f"the {COEFFICIENTS_FILE} beside ckpt_path", str(beside),
+                                     fingerprint=model_fingerprint(model))
     fingerprint = model_fingerprint(model)
     if fingerprint in PUBLISHED_COEFFICIENTS:
         return PUBLISHED_COEFFICIENTS[fingerprint]

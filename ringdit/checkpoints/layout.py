@@ -39,6 +39,9 @@ def checked_output(out: str | Path, *, folder: bool, what: str, overwrite: bool 
         if out.resolve() == source or out.resolve() in source.parents:
             held = "is the checkpoint itself" if out.resolve() == source else f"holds the checkpoint {source}"
             raise CheckpointError(f"out={out} {held}: exporting would replace it; choose another out")
+    if out.exists() and not out.is_dir() and not out.is_file():  # a device (/dev/null), a pipe, a socket
+        raise CheckpointError(f"out={out} is not a regular file or folder (a device or pipe); {what} would replace "
+                              f"it with its own: give a file or folder path")
     if folder and out.exists() and not out.is_dir():
         raise CheckpointError(f"out={out} is a file; {what} writes a folder: give a folder path")
     if not folder and out.is_dir():

@@ -66,7 +66,13 @@ def resolution_pair(resolution) -> tuple[int, int]:
         raise ConfigError(f"resolution must be an int, [H, W] or 'HxW', got {resolution!r}") from None
     if height < 1 or width < 1:
         raise ConfigError(f"resolution={resolution!r}: height and width must be positive, e.g. resolution=256")
+    if max(height, width) > MAX_SIDE:  # auto buckets would enumerate every size up to it; a frame would not fit
+        raise ConfigError(f"resolution={resolution!r}: {max(height, width)} pixels on a side is more than "
+                          f"{MAX_SIDE}; give [H, W], e.g. resolution=[480,832]")
     return height, width
+
+
+MAX_SIDE = 16384  # pixels on a side: 8K video is 7680; beyond this a resolution is a typo
 
 
 BUCKETS_HINT = ("pass buckets=null (one bucket at resolution), buckets=auto, or a list of [H, W] pixel sizes, e.g. "
@@ -223,7 +229,8 @@ def allowed_frames(frames: int, temporal: int, frame_buckets=None, class_name: s
         raise ConfigError(f"frame_buckets={frame_buckets!r} is not null or a list of frame counts; {hint}")
     for count in frame_buckets:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1 or (count - 1) % temporal:
-            near = 1 + max(1, round((count - 1) / temporal) if isinstance(count, (int, float)) else 1) * temporal
+            finite = isinstance(count, (int, float)) and not isinstance(count, bool) and math.isfinite(count)
+            near = 1 + max(1, round((count - 1) / temporal) if finite else 1) * temporal
             raise ConfigError(f"frame_buckets: {count!r} is not a frame count {class_name} encodes (1 + k * "
                               f"{temporal}: 1, {1 + temporal}, {1 + 2 * temporal}, ...); use e.g. {near}")
         if count > frames:

@@ -60,7 +60,8 @@ def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True, gro
 
 def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None = None, *,
                    vae_subfolder: str | None = "vae", fps: int = 16, tiling: bool = True, tile: int | None = None,
-                   device: str = "cpu", normalised: bool = True, group=None) -> list[Path]:
+                   device: str = "cpu", normalised: bool = True, group=None, tile_setting: str = "tile"
+                   ) -> list[Path]:
     """samples.npz (its ``latents``) -> media files in ``out`` (default: samples.npz's folder). ``normalised``:
     the latents are as prepare stores them (data=text_latents); false for data=latents, whose samples are the raw
     VAE latents (infer.py already divides by data.scale). ``group``: a process group whose ranks all call this
@@ -72,12 +73,13 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
     for name, value in (("tiling", tiling), ("normalised", normalised)):
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")
-    require_count("tile", tile, optional=True, hint="the VAE's spatial tile size in pixels, e.g. tile=256")
+    require_count(tile_setting, tile, optional=True,
+                  hint=f"the VAE's spatial tile size in pixels, e.g. {tile_setting}=256")
     latents, _ = shared_latents(samples, group)
     target = Path(str(out)).expanduser() if out else None
     if target is not None and target.exists() and not target.is_dir():
         raise ConfigError(f"out={out} is a file; pass a folder to write the pictures / videos into")
-    codec = VAE(vae, vae_subfolder, device=device, tiling=tiling, tile=tile)
+    codec = VAE(vae, vae_subfolder, device=device, tiling=tiling, tile=tile, tile_setting=tile_setting)
     try:
         pixels = decode_latents(latents, codec, normalised, group=group)
     except ValueError as error:

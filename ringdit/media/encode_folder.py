@@ -75,7 +75,7 @@ from ringdit.media.buckets import Bucket, Buckets, make_buckets, parse_buckets, 
 from ringdit.media.frames import TooShort, probe, read_image, read_video, to_image
 from ringdit.media.image_condition import ImageEncoder, first_frame_condition, image_encoder_folders
 from ringdit.media.text import TextEncoder, chat_template, check_glyph_settings, check_pooled_settings
-from ringdit.media.vae import VAE
+from ringdit.media.vae import VAE, usable_device
 
 log = logging.getLogger("ringdit.prepare")
 
@@ -194,6 +194,7 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             progress: bool = True) -> EncodeReport:
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
     check_task(task, image_encoder, image_processor)  # before any work, on every rank alike
+    device = str(usable_device(device or default_device()))  # meta, or a GPU this machine lacks: one line
     check_pooled_settings(pooled_encoder, pooled_tokenizer, masked_text)
     chat_template(prompt_template)  # a name it does not know: one line, before any work
     check_glyph_settings(glyph_encoder, glyph_tokenizer, prompt_template)
@@ -428,10 +429,7 @@ class TileGroup:
             yield None
             return
         made = not dist.is_initialized()
-        try:
-            on = torch.device(device or default_device())
-        except (RuntimeError, TypeError):
-            raise ConfigError(f"device={device!r} is not a torch device; e.g. device=cpu or device=cuda:0") from None
+        on = torch.device(device or default_device())
         if not made and dist.get_world_size() != world_size:
             raise ConfigError(f"parallel_vae=true: the process group has {dist.get_world_size()} ranks but "
                               f"world_size={world_size} (WORLD_SIZE); launch with torchrun, which sets both alike")

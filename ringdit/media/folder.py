@@ -11,13 +11,13 @@ Media files are found recursively and taken in sorted path order, so the same fo
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
 from ringdit.errors import ConfigError
+from ringdit.safe_json import parse_json
 
 log = logging.getLogger("ringdit.prepare")
 
@@ -91,12 +91,9 @@ def _metadata_captions(root: Path, column: str) -> dict[str, str] | None:
         for number, line in enumerate(_read_text(jsonl, "input: the metadata file").splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ConfigError(f"input: {jsonl} row {number} is not valid JSON ({error}: {line[:80]!r}); each "
-                                  f"line is one object like {{\"file_name\": \"a.mp4\", \"{column}\": \"a caption\"}}"
-                                  ) from None
+            example = f'{{"file_name": "a.mp4", "{column}": "a caption"}}'
+            row = parse_json(line, f"input: {jsonl} row {number}", excerpt=True,
+                             fix=f"each line is one object like {example}")
             rows.append((number, row))
     elif table_csv.is_file():
         source = table_csv

@@ -46,13 +46,23 @@ def open_image(path):
         yield image
 
 
+HIGH_DEPTH_MODES = {"I;16": "16-bit", "I;16B": "16-bit", "I;16L": "16-bit", "I;16N": "16-bit", "I": "32-bit integer",
+                    "F": "floating-point"}  # Pillow's convert("RGB") clips them: a 16-bit photo becomes white
+
+
 def decoded(image: Image.Image) -> Image.Image:
-    """``image.load()`` (every pixel decoded now: a file cut off fails here, not later) as an ``UnreadableImage``."""
+    """``image.load()`` (every pixel decoded now: a file cut off fails here, not later) as an ``UnreadableImage``;
+    so is an image of more than 8 bits per channel, which would become a blank frame."""
+    name = image.filename or "the image"
     try:
         image.load()
     except Exception as error:  # noqa: BLE001 - any decoder failure: this file is unusable
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise UnreadableImage(f"{image.filename or 'the image'} is not a readable image ({first})") from None
+        raise UnreadableImage(f"{name} is not a readable image ({first})") from None
+    if image.mode in HIGH_DEPTH_MODES:
+        raise UnreadableImage(f"{name} is a {HIGH_DEPTH_MODES[image.mode]} image (Pillow mode {image.mode}), not a "
+                              f"readable 8-bit one (converting would clip it to white or black); save it as an 8-bit "
+                              f"PNG / JPEG")
     return image
 
 

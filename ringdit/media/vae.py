@@ -81,13 +81,10 @@ class VAE:
 
     def __init__(self, path: str | Path, subfolder: str | None = "vae", *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, tiling: bool = True, tile: int | None = None,
-                 setting: str = "vae"):
+                 setting: str = "vae", tile_setting: str = "tile"):
         import diffusers
 
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ConfigError(f"device={device!r} is not a torch device; e.g. device=cpu or device=cuda:0") from None
+        device = usable_device(device)
         folder = vae_folder(path, subfolder, setting)  # the class and the weights' headers checked
         self.class_name = vae_class(folder, path, setting)
         self.folder = folder
@@ -110,6 +107,11 @@ class VAE:
         # Wan: scale_factor_temporal (4); LTX-Video: temporal_compression_ratio (8); HunyuanVideo 1.5: 4
         self.temporal = int(getattr(self.model, "temporal_compression_ratio", None)
                             or self.model.config.get("scale_factor_temporal") or 4) if self.is_video else 1
+        if tile is not None and (tile < 2 * self.spatial or tile % self.spatial):  # diffusers' tiles are whole
+            # latent cells and blend over a quarter of one: a smaller tile divides by zero or skips pixels
+            raise ConfigError(f"{tile_setting}={tile}: the VAE's tiles are whole {self.spatial}-pixel latent cells, at "
+                              f"least 2 of them; use a multiple of {self.spatial} from {2 * self.spatial}, e.g. "
+                              f"{tile_setting}=256, or {tile_setting}=null for diffusers' default")
         if tiling:
             self.model.enable_tiling(**({} if tile is None else self._tile_kwargs(tile)))
         self.model.enable_slicing()
@@ -190,6 +192,21 @@ class VAE:
                 "temporal_compression": self.temporal if self.is_video else None,
                 "latent_channels": self.channels, "patch": self.patch}
 
+
+
+def usable_device(device) -> torch.device:
+    """``device=`` as a torch device this machine has: not ``meta`` (no data), a CUDA index it has; a
+    ``ConfigError`` naming the setting otherwise."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a torch device; e.g. device=cpu or device=cuda:0") from None
+    if device.type == "meta":
+        raise ConfigError("device=meta holds no data, so nothing can be encoded on it; use device=cpu or device=cuda")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA"
+        raise ConfigError(f"device={device}: this machine has {have}; use device=cpu or an index it has")
+    return device
 
 def _parallel(group) -> bool:
     """Whether ``group`` asks for a tile-parallel decode / encode: a process group of more than one rank."""

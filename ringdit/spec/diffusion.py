@@ -169,11 +169,34 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
         raise ConfigError(f"{prefix}guidance={sampling['guidance']!r} is the guidance embedding's value of a "
                           f"guidance-distilled model (Flux-dev); the DiT has none and would ignore it: leave it unset, "
                           f"and set the strength of classifier-free guidance with cfg_scale")
+    if sampling.get("guidance") is not None and is_diffusers_model(model_cfg) \
+            and guidance_embedding(model_cfg) is False:
+        raise ConfigError(f"{prefix}guidance={sampling['guidance']!r} is the guidance embedding's value of a "
+                          f"guidance-distilled model (Flux-dev), but this {model_cfg['family']} model has none "
+                          f"(guidance_embeds) and would ignore it: leave it unset, and set the strength of "
+                          f"classifier-free guidance with cfg_scale")
     if is_diffusers_model(model_cfg):  # guidance away from the empty or negative prompt: pretrained models learnt it
         return
     if cfg_scale is not None and cfg_scale != 1.0 and not model_cfg.get("class_dropout_prob", 0.1) > 0:
         raise ConfigError(f"cfg_scale={cfg_scale} needs a model trained with label dropout (a null class), but "
                           f"model.class_dropout_prob={model_cfg.get('class_dropout_prob')}; use cfg_scale=1")
+
+
+def guidance_embedding(model_cfg: dict) -> bool | None:
+    """Whether a diffusers model is guidance-distilled (``guidance_embeds``, as its class defaults it: FLUX.2 yes,
+    FLUX.1 and QwenImage no, Wan none); None while its architecture is a pretrained folder not read yet."""
+    import inspect
+
+    import diffusers
+
+    from ringdit.models.diffusers.families import get_family
+
+    architecture = model_cfg.get("config")
+    if not architecture:
+        return None
+    parameter = inspect.signature(getattr(diffusers, get_family(model_cfg["family"]).model_class).__init__
+                                  ).parameters.get("guidance_embeds")
+    return bool(architecture.get("guidance_embeds", parameter.default if parameter is not None else False))
 
 
 def resolve_scheduler(sampling: dict, model_config: dict, prefix: str = "") -> None:

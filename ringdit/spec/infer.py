@@ -248,6 +248,9 @@ class InferSpec:
         require_count("batch_size", cfg.batch_size)
         require_seed("seed", cfg.seed)
         require_choice("weights", cfg.weights, WEIGHT_CHOICES)
+        require_count("fps", cfg.fps)  # with or without a VAE: a wrong value is wrong before it is used
+        require_count("vae_tile", cfg.vae_tile, optional=True,
+                      hint="the VAE's spatial tile size in pixels for decoding, e.g. vae_tile=256")
         cache = CacheSettings.from_config(cfg.get("cache"))
         layout = Layout.from_config(cfg, training=False)
         if cfg.num_samples < layout.dp_degree:  # split over the data-parallel ranks, none repeated: each needs one
