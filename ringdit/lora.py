@@ -149,12 +149,17 @@ def _inject(root: nn.Module, config, model: nn.Module) -> None:
             root.add_adapter(config, adapter_name=ADAPTER_NAME)
         else:
             inject_adapter_in_model(config, root, adapter_name=ADAPTER_NAME)
-    except ValueError as error:  # peft: "Target modules {...} not found in the base model"
-        linears = sorted({name.rsplit(".", 1)[-1] for name, module in root.named_modules()
-                          if isinstance(module, nn.Linear)})
-        raise ConfigError(f"lora.targets={sorted(config.target_modules)} match no module of "
-                          f"{type(model).__name__} ({str(error).splitlines()[0]}); name linear layers by their "
-                          f"path suffix, e.g. {linears[:8]}") from None
+    except ValueError:  # peft: "Target modules {...} not found in the base model"
+        raise unmatched_targets(sorted(config.target_modules), model, [root]) from None
+
+
+def unmatched_targets(targets: list[str], model: nn.Module, roots: list[nn.Module]) -> ConfigError:
+    """The error for ``lora.targets`` that name no Linear layer of ``roots`` (the adapted transformers of
+    ``model``), listing the suffixes that would."""
+    linears = sorted({name.rsplit(".", 1)[-1] for root in roots for name, module in root.named_modules()
+                      if isinstance(module, nn.Linear)})
+    return ConfigError(f"lora.targets={targets} match no linear layer of {type(model).__name__}; name linear layers "
+                       f"by their path suffix, e.g. {linears[:8]}")
 
 
 def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:

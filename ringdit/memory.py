@@ -330,7 +330,7 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     name ends with a target (peft's rule; the model's default ``lora_targets`` when the settings name none), and the
     weights and biases of every Linear / Conv layer of the model (``ringdit.lora.hold_base_in`` casts them all, adapted
     or not, as they are all frozen); (0, 0) when LoRA is off."""
-    from ringdit.lora import BASE_LAYERS, adapted_modules, lora_enabled
+    from ringdit.lora import BASE_LAYERS, adapted_modules, lora_enabled, unmatched_targets
 
     if not lora_enabled(lora):
         return 0, 0
@@ -339,12 +339,7 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     adapted = [module for root in adapted_modules(model) for name, module in root.named_modules()
                if isinstance(module, nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)]
     if not adapted:  # training would refuse them (peft finds no module): a plan without the adapters misleads
-        from ringdit.errors import ConfigError
-
-        linears = sorted({name.rsplit(".", 1)[-1] for root in adapted_modules(model)
-                          for name, module in root.named_modules() if isinstance(module, nn.Linear)})
-        raise ConfigError(f"lora.targets={targets} match no linear layer of {type(model).__name__}; name linear "
-                          f"layers by their path suffix, e.g. {linears[:8]}")
+        raise unmatched_targets(targets, model, adapted_modules(model))
     return (sum(lora["rank"] * (layer.in_features + layer.out_features) for layer in adapted),
             sum(p.numel() for layer in model.modules() if isinstance(layer, BASE_LAYERS)
                 for p in layer.parameters(recurse=False)))

@@ -1,5 +1,7 @@
 """What every diffusers family's tests check through ``train.py``: the same SGD steps on one process and on a ring of
-2, and bad input refused in one line before any rank is spawned (as tests/test_diffusers_training.py does for Wan)."""
+2, and bad input refused in one line before any rank is spawned (as tests/test_diffusers_training.py does for Wan);
+and each family's ``train.py`` overrides for those SGD steps (FLUX2, HUNYUAN, LTX, SKYREELS; ``family_runs``), which
+tests/test_fsdp.py and tests/test_lora.py train too."""
 
 from __future__ import annotations
 
@@ -8,7 +10,28 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import logged_losses, run
+from tests.helpers import logged_losses, prepare_train, run
+
+
+FLUX2 = ["experiment=flux2_tiny", "data.num_samples=16", "data.batch_size=2", "trainer.max_steps=2", "logger=csv",
+         "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5", "trainer.val_check_interval=2",
+         "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.sample_grid.steps=2",
+         "data.size=6", "data.text_len=5"]  # 9 image and 5 text tokens: both padded on a ring of 2
+
+
+HUNYUAN = ["experiment=hunyuan_video15_tiny", "data.num_samples=16", "data.batch_size=2", "trainer.max_steps=3",
+           "logger=csv", "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5",
+           "callbacks.model_checkpoint.every_n_train_steps=3", "trainer.val_check_interval=3", "data.size=4"]
+
+
+LTX = ["model=ltx_video_tiny", "data=synthetic_text_latents", "data.num_samples=32", "data.batch_size=4",
+       "trainer.max_steps=2", "logger=csv", "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5",
+       "trainer.val_check_interval=2", "diffusion.objective.shift=3.0", "callbacks.sample_grid.steps=2"]
+
+
+SKYREELS = ["model=skyreels_v2_tiny", "data=synthetic_text_latents", "data.num_samples=32", "data.batch_size=4",
+            "trainer.max_steps=2", "logger=csv", "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5",
+            "trainer.val_check_interval=2", "diffusion.objective.shift=3.0", "callbacks.sample_grid.steps=2"]
 
 
 def assert_sgd_steps_equal_one_process_and_ring2(tmp_path: Path, overrides: list[str], steps: int,
@@ -36,9 +59,13 @@ def assert_refused_before_spawning(tmp_path: Path, overrides: list[str], message
     """``train.py``'s checks refuse ``overrides`` with ``message`` (a regex), and nothing is written."""
     from hydra.errors import InstantiationException
 
-    from tests.test_diffusers_training import prepare_train
-
     with pytest.raises((ValueError, InstantiationException)) as raised:  # what user_errors shows as one line
         prepare_train([*overrides, f"data.cache_dir={tmp_path / 'data'}"], tmp_path / "run")
     assert re.search(message, f"{raised.value} {raised.value.__cause__}"), raised.value
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def family_runs(family: str) -> tuple[list[str], tuple[int, ...]]:
+    """(train.py overrides, the steps they take) of a family's SGD test (its own test module's)."""
+    return {"hunyuan_video15": (HUNYUAN, (0, 1, 2)), "ltx_video": (LTX, (0, 1)),
+            "skyreels_v2": (SKYREELS, (0, 1))}[family]

@@ -1,6 +1,9 @@
 """What the test modules share: the repository paths, a tiny training run's overrides, running train.py / infer.py
-(in a subprocess, or in this process for runs that must fail before any rank starts), and builders of small
-inputs (images, latents, videos, a tiny DiT, a tiny Wan folder). Fixtures live in conftest.py."""
+(in a subprocess, or in this process for runs that must fail before any rank starts, or train.py's checks and setup
+alone: ``prepare_train``), builders of small inputs (images, latents, videos, a tiny DiT, a tiny Wan folder, tiny
+LTX-Video / HunyuanVideo 1.5 VAEs, a tiny Qwen2.5-VL text encoder), a safetensors file's header and bytes (``split``)
+with the parallel VAE's tile (``TILE``), and the flow sampler's time grid: diffusers' scheduler's sigmas
+(``scheduler_sigmas``) and the times a run samples at (``sampled_grid``). Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
@@ -220,6 +223,65 @@ def write_video(path: Path, frames: int, seed: int = 0, size=(32, 24)) -> None:
                 codec="libx264", fps=8)
 
 
+def tiny_video_vae(name: str, folder: Path):
+    """A tiny random VAE of each family, saved to ``folder``; LTX's latents_mean / latents_std (buffers, in its
+    weights) and scaling factor set away from 0 / 1 / 1 so that the normalisation is seen."""
+    from diffusers import AutoencoderKLHunyuanVideo15, AutoencoderKLLTXVideo
+
+    torch.manual_seed(0)
+    if name == "ltx":
+        model = AutoencoderKLLTXVideo(
+            latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+            layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, False, False),
+            decoder_spatio_temporal_scaling=(True, True, False, False),
+            decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4, upsample_factor=(1,) * 4,
+            patch_size=1, patch_size_t=1, scaling_factor=0.7)
+        model.latents_mean.copy_(torch.randn(8) * 0.1)
+        model.latents_std.copy_(torch.rand(8) + 0.5)
+    else:
+        model = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(16, 16, 16), layers_per_block=1,
+                                            spatial_compression_ratio=4, temporal_compression_ratio=2,
+                                            scaling_factor=1.03682)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def save_tiny_qwen(folder: Path) -> None:
+    """HunyuanVideo 1.5's text encoder, tiny and random: a Qwen2.5-VL text model (hidden 16, 3 layers) in
+    ``folder/text_encoder`` and the word-level tokenizer in ``folder/tokenizer``, with a chat template whose system
+    part is exactly the 108 tokens HunyuanVideo15Pipeline cuts off (Qwen's is), then the prompt."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    from ringdit.media.text import chat_template, word_level_tokenizer
+
+    torch.manual_seed(0)
+    Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+    )).save_pretrained(folder / "text_encoder")
+    template = chat_template("hunyuan_video15")
+    tokenizer = word_level_tokenizer(WORDS)
+    filler = template.crop - len(tokenizer(template.system, add_special_tokens=False).input_ids)
+    assert filler >= 0
+    tokenizer.chat_template = "{{ messages[0]['content'] }}" + " a" * filler + " {{ messages[1]['content'] }} </s>"
+    tokenizer.save_pretrained(folder / "tokenizer")
+
+
+# the VAE tile of the tile-parallel prepare tests (tests/test_prepare_parallel_vae.py, tests/test_prepare_i2v.py)
+TILE = 32  # pixels, stride 24: a 48 x 64 frame is 2 x 3 = 6 tiles, 3 per rank
+
+
+def split(path: Path) -> tuple[dict, bytes]:
+    """A safetensors file as (its JSON header, parsed; the tensors' bytes)."""
+    import json
+    import struct
+
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8:8 + length]), data[8 + length:]
+
+
 def fail_fast(script: str, *overrides: str) -> tuple[SimpleNamespace, float]:
     """Run ``script``'s Hydra entry point (train.py / infer.py) in this process, as its command line would, for
     settings that must be refused before any rank starts: (``returncode``, ``stdout``, ``stderr``) and the seconds it
@@ -246,6 +308,19 @@ def fail_fast(script: str, *overrides: str) -> tuple[SimpleNamespace, float]:
         GlobalHydra.instance().clear()
     return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue()), seconds
 
+
+def prepare_train(overrides: list[str], run_dir):
+    """train.py's checks and setup (``train.prepare``) in this process: what a launch does before spawning."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    import train
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        cfg.paths.output_dir = str(run_dir)
+        return train.prepare(cfg)
 
 
 def assert_refused(proc, message: str | None = None, *, text: str | None = None, seconds: float | None = None,
@@ -310,3 +385,63 @@ def assert_same_numbers(actual, expected, *, rtol: float = 0.0, atol: float = 0.
     assert bool((error <= bound).all()), (f"{where}: |difference| {error.flatten()[worst].item():.3g} > allowed "
                                          f"{bound.flatten()[worst].item() if bound.dim() else bound.item():.3g} "
                                          f"(max |expected| {expected.abs().max().item():.3g})")
+
+
+def scheduler_sigmas(config: dict, steps: int, mu: float | None = None) -> torch.Tensor:
+    """The sigmas (float64, ending in 0) of diffusers' FlowMatchEulerDiscreteScheduler of ``config`` after
+    ``retrieve_timesteps(scheduler, steps, sigmas=linspace(1, 1 / steps, steps), mu=mu)``, as LTXPipeline and
+    Flux2Pipeline call it."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux2.pipeline_flux2 import retrieve_timesteps
+
+    scheduler = FlowMatchEulerDiscreteScheduler(**config)
+    retrieve_timesteps(scheduler, steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    return scheduler.sigmas.double()
+
+
+class VelocityIsX(torch.nn.Module):
+    """A model whose velocity is its input and that records the sigma of each call: each Euler step then multiplies x
+    by 1 + (t_next - t), so a sample over its noise is the product of these over the whole grid, the last step to 0
+    included."""
+
+    in_channels = 1
+
+    def __init__(self, patch_shape: tuple[int, ...]):
+        super().__init__()
+        self.patch_shape, self.sigmas = patch_shape, []
+
+    def model_condition(self, condition):
+        return condition
+
+    def forward(self, x, t, condition):
+        self.sigmas.append(t[0].item() / 1000)
+        return x
+
+
+def sampled_grid(overrides: list[str], shape: tuple[int, ...], patch: tuple[int, ...], steps: int) -> torch.Tensor:
+    """The times 1 .. 0 (float64) that ``DiffusionModule.generate`` steps through for one sample of ``shape`` (latent
+    cells; ``patch`` cells a token) in ``steps`` Euler steps, in a run of train.py's config with ``overrides``: its
+    objective and sampling settings resolved as train.py resolves them (the model family's defaults), the shift as
+    the module computes it for the sample's token count. Checked against the samples: ``VelocityIsX``."""
+    import math
+
+    from hydra import compose, initialize_config_dir
+
+    from ringdit.diffusion import initial_noise
+    from ringdit.spec.diffusion import training_diffusion
+    from ringdit.training import DiffusionModule
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    tokens = math.prod(s // p for s, p in zip(shape, patch))
+    objective, sampling = training_diffusion(cfg, {"family": cfg.model.family}, tokens)
+    module = DiffusionModule(model={}, objective=objective, data={"image_size": list(shape), "latent_scale": 1.0},
+                             sampling=sampling)
+    module.model = model = VelocityIsX(patch)
+    samples = module.generate({"text": torch.zeros(1, 1)}, [0], shape=shape, steps=steps, cfg_scale=1.0)
+    noise = initial_noise((1, *shape), [0])
+    times = torch.tensor([*model.sigmas, 0.0], dtype=torch.float64)
+    factor = torch.prod(1 + times.diff()).item()
+    torch.testing.assert_close(samples, noise * factor, rtol=1e-5, atol=0)  # the sampler stepped through these
+    return times

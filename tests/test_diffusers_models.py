@@ -11,12 +11,13 @@ import torch.distributed as dist
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import LAYOUTS, assert_matches_diffusers, forward_backward, per_token_timesteps
 from tests.distributed import run_ranks
-from tests.helpers import architecture, assert_same_numbers
+from tests.helpers import architecture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LAYOUTS = [(2, 1), (4, 1), (1, 2), (2, 2)]  # (ring, ulysses) on 4 ranks
+# (ring, ulysses) layouts on 4 ranks: LAYOUTS (tests/diffusers_helpers.py).
 # fp32, as the models are used. One process computes what diffusers does (measured: the same bits for Wan and Flux,
 # 2 ulps for QwenImage); a layout reorders the sums (other GEMM shapes, the ring's merges): measured at most 5e-7 on
 # outputs of max ~2 (1e-5: ~80 ulps there) and 3e-6 of a gradient's max (rtol 1e-4), on every layout. A token lost,
@@ -43,21 +44,6 @@ def wan_case(shape, seed=0, dims=None):
     text = torch.randn(2, 7, 16, generator=g)
     dout = torch.randn(2, 4, *shape, generator=g)
     return reference, model, (x, t, text), dout
-
-
-def forward_backward(call, model, dout):
-    model.zero_grad()
-    out = call()
-    (out * dout).sum().backward()
-    # a parameter the model does not use here (QwenImage's last text-stream MLP) has no gradient on either side
-    return out.detach(), {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
-
-
-def assert_matches_diffusers(out, grads, ref_out, ref_grads, where=""):
-    """The prediction within 1e-5 (fp32, outputs of order 1: the rounding of another GEMM order and the ring's merges,
-    ~1e-6 measured), every gradient within 1e-4 of its own largest entry (a sum over tokens, rounded more)."""
-    assert_same_numbers(out, ref_out, atol=1e-5, where=f"{where} output")
-    assert_same_numbers(grads, ref_grads, of_max=1e-4, where=f"{where} gradient")
 
 
 def check_wan_layouts(rank, world):
@@ -90,15 +76,6 @@ def check_wan_layouts(rank, world):
             dist.all_reduce(grad)
             grad /= world
         assert_matches_diffusers(out, grads, ref_out, ref_grads, f"ring {ring} x ulysses {ulysses}, per-token t")
-
-
-def per_token_timesteps(shape, t):
-    """(B, S) timesteps of the (T, H/2, W/2) tokens of latents ``shape`` (Wan's 1x2x2 patches): 0 on the first
-    frame's tokens (the given image), ``t`` elsewhere, as Wan 2.2 TI2V samples."""
-    frames, height, width = shape
-    first_frame = torch.zeros(frames, height // 2, width // 2, dtype=torch.bool)
-    first_frame[0] = True
-    return torch.where(first_frame.flatten(), 0.0, t[:, None])  # (B, S)
 
 
 def test_wan_matches_unmodified_diffusers_under_every_layout():

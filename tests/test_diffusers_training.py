@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from tests.helpers import (
-    CONF,
     WAN,
     LazyRuns,
     assert_same_numbers,
     fail_fast,
     logged_losses,
     model_weights,
+    prepare_train,
     run,
     save_tiny_wan,
 )
@@ -115,20 +115,6 @@ BAD_WAN_INPUTS = {
     "heads do not split": (["ulysses_degree=4"], r"num_heads=2 is not divisible by ulysses_degree=4"),
     "no data path": (["data=text_latents"], r"data.path is not set"),
 }
-
-
-def prepare_train(overrides: list[str], run_dir):
-    """train.py's checks and setup (``train.prepare``) in this process: what a launch does before spawning."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-
-    import train
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)
-        cfg.paths.output_dir = str(run_dir)
-        return train.prepare(cfg)
 
 
 @pytest.mark.parametrize("case", list(BAD_WAN_INPUTS))

@@ -14,7 +14,7 @@ from ringdit.diffusion import (
     sample_ddim,
     shift_time,
 )
-from tests.helpers import tiny_dit
+from tests.helpers import scheduler_sigmas, tiny_dit
 
 
 def test_flow_matching_formulas():
@@ -133,66 +133,6 @@ def test_a_tiny_dit_overfits_a_fixed_batch():
 
 
 # ---- the flow sampler's time grid: diffusers' scheduler's sigmas, as train.py and infer.py sample ------------------
-
-
-def scheduler_sigmas(config: dict, steps: int, mu: float | None = None) -> torch.Tensor:
-    """The sigmas (float64, ending in 0) of diffusers' FlowMatchEulerDiscreteScheduler of ``config`` after
-    ``retrieve_timesteps(scheduler, steps, sigmas=linspace(1, 1 / steps, steps), mu=mu)``, as LTXPipeline and
-    Flux2Pipeline call it."""
-    import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.flux2.pipeline_flux2 import retrieve_timesteps
-
-    scheduler = FlowMatchEulerDiscreteScheduler(**config)
-    retrieve_timesteps(scheduler, steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-    return scheduler.sigmas.double()
-
-
-class VelocityIsX(torch.nn.Module):
-    """A model whose velocity is its input and that records the sigma of each call: each Euler step then multiplies x
-    by 1 + (t_next - t), so a sample over its noise is the product of these over the whole grid, the last step to 0
-    included."""
-
-    in_channels = 1
-
-    def __init__(self, patch_shape: tuple[int, ...]):
-        super().__init__()
-        self.patch_shape, self.sigmas = patch_shape, []
-
-    def model_condition(self, condition):
-        return condition
-
-    def forward(self, x, t, condition):
-        self.sigmas.append(t[0].item() / 1000)
-        return x
-
-
-def sampled_grid(overrides: list[str], shape: tuple[int, ...], patch: tuple[int, ...], steps: int) -> torch.Tensor:
-    """The times 1 .. 0 (float64) that ``DiffusionModule.generate`` steps through for one sample of ``shape`` (latent
-    cells; ``patch`` cells a token) in ``steps`` Euler steps, in a run of train.py's config with ``overrides``: its
-    objective and sampling settings resolved as train.py resolves them (the model family's defaults), the shift as
-    the module computes it for the sample's token count. Checked against the samples: ``VelocityIsX``."""
-    import math
-
-    from hydra import compose, initialize_config_dir
-
-    from ringdit.spec.diffusion import training_diffusion
-    from ringdit.training import DiffusionModule
-    from tests.helpers import CONF
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    tokens = math.prod(s // p for s, p in zip(shape, patch))
-    objective, sampling = training_diffusion(cfg, {"family": cfg.model.family}, tokens)
-    module = DiffusionModule(model={}, objective=objective, data={"image_size": list(shape), "latent_scale": 1.0},
-                             sampling=sampling)
-    module.model = model = VelocityIsX(patch)
-    samples = module.generate({"text": torch.zeros(1, 1)}, [0], shape=shape, steps=steps, cfg_scale=1.0)
-    noise = initial_noise((1, *shape), [0])
-    times = torch.tensor([*model.sigmas, 0.0], dtype=torch.float64)
-    factor = torch.prod(1 + times.diff()).item()
-    torch.testing.assert_close(samples, noise * factor, rtol=1e-5, atol=0)  # the sampler stepped through these
-    return times
 
 
 def test_a_terminal_stretch_is_diffusers_for_any_shift():

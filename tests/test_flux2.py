@@ -14,10 +14,15 @@ import torch.distributed as dist
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import LAYOUTS, assert_matches_diffusers, forward_backward
 from tests.distributed import run_ranks
-from tests.families import assert_refused_before_spawning, assert_sgd_steps_equal_one_process_and_ring2, wan_folder
+from tests.families import (
+    FLUX2,
+    assert_refused_before_spawning,
+    assert_sgd_steps_equal_one_process_and_ring2,
+    wan_folder,
+)
 from tests.helpers import architecture, assert_same_numbers
-from tests.test_diffusers_models import LAYOUTS, assert_matches_diffusers, forward_backward
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -111,7 +116,7 @@ def test_flux2_samples_at_flux2_pipelines_sigmas(shape, steps):
     longer depends on the steps). float32 in diffusers: 1e-6."""
     from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-    from tests.test_diffusion import sampled_grid, scheduler_sigmas
+    from tests.helpers import sampled_grid, scheduler_sigmas
 
     tokens = shape[0] // 2 * (shape[1] // 2)  # 2x2 packed, as the pipeline's latents.shape[1]
     expected = scheduler_sigmas(FLUX2_SCHEDULER, steps, compute_empirical_mu(tokens, steps))
@@ -141,12 +146,6 @@ def test_flux2_trains_with_the_shift_of_200_steps():
 
 
 # ---- train.py ------------------------------------------------------------------------------------------------------
-
-FLUX2 = ["experiment=flux2_tiny", "data.num_samples=16", "data.batch_size=2", "trainer.max_steps=2", "logger=csv",
-         "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5", "trainer.val_check_interval=2",
-         "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.sample_grid.steps=2",
-         "data.size=6", "data.text_len=5"]  # 9 image and 5 text tokens: both padded on a ring of 2
-
 
 def test_flux2_sgd_steps_equal_one_process_and_ring_2(tmp_path):
     assert_sgd_steps_equal_one_process_and_ring2(tmp_path, FLUX2, steps=2)

@@ -16,6 +16,7 @@ import torch
 
 from ringdit.checkpoints.layout import is_sharded_checkpoint
 from ringdit.checkpoints.weights import read_weights
+from tests.families import FLUX2, family_runs
 from tests.helpers import SGD, TINY, WAN, LazyRuns, assert_same_numbers, logged_losses, run
 
 pytestmark = pytest.mark.timeout(1200)  # a fixture run takes about 15 s on an idle 2-core machine
@@ -133,8 +134,6 @@ def test_fsdp_trains_wan_like_one_process(tmp_path):
 def test_fsdp_trains_flux2_like_one_process(tmp_path):
     """Flux.2 (its double- and single-stream blocks each an FSDP unit, the text sharded with the image) under FSDP at
     ring 2: one process's SGD steps, weights and EMA."""
-    from tests.test_flux2 import FLUX2
-
     common = [*FLUX2, f"data.cache_dir={tmp_path / 'data'}"]
     run("train.py", tmp_path / "reference", *common, env={"HF_HUB_OFFLINE": "1"})
     run("train.py", tmp_path / "fsdp", *common, *FSDP, "ring_degree=2", env={"HF_HUB_OFFLINE": "1"})
@@ -170,16 +169,6 @@ def test_optimizer_state_keys_convert_both_ways():
     assert set(named["state"]) == {"a.weight", "b.weight"}
     assert named["param_groups"][1] == {"lr": 0.2, "params": ["b.weight"]}
     assert optimizer_state_by_index(named) == numbered
-
-
-def family_runs(family: str) -> tuple[list[str], tuple[int, ...]]:
-    """(train.py overrides, the steps they take) of a family's SGD test (its own test module's)."""
-    from tests.test_hunyuan_video import HUNYUAN
-    from tests.test_ltx_video import LTX
-    from tests.test_skyreels import SKYREELS
-
-    return {"hunyuan_video15": (HUNYUAN, (0, 1, 2)), "ltx_video": (LTX, (0, 1)),
-            "skyreels_v2": (SKYREELS, (0, 1))}[family]
 
 
 @pytest.mark.parametrize("family", ["hunyuan_video15", "ltx_video", "skyreels_v2"])

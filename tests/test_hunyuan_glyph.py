@@ -21,8 +21,7 @@ from safetensors import safe_open
 from ringdit.errors import ConfigError
 from ringdit.media.encode_folder import encode_folder
 from ringdit.media.text import TextEncoder, encode_prompts, encoder_settings
-from tests.helpers import TEXT_LEN, architecture, write_video
-from tests.test_prepare_encoders import save_tiny_qwen, tiny_video_vae
+from tests.helpers import TEXT_LEN, architecture, save_tiny_qwen, tiny_video_vae, write_video
 
 GLYPH_DIM = 8  # the tiny ByT5's width: hunyuan_video15_tiny's text_embed_2_dim
 GLYPH_LEN = 256  # the pipeline's glyph tokens
@@ -135,7 +134,7 @@ def test_the_transformer_gets_what_the_pipeline_feeds_it(hunyuan):
     the real tokens, and predicts what the pipeline's own call does; the training condition drop swaps the glyph text
     for the null one with the text."""
     from ringdit.models.diffusers import DiffusersTransformer
-    from tests.test_wan_i2v import recorded_calls
+    from tests.diffusers_helpers import recorded_calls
 
     encoder = TextEncoder(hunyuan, max_len=TEXT_LEN, prompt_template="hunyuan_video15", glyph_encoder=hunyuan)
     cond, null = encoder([PROMPT]), encoder([""])
@@ -178,7 +177,8 @@ def test_the_transformer_gets_what_the_pipeline_feeds_it(hunyuan):
 
 TRAIN = ["experiment=hunyuan_video15_tiny", "data=text_latents", "data.batch_size=2", "data.val_fraction=0.25",
          "trainer.max_steps=3", "logger=csv", "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5",
-         "callbacks.model_checkpoint.every_n_train_steps=3", "trainer.val_check_interval=3"]
+         "callbacks.model_checkpoint.every_n_train_steps=3", "trainer.val_check_interval=3",
+         "callbacks.sample_grid.steps=2", "callbacks.sample_grid.per_class=1"]  # a short preview, decoded by the VAE
 
 
 @pytest.mark.timeout(900)  # two training runs and a sampling run, each a new process importing diffusers
@@ -191,6 +191,7 @@ def test_prepare_train_on_a_ring_and_sample_with_glyph_text(hunyuan, glyph_data,
 
     assert_sgd_steps_equal_one_process_and_ring2(tmp_path, [*TRAIN, f"data.path={glyph_data}"], steps=3,
                                                  synthetic=False)
+    assert list((tmp_path / "ring2" / "samples").glob("step_0000003*"))  # the preview, decoded with the VAE
     weights = model_weights(tmp_path / "ring1")
     assert weights["model.null_glyph_text"].shape == (1, GLYPH_LEN, GLYPH_DIM)
     assert not weights["model.null_glyph_text_mask"].any()
@@ -224,7 +225,7 @@ def test_glyph_settings_and_data_are_refused_in_one_line(hunyuan, glyph_data, tm
     reader: glyph text without its mask, shards with and without it. Each one ConfigError line, before any work."""
     from ringdit.models.diffusers import DiffusersTransformer
     from ringdit.prepare import main
-    from tests.test_diffusers_training import prepare_train
+    from tests.helpers import prepare_train
 
     clips = tmp_path / "clips"
     clips.mkdir()

@@ -12,10 +12,15 @@ import torch.distributed as dist
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import forward_backward
 from tests.distributed import run_ranks
-from tests.families import assert_refused_before_spawning, assert_sgd_steps_equal_one_process_and_ring2, wan_folder
+from tests.families import (
+    HUNYUAN,
+    assert_refused_before_spawning,
+    assert_sgd_steps_equal_one_process_and_ring2,
+    wan_folder,
+)
 from tests.helpers import architecture, assert_same_numbers, logged_losses, model_weights
-from tests.test_diffusers_models import forward_backward
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -109,11 +114,6 @@ def test_a_mask_that_is_not_a_key_mask_is_refused():
 
 
 # ---- through train.py ----------------------------------------------------------------------------------------------
-
-HUNYUAN = ["experiment=hunyuan_video15_tiny", "data.num_samples=16", "data.batch_size=2", "trainer.max_steps=3",
-           "logger=csv", "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5",
-           "callbacks.model_checkpoint.every_n_train_steps=3", "trainer.val_check_interval=3", "data.size=4"]
-
 
 def test_hunyuan_video15_sgd_steps_equal_one_process_and_ring2(tmp_path):
     assert_sgd_steps_equal_one_process_and_ring2(tmp_path, HUNYUAN, steps=3)

@@ -81,7 +81,7 @@ class RecordTransformerCalls(L.Callback):
     calls: list[dict[str, torch.Tensor]] = []
 
     def on_predict_start(self, trainer, pl_module) -> None:
-        from tests.test_wan_i2v import recorded_calls
+        from tests.diffusers_helpers import recorded_calls
 
         RecordTransformerCalls.calls = recorded_calls(pl_module.model.transformer)
 

@@ -34,7 +34,7 @@ def test_lora_targets_that_match_nothing_fail_before_spawning(tmp_path):
     proc, _ = fail_fast("train.py", *TINY, "trainer/strategy=fsdp", "ring_degree=2", *LORA, "lora.targets=[to_q]",
                         f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Error: lora.targets=['to_q'] match no module of DiT" in proc.stderr
+    assert "Error: lora.targets=['to_q'] match no linear layer of DiT" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -75,7 +75,7 @@ def test_flux2_lora_trains_only_its_adapters_single_stream_projection_included(t
     """experiment=flux2_tiny with LoRA and the default targets: the optimizer holds the adapters and nothing else,
     the checkpoint only them, and they adapt every default target -- the single-stream blocks' fused
     to_qkv_mlp_proj (they have no to_q) with the image stream's projections -- and trained (B starts at zero)."""
-    from tests.test_flux2 import FLUX2
+    from tests.families import FLUX2
 
     run("train.py", tmp_path, *FLUX2, *LORA, f"data.cache_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})
     state, info = read_weights(tmp_path / "checkpoints" / "last.ckpt", prefer="model")
@@ -470,7 +470,7 @@ def sample_latents(run_dir, ckpt, *overrides):
 def test_lora_trains_only_adapters_of_the_video_families(family, tmp_path):
     """LoRA with the family's default targets (its attention projections, HunyuanVideo 1.5's token refiner's among
     them): the checkpoint and the optimizer hold the adapters and nothing else, and they trained (B starts at 0)."""
-    from tests.test_fsdp import family_runs
+    from tests.families import family_runs
 
     overrides, _ = family_runs(family)
     run("train.py", tmp_path, *overrides, *LORA, f"data.cache_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})

@@ -14,10 +14,15 @@ import torch.distributed as dist
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import LAYOUTS, assert_matches_diffusers, forward_backward
 from tests.distributed import run_ranks
-from tests.families import assert_refused_before_spawning, assert_sgd_steps_equal_one_process_and_ring2, wan_folder
+from tests.families import (
+    LTX,
+    assert_refused_before_spawning,
+    assert_sgd_steps_equal_one_process_and_ring2,
+    wan_folder,
+)
 from tests.helpers import architecture
-from tests.test_diffusers_models import LAYOUTS, assert_matches_diffusers, forward_backward
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -186,7 +191,7 @@ def test_ltx_samples_at_ltx_pipelines_sigmas(shape, steps):
 
     from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
-    from tests.test_diffusion import sampled_grid, scheduler_sigmas
+    from tests.helpers import sampled_grid, scheduler_sigmas
 
     mu = calculate_shift(math.prod(shape), *(LTX_SCHEDULER[key] for key in ("base_image_seq_len", "max_image_seq_len",
                                                                              "base_shift", "max_shift")))
@@ -196,11 +201,6 @@ def test_ltx_samples_at_ltx_pipelines_sigmas(shape, steps):
 
 
 # ---- train.py ------------------------------------------------------------------------------------------------------
-
-LTX = ["model=ltx_video_tiny", "data=synthetic_text_latents", "data.num_samples=32", "data.batch_size=4",
-       "trainer.max_steps=2", "logger=csv", "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5",
-       "trainer.val_check_interval=2", "diffusion.objective.shift=3.0", "callbacks.sample_grid.steps=2"]
-
 
 def test_ltx_sgd_steps_equal_one_process_and_ring_2(tmp_path):
     assert_sgd_steps_equal_one_process_and_ring2(tmp_path, LTX, steps=2)

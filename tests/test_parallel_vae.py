@@ -100,3 +100,26 @@ def test_one_rank_group_is_the_plain_decode(wan_folder):
     vae = VAE(wan_folder, None, tile=32)
     latents = torch.randn(1, 16, 2, 6, 6, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(vae.decode(latents, group=None), vae.decode(latents), rtol=0, atol=0)
+
+
+def _check_whole_where_wanted(rank, world, folder):
+    from ringdit.media.vae import VAE
+
+    torch.set_num_threads(1)
+    vae = VAE(folder, None)
+    latents = torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    reference = vae.decode(latents)  # this process alone
+    for dst in (0, 1, None):
+        pixels = vae.decode(latents, group=dist.group.WORLD, dst=dst)
+        if dst is not None and rank != dst:
+            assert pixels is None
+        else:
+            torch.testing.assert_close(pixels, reference, rtol=0, atol=0)
+
+
+def test_a_vae_whose_tiling_is_not_mirrored_is_decoded_whole_where_wanted(tmp_path):
+    """HunyuanVideo 1.5's VAE (a training preview over every rank): diffusers' own decode on the receiving rank."""
+    from tests.helpers import tiny_video_vae
+
+    tiny_video_vae("hunyuan_video15", tmp_path / "vae")
+    run_ranks(_check_whole_where_wanted, 2, str(tmp_path / "vae"))

@@ -20,7 +20,7 @@ from safetensors import safe_open  # noqa: E402
 from ringdit.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.text import TextEncoder, encode_prompts, encoder_settings  # noqa: E402
-from tests.helpers import TEXT_LEN  # noqa: E402
+from tests.helpers import TEXT_LEN, save_tiny_qwen, tiny_video_vae  # noqa: E402
 
 CLIP_LEN = 16  # the tiny CLIP's positions (Flux's is 77)
 CAPTIONS = ["a red fox", "a blue cat running", "green field"]
@@ -132,30 +132,6 @@ def test_pooled_encoder_errors_are_one_line(flux, models, images, tmp_path):
 # ---- the new families' video VAEs (LTX-Video, HunyuanVideo 1.5), normalised as their pipelines ---------------------
 
 
-def tiny_video_vae(name: str, folder: Path):
-    """A tiny random VAE of each family, saved to ``folder``; LTX's latents_mean / latents_std (buffers, in its
-    weights) and scaling factor set away from 0 / 1 / 1 so that the normalisation is seen."""
-    from diffusers import AutoencoderKLHunyuanVideo15, AutoencoderKLLTXVideo
-
-    torch.manual_seed(0)
-    if name == "ltx":
-        model = AutoencoderKLLTXVideo(
-            latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
-            layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
-            spatio_temporal_scaling=(True, True, False, False),
-            decoder_spatio_temporal_scaling=(True, True, False, False),
-            decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4, upsample_factor=(1,) * 4,
-            patch_size=1, patch_size_t=1, scaling_factor=0.7)
-        model.latents_mean.copy_(torch.randn(8) * 0.1)
-        model.latents_std.copy_(torch.rand(8) + 0.5)
-    else:
-        model = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(16, 16, 16), layers_per_block=1,
-                                            spatial_compression_ratio=4, temporal_compression_ratio=2,
-                                            scaling_factor=1.03682)
-    model.save_pretrained(folder)
-    return model.eval()
-
-
 @pytest.mark.parametrize("name", ["ltx", "hunyuan_video15"])
 def test_new_video_vaes_normalise_as_their_pipelines(name, models, tmp_path):
     """VAE.encode = the pipeline's normalised latents (LTXPipeline._normalize_latents with the model's buffers;
@@ -192,28 +168,6 @@ def test_new_video_vaes_normalise_as_their_pipelines(name, models, tmp_path):
     assert report.samples == 1
     with safe_open(str(tmp_path / "out" / "shard-00000.safetensors"), framework="pt") as f:
         assert tuple(f.get_slice("latents").get_shape()) == (1, model.config.latent_channels, 3, 4, 4)
-
-
-def save_tiny_qwen(folder: Path) -> None:
-    """HunyuanVideo 1.5's text encoder, tiny and random: a Qwen2.5-VL text model (hidden 16, 3 layers) in
-    ``folder/text_encoder`` and the word-level tokenizer in ``folder/tokenizer``, with a chat template whose system
-    part is exactly the 108 tokens HunyuanVideo15Pipeline cuts off (Qwen's is), then the prompt."""
-    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
-
-    from ringdit.media.text import chat_template, word_level_tokenizer
-    from tests.helpers import WORDS
-
-    torch.manual_seed(0)
-    Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
-        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=256, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
-    )).save_pretrained(folder / "text_encoder")
-    template = chat_template("hunyuan_video15")
-    tokenizer = word_level_tokenizer(WORDS)
-    filler = template.crop - len(tokenizer(template.system, add_special_tokens=False).input_ids)
-    assert filler >= 0
-    tokenizer.chat_template = "{{ messages[0]['content'] }}" + " a" * filler + " {{ messages[1]['content'] }} </s>"
-    tokenizer.save_pretrained(folder / "tokenizer")
 
 
 def test_hunyuan_video15_prompt_template_matches_the_pipeline(tmp_path):

@@ -185,7 +185,7 @@ def test_i2v_bad_settings_are_one_line(models, clip_folder, clips, tmp_path, cap
 def test_i2v_parallel_vae_two_ranks(models, clip_folder, tmp_path):
     """parallel_vae=true under torchrun: the first frames' extra encodes go through the tile-parallel VAE too, and
     rank 0 writes the one-process shards bit for bit (as tests/test_prepare_parallel_vae.py, one thread a rank)."""
-    from tests.test_prepare_parallel_vae import TILE, split
+    from tests.helpers import TILE, split
 
     folder = tmp_path / "clips"
     folder.mkdir()

@@ -28,10 +28,9 @@ pytest.importorskip("imageio")
 from ringdit.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import TileGroup, encode_folder  # noqa: E402
 from ringdit.media.vae import VAE  # noqa: E402
-from tests.helpers import TEXT_LEN, write_video  # noqa: E402
+from tests.helpers import TEXT_LEN, TILE, split, write_video  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-TILE = 32  # pixels, stride 24: a 48 x 64 frame is 2 x 3 = 6 tiles, 3 per rank
 
 
 @pytest.fixture
@@ -88,16 +87,6 @@ def test_two_ranks_write_the_one_process_shards(models, clips, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
     for shard in sorted(reference.glob("shard-*.safetensors")):
         assert split(out / shard.name) == split(shard), shard.name
-
-
-def split(path: Path) -> tuple[dict, bytes]:
-    """A safetensors file as (its JSON header, parsed; the tensors' bytes)."""
-    import json
-    import struct
-
-    data = path.read_bytes()
-    length = struct.unpack("<Q", data[:8])[0]
-    return json.loads(data[8:8 + length]), data[8 + length:]
 
 
 def test_bad_parallel_vae_settings(models, clips, tmp_path, caplog, capsys):

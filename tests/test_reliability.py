@@ -54,7 +54,9 @@ BAD_TRAIN_INPUTS = {
     "missing ckpt_path": (["ckpt_path=/nonexistent/last.ckpt"], r"ckpt_path='/nonexistent/last.ckpt' does not exist"),
     "missing init_from": (["init_from=/nonexistent/w.safetensors"],
                           r"init_from: checkpoint '/nonexistent/w.safetensors' does not exist"),
-    "patch does not divide the image": (["model.patch_size=3"], r"input_size \(8, 8\) is not divisible by the patch size"),
+    "patch does not divide the image": (["model.patch_size=3"],
+                                        r"the data's sample shape \[8, 8\] is not divisible by the model's "
+                                        r"patch \[3, 3\] \(model.patch_size\)"),
     "hidden not divisible by heads": (["model.num_heads=5"], r"hidden_size=128 is not divisible by num_heads=5"),
     "batch size zero": (["data.batch_size=0"], r"data.batch_size must be a positive integer, got 0"),
     "no steps": (["trainer.max_steps=0"], r"trainer.max_steps must be a positive integer, got 0"),
@@ -281,7 +283,8 @@ def test_latents_that_do_not_fit_the_model(tmp_path):
 
     odd = write_latents(tmp_path, np.zeros((6, 4, 8, 7), np.float32), np.arange(6) % 2)
     proc, seconds = fail_fast("train.py", "data=latents", f"data.path={odd}", f"hydra.run.dir={tmp_path / 'run'}")
-    assert_refused(proc, text="input_size (8, 7) is not divisible by the patch size (2, 2)", seconds=seconds)
+    assert_refused(proc, text="the data's sample shape [8, 7] is not divisible by the model's patch [2, 2] "
+                              "(model.patch_size)", seconds=seconds)
     (tmp_path / "video").mkdir()
     video = write_latents(tmp_path / "video", np.zeros((6, 4, 2, 8, 8), np.float32), np.arange(6) % 2)
     proc, _ = fail_fast("train.py", "data=latents", f"data.path={video}", f"hydra.run.dir={tmp_path / 'run2'}")

@@ -13,10 +13,15 @@ import torch.distributed as dist
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import LAYOUTS, assert_matches_diffusers, forward_backward
 from tests.distributed import run_ranks
-from tests.families import assert_refused_before_spawning, assert_sgd_steps_equal_one_process_and_ring2, wan_folder
+from tests.families import (
+    SKYREELS,
+    assert_refused_before_spawning,
+    assert_sgd_steps_equal_one_process_and_ring2,
+    wan_folder,
+)
 from tests.helpers import architecture
-from tests.test_diffusers_models import LAYOUTS, assert_matches_diffusers, forward_backward
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -109,11 +114,6 @@ def test_skyreels_block_causal_attention_is_refused():
 
 
 # ---- train.py ------------------------------------------------------------------------------------------------------
-
-SKYREELS = ["model=skyreels_v2_tiny", "data=synthetic_text_latents", "data.num_samples=32", "data.batch_size=4",
-            "trainer.max_steps=2", "logger=csv", "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5",
-            "trainer.val_check_interval=2", "diffusion.objective.shift=3.0", "callbacks.sample_grid.steps=2"]
-
 
 def test_skyreels_sgd_steps_equal_one_process_and_ring_2(tmp_path):
     assert_sgd_steps_equal_one_process_and_ring2(tmp_path, SKYREELS, steps=2)

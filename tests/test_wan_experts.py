@@ -21,10 +21,10 @@ from ringdit.diffusion.experts import step_expert, time_range
 from ringdit.errors import ConfigError
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import LAYOUTS, assert_matches_diffusers, forward_backward
 from tests.distributed import run_ranks
 from tests.families import assert_refused_before_spawning, assert_sgd_steps_equal_one_process_and_ring2
 from tests.helpers import WAN, architecture, logged_losses, run
-from tests.test_diffusers_models import LAYOUTS, assert_matches_diffusers, forward_backward
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import (LAYOUTS, assert_matches_diffusers, forward_backward, per_token_timesteps,
+                                     recorded_calls)
 from tests.distributed import run_ranks
 from tests.families import assert_refused_before_spawning, assert_sgd_steps_equal_one_process_and_ring2
 from tests.helpers import WAN, architecture, assert_refused, fail_fast, run
-from tests.test_diffusers_models import LAYOUTS, assert_matches_diffusers, forward_backward, per_token_timesteps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -110,15 +111,6 @@ def tiny_pipeline(transformer, expand_timesteps: bool):
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
     return diffusers.WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler,
                                              transformer=transformer, expand_timesteps=expand_timesteps)
-
-
-def recorded_calls(transformer) -> list[dict]:
-    """Every call's tensor keyword arguments, recorded as the transformer receives them."""
-    calls = []
-    transformer.register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append({k: v.clone() for k, v in kwargs.items()
-                                                   if isinstance(v, torch.Tensor)}), with_kwargs=True)
-    return calls
 
 
 @pytest.mark.parametrize("family", list(PRESETS))

@@ -23,8 +23,9 @@ all tiles together are about (min / stride)^2 = 1.8x the output for Wan's 256 / 
 receive the result (``dst``, or every rank with ``dst=None``), two rows of tiles and the output itself.
 
 Encode (``tiled_encode``) works the same way with pixel tiles in and latent tiles out (moments: mean and log-var).
-Models whose tiling would not apply (tiling off, or a latent that fits one tile) are decoded whole by each receiving
-rank (the others do nothing). The transport runs on the group's backend: gloo moves tensors through the CPU, nccl
+Models whose tiling would not apply (tiling off, or a latent that fits one tile), and VAE classes whose tiling this
+module does not mirror (HunyuanVideo 1.5's, LTX-Video's), are decoded whole, by diffusers, on each receiving rank
+(the others do nothing). The transport runs on the group's backend: gloo moves tensors through the CPU, nccl
 keeps them on this rank's GPU.
 """
 
@@ -252,6 +253,8 @@ def _one(model, x, group, dst, decode: bool):
     if dist.get_world_size(group) == 1:
         return _whole(model, x, decode)
     name, given = type(model).__name__, x
+    if name not in VIDEO + IMAGE:  # tiling this module does not mirror (HunyuanVideo 1.5's, LTX-Video's VAE):
+        return _whole(model, given, decode) if receives else None  # diffusers' own (tiled) pass where it is wanted
     if not decode and name == "AutoencoderKLWan" and _patch(model) is not None:
         from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
 

@@ -65,6 +65,12 @@ BUCKET_FIX = ("make every bucket a multiple of the patch: prepare's bucket_step 
 def check_buckets(data_info: dict, patch: tuple[int, ...]) -> None:
     """A ConfigError for a bucket (sample shape) the model cannot patch: smaller than the patch, or not divisible."""
     where = f"data.path={data_info['source']['path']}" if "source" in data_info else "data"
+    if "buckets" not in data_info:  # one sample shape: the patch is what the user can change
+        shape = tuple(data_info["image_size"])
+        if len(shape) == len(patch) and any(s < p or s % p for s, p in zip(shape, patch)):
+            raise ConfigError(f"{where}: the data's sample shape {list(shape)} is not divisible by the model's patch "
+                              f"{list(patch)} (model.patch_size); pick a patch that divides {list(shape)}, or data "
+                              f"whose shape is a multiple of the patch")
     for bucket in data_info.get("buckets", [{"shape": data_info["image_size"]}]):
         shape = tuple(bucket["shape"])
         samples = f" ({bucket['samples']} samples)" if "samples" in bucket else ""
