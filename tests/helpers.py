@@ -1,6 +1,6 @@
 """What the test modules share: the repository paths, a tiny training run's overrides, running train.py / infer.py
-(in a subprocess, or in this process for runs that must fail before any rank starts, or train.py's checks and setup
-alone: ``prepare_train``), builders of small inputs (images, latents, videos, a tiny DiT, a tiny Wan folder, tiny
+(in this process when the run is one process, else in a subprocess; or train.py's checks and setup alone:
+``prepare_train``), builders of small inputs (images, latents, videos, a tiny DiT, a tiny Wan folder, tiny
 LTX-Video / HunyuanVideo 1.5 VAEs, a tiny Qwen2.5-VL text encoder), a safetensors file's header and bytes (``split``)
 with the parallel VAE's tile (``TILE``), and the flow sampler's time grid: diffusers' scheduler's sigmas
 (``scheduler_sigmas``) and the times a run samples at (``sampled_grid``). Fixtures live in conftest.py."""
@@ -20,6 +20,8 @@ import runpy
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,12 +47,78 @@ TINY = [
 
 
 def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 300):
-    """Run train.py / infer.py with ``overrides``; fail with its output if it fails."""
-    command = [sys.executable, script, f"hydra.run.dir={run_dir}", *overrides]
-    environment = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environment)
-    assert proc.returncode == 0, f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    """Run train.py / infer.py with ``overrides``; fail with its output if it fails. A run of one process runs in this
+    process (``in_process``: the same entry point, without a new interpreter's seconds of imports); one that starts
+    several ranks, or logs to wandb (whose run lives until its process ends), runs in a subprocess, as a user
+    starts it."""
+    overrides = (f"hydra.run.dir={run_dir}", *overrides)
+    environment = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    if one_process_without_wandb(script, overrides):
+        proc, _ = in_process(script, *overrides, env=environment)
+    else:
+        proc = subprocess.run([sys.executable, script, *overrides], cwd=REPO, capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, **environment})
+    assert proc.returncode == 0, (f"{script} {' '.join(overrides)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+                                  f"\n{proc.stderr[-5000:]}")
     return proc
+
+
+def one_process_without_wandb(script: str, overrides: tuple[str, ...]) -> bool:
+    """Whether ``script`` with ``overrides`` runs as one process (Lightning's ``trainer.devices``, resolved) and logs
+    to no wandb run; False when the settings do not compose (the command itself will say why)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ringdit.cli import register_resolvers
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(Path(script).stem, overrides=[o for o in overrides if not o.startswith("hydra.")])
+            devices = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes") or 1)
+            loggers = str(cfg.get("logger")).lower()
+    except Exception:  # noqa: BLE001 - a subprocess reports it as the command does
+        return False
+    finally:
+        GlobalHydra.instance().clear()
+    return devices == 1 and "wandb" not in loggers
+
+
+def in_process(script: str, *overrides: str, env: dict | None = None) -> tuple[SimpleNamespace, float]:
+    """``python script overrides`` (train.py / infer.py) run in this process, as its command line would: argument
+    parsing, composition, the checks, the run, the one-line report and the exit code. Returns (``returncode``,
+    ``stdout``, ``stderr``) and the seconds it took. The process is left as it was: ``sys.argv``, the environment
+    (``env`` is added for the run), the working directory, Hydra's global state and the warning filters; warnings
+    are written to its stderr, each time, as a new interpreter writes them."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    saved_argv, saved_env = sys.argv, dict(os.environ)
+    sys.argv = [str(REPO / script), *overrides]
+    os.environ.update({"WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "", **(env or {})})
+    start = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), contextlib.chdir(REPO), \
+                warnings.catch_warnings():
+            warnings.simplefilter("default")  # a fresh process's filters: each warning once per run, not per worker
+            warnings.showwarning = show
+            runpy.run_path(str(REPO / script), run_name="__main__")  # as ``python script``: Hydra finds conf/
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except Exception:  # noqa: BLE001 - a crash: exit code 1 and its traceback, as the interpreter reports it
+        code = 1
+        stderr.write(traceback.format_exc())
+    finally:
+        seconds = time.monotonic() - start
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        GlobalHydra.instance().clear()
+    return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue()), seconds
 
 
 class LazyRuns:
@@ -283,30 +351,10 @@ def split(path: Path) -> tuple[dict, bytes]:
 
 
 def fail_fast(script: str, *overrides: str) -> tuple[SimpleNamespace, float]:
-    """Run ``script``'s Hydra entry point (train.py / infer.py) in this process, as its command line would, for
-    settings that must be refused before any rank starts: (``returncode``, ``stdout``, ``stderr``) and the seconds it
-    took. The same code path as ``launch`` -- argument parsing, composition, the checks, the one-line report and the
-    exit code -- without paying for a new interpreter each time. A run that is not refused would train here: use
-    ``launch`` for anything that should start."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
-    saved_argv, saved_env = sys.argv, dict(os.environ)
-    sys.argv = [str(REPO / script), *overrides]
-    os.environ.update(WANDB_MODE="offline", HYDRA_FULL_ERROR="")
-    start = time.monotonic()
-    try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            runpy.run_path(str(REPO / script), run_name="__main__")  # as ``python script``: Hydra finds conf/
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    finally:
-        seconds = time.monotonic() - start
-        sys.argv = saved_argv
-        os.environ.clear()
-        os.environ.update(saved_env)
-        GlobalHydra.instance().clear()
-    return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue()), seconds
+    """``in_process`` for settings that must be refused before any rank starts: the same code path as ``launch``
+    without paying for a new interpreter each time. A run that is not refused would train here: use ``launch`` for
+    anything that should start."""
+    return in_process(script, *overrides)
 
 
 def prepare_train(overrides: list[str], run_dir):
