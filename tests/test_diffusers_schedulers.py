@@ -1,8 +1,9 @@
 """``sampler=flow_euler / unipc / dpmpp``: diffusers' flow schedulers (``ringdit.diffusion.schedulers``) against the
 diffusers pipelines themselves. For the same initial latents, prompt embeddings and scheduler, ``DiffusionModule
-.generate`` (infer.py's and the previews' path) gives the latents ``WanPipeline``, ``FluxPipeline``, ``LTXPipeline`` and
-``HunyuanVideo15Pipeline`` give (``output_type="latent"``), with tiny random components, in fp64: on one process, at
-ring 2, with CFG parallel, with step caching and with two experts. Bad sampler settings are refused before spawning."""
+.generate`` (infer.py's and the previews' path) gives the latents ``WanPipeline``, ``WanImageToVideoPipeline`` (Wan
+2.2 TI2V-5B's, ``expand_timesteps=True``), ``FluxPipeline``, ``LTXPipeline`` and ``HunyuanVideo15Pipeline`` give
+(``output_type="latent"``), with tiny random components, in fp64: on one process, at ring 2, with CFG parallel, with
+step caching and with two experts. Bad sampler settings are refused before spawning."""
 
 from __future__ import annotations
 
@@ -67,6 +68,14 @@ def case(name: str):
         objective = {"shift": "resolution", "resolution": {"base_tokens": 1024, "max_tokens": 4096,
                                                            "base_shift": 0.95, "max_shift": 2.05}}
         sampling = {"shift": "resolution", "shift_terminal": 0.1, "cfg_scale": 1.0}
+    elif name == "wan22_ti2v":  # Wan 2.2 TI2V-5B's image-to-video: a given first latent frame, its tokens at time 0
+        shape, config = (2, 4, 4), architecture("wan22_ti2v_tiny")
+        references = [diffusers.WanTransformer3DModel.from_config(config).double()]
+        model = DiffusersTransformer("wan22_ti2v", config=config, input_size=shape, in_channels=4, text_len=7,
+                                     text_dim=16)
+        condition = {"text": _text(g, 7, 16), "image_latents": ti2v_image_latents(shape)}
+        negative = {"text": _text(g, 7, 16)}  # the image is in both halves of guidance, as the pipeline has it
+        objective, sampling = {"shift": 3.0}, {"shift": 3.0, "cfg_scale": 5.0}
     else:  # hunyuan_video15
         shape, config = (2, 4, 4), architecture("hunyuan_video15_tiny")
         references = [diffusers.HunyuanVideo15Transformer3DModel.from_config(config).double()]
@@ -80,6 +89,39 @@ def case(name: str):
     if len(references) > 1:
         model.transformer_2.load_state_dict(references[1].state_dict())
     return references, model.double(), condition, negative, shape, objective, sampling
+
+
+def ti2v_pipeline(transformer=None, scheduler=None):
+    """WanImageToVideoPipeline as Wan 2.2 TI2V-5B's folder configures it (``expand_timesteps=True``), over a tiny
+    random Wan VAE with 4 latent channels (its latents_mean / latents_std away from 0 / 1, so the normalisation
+    counts)."""
+    import diffusers
+
+    torch.manual_seed(7)
+    vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                     temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
+                                     latents_std=[1.5, 0.8, 1.2, 1.0])
+    return diffusers.WanImageToVideoPipeline(tokenizer=None, text_encoder=None, image_encoder=None,
+                                             image_processor=None, transformer=transformer, vae=vae,
+                                             scheduler=scheduler, expand_timesteps=True)
+
+
+def ti2v_image():
+    from PIL import Image
+
+    pixels = torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(8)) * 255
+    return Image.fromarray(pixels.to(torch.uint8).numpy())
+
+
+def ti2v_image_latents(shape) -> torch.Tensor:
+    """(2, 4, 1, H, W): the image's normalised first-frame latents for a batch of 2, by the pipeline's own
+    ``prepare_latents`` (as its call computes them; prepare's encoding is checked against it in test_i2v_sampling)."""
+    pipe = ti2v_pipeline()
+    frames, height, width = shape
+    image = pipe.video_processor.preprocess(ti2v_image(), height=height * 8, width=width * 8)
+    _, condition, _ = pipe.prepare_latents(image, 2, 4, height * 8, width * 8, (frames - 1) * 4 + 1, torch.float32,
+                                           torch.device("cpu"))
+    return condition.double()
 
 
 # the pipelines' own schedulers, as the published scheduler_config.json files configure them
@@ -119,6 +161,11 @@ def pipeline_samples(name: str, sampler: str) -> torch.Tensor:
     noise = initial_noise((model.in_channels, *shape), SEEDS)
     scheduler = pipeline_scheduler(name, sampler)
     with torch.no_grad():
+        if name == "wan22_ti2v":
+            pipe = ti2v_pipeline(references[0], scheduler)
+            return pipe(image=ti2v_image(), prompt_embeds=condition["text"], negative_prompt_embeds=negative["text"],
+                        latents=noise, height=shape[1] * 8, width=shape[2] * 8, num_frames=(shape[0] - 1) * 4 + 1,
+                        num_inference_steps=STEPS, guidance_scale=sampling["cfg_scale"], output_type="latent").frames
         if name.startswith("wan"):
             experts = {"transformer_2": references[1], "boundary_ratio": 0.875} if len(references) > 1 else {}
             pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, transformer=references[0], vae=None,
@@ -196,6 +243,7 @@ def assert_equal_to_pipeline(samples, expected, where):
 # ---- one process ----------------------------------------------------------------------------------------------------
 
 ONE_PROCESS = [("wan", "unipc"), ("wan", "dpmpp"), ("wan", "flow_euler"), ("wan_experts", "unipc"),
+               ("wan22_ti2v", "unipc"),
                ("flux", "flow_euler"), ("ltx", "flow_euler"), ("hunyuan", "flow_euler")]
 
 
@@ -228,8 +276,8 @@ def test_step_caching_with_a_scheduler():
 
 # ---- ring 2 and CFG parallel ----------------------------------------------------------------------------------------
 
-RANKS = [("wan", "unipc"), ("wan_experts", "dpmpp"), ("flux", "flow_euler"), ("ltx", "flow_euler"),
-         ("hunyuan", "flow_euler")]
+RANKS = [("wan", "unipc"), ("wan_experts", "dpmpp"), ("wan22_ti2v", "unipc"), ("flux", "flow_euler"),
+         ("ltx", "flow_euler"), ("hunyuan", "flow_euler")]
 
 
 def check_layouts(rank, world, expected: dict):
@@ -241,7 +289,7 @@ def check_layouts(rank, world, expected: dict):
     # CFG parallel: the conditional and unconditional halves on the two ranks
     halves = init_sequence_parallel(1, 1, cfg_parallel=True)
     assert halves.cfg_group is not None
-    for name, sampler in [("wan", "unipc"), ("wan_experts", "dpmpp")]:
+    for name, sampler in [("wan", "unipc"), ("wan_experts", "dpmpp"), ("wan22_ti2v", "unipc")]:
         assert_equal_to_pipeline(ringdit_samples(name, sampler, dims=halves), expected[(name, sampler)],
                                  f"{name} {sampler}, CFG parallel")
 
