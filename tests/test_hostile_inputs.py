@@ -518,3 +518,17 @@ def test_the_planner_refuses_lora_targets_that_match_nothing(capsys):
     assert re.search(r"Error: lora.targets=\['nothing_here'\] match no linear layer of DiffusersTransformer; name "
                      r"linear layers by their path suffix, e.g. \[.*'to_k'", capsys.readouterr().err)
     assert plan([*common, "lora.targets=[to_q]"]) == 0
+
+
+def test_a_vae_whose_statistics_do_not_match_its_channels_is_named(tmp_path):
+    """A Wan VAE saved with z_dim=4 but the default 16 latents_mean values (diffusers' pipelines fail on it too):
+    one line naming the folder's config.json, not a reshape error."""
+    from diffusers import AutoencoderKLWan
+
+    from ringdit.media.vae import VAE
+
+    AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                     temperal_downsample=[False, True, True]).save_pretrained(tmp_path / "vae")
+    with pytest.raises(ConfigError, match=rf"vae={tmp_path}: {tmp_path / 'vae' / 'config.json'}: latents_mean / "
+                                          r"latents_std hold 16 / 16 values for 4 latent channels"):
+        VAE(tmp_path)

@@ -99,7 +99,11 @@ class VAE:
                               f"save it with save_pretrained (safetensors; .bin pickles are not loaded)") from None
         self.model.to(device).eval().requires_grad_(False)
         self.device, self.dtype = torch.device(device), dtype
-        self.shift, self.scale = normalisation(self.model.config, self.model)
+        try:
+            self.shift, self.scale = normalisation(self.model.config, self.model)
+        except ConfigError as error:
+            raise ConfigError(f"{setting}={path}: {folder / 'config.json'}: {error}; give one statistic per latent "
+                              f"channel in its config.json") from None
         self.channels = self.shift.numel() // self.patch ** 2  # of the latents (Flux.2: 32 of 128 statistics)
         self.spatial = int(getattr(self.model, "spatial_compression_ratio", None)
                            or 2 ** (len(self.model.config.block_out_channels) - 1))
@@ -236,6 +240,9 @@ def normalisation(config, model=None) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         shift = torch.full((channels,), float(config.get("shift_factor") or 0.0))
         scale = torch.full((channels,), scaling)
+    if shift.numel() != channels or scale.numel() != channels:  # diffusers' own pipelines fail on these too
+        raise ConfigError(f"latents_mean / latents_std hold {shift.numel()} / {scale.numel()} values for "
+                          f"{channels} latent channels (z_dim / latent_channels)")
     return shift.reshape(channels), scale.reshape(channels)
 
 
