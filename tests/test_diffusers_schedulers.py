@@ -64,10 +64,12 @@ def case(name: str):
         model = DiffusersTransformer("ltx_video", config=config, input_size=shape, in_channels=4, text_len=7,
                                      text_dim=16)
         mask = torch.tensor([[True] * 7, [True] * 3 + [False] * 4])
-        condition, negative = {"text": _text(g, 7, 16, mask), "text_mask": mask}, None
+        condition = {"text": _text(g, 7, 16, mask), "text_mask": mask}
+        negative = {"text": _text(g, 7, 16, mask), "text_mask": mask}
         objective = {"shift": "resolution", "resolution": {"base_tokens": 1024, "max_tokens": 4096,
                                                            "base_shift": 0.95, "max_shift": 2.05}}
-        sampling = {"shift": "resolution", "shift_terminal": 0.1, "cfg_scale": 1.0}
+        # the pipeline's default guidance; it rounds each half's prediction to float32 before combining them
+        sampling = {"shift": "resolution", "shift_terminal": 0.1, "cfg_scale": 3.0}
     elif name == "wan22_ti2v":  # Wan 2.2 TI2V-5B's image-to-video: a given first latent frame, its tokens at time 0
         shape, config = (2, 4, 4), architecture("wan22_ti2v_tiny")
         references = [diffusers.WanTransformer3DModel.from_config(config).double()]
@@ -186,9 +188,10 @@ def pipeline_samples(name: str, sampler: str) -> torch.Tensor:
             pipe = diffusers.LTXPipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None,
                                          transformer=references[0])
             packed = pipe(prompt_embeds=condition["text"], prompt_attention_mask=condition["text_mask"],
+                          negative_prompt_embeds=negative["text"], negative_prompt_attention_mask=negative["text_mask"],
                           latents=pack_video(noise, 1, 1), height=shape[1] * 32, width=shape[2] * 32,
-                          num_frames=(shape[0] - 1) * 8 + 1, num_inference_steps=STEPS, guidance_scale=1.0,
-                          output_type="latent").frames
+                          num_frames=(shape[0] - 1) * 8 + 1, num_inference_steps=STEPS,
+                          guidance_scale=sampling["cfg_scale"], output_type="latent").frames
             return unpack_video(packed, shape, 1, 1)
         from diffusers.guiders import ClassifierFreeGuidance
 

@@ -65,6 +65,12 @@ def classifier_free_guidance(model: Model, condition: Condition, null: int | Con
     return guided
 
 
+def _float32_predictions(model: Model) -> Model:
+    """``model`` whose predictions are cast to float32, as a pipeline that casts ``noise_pred.float()`` before its
+    guidance sees them."""
+    return lambda x, t, condition: model(x, t, condition).float()
+
+
 def _half_condition(condition: Condition, null: Condition) -> Condition:
     """The unconditional half alone, shaped like ``condition`` (keys the null lacks are shared, see below)."""
     if isinstance(condition, dict):
@@ -211,6 +217,8 @@ def sample(model: Model, objective, noise: Tensor, condition: Condition, *, step
         raise ValueError(f"sampler={sampler!r} does not fit the {type(objective).__name__} objective; use one of "
                          f"{objective.samplers}{schedulers}")
     channels = noise.shape[1]
+    if is_scheduler_sampler(sampler) and getattr((scheduler or {}).get("pipeline"), "float32_prediction", False):
+        model = _float32_predictions(model)  # LTXPipeline rounds each half to float32 before guidance combines them
     guided = classifier_free_guidance(model, condition, null, cfg_scale, exchange, half,
                                       channels=guidance_channels or channels)
     if sampler == "ddpm":

@@ -46,8 +46,9 @@ class PipelineTimesteps:
     (``linspace(1, 1 / steps, steps)``: FluxPipeline, LTXPipeline, QwenImagePipeline, Flux2Pipeline) or ``"to_zero"``
     (``linspace(1, 0, steps + 1)[:-1]``: HunyuanVideo15Pipeline). A scheduler whose ``set_timesteps`` takes no sigmas
     (DPM-Solver++) makes its own, as would ``drops_for_flow_sigmas`` pipelines (Flux's) for any flow-sigmas scheduler.
-    ``float32_prediction``: the pipeline steps the scheduler on ``prediction.float()`` (LTXPipeline's
-    ``noise_pred.float()``; the same numbers as an upcast bf16 prediction, a rounding of an fp64 one).
+    ``float32_prediction``: the pipeline rounds the model's prediction to float32 (LTXPipeline's
+    ``noise_pred.float()``, before its guidance combines the halves: ``samplers.sample`` casts each half) and steps the
+    scheduler on it; the same numbers as an upcast bf16 prediction, a rounding of an fp64 one.
     """
 
     sigmas: str | None = None
