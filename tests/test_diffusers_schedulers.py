@@ -43,13 +43,15 @@ def case(name: str):
 
     g = torch.Generator().manual_seed(5)
     torch.manual_seed(0)
-    if name in ("wan", "wan_experts"):
+    if name in ("wan", "wan_experts", "wan_expand"):  # wan_expand: WanPipeline(expand_timesteps=True), TI2V-5B's T2V
         shape, config = (2, 4, 4), architecture("wan_tiny")
-        references = [diffusers.WanTransformer3DModel.from_config(config).double() for _ in range(1 + (name != "wan"))]
+        experts = 2 if name == "wan_experts" else 1
+        references = [diffusers.WanTransformer3DModel.from_config(config).double() for _ in range(experts)]
         model = DiffusersTransformer("wan", config=config, input_size=shape, in_channels=4, text_len=7, text_dim=16,
                                      boundary_ratio=0.875 if name == "wan_experts" else None)
         condition, negative = {"text": _text(g, 7, 16)}, {"text": _text(g, 7, 16)}
-        objective, sampling = {"shift": 3.0}, {"shift": 3.0, "cfg_scale": 5.0, "cfg_scale_2": 3.0 if name != "wan" else None}
+        objective = {"shift": 3.0}
+        sampling = {"shift": 3.0, "cfg_scale": 5.0, "cfg_scale_2": 3.0 if name == "wan_experts" else None}
     elif name == "flux":
         shape, config = (8, 8), architecture("flux_tiny")
         references = [diffusers.FluxTransformer2DModel.from_config(config).double()]
@@ -171,7 +173,7 @@ def pipeline_samples(name: str, sampler: str) -> torch.Tensor:
         if name.startswith("wan"):
             experts = {"transformer_2": references[1], "boundary_ratio": 0.875} if len(references) > 1 else {}
             pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, transformer=references[0], vae=None,
-                                         scheduler=scheduler, **experts)
+                                         scheduler=scheduler, expand_timesteps=name == "wan_expand", **experts)
             guidance_2 = {"guidance_scale_2": sampling["cfg_scale_2"]} if experts else {}
             return pipe(prompt_embeds=condition["text"], negative_prompt_embeds=negative["text"], latents=noise,
                         height=shape[1] * 8, width=shape[2] * 8, num_frames=(shape[0] - 1) * 4 + 1,
@@ -246,7 +248,7 @@ def assert_equal_to_pipeline(samples, expected, where):
 # ---- one process ----------------------------------------------------------------------------------------------------
 
 ONE_PROCESS = [("wan", "unipc"), ("wan", "dpmpp"), ("wan", "flow_euler"), ("wan_experts", "unipc"),
-               ("wan22_ti2v", "unipc"),
+               ("wan_expand", "unipc"), ("wan22_ti2v", "unipc"),
                ("flux", "flow_euler"), ("ltx", "flow_euler"), ("hunyuan", "flow_euler")]
 
 
