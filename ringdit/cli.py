@@ -160,14 +160,11 @@ def _exit_with(message: str) -> None:
     sys.exit(2)
 
 
-COMMANDS = {"export": "python -m ringdit.export", "prepare": "python -m ringdit.prepare",
-            "decode": "python -m ringdit.media.decode", "plan": "python -m ringdit.plan",
-            "calibrate": "python -m ringdit.caching calibrate"}  # config name -> its command, where not <name>.py
-
-
 def command_of(config_name: str) -> str:
     """How a user runs the command that ``conf/<config_name>.yaml`` configures (for the hints in errors)."""
-    return COMMANDS.get(config_name, f"python {config_name}.py")
+    from ringdit.reference import commands
+
+    return commands().get(config_name, f"python {config_name}.py")
 
 
 def hydra_error_message(error: Exception, config_name: str, *, in_task: bool) -> str | None:

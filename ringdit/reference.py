@@ -27,9 +27,9 @@ DOCS_DIR = Path(__file__).resolve().parents[1] / "docs" / "reference"
 
 def commands() -> dict[str, str]:
     """Each conf/<name>.yaml that configures a command -> how a user runs it, train and infer first."""
-    from ringdit.cli import COMMANDS
-
-    return {"train": "python train.py", "infer": "python infer.py", **COMMANDS}
+    return {"train": "python train.py", "infer": "python infer.py", "export": "python -m ringdit.export",
+            "prepare": "python -m ringdit.prepare", "decode": "python -m ringdit.media.decode",
+            "plan": "python -m ringdit.plan", "calibrate": "python -m ringdit.caching calibrate"}
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,8 @@ def flux_case(shape, seed=0, guidance=None, dims=None):
     import diffusers
 
     from ringdit.models.diffusers import DiffusersTransformer
-    from ringdit.models.diffusers.families import image_ids, pack_latents, unpack_latents
+    from ringdit.models.diffusers.families import image_ids
+    from ringdit.models.diffusers.packing import pack_latents, unpack_latents
 
     config = {**architecture("flux_tiny"), "guidance_embeds": guidance is not None}
     torch.manual_seed(seed)
@@ -163,7 +164,7 @@ def qwen_case(shape, seed=0, dims=None):
     import diffusers
 
     from ringdit.models.diffusers import DiffusersTransformer
-    from ringdit.models.diffusers.families import pack_latents, unpack_latents
+    from ringdit.models.diffusers.packing import pack_latents, unpack_latents
 
     torch.manual_seed(seed)
     reference = diffusers.QwenImageTransformer2DModel.from_config(architecture("qwenimage_tiny"))

@@ -158,7 +158,7 @@ def pipeline_samples(name: str, sampler: str) -> torch.Tensor:
     import diffusers
 
     from ringdit.diffusion import initial_noise
-    from ringdit.models.diffusers.families import pack_latents, unpack_latents
+    from ringdit.models.diffusers.packing import pack_latents, unpack_latents
     from ringdit.models.diffusers.ltx_video import pack_video, unpack_video
 
     references, model, condition, negative, shape, _, sampling = case(name)

@@ -260,7 +260,7 @@ def test_flux2_vae_normalises_and_decodes_as_flux2_pipeline(flux2):
     from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
 
     from ringdit.media.vae import VAE
-    from ringdit.models.diffusers.families import pack_latents
+    from ringdit.models.diffusers.packing import pack_latents
     from tests.helpers import architecture
 
     config = architecture("flux2_tiny")

@@ -3,7 +3,7 @@ its pipeline as ``HunyuanVideo15Pipeline._get_byt5_prompt_embeds`` does. It is t
 beside the Qwen2.5-VL that ``prompt_template=hunyuan_video15`` reads (``TextEncoder(..., glyph_encoder=...)`` runs
 both and returns both).
 
-    glyph = GlyphEncoder("HunyuanVideo-1.5-Diffusers-480p_t2v")   # its text_encoder_2/ + tokenizer_2/, or the folders
+    glyph = GlyphEncoder("HunyuanVideo-1.5-Diffusers-480p_t2v", load=TextEncoder)  # its text_encoder_2/ + tokenizer_2/
     glyph(['a shop sign that reads "OPEN"', "a red fox"])
     # {"glyph_text": (2, 256, D) float32, "glyph_text_mask": (2, 256) bool}; the fox's: zero states, all masked
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ringdit.errors import ConfigError
-from ringdit.media.text import ENCODERS, TextEncoder, _folder
+from ringdit.media.pretrained import ENCODERS, find_folder
 
 # the settings named in the errors of the TextEncoder that loads it (the length is the pipeline's, not a setting)
 GLYPH_SETTINGS = ("glyph_encoder", "glyph_tokenizer", "glyph_encoder")
@@ -48,11 +48,13 @@ def glyph_texts(prompts: list[str]) -> list[str | None]:
 class GlyphEncoder:
     """ByT5 (a ``T5EncoderModel``) and its ``ByT5Tokenizer`` from local folders (see the module docstring):
     ``glyph_encoder`` is a HunyuanVideo 1.5 pipeline folder (its ``text_encoder_2/``) or the encoder's own folder;
-    ``glyph_tokenizer`` defaults to ``tokenizer_2/`` beside ``text_encoder_2/`` (else the encoder's folder)."""
+    ``glyph_tokenizer`` defaults to ``tokenizer_2/`` beside ``text_encoder_2/`` (else the encoder's folder).
+    ``load``: the class that loads text encoders, ``ringdit.media.text.TextEncoder``, handed in by the TextEncoder
+    that holds this one (so that neither module imports the other)."""
 
     def __init__(self, glyph_encoder: str | Path, glyph_tokenizer: str | Path | None = None, *,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        folder = _folder(glyph_encoder, "text_encoder_2", "config.json", "glyph_encoder")
+                 load, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        folder = find_folder(glyph_encoder, "text_encoder_2", "config.json", "glyph_encoder")
         model_type = _model_type(folder)
         if model_type != "t5":  # before its weights load: another pipeline part passed by mistake
             kind = ENCODERS.get(model_type) or (f"model_type {model_type!r}" if model_type else
@@ -61,8 +63,9 @@ class GlyphEncoder:
                               f"HunyuanVideo 1.5 encodes glyph text with; pass its pipeline folder or its "
                               f"text_encoder_2/")
         self.length = glyph_length()
-        # TextEncoder loads it as any text encoder: safetensors checked first, its tokenizer found beside it
-        loaded = TextEncoder(folder, glyph_tokenizer, max_len=self.length, device=device, dtype=dtype,
+        # ``load`` (ringdit.media.text.TextEncoder, which holds this encoder) loads it as any text encoder:
+        # safetensors checked first, its tokenizer found beside it
+        loaded = load(folder, glyph_tokenizer, max_len=self.length, device=device, dtype=dtype,
                              settings=GLYPH_SETTINGS)
         self.model, self.tokenizer, self.dim, self.device = loaded.model, loaded.tokenizer, loaded.dim, loaded.device
         self.folder, self.tokenizer_folder = loaded.folder, loaded.tokenizer_folder

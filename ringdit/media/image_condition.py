@@ -28,7 +28,7 @@ import torch
 
 from ringdit.errors import ConfigError
 from ringdit.media.frames import image_pixels, to_image, upright_size
-from ringdit.media.text import REMOTE_CODE, _folder
+from ringdit.media.pretrained import REMOTE_CODE, find_folder
 from ringdit.models.diffusers.folders import check_weights_folder
 
 log = logging.getLogger("ringdit.media")
@@ -50,7 +50,7 @@ def image_encoder_folders(image_encoder, image_processor=None) -> tuple[Path, Pa
     headers) without loading anything: ``image_encoder`` is the model's folder or a pipeline folder with
     ``image_encoder/`` (Wan2.1-I2V's); ``image_processor`` None: ``image_processor/`` beside it, else its own
     folder."""
-    folder = _folder(image_encoder, "image_encoder", "config.json", "image_encoder")
+    folder = find_folder(image_encoder, "image_encoder", "config.json", "image_encoder")
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -66,7 +66,7 @@ def image_encoder_folders(image_encoder, image_processor=None) -> tuple[Path, Pa
     if image_processor is None:
         beside = folder.parent / "image_processor"
         image_processor = beside if (beside / "preprocessor_config.json").is_file() else folder
-    processor = _folder(image_processor, "image_processor", "preprocessor_config.json", "image_processor")
+    processor = find_folder(image_processor, "image_processor", "preprocessor_config.json", "image_processor")
     return folder, processor
 
 

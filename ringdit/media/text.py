@@ -41,48 +41,15 @@ import torch
 
 from ringdit.errors import ConfigError, require_count
 from ringdit.models.diffusers.folders import check_weights_folder
+from ringdit.media.glyph import GlyphEncoder
+from ringdit.media.pretrained import ENCODERS, REMOTE_CODE, find_folder
 from ringdit.safe_json import read_json
 
-# config.json "model_type" -> the encoder-only class (a full T5 checkpoint also loads into its encoder)
-ENCODERS = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel", "clip_text_model": "CLIPTextModel",
-            "clip": "CLIPTextModel", "clip_text_with_projection": "CLIPTextModel",
-            "qwen2_5_vl_text": "Qwen2_5_VLTextModel",  # HunyuanVideo 1.5's, with prompt_template=hunyuan_video15
-            "mistral3": "Mistral3ForConditionalGeneration"}  # Flux.2's, with prompt_template=flux2
 TEXT_SETTINGS = ("text_encoder", "tokenizer", "max_text_len")  # the prepare settings named in errors
 POOLED_SETTINGS = ("pooled_encoder", "pooled_tokenizer", "max_pooled_len")
 TEMPLATES = ("hunyuan_video15", "flux2")  # prompt_template: a pipeline's chat template around the prompt
 
 
-def _folder(path, subfolder: str, marker: str, setting: str) -> Path:
-    """``path/subfolder`` when it holds ``marker`` (a pipeline repo), else ``path`` when it does."""
-    root = Path(str(path)).expanduser()
-    if not root.exists():
-        raise ConfigError(f"{setting}={path} does not exist; pass a local transformers folder (save_pretrained's)")
-    for folder in (root / subfolder, root):
-        if (folder / marker).is_file():
-            refuse_remote_code(folder, marker, setting, path)
-            return folder
-    raise ConfigError(f"{setting}={path} has no {marker} (looked in {root / subfolder} and {root}); pass the folder "
-                      f"save_pretrained wrote")
-
-
-def refuse_remote_code(folder: Path, marker: str, setting: str, path) -> None:
-    """A folder whose configs name their own Python classes (``auto_map``: transformers would import the folder's
-    code, and on a terminal offer to run it) is refused: ringdit loads only the classes transformers ships, with
-    ``trust_remote_code=False`` (see ``REMOTE_CODE``) so that nothing is ever offered."""
-    for name in dict.fromkeys((marker, "config.json")):
-        if not (folder / name).is_file():
-            continue
-        config = read_json(folder / name, f"{setting}={path}: {folder / name}", kind=dict,
-                           fix="pass the folder save_pretrained wrote")
-        if "auto_map" in config:
-            raise ConfigError(f"{setting}={path}: {folder / name} names custom code (auto_map: "
-                              f"{', '.join(sorted(map(str, config['auto_map'])))[:80]}), which ringdit never runs; "
-                              f"pass a folder of a model transformers itself implements (T5, UMT5, CLIP, Qwen2.5-VL, "
-                              f"Mistral3, ...)")
-
-
-REMOTE_CODE = {"trust_remote_code": False}  # every transformers load: never the folder's code, never a prompt
 
 
 @dataclass(frozen=True)
@@ -182,7 +149,7 @@ class TextEncoder:
         self.template_name, self.template = prompt_template, chat_template(prompt_template)
         default = self.template.masked if self.template else pooled_encoder is None  # as each pipeline does
         self.masked = default if masked is None else masked
-        folder = _folder(text_encoder, "text_encoder", "config.json", setting)
+        folder = find_folder(text_encoder, "text_encoder", "config.json", setting)
         config = read_json(folder / "config.json", f"{setting}={text_encoder}: {folder / 'config.json'}", kind=dict,
                            fix="pass the folder save_pretrained wrote")
         model_type = config.get("model_type")
@@ -206,7 +173,7 @@ class TextEncoder:
             beside = folder.parent / (folder.name.replace("text_encoder", "tokenizer")
                                       if folder.name.startswith("text_encoder") else "tokenizer")
             tokenizer = next((c for c in (beside, folder) if (c / "tokenizer_config.json").is_file()), folder)
-        tokenizer_folder = _folder(tokenizer, "tokenizer", "tokenizer_config.json", tokenizer_setting)
+        tokenizer_folder = find_folder(tokenizer, "tokenizer", "tokenizer_config.json", tokenizer_setting)
         # a chat model's pipeline may load a processor here (Flux.2's PixtralProcessor); for text alone it renders
         # the same template and tokenizes with this tokenizer, adding no special tokens when the template starts with
         # BOS (Mistral's does), as the tokenizer's apply_chat_template never adds them: the same ids
@@ -241,9 +208,8 @@ class TextEncoder:
             self.pooled = True
         self.glyph_encoder = None
         if glyph_encoder is not None:  # the pipeline's second encoder, over the prompt's quoted text
-            from ringdit.media.glyph import GlyphEncoder  # it loads its ByT5 through this class
-
-            self.glyph_encoder = GlyphEncoder(glyph_encoder, glyph_tokenizer, device=device, dtype=dtype)
+            self.glyph_encoder = GlyphEncoder(glyph_encoder, glyph_tokenizer, device=device, dtype=dtype,
+                                              load=TextEncoder)  # its ByT5 loads as any text encoder does
 
     def _check_template(self, model_type: str, config: dict, given: str) -> None:
         """One-line errors, before the weights load, for a chat model without its template, a template with another

@@ -26,6 +26,7 @@ from torch import nn
 from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.diffusers.flux2 import FLUX2
 from ringdit.models.diffusers.hunyuan_video import HUNYUAN_VIDEO15
+from ringdit.models.diffusers.packing import pack_latents, unpack_latents
 from ringdit.models.diffusers.ltx_video import LTX_VIDEO
 from ringdit.models.diffusers.skyreels import SKYREELS_V2
 from ringdit.models.plan import ParallelPlan
@@ -82,20 +83,6 @@ WAN_I2V = replace(WAN, name="wan_i2v", condition_keys=("text", "image_condition"
 
 
 # ---- Flux: joint [text ; image] attention in dual- and single-stream blocks, RoPE from position ids --------------
-
-
-def pack_latents(x: Tensor) -> Tensor:
-    """(B, C, H, W) -> (B, H/2 * W/2, 4C): Flux's 2x2 patches as tokens (as FluxPipeline packs VAE latents)."""
-    batch, channels, height, width = x.shape
-    x = x.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(batch, (height // 2) * (width // 2), channels * 4)
-
-
-def unpack_latents(tokens: Tensor, height: int, width: int) -> Tensor:
-    """The inverse of ``pack_latents``."""
-    batch, _, packed = tokens.shape
-    x = tokens.view(batch, height // 2, width // 2, packed // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(batch, packed // 4, height, width)
 
 
 def image_ids(height: int, width: int, device) -> Tensor:

@@ -58,7 +58,7 @@ def _flux2_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> 
     """x (B, C, H, W) latents (C = in_channels / 4; H, W even), t (B,) in 0..1000, cond: text (B, L, D) Mistral
     states, guidance (B,) the guidance scale of guidance-distilled models (FLUX.2-dev)."""
     # Flux's 2x2 packing is Flux.2's patchify + pack (imported here: families.py imports this module)
-    from ringdit.models.diffusers.families import pack_latents, unpack_latents
+    from ringdit.models.diffusers.packing import pack_latents, unpack_latents
 
     height, width = x.shape[-2:]
     text = cond["text"]
