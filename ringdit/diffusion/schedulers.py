@@ -47,8 +47,9 @@ class PipelineTimesteps:
     (``linspace(1, 0, steps + 1)[:-1]``: HunyuanVideo15Pipeline). A scheduler whose ``set_timesteps`` takes no sigmas
     (DPM-Solver++) makes its own, as would ``drops_for_flow_sigmas`` pipelines (Flux's) for any flow-sigmas scheduler.
     ``float32_prediction``: the pipeline rounds the model's prediction to float32 (LTXPipeline's
-    ``noise_pred.float()``, before its guidance combines the halves: ``samplers.sample`` casts each half) and steps the
-    scheduler on it; the same numbers as an upcast bf16 prediction, a rounding of an fp64 one.
+    ``noise_pred.float()``, before its guidance combines the halves: ``samplers.sample`` casts each half, so the
+    denoiser this module steps gives float32) and steps the scheduler on it; the same numbers as an upcast bf16
+    prediction, a rounding of an fp64 one.
     """
 
     sigmas: str | None = None
@@ -176,9 +177,7 @@ def sample_with_scheduler(denoiser, noise: Tensor, steps: int, sampler: str, con
         # model time as a float: float64 for an fp64 model (Flux divides it by 1000 as the pipeline does), else
         # float32 (a bf16 timestep would round it)
         time_dtype = torch.float64 if model_input.dtype == torch.float64 else torch.float32
-        prediction = denoiser(model_input, t.to(time_dtype).expand(x.shape[0]))
-        if pipeline.float32_prediction:
-            prediction = prediction.float()
+        prediction = denoiser(model_input, t.to(time_dtype).expand(x.shape[0]))  # float32 where the pipeline casts
         x = scheduler.step(prediction, t, x, return_dict=False)[0]
     return x
 

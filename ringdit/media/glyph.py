@@ -65,8 +65,7 @@ class GlyphEncoder:
         self.length = glyph_length()
         # ``load`` (ringdit.media.text.TextEncoder, which holds this encoder) loads it as any text encoder:
         # safetensors checked first, its tokenizer found beside it
-        loaded = load(folder, glyph_tokenizer, max_len=self.length, device=device, dtype=dtype,
-                             settings=GLYPH_SETTINGS)
+        loaded = load(folder, glyph_tokenizer, max_len=self.length, device=device, dtype=dtype, settings=GLYPH_SETTINGS)
         self.model, self.tokenizer, self.dim, self.device = loaded.model, loaded.tokenizer, loaded.dim, loaded.device
         self.folder, self.tokenizer_folder = loaded.folder, loaded.tokenizer_folder
         if type(self.tokenizer).__name__ != "ByT5Tokenizer":  # another tokenizer's ids would be the wrong bytes

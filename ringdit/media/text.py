@@ -40,16 +40,14 @@ from pathlib import Path
 import torch
 
 from ringdit.errors import ConfigError, require_count
-from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.media.glyph import GlyphEncoder
 from ringdit.media.pretrained import ENCODERS, REMOTE_CODE, find_folder
+from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.safe_json import read_json
 
 TEXT_SETTINGS = ("text_encoder", "tokenizer", "max_text_len")  # the prepare settings named in errors
 POOLED_SETTINGS = ("pooled_encoder", "pooled_tokenizer", "max_pooled_len")
 TEMPLATES = ("hunyuan_video15", "flux2")  # prompt_template: a pipeline's chat template around the prompt
-
-
 
 
 @dataclass(frozen=True)
