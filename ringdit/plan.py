@@ -58,7 +58,8 @@ from ringdit.memory import (FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estim
 
 # the VAE's factors per family: (temporal, spatial); a temporal factor t takes frames = t x k + 1 to k + 1 latents
 VAE_FACTORS = {"wan": (4, 8), "flux": (None, 8), "qwenimage": (None, 8), "hunyuan_video15": (4, 16), "skyreels_v2": (4, 8),
-               "ltx_video": (8, 32), "flux2": (None, 8), "wan_i2v": (4, 8), "wan22_ti2v": (4, 16), "dit": (1, 8)}
+               "ltx_video": (8, 32), "flux2": (None, 8), "wan_i2v": (4, 8), "wan22_ti2v": (4, 16), "dit": (1, 8),
+               "hunyuan_video15_i2v": (4, 16)}
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
 
 

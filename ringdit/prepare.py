@@ -14,6 +14,8 @@
                                          # Flux.2: Mistral3 in Flux2Pipeline's chat format, its VAE's bn statistics
     python -m ringdit.prepare ... vae=HunyuanVideo-1.5 text_encoder=HunyuanVideo-1.5 prompt_template=hunyuan_video15 \
         max_text_len=1000 glyph_encoder=HunyuanVideo-1.5  # + its ByT5 over the captions' quoted text (glyph_text)
+    python -m ringdit.prepare ... (HunyuanVideo-1.5-480p_i2v as above) task=i2v image_encoder=HunyuanVideo-1.5-480p_i2v
+                                         # + each clip's first-frame latents and SigLIP embedding (its I2V)
 
 Settings: conf/prepare.yaml (``--help`` lists them with their defaults, ``--cfg job`` shows what a command line
 composes to); the work itself is ``ringdit.media.encode_folder``.

@@ -1,9 +1,10 @@
 """``sampler=flow_euler / unipc / dpmpp``: diffusers' flow schedulers (``ringdit.diffusion.schedulers``) against the
 diffusers pipelines themselves. For the same initial latents, prompt embeddings and scheduler, ``DiffusionModule
 .generate`` (infer.py's and the previews' path) gives the latents ``WanPipeline``, ``WanImageToVideoPipeline`` (Wan
-2.2 TI2V-5B's, ``expand_timesteps=True``), ``FluxPipeline``, ``LTXPipeline`` and ``HunyuanVideo15Pipeline`` give
-(``output_type="latent"``), with tiny random components, in fp64: on one process, at ring 2, with CFG parallel, with
-step caching and with two experts. Bad sampler settings are refused before spawning."""
+2.2 TI2V-5B's, ``expand_timesteps=True``), ``FluxPipeline``, ``LTXPipeline``, ``HunyuanVideo15Pipeline`` and
+``HunyuanVideo15ImageToVideoPipeline`` give (``output_type="latent"``), with tiny random components, in fp64: on one
+process, at ring 2, with CFG parallel, with step caching and with two experts. Bad sampler settings are refused before
+spawning."""
 
 from __future__ import annotations
 
@@ -80,14 +81,19 @@ def case(name: str):
         condition = {"text": _text(g, 7, 16), "image_latents": ti2v_image_latents(shape)}
         negative = {"text": _text(g, 7, 16)}  # the image is in both halves of guidance, as the pipeline has it
         objective, sampling = {"shift": 3.0}, {"shift": 3.0, "cfg_scale": 5.0}
-    else:  # hunyuan_video15
-        shape, config = (2, 4, 4), architecture("hunyuan_video15_tiny")
+    else:  # hunyuan_video15, hunyuan_i2v (HunyuanVideo 1.5 I2V: the image's latents and mask on the channels)
+        i2v = name == "hunyuan_i2v"
+        shape, config = (2, 4, 4), architecture("hunyuan_video15_i2v_tiny" if i2v else "hunyuan_video15_tiny")
+        if i2v:  # the I2V pipeline picks the sample size from the image and target_size: 64 px = 4 latent cells
+            config["target_size"] = 64
         references = [diffusers.HunyuanVideo15Transformer3DModel.from_config(config).double()]
-        model = DiffusersTransformer("hunyuan_video15", config=config, input_size=shape, in_channels=4, text_len=5,
-                                     text_dim=16)
+        model = DiffusersTransformer("hunyuan_video15_i2v" if i2v else "hunyuan_video15", config=config,
+                                     input_size=shape, in_channels=4, text_len=5, text_dim=16)
         mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
         condition, negative = {"text": _text(g, 5, 16, mask), "text_mask": mask}, {"text": _text(g, 5, 16, mask),
                                                                                    "text_mask": mask}
+        if i2v:  # the image in both halves of guidance (the pipeline's negative prompt replaces the text only)
+            condition.update(hunyuan_i2v_image_condition(shape))
         objective, sampling = {"shift": 5.0}, {"shift": 5.0, "cfg_scale": 3.0}
     model.transformer.load_state_dict(references[0].state_dict())
     if len(references) > 1:
@@ -128,6 +134,47 @@ def ti2v_image_latents(shape) -> torch.Tensor:
     return condition.double()
 
 
+def hunyuan_i2v_pipeline(transformer=None, scheduler=None, guidance_scale: float = 1.0):
+    """HunyuanVideo15ImageToVideoPipeline over a tiny random HunyuanVideo 1.5 VAE (4 latent channels, 16x spatial, 4x
+    temporal) and a tiny random SigLIP vision model (16 tokens of width 12, the tiny transformer's image_embed_dim);
+    no text encoders (the test passes prompt embeddings)."""
+    import diffusers
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(9)
+    vae = diffusers.AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8,) * 5, layers_per_block=1,
+                                                scaling_factor=0.8)
+    encoder = SiglipVisionModel(SiglipVisionConfig(hidden_size=12, intermediate_size=24, num_hidden_layers=1,
+                                                   num_attention_heads=2, image_size=32, patch_size=8)).eval()
+    return diffusers.HunyuanVideo15ImageToVideoPipeline(
+        text_encoder=None, tokenizer=None, transformer=transformer, vae=vae, scheduler=scheduler, text_encoder_2=None,
+        tokenizer_2=None, guider=ClassifierFreeGuidance(guidance_scale=guidance_scale), image_encoder=encoder,
+        feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}))
+
+
+def hunyuan_i2v_image():
+    """64 x 64 px: the size the pipeline picks for a square image at target_size 64, so it is not resized."""
+    from PIL import Image
+
+    pixels = torch.rand(64, 64, 3, generator=torch.Generator().manual_seed(10)) * 255
+    return Image.fromarray(pixels.to(torch.uint8).numpy())
+
+
+def hunyuan_i2v_image_condition(shape) -> dict[str, torch.Tensor]:
+    """The image's ``image_latents`` (2, 4, 1, H, W) and SigLIP ``image_embeds`` (2, 16, 12) for a batch of 2, by the
+    pipeline's own ``_get_image_latents`` / ``_get_image_embeds`` (as its call computes them; prepare's encoding is
+    checked against them in tests/test_hunyuan_i2v.py)."""
+    pipe = hunyuan_i2v_pipeline()
+    _, height, width = shape
+    with torch.no_grad():
+        latents = pipe._get_image_latents(pipe.vae, pipe.video_processor, hunyuan_i2v_image(), height * 16,
+                                          width * 16, torch.device("cpu"))  # (1, 4, 1, H, W)
+        embeds = pipe._get_image_embeds(pipe.image_encoder, pipe.feature_extractor, hunyuan_i2v_image(),
+                                        torch.device("cpu"))  # (1, 16, 12)
+    return {"image_latents": latents.double().repeat(2, 1, 1, 1, 1), "image_embeds": embeds.double().repeat(2, 1, 1)}
+
+
 # the pipelines' own schedulers, as the published scheduler_config.json files configure them
 SCHEDULERS = {
     ("wan", "unipc"): ("UniPCMultistepScheduler", {"prediction_type": "flow_prediction", "use_flow_sigmas": True,
@@ -148,7 +195,8 @@ SCHEDULERS = {
 def pipeline_scheduler(name: str, sampler: str):
     import diffusers
 
-    class_name, config = SCHEDULERS[("wan" if name.startswith("wan") else name, sampler)]
+    family = "wan" if name.startswith("wan") else "hunyuan" if name.startswith("hunyuan") else name
+    class_name, config = SCHEDULERS[(family, sampler)]
     return getattr(diffusers, class_name)(**config)
 
 
@@ -195,13 +243,21 @@ def pipeline_samples(name: str, sampler: str) -> torch.Tensor:
                           num_frames=(shape[0] - 1) * 8 + 1, num_inference_steps=STEPS,
                           guidance_scale=sampling["cfg_scale"], output_type="latent").frames
             return unpack_video(packed, shape, 1, 1)
+        glyph, glyph_mask = torch.zeros(2, 1, 8, dtype=torch.float64), torch.zeros(2, 1, dtype=torch.bool)  # none
+        if name == "hunyuan_i2v":  # the pipeline encodes the image itself (VAE, SigLIP) and picks its size from it
+            pipe = hunyuan_i2v_pipeline(references[0], scheduler, sampling["cfg_scale"])
+            return pipe(image=hunyuan_i2v_image(), prompt_embeds=condition["text"],
+                        prompt_embeds_mask=condition["text_mask"], negative_prompt_embeds=negative["text"],
+                        negative_prompt_embeds_mask=negative["text_mask"], prompt_embeds_2=glyph,
+                        prompt_embeds_mask_2=glyph_mask, negative_prompt_embeds_2=glyph,
+                        negative_prompt_embeds_mask_2=glyph_mask, latents=noise, num_frames=(shape[0] - 1) * 4 + 1,
+                        num_inference_steps=STEPS, output_type="latent").frames
         from diffusers.guiders import ClassifierFreeGuidance
 
         vae = diffusers.AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8,) * 5, layers_per_block=1)
         pipe = diffusers.HunyuanVideo15Pipeline(
             text_encoder=None, tokenizer=None, transformer=references[0], vae=vae, scheduler=scheduler,
             text_encoder_2=None, tokenizer_2=None, guider=ClassifierFreeGuidance(guidance_scale=sampling["cfg_scale"]))
-        glyph, glyph_mask = torch.zeros(2, 1, 8, dtype=torch.float64), torch.zeros(2, 1, dtype=torch.bool)  # none
         return pipe(prompt_embeds=condition["text"], prompt_embeds_mask=condition["text_mask"],
                     negative_prompt_embeds=negative["text"], negative_prompt_embeds_mask=negative["text_mask"],
                     prompt_embeds_2=glyph, prompt_embeds_mask_2=glyph_mask, negative_prompt_embeds_2=glyph,
@@ -249,7 +305,7 @@ def assert_equal_to_pipeline(samples, expected, where):
 
 ONE_PROCESS = [("wan", "unipc"), ("wan", "dpmpp"), ("wan", "flow_euler"), ("wan_experts", "unipc"),
                ("wan_expand", "unipc"), ("wan22_ti2v", "unipc"),
-               ("flux", "flow_euler"), ("ltx", "flow_euler"), ("hunyuan", "flow_euler")]
+               ("flux", "flow_euler"), ("ltx", "flow_euler"), ("hunyuan", "flow_euler"), ("hunyuan_i2v", "flow_euler")]
 
 
 @pytest.mark.parametrize("name, sampler", ONE_PROCESS, ids=[f"{n}-{s}" for n, s in ONE_PROCESS])
@@ -282,7 +338,7 @@ def test_step_caching_with_a_scheduler():
 # ---- ring 2 and CFG parallel ----------------------------------------------------------------------------------------
 
 RANKS = [("wan", "unipc"), ("wan_experts", "dpmpp"), ("wan22_ti2v", "unipc"), ("flux", "flow_euler"),
-         ("ltx", "flow_euler"), ("hunyuan", "flow_euler")]
+         ("ltx", "flow_euler"), ("hunyuan", "flow_euler"), ("hunyuan_i2v", "flow_euler")]
 
 
 def check_layouts(rank, world, expected: dict):
@@ -294,7 +350,8 @@ def check_layouts(rank, world, expected: dict):
     # CFG parallel: the conditional and unconditional halves on the two ranks
     halves = init_sequence_parallel(1, 1, cfg_parallel=True)
     assert halves.cfg_group is not None
-    for name, sampler in [("wan", "unipc"), ("wan_experts", "dpmpp"), ("wan22_ti2v", "unipc")]:
+    for name, sampler in [("wan", "unipc"), ("wan_experts", "dpmpp"), ("wan22_ti2v", "unipc"),
+                          ("hunyuan_i2v", "flow_euler")]:
         assert_equal_to_pipeline(ringdit_samples(name, sampler, dims=halves), expected[(name, sampler)],
                                  f"{name} {sampler}, CFG parallel")
 

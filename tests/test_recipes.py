@@ -27,6 +27,7 @@ TWINS = {
     "wan22_a14b_t2v_lora": ["model=wan22_a14b_tiny"],
     "wan22_a14b_i2v_lora": ["model=wan22_i2v_a14b_tiny", "data.image=true"],
     "hunyuan_video15_t2v_lora": ["model=hunyuan_video15_tiny"],
+    "hunyuan_video15_i2v_lora": ["model=hunyuan_video15_i2v_tiny", "data.image=true", "data.image_dim=12"],
     "ltx_video_lora": ["model=ltx_video_tiny"],
     "skyreels_v2_lora": ["model=skyreels_v2_tiny"],
     "flux_dev_lora": ["model=flux_tiny", *IMAGES, "data.text_dim=32", "data.pooled_dim=32",

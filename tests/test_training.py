@@ -103,6 +103,11 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return synthetic
     if (group, option) == ("model", "hunyuan_video15"):
         return [*synthetic, "data.channels=32", "data.text_dim=3584", "data.size=4"]
+    if (group, option) == ("model", "hunyuan_video15_i2v_tiny"):  # + the first frames' latents and SigLIP-like states
+        return [*synthetic, "data.image=true", "data.image_dim=12"]
+    if (group, option) == ("model", "hunyuan_video15_i2v"):
+        return [*synthetic, "data.image=true", "data.image_dim=1152", "data.channels=32", "data.text_dim=3584",
+                "data.size=4"]
     if (group, option) in (("model", "skyreels_v2_tiny"), ("model", "ltx_video_tiny")):
         return synthetic
     if (group, option) == ("model", "wan22_ti2v_tiny"):  # image-to-video: the first frames' latents in the data

@@ -118,7 +118,8 @@ HUNYUAN_VIDEO15 = [
 ]
 
 FAMILY_RULES = {"wan": WAN, "wan22_ti2v": WAN, "wan_i2v": WAN, "skyreels_v2": WAN, "flux": FLUX,
-                "ltx_video": LTX_VIDEO, "qwenimage": QWENIMAGE, "hunyuan_video15": HUNYUAN_VIDEO15}
+                "ltx_video": LTX_VIDEO, "qwenimage": QWENIMAGE, "hunyuan_video15": HUNYUAN_VIDEO15,
+                "hunyuan_video15_i2v": HUNYUAN_VIDEO15}
 PREFIX = "diffusion_model."
 KEYS = {"ltx_video": ("lora_A", "lora_B")}  # (down, up) key names where they are not lora_down / lora_up
 

@@ -26,11 +26,12 @@ ringdit/media/image_condition.py, which ``infer.py image=`` uses too; the condit
 
     image_latents    float  (N, C, 1, H, W)  the clip's first frame encoded ALONE as a 1-frame video, normalised
                             like latents (Wan 2.2 TI2V's first latent frame: WanImageToVideoPipeline with
-                            expand_timesteps)
+                            expand_timesteps; HunyuanVideo 1.5 I2V's condition latents)
     image_condition  float  (N, C, T, H, W)  the latents of [first frame ; zero frames] at the clip's frame count,
                             normalised like latents (Wan 2.1 I2V: the pipeline's latent_condition, without the mask)
-    image_embeds     float  (N, N_img, D_img)  the first frame's CLIP vision penultimate hidden states (the
-                            pipeline's encode_image; only when prepare is given image_encoder=)
+    image_embeds     float  (N, N_img, D_img)  the first frame's image-encoder states (the pipeline's encode_image:
+                            CLIP's penultimate hidden states for Wan 2.1 I2V, SigLIP's last hidden state for
+                            HunyuanVideo 1.5 I2V; only when prepare is given image_encoder=)
 
 and the metadata keys ``format`` (``ringdit.text_latents/1``) and, optionally, ``captions`` (a JSON list of N
 strings) and ``vae`` (JSON: the VAE class, folder and per-channel ``shift`` / ``scale`` with latents =
@@ -80,9 +81,10 @@ NULL_OF = {"null_text": "text (1, L, D)", "null_text_mask": "text_mask (1, L)", 
 GLYPH_KEYS = ("glyph_text", "glyph_text_mask")
 # image-to-video conditioning, optional, per sample (ringdit.models.diffusers.image_condition reads them)
 IMAGE_KEYS = ("image_latents", "image_condition", "image_embeds")
-IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (Wan 2.2 TI2V)",
+IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (Wan 2.2 TI2V, HunyuanVideo 1.5 I2V)",
             "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)",
-            "image_embeds": "CLIP vision penultimate hidden states (Wan 2.1 I2V with image_dim)"}
+            "image_embeds": "the image encoder's states (Wan 2.1 I2V with image_dim: CLIP's penultimate; "
+                            "HunyuanVideo 1.5 I2V: SigLIP's last)"}
 
 Tensor = torch.Tensor
 

@@ -46,10 +46,11 @@ Flux.2's VAE (AutoencoderKLFlux2): normalised per channel of its 2x2 latent patc
     sizes are multiples of 16 px and ``bucket_step`` defaults to 16.
 Image-to-video (``task=i2v``): each clip's shard rows also hold its first frame's ``image_latents`` and
     ``image_condition`` (ringdit/media/image_condition.py; the extra encodes go through the same VAE path as the
-    clip's, so ``parallel_vae=true`` splits them too) and, with ``image_encoder``, its CLIP ``image_embeds``; the
-    shards record ``task`` (a resume with another task is refused) and ``image_encoder`` metadata. Images, and clips
-    placed in a 1-frame bucket (``frame_buckets`` with 1), have no video to condition: with buckets they are left
-    out, counted and named in the summary (and in ``buckets.json``); a folder without videos is refused.
+    clip's, so ``parallel_vae=true`` splits them too) and, with ``image_encoder`` (a CLIP or SigLIP vision model),
+    its ``image_embeds``; the shards record ``task`` (a resume with another task is refused) and ``image_encoder``
+    metadata. Images, and clips placed in a 1-frame bucket (``frame_buckets`` with 1), have no video to condition:
+    with buckets they are left out, counted and named in the summary (and in ``buckets.json``); a folder without
+    videos is refused.
 """
 
 from __future__ import annotations
@@ -138,11 +139,12 @@ def check_task(task, image_encoder, image_processor) -> None:
         raise ConfigError(f"task={task!r} is not one of {', '.join(TASKS)}; pass task=t2v (text-conditioned latents) "
                           f"or task=i2v (also each clip's first-frame conditioning, for image-to-video)")
     if image_encoder is not None and task != "i2v":
-        raise ConfigError(f"image_encoder={image_encoder} gives the CLIP embeddings of image-to-video, but "
+        raise ConfigError(f"image_encoder={image_encoder} gives the image embeddings of image-to-video, but "
                           f"task={task}; pass task=i2v, or drop image_encoder")
     if image_processor is not None and image_encoder is None:
         raise ConfigError(f"image_processor={image_processor} is the image encoder's processor, but image_encoder is "
-                          f"not set; pass image_encoder=<CLIP vision model folder> too, or drop image_processor")
+                          f"not set; pass image_encoder=<CLIP / SigLIP vision model folder> too, or drop "
+                          f"image_processor")
     if image_encoder is not None:
         image_encoder_folders(image_encoder, image_processor)
 

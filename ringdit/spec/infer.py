@@ -115,11 +115,12 @@ class ImageInput:
     ratio (it is then resized to the samples' size; a different ratio is refused rather than cropped silently)."""
 
     files: tuple[str, ...]
-    kind: str                  # the model's Family.image_condition: "first_frame" | "channels"
+    kind: str                  # the model's Family.image_condition: "first_frame" | "channels" | "first_frame_channels"
     size: tuple[int, int]      # (H, W) in pixels of the samples
     frames: int                # video frames of the samples
     latent: bool               # encoded with the data's VAE (encode_image_condition), else used as pixels
-    image_encoder: str | None  # a CLIP vision folder for models with image_dim (given, else the data's)
+    image_encoder: str | None  # the image encoder (CLIP, SigLIP) of models that read image embeddings (given, else the
+                               # data's)
 
     @classmethod
     def from_config(cls, cfg: DictConfig, model_config: dict, data_info: dict, *, ckpt_path: str,
@@ -136,7 +137,8 @@ class ImageInput:
         if kind is None:
             raise ConfigError(f"image={image}: ckpt_path={ckpt_path} is not an image-to-video model "
                               f"(model.family={model_config.get('family', 'dit')}: it takes no image); leave image= "
-                              f"unset, or train an image-to-video model (model=wan22_ti2v*, model=wan_i2v*)")
+                              f"unset, or train an image-to-video model (model=wan22_ti2v*, model=wan_i2v*, "
+                              f"model=hunyuan_video15_i2v*)")
         if len(set(conditioning.prompt_shapes)) > 1:
             raise ConfigError(f"image={image} with prompt_file={conditioning.prompt_file} of several sizes: the first "
                               f"frames fit one size; give the prompts one size (or one prompt file per size)")
@@ -147,9 +149,10 @@ class ImageInput:
         latent = "vae" in data_info
         prepared = data_info.get("image_encoder") if isinstance(data_info.get("image_encoder"), dict) else {}
         encoder = cfg.get("image_encoder") or prepared.get("path")  # given, else the CLIP the data was prepared with
-        if latent and (model_config.get("config") or {}).get("image_dim") and not encoder:
-            raise ConfigError(f"image={image}: the model takes CLIP image embeddings (model.config.image_dim); give "
-                              f"the CLIP vision folder the data was prepared with, image_encoder=FOLDER")
+        embeds = image_embeds_key(model_config)
+        if latent and embeds and not encoder:
+            raise ConfigError(f"image={image}: the model takes image embeddings (model.config.{embeds}); give the "
+                              f"image encoder folder the data was prepared with, image_encoder=FOLDER")
         return cls(files=tuple(files), kind=kind, size=(height, width), frames=int(frames or 1), latent=latent,
                    image_encoder=encoder)
 
@@ -162,6 +165,18 @@ def image_kind(model_config: dict) -> str | None:
     from ringdit.models.diffusers.families import get_family
 
     return get_family(family).image_condition
+
+
+def image_embeds_key(model_config: dict) -> str | None:
+    """The config key of the image embeddings the model reads (``Family.image_embeds``: Wan's image_dim,
+    HunyuanVideo 1.5 I2V's image_embed_dim) where its config sets it; None: it reads none."""
+    family = model_config.get("family")
+    if not family:
+        return None
+    from ringdit.models.diffusers.families import get_family
+
+    key = get_family(family).image_embeds
+    return key if key and (model_config.get("config") or {}).get(key) else None
 
 
 def image_files(image: str) -> list[str]:

@@ -1,6 +1,6 @@
 """The diffusers model families ringdit runs sequence-parallel: one ``Family`` each, holding its ``ParallelPlan``
-(Wan -- text-to-video, Wan 2.2 TI2V and Wan 2.1 I2V --, Flux and QwenImage here; HunyuanVideo 1.5, SkyReels-V2,
-LTX-Video and Flux.2 in their own modules).
+(Wan -- text-to-video, Wan 2.2 TI2V and Wan 2.1 I2V --, Flux and QwenImage here; HunyuanVideo 1.5 -- text- and
+image-to-video --, SkyReels-V2, LTX-Video and Flux.2 in their own modules).
 
 To add a family (its own module, like ``hunyuan_video.py``):
 
@@ -25,7 +25,7 @@ from torch import nn
 
 from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.diffusers.flux2 import FLUX2
-from ringdit.models.diffusers.hunyuan_video import HUNYUAN_VIDEO15
+from ringdit.models.diffusers.hunyuan_video import HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V
 from ringdit.models.diffusers.packing import pack_latents, unpack_latents
 from ringdit.models.diffusers.ltx_video import LTX_VIDEO
 from ringdit.models.diffusers.skyreels import SKYREELS_V2
@@ -66,6 +66,7 @@ WAN = Family(
     video=True,
     condition_keys=("text",),
     text_dim="text_dim",
+    image_embeds="image_dim",  # CLIP states as extra cross-attention keys, where the config sets image_dim (I2V-14B)
     max_grid=lambda config: (config.get("rope_max_seq_len", 1024),) * 3,  # WanRotaryPosEmbed's table, per axis
 )
 
@@ -169,7 +170,8 @@ QWENIMAGE = Family(
 )
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, WAN22_TI2V, WAN_I2V, FLUX, QWENIMAGE,
-                                                                   HUNYUAN_VIDEO15, SKYREELS_V2, LTX_VIDEO, FLUX2)}
+                                                                   HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V, SKYREELS_V2,
+                                                                   LTX_VIDEO, FLUX2)}
 
 
 def get_family(name: str) -> Family:

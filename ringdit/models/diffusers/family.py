@@ -33,9 +33,14 @@ class Family:
     # the latent cells one token covers, (T, H, W) or (H, W)
     patch_shape: Callable[[dict], tuple[int, ...]] = lambda config: tuple(config["patch_size"])
     # image-to-video: "first_frame" (the clean first latent frame replaces the noisy one, per-token timesteps; Wan 2.2
-    # TI2V) or "channels" (the first frame's latents and a mask concatenated to the input channels; Wan 2.1 I2V); None:
-    # text only. See ringdit.models.diffusers.image_condition.
+    # TI2V), "channels" (the first frame's latents and a mask concatenated to the input channels; Wan 2.1 I2V) or
+    # "first_frame_channels" (the image's latents in the first latent frame and a 1-channel mask concatenated;
+    # HunyuanVideo 1.5 I2V); None: text only. See ringdit.models.diffusers.image_condition.
     image_condition: str | None = None
+    # the config key of the width of the image embeddings the model reads (the data's image_embeds: Wan 2.1 I2V's CLIP
+    # states where its config sets image_dim, HunyuanVideo 1.5 I2V's SigLIP states); None, or the key unset in the
+    # config: the model reads none
+    image_embeds: str | None = None
     # diffusion.objective.shift=resolution's constants (ringdit.diffusion.resolution_shift's keywords) where the
     # family's pipeline has its own (its scheduler's base / max image_seq_len and shift, or Flux.2's rule); None: Flux's
     resolution_shift: dict | None = None

@@ -30,9 +30,20 @@ condition's, so classifier-free guidance and the training condition drop replace
 without it give a single masked zero token, the pipeline's for a prompt without quoted text. Model time is the
 flow-matching sigma x 1000, as the pipeline's scheduler passes it; guidance is classifier-free (the model has no
 guidance embedding).
+
+Image-to-video (``hunyuan_video15_i2v``: the same architecture, trained on the first frame, as
+``HunyuanVideo15ImageToVideoPipeline`` calls it): the model's input channels carry the first frame's latents and a
+mask (``ringdit.models.diffusers.image_condition``, kind ``"first_frame_channels"``: built before this forward), and
+the image embedding is the data's SigLIP ``image_embeds`` (B, 729, D_image), unmasked keys beside the text (the model
+unmasks them because they are not all zero). Both halves of classifier-free guidance, and the training condition drop,
+keep the image (the pipeline's negative prompt replaces the text only). A family of its own rather than a setting:
+the architecture cannot tell the I2V checkpoints from the T2V ones (only their config's ``task_type`` differs, which
+the model's forward never reads).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -43,25 +54,42 @@ from ringdit.models.plan import ParallelPlan
 Tensor = torch.Tensor
 
 
-def _hunyuan_video15_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
+def _hunyuan_video15_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict,
+                             image: Tensor | None = None) -> Tensor:
     """x (B, C, T, H, W) latents (C = out_channels), t (B,) in 0..1000, cond: text (B, L, D) Qwen2.5-VL states
     padded to L, text_mask (B, L) True on real tokens [, glyph_text (B, G, D_byt5) ByT5 states of the quoted text,
-    glyph_text_mask (B, G) True on its real tokens]."""
+    glyph_text_mask (B, G) True on its real tokens]; image (B, N, D_image): image-to-video's SigLIP states, with x
+    the whole input (B, in_channels, T, H, W) (``_hunyuan_video15_i2v_forward``)."""
     config = transformer.config
     batch, channels = x.shape[:2]
-    # text-to-video: no first-frame condition latents, and a zero condition mask (B, in - C, T, H, W)
+    # text-to-video: no first-frame condition latents, and a zero condition mask (B, in - C, T, H, W); none left to
+    # add when x carries them (image-to-video)
     condition = x.new_zeros(batch, config.in_channels - channels, *x.shape[2:])
     mask = cond["text_mask"].bool()
     # the model averages the text over its real tokens: a prompt with none (an empty-prompt encoding that kept no
     # token) would divide 0 by 0; its first (zero) token stands for it instead
     mask = mask | ((torch.arange(mask.shape[1], device=mask.device) == 0) & ~mask.any(dim=1, keepdim=True))
     glyph_text, glyph_mask = _glyph(cond, x, config.text_embed_2_dim)
-    image = x.new_zeros(batch, 1, config.image_embed_dim)  # (B, 1, D_image): zero = text-to-video
+    if image is None:
+        image = x.new_zeros(batch, 1, config.image_embed_dim)  # (B, 1, D_image): zero = text-to-video
     return transformer(
         hidden_states=torch.cat([x, condition], dim=1), timestep=t, encoder_hidden_states=cond["text"],
         encoder_attention_mask=mask, encoder_hidden_states_2=glyph_text, encoder_attention_mask_2=glyph_mask,
         image_embeds=image, return_dict=False,
     )[0]
+
+
+def _hunyuan_video15_i2v_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
+    """x (B, 2C + 1, T, H, W) the model input [latents ; first-frame condition latents ; mask] (built by
+    ``DiffusersTransformer.forward``), t (B,), cond: text-to-video's keys and image_embeds (B, N, D_image) the first
+    frame's SigLIP last hidden states (729 tokens for the published models'), as the pipeline's ``image_embeds``."""
+    image = cond["image_embeds"]
+    width = transformer.config.image_embed_dim
+    if image.dim() != 3 or image.shape[0] != x.shape[0] or image.shape[-1] != width:
+        raise ValueError(f"image_embeds have shape {tuple(image.shape)}; expected ({x.shape[0]}, N, {width}): the "
+                         f"first frame's SigLIP states at the model's image_embed_dim (prepare task=i2v with the "
+                         f"pipeline folder's image_encoder)")
+    return _hunyuan_video15_forward(transformer, x, t, cond, image=image.to(x))
 
 
 def _glyph(cond: dict, x: Tensor, width: int) -> tuple[Tensor, Tensor]:
@@ -97,3 +125,10 @@ HUNYUAN_VIDEO15 = Family(
     patch_shape=lambda config: (config["patch_size_t"], config["patch_size"], config["patch_size"]),
     pipeline_timesteps=PipelineTimesteps(sigmas="to_zero"),  # HunyuanVideo15Pipeline: linspace(1, 0, steps + 1)[:-1]
 )
+
+# HunyuanVideo 1.5 I2V (the 480p / 720p i2v transformers): the same model, its input channels [video ; first-frame
+# latents ; mask] (in_channels = 2 * out_channels + 1) and SigLIP image embeddings; ringdit's latents are its
+# out_channels channels and the model input is built from them (ringdit.models.diffusers.image_condition)
+HUNYUAN_VIDEO15_I2V = replace(HUNYUAN_VIDEO15, name="hunyuan_video15_i2v", forward=_hunyuan_video15_i2v_forward,
+                              condition_keys=("text", "text_mask", "image_latents"),  # + image_embeds (image_embeds=)
+                              image_condition="first_frame_channels", image_embeds="image_embed_dim")

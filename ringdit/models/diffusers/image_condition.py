@@ -1,6 +1,7 @@
-"""Image-to-video conditioning of Wan, as diffusers' ``WanImageToVideoPipeline`` builds it (and as Wan trains it).
+"""Image-to-video conditioning, as diffusers' ``WanImageToVideoPipeline`` and ``HunyuanVideo15ImageToVideoPipeline``
+build it (and as Wan and HunyuanVideo 1.5 train it).
 
-Two kinds, a property of the architecture (``Family.image_condition``):
+Three kinds, a property of the architecture (``Family.image_condition``):
 
 - ``"first_frame"`` (Wan 2.2 TI2V-5B, the pipeline's ``expand_timesteps=True``): the model's input is the noisy video
   with its first latent frame replaced by the clean ``image_latents`` (the image encoded alone as a 1-frame video),
@@ -10,6 +11,13 @@ Two kinds, a property of the architecture (``Family.image_condition``):
   ``[noisy video ; mask (4) ; image_condition]`` on the channels, where ``image_condition`` is the VAE latents of
   ``[first frame ; zero frames]`` and the mask is 1 on the first latent frame (the 4 pixel frames the VAE folds into
   it), 0 elsewhere. Optional CLIP embeddings (``image_embeds``) go to the cross-attention (``image_dim``).
+- ``"first_frame_channels"`` (HunyuanVideo 1.5 I2V, ``in_channels = 2 * out_channels + 1``): the model's input is
+  ``[noisy video ; condition latents ; mask (1)]`` on the channels, where the condition latents are ``image_latents``
+  (the image encoded alone, as ``"first_frame"`` takes them) in the first latent frame and zero after, and the mask is
+  1 on the first latent frame, 0 after (the pipeline's ``prepare_cond_latents_and_mask``; the authors' train.py
+  ``get_condition`` puts the clip's own first latent frame there, the same latents for a causal VAE). The noisy first
+  frame is not replaced: every frame is denoised at the step's one timestep, and the loss covers every frame (the
+  authors' train.py). SigLIP image embeddings (``image_embeds``, 729 tokens) join the text as unmasked keys.
 """
 
 from __future__ import annotations
@@ -20,8 +28,9 @@ from ringdit.errors import ConfigError
 
 Tensor = torch.Tensor
 
-IMAGE_CONDITIONS = ("first_frame", "channels")
-CONDITION_KEY = {"first_frame": "image_latents", "channels": "image_condition"}  # what the data must hold
+IMAGE_CONDITIONS = ("first_frame", "channels", "first_frame_channels")
+# what the data must hold
+CONDITION_KEY = {"first_frame": "image_latents", "channels": "image_condition", "first_frame_channels": "image_latents"}
 VAE_TEMPORAL = 4  # Wan's VAE folds 4 pixel frames into one latent frame (the first frame alone into the first)
 
 
@@ -71,6 +80,18 @@ def channel_input(x: Tensor, image_condition: Tensor) -> Tensor:
         raise ValueError(f"image_condition has shape {tuple(image_condition.shape)}; expected {tuple(x.shape)} (the "
                          f"latents of [first frame ; zero frames], shaped like the video's latents)")
     return torch.cat([x, channel_mask(x.shape, x.device, x.dtype), image_condition.to(x)], dim=1)
+
+
+def first_frame_channel_input(x: Tensor, image_latents: Tensor) -> Tensor:
+    """(B, 2C + 1, T, H, W): ``cat([x, condition, mask])`` on the channels, HunyuanVideo 1.5 I2V's input, where the
+    condition is ``image_latents`` (B, C, 1, H, W) in the first latent frame and zero after and the mask is 1 on the
+    first latent frame (``HunyuanVideo15ImageToVideoPipeline.prepare_cond_latents_and_mask``)."""
+    if image_latents.shape != (*x.shape[:2], 1, *x.shape[3:]):
+        raise ValueError(f"image_latents have shape {tuple(image_latents.shape)}; expected "
+                         f"{(*x.shape[:2], 1, *x.shape[3:])} (the first frame's latents) for latents {tuple(x.shape)}")
+    given = 1 - first_frame_mask(x.shape, x.device, x.dtype)  # (1, 1, T, H, W): 1 on the first latent frame
+    condition = given * image_latents.to(x)  # (B, C, T, H, W): the image's latents there, zero after
+    return torch.cat([x, condition, given.expand(x.shape[0], 1, *x.shape[2:])], dim=1)
 
 
 def require_image(kind: str, cond: dict, family: str) -> Tensor:

@@ -19,8 +19,9 @@ from torch import nn
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.families import Family, get_family
 from ringdit.models.diffusers.folders import check_weights_folder
-from ringdit.models.diffusers.image_condition import (CONDITION_KEY, channel_input, first_frame_mask,
-                                                    replace_first_frame, require_image, token_timesteps)
+from ringdit.models.diffusers.image_condition import (CONDITION_KEY, channel_input, first_frame_channel_input,
+                                                    first_frame_mask, replace_first_frame, require_image,
+                                                    token_timesteps)
 from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.materialize import building_on_meta
 from ringdit.models.plan import ParallelPlan
@@ -87,8 +88,10 @@ class DiffusersTransformer(nn.Module):
         self.in_channels = self.family.latent_channels(arch)  # of the latents ringdit sees
         self.image_condition = self.family.image_condition  # image-to-video: how the first frame enters
         _check_image_architecture(self.family, arch)
-        # the conditioning the model reads: CLIP image embeddings too where the architecture takes them (image_dim)
-        self.condition_keys = self.family.condition_keys + (("image_embeds",) if arch.get("image_dim") else ())
+        # the conditioning the model reads: image embeddings too where the architecture takes them (Wan's image_dim,
+        # HunyuanVideo 1.5 I2V's image_embed_dim)
+        self.condition_keys = self.family.condition_keys + (("image_embeds",) if image_embeds_width(self.family, arch)
+                                                            else ())
         self.condition_dropout_prob = condition_dropout_prob
         self.guidance = guidance
         if arch.get("guidance_embeds") and guidance is None:
@@ -194,12 +197,15 @@ class DiffusersTransformer(nn.Module):
             t = token_timesteps(t.to(x.dtype), x.shape, self.patch_size)  # (B, S)
         elif self.image_condition == "channels":  # Wan 2.1 I2V: (B, 2C + 4, T, H, W) [video ; mask ; image]
             x = channel_input(x, require_image(self.image_condition, cond, self.family.name))
+        elif self.image_condition == "first_frame_channels":  # HunyuanVideo 1.5 I2V: (B, 2C + 1, T, H, W)
+            x = first_frame_channel_input(x, require_image(self.image_condition, cond, self.family.name))
         return self.family.forward(transformer, x, t, cond)
 
     # ---- image-to-video ------------------------------------------------------------------------------------------
     def loss_weights(self, x0: Tensor) -> Tensor | None:
         """(1, 1, T, 1, 1) 0/1 weights of the latents the loss covers, None for all: Wan 2.2 TI2V's first frame is
-        given, not denoised, so only the frames that were noised count (Wan 2.1 I2V denoises the whole video)."""
+        given, not denoised, so only the frames that were noised count (Wan 2.1 I2V and HunyuanVideo 1.5 I2V denoise
+        the whole video, their first frame too)."""
         if self.image_condition != "first_frame":
             return None
         return first_frame_mask(x0.shape, x0.device, x0.dtype)[..., :1, :1]
@@ -392,8 +398,18 @@ def _glyph_shape(family: Family, data: dict) -> dict:
     return {"glyph_len": data["glyph_len"], "glyph_dim": data["glyph_dim"]}
 
 
+def image_embeds_width(family: Family, arch: dict) -> int | None:
+    """The width of the image embeddings (the data's ``image_embeds``) a model of ``arch`` reads; None: none."""
+    return arch.get(family.image_embeds) if family.image_embeds else None
+
+
 def _check_image_architecture(family: Family, arch: dict) -> None:
-    """Wan 2.1 I2V takes [video ; mask (4) ; image latents] on its input channels; Wan 2.2 TI2V the video alone."""
+    """Wan 2.1 I2V takes [video ; mask (4) ; image latents] on its input channels, HunyuanVideo 1.5 I2V [video ;
+    image latents ; mask (1)]; Wan 2.2 TI2V the video alone."""
+    if family.image_condition == "first_frame_channels" and arch["in_channels"] != 2 * arch["out_channels"] + 1:
+        raise ConfigError(f"model.family={family.name} takes [video ; first-frame latents ; mask] on its channels: "
+                          f"in_channels must be 2 * out_channels + 1 = {2 * arch['out_channels'] + 1}, got "
+                          f"{arch['in_channels']}; use model=hunyuan_video15_i2v*")
     if family.image_condition == "channels" and arch["in_channels"] != 2 * arch["out_channels"] + 4:
         raise ConfigError(f"model.family={family.name} takes [video ; mask ; first-frame latents] on its channels: "
                           f"in_channels must be 2 * out_channels + 4 = {2 * arch['out_channels'] + 4}, got "
@@ -415,17 +431,20 @@ def _check_image_data(config: dict, family: Family, data: dict) -> None:
         return
     keys = set(data.get("image_keys", ()))
     needed = CONDITION_KEY[family.image_condition]
-    what = {"image_latents": "the first frame's latents, encoded alone (Wan 2.2 TI2V)",
+    what = {"image_latents": "the first frame's latents, encoded alone (Wan 2.2 TI2V, HunyuanVideo 1.5 I2V)",
             "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)"}[needed]
     if needed not in keys:
         raise ConfigError(f"model.family={family.name} is image-to-video but the data has no {needed!r} ({what}); "
                           f"prepare it with `python -m ringdit.prepare task=i2v`, or use a text-to-video model")
     arch = config.get("config") or {}
+    width = image_embeds_width(family, arch)
+    if width and "image_embeds" not in keys:
+        optional = family.image_condition == "channels"  # Wan 2.1 I2V trains without CLIP too (no image_dim)
+        raise ConfigError(f"model.config.{family.image_embeds}={width}: the model takes image embeddings but the data "
+                          f"has no 'image_embeds'; prepare with image_encoder=<the pipeline folder (its "
+                          f"image_encoder/)>" + (f", or set model.config.{family.image_embeds}=null" if optional
+                                                 else ""))
     if arch.get("image_dim"):
-        if "image_embeds" not in keys:
-            raise ConfigError(f"model.config.image_dim={arch['image_dim']}: the model takes CLIP image embeddings "
-                              f"but the data has no 'image_embeds'; prepare with image_encoder=<CLIP folder>, or set "
-                              f"model.config.image_dim=null")
         if data["text_len"] != WAN_IMAGE_TEXT_LEN:
             raise ConfigError(f"model.config.image_dim is set, so Wan's attention takes the last 512 keys as text, "
                               f"but the data's captions are {data['text_len']} tokens; encode them padded to 512 "
