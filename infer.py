@@ -63,16 +63,15 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from ringdit.caching import StepCache
-from ringdit.checkpoints.weights import read_weights
 from ringdit.cli import hydra_main, register_resolvers, user_errors
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.errors import ConfigError
-from ringdit.lora import adapter_state, load_adapter
 from ringdit.media.decode import decode_samples, latents_normalised
 from ringdit.run_folder import claim_run_folder
 from ringdit.sampling import SampleRequests, SampleWriter, write_pixels
 from ringdit.spec import InferSpec
 from ringdit.training import DiffusionModule
+from ringdit.training.callbacks import LoadLoraAdapter
 from ringdit.training.preemption import sigterm_stops_at_once, stop_on_sigterm
 
 log = logging.getLogger("ringdit.infer")
@@ -90,12 +89,7 @@ def prepare(cfg: DictConfig):
         conditions, captions, negative, per_sample = text_conditions(spec)
         if spec.image is not None:  # image-to-video: the given first frames (else the held-out prompts' own)
             conditions = {**conditions, **image_conditions(spec, spec.num_samples)}
-    if spec.lora is None:  # the checkpoint holds the whole model
-        weights = {"init_from": spec.ckpt_path, "init_weights": spec.weights}
-    else:  # the base, adapted as the run was; the adapters are loaded onto it once built (LoadLoraAdapter)
-        weights = {"init_from": spec.lora.init_from, "init_weights": spec.lora.init_weights, "lora": spec.lora.settings}
-    module = DiffusionModule(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
-                            attention_backend=spec.layout.attention_backend, **weights)
+    module = DiffusionModule.for_sampling(spec)
     module.negative_condition = negative
     if spec.cache.enabled:  # cache=fbcache / teacache: wrapped around each batch's sampling (ringdit.caching)
         module.step_cache = StepCache(spec.cache, spec.cache.coefficients)
@@ -118,19 +112,6 @@ def prepare(cfg: DictConfig):
     return trainer, module, requests, spec
 
 
-class LoadLoraAdapter(L.Callback):
-    """Loads a LoRA checkpoint's adapters (``weights``: EMA or raw) into the module's model when prediction starts:
-    by then the model is built on its base and adapted (``configure_model``), and sharded under FSDP -- each rank
-    keeps its shard. The checkpoint holds nothing else, so Lightning's own loading has nothing to do with it."""
-
-    def __init__(self, ckpt_path: str, weights: str):
-        self.ckpt_path, self.weights = ckpt_path, weights
-
-    def on_predict_start(self, trainer: L.Trainer, pl_module: DiffusionModule) -> None:
-        state, _ = read_weights(self.ckpt_path, prefer=self.weights)
-        load_adapter(pl_module.model, adapter_state(state))
-
-
 def text_conditions(spec: InferSpec) -> tuple[dict, list[str], dict | None, tuple | None]:
     """A text model's (conditions cycled to num_samples, captions, negative (1, ...) or None for the empty prompt,
     per-sample negatives or None: (each sample's negative prompt (N, ...), whether it has its own (N,)), from a
@@ -148,51 +129,23 @@ def text_conditions(spec: InferSpec) -> tuple[dict, list[str], dict | None, tupl
 
 
 def image_conditions(spec: InferSpec, count: int) -> dict[str, torch.Tensor]:
-    """``image=``'s first-frame conditioning of ``count`` samples (sample i: image i % len(files)): a pixel-space
-    model's first frame is the image itself, resized to the samples' size; a latent model's is encoded with the
-    data's VAE (and CLIP where the model takes it), as ``prepare task=i2v`` encodes a clip's first frame."""
+    """``image=``'s first-frame conditioning of ``count`` samples (sample i: image i % len(files)), read upright as
+    prepare reads frames (``ringdit.media.image_condition.first_frame_inputs``)."""
     from PIL import ImageOps
 
     from ringdit.media.frames import open_image
+    from ringdit.media.image_condition import first_frame_inputs
 
     image = spec.image
-    height, width = image.size
     pictures = []
     for file in image.files:  # each was opened and its aspect ratio checked by the spec
         with open_image(file) as opened:  # upright as stored (a phone photo's EXIF rotation), as prepare reads it
             pictures.append(ImageOps.exif_transpose(opened).convert("RGB"))
-    if image.latent:
-        if not spec.output.vae:
-            raise ConfigError(f"image={image.files[0]}: the model samples latents, so the image is encoded with the "
-                              f"data's VAE, and no VAE folder is known; give vae=<the VAE folder the data was "
-                              f"prepared with>")
-        from ringdit.media.image_condition import encode_image_condition
-
-        encoded = encode_image_condition(pictures, vae_folder=spec.output.vae, frames=image.frames, size=(height, width),
-                                         image_encoder=image.image_encoder,
-                                         device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.float32)
-        encoded = {key: value.float().cpu() for key, value in encoded.items()}
-    else:
-        channels = spec.data["channels"]
-        first = torch.stack([image_pixels(p, channels, height, width) for p in pictures])[:, :, None]  # (n, C, 1, H, W)
-        empty = first.new_zeros(first.shape[0], channels, image.frames - 1, height, width)  # the frames to generate
-        encoded = {"image_latents": first, "image_condition": torch.cat([first, empty], dim=2)}  # (n, C, T, H, W)
+    encoded = first_frame_inputs(pictures, size=image.size, frames=image.frames, latent=image.latent,
+                                 vae=spec.output.vae, image_encoder=image.image_encoder,
+                                 channels=spec.data["channels"], setting=f"image={image.files[0]}")
     picked = [i % len(pictures) for i in range(count)]
     return {key: value[picked] for key, value in encoded.items()}
-
-
-def image_pixels(picture, channels: int, height: int, width: int) -> torch.Tensor:
-    """(C, H, W) in [-1, 1], as the pixel-space data stores frames: grey for 1 channel, else RGB."""
-    import numpy as np
-    from PIL import Image
-
-    picture = picture.convert("L" if channels == 1 else "RGB").resize((width, height), Image.Resampling.BICUBIC)
-    values = torch.from_numpy(np.asarray(picture, dtype=np.float32)) / 127.5 - 1.0
-    values = values[None] if values.dim() == 2 else values.permute(2, 0, 1)  # (C, H, W)
-    if values.shape[0] != channels:
-        raise ConfigError(f"image=: the pixel-space model takes {channels} channels; an image gives "
-                          f"{values.shape[0]} (grey and RGB images are converted, other channel counts are not)")
-    return values
 
 
 def text_prompts(spec: InferSpec) -> tuple[dict, list[str]]:

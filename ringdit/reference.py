@@ -29,7 +29,8 @@ def commands() -> dict[str, str]:
     """Each conf/<name>.yaml that configures a command -> how a user runs it, train and infer first."""
     return {"train": "python train.py", "infer": "python infer.py", "export": "python -m ringdit.export",
             "prepare": "python -m ringdit.prepare", "decode": "python -m ringdit.media.decode",
-            "plan": "python -m ringdit.plan", "calibrate": "python -m ringdit.caching calibrate"}
+            "plan": "python -m ringdit.plan", "calibrate": "python -m ringdit.caching calibrate",
+            "serve": "python -m ringdit.serve"}
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY, WORDS, run
-
-LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+from tests.helpers import LAUNCH_VARIABLES, TINY, WORDS, run
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

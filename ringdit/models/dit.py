@@ -205,6 +205,8 @@ class DiT(nn.Module):
         label is replaced by the null class (classifier-free guidance training).
         """
         grid = self.x_embedder.grid(x)
+        x = x.to(self.pos_embed.dtype)  # float32 noise into a float64 model (trainer.precision=64-true), as diffusers'
+        # transformers take their latents; a no-op otherwise
         tokens = self.x_embedder(x) + self.position_embedding(grid)  # (B, N, D)
         c = self.t_embedder(t) + self.y_embedder(y, drop_labels)  # (B, D)
         for block in self.blocks:  # the checkpointed ones recompute in backward (ringdit.models.checkpointing)

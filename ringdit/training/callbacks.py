@@ -11,7 +11,9 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import OmegaConf
 
+from ringdit.checkpoints.weights import read_weights
 from ringdit.images import grid_image, save_samples, to_uint8
+from ringdit.lora import adapter_state, load_adapter
 from ringdit.media.writing import write_mp4
 from ringdit.errors import require_count
 from ringdit.sampling import SampleSizes, patch_shape, size_pair
@@ -198,3 +200,16 @@ def log_samples(loggers, images, captions: list[str], step: int | None, *, video
                                  caption=list(captions))
         elif isinstance(logger, TensorBoardLogger):
             logger.experiment.add_image(key, grid_image(images, columns), step, dataformats="HWC")
+
+
+class LoadLoraAdapter(L.Callback):
+    """Loads a LoRA checkpoint's adapters (``weights``: EMA or raw) into the module's model when prediction starts:
+    by then the model is built on its base and adapted (``configure_model``), and sharded under FSDP -- each rank
+    keeps its shard. The checkpoint holds nothing else, so Lightning's own loading has nothing to do with it."""
+
+    def __init__(self, ckpt_path: str, weights: str):
+        self.ckpt_path, self.weights = ckpt_path, weights
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module) -> None:
+        state, _ = read_weights(self.ckpt_path, prefer=self.weights)
+        load_adapter(pl_module.model, adapter_state(state))

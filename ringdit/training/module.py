@@ -297,6 +297,19 @@ class DiffusionModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- sampling ---------------------------------------------------------------------------------------------------
+    @classmethod
+    def for_sampling(cls, spec) -> DiffusionModule:
+        """The module of a sampling run (a ``ringdit.spec.InferSpec``): the checkpoint's whole model, or an
+        adapter-only LoRA checkpoint's base adapted as the run was (the adapters are loaded onto it once it is built,
+        by ``ringdit.training.callbacks.LoadLoraAdapter``)."""
+        if spec.lora is None:
+            weights = {"init_from": spec.ckpt_path, "init_weights": spec.weights}
+        else:
+            weights = {"init_from": spec.lora.init_from, "init_weights": spec.lora.init_weights,
+                       "lora": spec.lora.settings}
+        return cls(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
+                   attention_backend=spec.layout.attention_backend, **weights)
+
     @property
     def samples_are_pixels(self) -> bool:
         """Pixels live in [-1, 1] and become images; latents (data=latents) are kept as numbers for your VAE."""

@@ -133,7 +133,7 @@ class StopOnSigterm(L.Callback):
 
     # ---- training -------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
-        _install()  # again: Lightning put its own handler in place when fit() began (see _keep_our_handler)
+        _install()  # again: Lightning put its own handler in place when fit() began (see keep_sigterm_handler)
         self._last_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -214,9 +214,10 @@ def _last_batch(trainer: L.Trainer) -> tuple[int, int] | None:
     return (filled[-1], int(counts[filled[-1]]) - 1) if filled else (-1, -1)
 
 
-def _keep_our_handler(trainer: L.Trainer) -> None:
-    """Lightning installs its SIGTERM handler (collectives inside a signal handler) just before the loop starts; put
-    ours back at once, so that no SIGTERM meets its handler in between (before the first step)."""
+def keep_sigterm_handler(trainer: L.Trainer, install: Callable[[], None] = _install) -> None:
+    """Lightning installs its SIGTERM handler (collectives inside a signal handler; under DDP it kills the other
+    ranks) just before the loop starts; ``install`` ours back at once, so that no SIGTERM meets its handler in
+    between (before the first step)."""
     connector = getattr(trainer, "_signal_connector", None)
     register = getattr(connector, "register_signal_handlers", None)
     if register is None or getattr(register, "_ringdit", False):
@@ -224,7 +225,7 @@ def _keep_our_handler(trainer: L.Trainer) -> None:
 
     def register_then_ours() -> None:
         register()
-        _install()
+        install()
 
     register_then_ours._ringdit = True
     connector.register_signal_handlers = register_then_ours
@@ -244,7 +245,7 @@ def stop_on_sigterm(trainer: L.Trainer | None = None, logger: logging.Logger | N
     if trainer is not None:
         mark_launcher()
         trainer.callbacks.append(StopOnSigterm())
-        _keep_our_handler(trainer)
+        keep_sigterm_handler(trainer)
     try:
         yield
         if _requested:

@@ -190,6 +190,8 @@ class DiffusersTransformer(nn.Module):
         time range it drew t from); default the one ``t`` falls to."""
         expert = expert or self.expert_at(t)
         transformer = self.transformer_2 if expert == "low" else self.transformer
+        if x.dtype == torch.float32 and transformer.dtype == torch.float64:  # trainer.precision=64-true: the float32
+            x = x.double()  # noise in the model's dtype, as diffusers' pipelines hand their latents over
         if self.guidance is not None and "guidance" not in cond:  # a guidance-distilled model's embedding input
             cond = {**cond, "guidance": x.new_full((x.shape[0],), float(self.guidance))}
         if self.image_condition == "first_frame":  # Wan 2.2 TI2V: the clean first frame, its tokens at time 0

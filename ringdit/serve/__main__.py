@@ -1,0 +1,5 @@
+"""``python -m ringdit.serve ckpt_path=...``: see ``ringdit.serve``."""
+
+from ringdit.serve import main
+
+main()

@@ -1,0 +1,180 @@
+"""LoRA adapters chosen per request: several resident at once, applied to one batch at a time.
+
+An adapter is diffusers' LoRA file (``pytorch_lora_weights.safetensors``, what ``python -m ringdit.export ... lora=true``
+writes: ``transformer.<module>.lora_A.weight`` (r, in) and ``lora_B.weight`` (out, r), alpha in its
+``lora_adapter_metadata``; a two-expert model's low-noise expert from a second file). While a batch samples with
+adapter A at strength s, each adapted layer's output gets ``s * alpha / r * B(A(x))`` added by a forward hook: the
+layer computes ``x W^T + s alpha / r (x A^T) B^T``, which is what the base merged with the adapter at that strength,
+``W + s alpha / r B A``, computes, up to the order of the floating-point sums. Hooks leave the base weights alone, so
+switching adapters between batches costs nothing and any number can stay resident; a layer that already carries a
+trained adapter (an adapter-only LoRA checkpoint being served) gets the request's on top.
+
+Files are data: read with safetensors (no pickle), only from inside ``lora_dir``, every tensor checked against the
+layer it adapts before the adapter is accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ringdit.lora import adapted_modules
+
+Tensor = torch.Tensor
+PREFIX = "transformer."
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be loaded: the message names the field (``path``) and why."""
+
+
+@dataclass
+class Adapter:
+    name: str
+    files: tuple[str, ...]                            # as given, relative to lora_dir
+    layers: list[dict[str, tuple[Tensor, Tensor, float]]]  # per expert: module name -> (A, B, alpha / r)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "paths": list(self.files), "rank": self.rank,
+                "layers": sum(len(expert) for expert in self.layers)}
+
+    @property
+    def rank(self) -> int:
+        return next((int(a.shape[0]) for expert in self.layers for a, _, _ in expert.values()), 0)
+
+
+def resolve_file(lora_dir: Path | None, given: str, field: str) -> Path:
+    """``given`` (relative to ``lora_dir``) as a real .safetensors file inside it."""
+    if lora_dir is None:
+        raise AdapterError("the server was started without lora_dir: no adapter can be loaded (start it with "
+                           "lora_dir=<folder of adapters>)")
+    if not isinstance(given, str) or not given:
+        raise AdapterError(f"{field}: give the adapter's path relative to lora_dir")
+    path = (lora_dir / given).resolve()
+    if not path.is_relative_to(lora_dir):
+        raise AdapterError(f"{field}={given!r} is outside lora_dir; give a path inside it")
+    if path.suffix != ".safetensors":
+        raise AdapterError(f"{field}={given!r} is not a .safetensors file (pickled formats are not loaded)")
+    if not path.is_file():
+        raise AdapterError(f"{field}={given!r} does not exist in lora_dir")
+    return path
+
+
+def read_adapter(path: Path, field: str, root: nn.Module) -> dict[str, tuple[Tensor, Tensor, float]]:
+    """The file's adapter for ``root`` (one transformer), each layer's (A (r, in), B (out, r), alpha / r)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as opened:
+            metadata = opened.metadata() or {}
+            tensors = {key: opened.get_tensor(key) for key in opened.keys()}
+    except (SafetensorError, OSError, ValueError) as error:
+        raise AdapterError(f"{field}: {path.name} is not a readable safetensors file ({error})") from None
+    alpha = _alpha(metadata, field)
+    modules = dict(root.named_modules())
+    layers = {}
+    for key, down in tensors.items():
+        if ".lora_A." not in key:
+            if ".lora_B." not in key:
+                raise AdapterError(f"{field}: {path.name} holds {key!r}, not a LoRA weight (lora_A / lora_B)")
+            continue
+        name = key.removeprefix(PREFIX).split(".lora_A.")[0]
+        up = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        layer = modules.get(name)
+        linear = getattr(layer, "base_layer", layer)  # a layer already carrying a trained adapter
+        if not isinstance(linear, nn.Linear):
+            raise AdapterError(f"{field}: {path.name} adapts {name!r}, which is not a linear layer of the model")
+        if up is None or down.dim() != 2 or up.dim() != 2 or down.shape != (down.shape[0], linear.in_features) \
+                or up.shape != (linear.out_features, down.shape[0]):
+            raise AdapterError(f"{field}: {path.name}'s {name!r} has lora_A {tuple(down.shape)} and lora_B "
+                               f"{tuple(up.shape) if up is not None else 'missing'}; the layer needs (r, "
+                               f"{linear.in_features}) and ({linear.out_features}, r)")
+        if not (down.is_floating_point() and up.is_floating_point()) or not bool(
+                torch.isfinite(down).all() and torch.isfinite(up).all()):
+            raise AdapterError(f"{field}: {path.name}'s {name!r} holds values that are not finite numbers")
+        rank = down.shape[0]
+        layers[name] = (down, up, (alpha if alpha is not None else rank) / rank)
+    if not layers:
+        raise AdapterError(f"{field}: {path.name} holds no LoRA weights (transformer.<module>.lora_A.weight)")
+    return layers
+
+
+def _alpha(metadata: dict, field: str) -> float | None:
+    """diffusers' ``lora_adapter_metadata`` alpha (None: alpha = rank, diffusers' default)."""
+    raw = metadata.get("lora_adapter_metadata")
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        raise AdapterError(f"{field}: the file's lora_adapter_metadata is not JSON") from None
+    alpha = config.get(f"{PREFIX}lora_alpha", config.get("lora_alpha")) if isinstance(config, dict) else None
+    if alpha is None:
+        return None
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"{field}: lora_alpha={alpha!r} in the file's metadata is not a positive number")
+    return float(alpha)
+
+
+class Adapters:
+    """The resident adapters of one model (every rank holds the same ones, on its device)."""
+
+    def __init__(self, model: nn.Module, device: torch.device | str):
+        self.roots = adapted_modules(model)
+        self.device = device
+        self.loaded: dict[str, Adapter] = {}
+
+    def read(self, lora_dir: Path | None, name: str, paths: list[str]) -> Adapter:
+        """The adapter ``name`` from ``paths`` (one per expert: the high-noise one first), checked; not yet resident."""
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise AdapterError("name: give the adapter a name of 1 to 128 characters")
+        if not 1 <= len(paths) <= len(self.roots):
+            raise AdapterError(f"path: this model has {len(self.roots)} transformer(s); give one adapter file "
+                               f"{'per expert (path, path_2)' if len(self.roots) > 1 else '(path)'}")
+        layers = []
+        for i, given in enumerate(paths):
+            field = "path" if i == 0 else f"path_{i + 1}"
+            layers.append(read_adapter(resolve_file(lora_dir, given, field), field, self.roots[i]))
+        return Adapter(name, tuple(paths), layers)
+
+    def add(self, adapter: Adapter) -> None:
+        """Make ``adapter`` resident (replacing one of its name), its tensors on this rank's device."""
+        adapter.layers = [{name: (down.to(self.device), up.to(self.device), scale)
+                           for name, (down, up, scale) in expert.items()} for expert in adapter.layers]
+        self.loaded[adapter.name] = adapter
+
+    def remove(self, name: str) -> bool:
+        return self.loaded.pop(name, None) is not None
+
+    @contextlib.contextmanager
+    def applied(self, name: str | None, strength: float):
+        """Inside, the model computes as if merged with adapter ``name`` at ``strength`` (nothing when None)."""
+        if name is None:
+            yield
+            return
+        adapter = self.loaded[name]
+        handles = []
+        try:
+            for root, expert in zip(self.roots, adapter.layers):
+                modules = dict(root.named_modules())
+                for layer_name, (down, up, scale) in expert.items():
+                    handles.append(modules[layer_name].register_forward_hook(
+                        _adding(down, up, strength * scale)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _adding(down: Tensor, up: Tensor, scale: float):
+    def hook(module: nn.Module, args, output: Tensor) -> Tensor:
+        x = args[0]  # (..., in)
+        return output + scale * F.linear(F.linear(x, down.to(x.dtype)), up.to(x.dtype))  # (..., out)
+    return hook

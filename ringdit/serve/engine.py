@@ -1,0 +1,351 @@
+"""The sampling side of the server: every rank runs one ``trainer.predict`` over an endless stream of commands.
+
+Rank 0's main thread takes the next batch of jobs from the ``JobQueue``, turns it into a command (prompts encoded,
+first frames encoded, seeds drawn: ``Commands``) and broadcasts it to every rank; each rank's ``ServingModule``
+carries it out with the same ``DiffusionModule.generate`` infer.py samples with, so a request's samples equal
+infer.py's for the same seed. Lightning sets up the ranks, the sequence-parallel layout, FSDP and the precision once;
+the models stay resident between requests.
+
+- When nothing is waiting, rank 0 broadcasts a tick every ``TICK_S``: the ranks' collectives never wait long enough
+  to time out, and a rank that died is found within seconds (the broadcast fails; the server then answers 503 and
+  exits non-zero).
+- Before every model forward the ranks agree (one all-reduce of one number) whether every job of the batch was
+  cancelled; if so they drop the batch together at that step.
+- Run-time LoRA adapters (``ringdit.serve.adapters``) are loaded by a command too, so every rank holds the same ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset
+
+from ringdit.images import to_image, to_uint8
+from ringdit.seeding import Stream, seed_of
+from ringdit.serve.adapters import Adapter, Adapters
+from ringdit.serve.jobs import CANCELLED, COMPLETED, FAILED, Job, JobQueue
+from ringdit.training import DiffusionModule
+
+log = logging.getLogger("ringdit.serve")
+
+TICK_S = 1.0  # the longest a rank waits for rank 0 without hearing from it
+
+
+class Cancelled(Exception):
+    """Every job of the running batch was cancelled: the ranks stop sampling it, together."""
+
+
+class Control:
+    """What rank 0 asks of the sampling loop besides jobs: run-time LoRA commands and the stop."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._commands: list[tuple[dict, threading.Event, list]] = []
+        self.stop_requested = False
+
+    def ask(self, command: dict, timeout: float) -> object:
+        """Run ``command`` on every rank at the loop's next turn; its answer (or the error it raised)."""
+        done, answer = threading.Event(), []
+        with self._lock:
+            self._commands.append((command, done, answer))
+        if not done.wait(timeout):
+            raise TimeoutError("the sampling ranks did not take the command in time")
+        if isinstance(answer[0], BaseException):
+            raise answer[0]
+        return answer[0]
+
+    def take(self) -> list[tuple[dict, threading.Event, list]]:
+        with self._lock:
+            taken, self._commands = self._commands, []
+        return taken
+
+
+class Commands(IterableDataset):
+    """The stream every rank's prediction loop reads: rank 0 makes each command, every rank receives it by
+    broadcast. Ends when rank 0 says stop. Has a length (a very large one) so that Lightning's loop asks for the next
+    command only after running the last (without a length it would fetch one ahead and hold a batch back until the
+    next request came)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __iter__(self):
+        while True:
+            command = self.engine.next_command()
+            if command["op"] == "stop":
+                return
+            if command["op"] != "tick":
+                yield command
+
+
+class ServingModule(DiffusionModule):
+    """A ``DiffusionModule`` whose prediction steps carry out the server's commands."""
+
+    engine: Engine
+
+    def on_predict_start(self) -> None:
+        self.engine.ready(self)
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        return batch  # a command: generate moves its tensors; adapters are moved when they become resident
+
+    def predict_step(self, command: dict, batch_idx: int = 0):
+        return self.engine.run(self, command)
+
+
+class Engine:
+    """Runs on every rank. Rank 0 also holds the queue, the encoders and the decoder (``Rank0``)."""
+
+    def __init__(self, spec, queue: JobQueue | None, control: Control | None, rank0=None):
+        self.spec, self.queue, self.control, self.rank0 = spec, queue, control, rank0
+        self.adapters: Adapters | None = None
+        self.batches = self.evaluations = self.samples = 0
+        self.failure: str | None = None
+        self.is_ready = threading.Event()
+        self._running: list[Job] = []
+        self._pending_control = None
+
+    def ready(self, module: ServingModule) -> None:
+        """The model is built, on its device, with its weights: requests may come."""
+        self.adapters = Adapters(module.model, module.device)
+        self.is_ready.set()
+
+    # ---- the stream (collective) -----------------------------------------------------------------------------------
+    def next_command(self) -> dict:
+        """The next command on every rank: made on rank 0 (jobs, LoRA commands, a tick, the stop), broadcast."""
+        command = self._make_command() if self._is_rank0 else None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            box = [command]
+            dist.broadcast_object_list(box, src=0)
+            command = box[0]
+        return command
+
+    @property
+    def _is_rank0(self) -> bool:
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+    def _make_command(self) -> dict:
+        for command, done, answer in self.control.take():
+            self._pending_control = (done, answer)
+            return {**command, "reply": True}
+        if self.control.stop_requested and not self._running:
+            return {"op": "stop"}
+        jobs = self.queue.next_batch(timeout=TICK_S)
+        jobs = [job for job in jobs if not job.cancel_requested]
+        if not jobs:
+            return {"op": "tick"}
+        try:
+            return self.rank0.sample_command(jobs)
+        except ValueError as error:  # a prompt / image the encoders refuse: those jobs fail, the server goes on
+            for job in jobs:
+                job.finish(FAILED, str(error), code=400)
+            return {"op": "tick"}
+
+    # ---- carrying a command out (every rank) -----------------------------------------------------------------------
+    def run(self, module: ServingModule, command: dict):
+        op = command["op"]
+        if op == "sample":
+            return self._sample(module, command)
+        answer: object = None
+        try:
+            if op == "lora_add":  # (name, files, layers): plain containers, which Lightning's batch handling keeps
+                name, files, layers = command["adapter"]
+                self.adapters.add(Adapter(name, tuple(files), layers))
+                answer = self.adapters.loaded[name].describe()
+            elif op == "lora_remove":
+                answer = self.adapters.remove(command["name"])
+        except Exception as error:  # noqa: BLE001 - handed to the HTTP request that asked
+            answer = error
+        if command.get("reply") and self._is_rank0:
+            done, box = self._pending_control
+            box.append(answer)
+            done.set()
+        return {}  # nothing to collect (Lightning warns about None)
+
+    def _sample(self, module: ServingModule, command: dict):
+        from ringdit.caching import CacheSettings, StepCache
+
+        rank0 = self._is_rank0
+        jobs = [self.queue.get(job_id) for job_id in command["jobs"]] if rank0 else []
+        self._running = [job for job in jobs if job is not None]
+        cache = CacheSettings(**command["cache"]) if command.get("cache") else None
+        module.step_cache = StepCache(cache, cache.coefficients) if cache is not None else None
+        module.negative_condition = None
+        total = command["evaluations"]
+        for job in self._running:
+            job.total_evaluations = total
+        samples = None
+        try:
+            with self.adapters.applied(command["lora"], command["lora_scale"]), self._watching(module):
+                samples = module.generate(command["condition"], command["seeds"], negative=command["negative"],
+                                          shape=command["shape"], **command["overrides"])
+        except Cancelled:
+            pass
+        finally:
+            module.step_cache = None
+        self.batches += 1
+        if rank0:
+            self.samples += len(command["seeds"])
+            try:
+                self.rank0.deliver(self._running, command, samples, module)
+            finally:
+                self._running = []
+        return {}
+
+    @contextlib.contextmanager
+    def _watching(self, module: ServingModule):
+        """Before each model forward: count it (progress), and stop every rank together when every job of the batch
+        was cancelled or ran out of time."""
+        model = module.sampling_model()
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+        def before_forward(_module, _args):
+            stop = 0
+            if self._is_rank0:
+                self.evaluations += 1
+                now = time.time()
+                for job in self._running:
+                    job.evaluations += 1
+                    if now - job.created > self.rank0.timeout_s:
+                        job.cancel_requested = True
+                        job.finish(FAILED, f"the job took longer than request_timeout_s="
+                                           f"{self.rank0.timeout_s:g} seconds", code=504)
+                stop = int(all(job.cancel_requested for job in self._running))
+            if world > 1:
+                vote = torch.tensor([stop], device=module.device)
+                dist.all_reduce(vote)  # rank 0's decision reaches every rank at the same step
+                stop = int(vote.item())
+            if stop:
+                raise Cancelled
+
+        handle = model.register_forward_pre_hook(before_forward)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+class Rank0:
+    """Rank 0's own part: turning jobs into a command (encoding prompts and first frames, drawing seeds) and the
+    samples into files. Holds the text encoder and the VAE resident."""
+
+    def __init__(self, spec, files_dir: Path, timeout_s: float, text_encoder=None, vae=None,
+                 cache_settings: dict | None = None):
+        # cache_settings: kind -> CacheSettings that requests may pick (their threshold replaces its own)
+        self.spec, self.files_dir, self.timeout_s = spec, files_dir, timeout_s
+        self.text_encoder, self.vae = text_encoder, vae
+        self.cache_settings = cache_settings or {}
+        self.module: DiffusionModule | None = None
+
+    def sample_command(self, jobs: list[Job]) -> dict:
+        """One model forward's worth of jobs (one key) -> the command every rank samples."""
+        from ringdit.sampling import resolve_labels
+
+        first = jobs[0].request
+        spec, data = self.spec, self.spec.data
+        seeds = [seed_of(Stream.INFERENCE, job.request.seed, i) for job in jobs for i in range(job.request.n)]
+        negative = None
+        if data.get("conditioning") == "text":
+            prompts = [job.request.prompt for job in jobs for _ in range(job.request.n)]
+            condition = self.text_encoder(prompts)  # (N, L, D) ...
+            if any(job.request.negative_prompt for job in jobs):  # the others: the empty prompt, as trained
+                rows = self.text_encoder([job.request.negative_prompt or "" for job in jobs
+                                          for _ in range(job.request.n)])
+                negative = rows
+            if first.image is not None:
+                condition = {**condition, **self.first_frames(jobs)}
+        else:
+            condition = torch.tensor([label for job in jobs
+                                      for label in resolve_labels([job.request.prompt], job.request.n, data)])
+        sampler = spec.sampling.get("sampler") or ""
+        evaluations = 2 * first.steps - 1 if sampler == "heun" else first.steps
+        return {"op": "sample", "jobs": [job.id for job in jobs], "seeds": seeds, "condition": condition,
+                "negative": negative, "shape": first.shape,
+                "overrides": {"steps": first.steps, "cfg_scale": first.cfg_scale},
+                "lora": first.lora, "lora_scale": first.lora_scale, "evaluations": evaluations,
+                "cache": self.cache_for(*first.cache) if first.cache else None}
+
+    def cache_for(self, kind: str, threshold: float):
+        """The step cache of a request: ``cache_settings`` (infer.py's cache group, teacache's coefficients
+        resolved for this model) with the request's kind and threshold."""
+        from dataclasses import asdict
+
+        return {**asdict(self.cache_settings[kind]), "threshold": threshold}  # a dict: see Engine.run
+
+    def first_frames(self, jobs: list[Job]) -> dict[str, torch.Tensor]:
+        from ringdit.media.image_condition import first_frame_inputs
+
+        spec, request = self.spec, jobs[0].request
+        prepared = spec.data.get("image_encoder") if isinstance(spec.data.get("image_encoder"), dict) else {}
+        pictures = [job.request.image for job in jobs for _ in range(job.request.n)]
+        return first_frame_inputs(pictures, size=request.size, frames=request.frames or 1,
+                                  latent="vae" in spec.data, vae=spec.output.vae,
+                                  image_encoder=prepared.get("path"), channels=spec.data["channels"],
+                                  setting="image")
+
+    def deliver(self, jobs: list[Job], command: dict, samples: torch.Tensor | None, module: DiffusionModule) -> None:
+        """Each job's samples as files (PNG per image, MP4 per video); its state finished."""
+        if samples is None:  # cancelled together
+            for job in jobs:
+                job.finish(CANCELLED, "cancelled", code=499)
+            return
+        try:
+            pixels = self.pixels(samples, module)
+        except Exception as error:  # noqa: BLE001 - the jobs fail with it; the server goes on
+            log.exception("decoding a batch failed")
+            for job in jobs:
+                job.finish(FAILED, f"decoding failed: {error}")
+            return
+        start = 0
+        for job in jobs:
+            own = pixels[start:start + job.request.n]
+            start += job.request.n
+            if job.cancel_requested:
+                job.finish(CANCELLED, "cancelled", code=499)
+                continue
+            try:
+                job.files = [self.write(job, i, frames) for i, frames in enumerate(own)]
+            except OSError as error:  # a full disk: this job fails, the server goes on
+                job.finish(FAILED, f"writing its files failed: {error}")
+                continue
+            job.finish(COMPLETED)
+            log.info("%s: %d %s(s) %s in %.1f s", job.id, job.request.n, job.request.kind,
+                     "x".join(map(str, job.request.size)), time.time() - job.created)
+
+    def pixels(self, samples: torch.Tensor, module: DiffusionModule):
+        """uint8 (N, [T,] H, W, C) numpy."""
+        if module.samples_are_pixels:
+            return to_uint8(samples).numpy()
+        from ringdit.media.decode import decode_latents, latents_normalised
+
+        latents = samples.float().cpu() / self.spec.data["latent_scale"]
+        return decode_latents(latents, self.vae, latents_normalised(self.spec.data))
+
+    def write(self, job: Job, index: int, pixels) -> Path:
+        from ringdit.atomic import atomic_write
+
+        if pixels.ndim == 4:  # (T, H, W, C): a video
+            from ringdit.media.writing import write_mp4
+
+            path = self.files_dir / f"{job.id}-{index}.mp4"
+            partial = path.with_suffix(".partial.mp4")  # PyAV picks the container by the suffix
+            write_mp4(pixels, partial, fps=self.spec.output.fps)
+            os.replace(partial, path)  # whole, or not there
+            return path
+        path = self.files_dir / f"{job.id}-{index}.png"
+        buffer = io.BytesIO()
+        to_image(pixels).save(buffer, format="PNG")
+        with atomic_write(path) as tmp:
+            Path(tmp).write_bytes(buffer.getvalue())
+        return path

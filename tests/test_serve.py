@@ -1,0 +1,408 @@
+"""The HTTP server (``python -m ringdit.serve``, issue 42), called with a real HTTP client on 127.0.0.1.
+
+A one-process server of the tiny DiT runs in this process (its sampling loop in a thread): results equal infer.py's
+for the same seeds, batching (model forwards counted) changes no sample, the API key, bad requests, run-time LoRA
+(load, swap, unload: exactly the base merged with the adapter). A tiny Wan 2.2 TI2V (text encoder, VAE, image-to-video)
+is served at ring 2 by ``python -m ringdit.serve`` as a user starts it: its videos equal infer.py's, a job is
+cancelled, SIGTERM drains. A ring-2 DiT server whose rank is killed answers 503 and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import CONF, LAUNCH_VARIABLES, REPO, TINY, run, write_video
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+KEY = "test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def compose_serve(run_dir: Path, *overrides: str):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from ringdit.cli import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("serve", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        cfg.paths.output_dir = str(run_dir)
+    return cfg
+
+
+@contextlib.contextmanager
+def serving(run_dir: Path, *overrides: str):
+    """A one-process server in this process (``ringdit.serve.Server``, the code ``python -m ringdit.serve`` runs):
+    yields it once ready; drains it on leaving."""
+    from ringdit.serve import Server
+
+    server = Server(compose_serve(run_dir, "port=0", *overrides))
+    server.build()
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(server.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while server.state != "ok":
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not become ready"
+        time.sleep(0.02)
+    try:
+        yield server
+    finally:
+        server.drain()
+        thread.join(timeout=60)
+        assert codes == [0]
+
+
+def pixels_of(item: dict) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
+
+
+def video_frames(data: bytes | Path) -> np.ndarray:
+    import av
+
+    with av.open(io.BytesIO(data) if isinstance(data, bytes) else str(data)) as container:
+        return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+
+
+# ---- the tiny DiT, one process, in this process ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dit(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_dit")
+    run("train.py", root / "train", *TINY, "trainer.max_steps=1")
+    loras = root / "loras"
+    loras.mkdir()
+    ckpt = root / "train" / "checkpoints" / "last.ckpt"
+    with serving(root / "serve", f"ckpt_path={ckpt}", f"api_key={KEY}", f"lora_dir={loras}", "steps=4",
+                 "trainer.precision=64-true", "max_batch=4", "batch_wait_ms=300", "queue_size=64") as server:
+        yield server, ckpt, loras, root
+
+
+def post(server, path: str, body: dict, headers=AUTH, timeout: float = 120):
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=timeout)
+
+
+def test_samples_equal_infer_and_batching_changes_none(dit):
+    """A request's samples are infer.py's for the same seed (sample i from noise seeded by (seed, i)); 12 concurrent
+    requests are answered in batches of up to 4 (fewer model-forward batches than requests), each sample equal to the
+    same request sent alone."""
+    server, ckpt, _, root = dit
+    run("infer.py", root / "infer", f"ckpt_path={ckpt}", "labels=[3]", "num_samples=3", "seed=5", "steps=4",
+        "trainer.precision=64-true")
+    expected = np.load(root / "infer" / "samples.npz")["images"][..., 0]  # (3, 8, 8) uint8
+    answer = post(server, "/v1/images/generations", {"prompt": "3", "n": 3, "seed": 5}).json()
+    np.testing.assert_array_equal(np.stack([pixels_of(item) for item in answer["data"]]), expected)
+
+    before = httpx.get(server.url + "/v1/stats", headers=AUTH).json()
+    results = {}
+
+    def ask(seed):
+        results[seed] = post(server, "/v1/images/generations", {"prompt": str(seed % 10), "seed": seed})
+
+    threads = [threading.Thread(target=ask, args=(seed,)) for seed in range(100, 112)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    after = httpx.get(server.url + "/v1/stats", headers=AUTH).json()
+    assert all(r.status_code == 200 for r in results.values()) and len(results) == 12
+    batches = after["batches"] - before["batches"]
+    assert batches < 12, f"12 requests in {batches} batches: nothing was batched"
+    for seed in (100, 105, 111):  # alone now: the same pixels
+        alone = post(server, "/v1/images/generations", {"prompt": str(seed % 10), "seed": seed})
+        np.testing.assert_array_equal(pixels_of(alone.json()["data"][0]), pixels_of(results[seed].json()["data"][0]))
+
+
+def test_only_callers_with_the_key_are_served(dit):
+    server = dit[0]
+    assert httpx.get(server.url + "/health").status_code == 200  # health checks need no key
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong-key-0000000"}).status_code == 401
+    refused = post(server, "/v1/images/generations", {"prompt": "3"}, headers={})
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"] == "dit"
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"prompt": "3", "n": 9}, "n", 400),
+    ({"prompt": "3", "steps": 101}, "steps", 400),
+    ({"prompt": "3", "size": "10x8"}, "size", 400),            # 80 pixels > the model's 64
+    ({"prompt": "3", "size": "7x9"}, "size", 400),
+    ({"prompt": "3", "size": "huge"}, "size", 400),
+    ({"prompt": "eleven"}, "prompt", 400),                     # not a class id or name
+    ({"prompt": "3", "guidance_scale": -1}, "guidance_scale", 400),
+    ({"prompt": "3", "lora": "none-such"}, "lora", 400),
+    ({"prompt": "3", "image": "aGVsbG8="}, "image", 400),      # the DiT takes no image
+    ({"prompt": "3", "cache": "teacache"}, "cache", 400),      # no polynomial known for it
+    ({"prompt": "3", "unknown": 1}, "unknown", 400),
+    ({"prompt": "3", "seed": -1}, "seed", 400),
+    ({"n": 1}, "prompt", 400),
+])
+def test_bad_requests_name_the_field(dit, body, param, status):
+    answer = post(dit[0], "/v1/images/generations", body)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["error"]["param"] == param, answer.json()
+
+
+def test_video_endpoints_refuse_an_image_model(dit):
+    answer = post(dit[0], "/v1/videos", {"prompt": "3"})
+    assert answer.status_code == 400 and "POST /v1/images/generations" in answer.json()["error"]["message"]
+
+
+LAYERS = ("blocks.0.adaLN_modulation.1", "blocks.0.attn.qkv", "final_layer.linear")
+
+
+def write_adapter(path: Path, model: torch.nn.Module, rank: int = 2, alpha: float = 4.0, seed: int = 0) -> dict:
+    """A diffusers-format LoRA (what ``ringdit.export lora=true`` writes) of three of the DiT's layers: the first
+    block's modulation (its zero-initialised gates open), attention input, and the output layer."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    modules = dict(model.named_modules())
+    tensors = {}
+    for name in LAYERS:
+        layer = modules[name]
+        tensors[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, layer.in_features, generator=generator) * 0.3
+        tensors[f"transformer.{name}.lora_B.weight"] = torch.randn(layer.out_features, rank, generator=generator) * 0.3
+    save_file(tensors, str(path), metadata={"format": "pt", "lora_adapter_metadata": json.dumps(
+        {"transformer.r": rank, "transformer.lora_alpha": alpha})})
+    return tensors
+
+
+def test_lora_load_swap_unload_equal_the_merged_base(dit):
+    """A request with an adapter at a strength samples exactly what the base merged with it at that strength samples;
+    two adapters resident, swapped per request; unloading brings the base back."""
+    from ringdit.seeding import Stream, seed_of
+
+    server, _, loras, _ = dit
+    model = server.module.model
+    first = write_adapter(loras / "a.safetensors", model, seed=1)
+    write_adapter(loras / "b.safetensors", model, seed=2)
+    (loras / "c.pt").write_bytes(b"not safetensors")
+    for name, path in (("a", "a.safetensors"), ("b", "b.safetensors")):
+        assert post(server, "/v1/loras", {"name": name, "path": path}).status_code == 200
+    for path, why in (("../outside.safetensors", "outside lora_dir"), ("c.pt", "not a .safetensors"),
+                      ("missing.safetensors", "does not exist")):
+        refused = post(server, "/v1/loras", {"name": "x", "path": path})
+        assert refused.status_code == 400 and why in refused.json()["error"]["message"]
+    assert sorted(a["name"] for a in httpx.get(server.url + "/v1/loras", headers=AUTH).json()["data"]) == ["a", "b"]
+
+    def image(**extra):
+        return pixels_of(post(server, "/v1/images/generations", {"prompt": "4", "seed": 7, **extra}).json()["data"][0])
+
+    base, with_a, with_b = image(), image(lora="a", lora_scale=0.5), image(lora="b")
+    assert not np.array_equal(base, with_a) and not np.array_equal(with_a, with_b)
+    # the base merged with adapter a at strength 0.5 (alpha 4 / rank 2), sampled directly by the server's module
+    weights = dict(model.named_parameters())
+    saved = {}
+    with torch.no_grad():
+        for name in LAYERS:
+            weight = weights[f"{name}.weight"]
+            saved[name] = weight.clone()
+            delta = first[f"transformer.{name}.lora_B.weight"] @ first[f"transformer.{name}.lora_A.weight"]
+            weight += 0.5 * 4.0 / 2 * delta.to(weight)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)  # as Lightning's trainer.precision=64-true samples
+        try:
+            merged = server.module.generate(torch.tensor([4]), [seed_of(Stream.INFERENCE, 7, 0)], steps=4)
+        finally:
+            torch.set_default_dtype(default)
+            for name, weight in saved.items():
+                weights[f"{name}.weight"].copy_(weight)
+    from ringdit.images import to_uint8
+
+    np.testing.assert_array_equal(with_a, to_uint8(merged).numpy()[0, ..., 0])
+    assert httpx.delete(server.url + "/v1/loras/a", headers=AUTH).status_code == 200
+    assert post(server, "/v1/images/generations", {"prompt": "4", "lora": "a"}).status_code == 400
+    np.testing.assert_array_equal(image(), base)
+
+
+def test_the_queue_bounds_batches_and_cancels():
+    from ringdit.serve.jobs import CANCELLED, Job, JobQueue, QueueFull, SampleRequest
+
+    def job(n=1, steps=4, seed=0):
+        return Job(SampleRequest(kind="image", prompt="3", n=n, seed=seed, shape=(8, 8), size=(8, 8), frames=None,
+                                 steps=steps, cfg_scale=1.0))
+
+    queue = JobQueue(size=3, max_batch=4, batch_wait_s=0.0)
+    jobs = [queue.submit(job(n=2)), queue.submit(job(steps=8)), queue.submit(job(n=2))]
+    with pytest.raises(QueueFull):
+        queue.submit(job())
+    assert queue.next_batch(timeout=0.1) == [jobs[0], jobs[2]]  # one key, up to max_batch samples, in order
+    assert queue.cancel(jobs[1].id).status == CANCELLED and queue.next_batch(timeout=0.05) == []
+
+
+def test_refusals_before_anything_starts(dit, tmp_path):
+    from ringdit.errors import ConfigError
+    from ringdit.serve import Server
+
+    ckpt = dit[1]
+    for overrides, message in (
+        (["host=0.0.0.0"], "listens beyond this machine and no api_key is set"),
+        (["api_key=short"], "at least 8 characters"),
+        (["lora_dir=/no/such/folder"], "lora_dir=/no/such/folder is not a folder"),
+        (["max_batch=0"], "max_batch"),
+        (["dp_degree=2", "trainer.devices=2"], "a server samples one batch at a time"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            Server(compose_serve(tmp_path / "refused", f"ckpt_path={ckpt}", *overrides))
+    Server(compose_serve(tmp_path / "allowed", f"ckpt_path={ckpt}", "host=0.0.0.0", "allow_unauthenticated=true"))
+
+
+# ---- served as a user starts it: ring 2 ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def launched(run_dir: Path, *overrides: str):
+    """``python -m ringdit.serve`` in its own process (its output in ``run_dir``.log); yields (process, url) once
+    ready."""
+    log = run_dir.with_suffix(".log")
+    with open(log, "w") as output:
+        proc = subprocess.Popen([sys.executable, "-m", "ringdit.serve", "port=0", f"hydra.run.dir={run_dir}",
+                                 *overrides], cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
+                                env=launch_environment(), start_new_session=True)
+    try:
+        deadline, url = time.monotonic() + 120, None
+        while url is None or not healthy(url):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            if url is None and (run_dir / "server.json").is_file():
+                url = json.loads((run_dir / "server.json").read_text())["url"]
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def launch_environment() -> dict:
+    """This worker's environment without what the in-process server's Lightning left in it (LOCAL_RANK, MASTER_*...),
+    which the launched server would take for one rank of an external launch."""
+    return {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}, "HF_HUB_OFFLINE": "1"}
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.TransportError:  # not listening yet
+        return False
+
+
+@pytest.fixture(scope="module")
+def ti2v(models, tmp_path_factory):
+    """A tiny Wan 2.2 TI2V (1 step) on prepared clips: text through the T5 encoder, videos through the VAE, the first
+    frame given as an image."""
+    from PIL import Image
+
+    from ringdit.prepare import main as prepare
+
+    root = tmp_path_factory.mktemp("serve_ti2v")
+    clips = root / "clips"
+    clips.mkdir()
+    for i, caption in enumerate(["a red fox running", "a blue cat"]):
+        write_video(clips / f"{i}.mp4", 9, seed=i, size=(48, 16))
+        (clips / f"{i}.txt").write_text(caption)
+    Image.fromarray(np.random.default_rng(9).integers(0, 256, (16, 48, 3), dtype=np.uint8)).save(root / "first.png")
+    prepare([f"input={clips}", f"out={root / 'data'}", f"vae={models['wan']}", f"text_encoder={models['wan']}",
+             "resolution=[16,48]", "frames=9", "max_text_len=8", "task=i2v"])
+    run("train.py", root / "train", "experiment=wan_tiny", "model=wan22_ti2v_tiny", "model.config.in_channels=16",
+        "model.config.out_channels=16", "data=text_latents", f"data.path={root / 'data'}", "data.batch_size=2",
+        "data.val_fraction=0.5", "trainer.max_steps=1", "logger=csv", "scheduler=constant",
+        "callbacks.model_checkpoint.every_n_train_steps=1", "trainer.val_check_interval=1")
+    return root
+
+
+def test_videos_at_ring_2_equal_infer_then_cancel_and_sigterm(ti2v):
+    """Served at ring 2 (fp64), a video equals infer.py's on one process for the same prompt, first frame and seed; a
+    long job is cancelled by DELETE; SIGTERM while a job runs: it finishes, new requests get 503, exit code 0."""
+    ckpt = ti2v / "train" / "checkpoints" / "last.ckpt"
+    common = [f"ckpt_path={ckpt}", "trainer.precision=64-true", "steps=3", "cfg_scale=2.0"]
+    run("infer.py", ti2v / "infer", *common, "prompts=[a red fox running]", f"image={ti2v / 'first.png'}",
+        "num_samples=1", "seed=11")
+    expected = video_frames(ti2v / "infer" / "sample-000.mp4")
+    image = base64.b64encode((ti2v / "first.png").read_bytes()).decode()
+    with launched(ti2v / "serve", *common, "ring_degree=2", "max_steps=2000") as (proc, url):
+        body = {"prompt": "a red fox running", "seed": 11, "image": image}
+        job = httpx.post(url + "/v1/videos", json=body).json()
+        while job["status"] not in ("completed", "failed"):
+            time.sleep(0.1)
+            job = httpx.get(f"{url}/v1/videos/{job['id']}").json()
+        assert job["status"] == "completed" and job["progress"] == 100 and job["step"] == 3, job
+        content = httpx.get(f"{url}/v1/videos/{job['id']}/content")
+        assert content.headers["content-type"] == "video/mp4"
+        np.testing.assert_array_equal(video_frames(content.content), expected)
+        refused = httpx.post(url + "/v1/videos", json={"prompt": "a blue cat"})  # image-to-video needs the image
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "image"
+
+        long = httpx.post(url + "/v1/videos", json={**body, "steps": 2000}).json()
+        while httpx.get(f"{url}/v1/videos/{long['id']}").json()["status"] != "in_progress":
+            time.sleep(0.05)
+        httpx.delete(f"{url}/v1/videos/{long['id']}")
+        deadline = time.monotonic() + 30
+        while (state := httpx.get(f"{url}/v1/videos/{long['id']}").json())["status"] == "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert state["status"] == "cancelled" and state["step"] < 2000
+
+        running = httpx.post(url + "/v1/videos", json={**body, "steps": 40}).json()
+        while httpx.get(f"{url}/v1/videos/{running['id']}").json()["status"] != "in_progress":
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert httpx.post(url + "/v1/videos", json=body).status_code == 503
+        deadline = time.monotonic() + 60
+        while (state := httpx.get(f"{url}/v1/videos/{running['id']}").json())["status"] == "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert state["status"] == "completed"
+        assert proc.wait(timeout=60) == 0
+
+
+def test_a_killed_rank_makes_the_server_answer_503_and_exit(dit, tmp_path):
+    with launched(tmp_path / "serve", f"ckpt_path={dit[1]}", "ring_degree=2") as (proc, url):
+        server_pid = json.loads((tmp_path / "serve" / "server.json").read_text())["pid"]
+        ranks = subprocess.run(["pgrep", "-f", "ringdit.serve.__main__"], capture_output=True, text=True).stdout
+        other = [int(pid) for pid in ranks.split() if int(pid) != server_pid and _in_session(int(pid), proc.pid)]
+        assert other, "no second rank found"
+        killed = time.monotonic()
+        os.kill(other[0], signal.SIGKILL)
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 503:
+                    break
+            except httpx.TransportError:
+                break  # already gone
+            assert time.monotonic() - killed < 10
+            time.sleep(0.05)
+        assert proc.wait(timeout=15) != 0
+        assert time.monotonic() - killed < 15
+
+
+def _in_session(pid: int, leader: int) -> bool:
+    try:
+        return os.getsid(pid) == leader
+    except ProcessLookupError:
+        return False
