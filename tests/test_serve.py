@@ -106,9 +106,9 @@ def post(server, path: str, body: dict, headers=AUTH, timeout: float = 120):
 
 
 def test_samples_equal_infer_and_batching_changes_none(dit):
-    """A request's samples are infer.py's for the same seed (sample i from noise seeded by (seed, i)); 12 concurrent
-    requests are answered in batches of up to 4 (fewer model-forward batches than requests), each sample equal to the
-    same request sent alone."""
+    """A request's samples are infer.py's for the same seed (sample i from noise seeded by (seed, i)); 50 concurrent
+    requests are all answered, in batches of up to 4 (at most a third as many model-forward batches as requests),
+    each sample equal to the same request sent alone."""
     server, ckpt, _, root = dit
     run("infer.py", root / "infer", f"ckpt_path={ckpt}", "labels=[3]", "num_samples=3", "seed=5", "steps=4",
         "trainer.precision=64-true")
@@ -122,16 +122,17 @@ def test_samples_equal_infer_and_batching_changes_none(dit):
     def ask(seed):
         results[seed] = post(server, "/v1/images/generations", {"prompt": str(seed % 10), "seed": seed})
 
-    threads = [threading.Thread(target=ask, args=(seed,)) for seed in range(100, 112)]
+    threads = [threading.Thread(target=ask, args=(seed,)) for seed in range(100, 150)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     after = httpx.get(server.url + "/v1/stats", headers=AUTH).json()
-    assert all(r.status_code == 200 for r in results.values()) and len(results) == 12
+    assert all(r.status_code == 200 for r in results.values()) and len(results) == 50
     batches = after["batches"] - before["batches"]
-    assert batches < 12, f"12 requests in {batches} batches: nothing was batched"
-    for seed in (100, 105, 111):  # alone now: the same pixels
+    assert batches <= 50 // 3, f"50 requests in {batches} batches: little was batched"
+    assert after["model_evaluations"] - before["model_evaluations"] == batches * 7  # Heun, 4 steps: 7 per batch
+    for seed in (100, 125, 149):  # alone now: the same pixels
         alone = post(server, "/v1/images/generations", {"prompt": str(seed % 10), "seed": seed})
         np.testing.assert_array_equal(pixels_of(alone.json()["data"][0]), pixels_of(results[seed].json()["data"][0]))
 
@@ -238,6 +239,42 @@ def test_lora_load_swap_unload_equal_the_merged_base(dit):
     assert httpx.delete(server.url + "/v1/loras/a", headers=AUTH).status_code == 200
     assert post(server, "/v1/images/generations", {"prompt": "4", "lora": "a"}).status_code == 400
     np.testing.assert_array_equal(image(), base)
+
+
+def test_two_expert_adapters_equal_each_expert_merged(tmp_path):
+    """A two-expert model (Wan 2.2 A14B) takes one adapter file per expert (path, path_2): with both applied, each
+    transformer computes what it would with its adapter merged into its weights."""
+    from safetensors.torch import save_file
+
+    from ringdit.build import build_model
+    from ringdit.cli import model_preset
+    from ringdit.serve.adapters import AdapterError, Adapters
+
+    torch.manual_seed(0)
+    model, _ = build_model(model_preset("wan22_a14b_tiny"))
+    model = model.double()
+    deltas = []
+    for i, transformer in enumerate((model.transformer, model.transformer_2)):
+        layer = dict(transformer.named_modules())["blocks.0.attn1.to_q"]
+        down, up = torch.randn(2, layer.in_features).double(), torch.randn(layer.out_features, 2).double()
+        save_file({"transformer.blocks.0.attn1.to_q.lora_A.weight": down,
+                   "transformer.blocks.0.attn1.to_q.lora_B.weight": up}, str(tmp_path / f"e{i}.safetensors"))
+        deltas.append((layer, 0.7 * up @ down))  # strength 0.7; no alpha in the file: alpha = rank, scale 1
+    adapters = Adapters(model, "cpu")
+    adapters.add(adapters.read(tmp_path, "pair", ["e0.safetensors", "e1.safetensors"]))
+    with pytest.raises(AdapterError, match="2 transformer"):
+        adapters.read(tmp_path, "three", ["e0.safetensors", "e1.safetensors", "e0.safetensors"])
+    x = torch.randn(1, 4, 2, 16, 16, dtype=torch.float64)
+    cond = {"text": torch.randn(1, 8, model.transformer.config.text_dim, dtype=torch.float64)}
+    times = [torch.tensor([t], dtype=torch.float64) for t in (900.0, 100.0)]  # one on each expert's side
+    with adapters.applied("pair", 0.7):
+        hooked = [model(x, t, cond) for t in times]
+    with torch.no_grad():
+        for layer, delta in deltas:
+            layer.weight += delta
+    for t, output in zip(times, hooked):
+        merged = model(x, t, cond)
+        torch.testing.assert_close(output, merged, rtol=0, atol=1e-12 * merged.abs().max().item())
 
 
 def test_the_queue_bounds_batches_and_cancels():
@@ -354,6 +391,14 @@ def test_videos_at_ring_2_equal_infer_then_cancel_and_sigterm(ti2v):
         content = httpx.get(f"{url}/v1/videos/{job['id']}/content")
         assert content.headers["content-type"] == "video/mp4"
         np.testing.assert_array_equal(video_frames(content.content), expected)
+        # step caching per request: threshold 0 never reuses (the same video); a high one reuses (counted)
+        cached = httpx.post(url + "/v1/videos", json={**body, "cache": "fbcache", "cache_threshold": 0.0}).json()
+        assert video_frames(finished_video(url, cached["id"])).tolist() == expected.tolist()
+        before = httpx.get(url + "/v1/stats").json()["cache_reused"]
+        finished_video(url, httpx.post(url + "/v1/videos", json={**body, "cache": "fbcache",
+                                                                  "cache_threshold": 10.0}).json()["id"])
+        assert httpx.get(url + "/v1/stats").json()["cache_reused"] > before
+
         refused = httpx.post(url + "/v1/videos", json={"prompt": "a blue cat"})  # image-to-video needs the image
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "image"
 
@@ -379,6 +424,15 @@ def test_videos_at_ring_2_equal_infer_then_cancel_and_sigterm(ti2v):
             time.sleep(0.1)
         assert state["status"] == "completed"
         assert proc.wait(timeout=60) == 0
+
+
+def finished_video(url: str, job_id: str) -> bytes:
+    deadline = time.monotonic() + 60
+    while (job := httpx.get(f"{url}/v1/videos/{job_id}").json())["status"] in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert job["status"] == "completed", job
+    return httpx.get(f"{url}/v1/videos/{job_id}/content").content
 
 
 def test_a_killed_rank_makes_the_server_answer_503_and_exit(dit, tmp_path):

@@ -120,7 +120,7 @@ def create_app(server) -> FastAPI:
     async def stats():
         engine = server.engine
         return {"batches": engine.batches, "model_evaluations": engine.evaluations, "samples": engine.samples,
-                "waiting": server.queue.waiting}
+                "cache_reused": engine.cache_reused, "waiting": server.queue.waiting}
 
     @app.post("/v1/images/generations")
     async def images(body: ImageBody, request: Request):

@@ -111,6 +111,7 @@ class Engine:
         self.spec, self.queue, self.control, self.rank0 = spec, queue, control, rank0
         self.adapters: Adapters | None = None
         self.batches = self.evaluations = self.samples = 0
+        self.cache_reused = 0  # model evaluations whose blocks the step cache skipped
         self.failure: str | None = None
         self.is_ready = threading.Event()
         self._running: list[Job] = []
@@ -193,6 +194,8 @@ class Engine:
         except Cancelled:
             pass
         finally:
+            if module.step_cache is not None:
+                self.cache_reused += module.step_cache.counts.reused
             module.step_cache = None
         self.batches += 1
         if rank0:
