@@ -161,11 +161,20 @@ def test_only_callers_with_the_key_are_served(dit):
     ({"prompt": "3", "unknown": 1}, "unknown", 400),
     ({"prompt": "3", "seed": -1}, "seed", 400),
     ({"n": 1}, "prompt", 400),
+    ({"prompt": "3", "lora_scale": "inf"}, "lora_scale", 400),
+    ({"prompt": "3", "guidance_scale": "NaN"}, "guidance_scale", 400),
+    ({"prompt": "3", "response_format": "file"}, "response_format", 400),
 ])
 def test_bad_requests_name_the_field(dit, body, param, status):
     answer = post(dit[0], "/v1/images/generations", body)
     assert answer.status_code == status, answer.text
     assert answer.json()["error"]["param"] == param, answer.json()
+
+
+def test_a_body_that_is_not_json_is_a_400(dit):
+    answer = httpx.post(dit[0].url + "/v1/images/generations", content=b"not json",
+                        headers={**AUTH, "Content-Type": "application/json"})
+    assert answer.status_code == 400 and "not valid JSON" in answer.json()["error"]["message"]
 
 
 def test_video_endpoints_refuse_an_image_model(dit):

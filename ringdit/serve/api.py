@@ -98,6 +98,8 @@ def create_app(server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error(400, "the body is not valid JSON (send a JSON object with Content-Type: application/json)")
         param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
         return error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
 
@@ -270,6 +272,8 @@ def sample_request(body: ImageBody, kind: str, server) -> SampleRequest:
                                        f"{problem}") from None
         if body.negative_prompt:
             raise BadRequest("negative_prompt", "a class-conditional model takes no negative prompt")
+    if not -10 <= body.lora_scale <= 10:
+        raise BadRequest("lora_scale", f"lora_scale={body.lora_scale} must be in [-10, 10]")
     lora = None
     if body.lora is not None:
         adapters = server.engine.adapters
@@ -277,8 +281,6 @@ def sample_request(body: ImageBody, kind: str, server) -> SampleRequest:
             raise BadRequest("lora", f"lora={body.lora!r} is not loaded (POST /v1/loras first; GET /v1/loras lists "
                                      f"them)")
         lora = body.lora
-        if not -10 <= body.lora_scale <= 10:
-            raise BadRequest("lora_scale", f"lora_scale={body.lora_scale} must be in [-10, 10]")
     cache = None
     if body.cache is None and spec.cache.enabled:  # the server's own cache= setting
         cache = (spec.cache.kind, spec.cache.threshold)
