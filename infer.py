@@ -10,6 +10,7 @@
     python infer.py prompt_file=prompts.jsonl num_samples=4   # {"prompt": "...", "size": [H, W], "frames": N} a line
     python infer.py prompts='[a 3 moving left]' image=first.png   # image-to-video: the first frame given
 
+    python infer.py ckpt_path=/models/Wan2.1-T2V-1.3B-Diffusers prompts='[a red fox running]'   # as published
     python infer.py ckpt_path=<LoRA run>/checkpoints/last.ckpt                 # on the run's init_from / pretrained
     python infer.py ckpt_path=<LoRA run>/checkpoints/last.ckpt base=weights.safetensors   # or on another copy of it
 
@@ -153,6 +154,9 @@ def text_prompts(spec: InferSpec) -> tuple[dict, list[str]]:
     conditioning, data_info = spec.conditioning, spec.data
     if conditioning.prompts:  # encoded in encoded_prompts
         return None, None
+    if spec.pipeline:  # no held-out prompts; guidance's unconditional half is the empty prompt, encoded with them
+        raise ConfigError(f"ckpt_path={spec.ckpt_path} is a diffusers pipeline folder: give the prompts to encode with "
+                          f"its text encoder, prompts='[a red fox running]' (or prompt_file=)")
     if conditioning.text_embeds:
         prompts, captions = read_prompts(conditioning.text_embeds)
         count = next(iter(prompts.values())).shape[0]
@@ -202,7 +206,8 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
         rows = [len(texts) + own.index(negatives[i]) if negatives[i] else 0 for i in picked]
         per_sample = ({key: value[rows] for key, value in encoded.items()},
                       torch.tensor([bool(negatives[i]) for i in picked]))
-    return conditions, captions, negative if conditioning.negative_prompt else None, per_sample
+    # a pipeline folder's unconditional half is the empty prompt it encodes (encode_prompts' negative then)
+    return conditions, captions, negative if conditioning.negative_prompt or spec.pipeline else None, per_sample
 
 
 def check_prompt_shape(setting: str, prompts: dict, data_info: dict) -> None:

@@ -359,6 +359,22 @@ def fail_fast(script: str, *overrides: str) -> tuple[SimpleNamespace, float]:
     return in_process(script, *overrides)
 
 
+def compose_config(config_name: str, run_dir: Path, *overrides: str):
+    """``conf/<config_name>.yaml`` composed with ``overrides`` as the command would (its run folder ``run_dir``), for
+    code that takes the config itself (``ringdit.serve.Server``)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from ringdit.cli import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        cfg.paths.output_dir = str(run_dir)
+    return cfg
+
+
 def prepare_train(overrides: list[str], run_dir):
     """train.py's checks and setup (``train.prepare``) in this process: what a launch does before spawning."""
     from hydra import compose, initialize_config_dir

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import CONF, LAUNCH_VARIABLES, REPO, TINY, run, write_video
+from tests.helpers import LAUNCH_VARIABLES, REPO, TINY, compose_config, run, write_video
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -36,27 +36,13 @@ KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def compose_serve(run_dir: Path, *overrides: str):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-
-    from ringdit.cli import register_resolvers
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("serve", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)
-        cfg.paths.output_dir = str(run_dir)
-    return cfg
-
-
 @contextlib.contextmanager
 def serving(run_dir: Path, *overrides: str):
     """A one-process server in this process (``ringdit.serve.Server``, the code ``python -m ringdit.serve`` runs):
     yields it once ready; drains it on leaving."""
     from ringdit.serve import Server
 
-    server = Server(compose_serve(run_dir, "port=0", *overrides))
+    server = Server(compose_config("serve", run_dir, "port=0", *overrides))
     server.build()
     codes = []
     thread = threading.Thread(target=lambda: codes.append(server.run()), daemon=True)
@@ -314,8 +300,9 @@ def test_refusals_before_anything_starts(dit, tmp_path):
         (["dp_degree=2", "trainer.devices=2"], "a server samples one batch at a time"),
     ):
         with pytest.raises(ConfigError, match=message):
-            Server(compose_serve(tmp_path / "refused", f"ckpt_path={ckpt}", *overrides))
-    Server(compose_serve(tmp_path / "allowed", f"ckpt_path={ckpt}", "host=0.0.0.0", "allow_unauthenticated=true"))
+            Server(compose_config("serve", tmp_path / "refused", f"ckpt_path={ckpt}", *overrides))
+    Server(compose_config("serve", tmp_path / "allowed", f"ckpt_path={ckpt}", "host=0.0.0.0",
+                          "allow_unauthenticated=true"))
 
 
 # ---- served as a user starts it: ring 2 ----------------------------------------------------------------------------

@@ -262,7 +262,8 @@ class Rank0:
         if data.get("conditioning") == "text":
             prompts = [job.request.prompt for job in jobs for _ in range(job.request.n)]
             condition = self.text_encoder(prompts)  # (N, L, D) ...
-            if any(job.request.negative_prompt for job in jobs):  # the others: the empty prompt, as trained
+            # the others: the empty prompt, as trained (a pipeline folder's has no stored encoding: always encoded)
+            if spec.pipeline or any(job.request.negative_prompt for job in jobs):
                 rows = self.text_encoder([job.request.negative_prompt or "" for job in jobs
                                           for _ in range(job.request.n)])
                 negative = rows

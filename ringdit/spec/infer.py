@@ -25,6 +25,7 @@ from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_f
 from ringdit.spec.diffusion import check_sampling, check_shift_terminal, resolve_scheduler, resolve_shift_terminal
 from ringdit.spec.layout import Layout
 from ringdit.spec.model import ModelSpec
+from ringdit.spec.pipeline import is_pipeline_folder, pipeline_checkpoint
 from ringdit.spec.trainer import TrainerSpec, group_targets
 
 if TYPE_CHECKING:
@@ -243,6 +244,7 @@ class InferSpec:
     loggers: tuple[dict, ...] = ()  # logger=wandb: the run's written samples logged there (ringdit.training.wandb)
     image: ImageInput | None = None  # image=: an image-to-video model's first frames (None: text-to-video, or the
     # training data's held-out first frames)
+    pipeline: bool = False  # ckpt_path is a diffusers pipeline folder, sampled as published (ringdit.spec.pipeline)
 
     def sample_shapes(self) -> list[tuple[int, ...]]:
         """Each sample's shape: a prompt file's per prompt (cycled, as the prompts are), else ``shape``."""
@@ -273,8 +275,11 @@ class InferSpec:
                               f"(dp_degree={layout.dp_degree}): each rank needs a sample; use num_samples>="
                               f"{layout.dp_degree} or fewer devices")
         trainer = TrainerSpec.from_config(cfg, training=False)
-        # shapes only (headers, a mapped file): a 14B checkpoint is not read into the launching process
-        state, info = read_weights_file("ckpt_path", ckpt_path, prefer=cfg.weights, load_tensors=False)
+        pipeline = is_pipeline_folder(ckpt_path)
+        if pipeline:  # a diffusers pipeline folder, sampled as published (ringdit.spec.pipeline)
+            state, info = None, pipeline_checkpoint(ckpt_path)
+        else:  # shapes only (headers, a mapped file): a 14B checkpoint is not read into the launching process
+            state, info = read_weights_file("ckpt_path", ckpt_path, prefer=cfg.weights, load_tensors=False)
         missing = [key for key in ("model", "data", "objective") if key not in info]
         if missing:
             raise ConfigError(f"ckpt_path={ckpt_path} does not say which model it holds (no {', '.join(missing)}): "
@@ -282,10 +287,14 @@ class InferSpec:
                               f"first with init_from")
         output = OutputSpec(vae=sampling_vae(cfg.vae, cfg.vae_subfolder, info["data"]), vae_subfolder=cfg.vae_subfolder,
                             vae_tile=cfg.vae_tile, fps=cfg.fps)
-        lora = LoraBase.from_checkpoint(ckpt_path, state, info, base=cfg.get("base"))
+        if pipeline and cfg.get("base"):
+            raise ConfigError(f"base={cfg.base} is the base model under a LoRA adapter, but ckpt_path={ckpt_path} is a "
+                              f"pipeline folder, sampled whole; drop base=")
+        lora = None if pipeline else LoraBase.from_checkpoint(ckpt_path, state, info, base=cfg.get("base"))
         if lora is None:
             model, meta_model = ModelSpec.from_config(info["model"], layout.ulysses_degree)
-            check_weights_file("ckpt_path", ckpt_path, meta_model, state=state)
+            if not pipeline:  # a folder's weights are checked as the model loads them (diffusers' from_pretrained)
+                check_weights_file("ckpt_path", ckpt_path, meta_model, state=state)
         else:
             model, meta_model = lora.model_spec(layout.ulysses_degree)
             lora.check(meta_model, state)
@@ -316,7 +325,7 @@ class InferSpec:
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, ckpt_path=ckpt_path,
                    weights=cfg.weights, model=model, data=info["data"], objective=info["objective"],
                    sampling=sampling, conditioning=conditioning, output=output, sizes=sizes, shape=shape, lora=lora,
-                   cache=cache, image=image, loggers=loggers)
+                   cache=cache, image=image, loggers=loggers, pipeline=pipeline)
 
 
 def _plain(value):

@@ -302,7 +302,9 @@ class DiffusionModule(L.LightningModule):
         """The module of a sampling run (a ``ringdit.spec.InferSpec``): the checkpoint's whole model, or an
         adapter-only LoRA checkpoint's base adapted as the run was (the adapters are loaded onto it once it is built,
         by ``ringdit.training.callbacks.LoadLoraAdapter``)."""
-        if spec.lora is None:
+        if spec.pipeline:  # model.pretrained (the folder) holds the weights
+            weights = {}
+        elif spec.lora is None:
             weights = {"init_from": spec.ckpt_path, "init_weights": spec.weights}
         else:
             weights = {"init_from": spec.lora.init_from, "init_weights": spec.lora.init_weights,

@@ -68,19 +68,21 @@ WAN = Family(
     text_dim="text_dim",
     image_embeds="image_dim",  # CLIP states as extra cross-attention keys, where the config sets image_dim (I2V-14B)
     max_grid=lambda config: (config.get("rope_max_seq_len", 1024),) * 3,  # WanRotaryPosEmbed's table, per axis
+    pipelines=("WanPipeline",),  # Wan 2.1 / 2.2 text-to-video, two experts where its boundary_ratio says
 )
 
 # Wan 2.2 TI2V (image and text to video, the 5B): the same transformer, in_channels == out_channels; the image is the
 # clean first latent frame, with per-token timesteps (WanImageToVideoPipeline with expand_timesteps=True). A family of
 # its own, not a Wan setting: the architecture alone cannot tell it from text-to-video (Wan2.2-TI2V-5B also samples
 # text-to-video), so the preset says which conditioning its checkpoints were trained with.
-WAN22_TI2V = replace(WAN, name="wan22_ti2v", condition_keys=("text", "image_latents"), image_condition="first_frame")
+WAN22_TI2V = replace(WAN, name="wan22_ti2v", condition_keys=("text", "image_latents"), image_condition="first_frame",
+                     pipelines=())
 
 # Wan 2.1 I2V (the 14B 480p / 720p): in_channels = 2 * out_channels + 4 (video ; mask ; first-frame latents), and
 # CLIP image embeddings as extra cross-attention keys where the config has image_dim. ringdit's latents have
 # out_channels channels: the model input is built from them (ringdit.models.diffusers.image_condition).
 WAN_I2V = replace(WAN, name="wan_i2v", condition_keys=("text", "image_condition"), image_condition="channels",
-                  latent_channels=lambda config: config["out_channels"])
+                  latent_channels=lambda config: config["out_channels"], pipelines=())
 
 
 # ---- Flux: joint [text ; image] attention in dual- and single-stream blocks, RoPE from position ids --------------

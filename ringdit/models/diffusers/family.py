@@ -55,3 +55,6 @@ class Family:
     pipeline_timesteps: PipelineTimesteps = PipelineTimesteps()
     # LoRA's default targets (module-name suffixes, peft's rule): every attention projection
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    # the diffusers pipeline classes whose folders ringdit samples as published (ckpt_path=<pipeline folder>: their
+    # defaults and scheduler, ringdit.spec.pipeline); () for a family sampled only from ringdit runs
+    pipelines: tuple[str, ...] = ()

@@ -1,0 +1,121 @@
+"""A diffusers pipeline folder sampled as published (``ringdit.spec.pipeline``): ``infer.py ckpt_path=<WanPipeline
+folder>`` samples what ``WanPipeline`` itself returns for the same noise, prompt and defaults (its text encoder, UniPC
+scheduler and shift, guidance, two experts); ``python -m ringdit.serve`` serves the folder and its videos equal
+infer.py's; what such a folder cannot give is refused in one line.
+
+fp32, to 1e-5 of the largest value: ringdit runs guidance's two halves in one batch, the pipeline in two forwards, so
+the GEMMs round differently (measured 7e-7); a wrong default (shift, guidance, steps, scheduler, text length) differs by
+orders of magnitude more. That the sampling arithmetic itself equals the pipelines' in fp64 (to 1e-10) is
+tests/test_diffusers_schedulers.py's proof, with the embeddings given directly."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import WORDS, architecture, assert_refused, compose_config, fail_fast, run
+
+pytest.importorskip("diffusers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PROMPT = "a red fox running"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny two-expert WanPipeline folder (T5 encoder, word-level tokenizer, 16-channel Wan VAE, UniPC)."""
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    from ringdit.media.text import word_level_tokenizer
+
+    root = tmp_path_factory.mktemp("pipeline") / "Wan-tiny"
+    config = {**architecture("wan22_a14b_tiny"), "in_channels": 16, "out_channels": 16}
+    torch.manual_seed(0)
+    diffusers.WanPipeline(
+        tokenizer=word_level_tokenizer(WORDS),
+        text_encoder=T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1,
+                                             num_heads=2)),
+        vae=diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                       temperal_downsample=[False, True, True]),
+        scheduler=diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                    flow_shift=3.0),
+        transformer=diffusers.WanTransformer3DModel.from_config(config),
+        transformer_2=diffusers.WanTransformer3DModel.from_config(config), boundary_ratio=0.875,
+    ).save_pretrained(root)
+    return root
+
+
+SAMPLE = ["size=[16,16]", "frames=5", "steps=3", "seed=4"]
+
+
+def test_infer_samples_what_the_pipeline_returns(folder, tmp_path):
+    """Same noise (ringdit's for seed 4, sample 0), prompt and defaults: the pipeline's latents."""
+    import diffusers
+
+    from ringdit.diffusion.samplers import initial_noise
+    from ringdit.seeding import Stream, seed_of
+
+    run("infer.py", tmp_path, f"ckpt_path={folder}", f"prompts=[{PROMPT}]", "num_samples=1", *SAMPLE)
+    ours = torch.from_numpy(np.load(tmp_path / "samples.npz")["latents"]).double()  # (1, 16, 2, 2, 2)
+    assert (tmp_path / "sample-000.mp4").is_file()  # decoded with the folder's VAE
+    pipeline = diffusers.WanPipeline.from_pretrained(folder)
+    noise = initial_noise((16, 2, 2, 2), [seed_of(Stream.INFERENCE, 4, 0)])
+    theirs = pipeline(prompt=PROMPT, height=16, width=16, num_frames=5, num_inference_steps=3, latents=noise,
+                      output_type="latent").frames.double()  # guidance_scale: its default, as ringdit's
+    difference = (ours - theirs).abs().max().item() / theirs.abs().max().item()
+    print(f"WanPipeline folder: ringdit vs the pipeline, largest difference / largest value {difference:.2e}")
+    assert difference < 1e-5
+
+
+def test_the_server_serves_a_pipeline_folder(folder, tmp_path):
+    """python -m ringdit.serve ckpt_path=<folder>: a video equals infer.py's for the same prompt and seed."""
+    import httpx
+
+    from ringdit.serve import Server
+
+    run("infer.py", tmp_path / "infer", f"ckpt_path={folder}", f"prompts=[{PROMPT}]", "num_samples=1", *SAMPLE)
+    server = Server(compose_config("serve", tmp_path / "serve", f"ckpt_path={folder}", "port=0", "steps=3",
+                                   "size=[16,16]", "frames=5"))
+    server.build()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while server.state != "ok":
+            assert thread.is_alive()
+            time.sleep(0.02)
+        job = httpx.post(server.url + "/v1/videos", json={"prompt": PROMPT, "size": "16x16", "frames": 5,
+                                                          "seed": 4}).json()
+        while job["status"] in ("queued", "in_progress"):
+            time.sleep(0.05)
+            job = httpx.get(f"{server.url}/v1/videos/{job['id']}").json()
+        assert job["status"] == "completed", job
+        served = httpx.get(f"{server.url}/v1/videos/{job['id']}/content").content
+        assert served == (tmp_path / "infer" / "sample-000.mp4").read_bytes()
+    finally:
+        server.drain()
+        thread.join(timeout=60)
+
+
+def test_what_a_pipeline_folder_cannot_give_is_refused(folder, tmp_path):
+    import json
+
+    for overrides, message in (
+        ([], r"is a diffusers pipeline folder: give the prompts to encode with its text encoder"),
+        (["size=[480,832]", f"prompts=[{PROMPT}]"], r"size=\[480, 832\]: 52 tokens along one axis, more than the 32"),
+        ([f"prompts=[{PROMPT}]", f"base={folder}"], r"is a pipeline folder, sampled whole; drop base="),
+    ):
+        proc, seconds = fail_fast("infer.py", f"ckpt_path={folder}", "size=[16,16]", "frames=5", *overrides,
+                                  f"hydra.run.dir={tmp_path / 'refused'}")
+        assert_refused(proc, message, seconds=seconds)
+    other = tmp_path / "Flux-tiny"
+    other.mkdir()
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={other}", f"prompts=[{PROMPT}]",
+                              f"hydra.run.dir={tmp_path / 'flux'}")
+    assert_refused(proc, r"is a FluxPipeline folder; ringdit samples WanPipeline folders as published", seconds=seconds)
