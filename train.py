@@ -35,10 +35,13 @@ def prepare(cfg: DictConfig):
     import lightning as L  # the trainer, module and processes come only after every check has passed
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from ringdit.training import DiffusionModule
+    from ringdit.training import DiffusionModule, DistillationModule
 
     L.seed_everything(spec.seed, workers=True)
-    module = DiffusionModule(
+    # distill=dmd2: a student and a critic that start from the teacher (init_from), which stays frozen
+    module_class, distill = (DiffusionModule, {}) if spec.distill is None else \
+        (DistillationModule, {"distill": spec.distill.settings})
+    module = module_class(
         model=spec.model.config,
         objective=spec.objective,
         data=spec.data.info,
@@ -56,6 +59,7 @@ def prepare(cfg: DictConfig):
         lora=plan.lora,
         resume_optimizer=plan.resume_optimizer,
         expert=spec.expert,
+        **distill,
     )
     callbacks = [hydra.utils.instantiate(c) for c in spec.trainer.callbacks]
     loggers = [hydra.utils.instantiate(c) for c in spec.trainer.loggers]
@@ -67,9 +71,13 @@ def prepare(cfg: DictConfig):
     unused = {"find_unused_parameters": True} if spec.expert == "both" else {"static_graph": True}
     if not (spec.model.diffusers and ddp) or {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
         unused = {}  # the DiT's loss reaches every parameter; a strategy config that says how wins
+    if spec.distill is not None and ddp and not {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
+        unused = {"find_unused_parameters": True}  # the critic's updates reach the critic only, the student's it
     strategy = hydra.utils.instantiate(strategy_cfg, **unused)
+    # a distillation clips each of its updates itself (DistillationModule: manual optimization)
+    clip = {} if spec.distill is None else {"gradient_clip_val": None}
     trainer = hydra.utils.instantiate(
-        spec.trainer.config, strategy=strategy, callbacks=callbacks, logger=loggers or False,
+        spec.trainer.config, strategy=strategy, callbacks=callbacks, logger=loggers or False, **clip,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files
     )
     claim_run_folder(spec.output_dir, "train", resumes=plan.ckpt_path)  # last: every check has passed

@@ -19,7 +19,7 @@ TRAINING_STATE = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "g
 
 
 def check_resume(ckpt_path: str, *, max_steps: int, optimizer: Callable | None, optimizer_name: str,
-                 resume_optimizer: bool = True, expert: str | None = None) -> dict:
+                 resume_optimizer: bool = True, expert: str | None = None, optimizers: int = 1) -> dict:
     """Raise ``ConfigError`` if ``ckpt_path`` cannot resume this run; return the checkpoint (tensors memory-mapped).
 
     - a weights-only file (a safetensors export, a bare state dict, a checkpoint saved without optimizer state)
@@ -57,7 +57,7 @@ def check_resume(ckpt_path: str, *, max_steps: int, optimizer: Callable | None, 
                           f"diffusion.expert={trained}, or with resume_optimizer=false (weights, EMA, step and data "
                           f"position resume, the optimizer starts afresh)")
     if resume_optimizer and optimizer is not None:
-        _check_optimizer(ckpt_path, checkpoint["optimizer_states"], optimizer, optimizer_name)
+        _check_optimizer(ckpt_path, checkpoint["optimizer_states"], optimizer, optimizer_name, optimizers)
     return checkpoint
 
 
@@ -70,7 +70,9 @@ def optimizer_signature(optimizer: torch.optim.Optimizer | dict) -> tuple[frozen
     return frozenset(groups[0]) - {"params", "initial_lr"}, frozenset(per_param)
 
 
-def _check_optimizer(ckpt_path: str, saved_states: list, optimizer: Callable, optimizer_name: str) -> None:
+def _check_optimizer(ckpt_path: str, saved_states: list, optimizer: Callable, optimizer_name: str,
+                     optimizers: int = 1) -> None:
+    """``optimizers``: how many the run has (a distillation: the student's and the critic's)."""
     probe = torch.nn.Parameter(torch.zeros(1))
     try:
         fresh = optimizer(params=[probe])
@@ -79,11 +81,15 @@ def _check_optimizer(ckpt_path: str, saved_states: list, optimizer: Callable, op
     except Exception:  # an optimizer that cannot step alone (LBFGS needs a closure): nothing to compare with
         return
     groups, state = optimizer_signature(fresh)
-    if len(saved_states) != 1:
-        raise ConfigError(f"ckpt_path={ckpt_path} holds {len(saved_states)} optimizer states, this run has 1; resume "
-                          f"with resume_optimizer=false to start a fresh optimizer")
-    saved_groups, saved_state = optimizer_signature(saved_states[0])
-    if saved_groups != groups or (saved_state and state and saved_state != state):
+    if len(saved_states) != optimizers:
+        raise ConfigError(f"ckpt_path={ckpt_path} holds {len(saved_states)} optimizer states, this run has "
+                          f"{optimizers}; resume with resume_optimizer=false to start a fresh optimizer" +
+                          ("" if optimizers == 1 and len(saved_states) != 2 else
+                           " (a distillation holds 2, the student's and the critic's: resume it with distill=dmd2)"))
+    signatures = [optimizer_signature(saved) for saved in saved_states]
+    for saved_groups, saved_state in signatures:
+        if saved_groups == groups and not (saved_state and state and saved_state != state):
+            continue
         differ = sorted(saved_groups ^ groups) or sorted(saved_state ^ state)
         raise ConfigError(
             f"ckpt_path={ckpt_path} was trained with another optimizer than optimizer={optimizer_name} (their "

@@ -32,6 +32,8 @@ class Stream(enum.IntEnum):
     INIT = 7  # (crc32 of a module's name): that module's initial weights (ringdit.models.materialize)
     DATA_BUCKET = 8  # (block of 1024 steps): which bucket each of those steps reads (ringdit.data.steps)
     EXPERT = 9  # (step, micro-batch) in training, (batch,) in validation: the expert a two-expert model runs then
+    DISTILL = 10  # (generator step, phase, role[, position in the global batch]): a distillation's draws (the student's
+    # noise, the critic's and the distribution-matching loss's times and noise, the backward-simulated step)
 
 
 def seed_of(stream: Stream, seed: int, *key: int) -> int:

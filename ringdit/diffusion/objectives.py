@@ -53,7 +53,8 @@ RESOLUTION_SHIFT_KEYS = ("base_tokens", "max_tokens", "base_shift", "max_shift",
 
 
 class FlowMatching:
-    samplers = ("euler", "heun")  # the samplers that fit this objective; the first is the default
+    # the samplers that fit this objective; the first is the default; fewstep: a distilled student's (DMD2)
+    samplers = ("euler", "heun", "fewstep")
 
     def __init__(self, time_sampling: str = "logit_normal", logit_mean: float = 0.0, logit_std: float = 1.0,
                  shift: float | str = 1.0, resolution: dict | None = None):

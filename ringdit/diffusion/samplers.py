@@ -176,6 +176,39 @@ def sample_ddpm(denoiser, noise: Tensor, steps: int, schedule: DDPM, generators:
         x = mean + torch.exp(0.5 * log_variance) * draw_noise(x.shape[1:], generators, x.device, x.dtype)
 
 
+def student_times(steps: int, times: list[float] | None = None) -> list[float]:
+    """A few-step student's input times, 1 first: ``times`` when it holds ``steps`` of them (the grid a distilled
+    student was trained on, recorded in its checkpoint), else ``steps`` even ones, 1, 1 - 1/steps, ... (DMD2's 4-step
+    999, 749, 499, 249)."""
+    if times is not None and len(times) == steps:
+        return [float(t) for t in times]
+    return [1.0 - i / steps for i in range(steps)]
+
+
+def fewstep_step(x: Tensor, t: Tensor | float, velocity: Tensor) -> Tensor:
+    """The clean sample a flow model's ``velocity`` at ``(x, t)`` points to: ``x0 = x - t v``."""
+    return x - (_as_column(t, x) * velocity)
+
+
+def _as_column(t: Tensor | float, like: Tensor) -> Tensor | float:
+    return t.reshape(-1, *([1] * (like.dim() - 1))).to(like.dtype) if torch.is_tensor(t) else t
+
+
+@torch.no_grad()
+def sample_fewstep(denoiser, noise: Tensor, times: list[float], generators: list[torch.Generator]) -> Tensor:
+    """A distilled few-step student's sampler (DMD2's): at each time of ``times`` (1 first) the model's clean sample
+    ``x - t v``; before the next time it is noised again with fresh noise, sample i's from ``generators[i]``:
+    ``(1 - t') x0 + t' noise``. The last step's clean sample is the result. ``denoiser(x, model_time) -> velocity``."""
+    x, batch = noise, noise.shape[0]
+    for i, t in enumerate(times):
+        x0 = fewstep_step(x, t, denoiser(x, torch.full((batch,), t * 1000.0, device=x.device)))
+        if i + 1 == len(times):
+            return x0
+        t_next = times[i + 1]
+        x = (1 - t_next) * x0 + t_next * draw_noise(x.shape[1:], generators, x.device, x.dtype)
+    return x
+
+
 def noise_generators(seeds: list[int]) -> list[torch.Generator]:
     """Sample i's generator, seeded by seeds[i]: its initial noise first, then the ddpm sampler's fresh noise."""
     return [torch.Generator().manual_seed(s) for s in seeds]
@@ -196,7 +229,7 @@ def sample(model: Model, objective, noise: Tensor, condition: Condition, *, step
            null: int | Condition | None = None, sampler: str | None = None, shift: float = 1.0,
            clip_denoised: bool = False, exchange=None, half: int = 0, guidance_channels: int | None = None,
            generators: list[torch.Generator] | None = None, shift_terminal: float | None = None,
-           scheduler: dict | None = None) -> Tensor:
+           scheduler: dict | None = None, times: list[float] | None = None) -> Tensor:
     """Draw samples for ``condition`` (labels, or a dict of text tensors) starting from ``noise`` with the sampler that
     fits the objective; ``null`` is what classifier-free guidance guides away from (see ``classifier_free_guidance``),
     in the first ``guidance_channels`` channels (None: all of the samples' channels). Flow matching steps through
@@ -206,9 +239,13 @@ def sample(model: Model, objective, noise: Tensor, condition: Condition, *, step
     ``ringdit.diffusion.schedulers``); ``scheduler`` then holds ``sample_with_scheduler``'s keywords (``config``,
     ``pipeline``, ``tokens``, ``resolution``, ``model_dtype``), default a config of ``shift`` and ``shift_terminal``.
 
-    Deterministic given the noise and, for the ``ddpm`` sampler, ``generators`` (sample i's fresh noise comes from
-    generators[i], see ``noise_generators``): every rank of a sequence-parallel group computes the same samples and
-    sample i depends only on its own noise.
+    ``sampler="fewstep"`` (a distilled student's: ``sample_fewstep``) steps through ``times`` when it holds ``steps``
+    times (the student's recorded grid), else through ``student_times(steps)``; it draws fresh noise from
+    ``generators``.
+
+    Deterministic given the noise and, for the ``ddpm`` and ``fewstep`` samplers, ``generators`` (sample i's fresh
+    noise comes from generators[i], see ``noise_generators``): every rank of a sequence-parallel group computes the
+    same samples and sample i depends only on its own noise.
     """
     sampler = sampler or objective.samplers[0]
     flow = isinstance(objective, FlowMatching)
@@ -227,6 +264,11 @@ def sample(model: Model, objective, noise: Tensor, condition: Condition, *, step
                              "(noise_generators(seeds))")
         return sample_ddpm(guided, noise, steps, objective, generators, clip_denoised=clip_denoised)
     denoiser = lambda x, t: guided(x, t)[:, :channels]  # the other samplers ignore a learned variance
+    if sampler == "fewstep":
+        if generators is None:
+            raise ValueError("the fewstep sampler noises each step's sample again: pass generators, one per sample "
+                             "(noise_generators(seeds))")
+        return sample_fewstep(denoiser, noise, student_times(steps, times), generators)
     if is_scheduler_sampler(sampler):
         settings = scheduler or {"config": scheduler_config(sampler, shift=shift, shift_terminal=shift_terminal)}
         return sample_with_scheduler(denoiser, noise, steps, sampler, **settings)

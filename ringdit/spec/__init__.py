@@ -7,12 +7,14 @@ the code downstream takes and trusts (torchtitan's validated job config). One mo
 - ``diffusion``: the objective's resolution shift; samplers, steps and guidance that fit objective and model;
 - ``optimizer``: ``OptimizerSpec`` -- optimizer and scheduler partials, EMA decay;
 - ``trainer``: ``TrainerSpec`` -- Lightning's settings, callbacks, loggers;
+- ``distill``: ``DistillSpec`` -- a distillation's student, critic and teacher settings (``distill=dmd2``);
 - ``checkpoint``: ``CheckpointPlan`` -- resume, init_from, LoRA; the weights files inspected against the model;
 - ``train`` / ``infer``: ``TrainSpec`` / ``InferSpec``, composed of the parts, for train.py / infer.py.
 """
 
 from ringdit.spec.checkpoint import CheckpointPlan
 from ringdit.spec.diffusion import check_sampling, resolve_shift
+from ringdit.spec.distill import DistillSpec
 from ringdit.spec.infer import Conditioning, InferSpec, OutputSpec
 from ringdit.spec.layout import Layout
 from ringdit.spec.model import ModelSpec, build_on_meta, is_diffusers_model, model_config
@@ -24,6 +26,7 @@ __all__ = [
     "CheckpointPlan",
     "Conditioning",
     "DataSpec",
+    "DistillSpec",
     "InferSpec",
     "Layout",
     "ModelSpec",

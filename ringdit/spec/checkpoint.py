@@ -69,7 +69,8 @@ class CheckpointPlan:
         elif ckpt_path:
             check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
             check_resume(ckpt_path, max_steps=max_steps, optimizer=optimizer.optimizer_factory(),
-                         optimizer_name=optimizer.name, resume_optimizer=cfg.resume_optimizer, expert=expert)
+                         optimizer_name=optimizer.name, resume_optimizer=cfg.resume_optimizer, expert=expert,
+                         optimizers=1 if (cfg.get("distill") or {}).get("method", "none") == "none" else 2)
         elif cfg.init_from:  # a resumed run takes its weights from ckpt_path
             check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
                                resize_labels=cfg.init_resize_labels)

@@ -19,6 +19,7 @@ from ringdit.errors import ConfigError, require_count, require_number, require_s
 from ringdit.memory import check_training_memory
 from ringdit.spec.checkpoint import CheckpointPlan
 from ringdit.spec.diffusion import training_diffusion, training_expert
+from ringdit.spec.distill import DistillSpec
 from ringdit.spec.layout import Layout
 from ringdit.spec.model import ModelSpec
 from ringdit.spec.optimizer import OptimizerSpec
@@ -69,6 +70,7 @@ class TrainSpec:
     sampling: dict           # preview and infer.py defaults: sampler, steps, cfg_scale, shift, guidance
     optimizer: OptimizerSpec
     checkpoint: CheckpointPlan
+    distill: DistillSpec | None = None  # distill=dmd2: the student's and critic's settings; None: plain training
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> TrainSpec:
@@ -79,6 +81,7 @@ class TrainSpec:
         require_seed("seed", cfg.seed)
         CheckpointPlan.check_settings(cfg)
         ModelSpec.check_settings(cfg.get("model"))
+        DistillSpec.check_settings(cfg)
         if cfg.nonfinite_loss not in NONFINITE_LOSS:
             raise ConfigError(f"nonfinite_loss must be 'stop' or 'skip', got {cfg.nonfinite_loss!r}")
         optimizer = OptimizerSpec.from_config(cfg)
@@ -102,9 +105,13 @@ class TrainSpec:
         # the files the run loads, against the model
         checkpoint = CheckpointPlan.from_config(cfg, meta_model, optimizer=optimizer, max_steps=trainer.max_steps,
                                                 expert=expert)
+        distill = DistillSpec.from_config(cfg, objective, sampling, model.config, meta_model, expert)
+        if distill is not None:  # previews and the checkpoint's record: the student's few steps, unguided
+            sampling = distill.student_sampling(sampling)
         return cls(seed=cfg.seed, compile=cfg.compile, nonfinite_loss=cfg.nonfinite_loss,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, data=data, model=model,
-                   objective=objective, expert=expert, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint)
+                   objective=objective, expert=expert, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint,
+                   distill=distill)
 
 
 def check_preview_shapes(callbacks: tuple[dict, ...], data_info: dict, patch: tuple[int, ...]) -> None:

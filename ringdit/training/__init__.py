@@ -12,12 +12,13 @@ warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint th
 from ringdit.training.callbacks import SampleGrid, StepCheckpoint
 from ringdit.training.fsdp import RingFSDPStrategy
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
+from ringdit.training.distill import DistillationModule
 from ringdit.training.loggers import wandb_logger
 from ringdit.training.module import DiffusionModule, NonFiniteLossError
 from ringdit.training.schedules import WarmupCosine, warmup_cosine
 from ringdit.training.strategy import RingDDPStrategy
 
-__all__ = ["AtomicCheckpointIO", "DiffusionModule", "NonFiniteLossError", "RingDDPStrategy", "RingFSDPStrategy",
+__all__ = ["AtomicCheckpointIO", "DiffusionModule", "DistillationModule", "NonFiniteLossError", "RingDDPStrategy", "RingFSDPStrategy",
            "SampleGrid", "StepCheckpoint", "WarmupCosine", "wandb_logger", "warmup_cosine"]
 
 

@@ -381,6 +381,7 @@ class DiffusionModule(L.LightningModule):
                 shift_terminal=settings.get("shift_terminal") or None,  # false: no stretch
                 exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
                 guidance_channels=settings.get("guidance_channels"), generators=generators,
+                times=settings.get("times"),  # a distilled student's recorded grid (sampler=fewstep)
                 scheduler=self._scheduler_settings(model, settings, shape)
                 if is_scheduler_sampler(settings["sampler"]) else None,
             )

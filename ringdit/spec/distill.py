@@ -1,0 +1,125 @@
+"""``DistillSpec``: a distillation run's settings (``distill=dmd2``), checked before any process is spawned: the
+method, the student's steps and time grid, the critic's updates per student update, the teacher (``init_from`` or
+``model.pretrained``, checked against the model like any weights file) and the objective it was trained with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ringdit.errors import ConfigError, require_count, require_number
+
+METHODS = ("none", "dmd2")
+
+
+@dataclass(frozen=True)
+class DistillSpec:
+    method: str              # dmd2
+    steps: int               # the student's sampling steps
+    times: tuple[float, ...]  # its input times, 1 first, decreasing in (0, 1]
+    critic_steps: int        # critic updates per student update (the two time-scale rule)
+    cfg_scale: float         # the teacher's classifier-free guidance
+    t_min: float             # the distribution-matching loss's noise levels: uniform in [t_min, t_max]
+    t_max: float
+    teacher: str | None      # the teacher's weights (init_from); None: the model's pretrained folder
+    teacher_weights: str     # which weights of a ringdit .ckpt teacher: ema | model
+    gradient_clip_val: float | None  # each update's gradient norm clip (trainer.gradient_clip_val)
+
+    @property
+    def settings(self) -> dict:
+        """What ``DistillationModule(distill=...)`` takes (and its checkpoints record)."""
+        return {"method": self.method, "steps": self.steps, "times": list(self.times),
+                "critic_steps": self.critic_steps, "cfg_scale": self.cfg_scale, "t_min": self.t_min,
+                "t_max": self.t_max, "teacher": self.teacher, "teacher_weights": self.teacher_weights,
+                "gradient_clip_val": self.gradient_clip_val}
+
+    def student_sampling(self, sampling: dict) -> dict:
+        """The run's sampling settings for the student: its own few-step sampler and grid, no guidance (previews
+        and infer.py read them from the checkpoint)."""
+        return {**sampling, "sampler": "fewstep", "steps": self.steps, "times": list(self.times), "cfg_scale": 1.0,
+                "cfg_scale_2": None}
+
+    @staticmethod
+    def check_settings(cfg: DictConfig) -> None:
+        """The settings alone (cheap: before the data is opened)."""
+        distill = cfg.get("distill") or {}
+        method = distill.get("method", "none")
+        if method not in METHODS:
+            raise ConfigError(f"distill.method must be one of {' | '.join(METHODS)}, got {method!r}")
+        if method == "none":
+            return
+        require_count("distill.steps", distill.get("steps"), hint="the student's sampling steps, e.g. distill.steps=4")
+        require_count("distill.critic_steps", distill.get("critic_steps"),
+                      hint="critic updates per student update (DMD2's two time-scale rule: 5)")
+        student_times(distill.get("steps"), distill.get("times"))
+        for key in ("t_min", "t_max"):
+            require_number(f"distill.{key}", distill.get(key), low=0, high=1, low_open=True)
+        if not distill.t_min < distill.t_max < 1:
+            raise ConfigError(f"distill.t_min={distill.t_min} and distill.t_max={distill.t_max} bound the noise "
+                              f"levels of the distribution-matching loss: 0 < t_min < t_max < 1 (DMD2: 0.02, 0.98)")
+        require_number("distill.cfg_scale", distill.get("cfg_scale"), optional=True)
+        for key, what in (("gan_loss", "the GAN head"), ("regression_loss", "the regression loss")):
+            if distill.get(key):
+                raise ConfigError(f"distill.{key}={distill.get(key)}: {what} of DMD2 is not built yet; distil "
+                                  f"without it (distill.{key}=false)")
+        precision = str(cfg.trainer.get("precision"))
+        if precision.startswith("16"):
+            raise ConfigError(f"trainer.precision={precision} with distill={method}: the critic's updates do not go "
+                              f"through the fp16 gradient scaler; use 32-true, or bf16-mixed on GPUs")
+        if cfg.trainer.get("accumulate_grad_batches", 1) != 1:
+            raise ConfigError(f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches} with "
+                              f"distill={method}: each student and critic update takes one batch; raise "
+                              f"data.batch_size instead")
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, objective: dict, sampling: dict, model_config: dict, meta_model: nn.Module,
+                    expert: str | None) -> DistillSpec | None:
+        """The distillation ``cfg`` describes (None for ``distill=none``), against the objective, the model and the
+        teacher's file."""
+        from ringdit.spec.checkpoint import check_weights_file
+        from ringdit.spec.diffusion import check_sampling
+
+        distill = cfg.get("distill") or {}
+        method = distill.get("method", "none")
+        if method == "none":
+            return None
+        name = str(objective["_target_"]).rsplit(".", 1)[-1]
+        if name != "FlowMatching":
+            raise ConfigError(f"distill={method} distils flow-matching models, but diffusion.objective is {name}; "
+                              f"distil a teacher trained with diffusion=flow")
+        if expert is not None or model_config.get("boundary_ratio") is not None:
+            raise ConfigError(f"distill={method} of a two-expert model (model.boundary_ratio="
+                              f"{model_config.get('boundary_ratio')}) is not supported: one student for both experts' "
+                              f"times is not built yet; distil a one-transformer model")
+        teacher = cfg.get("init_from")
+        if not teacher and not model_config.get("pretrained"):
+            raise ConfigError(f"distill={method} needs a teacher: init_from=<the teacher's checkpoint> (or, for a "
+                              f"diffusers model, model.pretrained=<its folder>); the student and the critic start "
+                              f"from it")
+        if teacher:  # checked here too: a resumed run reads its student from ckpt_path, its teacher still from here
+            check_weights_file("init_from", teacher, meta_model, prefer=cfg.init_weights)
+        cfg_scale = distill.get("cfg_scale")
+        cfg_scale = float(sampling.get("cfg_scale", 1.0) if cfg_scale is None else cfg_scale)
+        check_sampling(model_config, objective, {**sampling, "cfg_scale": cfg_scale}, prefix="distill.")
+        clip = cfg.trainer.get("gradient_clip_val")
+        return cls(method=method, steps=distill.steps, times=tuple(student_times(distill.steps, distill.get("times"))),
+                   critic_steps=distill.critic_steps, cfg_scale=cfg_scale, t_min=float(distill.t_min),
+                   t_max=float(distill.t_max), teacher=teacher or None, teacher_weights=cfg.init_weights,
+                   gradient_clip_val=float(clip) if clip else None)
+
+
+def student_times(steps: int, times) -> list[float]:
+    """``distill.times``, checked: ``steps`` times, decreasing, in (0, 1]; null: ``steps`` even ones from 1."""
+    if times is None:
+        return [1.0 - i / steps for i in range(steps)]
+    times = OmegaConf.to_container(times) if OmegaConf.is_config(times) else times
+    if not isinstance(times, (list, tuple)) or len(times) != steps \
+            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
+        raise ConfigError(f"distill.times={times!r} is not a list of distill.steps={steps} times; give one time in "
+                          f"(0, 1] per student step, 1 first, e.g. [1.0, 0.75, 0.5, 0.25], or null for even ones")
+    if not all(0 < t <= 1 for t in times) or any(a <= b for a, b in zip(times, times[1:])):
+        raise ConfigError(f"distill.times={list(times)} must decrease strictly and lie in (0, 1] (1 is pure noise, "
+                          f"where the student starts); e.g. [1.0, 0.75, 0.5, 0.25]")
+    return [float(t) for t in times]

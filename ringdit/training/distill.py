@@ -1,0 +1,206 @@
+"""``DistillationModule``: DMD2 (Yin et al., "Improved Distribution Matching Distillation for Fast Image Synthesis",
+2024) -- a few-step student distilled from a flow-matching teacher, on every layout ``DiffusionModule`` trains on.
+
+Three models, all built by ``ringdit.build.build_model`` over the same mesh (ring, Ulysses, DDP or FSDP, LoRA):
+
+- the **student** (generator, ``self.model``, with its EMA): starts from the teacher; the one infer.py samples;
+- the **critic** (fake score, ``self.critic``): starts from the teacher; learns the student's distribution with the
+  ordinary denoising loss on the student's (detached) samples;
+- the **teacher** (real score): frozen, no gradient, no optimizer state, not in the checkpoints (it is ``init_from``,
+  read again on resume), guided with its classifier-free guidance scale.
+
+One training step is ``critic_steps`` critic updates (the two time-scale rule), then one student update; Lightning's
+step count (``trainer.max_steps``, checkpoints, previews) counts the student's updates. The student's loss is the
+distribution-matching gradient at a random noise level t of its samples x: ``grad = (p_fake - p_real) /
+mean|x - p_real|`` per sample (p: the clean sample each score predicts), ``loss = 0.5 mse(x, (x - grad).detach())``.
+
+The student steps through ``times`` (1 first): at each it predicts the clean sample ``x - t v``, which is noised again
+with fresh noise to the next time (``ringdit.diffusion.sample_fewstep``, what infer.py runs). Backward simulation:
+each update draws which step trains, and that step's input comes from the student's own earlier steps (no gradient).
+
+Every draw comes from the ``DISTILL`` stream keyed by (student step, phase, role[, position in the global batch]),
+so every rank of a sequence-parallel group draws the same values and the gradient equals one device's (see
+``DiffusionModule.diffusion_loss``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringdit.build import build_model
+from ringdit.diffusion import classifier_free_guidance, draw_noise
+from ringdit.diffusion.samplers import fewstep_step
+from ringdit.lora import lora_enabled
+from ringdit.seeding import Stream, generator
+from ringdit.training.module import DiffusionModule, _to_device, total_grad_norm
+
+Tensor = torch.Tensor
+
+# Checkpoints hold the weights after the step's updates, as DiffusionModule's do: what Lightning warns about is wanted
+warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
+
+# the DISTILL stream's roles: which draw of a phase a generator is for
+STUDENT_NOISE, CRITIC_LOSS, MATCHING, TRAINED_STEP = 0, 1, 2, 3
+
+
+class DistillationModule(DiffusionModule):
+    """``DiffusionModule``'s arguments, and ``distill``: ``ringdit.spec.DistillSpec.settings`` (``method``,
+    ``steps``, ``times``, ``critic_steps``, ``cfg_scale``, ``t_min``, ``t_max``, ``teacher``, ``teacher_weights``,
+    ``gradient_clip_val``)."""
+
+    def __init__(self, *args, distill: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False  # two optimizers, several critic updates per student update
+        self.distill = dict(distill)
+        self.critic: nn.Module | None = None
+        self._teacher: list[nn.Module] = []  # in a list: not a submodule (no state dict, DDP, optimizer or .to())
+
+    @property
+    def teacher(self) -> nn.Module:
+        return self._teacher[0]
+
+    # ---- models -----------------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        super().configure_model()  # the student and its EMA
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        common = dict(
+            dims=self.parallel_dims, backend=self.hparams.attention_backend,
+            null_condition=datamodule.null_condition() if self.text_conditioned and datamodule is not None else None,
+            shard=getattr(strategy, "shard_model", None), offload_shards=getattr(strategy, "cpu_offload", False),
+            compile=self.hparams.compile, seed=self.hparams.seed,
+        )
+        lora = self.hparams.lora if lora_enabled(self.hparams.lora) else None
+        # the critic starts from the teacher too (a resumed run then loads its own weights from the checkpoint)
+        self.critic, _ = build_model(self.hparams.model, init_from=self.hparams.init_from,
+                                     init_weights=self.hparams.init_weights, lora=lora, **common)
+        teacher, _ = build_model(self.hparams.model, init_from=self.distill["teacher"],
+                                 init_weights=self.distill["teacher_weights"], **common)
+        teacher.requires_grad_(False)
+        self._teacher = [teacher.eval()]
+
+    def on_fit_start(self) -> None:
+        # what Lightning's precision did to this module (trainer.precision=64-true: float64), it does not do to the
+        # teacher, which is no submodule
+        self.trainer.precision_plugin.convert_module(self.teacher)
+
+    def configure_optimizers(self):
+        if self.optimizer_factory is None:
+            raise ValueError("DistillationModule needs an optimizer (a partial, e.g. torch.optim.AdamW) to train")
+        optimizers = [self.optimizer_factory(params=[p for p in model.parameters() if p.requires_grad])
+                      for model in (self.model, self.critic)]
+        if self.scheduler_factory is None:
+            return optimizers
+        return optimizers, [{"scheduler": self.scheduler_factory(optimizer=o), "interval": "step"} for o in optimizers]
+
+    # ---- draws ------------------------------------------------------------------------------------------------------
+    def draws(self, step: int, phase: int, role: int, batch_size: int) -> list[torch.Generator]:
+        """One generator per local sample for (``step``, ``phase``, ``role``), keyed by its global batch position."""
+        first = self.parallel_dims.dp_rank * batch_size
+        return [generator(Stream.DISTILL, self.hparams.seed, step, phase, role, first + i) for i in range(batch_size)]
+
+    # ---- the student --------------------------------------------------------------------------------------------------
+    def student_samples(self, shape: tuple[int, ...], condition, step: int, phase: int, grad: bool,
+                        dtype: torch.dtype = torch.float32) -> Tensor:
+        """The student's clean samples ``shape`` after a step drawn for (``step``, ``phase``), whose input comes
+        from its own earlier steps (backward simulation); only that last step carries a gradient, with ``grad``."""
+        times = self.distill["times"]
+        trained = int(torch.randint(len(times), (1,), generator=generator(Stream.DISTILL, self.hparams.seed, step,
+                                                                          phase, TRAINED_STEP)))
+        generators = self.draws(step, phase, STUDENT_NOISE, shape[0])
+        x = draw_noise(shape[1:], generators, self.device, dtype)
+        for i in range(trained + 1):
+            t = torch.full((shape[0],), times[i], device=self.device)
+            with torch.set_grad_enabled(grad and i == trained):
+                velocity = self.model(x, self.objective.model_time(t), condition)[:, :shape[1]]
+                x0 = fewstep_step(x, t, velocity.to(x.dtype))
+            if i < trained:
+                x = (1 - times[i + 1]) * x0 + times[i + 1] * draw_noise(shape[1:], generators, self.device, dtype)
+        return x0
+
+    def matching_loss(self, fake: Tensor, condition, step: int, phase: int) -> Tensor:
+        """DMD2's distribution-matching loss of the student's samples ``fake`` (B, C, [T,] H, W)."""
+        batch, channels = fake.shape[:2]
+        generators = self.draws(step, phase, MATCHING, batch)
+        low, high = self.distill["t_min"], self.distill["t_max"]
+        t = torch.cat([low + (high - low) * torch.rand(1, generator=g) for g in generators]).to(fake.device)
+        noise = draw_noise(fake.shape[1:], generators, fake.device, fake.dtype)
+        with torch.no_grad():
+            x_t = self.objective.add_noise(fake.detach(), noise, t)
+            model_time = self.objective.model_time(t)
+            fake_velocity = self.critic(x_t, model_time, condition)[:, :channels]
+            real_velocity = self.guided_teacher(condition, batch)(x_t, model_time)[:, :channels]
+            # in float32 at least (bf16 models), float64 in a float64 run
+            dtype = torch.promote_types(fake.dtype, torch.float32)
+            x_t, fake_velocity, real_velocity = x_t.to(dtype), fake_velocity.to(dtype), real_velocity.to(dtype)
+            p_fake, p_real = fewstep_step(x_t, t, fake_velocity), fewstep_step(x_t, t, real_velocity)
+            scale = (fake.detach().to(dtype) - p_real).abs().mean(dim=tuple(range(1, fake.dim())), keepdim=True)
+            grad = torch.nan_to_num((p_fake - p_real) / scale)
+        return 0.5 * F.mse_loss(fake.to(dtype), (fake.to(dtype) - grad).detach())
+
+    def guided_teacher(self, condition, batch: int):
+        """``(x, model_time) -> velocity`` of the teacher guided with ``distill.cfg_scale``."""
+        scale = self.distill["cfg_scale"]
+        null = None if scale == 1.0 else _to_device(self.teacher.model_condition(self.teacher.null_condition(batch)),
+                                                    self.device)
+        return classifier_free_guidance(self.teacher, condition, null, scale)
+
+    # ---- training -----------------------------------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx: int) -> None:
+        x0, condition = batch  # the data gives the conditions and the shape; DMD2 without regression needs no images
+        student_optimizer, critic_optimizer = self.optimizers()
+        schedulers = self.lr_schedulers()
+        step, shape = self.trainer.global_step, tuple(x0.shape)
+        critic_steps = self.distill["critic_steps"]
+        for phase in range(critic_steps):
+            with torch.no_grad():
+                fake = self.student_samples(shape, condition, step, phase, grad=False, dtype=x0.dtype)
+            critic_loss = self.diffusion_loss(self.critic, fake, condition,
+                                              self.draws(step, phase, CRITIC_LOSS, shape[0]))
+            critic_value = self._checked("critic_loss", critic_loss)
+            if critic_value is None:
+                continue
+            # the raw optimizer: Lightning counts only the student's steps (trainer.max_steps, checkpoints, previews)
+            self._update(critic_optimizer.optimizer, critic_loss, self.critic, "train/critic_grad_norm")
+        if critic_value is not None:
+            self.log("train/critic_loss", critic_value, prog_bar=True)
+        fake = self.student_samples(shape, condition, step, critic_steps, grad=True, dtype=x0.dtype)
+        loss = self.matching_loss(fake, condition, step, critic_steps)
+        value = self._checked("loss", loss)
+        self.log("train/loss", value, prog_bar=True)  # the student's (generator's) loss
+        if value is not None:
+            self._update(student_optimizer, loss, self.model, "train/grad_norm")
+            if self.ema is not None:
+                self.ema.update_parameters(self.model)
+        for scheduler in (schedulers if isinstance(schedulers, list) else [schedulers] if schedulers else []):
+            scheduler.step()  # once per student step, both: their schedules follow trainer.max_steps
+        return None
+
+    def _checked(self, name: str, loss: Tensor) -> Tensor | None:
+        """The batch's mean ``loss`` over all ranks (the same on every rank); None when it is not finite and
+        ``nonfinite_loss=skip`` (``stop`` raises)."""
+        value = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        if torch.isfinite(value):
+            return value
+        self._on_nonfinite_loss(f"{value.item()} ({name})")
+        return None
+
+    def _update(self, optimizer, loss: Tensor, model: nn.Module, norm_name: str) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        norm = total_grad_norm(model)  # before clipping, as DiffusionModule logs it
+        if norm is not None:
+            self.log(norm_name, norm)
+        clip = self.distill.get("gradient_clip_val")
+        if clip:
+            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+        optimizer.step()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        pass  # the norms are logged before clipping (_update)

@@ -1,0 +1,163 @@
+"""distill=dmd2: DMD2 iterations (critic updates, then a student update) equal one process's under ring, Ulysses and
+FSDP; a resumed distillation continues exactly; bad settings are refused before spawning; infer.py samples the
+student with its recorded few-step grid, unguided."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ringdit.checkpoints.weights import read_weights
+from tests.helpers import SGD, TINY, LazyRuns, assert_refused, assert_same_numbers, fail_fast, run
+
+pytestmark = pytest.mark.timeout(600)
+
+FP64 = ["trainer.precision=64-true"]
+MOMENTUM = [*SGD, "optimizer.momentum=0.9"]  # SGD shows a wrongly scaled gradient; momentum makes resume need state
+# (reference, layout, the losses' and the weights' relative tolerance)
+LAYOUTS = {
+    "one": FP64,
+    "ring2": [*FP64, "ring_degree=2"],
+    "ring2_ulysses2": [*FP64, "ring_degree=2", "ulysses_degree=2"],
+    "one_fp32": [],  # FSDP has no float64 (Lightning's ModelParallelStrategy refuses 64-true)
+    "fsdp_ring2_ulysses2": ["trainer/strategy=fsdp", "ring_degree=2", "ulysses_degree=2"],
+}
+# float64: a layout only reorders sums, each rounded at u = 1.1e-16, so the weights (max ~3) and the losses agree
+# to ~1e-15 (measured at ring 2: 2e-16 in the weights, 1.4e-15 relative in the losses); rel 1e-10 is 1e5 x that.
+# float32 (u = 6e-8): the student's loss is 0.5 mean(grad^2) of grad = p_fake - p_real, a difference of two close
+# predictions divided by a mean, so its relative rounding is ~100 u: measured 9e-7 (FSDP) and 8e-6 (ring 2); the
+# weights within 4.4e-7 (max ~3). rel 1e-4 and 1e-5 (+ atol 1e-5) are >= 10x that, and still far below what a
+# wrongly scaled or reduced gradient moves (SGD at lr 0.5: >= 1e-3).
+TOLERANCE = {"one": (1e-10, 1e-10, 1e-13), "one_fp32": (1e-4, 1e-5, 1e-5)}
+REFERENCE = {"ring2": "one", "ring2_ulysses2": "one", "fsdp_ring2_ulysses2": "one_fp32"}
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("teacher")
+    run("train.py", run_dir, *TINY)
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, teacher):
+    """3 DMD2 iterations of 2 critic updates and a student update each, SGD with momentum, per layout (each run
+    when first read)."""
+    common = [*TINY, *MOMENTUM, "distill=dmd2", f"init_from={teacher}", "distill.critic_steps=2"]
+    return LazyRuns(tmp_path_factory.mktemp("dmd2"), LAYOUTS, *common)
+
+
+def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """(the student's loss, the critic's last loss) per student step."""
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(row["step"]): (float(row["train/loss"]), float(row["train/critic_loss"]))
+                for row in csv.DictReader(f) if row.get("train/loss")}
+
+
+def state(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+
+
+@pytest.mark.parametrize("layout", ["ring2", pytest.param("ring2_ulysses2", marks=pytest.mark.slow),
+                                    "fsdp_ring2_ulysses2"])
+def test_dmd2_iterations_equal_one_process(runs, layout):
+    name = REFERENCE[layout]
+    loss_tolerance, rtol, atol = TOLERANCE[name]
+    reference, parallel = losses(runs.trained(name)), losses(runs.trained(layout))
+    assert sorted(reference) == sorted(parallel) == [0, 1, 2]
+    for step, (student, critic) in reference.items():
+        assert parallel[step][0] == pytest.approx(student, rel=loss_tolerance), f"student loss, step {step}"
+        assert parallel[step][1] == pytest.approx(critic, rel=loss_tolerance), f"critic loss, step {step}"
+    assert reference[2][0] != pytest.approx(reference[0][0], rel=1e-3)  # the updates did change the models
+    checkpoint = runs.trained(layout) / "checkpoints" / "last.ckpt"
+    for prefer in ("model", "ema"):  # the student and its EMA (a sharded folder under FSDP)
+        expected = read_weights(runs.trained(name) / "checkpoints" / "last.ckpt", prefer=prefer)[0]
+        assert_same_numbers(read_weights(checkpoint, prefer=prefer)[0], expected, rtol=rtol, atol=atol,
+                            where=f"{layout} {prefer}")
+    if checkpoint.is_file():  # DDP: the critic too (FSDP: its losses above)
+        expected = {k: v for k, v in state(runs.trained(name)).items() if k.startswith("critic.")}
+        assert expected and all(v.dtype == torch.float64 for v in expected.values() if v.is_floating_point())
+        got = {k: v for k, v in state(runs.trained(layout)).items() if k.startswith("critic.")}
+        assert_same_numbers(got, expected, rtol=rtol, atol=atol, where=f"{layout} critic")
+
+
+def test_the_checkpoint_holds_student_and_critic_not_the_teacher(runs, teacher):
+    checkpoint = torch.load(runs.trained("one") / "checkpoints" / "last.ckpt", weights_only=False)
+    assert {key.split(".")[0] for key in checkpoint["state_dict"]} == {"model", "ema", "critic"}
+    assert len(checkpoint["optimizer_states"]) == 2 and checkpoint["global_step"] == 3  # student steps
+    sampling = checkpoint["hyper_parameters"]["sampling"]
+    assert sampling["sampler"] == "fewstep" and sampling["cfg_scale"] == 1.0
+    assert sampling["steps"] == 4 and sampling["times"] == [1.0, 0.75, 0.5, 0.25]
+    start = read_weights(teacher, prefer="ema")[0]
+    for name in ("model", "critic"):  # both started from the teacher's EMA weights and moved
+        moved = max((checkpoint["state_dict"][f"{name}.{key}"].double() - value.double()).abs().max().item()
+                    for key, value in start.items())
+        assert moved > 1e-4, name
+
+
+def test_a_resumed_distillation_continues_exactly(runs, teacher, tmp_path):
+    """Student, EMA, critic and both optimizers come back from step 2's checkpoint (momentum: the optimizer state
+    matters); the third step then equals the uninterrupted run's, bit for bit."""
+    first = runs.trained("one")
+    resumed = tmp_path / "resumed"
+    run("train.py", resumed, *TINY, *MOMENTUM, *FP64, "distill=dmd2", f"init_from={teacher}", "distill.critic_steps=2",
+        f"ckpt_path={first / 'checkpoints' / 'step_0000002.ckpt'}")
+    assert losses(resumed)[2] == losses(first)[2]
+    assert_same_numbers(state(resumed), state(first), where="resumed")
+
+
+def test_infer_samples_the_student_with_its_few_steps(runs, tmp_path, monkeypatch):
+    """infer.py reads the student's sampler and grid from its checkpoint: 4 unguided evaluations per batch at model
+    times 1000, 750, 500, 250; ``steps=2`` takes even times instead."""
+    from ringdit.models import DiT
+
+    seen = []
+    forward = DiT.forward
+
+    def counting(self, x, t, *args, **kwargs):
+        seen.append((x.shape[0], sorted(set(t.tolist()))))
+        return forward(self, x, t, *args, **kwargs)
+
+    monkeypatch.setattr(DiT, "forward", counting)
+    checkpoint = runs.trained("one") / "checkpoints" / "last.ckpt"
+    run("infer.py", tmp_path / "four", f"ckpt_path={checkpoint}", "num_samples=6", "batch_size=6", "labels=[1,7]")
+    assert seen == [(6, [1000.0]), (6, [750.0]), (6, [500.0]), (6, [250.0])]  # 6 samples: no guidance's 2x batch
+    images = np.load(tmp_path / "four" / "samples.npz")["images"]
+    assert images.shape == (6, 8, 8, 1)
+    seen.clear()
+    run("infer.py", tmp_path / "two", f"ckpt_path={checkpoint}", "num_samples=6", "batch_size=6", "steps=2")
+    assert [times for _, times in seen] == [[1000.0], [500.0]]
+
+
+BAD = {
+    "no teacher": ([], "distill=dmd2 needs a teacher: init_from="),
+    "steps < 1": (["distill.steps=0"], "distill.steps must be a positive integer, got 0"),
+    "times not decreasing": (["distill.steps=3", "distill.times=[1.0,0.5,0.7]"], "must decrease strictly"),
+    "times outside (0, 1]": (["distill.steps=2", "distill.times=[1.5,0.5]"], "must decrease strictly and lie in"),
+    "zero time": (["distill.steps=2", "distill.times=[1.0,0.0]"], "lie in (0, 1]"),
+    "times of another count": (["distill.steps=4", "distill.times=[1.0,0.5]"], "is not a list of distill.steps=4"),
+    "ddpm": (["diffusion=ddpm"], "distils flow-matching models, but diffusion.objective is DDPM"),
+    "gan": (["distill.gan_loss=true"], "the GAN head of DMD2 is not built yet"),
+    "regression": (["distill.regression_loss=true"], "the regression loss of DMD2 is not built yet"),
+    "critic_steps": (["distill.critic_steps=0"], "distill.critic_steps must be a positive integer"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_distillation_settings_are_refused_before_spawning(case, teacher, tmp_path):
+    overrides, message = BAD[case]
+    teacher_setting = [] if case == "no teacher" else [f"init_from={teacher}"]
+    proc, seconds = fail_fast("train.py", *TINY, "distill=dmd2", *teacher_setting, *overrides,
+                              f"hydra.run.dir={tmp_path}")
+    assert_refused(proc, text=message, seconds=seconds, run_dir=tmp_path)
+
+
+def test_a_teacher_of_another_architecture_is_refused(teacher, tmp_path):
+    proc, seconds = fail_fast("train.py", *TINY, "model.hidden_size=64", "distill=dmd2", f"init_from={teacher}",
+                              f"hydra.run.dir={tmp_path}")
+    assert_refused(proc, text="does not fit this model", seconds=seconds, run_dir=tmp_path)
