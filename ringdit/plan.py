@@ -57,9 +57,6 @@ from ringdit.memory import (FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estim
                             gathered_bytes_per_parameter, model_size)
 
 # the VAE's factors per family: (temporal, spatial); a temporal factor t takes frames = t x k + 1 to k + 1 latents
-VAE_FACTORS = {"wan": (4, 8), "flux": (None, 8), "qwenimage": (None, 8), "hunyuan_video15": (4, 16), "skyreels_v2": (4, 8),
-               "ltx_video": (8, 32), "flux2": (None, 8), "wan_i2v": (4, 8), "wan22_ti2v": (4, 16), "dit": (1, 8),
-               "hunyuan_video15_i2v": (4, 16)}
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
 
 
@@ -288,16 +285,17 @@ def _option_reasons(s: Setup, variant) -> list[str]:
 # ---- the model the plan is for -------------------------------------------------------------------------------------
 
 
-def latent_shape(cfg: DictConfig, model_cfg: dict, family: str, video: bool) -> list[int]:
+def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None, int], video: bool) -> list[int]:
     """The model's input shape ((T,) H, W) for ``data.size`` / ``data.frames`` (pixels; latents when
-    ``data.latent`` is true: the VAE's factors of ``family``)."""
+    ``data.latent`` is true: ``vae_factors``, (temporal, spatial) of the model kind's VAE)."""
     size = cfg.data.size
     size = [size, size] if isinstance(size, int) and not isinstance(size, bool) else list(size or [])
     if len(size) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size):
         raise ConfigError(f"data.size must be H, W in pixels (or one integer for a square), got {cfg.data.size!r}; "
                           f"e.g. data.size=[480,832]")
     frames = cfg.data.frames
-    temporal, spatial = VAE_FACTORS[family] if cfg.data.latent else (1, 1)
+    temporal, spatial = vae_factors if cfg.data.latent else (1, 1)
+    family = model_cfg.get("family", "dit")
     if video:
         require_count("data.frames", frames, hint="the frames of a video sample" +
                       (f", {temporal} x k + 1 for {family}'s VAE, e.g. 81" if temporal and temporal > 1 else ""))
@@ -321,6 +319,7 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, family: str, video: bool) -> 
 def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     """The preset's sizes for the data's shape, from the model built on the meta device, and a line describing it."""
     from ringdit.models.diffusers.families import get_family
+    from ringdit.models.dit import DiT
     from ringdit.spec.model import build_on_meta, is_diffusers_model, model_config
 
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -328,8 +327,8 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     if is_diffusers_model(model_cfg):
         family = get_family(model_cfg["family"])
         arch = _diffusers_architecture(model_cfg, family)
-        patch, video, name = family.patch_shape(arch), family.video, family.name
-        shape = latent_shape(cfg, model_cfg, name, video)
+        patch, video = family.patch_shape(arch), family.video
+        shape = latent_shape(cfg, model_cfg, family.vae_factors, video)
         data = {"conditioning": "text", "image_size": shape, "channels": family.latent_channels(arch),
                 "text_len": cfg.data.text_len, "text_dim": arch[family.text_dim],
                 "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None,
@@ -338,7 +337,7 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     else:
         video = model_cfg.get("temporal_patch_size") is not None
         patch = (model_cfg.get("temporal_patch_size"),) * video + (model_cfg.get("patch_size", 2),) * 2
-        shape = latent_shape(cfg, model_cfg, "dit", video)
+        shape = latent_shape(cfg, model_cfg, DiT.vae_factors, video)
         channels = cfg.data.channels or (4 if cfg.data.latent else 3)
         data = {"channels": channels, "image_size": shape, "num_classes": cfg.data.num_classes}
     if any(s % p for s, p in zip(shape, patch)):

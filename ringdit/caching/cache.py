@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ringdit.caching.blocks import BlockIO, block_io, modulated_input_of, repeated_blocks_of
+from ringdit.caching.blocks import BlockIO, block_io, kind_of, modulated_input_of, repeated_blocks_of
 from ringdit.caching.settings import CacheSettings
 from ringdit.errors import ConfigError
 
@@ -76,11 +76,12 @@ class StepCache:
         blocks = repeated_blocks_of(model)
         self._dims, self._sequence = dims, getattr(model, "_ringdit_sequence", None)
         self._run, self._last = _Run(pairs), len(blocks) - 1
-        probe = modulated_input_of(blocks[0]) if self.settings.kind == "teacache" or self.calibrate else None
+        probe = modulated_input_of(model) if self.settings.kind == "teacache" or self.calibrate else None
+        declared = getattr(kind_of(model), "cache_blocks", None)
         wrapped = []  # (block, its own instance forward, if it had one)
         try:
             for index, block in enumerate(blocks):
-                io = block_io(block)
+                io = block_io(block, declared)
                 wrapped.append((block, block.__dict__.get("forward")))
                 block.forward = _bound(self, index, block, io, block.forward, probe)
             yield self

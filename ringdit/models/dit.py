@@ -17,6 +17,7 @@ from torch import nn
 
 from ringdit.attention import LocalAttention
 from ringdit.errors import ConfigError
+from ringdit.models.block_io import BlockIO
 from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.embeddings import LabelEmbedder, PatchEmbed, TimestepEmbedder, sincos_pos_embed
 from ringdit.models.plan import ParallelPlan
@@ -108,6 +109,15 @@ class DiT(nn.Module):
         gather_outputs={"final_layer": {None: 1}},  # (B, N, patch_volume * out_channels)
     )
     lora_targets = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")  # LoRA's default: attention and MLP projections
+    vae_factors = (1, 8)  # on latents: an image VAE's 8x (SD's); a video DiT's frames are the data's own
+    cache_blocks = BlockIO("x")  # the step cache: a block's token stream in and out
+
+    @staticmethod
+    def teacache_input(block, io, args, kwargs) -> tuple[Tensor, bool]:
+        """TeaCache's probe: the first block's modulated input (B, N_local, D), a token shard."""
+        x, c = io.argument(block, "x", args, kwargs), io.argument(block, "c", args, kwargs)
+        shift, scale = block.adaLN_modulation(c).chunk(6, dim=1)[:2]
+        return modulate(block.norm1(x), shift, scale), True
 
     def __init__(
         self,

@@ -64,11 +64,14 @@ WAN = Family(
     ),
     forward=_wan_forward,
     video=True,
+    vae_factors=(4, 8),
     condition_keys=("text",),
     text_dim="text_dim",
     image_embeds="image_dim",  # CLIP states as extra cross-attention keys, where the config sets image_dim (I2V-14B)
     max_grid=lambda config: (config.get("rope_max_seq_len", 1024),) * 3,  # WanRotaryPosEmbed's table, per axis
     pipelines=("WanPipeline",),  # Wan 2.1 / 2.2 text-to-video, two experts where its boundary_ratio says
+    teacache_input=lambda block, io, args, kwargs: (io.argument(block, "temb", args, kwargs), False),  # (B, 6, D)
+    # timestep projection, the same on every rank, as TeaCache4Wan2.1 reads it
 )
 
 # Wan 2.2 TI2V (image and text to video, the 5B): the same transformer, in_channels == out_channels; the image is the
@@ -76,7 +79,7 @@ WAN = Family(
 # its own, not a Wan setting: the architecture alone cannot tell it from text-to-video (Wan2.2-TI2V-5B also samples
 # text-to-video), so the preset says which conditioning its checkpoints were trained with.
 WAN22_TI2V = replace(WAN, name="wan22_ti2v", condition_keys=("text", "image_latents"), image_condition="first_frame",
-                     pipelines=())
+                     vae_factors=(4, 16), pipelines=())  # Wan 2.2's VAE: 16x spatial
 
 # Wan 2.1 I2V (the 14B 480p / 720p): in_channels = 2 * out_channels + 4 (video ; mask ; first-frame latents), and
 # CLIP image embeddings as extra cross-attention keys where the config has image_dim. ringdit's latents have
@@ -121,6 +124,7 @@ FLUX = Family(
     ),
     forward=_flux_forward,
     video=False,
+    vae_factors=(None, 8),
     condition_keys=("text", "pooled"),
     text_dim="joint_attention_dim",
     pooled_dim="pooled_projection_dim",
@@ -128,9 +132,19 @@ FLUX = Family(
     patch_shape=lambda config: (2 * config["patch_size"], 2 * config["patch_size"]),  # 2x2 packing x its patch
     # FluxPipeline: sigmas linspace(1, 1 / steps, steps), none for a flow-sigmas scheduler (UniPC, DPM-Solver++)
     pipeline_timesteps=PipelineTimesteps(sigmas="to_last", drops_for_flow_sigmas=True),
+    teacache_input=lambda block, io, args, kwargs: (  # (B, S_local, D), as TeaCache4FLUX reads it
+        block.norm1(io.argument(block, "hidden_states", args, kwargs),
+                    emb=io.argument(block, "temb", args, kwargs))[0], True),
 )
 
 # ---- QwenImage: joint attention in dual-stream blocks, text padded to a fixed length with a mask -----------------
+
+
+def _qwenimage_modulated(block, io, args, kwargs) -> tuple[Tensor, bool]:
+    """TeaCache's probe: the first block's modulated image stream (B, S_local, D), a token shard."""
+    hidden, temb = io.argument(block, "hidden_states", args, kwargs), io.argument(block, "temb", args, kwargs)
+    shift, scale, _ = block.img_mod(temb).chunk(2, dim=-1)[0].chunk(3, dim=-1)
+    return block.img_norm1(hidden) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), True
 
 
 def _qwenimage_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
@@ -164,11 +178,13 @@ QWENIMAGE = Family(
     ),
     forward=_qwenimage_forward,
     video=False,
+    vae_factors=(None, 8),
     condition_keys=("text", "text_mask"),
     text_dim="joint_attention_dim",
     latent_channels=lambda config: config["in_channels"] // 4,
     patch_shape=lambda config: (config["patch_size"], config["patch_size"]),
     pipeline_timesteps=PipelineTimesteps(sigmas="to_last"),  # QwenImagePipeline: linspace(1, 1 / steps, steps)
+    teacache_input=_qwenimage_modulated,
 )
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, WAN22_TI2V, WAN_I2V, FLUX, QWENIMAGE,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ringdit.diffusion.schedulers import PipelineTimesteps
+from ringdit.models.block_io import BlockIO
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -23,6 +24,9 @@ class Family:
     plan: ParallelPlan
     forward: Callable[[nn.Module, Tensor, Tensor, dict], Tensor]
     video: bool  # latents (B, C, T, H, W) rather than (B, C, H, W)
+    # the VAE its pipeline pairs it with: (video frames per latent frame after the first, or None for images; pixels per
+    # latent cell), what python -m ringdit.plan turns pixel sizes into latent shapes with
+    vae_factors: tuple[int | None, int]
     condition_keys: tuple[str, ...]  # the conditioning tensors the model reads (data=text_latents provides them)
     text_dim: str  # the config key of the text embedding width
     pooled_dim: str | None = None  # the config key of the pooled text embedding width, if the model takes one
@@ -58,3 +62,9 @@ class Family:
     # the diffusers pipeline classes whose folders ringdit samples as published (ckpt_path=<pipeline folder>: their
     # defaults and scheduler, ringdit.spec.pipeline); () for a family sampled only from ringdit runs
     pipelines: tuple[str, ...] = ()
+    # the step cache (ringdit.caching): where a block's token streams are, when diffusers' TransformerBlockRegistry
+    # does not say it; None: the registry's
+    cache_blocks: BlockIO | None = None
+    # TeaCache's probe: (first block, its BlockIO, args, kwargs) -> (its timestep-modulated input, whether that is a
+    # (B, S_local, ...) token shard); None: cache=teacache is refused for the family
+    teacache_input: Callable | None = None

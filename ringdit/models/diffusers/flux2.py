@@ -84,6 +84,7 @@ FLUX2 = Family(
     ),
     forward=_flux2_forward,
     video=False,
+    vae_factors=(None, 8),
     condition_keys=("text",),
     text_dim="joint_attention_dim",
     latent_channels=lambda config: config["in_channels"] // 4,

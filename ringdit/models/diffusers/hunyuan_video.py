@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from ringdit.models.diffusers.family import Family, PipelineTimesteps
+from ringdit.models.block_io import BlockIO
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -118,12 +119,15 @@ HUNYUAN_VIDEO15 = Family(
     ),
     forward=_hunyuan_video15_forward,
     video=True,
+    vae_factors=(4, 16),
     condition_keys=("text", "text_mask"),
     text_dim="text_embed_dim",
     glyph_dim="text_embed_2_dim",
     latent_channels=lambda config: config["out_channels"],
     patch_shape=lambda config: (config["patch_size_t"], config["patch_size"], config["patch_size"]),
     pipeline_timesteps=PipelineTimesteps(sigmas="to_zero"),  # HunyuanVideo15Pipeline: linspace(1, 0, steps + 1)[:-1]
+    # the step cache's token streams: (video, text) in and out (not in diffusers' block registry)
+    cache_blocks=BlockIO("hidden_states", "encoder_hidden_states", 0, 1),
 )
 
 # HunyuanVideo 1.5 I2V (the 480p / 720p i2v transformers): the same model, its input channels [video ; first-frame

@@ -69,6 +69,7 @@ LTX_VIDEO = Family(
     ),
     forward=_ltx_forward,
     video=True,
+    vae_factors=(8, 32),
     condition_keys=("text", "text_mask"),
     text_dim="caption_channels",
     latent_channels=lambda config: config["in_channels"] // (config["patch_size_t"] * config["patch_size"] ** 2),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringdit.models.block_io import BlockIO
 from ringdit.models.diffusers.family import Family
 from ringdit.models.plan import ParallelPlan
 
@@ -61,7 +62,9 @@ SKYREELS_V2 = Family(
     ),
     forward=_skyreels_forward,
     video=True,
+    vae_factors=(4, 8),
     condition_keys=("text",),
     text_dim="text_dim",
     max_grid=lambda config: (config.get("rope_max_seq_len", 1024),) * 3,  # its RoPE table (Wan's), per axis
+    cache_blocks=BlockIO("hidden_states"),  # the step cache's token stream (not in diffusers' block registry)
 )
