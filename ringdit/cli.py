@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from hydra.errors import InstantiationException
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 
 def register_resolvers() -> None:
@@ -72,6 +72,24 @@ def model_preset(name: str) -> dict:
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return OmegaConf.to_container(compose("train", overrides=[f"model={name}"]).model)
+
+
+def command_config(command: str = "train", overrides=(), run_dir: str | Path | None = None):
+    """``conf/<command>.yaml`` with ``overrides`` (``["model=wan_tiny", "trainer.max_steps=10"]``), composed as the
+    command line would compose it, for ``ringdit.train`` / ``sample`` / ``serve``: its run folder ``run_dir``, or the
+    command's own (``outputs/<task>/runs/<time>_<id>``). A misspelt key or option raises Hydra's error."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    register_resolvers()
+    extra = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(command, overrides=[*overrides, *extra], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # ${hydra:...} interpolations (the run folder) resolve as in the command
+    cfg.paths.output_dir = str(run_dir if run_dir is not None else cfg.hydra.run.dir)
+    with open_dict(cfg):
+        del cfg["hydra"]  # as a command's task receives it: Hydra's own node is HydraConfig's
+    return cfg
 
 
 def hydra_main(config_name: str):

@@ -360,19 +360,10 @@ def fail_fast(script: str, *overrides: str) -> tuple[SimpleNamespace, float]:
 
 
 def compose_config(config_name: str, run_dir: Path, *overrides: str):
-    """``conf/<config_name>.yaml`` composed with ``overrides`` as the command would (its run folder ``run_dir``), for
-    code that takes the config itself (``ringdit.serve.Server``)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
+    """``conf/<config_name>.yaml`` composed with ``overrides`` as the command would (its run folder ``run_dir``)."""
+    from ringdit.cli import command_config
 
-    from ringdit.cli import register_resolvers
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)
-        cfg.paths.output_dir = str(run_dir)
-    return cfg
+    return command_config(config_name, overrides, run_dir)
 
 
 def prepare_train(overrides: list[str], run_dir):

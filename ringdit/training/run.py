@@ -1,0 +1,122 @@
+"""Fine-tune / train a DiT with ring + Ulysses context parallelism.
+
+    python train.py                                  # tiny DiT on the built-in digits, CPU or GPU
+    python train.py ring_degree=4                    # the same sequence sharded over 4 ranks
+    python train.py ring_degree=2 ulysses_degree=2 dp_degree=2 trainer.max_steps=100 logger=csv
+    python train.py ckpt_path=last                   # resume the newest run
+    python train.py --cfg job                        # show the composed config
+
+Settings live in conf/ (Hydra); outputs (checkpoints, sample grids, logs) go to the run's output directory.
+
+From Python (a notebook, a script): ``ringdit.train(ringdit.config("train", ["model=wan_tiny", "trainer.max_steps=10"]))``
+runs the same code in the caller's process.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from ringdit.atomic import DiskFullError
+from ringdit.cli import hydra_main, register_resolvers, user_errors
+from ringdit.errors import NonFiniteLossError
+from ringdit.run_folder import claim_run_folder
+from ringdit.spec import TrainSpec
+
+log = logging.getLogger("ringdit.train")
+register_resolvers()
+
+
+def prepare(cfg: DictConfig):
+    """Check every setting (``TrainSpec``), then build the trainer, module and data from the spec; nothing is spawned
+    yet."""
+    spec = TrainSpec.from_config(cfg)
+    plan = spec.checkpoint
+
+    import lightning as L  # the trainer, module and processes come only after every check has passed
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ringdit.training import DiffusionModule, DistillationModule
+
+    L.seed_everything(spec.seed, workers=True)
+    # distill=dmd2: a student and a critic that start from the teacher (init_from), which stays frozen
+    module_class, distill = (DiffusionModule, {}) if spec.distill is None else \
+        (DistillationModule, {"distill": spec.distill.settings})
+    module = module_class(
+        model=spec.model.config,
+        objective=spec.objective,
+        data=spec.data.info,
+        sampling=spec.sampling,
+        optimizer=spec.optimizer.optimizer_factory(),
+        scheduler=spec.optimizer.scheduler_factory(),
+        ema_decay=spec.optimizer.ema_decay,
+        seed=spec.seed,
+        attention_backend=spec.layout.attention_backend,
+        compile=spec.compile,
+        init_from=plan.init_from,
+        init_weights=plan.init_weights,
+        init_resize_labels=plan.init_resize_labels,
+        nonfinite_loss=spec.nonfinite_loss,
+        lora=plan.lora,
+        resume_optimizer=plan.resume_optimizer,
+        expert=spec.expert,
+        **distill,
+    )
+    callbacks = [hydra.utils.instantiate(c) for c in spec.trainer.callbacks]
+    loggers = [hydra.utils.instantiate(c) for c in spec.trainer.loggers]
+    # diffusers models may hold parameters no loss reaches (QwenImage's last text-stream MLP): DDP's static graph
+    # learns which in the first step instead of failing on them (FSDP reduces whatever gradients exist); a
+    # two-expert model training both runs one expert a step, a set that changes, which DDP finds anew each step
+    strategy_cfg = spec.trainer.config["strategy"]
+    ddp = str(strategy_cfg.get("_target_", "")).endswith("RingDDPStrategy")
+    unused = {"find_unused_parameters": True} if spec.expert == "both" else {"static_graph": True}
+    if not (spec.model.diffusers and ddp) or {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
+        unused = {}  # the DiT's loss reaches every parameter; a strategy config that says how wins
+    if spec.distill is not None and ddp and not {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
+        unused = {"find_unused_parameters": True}  # the critic's updates reach the critic only, the student's it
+    strategy = hydra.utils.instantiate(strategy_cfg, **unused)
+    # a distillation clips each of its updates itself (DistillationModule: manual optimization)
+    clip = {} if spec.distill is None else {"gradient_clip_val": None}
+    trainer = hydra.utils.instantiate(
+        spec.trainer.config, strategy=strategy, callbacks=callbacks, logger=loggers or False, **clip,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files
+    )
+    claim_run_folder(spec.output_dir, "train", resumes=plan.ckpt_path)  # last: every check has passed
+    for logger in trainer.loggers:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))  # the composed config, as the record
+    if trainer.is_global_zero:
+        layout = spec.layout
+        log.info("DiT %s on %s, %d tokens per sample; ring %d x ulysses %d x dp %d; attention %s",
+                 {k: v for k, v in spec.model.config.items() if k != "_target_"}, type(spec.data.module).__name__,
+                 spec.model.tokens, layout.ring_degree, layout.ulysses_degree, layout.dp_degree,
+                 layout.attention_backend)
+    return trainer, module, spec.data.module, plan.ckpt_path
+
+
+def train(cfg: DictConfig) -> Path:
+    """Train or fine-tune as ``python train.py`` does, with ``cfg`` (``ringdit.config("train", [...])``), in this
+    process (a layout of several ranks starts them as the command does); returns the run folder. A mistake in the
+    settings raises ``ringdit.errors.ConfigError`` before anything is built."""
+    return fit(cfg, *prepare(cfg))
+
+
+def fit(cfg: DictConfig, trainer, module, datamodule, ckpt_path) -> Path:
+    from ringdit.training.preemption import stop_on_sigterm
+
+    # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; a non-finite loss or a disk that
+    # fills while a checkpoint is written: one line, exit code 2; anything else is a fault: traceback
+    with user_errors(NonFiniteLossError, DiskFullError), stop_on_sigterm(trainer):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if trainer.is_global_zero:
+        log.info("outputs in %s (checkpoints/last.ckpt, samples/)", cfg.paths.output_dir)
+    return Path(cfg.paths.output_dir)
+
+
+@hydra_main("train")
+def main(cfg: DictConfig) -> None:
+    with user_errors():  # a mistake in the settings: one line, exit code 2
+        prepared = prepare(cfg)
+    fit(cfg, *prepared)
