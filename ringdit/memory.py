@@ -23,12 +23,19 @@ data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4
   blocks' (the current one and the prefetched next), in ``param_dtype`` (else their own dtype) -- plus one block's
   unsharded gradient before its reduce-scatter;
 - ``activation_bytes``: what backward needs, about 10 x D + 2 x F values per token per block (norm and modulation
-  inputs, q, k, v, attention output, projection, residuals, the MLP's hidden layer before and after its activation):
-  L blocks' worth; with activation checkpointing of c = ceil(f x L) blocks (``model.activation_checkpointing``: f = 1,
-  a fraction, 1 / N for every_N) their inputs (D each), the other L - c blocks' worth, plus one block's worth being
-  recomputed; with ``activation_offload`` the c inputs are in host memory (``host_bytes``) but one, in flight; one
-  block's worth when sampling; an fp8 base adds its largest block Linear weight cast up to the compute dtype; Tokens per rank: S / (ring x ulysses), rounded up, plus as much of the text of
-  joint attention (Flux, QwenImage), which is sharded like the image;
+  inputs, q, k, v, attention output, projection, residuals, the MLP's hidden layer before and after its activation);
+  a full fine-tune keeps besides what only the weights' gradients need: the normalized inputs adaLN's two scales
+  multiply and the branch outputs its two gates multiply (4 x D), and the inputs of the Linears LoRA's default
+  targets leave out (frozen, such a Linear keeps none; Wan's feed-forward: D + F). The peak is in backward's first
+  (the last) block: it holds all of its activations (kept, or recomputed when checkpointed) while every earlier block
+  keeps its input (D, when checkpointed: ``model.activation_checkpointing`` picks ceil(f x L) blocks spread evenly,
+  f = 1, a fraction, or 1 / N for every_N) or all of its activations; with ``activation_offload`` the earlier
+  checkpointed inputs are in host memory (``host_bytes``) but one, in flight. Backward's working set there adds the
+  gradient of the MLP's hidden layer before and after its activation (2 x F); a full fine-tune under DDP also one
+  weight's gradient, computed whole before it is added to ``.grad`` (the largest parameter, w bytes). One block's
+  worth when sampling; an fp8 base adds its largest block Linear weight cast up to the compute dtype. Tokens per
+  rank: S / (ring x ulysses), rounded up, plus as much of the text of joint attention (Flux, QwenImage), which is
+  sharded like the image;
 - ``attention_bytes``: per ring hop, after the Ulysses exchange (S / ring tokens of D / ulysses values): q, k, v,
   output and the K/V block in flight, 6 x B x S / ring x D / ulysses x a; the ``math`` backend also materialises the
   (S / ring)^2 score and probability matrices per head in fp32 (and their gradients when training);
@@ -40,8 +47,10 @@ data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4
   memory, and the checkpointed blocks' inputs under ``activation_offload``: counted here, not on the device.
 
 The step's peak (``step_bytes``) is the sum of the device terms; the rank's peak (``peak_bytes``) is the larger of
-start-up and step. Not modelled: the CUDA context and NCCL buffers, allocator fragmentation, the data loader, the
-optimizer's temporaries, cross-attention to text (Wan's, small beside self-attention).
+start-up and step. Not modelled: the CUDA context and NCCL buffers, allocator fragmentation (on CPU ranks glibc's
+heap keeps freed activations resident unless its mmap threshold is fixed, e.g. ``MALLOC_MMAP_THRESHOLD_=131072``),
+torch.compile's graphs and generated code (host memory: torchao's 8-bit step compiles one graph per trained shape),
+the data loader, the optimizer's temporaries, cross-attention to text (Wan's, small beside self-attention).
 
 ``estimate_model_memory(config, ...)`` gives the estimate for a built-config, so a benchmark can print it beside
 the peak it measures.
@@ -58,7 +67,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from ringdit.models.checkpointing import checkpoint_fraction
+from ringdit.models.checkpointing import checkpoint_fraction, checkpointed_blocks
 
 log = logging.getLogger("ringdit.memory")
 
@@ -93,6 +102,8 @@ class ModelSize:
     float8_parameters: int = 0     # of those, the blocks' Linear weights (no biases): what an fp8 base holds in fp8
     float8_rows: int = 0           # their output rows: one fp32 scale each
     float8_largest: int = 0        # the largest of those weights: cast up while its layer computes
+    untargeted_linear_inputs: int = 0  # values per token (a block's, on average): the inputs of the blocks' Linears
+                                       # outside the model's default LoRA targets, kept when their weights train
 
     @property
     def lora(self) -> bool:
@@ -221,19 +232,29 @@ def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
             gathered += model.block_parameters * w
     # activations kept for backward, on this rank's tokens
     tokens_per_rank = math.ceil(model.tokens / setup.sp_degree) + math.ceil(model.text_tokens / setup.sp_degree)
-    per_block = 10 * model.hidden_size + 2 * model.mlp_hidden  # values kept per token by one block
-    checkpointed = math.ceil(setup.checkpoint_fraction * model.depth - 1e-9) if training else 0
-    offloaded = checkpointed * model.hidden_size if setup.activation_offload else 0  # block inputs in host memory
+    D, F = model.hidden_size, model.mlp_hidden
+    per_block = 10 * D + 2 * F  # values kept per token by one block
+    if training and not model.lora:  # the weights train: their gradients also need adaLN's normalized inputs (its two
+        # scales multiply them), the branch outputs its two gates multiply, and the Linears' inputs that LoRA's
+        # targets leave out (frozen, a Linear keeps none)
+        per_block += 4 * D + model.untargeted_linear_inputs
+    blocks = checkpointed_blocks(model.depth, setup.checkpoint_fraction) if training else []
+    offloaded = sum(blocks) * D if setup.activation_offload else 0  # checkpointed block inputs in host memory
     if not training:
         per_token = per_block
-    else:  # the checkpointed blocks' inputs, the others' activations, the block being recomputed
-        per_token = checkpointed * model.hidden_size + (model.depth - checkpointed) * per_block \
-            + (per_block if checkpointed else 0)
-        if offloaded:  # one input stays on the device, in flight
-            per_token -= offloaded - model.hidden_size
+    else:  # backward runs the last block first; while it does, every earlier block still keeps its input (checkpointed)
+        # or all of its activations, and the last block holds all of its own (kept, or recomputed): the peak
+        per_token = per_block + sum(D if checkpointed else per_block for checkpointed in blocks[:-1])
+        if offloaded and any(blocks[:-1]):  # the earlier checkpointed inputs are in host memory but one, in flight
+            per_token -= (sum(blocks[:-1]) - 1) * D
+        # backward's working set at that peak: the gradient of the MLP's hidden layer before and after its activation
+        per_token += 2 * F
     activations = B * tokens_per_rank * per_token * a
     if model.lora and setup.lora_base_dtype in FLOAT8:  # one fp8 layer's weight cast up to the compute dtype
         activations += model.float8_largest * a
+    if training and not model.lora and not fsdp:  # a weight's gradient is computed whole before it is added to .grad
+        # (gradient accumulation, zero_grad(set_to_none=False)): the largest one in flight (FSDP: ``gathered``'s)
+        activations += model.largest_parameter * w
     # one ring hop, after the Ulysses exchange: S / ring tokens of H / ulysses heads (D / ulysses values per token)
     ring_tokens = math.ceil(model.tokens / setup.ring_degree) + math.ceil(model.text_tokens / setup.ring_degree)
     attention = 6 * B * ring_tokens * (model.hidden_size // setup.ulysses_degree) * a  # q k v out, K/V in flight
@@ -307,6 +328,7 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
         text_tokens=text.shape[1] + (glyph.shape[1] if glyph is not None else 0) if joint and text is not None else 0,
         **dict(zip(("lora_parameters", "lora_base_parameters"), lora_parameters(meta_model, lora))),
         **dict(zip(("float8_parameters", "float8_rows", "float8_largest"), float8_parameters(meta_model, lora))),
+        untargeted_linear_inputs=untargeted_linear_inputs(meta_model, blocks),
     )
 
 
@@ -343,6 +365,19 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     return (sum(lora["rank"] * (layer.in_features + layer.out_features) for layer in adapted),
             sum(p.numel() for layer in model.modules() if isinstance(layer, BASE_LAYERS)
                 for p in layer.parameters(recurse=False)))
+
+
+def untargeted_linear_inputs(model: nn.Module, blocks: list[nn.Module]) -> int:
+    """Values per token a block's Linears outside the model's default ``lora_targets`` read (the mean over
+    ``blocks``): frozen under LoRA they keep nothing for backward, while a full fine-tune keeps each one's input for
+    its weight gradient (Wan's feed-forward: D into the up projection, F into the down one). A modulation Linear
+    (adaLN's, under a name with ``adaLN`` or ``norm``) reads the conditioning vector, one per sample, not the tokens,
+    and is left out."""
+    targets = tuple(getattr(model, "lora_targets", ()) or ())
+    total = sum(layer.in_features for block in blocks for name, layer in block.named_modules()
+                if isinstance(layer, nn.Linear) and not any(name == t or name.endswith(f".{t}") for t in targets)
+                and "adaLN" not in name and "norm" not in name)
+    return total // max(len(blocks), 1)
 
 
 def float8_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int, int]:

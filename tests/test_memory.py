@@ -44,7 +44,9 @@ def test_memory_estimate_numbers():
     assert (one.weights_bytes, one.gradient_bytes, one.optimizer_bytes, one.ema_bytes, one.bucket_bytes) == (
         50_000 * 4, 50_000 * 4, 50_000 * 8, 50_000 * 4, 50_000 * 4)  # fp32; AdamW's 2 moments; DDP's buckets
     assert one.gathered_bytes == 0 and one.host_bytes == 0
-    assert one.activation_bytes == 16 * 16 * 2 * (10 * 32 + 2 * 128) * 4  # batch x tokens x depth x values x fp32
+    # batch x tokens x (2 blocks of a full fine-tune's values + backward's 2 x F) x fp32, + one weight's gradient
+    full_block = 10 * 32 + 2 * 128 + 4 * 32
+    assert one.activation_bytes == 16 * 16 * (2 * full_block + 2 * 128) * 4 + 4_000 * 4
     assert one.attention_bytes == 6 * 16 * 16 * 32 * 4
     assert one.startup_bytes == 50_000 * 4 * 2 + 4_000 * 4  # the model, its EMA, one tensor in flight
     assert one.step_bytes == sum(one.terms()[t] for t in one.STEP_TERMS)
@@ -53,17 +55,20 @@ def test_memory_estimate_numbers():
     assert ulysses.attention_bytes == one.attention_bytes // 2
     quadratic = estimate_memory(small, Setup(batch_size=16, math_attention=True))  # (S / ring)^2 fp32 scores
     assert quadratic.attention_bytes - one.attention_bytes == 2 * 16 * 4 * 16**2 * 4 * 2
-    sampling = estimate_memory(small, Setup(batch_size=16, training=False))
-    assert sampling.step_bytes == 50_000 * 4 + one.activation_bytes // 2 + one.attention_bytes
-    bf16 = estimate_memory(small, Setup(batch_size=16, precision="bf16-mixed"))
-    assert bf16.activation_bytes == one.activation_bytes // 2 and bf16.weights_bytes == one.weights_bytes
+    sampling = estimate_memory(small, Setup(batch_size=16, training=False))  # one block's worth, nothing else
+    assert sampling.step_bytes == 50_000 * 4 + 16 * 16 * (10 * 32 + 2 * 128) * 4 + one.attention_bytes
+    bf16 = estimate_memory(small, Setup(batch_size=16, precision="bf16-mixed"))  # the weight's gradient stays fp32
+    assert bf16.activation_bytes - 4_000 * 4 == (one.activation_bytes - 4_000 * 4) // 2
+    assert bf16.weights_bytes == one.weights_bytes
 
 
 def test_ring_halves_the_tokens_and_activations_per_rank():
     one = estimate_memory(XL, Setup())
     ring = estimate_memory(XL, Setup(ring_degree=2))
     assert ring.tokens_per_rank == one.tokens_per_rank // 2 == 2048
-    assert ring.activation_bytes == one.activation_bytes // 2 and ring.attention_bytes == one.attention_bytes // 2
+    in_flight = XL.largest_parameter * 4  # one weight's gradient: not per token
+    assert ring.activation_bytes - in_flight == (one.activation_bytes - in_flight) // 2
+    assert ring.attention_bytes == one.attention_bytes // 2
     assert ring.state_bytes == one.state_bytes  # DDP: every rank still holds the whole training state
 
 
@@ -120,10 +125,42 @@ def test_ema_off_removes_exactly_the_ema_term():
 def test_activation_checkpointing_keeps_only_the_block_inputs():
     plain = estimate_memory(XL, Setup())
     checkpointed = estimate_memory(XL, Setup(activation_checkpointing=True))
-    values = 10 * 1152 + 2 * 4608
-    assert plain.activation_bytes == 4096 * 28 * values * 4
-    assert checkpointed.activation_bytes == 4096 * (28 * 1152 + values) * 4  # L inputs + one block recomputed
+    values, backward, in_flight = 14 * 1152 + 2 * 4608, 2 * 4608, 8_000_000 * 4  # a full fine-tune's block
+    assert plain.activation_bytes == 4096 * (28 * values + backward) * 4 + in_flight
+    # the 27 earlier blocks' inputs, the last block's activations (recomputed) and backward's working set
+    assert checkpointed.activation_bytes == 4096 * (27 * 1152 + values + backward) * 4 + in_flight
     assert checkpointed.activation_bytes < plain.activation_bytes / 5
+
+
+def test_backward_peaks_in_the_last_block_with_the_earlier_ones_kept():
+    """The peak is backward's first block: it holds all of its activations while every earlier block keeps its input
+    (checkpointed) or everything; the blocks a share checkpoints are spread evenly, the first one included."""
+    size = replace(XL, depth=3, lora_parameters=1_000_000)  # LoRA: 10 x D + 2 x F a block
+    block, D, backward = 10 * 1152 + 2 * 4608, 1152, 2 * 4608
+    activations = {setting: estimate_memory(size, Setup(activation_checkpointing=setting)).activation_bytes // (4096 * 4)
+                   for setting in (False, 0.5, True)}
+    assert activations[False] == 3 * block + backward
+    assert activations[0.5] == D + block + block + backward  # blocks 0 and 2 checkpointed; 0's input, 1's all, 2's all
+    assert activations[True] == 2 * D + block + backward
+    two = replace(size, depth=2)  # half of 2 blocks: the first; at the peak the same as checkpointing both
+    assert estimate_memory(two, Setup(activation_checkpointing=0.5)).activation_bytes == \
+        estimate_memory(two, Setup(activation_checkpointing=True)).activation_bytes == 4096 * (D + block + backward) * 4
+
+
+def test_a_full_fine_tune_keeps_what_its_weight_gradients_need():
+    """Besides a LoRA step's activations, a full fine-tune keeps adaLN's normalized inputs and gated branch outputs
+    (4 x D) and the inputs of the Linears LoRA's targets leave out, and under DDP computes a weight's gradient whole
+    before adding it to .grad (FSDP counts its unsharded gradients in ``gathered``)."""
+    size = replace(XL, depth=2, untargeted_linear_inputs=1152 + 4608)  # Wan-like: the feed-forward is not a target
+    lora = replace(size, lora_parameters=1_000_000)
+    block, D, F = 10 * 1152 + 2 * 4608, 1152, 4608
+    assert estimate_memory(lora, Setup()).activation_bytes == 4096 * (2 * block + 2 * F) * 4
+    full = estimate_memory(size, Setup()).activation_bytes
+    assert full == 4096 * (2 * (block + 4 * D + D + F) + 2 * F) * 4 + XL.largest_parameter * 4
+    fsdp = estimate_memory(size, Setup(strategy="fsdp", dp_degree=2)).activation_bytes
+    assert fsdp == full - XL.largest_parameter * 4
+    sampling = estimate_memory(size, Setup(training=False)).activation_bytes  # nothing trains: no gradient's needs
+    assert sampling == 4096 * block * 4
 
 
 # ---- train.py's config and models ----------------------------------------------------------------------------------
@@ -174,6 +211,9 @@ def test_diffusers_models_are_estimated(tmp_path):
     before = sum(p.numel() for p in real.parameters())
     add_lora(real, rank=4, base_dtype="bfloat16")
     assert size.lora_parameters == sum(p.numel() for p in real.parameters()) - before > 0
+    # Wan's feed-forward is no LoRA target: a full fine-tune keeps its inputs, D into the up projection, F into the
+    # down one (the attention projections are targets)
+    assert size.untargeted_linear_inputs == 2 * 12 + 32
     # what lora.base_dtype casts: every frozen Linear / Conv weight, adapted or not
     assert size.lora_base_parameters == sum(p.numel() for p in real.parameters() if p.dtype == torch.bfloat16)
 
