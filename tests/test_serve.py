@@ -408,11 +408,13 @@ def test_videos_at_ring_2_equal_infer_then_cancel_and_sigterm(ti2v):
             time.sleep(0.05)
         assert state["status"] == "cancelled" and state["step"] < 2000
 
-        running = httpx.post(url + "/v1/videos", json={**body, "steps": 40}).json()
+        running = httpx.post(url + "/v1/videos", json={**body, "steps": 300}).json()
         while httpx.get(f"{url}/v1/videos/{running['id']}").json()["status"] != "in_progress":
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        while (health := httpx.get(url + "/health")).json()["status"] == "ok":  # until the signal is handled
+            time.sleep(0.01)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
         assert httpx.post(url + "/v1/videos", json=body).status_code == 503
         deadline = time.monotonic() + 60
         while (state := httpx.get(f"{url}/v1/videos/{running['id']}").json())["status"] == "in_progress":
