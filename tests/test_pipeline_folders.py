@@ -80,6 +80,7 @@ def test_the_server_serves_a_pipeline_folder(folder, tmp_path):
     from ringdit.serve import Server
 
     run("infer.py", tmp_path / "infer", f"ckpt_path={folder}", f"prompts=[{PROMPT}]", "num_samples=1", *SAMPLE)
+    saved = dict(os.environ)  # Lightning leaves LOCAL_RANK, MASTER_* behind, which later launches would read
     server = Server(compose_config("serve", tmp_path / "serve", f"ckpt_path={folder}", "port=0", "steps=3",
                                    "size=[16,16]", "frames=5"))
     server.build()
@@ -100,6 +101,8 @@ def test_the_server_serves_a_pipeline_folder(folder, tmp_path):
     finally:
         server.drain()
         thread.join(timeout=60)
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def test_what_a_pipeline_folder_cannot_give_is_refused(folder, tmp_path):

@@ -42,6 +42,7 @@ def serving(run_dir: Path, *overrides: str):
     yields it once ready; drains it on leaving."""
     from ringdit.serve import Server
 
+    saved = dict(os.environ)  # Lightning leaves LOCAL_RANK, MASTER_* behind, which later launches would read
     server = Server(compose_config("serve", run_dir, "port=0", *overrides))
     server.build()
     codes = []
@@ -56,6 +57,8 @@ def serving(run_dir: Path, *overrides: str):
     finally:
         server.drain()
         thread.join(timeout=60)
+        os.environ.clear()
+        os.environ.update(saved)
         assert codes == [0]
 
 
