@@ -359,6 +359,26 @@ def fail_fast(script: str, *overrides: str) -> tuple[SimpleNamespace, float]:
     return in_process(script, *overrides)
 
 
+def tiny_wan_pipeline(config: dict, z_dim: int, experts: list | None = None):
+    """A tiny two-expert ``WanPipeline`` (T5 encoder, word-level tokenizer, a Wan VAE of ``z_dim`` latent channels,
+    UniPC at flow shift 3, boundary 0.875): ``experts`` (two transformers), else two random ones of ``config``."""
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    from ringdit.media.text import word_level_tokenizer
+
+    experts = experts or [diffusers.WanTransformer3DModel.from_config(config) for _ in range(2)]
+    return diffusers.WanPipeline(
+        tokenizer=word_level_tokenizer(WORDS),
+        text_encoder=T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1,
+                                             num_heads=2)),
+        vae=diffusers.AutoencoderKLWan(base_dim=3, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                       temperal_downsample=[False, True, True]),
+        scheduler=diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                    flow_shift=3.0),
+        transformer=experts[0], transformer_2=experts[1], boundary_ratio=0.875)
+
+
 def compose_config(config_name: str, run_dir: Path, *overrides: str):
     """``conf/<config_name>.yaml`` composed with ``overrides`` as the command would (its run folder ``run_dir``)."""
     from ringdit.cli import command_config

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import WORDS, architecture, assert_same_numbers
+from tests.helpers import architecture, assert_same_numbers, tiny_wan_pipeline
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -65,23 +65,12 @@ def a14b(tmp_path_factory):
     """A tiny two-expert WanPipeline folder (VAE, T5 encoder, word-level tokenizer, UniPC scheduler, two experts) and
     a checkpoint of a run fine-tuned from it, with other (trained) weights than the folder's."""
     import diffusers
-    from transformers import T5Config, T5EncoderModel
-
-    from ringdit.media.text import word_level_tokenizer
 
     root = tmp_path_factory.mktemp("a14b")
     config = architecture("wan22_a14b_tiny")
     torch.manual_seed(0)
     experts = [diffusers.WanTransformer3DModel.from_config(config) for _ in range(2)]
-    pipeline = diffusers.WanPipeline(
-        tokenizer=word_level_tokenizer(WORDS),
-        text_encoder=T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1,
-                                             num_heads=2)),
-        vae=diffusers.AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                       temperal_downsample=[False, True, True]),
-        scheduler=diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                                    flow_shift=3.0),
-        transformer=experts[0], transformer_2=experts[1], boundary_ratio=0.875)
+    pipeline = tiny_wan_pipeline(config, z_dim=4, experts=experts)
     pipeline.save_pretrained(root / "base")
     g = torch.Generator().manual_seed(1)
     trained = {f"{prefix}.{key}": value + 0.01 * torch.randn(value.shape, generator=g)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import WORDS, architecture, assert_refused, compose_config, fail_fast, run
+from tests.helpers import architecture, assert_refused, compose_config, fail_fast, run, tiny_wan_pipeline
 
 pytest.importorskip("diffusers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,25 +29,10 @@ PROMPT = "a red fox running"
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny two-expert WanPipeline folder (T5 encoder, word-level tokenizer, 16-channel Wan VAE, UniPC)."""
-    import diffusers
-    from transformers import T5Config, T5EncoderModel
-
-    from ringdit.media.text import word_level_tokenizer
-
     root = tmp_path_factory.mktemp("pipeline") / "Wan-tiny"
-    config = {**architecture("wan22_a14b_tiny"), "in_channels": 16, "out_channels": 16}
     torch.manual_seed(0)
-    diffusers.WanPipeline(
-        tokenizer=word_level_tokenizer(WORDS),
-        text_encoder=T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1,
-                                             num_heads=2)),
-        vae=diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                       temperal_downsample=[False, True, True]),
-        scheduler=diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                                    flow_shift=3.0),
-        transformer=diffusers.WanTransformer3DModel.from_config(config),
-        transformer_2=diffusers.WanTransformer3DModel.from_config(config), boundary_ratio=0.875,
-    ).save_pretrained(root)
+    tiny_wan_pipeline({**architecture("wan22_a14b_tiny"), "in_channels": 16, "out_channels": 16}, z_dim=16
+                      ).save_pretrained(root)
     return root
 
 
