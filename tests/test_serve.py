@@ -411,7 +411,7 @@ def test_videos_at_ring_2_equal_infer_then_cancel_and_sigterm(ti2v):
             time.sleep(0.05)
         assert state["status"] == "cancelled" and state["step"] < 2000
 
-        running = httpx.post(url + "/v1/videos", json={**body, "steps": 300}).json()
+        running = httpx.post(url + "/v1/videos", json={**body, "steps": 150}).json()
         while httpx.get(f"{url}/v1/videos/{running['id']}").json()["status"] != "in_progress":
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
@@ -419,12 +419,12 @@ def test_videos_at_ring_2_equal_infer_then_cancel_and_sigterm(ti2v):
             time.sleep(0.01)
         assert health.status_code == 503 and health.json()["status"] == "draining"
         assert httpx.post(url + "/v1/videos", json=body).status_code == 503
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # generous: a loaded machine runs a step in a fraction of a second or less
         while (state := httpx.get(f"{url}/v1/videos/{running['id']}").json())["status"] == "in_progress":
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert state["status"] == "completed"
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=120) == 0
 
 
 def finished_video(url: str, job_id: str) -> bytes:
