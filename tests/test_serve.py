@@ -411,7 +411,7 @@ def test_videos_at_ring_2_equal_infer_then_cancel_and_sigterm(ti2v):
             time.sleep(0.05)
         assert state["status"] == "cancelled" and state["step"] < 2000
 
-        running = httpx.post(url + "/v1/videos", json={**body, "steps": 150}).json()
+        running = httpx.post(url + "/v1/videos", json={**body, "steps": 40}).json()
         while httpx.get(f"{url}/v1/videos/{running['id']}").json()["status"] != "in_progress":
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
