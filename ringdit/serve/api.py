@@ -81,7 +81,7 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
 
 def create_app(server) -> FastAPI:
     """The app over ``server`` (``ringdit.serve.Server``: its settings, spec, queue, engine and control)."""
-    settings, spec = server.settings, server.spec
+    settings = server.settings
     app = FastAPI(title="ringdit", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
@@ -129,7 +129,7 @@ def create_app(server) -> FastAPI:
         if server.kind != "image":
             raise BadRequest("model", "this model generates videos: POST /v1/videos")
         job = submit(body, "image")
-        await finished(job, settings.request_timeout_s)
+        await finished(job, server.queue, settings.request_timeout_s)
         if job.status != COMPLETED:
             return error(job.error_code if job.error_code >= 400 else 500, job.error or job.status, kind="job_error")
         data = []
@@ -221,13 +221,14 @@ def create_app(server) -> FastAPI:
     return app
 
 
-async def finished(job: Job, timeout: float) -> None:
-    """Wait for the job without holding a thread (the sampling loop finishes it); past ``timeout`` it is cancelled."""
+async def finished(job: Job, queue, timeout: float) -> None:
+    """Wait for the job without holding a thread (the sampling loop finishes it); past ``timeout`` it is cancelled
+    (out of the queue if it still waits, so it takes no place there)."""
     deadline = time.monotonic() + timeout
     while job.status not in FINISHED:
         if time.monotonic() > deadline:
-            job.cancel_requested = True
             job.finish("failed", f"the job took longer than request_timeout_s={timeout:g} seconds", code=504)
+            queue.cancel(job.id)
             return
         await asyncio.sleep(0.02)
 

@@ -249,7 +249,6 @@ class Rank0:
         self.spec, self.files_dir, self.timeout_s = spec, files_dir, timeout_s
         self.text_encoder, self.vae = text_encoder, vae
         self.cache_settings = cache_settings or {}
-        self.module: DiffusionModule | None = None
 
     def sample_command(self, jobs: list[Job]) -> dict:
         """One model forward's worth of jobs (one key) -> the command every rank samples."""

@@ -8,7 +8,6 @@ loop the oldest waiting job together with the later ones it can share a model fo
 
 from __future__ import annotations
 
-import itertools
 import secrets
 import threading
 import time
@@ -106,7 +105,6 @@ class JobQueue:
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._lock = threading.Condition()
         self.closed = False
-        self.batches = itertools.count()
 
     def submit(self, job: Job) -> Job:
         with self._lock:
@@ -159,7 +157,6 @@ class JobQueue:
                     self._waiting.remove(job)
             for job in batch:
                 job.status = RUNNING
-            next(self.batches)
             return batch
 
     def _fits(self) -> int:
