@@ -76,7 +76,7 @@ from ringdit.sampling import SampleRequests, SampleWriter, write_pixels
 from ringdit.spec import InferSpec
 from ringdit.training import DiffusionModule
 from ringdit.training.callbacks import LoadLoraAdapter
-from ringdit.training.preemption import sigterm_stops_at_once, stop_on_sigterm
+from ringdit.preemption import sigterm_stops_at_once, stop_on_sigterm
 
 log = logging.getLogger("ringdit.infer")
 register_resolvers()

@@ -39,7 +39,7 @@ def _stopped_before_start(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
-if __name__ == "__main__":  # until ringdit.training.preemption (a slow import) takes over in main(): nothing started
+if __name__ == "__main__":  # until ringdit.preemption (a slow import) takes over in main(): nothing started
     signal.signal(signal.SIGTERM, _stopped_before_start)
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -53,7 +53,7 @@ log = logging.getLogger("ringdit.prepare")
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     settings = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left: one line
-    from ringdit.training.preemption import sigterm_stops_at_once, stop_on_sigterm
+    from ringdit.preemption import sigterm_stops_at_once, stop_on_sigterm
 
     # SIGTERM: this rank stops where it is, or right after the shard it is writing; exit code 143 (module docstring)
     with user_errors(), stop_on_sigterm(logger=log), sigterm_stops_at_once(*preempted(settings["out"])):

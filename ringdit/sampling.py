@@ -18,6 +18,7 @@ from ringdit.atomic import atomic_write
 from ringdit.errors import ConfigError
 from ringdit.images import save_samples, to_image, write_gif
 from ringdit.media.writing import write_media, write_mp4
+from ringdit.preemption import Preempted
 from ringdit.safe_json import parse_json
 from ringdit.seeding import Stream, seed_of
 
@@ -355,7 +356,7 @@ class SampleWriter(L.Callback):
     holds), the grid ``samples-<name>.png`` / ``.gif``, and videos' ``sample-<i>.mp4`` / ``.gif`` each, named by
     their sample number i whatever their shape.
 
-    When SIGTERM stops sampling (``ringdit.training.preemption``), the samples of every finished batch are written
+    When SIGTERM stops sampling (``ringdit.preemption``), the samples of every finished batch are written
     the same way. Every .npz is written to a temp file and renamed: it is never half-written.
     """
 
@@ -380,8 +381,6 @@ class SampleWriter(L.Callback):
         """SIGTERM stopped every rank at the same step (``Preempted``): write the finished batches, gathered as at the
         end, and say how many of all requested samples that is in the preemption's log line. After any other
         exception nothing is gathered: the other ranks may not be there."""
-        from ringdit.training.preemption import Preempted  # (ringdit.training's callbacks import this module)
-
         if not isinstance(exception, Preempted) or trainer.state.fn != TrainerFn.PREDICTING:
             return
         count, shown = self._write(trainer, pl_module)

@@ -237,7 +237,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     """``encode_folder``'s work, given its ``TileGroup`` (parallel_vae=true on several ranks, else None)."""
     from tqdm.auto import tqdm
 
-    from ringdit.training.preemption import sigterm_waits
+    from ringdit.preemption import sigterm_waits
 
     for name, value in (("frames", frames), ("frame_stride", frame_stride), ("shard_size", shard_size),
                         ("batch_size", batch_size)):

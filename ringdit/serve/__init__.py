@@ -205,7 +205,7 @@ def serve(cfg: DictConfig) -> int:
         server = Server(cfg)
         claim_run_folder(server.spec.output_dir, "serve")
         server.build()
-    from ringdit.training.preemption import keep_sigterm_handler
+    from ringdit.preemption import keep_sigterm_handler
 
     previous = signal.getsignal(signal.SIGTERM)
 

@@ -104,7 +104,7 @@ def train(cfg: DictConfig) -> Path:
 
 
 def fit(cfg: DictConfig, trainer, module, datamodule, ckpt_path) -> Path:
-    from ringdit.training.preemption import stop_on_sigterm
+    from ringdit.preemption import stop_on_sigterm
 
     # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; a non-finite loss or a disk that
     # fills while a checkpoint is written: one line, exit code 2; anything else is a fault: traceback
