@@ -9,6 +9,11 @@ every rank of a sequence-parallel group draws the same t and noise).
 - ``DDPM``: epsilon prediction on the original DiT's linear beta schedule (1e-4 .. 0.02, 1000 steps), so original
   DiT checkpoints can be fine-tuned. The model sees the integer step. A model with a learned variance (the DiT's
   ``learn_sigma``) also learns it with the original's variational-bound term (``vb_bits``, ``learn_variance``).
+  Its settings also give the discrete-time schedules of other models, as diffusers' ``DDIMScheduler`` /
+  ``CogVideoXDDIMScheduler`` configure them: ``prediction`` (``epsilon`` or ``v``: ``sqrt(a) noise - sqrt(1 - a) x0``),
+  ``beta_schedule`` (``linear``, or ``scaled_linear``: betas linear in their square root, latent diffusion's),
+  ``snr_shift_scale`` (CogVideoX's SD3-like shift of the signal-to-noise ratio, ``a / (s + (1 - s) a)``),
+  ``rescale_zero_snr`` (the terminal step pure noise, Lin et al. 2023) and the DDIM sampler's ``timestep_spacing``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import math
 import torch
 
 from ringdit.diffusion.gaussian import GaussianPosterior
+from ringdit.errors import ConfigError
 
 Tensor = torch.Tensor
 
@@ -124,18 +130,87 @@ class FlowMatching:
         return t * 1000.0
 
 
+PREDICTIONS = ("epsilon", "v")
+BETA_SCHEDULES = ("linear", "scaled_linear")
+# which steps the ddim sampler visits: "linspace" (ringdit's, the original DiT's: linspace(T - 1, 0, steps) rounded,
+# each step to the next one listed), or diffusers' "leading" / "trailing" (DDIMScheduler's, stepping back
+# T // steps from each, as diffusers does)
+TIMESTEP_SPACINGS = ("linspace", "leading", "trailing")
+
+
+def check_ddpm(settings: dict, setting: str = "diffusion.objective") -> None:
+    """A ConfigError naming the first DDPM setting of ``settings`` that cannot work, its value and what to give."""
+    def refuse(key: str, why: str) -> None:
+        raise ConfigError(f"{setting}.{key}={settings.get(key)!r} {why}")
+
+    def number(key: str) -> bool:
+        value = settings.get(key)
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+    steps = settings.get("num_timesteps", 1000)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        refuse("num_timesteps", "is not a number of steps; give a whole number >= 2 (1000)")
+    for key in ("beta_start", "beta_end"):
+        if key in settings and not (number(key) and 0 < settings[key] < 1):
+            refuse(key, "is not a beta in (0, 1); give e.g. 1e-4 .. 0.02 (linear) or 0.00085 .. 0.012 (scaled_linear)")
+    if settings.get("beta_start", 1e-4) > settings.get("beta_end", 0.02):
+        refuse("beta_start", f"is above beta_end={settings.get('beta_end', 0.02)!r}: betas grow with the step")
+    choices = {"prediction": PREDICTIONS, "beta_schedule": BETA_SCHEDULES, "timestep_spacing": TIMESTEP_SPACINGS}
+    for key, allowed in choices.items():
+        if key in settings and settings[key] not in allowed:
+            refuse(key, f"is not one of {', '.join(allowed)}")
+    if "rescale_zero_snr" in settings and not isinstance(settings["rescale_zero_snr"], bool):
+        refuse("rescale_zero_snr", "is not true or false")
+    if "snr_shift_scale" in settings and not (number("snr_shift_scale") and settings["snr_shift_scale"] > 0):
+        refuse("snr_shift_scale", "is not a number > 0; give 1.0 for no shift (CogVideoX 1.5 / 5B), 3.0 for "
+                                  "CogVideoX-2B")
+    if settings.get("rescale_zero_snr") and settings.get("prediction", "epsilon") == "epsilon":
+        refuse("rescale_zero_snr", "with prediction=epsilon: the last step is pure noise, where noise predicts "
+                                   "nothing of the data; set diffusion.objective.prediction=v (as CogVideoX)")
+
+
+def rescale_zero_terminal_snr(alphas_cumprod: Tensor) -> Tensor:
+    """The schedule's sqrt(alpha_bar) shifted to end at 0 and scaled to keep its first value (Lin et al. 2023,
+    Algorithm 1), on alpha_bar as ``CogVideoXDDIMScheduler`` applies it."""
+    root = alphas_cumprod.sqrt()
+    first, last = root[0].clone(), root[-1].clone()
+    return ((root - last) * (first / (first - last))).square()
+
+
 class DDPM:
     samplers = ("ddim", "ddpm")  # the samplers that fit this objective; the first is the default
 
     def __init__(self, num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02,
-                 learn_variance: bool = True):
+                 learn_variance: bool = True, prediction: str = "epsilon", beta_schedule: str = "linear",
+                 rescale_zero_snr: bool = False, snr_shift_scale: float = 1.0, timestep_spacing: str = "linspace"):
         """``learn_variance``: a model with learned-sigma channels is trained with the original DiT's hybrid loss,
         MSE on epsilon + the variational bound on the variance (``vb_bits``); off, those channels get no loss and
-        drift when an original checkpoint is fine-tuned. No effect on models without a learned variance."""
+        drift when an original checkpoint is fine-tuned. No effect on models without a learned variance.
+
+        ``prediction``, ``beta_schedule``, ``snr_shift_scale``, ``rescale_zero_snr``: the model's target and
+        schedule (the module's docstring); their defaults are the original DiT's. ``timestep_spacing``: the steps the
+        ddim sampler visits (``TIMESTEP_SPACINGS``), kept here with the schedule so that a checkpoint samples as it
+        was configured."""
+        check_ddpm({"num_timesteps": num_timesteps, "beta_start": beta_start, "beta_end": beta_end,
+                    "prediction": prediction, "beta_schedule": beta_schedule, "rescale_zero_snr": rescale_zero_snr,
+                    "snr_shift_scale": snr_shift_scale, "timestep_spacing": timestep_spacing})
         self.num_timesteps, self.learn_variance = num_timesteps, learn_variance
-        betas = torch.linspace(beta_start, beta_end, num_timesteps, dtype=torch.float64)  # the original's "linear"
-        self.posterior = GaussianPosterior(betas)
-        self.alphas_cumprod = self.posterior.alphas_cumprod
+        self.prediction, self.timestep_spacing = prediction, timestep_spacing
+        if beta_schedule == "linear":
+            betas = torch.linspace(beta_start, beta_end, num_timesteps, dtype=torch.float64)  # the original's "linear"
+        else:  # latent diffusion's, as diffusers' CogVideoXDDIMScheduler computes it (float64)
+            betas = torch.linspace(beta_start**0.5, beta_end**0.5, num_timesteps, dtype=torch.float64) ** 2
+        if snr_shift_scale == 1.0 and not rescale_zero_snr:
+            self.posterior = GaussianPosterior(betas)
+            self.alphas_cumprod = self.posterior.alphas_cumprod
+            return
+        # CogVideoXDDIMScheduler's order: the SNR shift, then the zero-terminal-SNR rescale, both on alpha_bar
+        alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+        alphas_cumprod = alphas_cumprod / (snr_shift_scale + (1 - snr_shift_scale) * alphas_cumprod)
+        if rescale_zero_snr:
+            alphas_cumprod = rescale_zero_terminal_snr(alphas_cumprod)
+        self.alphas_cumprod = alphas_cumprod
+        self.posterior = GaussianPosterior.respaced(alphas_cumprod, list(range(num_timesteps)))
 
     def sample_time(self, batch: int, generator: torch.Generator, tokens: int | None = None,
                     within: None = None) -> Tensor:
@@ -150,13 +225,24 @@ class DDPM:
         return _broadcast(alpha_bar.sqrt(), x0) * x0 + _broadcast((1 - alpha_bar).sqrt(), x0) * noise
 
     def target(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
-        return noise
+        if self.prediction == "epsilon":
+            return noise
+        alpha_bar = self.alphas_cumprod.to(x0.device)[t.to(x0.device)]  # v, as diffusers' get_velocity
+        return _broadcast(alpha_bar.sqrt(), x0) * noise - _broadcast((1 - alpha_bar).sqrt(), x0) * x0
+
+    def epsilon(self, x_t: Tensor, t: Tensor, prediction: Tensor) -> Tensor:
+        """The noise a model's ``prediction`` at ``(x_t, t)`` stands for (t: (B,) steps of the full schedule)."""
+        if self.prediction == "epsilon":
+            return prediction
+        alpha_bar = self.alphas_cumprod.to(x_t.device)[t.to(x_t.device)]
+        return _broadcast(alpha_bar.sqrt(), x_t) * prediction + _broadcast((1 - alpha_bar).sqrt(), x_t) * x_t
 
     def model_time(self, t: Tensor) -> Tensor:
         return t.float()
 
     def vb_bits(self, x0: Tensor, x_t: Tensor, t: Tensor, eps: Tensor, variance_values: Tensor) -> Tensor:
         """The learned variance's loss per element (bits), added to the squared epsilon error as in the original
-        (its loss type MSE: not rescaled by num_timesteps / 1000). ``eps`` is detached here: the bound trains the
-        variance only and leaves the mean to the MSE (the original's "frozen out" model output)."""
-        return self.posterior.vb_bits(x0, x_t, t, eps.detach(), variance_values)
+        (its loss type MSE: not rescaled by num_timesteps / 1000). ``eps``: the model's prediction (epsilon, or v
+        under ``prediction=v``), detached here: the bound trains the variance only and leaves the mean to the MSE
+        (the original's "frozen out" model output)."""
+        return self.posterior.vb_bits(x0, x_t, t, self.epsilon(x_t, t, eps.detach()), variance_values)

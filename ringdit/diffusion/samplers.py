@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ringdit.diffusion.gaussian import GaussianPosterior, space_timesteps
@@ -121,10 +122,28 @@ def sample_flow(denoiser, noise: Tensor, steps: int, method: str = "euler", shif
     return x
 
 
+def ddim_timesteps(num_timesteps: int, steps: int, spacing: str = "linspace") -> list[tuple[int, int]]:
+    """The (step, previous step) pairs the ddim sampler visits, from the noisiest; a previous step of -1 is the end
+    (alpha_bar 1). ``linspace``: ringdit's (the original DiT's) ``linspace(T - 1, 0, steps)`` rounded, each step to
+    the next one listed; ``leading`` / ``trailing``: diffusers' DDIMScheduler's ``set_timesteps`` (steps_offset 0),
+    each step to the one ``T // steps`` before it, as its ``step`` goes (the next one listed where steps divide T)."""
+    if spacing == "linspace":
+        listed = torch.linspace(num_timesteps - 1, 0, steps, dtype=torch.float64).round().long().tolist()
+        return list(zip(listed, [*listed[1:], -1]))
+    if spacing == "leading":
+        listed = (np.arange(0, steps) * (num_timesteps // steps)).round()[::-1].astype(np.int64)
+    elif spacing == "trailing":
+        listed = np.round(np.arange(num_timesteps, 0, -num_timesteps / steps)).astype(np.int64) - 1
+    else:
+        raise ValueError(f"timestep_spacing must be one of linspace, leading, trailing, got {spacing!r}")
+    return [(int(step), int(step) - num_timesteps // steps) for step in listed]
+
+
 @torch.no_grad()
 def sample_ddim(denoiser, noise: Tensor, steps: int, schedule: DDPM, eta: float = 0.0,
                 generator: torch.Generator | None = None, clip_denoised: bool = False) -> Tensor:
-    """DDIM (Song et al., 2021) over ``steps`` evenly spaced steps. ``denoiser(x, step) -> epsilon``.
+    """DDIM (Song et al., 2021) over ``steps`` steps spaced as ``schedule.timestep_spacing`` says
+    (``ddim_timesteps``). ``denoiser(x, step) -> epsilon`` (or v, for a ``prediction=v`` schedule).
 
     ``eta`` > 0 adds fresh noise each step, drawn from ``generator``: under sequence parallelism the generator must
     give every rank of a group the same draws.
@@ -132,14 +151,19 @@ def sample_ddim(denoiser, noise: Tensor, steps: int, schedule: DDPM, eta: float 
     if not 1 <= steps <= schedule.num_timesteps:
         raise ValueError(f"steps must be in [1, {schedule.num_timesteps}], got {steps}")
     alphas = schedule.alphas_cumprod
-    timesteps = torch.linspace(schedule.num_timesteps - 1, 0, steps, dtype=torch.float64).round().long().tolist()
     x = noise
     batch = noise.shape[0]
-    for i, step in enumerate(timesteps):
+    for step, previous in ddim_timesteps(schedule.num_timesteps, steps, getattr(schedule, "timestep_spacing",
+                                                                               "linspace")):
         alpha = alphas[step].item()
-        alpha_prev = alphas[timesteps[i + 1]].item() if i + 1 < len(timesteps) else 1.0
-        eps = denoiser(x, torch.full((batch,), float(step), device=x.device))
-        x0 = (x - (1 - alpha) ** 0.5 * eps) / alpha**0.5
+        alpha_prev = alphas[previous].item() if previous >= 0 else 1.0
+        prediction = denoiser(x, torch.full((batch,), float(step), device=x.device))
+        if getattr(schedule, "prediction", "epsilon") == "v":  # x0 and eps from v (alpha may be 0: zero terminal SNR)
+            x0 = alpha**0.5 * x - (1 - alpha) ** 0.5 * prediction
+            eps = alpha**0.5 * prediction + (1 - alpha) ** 0.5 * x
+        else:
+            eps = prediction
+            x0 = (x - (1 - alpha) ** 0.5 * eps) / alpha**0.5
         if clip_denoised:
             x0 = x0.clamp(-1, 1)
             eps = (x - alpha**0.5 * x0) / (1 - alpha) ** 0.5
@@ -156,7 +180,7 @@ def sample_ddpm(denoiser, noise: Tensor, steps: int, schedule: DDPM, generators:
     """The original DiT's sampler: ancestral sampling from p(x_{t-1} | x_t) with the learned variance, over the
     schedule respaced to ``steps`` (``space_timesteps(1000, "250")`` for its default 250). ``denoiser(x, step) ->
     (B, 2C, ...)`` epsilon and variance values, or ``(B, C, ...)`` epsilon alone (then the fixed large variance, the
-    original's choice without learn_sigma).
+    original's choice without learn_sigma); under ``prediction=v``, v in place of epsilon.
 
     Each step but the last adds fresh noise, sample i's from ``generators[i]``: every rank of a sequence-parallel
     group, and every split of the batch, draws the same noise for sample i.
@@ -167,7 +191,7 @@ def sample_ddpm(denoiser, noise: Tensor, steps: int, schedule: DDPM, generators:
     batch, channels = noise.shape[:2]
     for i in reversed(range(len(kept))):
         prediction = denoiser(x, torch.full((batch,), float(kept[i]), device=x.device))  # (B, C or 2C, ...)
-        eps = prediction[:, :channels]
+        eps = schedule.epsilon(x, torch.full((batch,), kept[i], dtype=torch.long), prediction[:, :channels])
         variance_values = prediction[:, channels:] if prediction.shape[1] > channels else None
         step = torch.full((batch,), i, dtype=torch.long)
         mean, log_variance = posterior.p_mean_variance(x, step, eps, variance_values, clip_denoised)

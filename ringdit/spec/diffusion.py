@@ -152,6 +152,8 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
     if terminal is not None and terminal is not False and objective != "FlowMatching":
         raise ConfigError(f"{prefix}shift_terminal={terminal!r} stretches a flow sampler's times, but this is the "
                           f"{objective} objective; leave shift_terminal null")
+    if objective == "DDPM":
+        check_ddpm_objective(objective_cfg, sampler, prefix)
     timesteps = objective_cfg.get("num_timesteps", 1000) if objective == "DDPM" else None
     if timesteps is not None and sampling.get("steps") is not None and sampling["steps"] > timesteps:
         raise ConfigError(f"{prefix}steps={sampling['steps']} is more than the DDPM schedule's {timesteps} steps; "
@@ -180,6 +182,25 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
     if cfg_scale is not None and cfg_scale != 1.0 and not model_cfg.get("class_dropout_prob", 0.1) > 0:
         raise ConfigError(f"cfg_scale={cfg_scale} needs a model trained with label dropout (a null class), but "
                           f"model.class_dropout_prob={model_cfg.get('class_dropout_prob')}; use cfg_scale=1")
+
+
+def check_ddpm_objective(objective_cfg, sampler: str | None, prefix: str = "") -> None:
+    """``diffusion=ddpm``'s settings: each a value the schedule takes (``ringdit.diffusion.objectives.check_ddpm``),
+    no key it does not know, and a sampler that can step it."""
+    import inspect
+
+    from ringdit.diffusion.objectives import DDPM, check_ddpm
+
+    settings = {key: value for key, value in dict(objective_cfg).items() if key != "_target_"}
+    known = set(inspect.signature(DDPM.__init__).parameters) - {"self"}
+    for key in sorted(set(settings) - known):
+        raise ConfigError(f"diffusion.objective.{key}={settings[key]!r} is not a DDPM setting; use one of "
+                          f"{', '.join(sorted(known))}")
+    check_ddpm(settings)
+    if sampler == "ddpm" and settings.get("rescale_zero_snr"):
+        raise ConfigError(f"{prefix}sampler=ddpm (the original DiT's ancestral sampler) with "
+                          "diffusion.objective.rescale_zero_snr=true: its posterior divides by the last step's "
+                          "alpha_bar, which is 0; use sampler=ddim")
 
 
 def guidance_embedding(model_cfg: dict) -> bool | None:
