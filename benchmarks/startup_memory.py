@@ -312,12 +312,13 @@ def code_at(old: str | None):
 def estimate(case: Case):
     """``ringdit.memory``'s estimate for ``case`` (this checkout's), or None where it has none."""
     try:
+        from ringdit.layout import Layout
         from ringdit.memory import estimate_model_memory
     except ImportError:
         return None
-    return estimate_model_memory(case.config, lora=case.lora_settings, strategy=case.strategy,
-                                 dp_degree=case.world, ema=case.ema, training=True, precision="32",
-                                 lora_base_dtype=case.lora or "float32")
+    layout = Layout(dp_degree=case.world, strategy=case.strategy, device_type="cpu")
+    return estimate_model_memory(case.config, layout, lora=case.lora_settings, ema=case.ema, training=True,
+                                 precision="32", lora_base_dtype=case.lora or "float32")
 
 
 def rough_need(case: Case, full_weights: int) -> int:

@@ -5,20 +5,28 @@ A run far too big for the machine does not fail: it swaps, or sits at step 0 unt
 settings that are 2x off and to rank layouts, not to plan the last gigabyte. What it models, per rank, in bytes --
 the names are ``MemoryEstimate``'s fields, so a measured table can be compared term by term (on CPU ranks: the
 peak RSS minus the process's baseline against ``peak_bytes``; ``startup_bytes`` and ``step_bytes`` apart).
-P = parameters, T = trainable parameters (all of them; under LoRA only the adapters), w = bytes of a weight (4; 2
-under ``*16-true`` precision), n = the ranks one parameter is sharded over (DDP: 1; FSDP: world /
-``replicate_degree``), S = tokens per sample, D = hidden size, F = the MLP's inner width, L = depth, B = batch per
-data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4):
+The estimate reads the run's ``ringdit.layout.Layout`` (the ranks, the strategy, how and where it shards: the one
+model of the layout, which train.py checks once and the planner builds per candidate) and a ``Setup`` (the rest:
+batch, precision, memory options, optimizer, what trains). P = parameters, T = trainable parameters (all of them;
+under LoRA only the adapters), w = bytes of a weight (4; 2 under ``*16-true`` precision), n = the ranks one parameter
+is sharded over (``Layout.shard_degree``; DDP: 1; FSDP: world / ``replicate_degree``), S = tokens per sample, D =
+hidden size, F = the MLP's inner width, L = depth, B = batch per data-parallel rank, a = bytes of an activation (2
+under 16-bit precision, else 4), M = the models that train (1; DMD2: 2, below):
 
 - ``weights_bytes``: P x w / n; under LoRA the frozen Linear / Conv weights in ``lora.base_dtype`` (2 bytes for
   bfloat16; the rest of the base -- norms, embedding and modulation tables -- keeps w) plus the adapters (for each
   targeted Linear (in, out): rank x (in + out) parameters) in w; an fp8 base (``float8_e4m3fn`` / ``float8_e5m2``):
   the blocks' Linear weights 1 byte each plus a 4-byte scale per output row, the other Linear / Conv weights and
   every bias 2 bytes (``ringdit.lora.hold_in_float8``);
-- ``gradient_bytes``: T x w / n;  ``optimizer_bytes``: AdamW's two moments, 2 x T x w / n; 8-bit states
-  (``optimizer=adamw8bit``): 1 byte a value plus a 4-byte scale per block of 256 (``ringdit.optimizers``);
-- ``ema_bytes``: T x w / n when ``ema_decay`` is on (under LoRA the EMA tracks only the adapters);
-- ``bucket_bytes`` (DDP): its gradient all-reduce buckets, a second copy of the gradients, T x w;
+  DMD2 (``distill=dmd2``) holds three models: M = 2 of them as above (the student and the critic, LoRA-adapted
+  alike), plus the frozen teacher, built whole without LoRA, P x w / n;
+- ``gradient_bytes``: M x T x w / n (DMD2: the critic's stay allocated while the student's update runs);
+  ``optimizer_bytes``: AdamW's two moments, 2 x M x T x w / n; 8-bit states (``optimizer=adamw8bit``): 1 byte a value
+  plus a 4-byte scale per block of 256 (``ringdit.optimizers``);
+- ``ema_bytes``: T x w / n when ``ema_decay`` is on (under LoRA the EMA tracks only the adapters; DMD2: the
+  student's only);
+- ``bucket_bytes`` (DDP): its gradient all-reduce buckets, a second copy of the gradients, M x T x w (DMD2: DDP
+  wraps the student and the critic together);
 - ``gathered_bytes`` (FSDP): the all-gathered parameters in flight -- the root module's (not resharded) and two
   blocks' (the current one and the prefetched next), in ``param_dtype`` (else their own dtype) -- plus one block's
   unsharded gradient before its reduce-scatter;
@@ -33,7 +41,10 @@ data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4
   checkpointed inputs are in host memory (``host_bytes``) but one, in flight. Backward's working set there adds the
   gradient of the MLP's hidden layer before and after its activation (2 x F); a full fine-tune under DDP also one
   weight's gradient, computed whole before it is added to ``.grad`` (the largest parameter, w bytes). One block's
-  worth when sampling; an fp8 base adds its largest block Linear weight cast up to the compute dtype. Tokens per
+  worth when sampling; an fp8 base adds its largest block Linear weight cast up to the compute dtype. DMD2's step
+  runs one model's backward at a time (the critic's updates, then the student's through its one trained simulated
+  step), and the teacher's and critic's forwards of the matching loss run without gradient while the student keeps
+  its activations, each holding one block's worth, less than backward's working set: the same term. Tokens per
   rank: S / (ring x ulysses), rounded up, plus as much of the text of joint attention (Flux, QwenImage), which is
   sharded like the image;
 - ``attention_bytes``: per ring hop, after the Ulysses exchange (S / ring tokens of D / ulysses values): q, k, v,
@@ -42,7 +53,7 @@ data-parallel rank, a = bytes of an activation (2 under 16-bit precision, else 4
 - ``startup_bytes``: the peak while the model is built and loaded, before the first step. FSDP builds on the meta
   device and materialises only this rank's shards (weights and EMA, / n) plus one full parameter at a time for its
   random init or loading: the largest single tensor, in fp32. DDP holds the whole model (the base in its dtype under
-  LoRA) and a whole EMA copy, plus that one tensor in flight;
+  LoRA) and a whole EMA copy, plus that one tensor in flight; under DMD2 the three models' weights;
 - ``host_bytes``: under FSDP's ``cpu_offload`` the sharded weights, gradients, optimizer state and EMA live in CPU
   memory, and the checkpointed blocks' inputs under ``activation_offload``: counted here, not on the device.
 
@@ -67,6 +78,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from ringdit.layout import Layout
 from ringdit.models.checkpointing import checkpoint_fraction, checkpointed_blocks
 
 log = logging.getLogger("ringdit.memory")
@@ -75,7 +87,7 @@ GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 STATE_BLOCK = 256  # values per fp32 scale of an 8-bit optimizer state (conf/optimizer/adamw8bit.yaml)
-STRATEGIES = ("ddp", "fsdp")
+DISTILL_METHODS = ("none", "dmd2")  # conf/distill/
 
 
 # ---- what the estimate reads: the model's sizes and the run's setup --------------------------------------------
@@ -112,15 +124,10 @@ class ModelSize:
 
 @dataclass(frozen=True)
 class Setup:
-    """How a run holds its model and splits its work: what, besides the model, decides a rank's memory."""
+    """What, besides the model and its ``Layout`` (the ranks, the strategy and where it holds the sharded state),
+    decides a rank's memory: the batch, the precision, the memory options, the optimizer and what trains."""
 
     batch_size: int = 1                # samples per data-parallel rank and step
-    dp_degree: int = 1
-    ring_degree: int = 1
-    ulysses_degree: int = 1
-    strategy: str = "ddp"              # ddp (replicated) | fsdp (sharded)
-    replicate_degree: int = 1          # FSDP's HSDP: shard within world / replicate_degree ranks
-    cpu_offload: bool = False          # FSDP: the sharded state in host memory
     param_dtype: str | None = None     # FSDP: the dtype blocks are gathered and computed in; None: their own
     precision: str = "32-true"         # trainer.precision
     activation_checkpointing: bool | float = False  # the share of the blocks checkpointed (true: 1)
@@ -130,14 +137,14 @@ class Setup:
     optimizer_states: int = 2          # tensors per trainable parameter: AdamW 2, SGD with momentum 1, SGD 0
     optimizer_8bit: bool = False       # the states in 8 bits with block scales (optimizer=adamw8bit)
     training: bool = True              # False: sampling (no gradients, optimizer, EMA; nothing kept for backward)
-    math_attention: bool = False       # the math backend materialises the (S / ring)^2 scores
+    distill: str = "none"              # dmd2: a trained critic and a frozen teacher beside the model (the student)
 
     def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {' | '.join(STRATEGIES)}, got {self.strategy!r}")
         for name, value in (("param_dtype", self.param_dtype), ("lora_base_dtype", self.lora_base_dtype)):
             if value not in DTYPE_BYTES and not (name == "param_dtype" and value is None):
                 raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {value!r}")
+        if self.distill not in DISTILL_METHODS:
+            raise ValueError(f"distill must be one of {' | '.join(DISTILL_METHODS)}, got {self.distill!r}")
 
     @property
     def checkpoint_fraction(self) -> float:
@@ -149,19 +156,6 @@ class Setup:
         return 1 + 4 / STATE_BLOCK if self.optimizer_8bit else self.weight_bytes
 
     @property
-    def sp_degree(self) -> int:
-        return self.ring_degree * self.ulysses_degree
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_degree * self.sp_degree
-
-    @property
-    def shard_degree(self) -> int:
-        """The ranks one parameter is split over (n)."""
-        return self.world_size // self.replicate_degree if self.strategy == "fsdp" else 1
-
-    @property
     def weight_bytes(self) -> int:
         """Bytes of a weight (and its gradient, moments, EMA): Lightning's ``*-true`` precisions cast the model."""
         return 8 if "64" in self.precision else 2 if "16-true" in self.precision else 4
@@ -170,6 +164,17 @@ class Setup:
     def activation_bytes(self) -> int:
         """Bytes of an activation: 16-bit under ``bf16-mixed`` / ``16-mixed`` autocast and ``*16-true``."""
         return 8 if "64" in self.precision else 2 if "16" in self.precision else 4
+
+    @property
+    def trained_models(self) -> int:
+        """Models whose weights train, each with its gradients and optimizer state: the model; under DMD2 the student
+        and the critic."""
+        return 2 if self.training and self.distill == "dmd2" else 1
+
+    @property
+    def frozen_models(self) -> int:
+        """Whole models held beside them without gradients: DMD2's teacher."""
+        return 1 if self.training and self.distill == "dmd2" else 0
 
 
 @dataclass(frozen=True)
@@ -213,17 +218,18 @@ class MemoryEstimate:
 # ---- the estimate ------------------------------------------------------------------------------------------------
 
 
-def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
-    """The estimate described in the module docstring, in bytes per rank."""
-    n, w, a, B = setup.shard_degree, setup.weight_bytes, setup.activation_bytes, setup.batch_size
-    training, fsdp = setup.training, setup.strategy == "fsdp"
+def estimate_memory(model: ModelSize, layout: Layout, setup: Setup = Setup()) -> MemoryEstimate:
+    """The estimate described in the module docstring, in bytes per rank, of ``model`` laid out as ``layout``."""
+    n, w, a, B = layout.shard_degree, setup.weight_bytes, setup.activation_bytes, setup.batch_size
+    training, fsdp = setup.training, layout.fsdp
     trainable = model.lora_parameters if model.lora else model.trainable_parameters
+    trained, frozen = setup.trained_models, setup.frozen_models  # DMD2: the student and the critic; the teacher
     # the training state, this rank's share of it
-    weights = model_bytes(model, setup) // n
-    gradients = trainable * w // n if training else 0
-    optimizer = int(setup.optimizer_states * trainable * setup.state_bytes) // n if training else 0
+    weights = (trained * model_bytes(model, setup) + frozen * model.parameters * w) // n
+    gradients = trained * trainable * w // n if training else 0
+    optimizer = int(setup.optimizer_states * trained * trainable * setup.state_bytes) // n if training else 0
     ema = trainable * w // n if training and setup.ema else 0
-    buckets = trainable * w if training and not fsdp else 0
+    buckets = trained * trainable * w if training and not fsdp else 0
     gathered = 0
     if fsdp:
         in_flight_blocks = model.root_parameters + 2 * model.block_parameters
@@ -231,7 +237,7 @@ def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
         if training and not model.lora:  # one block's unsharded gradient, before its reduce-scatter
             gathered += model.block_parameters * w
     # activations kept for backward, on this rank's tokens
-    tokens_per_rank = math.ceil(model.tokens / setup.sp_degree) + math.ceil(model.text_tokens / setup.sp_degree)
+    tokens_per_rank = math.ceil(model.tokens / layout.sp_degree) + math.ceil(model.text_tokens / layout.sp_degree)
     D, F = model.hidden_size, model.mlp_hidden
     per_block = 10 * D + 2 * F  # values kept per token by one block
     if training and not model.lora:  # the weights train: their gradients also need adaLN's normalized inputs (its two
@@ -256,15 +262,15 @@ def estimate_memory(model: ModelSize, setup: Setup) -> MemoryEstimate:
         # (gradient accumulation, zero_grad(set_to_none=False)): the largest one in flight (FSDP: ``gathered``'s)
         activations += model.largest_parameter * w
     # one ring hop, after the Ulysses exchange: S / ring tokens of H / ulysses heads (D / ulysses values per token)
-    ring_tokens = math.ceil(model.tokens / setup.ring_degree) + math.ceil(model.text_tokens / setup.ring_degree)
-    attention = 6 * B * ring_tokens * (model.hidden_size // setup.ulysses_degree) * a  # q k v out, K/V in flight
-    if setup.math_attention:
-        scores = B * (model.num_heads // setup.ulysses_degree) * ring_tokens**2 * 4  # fp32 scores, probabilities
+    ring_tokens = math.ceil(model.tokens / layout.ring_degree) + math.ceil(model.text_tokens / layout.ring_degree)
+    attention = 6 * B * ring_tokens * (model.hidden_size // layout.ulysses_degree) * a  # q k v out, K/V in flight
+    if layout.attention_backend == "math":
+        scores = B * (model.num_heads // layout.ulysses_degree) * ring_tokens**2 * 4  # fp32 scores, probabilities
         attention += 2 * scores * (2 if training else 1)  # and their gradients
     # start-up: what is materialised before the first step, plus one full tensor being initialised or loaded
     in_flight = model.largest_parameter * 4
     host = B * tokens_per_rank * offloaded * a
-    if fsdp and setup.cpu_offload:
+    if fsdp and layout.cpu_offload:
         host += weights + gradients + optimizer + ema
         startup = in_flight
         weights = gradients = optimizer = ema = 0
@@ -392,21 +398,25 @@ def float8_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int, in
             max((layer.weight.numel() for layer in layers), default=0))
 
 
-def estimate_model_memory(config: dict, *, lora: dict | None = None, meta_model: nn.Module | None = None,
-                          **settings) -> MemoryEstimate:
+def estimate_model_memory(config: dict, layout: Layout = Layout(), *, lora: dict | None = None,
+                          meta_model: nn.Module | None = None, **settings) -> MemoryEstimate:
     """The estimate for a built-config (what ``build_model`` takes: ``_target_`` and the data's shape filled in)
-    under ``Setup(**settings)``: what a benchmark prints beside the peak it measures, e.g.
-    ``estimate_model_memory(config, lora={"rank": 64}, strategy="fsdp", ring_degree=4, lora_base_dtype="bfloat16")``.
-    """
-    from ringdit.spec.model import build_on_meta
+    laid out as ``layout`` under ``Setup(**settings)``: what a benchmark prints beside the peak it measures, e.g.
+    ``estimate_model_memory(config, Layout(ring_degree=4, strategy="fsdp"), lora={"rank": 64},
+    lora_base_dtype="bfloat16")``."""
+    from ringdit.build import build_model
+    from ringdit.parallel import ParallelDims
 
     setup = Setup(**settings)
-    meta_model = meta_model if meta_model is not None else build_on_meta(config, setup.ulysses_degree)
+    if meta_model is None:
+        with torch.device("meta"):
+            meta_model, _ = build_model(config, dims=ParallelDims(ulysses_degree=layout.ulysses_degree),
+                                        backend="math")
     size = model_size(config, meta_model, lora)
     if size is None:
         raise ValueError(f"cannot estimate the memory of {config.get('_target_')}: it describes no hidden size and "
                          f"heads (a DiT's hidden_size / num_heads, a diffusers config's attention heads)")
-    return estimate_memory(size, setup)
+    return estimate_memory(size, layout, setup)
 
 
 # ---- train.py's warning ------------------------------------------------------------------------------------------
@@ -428,65 +438,65 @@ def available_memory(device_type: str, ranks_on_this_machine: int) -> int | None
     return available // max(1, ranks_on_this_machine)
 
 
-def layout_that_fits(model: ModelSize, setup: Setup, available: int) -> str | None:
+def layout_that_fits(model: ModelSize, layout: Layout, setup: Setup, available: int) -> str | None:
     """The first change that brings the peak within ``available``: more ring ranks (activations shrink, and under
     FSDP the state too), else FSDP at this layout, else FSDP with more ring ranks; None if nothing up to 1024x does."""
-    tries = [("", setup)]
-    if setup.strategy == "ddp" and setup.training:
-        tries.append(("trainer/strategy=fsdp", replace(setup, strategy="fsdp")))
+    tries = [("", layout)]
+    if not layout.fsdp and setup.training:
+        tries.append(("trainer/strategy=fsdp", replace(layout, strategy="fsdp")))
     for prefix, base in tries:
         for factor in (2**i for i in range(11)):
             ring = base.ring_degree * factor
             if (prefix, factor) == ("", 1) or ring * base.ulysses_degree > model.tokens:
                 continue
             bigger = replace(base, ring_degree=ring)
-            if estimate_memory(model, bigger).peak_bytes <= available:
-                ranks = f"ring_degree={ring} ({bigger.world_size} ranks of this size)" if factor > 1 else ""
+            if estimate_memory(model, bigger, setup).peak_bytes <= available:
+                ranks = f"ring_degree={ring} ({bigger.ranks} ranks of this size)" if factor > 1 else ""
                 return " ".join(part for part in (prefix, ranks) if part)
     return None
 
 
-def warn_if_memory_short(*, available: int | None, model: ModelSize, setup: Setup) -> MemoryEstimate:
+def warn_if_memory_short(*, available: int | None, model: ModelSize, layout: Layout,
+                         setup: Setup = Setup()) -> MemoryEstimate:
     """Log one warning when the estimate's peak exceeds ``available``, with a layout that would fit."""
-    estimate = estimate_memory(model, setup)
+    estimate = estimate_memory(model, layout, setup)
     if available is None or estimate.peak_bytes <= available:
         return estimate
-    fits = layout_that_fits(model, setup, available)
+    fits = layout_that_fits(model, layout, setup, available)
     step = ", ".join(f"{name} {estimate.terms()[name] / GiB:.1f}" for name in MemoryEstimate.STEP_TERMS
                      if estimate.terms()[name])
     hint = (f"{fits} would fit; or lower data.batch_size" if fits else
             "Even 1024x the ring ranks would not fit; lower data.batch_size or the resolution")
     if setup.training and setup.checkpoint_fraction < 1:
         hint += ", or set model.activation_checkpointing=true"
+    models = " (student, critic and teacher)" if setup.frozen_models else ""
     log.warning(
-        "memory: about %.1f GiB per rank needed (%d tokens per rank x hidden %d x depth %d, batch %d, %s; start-up "
+        "memory: about %.1f GiB per rank needed%s (%d tokens per rank x hidden %d x depth %d, batch %d, %s; start-up "
         "%.1f GiB, step: %s GiB) but %.1f GiB is available: the run would swap or be killed. %s (python -m "
         "ringdit.plan compares layouts)",
-        estimate.peak_bytes / GiB, estimate.tokens_per_rank, model.hidden_size, model.depth, setup.batch_size,
-        setup.strategy, estimate.startup_bytes / GiB, step, available / GiB, hint,
+        estimate.peak_bytes / GiB, models, estimate.tokens_per_rank, model.hidden_size, model.depth,
+        setup.batch_size, layout.strategy, estimate.startup_bytes / GiB, step, available / GiB, hint,
     )
     return estimate
 
 
-def setup_from_config(cfg, attention_backend: str | None, device_type: str) -> Setup:
-    """The ``Setup`` train.py's composed config ``cfg`` runs with."""
-    strategy = OmegaConf.select(cfg, "trainer.strategy._target_", default="") or ""
+def setup_from_config(cfg, layout: Layout) -> Setup:
+    """The ``Setup`` train.py's composed config ``cfg`` runs with on ``layout`` (its devices decide the defaults of
+    the LoRA base and whether offloading acts)."""
     model = cfg.get("model") or {}
     lora = cfg.get("lora") or {}
     optimizer = str(OmegaConf.select(cfg, "optimizer._target_", default="AdamW") or "")
     checkpointing = model.get("activation_checkpointing") or model.get("gradient_checkpointing")
     offload = bool(model.get("activation_offload")) and checkpoint_fraction(checkpointing) > 0
+    device_type = layout.device_type
     if offload and device_type != "cuda":
         log.warning("model.activation_offload=true is ignored on %s ranks: the activations already live in host "
                     "memory there, and offloading would only copy them; it acts on CUDA", device_type.upper())
     momentum = OmegaConf.select(cfg, "optimizer.momentum", default=0) or 0
     base_dtype = lora.get("base_dtype") or ("bfloat16" if device_type == "cuda" else "float32")
     return Setup(
-        batch_size=cfg.data.batch_size, dp_degree=cfg.get("dp_degree", 1), ring_degree=cfg.ring_degree,
-        ulysses_degree=cfg.ulysses_degree, strategy="fsdp" if "FSDP" in strategy else "ddp",
-        replicate_degree=OmegaConf.select(cfg, "trainer.strategy.replicate_degree", default=1) or 1,
-        cpu_offload=bool(OmegaConf.select(cfg, "trainer.strategy.cpu_offload", default=False)),
-        param_dtype=OmegaConf.select(cfg, "trainer.strategy.param_dtype", default=None),
+        batch_size=cfg.data.batch_size,
+        param_dtype=OmegaConf.select(cfg, "trainer.strategy.param_dtype", default=None) if layout.fsdp else None,
         precision=str(cfg.trainer.get("precision", "32")),
         # the models take the older name gradient_checkpointing too: either recomputes the blocks
         activation_checkpointing=checkpoint_fraction(checkpointing),
@@ -494,28 +504,23 @@ def setup_from_config(cfg, attention_backend: str | None, device_type: str) -> S
         ema=bool(cfg.get("ema_decay")), lora_base_dtype=base_dtype,
         optimizer_states=(1 if momentum else 0) if "SGD" in optimizer else 2,
         optimizer_8bit=optimizer.endswith("adamw8bit"),
-        math_attention=attention_backend == "math",
+        distill=str(OmegaConf.select(cfg, "distill.method", default="none") or "none"),
     )
 
 
-def check_training_memory(cfg, model_cfg: dict, meta_model, attention_backend: str | None,
+def check_training_memory(cfg, layout: Layout, model_cfg: dict, meta_model,
                           largest_step: tuple[int, int] | None = None) -> MemoryEstimate | None:
-    """``warn_if_memory_short`` for train.py's settings (``cfg``) and the model built on the meta device (``model_cfg``
-    its config); None for a model kind whose sizes cannot be read (neither a DiT nor a diffusers transformer).
-    ``largest_step``: (tokens per sample, batch size) of the data's most demanding bucket, which sets the peak
-    (default: the model's default grid at ``data.batch_size``)."""
-    import dataclasses
-
-    from ringdit.spec.layout import device_type, world_size
-
-    kind = device_type(cfg.trainer)
+    """``warn_if_memory_short`` for train.py's settings (``cfg``) on ``layout`` and the model built on the meta device
+    (``model_cfg`` its config); None for a model kind whose sizes cannot be read (neither a DiT nor a diffusers
+    transformer). ``largest_step``: (tokens per sample, batch size) of the data's most demanding bucket, which sets
+    the peak (default: the model's default grid at ``data.batch_size``)."""
     size = model_size(model_cfg, meta_model, OmegaConf.to_container(cfg.lora) if cfg.get("lora") else None)
     if size is None:
         return None
-    setup = setup_from_config(cfg, attention_backend, kind)
+    setup = setup_from_config(cfg, layout)
     if largest_step is not None:
-        size = dataclasses.replace(size, tokens=largest_step[0])
-        setup = dataclasses.replace(setup, batch_size=largest_step[1])
-    devices = world_size(cfg.trainer) // max(1, int(cfg.trainer.get("num_nodes", 1)))
-    return warn_if_memory_short(available=available_memory(kind, devices if kind == "cpu" else 1), model=size,
-                                setup=setup)
+        size = replace(size, tokens=largest_step[0])
+        setup = replace(setup, batch_size=largest_step[1])
+    cpu = layout.device_type == "cpu"
+    return warn_if_memory_short(available=available_memory(layout.device_type, layout.devices if cpu else 1),
+                                model=size, layout=layout, setup=setup)

@@ -13,7 +13,9 @@ Ulysses and the parameter / gradient sync, and an estimated time per sample rela
 then the layout it recommends, and why. Only the model is built, on the meta device; nothing is downloaded. A setting
 left null (``strategy``, ``activation_checkpointing``, ``activation_offload``, ``lora.base_dtype``,
 ``optimizer_8bit``) is searched over: every combination is a candidate, and the table shows the ``show`` best that fit
-and the ``show`` nearest that do not.
+and the ``show`` nearest that do not. Each candidate is a ``ringdit.layout.Layout`` (what train.py checks once and
+runs); ``distill=dmd2`` counts DMD2's three models in the memory (``ringdit.memory``), while the cost below stays one
+model's step.
 
 The cost model behind the relative figure (it ranks layouts; it does not predict seconds):
 
@@ -47,13 +49,14 @@ from __future__ import annotations
 import itertools
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.cli import hydra_main, user_errors
 from ringdit.errors import ConfigError, require_count
-from ringdit.memory import (FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estimate_memory,
+from ringdit.layout import Layout
+from ringdit.memory import (DISTILL_METHODS, FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estimate_memory,
                             gathered_bytes_per_parameter, model_size)
 
 # the VAE's factors per family: (temporal, spatial); a temporal factor t takes frames = t x k + 1 to k + 1 latents
@@ -93,10 +96,10 @@ class StepCost:
         return self.seconds / self.samples
 
 
-def step_cost(model: ModelSize, setup: Setup, hardware: Hardware) -> StepCost:
+def step_cost(model: ModelSize, layout: Layout, setup: Setup, hardware: Hardware) -> StepCost:
     """The work and traffic of one training step on one rank (the module docstring's cost model)."""
     S, L, D, B = model.tokens, model.text_tokens, model.hidden_size, setup.batch_size
-    ring, ulysses, sp, a = setup.ring_degree, setup.ulysses_degree, setup.sp_degree, setup.activation_bytes
+    ring, ulysses, sp, a = layout.ring_degree, layout.ulysses_degree, layout.sp_degree, setup.activation_bytes
     recompute = setup.checkpoint_fraction
     # compute
     attention = model.depth * 4 * B * (math.ceil(S / ring) + math.ceil(L / ring)) * (S + L) * (D / ulysses) \
@@ -110,9 +113,9 @@ def step_cost(model: ModelSize, setup: Setup, hardware: Hardware) -> StepCost:
     ulysses_bytes = model.depth * exchange * (1 + 1 + recompute)
     # parameter / gradient sync
     trainable = model.lora_parameters if model.lora else model.trainable_parameters
-    w, world = setup.weight_bytes, setup.world_size
-    if setup.strategy == "fsdp":
-        n, replicas = setup.shard_degree, setup.replicate_degree
+    w, world = setup.weight_bytes, layout.ranks
+    if layout.fsdp:
+        n, replicas = layout.shard_degree, layout.replicate_degree
         gathered = gathered_bytes_per_parameter(model, setup) * (model.parameters + model.lora_parameters)
         within = 2 * (n - 1) / n * gathered + (n - 1) / n * trainable * 4  # the gathers in forward and backward,
         across = 2 * (replicas - 1) / replicas * trainable * 4 / n  # reduce-scatter; HSDP: all-reduce of the shards
@@ -122,12 +125,12 @@ def step_cost(model: ModelSize, setup: Setup, hardware: Hardware) -> StepCost:
         sync_bytes = 2 * (world - 1) / world * trainable * w
         sync_s = sync_bytes / hardware.bandwidth(world)
     compute_s = (attention + linear) / hardware.flops
-    offloaded = estimate_memory(model, setup).host_bytes if setup.activation_offload else 0
+    offloaded = estimate_memory(model, layout, setup).host_bytes if setup.activation_offload else 0
     overlapped_s = ring_bytes / hardware.bandwidth(sp) + sync_s + 2 * offloaded / hardware.host
     seconds = max(compute_s, overlapped_s) + ulysses_bytes / hardware.bandwidth(ulysses)
     return StepCost(attention_flops=attention, linear_flops=linear, ring_bytes=ring_bytes,
                     ulysses_bytes=ulysses_bytes, sync_bytes=sync_bytes, seconds=seconds,
-                    samples=setup.dp_degree * B)
+                    samples=layout.dp_degree * B)
 
 
 # ---- the layouts -------------------------------------------------------------------------------------------------
@@ -135,15 +138,23 @@ def step_cost(model: ModelSize, setup: Setup, hardware: Hardware) -> StepCost:
 
 @dataclass(frozen=True)
 class Candidate:
-    setup: Setup
+    layout: Layout
+    setup: Setup  # the memory options tried with it
     memory: MemoryEstimate
     cost: StepCost
     fits: bool
 
     @property
     def label(self) -> str:
-        s = self.setup
-        return f"dp={s.dp_degree} ring={s.ring_degree} ulysses={s.ulysses_degree} {s.strategy}{options_label(s)}"
+        lay = self.layout
+        return (f"dp={lay.dp_degree} ring={lay.ring_degree} ulysses={lay.ulysses_degree} {lay.strategy}"
+                f"{options_label(self.setup)}")
+
+    def variant(self, **changes) -> tuple[Layout, Setup]:
+        """This candidate's layout and setup with ``changes`` (fields of either) made."""
+        layout_fields = {f.name for f in fields(Layout)}
+        return (replace(self.layout, **{k: v for k, v in changes.items() if k in layout_fields}),
+                replace(self.setup, **{k: v for k, v in changes.items() if k not in layout_fields}))
 
 
 def options_label(s: Setup) -> str:
@@ -165,11 +176,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(model: ModelSize, base: Setup, hardware: Hardware, strategies: tuple[str, ...],
+def candidates(model: ModelSize, layout: Layout, base: Setup, hardware: Hardware, strategies: tuple[str, ...],
                checkpointing: tuple, options: dict[str, tuple] | None = None) -> list[Candidate]:
-    """Every feasible layout of ``hardware.gpus`` ranks under every combination of the strategies, checkpointed
-    shares and ``options`` (Setup fields: ``activation_offload``, ``lora_base_dtype``, ``optimizer_8bit``: the
-    values to try), with its memory and cost. Offloading is tried only where blocks are checkpointed."""
+    """Every feasible layout of ``hardware.gpus`` ranks (``layout`` with its degrees and strategy replaced) under
+    every combination of the strategies, checkpointed shares and ``options`` (Setup fields: ``activation_offload``,
+    ``lora_base_dtype``, ``optimizer_8bit``: the values to try), with its memory and cost. Offloading is tried only
+    where blocks are checkpointed."""
     options = {"activation_offload": (False,), **(options or {})}
     names = list(options)
     found = []
@@ -183,10 +195,10 @@ def candidates(model: ModelSize, base: Setup, hardware: Hardware, strategies: tu
                 chosen = dict(zip(names, values))
                 if chosen["activation_offload"] and not ckpt:
                     continue
-                setup = replace(base, dp_degree=dp, ring_degree=ring, ulysses_degree=ulysses, strategy=strategy,
-                                activation_checkpointing=ckpt, **chosen)
-                memory = estimate_memory(model, setup)
-                found.append(Candidate(setup, memory, step_cost(model, setup, hardware),
+                laid_out = replace(layout, dp_degree=dp, ring_degree=ring, ulysses_degree=ulysses, strategy=strategy)
+                setup = replace(base, activation_checkpointing=ckpt, **chosen)
+                memory = estimate_memory(model, laid_out, setup)
+                found.append(Candidate(laid_out, setup, memory, step_cost(model, laid_out, setup, hardware),
                                        memory.peak_bytes <= hardware.usable_bytes))
     return found
 
@@ -197,7 +209,7 @@ def preference(c: Candidate) -> tuple:
     most headroom."""
     s = c.setup
     approximations = (s.lora_base_dtype in FLOAT8) + s.optimizer_8bit
-    return (float(f"{c.cost.per_sample:.4g}"), approximations, s.strategy != "ddp", s.checkpoint_fraction,
+    return (float(f"{c.cost.per_sample:.4g}"), approximations, c.layout.fsdp, s.checkpoint_fraction,
             s.activation_offload, c.memory.peak_bytes)
 
 
@@ -219,35 +231,35 @@ def recommend(found: list[Candidate], hardware: Hardware) -> tuple[Candidate | N
 
 
 def _reasons(best: Candidate, found: list[Candidate], hardware: Hardware) -> list[str]:
-    s = best.setup
+    s, lay = best.setup, best.layout
 
     def variant(**changes) -> Candidate | None:
-        wanted = replace(s, **changes)
-        return next((c for c in found if c.setup == wanted), None)
+        wanted = best.variant(**changes)
+        return next((c for c in found if (c.layout, c.setup) == wanted), None)
 
     reasons = []
-    other = variant(strategy="ddp" if s.strategy == "fsdp" else "fsdp")
+    other = variant(strategy="ddp" if lay.fsdp else "fsdp")
     if other is None:  # the settings named the strategy
-        reasons.append(f"{s.strategy.upper()} (strategy={s.strategy})")
-    elif s.strategy == "fsdp" and not other.fits:
+        reasons.append(f"{lay.strategy.upper()} (strategy={lay.strategy})")
+    elif lay.fsdp and not other.fits:
         reasons.append(f"FSDP, as replicated (DDP) state would need {other.memory.peak_bytes / GiB:.1f} GiB per rank")
-    elif s.strategy == "fsdp":
-        reasons.append(f"FSDP: sharding over {s.shard_degree} ranks costs less than replicating")
+    elif lay.fsdp:
+        reasons.append(f"FSDP: sharding over {lay.shard_degree} ranks costs less than replicating")
     else:
         reasons.append("DDP: the replicated state fits, and DDP does without FSDP's per-step all-gathers")
     reasons += _option_reasons(s, variant)
-    if s.sp_degree == 1:
-        reasons.append(f"no sequence parallelism: every rank trains whole samples (dp={s.dp_degree}), which needs "
+    if lay.sp_degree == 1:
+        reasons.append(f"no sequence parallelism: every rank trains whole samples (dp={lay.dp_degree}), which needs "
                        f"the least communication per sample")
     else:
         parts = []
-        if s.ulysses_degree > 1:
-            where = "within a node" if s.ulysses_degree <= hardware.gpus_per_node else "across nodes"
-            parts.append(f"ulysses={s.ulysses_degree} {where} (its all-to-alls block the step)")
-        if s.ring_degree > 1:
-            where = "within a node" if s.sp_degree <= hardware.gpus_per_node else "across nodes"
-            parts.append(f"ring={s.ring_degree} {where} (its K/V hops overlap the attention)")
-        reasons.append(f"the sequence split over {s.sp_degree} ranks: " + ", ".join(parts))
+        if lay.ulysses_degree > 1:
+            where = "within a node" if lay.ulysses_degree <= hardware.gpus_per_node else "across nodes"
+            parts.append(f"ulysses={lay.ulysses_degree} {where} (its all-to-alls block the step)")
+        if lay.ring_degree > 1:
+            where = "within a node" if lay.sp_degree <= hardware.gpus_per_node else "across nodes"
+            parts.append(f"ring={lay.ring_degree} {where} (its K/V hops overlap the attention)")
+        reasons.append(f"the sequence split over {lay.sp_degree} ranks: " + ", ".join(parts))
     return reasons
 
 
@@ -398,9 +410,10 @@ def _choice(setting: str, value, choices: tuple) -> None:
         raise ConfigError(f"{setting} must be one of {' | '.join(map(str, choices))}, got {value!r}")
 
 
-def settings(cfg: DictConfig) -> tuple[Hardware, Setup, tuple[str, ...], tuple, dict[str, tuple]]:
-    """Every setting but the model's, checked: the hardware, the run's setup (degrees are filled in per layout), the
-    strategies and checkpointed shares to try, and the other memory options' values to try (``candidates``)."""
+def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...], tuple, dict[str, tuple]]:
+    """Every setting but the model's, checked: the hardware, the layout's settings (its degrees and strategy are
+    filled in per candidate), the run's setup, the strategies and checkpointed shares to try, and the other memory
+    options' values to try (``candidates``)."""
     from ringdit.models.checkpointing import checkpoint_fraction
 
     from ringdit.attention import list_backends
@@ -445,10 +458,15 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Setup, tuple[str, ...], tuple, 
         raise ConfigError(f"ema_decay must be a number in [0, 1) or null, got {decay!r}; null or 0 turns the EMA "
                           f"off, e.g. ema_decay=0.999")
     check_lora_settings(OmegaConf.to_container(cfg.lora, resolve=True))
-    setup = Setup(batch_size=cfg.data.batch_size, replicate_degree=cfg.replicate_degree, cpu_offload=cfg.cpu_offload,
-                  param_dtype=cfg.param_dtype, precision=str(cfg.precision), ema=bool(decay),
-                  lora_base_dtype=base or "bfloat16", optimizer_states=cfg.optimizer_states,
-                  math_attention=cfg.attention_backend == "math")
+    devices = min(cfg.gpus, cfg.gpus_per_node)
+    layout = Layout(devices=devices, num_nodes=math.ceil(cfg.gpus / devices), device_type="cuda",
+                    attention_backend=cfg.attention_backend, replicate_degree=cfg.replicate_degree,
+                    cpu_offload=cfg.cpu_offload)
+    distill = (cfg.get("distill") or {}).get("method", "none")
+    _choice("distill", distill, DISTILL_METHODS)
+    setup = Setup(batch_size=cfg.data.batch_size, param_dtype=cfg.param_dtype, precision=str(cfg.precision),
+                  ema=bool(decay), lora_base_dtype=base or "bfloat16", optimizer_states=cfg.optimizer_states,
+                  distill=distill)
     strategies = (cfg.strategy,) if cfg.strategy else ("ddp", "fsdp")
     lora = (cfg.lora.rank or 0) > 0
     options = {
@@ -456,7 +474,7 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Setup, tuple[str, ...], tuple, 
         "lora_base_dtype": ("bfloat16", "float8_e4m3fn") if base is None and lora else (base or "bfloat16",),
         "optimizer_8bit": (False, True) if cfg.optimizer_8bit is None else (cfg.optimizer_8bit,),
     }
-    return hardware, setup, strategies, checkpointing, options
+    return hardware, layout, setup, strategies, checkpointing, options
 
 
 # ---- the table -----------------------------------------------------------------------------------------------------
@@ -482,20 +500,20 @@ def _count(n: int) -> str:
 def table_row(c: Candidate, reference: float) -> str:
     """One layout: its degrees, memory per rank (GiB), traffic (GB) and time per sample (and its ratio to
     ``reference``)."""
-    s, m, k = c.setup, c.memory, c.cost
+    s, lay, m, k = c.setup, c.layout, c.memory, c.cost
     memory = [(m.startup_bytes / GiB, 10), (m.step_bytes / GiB, 9), (m.state_bytes / GiB, 7),
               ((m.activation_bytes + m.attention_bytes) / GiB, 7)]
     traffic = [(k.attention_flops / 1e12, 11), (k.ring_bytes / 1e9, 9), (k.ulysses_bytes / 1e9, 8),
                (k.sync_bytes / 1e9, 9)]
     options = options_label(s).strip() or "-"
-    return (f"{s.dp_degree:>4}{s.ring_degree:>5}{s.ulysses_degree:>5} {s.strategy:<9}{options:<40}|"
+    return (f"{lay.dp_degree:>4}{lay.ring_degree:>5}{lay.ulysses_degree:>5} {lay.strategy:<9}{options:<40}|"
             + "".join(f"{_number(x):>{width}}" for x, width in memory) + " |"
             + "".join(f"{_number(x):>{width}}" for x, width in traffic) + " |"
             + f"{k.per_sample:>9.3g}{k.per_sample / reference:>6.2f}x")
 
 
-def format_plan(found: list[Candidate], hardware: Hardware, setup: Setup, model: ModelSize, model_line: str,
-                show: int = 1000) -> str:
+def format_plan(found: list[Candidate], hardware: Hardware, layout: Layout, setup: Setup, model: ModelSize,
+                model_line: str, show: int = 1000) -> str:
     """The plan as printed: the model and the settings, the ``show`` candidates that fit best (best first), the
     ``show`` nearest that do not, and the recommendation."""
     best, why = recommend(found, hardware)
@@ -507,7 +525,9 @@ def format_plan(found: list[Candidate], hardware: Hardware, setup: Setup, model:
         model_line,
         f"{hardware.gpus} GPUs on {nodes} node(s), {hardware.usable_bytes / GiB:.1f} GiB usable each; batch "
         f"{setup.batch_size} per dp rank, {setup.precision}, FSDP param_dtype {setup.param_dtype}, "
-        f"{'EMA' if setup.ema else 'no EMA'}{', cpu_offload' if setup.cpu_offload else ''}",
+        f"{'EMA' if setup.ema else 'no EMA'}{', cpu_offload' if layout.cpu_offload else ''}"
+        + ("; distill=dmd2: the student and a critic train, the teacher is frozen"
+           if setup.frozen_models else ""),
         "memory per rank (state: weights, gradients, optimizer, EMA; acts: activations and attention); traffic sent "
         "per rank and step; rel: estimated time per sample / the recommended layout's",
         "",
@@ -525,10 +545,10 @@ def format_plan(found: list[Candidate], hardware: Hardware, setup: Setup, model:
 @hydra_main("plan")  # conf/plan.yaml
 def plan(cfg: DictConfig) -> None:
     with user_errors():  # a wrong setting: one line, exit code 2
-        hardware, setup, strategies, checkpointing, options = settings(cfg)
+        hardware, layout, setup, strategies, checkpointing, options = settings(cfg)
         size, model_line = planned_model(cfg)
-        found = candidates(size, setup, hardware, strategies, checkpointing, options)
-    print(format_plan(found, hardware, setup, size, model_line, cfg.show))
+        found = candidates(size, layout, setup, hardware, strategies, checkpointing, options)
+    print(format_plan(found, hardware, layout, setup, size, model_line, cfg.show))
 
 
 def main(argv: list[str] | None = None) -> int:

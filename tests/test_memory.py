@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
 from ringdit.cli import register_resolvers
+from ringdit.layout import Layout
 from ringdit.memory import GiB, ModelSize, Setup, estimate_memory, warn_if_memory_short
 from tests.helpers import CONF
 
@@ -39,7 +40,7 @@ def test_memory_estimate_numbers():
     """Each term by its formula (the module docstring), for a small model under DDP in fp32."""
     small = ModelSize(parameters=50_000, trainable_parameters=50_000, largest_parameter=4_000, root_parameters=2_000,
                       block_parameters=24_000, hidden_size=32, depth=2, num_heads=4, mlp_hidden=128, tokens=16)
-    one = estimate_memory(small, Setup(batch_size=16))
+    one = estimate_memory(small, Layout(), Setup(batch_size=16))
     assert one.tokens_per_rank == 16
     assert (one.weights_bytes, one.gradient_bytes, one.optimizer_bytes, one.ema_bytes, one.bucket_bytes) == (
         50_000 * 4, 50_000 * 4, 50_000 * 8, 50_000 * 4, 50_000 * 4)  # fp32; AdamW's 2 moments; DDP's buckets
@@ -51,20 +52,22 @@ def test_memory_estimate_numbers():
     assert one.startup_bytes == 50_000 * 4 * 2 + 4_000 * 4  # the model, its EMA, one tensor in flight
     assert one.step_bytes == sum(one.terms()[t] for t in one.STEP_TERMS)
     assert one.peak_bytes == one.total_bytes == max(one.startup_bytes, one.step_bytes)
-    ulysses = estimate_memory(small, Setup(batch_size=16, ulysses_degree=2))
+    ulysses = estimate_memory(small, Layout(ulysses_degree=2), Setup(batch_size=16))
     assert ulysses.attention_bytes == one.attention_bytes // 2
-    quadratic = estimate_memory(small, Setup(batch_size=16, math_attention=True))  # (S / ring)^2 fp32 scores
+    # (S / ring)^2 fp32 scores
+    quadratic = estimate_memory(small, Layout(attention_backend="math"), Setup(batch_size=16))
     assert quadratic.attention_bytes - one.attention_bytes == 2 * 16 * 4 * 16**2 * 4 * 2
-    sampling = estimate_memory(small, Setup(batch_size=16, training=False))  # one block's worth, nothing else
+    sampling = estimate_memory(small, Layout(), Setup(batch_size=16, training=False))  # one block's worth, nothing else
     assert sampling.step_bytes == 50_000 * 4 + 16 * 16 * (10 * 32 + 2 * 128) * 4 + one.attention_bytes
-    bf16 = estimate_memory(small, Setup(batch_size=16, precision="bf16-mixed"))  # the weight's gradient stays fp32
+    # the weight's gradient stays fp32
+    bf16 = estimate_memory(small, Layout(), Setup(batch_size=16, precision="bf16-mixed"))
     assert bf16.activation_bytes - 4_000 * 4 == (one.activation_bytes - 4_000 * 4) // 2
     assert bf16.weights_bytes == one.weights_bytes
 
 
 def test_ring_halves_the_tokens_and_activations_per_rank():
-    one = estimate_memory(XL, Setup())
-    ring = estimate_memory(XL, Setup(ring_degree=2))
+    one = estimate_memory(XL, Layout())
+    ring = estimate_memory(XL, Layout(ring_degree=2))
     assert ring.tokens_per_rank == one.tokens_per_rank // 2 == 2048
     in_flight = XL.largest_parameter * 4  # one weight's gradient: not per token
     assert ring.activation_bytes - in_flight == (one.activation_bytes - in_flight) // 2
@@ -73,8 +76,8 @@ def test_ring_halves_the_tokens_and_activations_per_rank():
 
 
 def test_fsdp_at_world_4_holds_a_quarter_of_the_state():
-    ddp = estimate_memory(XL, Setup(dp_degree=4))
-    fsdp = estimate_memory(XL, Setup(dp_degree=4, strategy="fsdp"))
+    ddp = estimate_memory(XL, Layout(dp_degree=4))
+    fsdp = estimate_memory(XL, Layout(dp_degree=4, strategy="fsdp"))
     for term in ("weights", "gradient", "optimizer", "ema"):
         assert getattr(fsdp, f"{term}_bytes") == getattr(ddp, f"{term}_bytes") // 4, term
     assert fsdp.bucket_bytes == 0 and ddp.bucket_bytes == XL.parameters * 4
@@ -84,14 +87,14 @@ def test_fsdp_at_world_4_holds_a_quarter_of_the_state():
     assert fsdp.startup_bytes == (XL.parameters * 4 // 4) * 2 + 8_000_000 * 4
     assert ddp.startup_bytes == XL.parameters * 4 * 2 + 8_000_000 * 4
     # HSDP: shard over world / replicate_degree ranks
-    hsdp = estimate_memory(XL, Setup(dp_degree=4, strategy="fsdp", replicate_degree=2))
+    hsdp = estimate_memory(XL, Layout(dp_degree=4, strategy="fsdp", replicate_degree=2))
     assert hsdp.weights_bytes == ddp.weights_bytes // 2
     # bf16 mixed precision: the gathered blocks in bf16, the sharded master state still fp32
-    mixed = estimate_memory(XL, Setup(dp_degree=4, strategy="fsdp", param_dtype="bfloat16"))
+    mixed = estimate_memory(XL, Layout(dp_degree=4, strategy="fsdp"), Setup(param_dtype="bfloat16"))
     assert mixed.gathered_bytes == (6_000_000 + 2 * 24_000_000) * 2 + 24_000_000 * 4
     assert mixed.state_bytes == fsdp.state_bytes
     # cpu_offload: the sharded state moves to host memory
-    offload = estimate_memory(XL, Setup(dp_degree=4, strategy="fsdp", cpu_offload=True))
+    offload = estimate_memory(XL, Layout(dp_degree=4, strategy="fsdp", cpu_offload=True))
     assert offload.state_bytes == 0 and offload.host_bytes == fsdp.state_bytes
     assert offload.startup_bytes == 8_000_000 * 4
 
@@ -103,28 +106,77 @@ def test_lora_with_a_bf16_base_is_much_smaller_than_a_full_fine_tune():
     adapters = 28 * sum(16 * (i + o) for i, o in shapes)
     base = 28 * sum(i * o + o for i, o in shapes)  # their weights and biases
     lora = replace(XL, lora_parameters=adapters, lora_base_parameters=base)
-    full = estimate_memory(XL, Setup())
-    lean = estimate_memory(lora, Setup(lora_base_dtype="bfloat16"))
+    full = estimate_memory(XL, Layout())
+    lean = estimate_memory(lora, Layout(), Setup(lora_base_dtype="bfloat16"))
     assert lean.weights_bytes == (XL.parameters - base) * 4 + base * 2 + adapters * 4
     assert lean.gradient_bytes == adapters * 4 and lean.optimizer_bytes == adapters * 8  # only the adapters train
     assert lean.ema_bytes == adapters * 4 and lean.bucket_bytes == adapters * 4  # the EMA tracks only the adapters
     assert lean.state_bytes < 0.2 * full.state_bytes
     assert lean.startup_bytes < 0.4 * full.startup_bytes
-    fp32_base = estimate_memory(lora, Setup(lora_base_dtype="float32"))
+    fp32_base = estimate_memory(lora, Layout(), Setup(lora_base_dtype="float32"))
     assert fp32_base.weights_bytes - lean.weights_bytes == base * 2
 
 
+def test_dmd2_counts_the_student_the_critic_and_the_frozen_teacher():
+    """distill=dmd2: two trained models (student and critic: weights, gradients, AdamW state, DDP's buckets), the
+    student's EMA only, and a teacher that is weights only -- whole, without LoRA -- sharded like the others under
+    FSDP; one model's activations (one backward at a time). Measured against a real run: docs/memory.md."""
+    P, w = XL.parameters, 4
+    for layout in (Layout(), Layout(strategy="fsdp", dp_degree=4)):
+        n = layout.shard_degree
+        one, dmd2 = estimate_memory(XL, layout), estimate_memory(XL, layout, Setup(distill="dmd2"))
+        assert dmd2.weights_bytes == 3 * P * w // n
+        assert (dmd2.gradient_bytes, dmd2.optimizer_bytes) == (2 * one.gradient_bytes, 2 * one.optimizer_bytes)
+        assert dmd2.ema_bytes == one.ema_bytes and dmd2.bucket_bytes == 2 * one.bucket_bytes
+        assert (dmd2.activation_bytes, dmd2.attention_bytes, dmd2.gathered_bytes) == \
+            (one.activation_bytes, one.attention_bytes, one.gathered_bytes)
+        assert dmd2.startup_bytes - one.startup_bytes == 2 * P * w // n
+    adapters, base = 10_000_000, 600_000_000  # LoRA: the student and the critic adapted on a bf16 base
+    lora = replace(XL, lora_parameters=adapters, lora_base_parameters=base)
+    one = estimate_memory(lora, Layout(), Setup(lora_base_dtype="bfloat16"))
+    dmd2 = estimate_memory(lora, Layout(), Setup(lora_base_dtype="bfloat16", distill="dmd2"))
+    assert dmd2.weights_bytes == 2 * one.weights_bytes + P * w  # the teacher is built whole, in fp32
+    assert dmd2.gradient_bytes == 2 * adapters * w and dmd2.ema_bytes == adapters * w
+    sampling = Setup(training=False, distill="dmd2")  # infer.py samples the student alone
+    assert estimate_memory(XL, Layout(), sampling) == estimate_memory(XL, Layout(), Setup(training=False))
+
+
+def test_train_config_and_the_planner_count_dmd2(tmp_path, capsys):
+    from ringdit.memory import check_training_memory
+    from ringdit.spec import build_on_meta, model_config
+
+    data = {"channels": 1, "image_size": [8, 8], "num_classes": 10}
+    estimates = {}
+    for distill in ("none", "dmd2"):
+        cfg = compose_train([f"distill={distill}"], tmp_path)
+        model_cfg = model_config(cfg.model, data)
+        layout = Layout.from_config(cfg, training=True)
+        estimates[distill] = check_training_memory(cfg, layout, model_cfg, build_on_meta(model_cfg))
+    assert estimates["dmd2"].weights_bytes == 3 * estimates["none"].weights_bytes
+    assert estimates["dmd2"].optimizer_bytes == 2 * estimates["none"].optimizer_bytes
+    code, out, err = plan(capsys, "model=dit_xl", "data.size=512", "gpus=4", "strategy=ddp", "show=1",
+                          "activation_checkpointing=false", "optimizer_8bit=false", "activation_offload=false")
+    code2, out2, err2 = plan(capsys, "model=dit_xl", "data.size=512", "gpus=4", "strategy=ddp", "show=1",
+                             "activation_checkpointing=false", "optimizer_8bit=false", "activation_offload=false",
+                             "distill=dmd2")
+    assert code == code2 == 0, err + err2
+    assert "distill=dmd2: the student and a critic train, the teacher is frozen" in out2 and "distill" not in out
+    state = [float(re.search(r"^\s+4\s+1\s+1 ddp .*?\|\s+\S+\s+\S+\s+(\S+)", text, flags=re.M).group(1))
+             for text in (out, out2)]
+    assert state[1] > 1.9 * state[0]  # bf16-mixed: fp32 state; two models' of it and a third's weights
+
+
 def test_ema_off_removes_exactly_the_ema_term():
-    for setup in (Setup(), Setup(strategy="fsdp", dp_degree=4)):
-        on, off = estimate_memory(XL, setup), estimate_memory(XL, replace(setup, ema=False))
+    for layout in (Layout(), Layout(strategy="fsdp", dp_degree=4)):
+        on, off = estimate_memory(XL, layout), estimate_memory(XL, layout, Setup(ema=False))
         assert off.ema_bytes == 0 and on.ema_bytes > 0
         assert on.step_bytes - off.step_bytes == on.ema_bytes
         assert on.startup_bytes - off.startup_bytes == on.ema_bytes
 
 
 def test_activation_checkpointing_keeps_only_the_block_inputs():
-    plain = estimate_memory(XL, Setup())
-    checkpointed = estimate_memory(XL, Setup(activation_checkpointing=True))
+    plain = estimate_memory(XL, Layout())
+    checkpointed = estimate_memory(XL, Layout(), Setup(activation_checkpointing=True))
     values, backward, in_flight = 14 * 1152 + 2 * 4608, 2 * 4608, 8_000_000 * 4  # a full fine-tune's block
     assert plain.activation_bytes == 4096 * (28 * values + backward) * 4 + in_flight
     # the 27 earlier blocks' inputs, the last block's activations (recomputed) and backward's working set
@@ -137,14 +189,16 @@ def test_backward_peaks_in_the_last_block_with_the_earlier_ones_kept():
     (checkpointed) or everything; the blocks a share checkpoints are spread evenly, the first one included."""
     size = replace(XL, depth=3, lora_parameters=1_000_000)  # LoRA: 10 x D + 2 x F a block
     block, D, backward = 10 * 1152 + 2 * 4608, 1152, 2 * 4608
-    activations = {setting: estimate_memory(size, Setup(activation_checkpointing=setting)).activation_bytes // (4096 * 4)
+    activations = {setting: estimate_memory(size, Layout(), Setup(activation_checkpointing=setting)).activation_bytes
+                   // (4096 * 4)
                    for setting in (False, 0.5, True)}
     assert activations[False] == 3 * block + backward
     assert activations[0.5] == D + block + block + backward  # blocks 0 and 2 checkpointed; 0's input, 1's all, 2's all
     assert activations[True] == 2 * D + block + backward
     two = replace(size, depth=2)  # half of 2 blocks: the first; at the peak the same as checkpointing both
-    assert estimate_memory(two, Setup(activation_checkpointing=0.5)).activation_bytes == \
-        estimate_memory(two, Setup(activation_checkpointing=True)).activation_bytes == 4096 * (D + block + backward) * 4
+    assert estimate_memory(two, Layout(), Setup(activation_checkpointing=0.5)).activation_bytes == \
+        estimate_memory(two, Layout(), Setup(activation_checkpointing=True)).activation_bytes \
+        == 4096 * (D + block + backward) * 4
 
 
 def test_a_full_fine_tune_keeps_what_its_weight_gradients_need():
@@ -154,12 +208,13 @@ def test_a_full_fine_tune_keeps_what_its_weight_gradients_need():
     size = replace(XL, depth=2, untargeted_linear_inputs=1152 + 4608)  # Wan-like: the feed-forward is not a target
     lora = replace(size, lora_parameters=1_000_000)
     block, D, F = 10 * 1152 + 2 * 4608, 1152, 4608
-    assert estimate_memory(lora, Setup()).activation_bytes == 4096 * (2 * block + 2 * F) * 4
-    full = estimate_memory(size, Setup()).activation_bytes
+    assert estimate_memory(lora, Layout()).activation_bytes == 4096 * (2 * block + 2 * F) * 4
+    full = estimate_memory(size, Layout()).activation_bytes
     assert full == 4096 * (2 * (block + 4 * D + D + F) + 2 * F) * 4 + XL.largest_parameter * 4
-    fsdp = estimate_memory(size, Setup(strategy="fsdp", dp_degree=2)).activation_bytes
+    fsdp = estimate_memory(size, Layout(strategy="fsdp", dp_degree=2)).activation_bytes
     assert fsdp == full - XL.largest_parameter * 4
-    sampling = estimate_memory(size, Setup(training=False)).activation_bytes  # nothing trains: no gradient's needs
+    # nothing trains: no gradient's needs
+    sampling = estimate_memory(size, Layout(), Setup(training=False)).activation_bytes
     assert sampling == 4096 * block * 4
 
 
@@ -179,11 +234,12 @@ def test_train_config_is_read_as_it_runs(key, tmp_path):
         override = f"+model.{key}={str(on).lower()}" if key == "gradient_checkpointing" else f"model.{key}={on}"
         cfg = compose_train([override.lower()], tmp_path)
         model_cfg = model_config(cfg.model, data)
-        estimates[on] = check_training_memory(cfg, model_cfg, build_on_meta(model_cfg), "torch_flash")
+        layout = Layout.from_config(cfg, training=True)
+        estimates[on] = check_training_memory(cfg, layout, model_cfg, build_on_meta(model_cfg))
     assert estimates[True].activation_bytes < estimates[False].activation_bytes
     cfg = compose_train(["trainer/strategy=fsdp", "ema_decay=null", "lora.rank=4"], tmp_path)
     model_cfg = model_config(cfg.model, data)
-    sharded = check_training_memory(cfg, model_cfg, build_on_meta(model_cfg), "torch_flash")
+    sharded = check_training_memory(cfg, Layout.from_config(cfg, training=True), model_cfg, build_on_meta(model_cfg))
     assert sharded.ema_bytes == 0 and sharded.bucket_bytes == 0 and sharded.gathered_bytes > 0
     assert sharded.gradient_bytes < estimates[False].gradient_bytes / 10  # only the adapters train
 
@@ -201,7 +257,7 @@ def test_diffusers_models_are_estimated(tmp_path):
     data = {"conditioning": "text", "image_size": [3, 8, 8], "channels": 4, "text_len": 8, "text_dim": 16}
     model_cfg = model_config(cfg.model, data)
     meta = build_on_meta(model_cfg)
-    estimate = check_training_memory(cfg, model_cfg, meta, "torch_flash")
+    estimate = check_training_memory(cfg, Layout.from_config(cfg, training=True), model_cfg, meta)
     assert estimate is not None and estimate.activation_bytes > 0
     size = model_size(model_cfg, meta, {"rank": 4})
     assert (size.hidden_size, size.depth, size.num_heads, size.mlp_hidden) == (2 * 12, 2, 2, 32)
@@ -223,16 +279,16 @@ def test_the_warning_names_a_layout_that_fits(caplog):
                       root_parameters=1_000_000, block_parameters=8_000_000, hidden_size=128, depth=4, num_heads=4,
                       mlp_hidden=512, tokens=262_144)
     caplog.set_level(logging.WARNING, logger="ringdit.memory")
-    warn_if_memory_short(available=1000 * GiB, model=video, setup=Setup(batch_size=32))
+    warn_if_memory_short(available=1000 * GiB, model=video, layout=Layout(), setup=Setup(batch_size=32))
     assert "memory:" not in caplog.text
-    warn_if_memory_short(available=16 * GiB, model=video, setup=Setup(batch_size=32))
+    warn_if_memory_short(available=16 * GiB, model=video, layout=Layout(), setup=Setup(batch_size=32))
     assert re.search(r"memory: about \d+\.\d GiB per rank needed \(262144 tokens per rank .* but 16.0 GiB is "
                      r"available: .* ring_degree=32 \(32 ranks of this size\) would fit.*or set "
                      r"model.activation_checkpointing=true", caplog.text), caplog.text
     caplog.clear()  # a model whose replicated state alone does not fit: FSDP is what fits
     warn_if_memory_short(available=100 * GiB, model=replace(XL, parameters=14_000_000_000,
                                                             trainable_parameters=14_000_000_000, tokens=1024),
-                         setup=Setup(dp_degree=8))
+                         layout=Layout(dp_degree=8))
     assert "trainer/strategy=fsdp would fit" in caplog.text, caplog.text
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from ringdit.build import build_model
 from ringdit.lora import add_lora, float8_layers, hold_base_in, is_adapter_key
+from ringdit.layout import Layout
 from ringdit.memory import ModelSize, Setup, estimate_memory
 from ringdit.models import parallelize
 from tests.distributed import run_ranks
@@ -323,15 +324,15 @@ def test_the_estimate_counts_the_base_bytes_exactly(base):
 def test_the_estimate_counts_8bit_states_checkpointed_shares_and_offloaded_inputs():
     size = ModelSize(parameters=10**9, trainable_parameters=10**9, largest_parameter=10**7, root_parameters=10**7,
                      block_parameters=10**7, hidden_size=1024, depth=40, num_heads=16, mlp_hidden=4096, tokens=4096)
-    plain = estimate_memory(size, Setup())
-    assert estimate_memory(size, Setup(optimizer_8bit=True)).optimizer_bytes == int(2 * 10**9 * (1 + 4 / 256))
+    plain = estimate_memory(size, Layout())
+    assert estimate_memory(size, Layout(), Setup(optimizer_8bit=True)).optimizer_bytes == int(2 * 10**9 * (1 + 4 / 256))
     # a full fine-tune's block; backward's working set; one weight's gradient in flight
     per_block, backward, in_flight, tokens, a = 14 * 1024 + 2 * 4096, 2 * 4096, 10**7 * 4, 4096, 4
     assert plain.activation_bytes == tokens * (40 * per_block + backward) * a + in_flight
-    half = estimate_memory(size, Setup(activation_checkpointing=0.5))  # 20 blocks keep their input only
+    half = estimate_memory(size, Layout(), Setup(activation_checkpointing=0.5))  # 20 blocks keep their input only
     # at the peak (the last block, not checkpointed): the 20 checkpointed blocks' inputs and 19 others before it
     assert half.activation_bytes == tokens * (20 * 1024 + 19 * per_block + per_block + backward) * a + in_flight
-    offloaded = estimate_memory(size, Setup(activation_checkpointing=0.5, activation_offload=True))
+    offloaded = estimate_memory(size, Layout(), Setup(activation_checkpointing=0.5, activation_offload=True))
     assert offloaded.host_bytes == tokens * 20 * 1024 * a  # the 20 inputs, in host memory
     assert offloaded.activation_bytes == half.activation_bytes - tokens * 19 * 1024 * a  # one stays, in flight
 

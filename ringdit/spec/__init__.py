@@ -1,8 +1,9 @@
 """The run spec: a composed Hydra config checked once, before any process is spawned, into frozen dataclasses that
 the code downstream takes and trusts (torchtitan's validated job config). One module per part:
 
-- ``layout``: ``Layout`` -- dp x ring x ulysses ranks on devices x nodes, device type, attention backend; launches
-  whose ranks would never come;
+- ``layout``: ``Layout`` (defined in ``ringdit.layout``, which the memory estimate imports) -- dp x ring x ulysses
+  ranks on devices x nodes, device type, attention backend, the strategy (ddp | fsdp, from its class) and how it
+  shards; launches whose ranks would never come;
 - ``model``: ``ModelSpec`` -- the model config shaped by the data, built on the meta device to check it;
 - ``diffusion``: the objective's resolution shift; samplers, steps and guidance that fit objective and model;
 - ``optimizer``: ``OptimizerSpec`` -- optimizer and scheduler partials, EMA decay;

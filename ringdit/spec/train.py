@@ -100,8 +100,7 @@ class TrainSpec:
         if expert in ("high", "low"):  # the estimate counts gradients and optimizer state of the expert that trains
             meta_model.train_only(expert)
         # a warning (only an estimate), for the bucket whose steps hold the most tokens
-        check_training_memory(cfg, model.config, meta_model, layout.attention_backend,
-                              largest_step=data.module.largest_step())
+        check_training_memory(cfg, layout, model.config, meta_model, largest_step=data.module.largest_step())
         # the files the run loads, against the model
         checkpoint = CheckpointPlan.from_config(cfg, meta_model, optimizer=optimizer, max_steps=trainer.max_steps,
                                                 expert=expert)

@@ -52,6 +52,7 @@ class RingFSDPStrategy(SequenceParallelStrategy, ModelParallelStrategy):
     """
 
     strategy_name = "ring_fsdp"
+    layout_strategy = "fsdp"  # how ringdit.layout.Layout (and the memory estimate) knows it: sharded state
 
     def __init__(self, replicate_degree: int = 1, param_dtype: str | None = None, reduce_dtype: str | None = "float32",
                  cpu_offload: bool = False, **kwargs):

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from ringdit.atomic import DiskFullError
 from ringdit.cli import hydra_main, register_resolvers, user_errors
 from ringdit.errors import NonFiniteLossError
+from ringdit.layout import Layout
 from ringdit.run_folder import claim_run_folder
 from ringdit.spec import TrainSpec
 
@@ -67,17 +68,20 @@ def prepare(cfg: DictConfig):
     )
     callbacks = [hydra.utils.instantiate(c) for c in spec.trainer.callbacks]
     loggers = [hydra.utils.instantiate(c) for c in spec.trainer.loggers]
+    # the strategy runs the layout checked once (spec.layout), whose kind its class declared: not read again from
+    # its config or recognised by name
+    layout = spec.layout
+    strategy_cfg = spec.trainer.config["strategy"]
+    ddp = layout.strategy == "ddp"
     # diffusers models may hold parameters no loss reaches (QwenImage's last text-stream MLP): DDP's static graph
     # learns which in the first step instead of failing on them (FSDP reduces whatever gradients exist); a
     # two-expert model training both runs one expert a step, a set that changes, which DDP finds anew each step
-    strategy_cfg = spec.trainer.config["strategy"]
-    ddp = str(strategy_cfg.get("_target_", "")).endswith("RingDDPStrategy")
     unused = {"find_unused_parameters": True} if spec.expert == "both" else {"static_graph": True}
     if not (spec.model.diffusers and ddp) or {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
         unused = {}  # the DiT's loss reaches every parameter; a strategy config that says how wins
     if spec.distill is not None and ddp and not {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
         unused = {"find_unused_parameters": True}  # the critic's updates reach the critic only, the student's it
-    strategy = hydra.utils.instantiate(strategy_cfg, **unused)
+    strategy = hydra.utils.instantiate(strategy_cfg, **strategy_layout(layout), **unused)
     # a distillation clips each of its updates itself (DistillationModule: manual optimization)
     clip = {} if spec.distill is None else {"gradient_clip_val": None}
     trainer = hydra.utils.instantiate(
@@ -88,12 +92,20 @@ def prepare(cfg: DictConfig):
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))  # the composed config, as the record
     if trainer.is_global_zero:
-        layout = spec.layout
         log.info("DiT %s on %s, %d tokens per sample; ring %d x ulysses %d x dp %d; attention %s",
                  {k: v for k, v in spec.model.config.items() if k != "_target_"}, type(spec.data.module).__name__,
                  spec.model.tokens, layout.ring_degree, layout.ulysses_degree, layout.dp_degree,
                  layout.attention_backend)
     return trainer, module, spec.data.module, plan.ckpt_path
+
+
+def strategy_layout(layout: Layout) -> dict:
+    """The strategy's layout arguments, from ``layout``: the degrees and, under FSDP, how it shards and where."""
+    arguments = {"ring_degree": layout.ring_degree, "ulysses_degree": layout.ulysses_degree,
+                 "cfg_parallel": layout.cfg_parallel}
+    if layout.fsdp:
+        arguments |= {"replicate_degree": layout.replicate_degree, "cpu_offload": layout.cpu_offload}
+    return arguments
 
 
 def train(cfg: DictConfig) -> Path:

@@ -19,6 +19,7 @@ class RingDDPStrategy(SequenceParallelStrategy, DDPStrategy):
     ``DDPStrategy``'s)."""
 
     strategy_name = "ring_ddp"
+    layout_strategy = "ddp"  # how ringdit.layout.Layout (and the memory estimate) knows it: every rank holds all
 
     def __init__(self, **kwargs):
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
