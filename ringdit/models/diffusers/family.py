@@ -68,3 +68,7 @@ class Family:
     # TeaCache's probe: (first block, its BlockIO, args, kwargs) -> (its timestep-modulated input, whether that is a
     # (B, S_local, ...) token shard); None: cache=teacache is refused for the family
     teacache_input: Callable | None = None
+    # installs the family's own attention processors on a freshly built transformer, for a model whose diffusers
+    # processors call PyTorch attention directly (ringdit routes diffusers' dispatch_attention_fn only): they must
+    # compute what the model's own do (CogVideoX's); None: the model's processors already dispatch
+    attention_processors: Callable[[nn.Module], None] | None = None

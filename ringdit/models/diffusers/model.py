@@ -468,6 +468,14 @@ def diffusers_class(family: Family) -> type[nn.Module]:
 
 def build_transformer(family: Family, config: dict | None, pretrained: str | None, subfolder: str | None,
                       setting: str = "model.pretrained") -> nn.Module:
+    transformer = _load_transformer(family, config, pretrained, subfolder, setting)
+    if family.attention_processors is not None:  # processors that dispatch, in place of ones that call PyTorch's
+        family.attention_processors(transformer)
+    return transformer
+
+
+def _load_transformer(family: Family, config: dict | None, pretrained: str | None, subfolder: str | None,
+                      setting: str) -> nn.Module:
     cls = diffusers_class(family)
     if pretrained is None:
         if not config:
