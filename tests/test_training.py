@@ -123,9 +123,14 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [*synthetic, "data.channels=16", "data.text_dim=4096", "data.size=4"]
     if (group, option) == ("model", "ltx_video"):
         return [*synthetic, "data.channels=128", "data.text_dim=4096", "data.size=4"]
+    if (group, option) == ("model", "cogvideox15_tiny"):  # latent frames: a multiple of its temporal patch
+        return [*synthetic, "data.frames=4"]
+    if (group, option) == ("model", "cogvideox15"):
+        return [*synthetic, "data.frames=2", "data.channels=16", "data.text_dim=4096", "data.size=4"]
     if (group, option) in (("experiment", "wan_tiny"), ("experiment", "flux_tiny"),
                            ("experiment", "hunyuan_video15_tiny"), ("experiment", "skyreels_v2_tiny"),
-                           ("experiment", "ltx_video_tiny"), ("experiment", "flux2_tiny")):
+                           ("experiment", "ltx_video_tiny"), ("experiment", "flux2_tiny"),
+                           ("experiment", "cogvideox_tiny")):
         return [f"data.cache_dir={tmp_path}", "data.num_samples=4"]
     return []
 

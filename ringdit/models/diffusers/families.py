@@ -1,6 +1,6 @@
 """The diffusers model families ringdit runs sequence-parallel: one ``Family`` each, holding its ``ParallelPlan``
 (Wan -- text-to-video, Wan 2.2 TI2V and Wan 2.1 I2V --, Flux and QwenImage here; HunyuanVideo 1.5 -- text- and
-image-to-video --, SkyReels-V2, LTX-Video and Flux.2 in their own modules).
+image-to-video --, SkyReels-V2, LTX-Video, Flux.2 and CogVideoX 1.5 in their own modules).
 
 To add a family (its own module, like ``hunyuan_video.py``):
 
@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ringdit.models.diffusers.cogvideox import COGVIDEOX15
 from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.diffusers.flux2 import FLUX2
 from ringdit.models.diffusers.hunyuan_video import HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V
@@ -189,7 +190,7 @@ QWENIMAGE = Family(
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, WAN22_TI2V, WAN_I2V, FLUX, QWENIMAGE,
                                                                    HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V, SKYREELS_V2,
-                                                                   LTX_VIDEO, FLUX2)}
+                                                                   LTX_VIDEO, FLUX2, COGVIDEOX15)}
 
 
 def get_family(name: str) -> Family:
