@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import socket
+import time
 import traceback
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -35,8 +38,9 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, errors) -> No
 # The ranks are forked from a fork server that imported these once (per pytest worker), instead of each spawned
 # rank importing torch, diffusers and ringdit again: that start-up was most of a short multi-rank test's time. The
 # server runs no torch op, so no thread pool is forked.
-PRELOAD = ["torch", "torch.distributed", "diffusers.models.transformers", "ringdit.attention", "ringdit.models", "ringdit.parallel",
-           "tests.distributed"]
+PRELOAD = ["torch", "torch.distributed", "diffusers.models.transformers", "ringdit.attention", "ringdit.models",
+           "ringdit.parallel", "lightning", "hydra", "ringdit.training.run", "ringdit.inference", "tests.distributed",
+           "tests.helpers"]
 
 
 def run_ranks(fn, world_size: int, *args) -> None:
@@ -56,3 +60,52 @@ def run_ranks(fn, world_size: int, *args) -> None:
             rank, tb = errors.get()
             details.append(f"--- rank {rank} ---\n{tb}")
         raise AssertionError("\n".join(details) or str(error)) from None
+
+
+# ---- train.py / infer.py on several ranks, forked as torchrun would start them -------------------------------------
+
+
+def _command_rank(rank: int, world_size: int, port: int, script: str, overrides: tuple, env: dict, results) -> None:
+    """One rank of ``python script overrides``, as torchrun starts it: its rank in the environment, Lightning's
+    cluster environment (torchelastic's) reads it, and the run joins the others instead of spawning them."""
+    from tests.helpers import in_process
+
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      GROUP_RANK="0", NODE_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      TORCHELASTIC_RUN_ID="ringdit-tests")
+    proc, _ = in_process(script, *overrides)
+    results.put((rank, proc.returncode, proc.stdout, proc.stderr))
+
+
+def run_command_ranks(script: str, overrides: tuple, world_size: int, env: dict, timeout: float) -> SimpleNamespace:
+    """``python script overrides`` on ``world_size`` ranks forked from the fork server (the imports paid once per
+    pytest worker, not once per rank and run): (``returncode``, ``stdout``, ``stderr``) as one launch reports them --
+    the first failing rank's exit code, every rank's output, rank 0's first."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    results, port = ctx.SimpleQueue(), free_port()
+    ranks = [ctx.Process(target=_command_rank, args=(rank, world_size, port, script, overrides, env, results))
+             for rank in range(world_size)]
+    for process in ranks:
+        process.start()
+    reports, deadline = {}, time.monotonic() + timeout
+    while len(reports) < world_size and time.monotonic() < deadline:
+        if not results.empty():
+            rank, *report = results.get()
+            reports[rank] = report
+        elif not any(process.is_alive() for process in ranks) and results.empty():
+            break  # a rank died without reporting
+        else:
+            time.sleep(0.05)
+    for process in ranks:
+        process.join(timeout=max(1.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+    codes = [reports[rank][0] if rank in reports else (ranks[rank].exitcode or 1) for rank in range(world_size)]
+    missing = [rank for rank in range(world_size) if rank not in reports]
+    stdout = "".join(reports[rank][1] for rank in sorted(reports))
+    stderr = "".join(reports[rank][2] for rank in sorted(reports)) + "".join(
+        f"\nrank {rank} ended without a report (exit code {ranks[rank].exitcode}; timeout {timeout} s)" for rank in missing)
+    return SimpleNamespace(returncode=next((code for code in codes if code), 0), stdout=stdout, stderr=stderr)

@@ -50,13 +50,19 @@ TINY = [
 
 def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 300):
     """Run train.py / infer.py with ``overrides``; fail with its output if it fails. A run of one process runs in this
-    process (``in_process``: the same entry point, without a new interpreter's seconds of imports); one that starts
-    several ranks, or logs to wandb (whose run lives until its process ends), runs in a subprocess, as a user
-    starts it."""
+    process (``in_process``: the same entry point, without a new interpreter's seconds of imports); one of several
+    ranks on one node runs them forked from the test's fork server, each as torchrun starts a rank
+    (``tests.distributed.run_command_ranks``); one that logs to wandb (whose run lives until its process ends), or
+    that the settings do not let compose, runs in a subprocess, as a user starts it."""
+    from tests.distributed import run_command_ranks
+
     overrides = (f"hydra.run.dir={run_dir}", *overrides)
     environment = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    if one_process_without_wandb(script, overrides):
+    ranks = ranks_without_wandb(script, overrides)
+    if ranks == 1:
         proc, _ = in_process(script, *overrides, env=environment)
+    elif ranks:
+        proc = run_command_ranks(script, overrides, ranks, environment, timeout)
     else:
         proc = subprocess.run([sys.executable, script, *overrides], cwd=REPO, capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, **environment})
@@ -65,9 +71,10 @@ def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, ti
     return proc
 
 
-def one_process_without_wandb(script: str, overrides: tuple[str, ...]) -> bool:
-    """Whether ``script`` with ``overrides`` runs as one process (Lightning's ``trainer.devices``, resolved) and logs
-    to no wandb run; False when the settings do not compose (the command itself will say why)."""
+def ranks_without_wandb(script: str, overrides: tuple[str, ...]) -> int | None:
+    """The processes ``script`` with ``overrides`` runs on one node (Lightning's ``trainer.devices``, resolved) when it
+    logs to no wandb run; None when it logs to wandb, runs on several nodes, or the settings do not compose (the
+    command itself will say why)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -78,13 +85,13 @@ def one_process_without_wandb(script: str, overrides: tuple[str, ...]) -> bool:
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(Path(script).stem, overrides=[o for o in overrides if not o.startswith("hydra.")])
-            devices = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes") or 1)
+            devices, nodes = int(cfg.trainer.devices), int(cfg.trainer.get("num_nodes") or 1)
             loggers = str(cfg.get("logger")).lower()
     except Exception:  # noqa: BLE001 - a subprocess reports it as the command does
-        return False
+        return None
     finally:
         GlobalHydra.instance().clear()
-    return devices == 1 and "wandb" not in loggers
+    return devices if nodes == 1 and "wandb" not in loggers else None
 
 
 def in_process(script: str, *overrides: str, env: dict | None = None) -> tuple[SimpleNamespace, float]:
