@@ -190,6 +190,34 @@ def test_the_objective_trains_v():
                                atol=1e-15)
 
 
+@pytest.mark.parametrize("steps", [3, 4])
+def test_sampling_is_cogvideox_pipelines_with_its_ddim_scheduler(steps):
+    """ringdit's ddim sampler with experiment=cogvideox_tiny's objective, guided at 6 away from a negative prompt,
+    gives CogVideoXPipeline's latents (CogVideoXDDIMScheduler with CogVideoX1.5-5B's settings) for the same noise:
+    its trailing steps (3: diffusers' previous step t - 333 where the listed one is 332), its RoPE and its guidance.
+    float64 models; the pipeline rounds each prediction to float32 (noise_pred.float()): 5e-7 measured."""
+    import diffusers
+
+    from ringdit.diffusion import DDPM, sample
+
+    reference, model, (x, text), _ = cogvideox_case()
+    negative = torch.randn(1, TEXT_LEN, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    scheduler = diffusers.CogVideoXDDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                                 prediction_type="v_prediction", rescale_betas_zero_snr=True,
+                                                 snr_shift_scale=1.0, timestep_spacing="trailing")
+    pipe = diffusers.CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=reference,
+                                       scheduler=scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    expected = pipe(prompt_embeds=text[:1], negative_prompt_embeds=negative, latents=x[:1].transpose(1, 2),
+                    num_frames=4 * (SHAPE[0] - 1) + 1, height=8 * SHAPE[1], width=8 * SHAPE[2], guidance_scale=6.0,
+                    num_inference_steps=steps, output_type="latent", return_dict=False)[0].transpose(1, 2)
+    objective = DDPM(**{key: value for key, value in OBJECTIVE.items() if key != "_target_"})
+    with torch.no_grad():
+        got = sample(model, objective, x[:1], {"text": text[:1]}, steps=steps, cfg_scale=6.0,
+                     null={"text": negative})
+    assert_same_numbers(got, expected, atol=1e-5, where=f"{steps} steps")
+
+
 # ---- train.py / infer.py -------------------------------------------------------------------------------------------
 
 RUN = ["experiment=cogvideox_tiny", "data.num_samples=8", "data.batch_size=2", "data.size=6", "data.text_len=5",
