@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import socket
 import time
 import traceback

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ from ringdit.spec import build_on_meta, model_config
 from ringdit.data import ImageFolderDataModule, LatentsDataModule, MovingDigits, MovingDigitsDataModule
 from ringdit.data.image_folder import resize_center_crop
 from ringdit.data.moving_digits import bounce
-from tests.helpers import CONF, GOOD, LABELS, REPO, TINY, logged_losses, run, solid, write_classes, write_latents
+from tests.helpers import CONF, GOOD, LABELS, TINY, fail_fast, logged_losses, run, solid, write_classes, write_latents
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
 PIXEL = 1 / 127.5  # one uint8 step in [-1, 1]
@@ -319,8 +317,7 @@ def test_new_config_options_compose_into_a_model(tmp_path):
 
 
 def test_train_reports_a_missing_root_before_spawning(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", "data=image_folder", f"hydra.run.dir={tmp_path}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc, _ = fail_fast("train.py", "data=image_folder", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "data.root is not set" in proc.stderr
 

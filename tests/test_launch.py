@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from ringdit.cli import register_resolvers, user_errors
 from tests.helpers import (
-    CONF, FAST_FAIL_SECONDS, REPO, TINY, assert_refused, children_of, fail_fast, launch, logged_losses, run,
+    CONF, FAST_FAIL_SECONDS, REPO, TINY, assert_refused, children_of, fail_fast, in_process, launch, logged_losses, run,
 )
 
 
@@ -168,9 +168,7 @@ def test_hydra_mistakes_exit_2_from_the_command_line(script, overrides, message,
 
 
 def test_hydra_mistakes_keep_the_full_report_on_request(tmp_path):
-    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run([sys.executable, "train.py", "ring_degre=2", f"hydra.run.dir={tmp_path}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc, _ = in_process("train.py", "ring_degre=2", f"hydra.run.dir={tmp_path}", env={"HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigCompositionException" in proc.stderr
 
 

@@ -16,7 +16,7 @@ import torch
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.errors import CheckpointError
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
-from tests.helpers import REPO, TINY, assert_refused, fail_fast, launch, logged_losses, run, write_latents
+from tests.helpers import REPO, TINY, assert_refused, fail_fast, in_process, launch, logged_losses, run, write_latents
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +108,7 @@ def test_bad_infer_input(overrides, message, tiny_checkpoint, tmp_path):
 
 
 def test_full_traceback_on_request(tmp_path):
-    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run([sys.executable, "train.py", "ring_degree=0", f"hydra.run.dir={tmp_path}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc, _ = in_process("train.py", "ring_degree=0", f"hydra.run.dir={tmp_path}", env={"HYDRA_FULL_ERROR": "1"})
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 

@@ -26,6 +26,8 @@ from tests.helpers import (
     REPO,
     SGD,
     TINY,
+    fail_fast,
+    in_process,
     logged_losses,
     model_weights,
     run,
@@ -170,8 +172,7 @@ def test_every_config_option_composes_and_instantiates(group, option, tmp_path):
 
 
 def test_cfg_job_shows_the_composed_config():
-    proc = subprocess.run([sys.executable, "train.py", "--cfg", "job", "ring_degree=4"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc, _ = in_process("train.py", "--cfg", "job", "ring_degree=4")
     assert proc.returncode == 0, proc.stderr
     assert "ring_degree: 4" in proc.stdout and "_target_: ringdit.models.DiT" in proc.stdout
 
@@ -268,9 +269,7 @@ def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
     assert "2026-01-02_00-00-00/checkpoints/last.ckpt" in proc.stdout + proc.stderr
     assert np.load(tmp_path / "infer" / "samples.npz")["images"].shape == (2, 8, 8, 1)
 
-    empty = subprocess.run([sys.executable, "infer.py", f"paths.log_dir={tmp_path / 'none'}",
-                            f"hydra.run.dir={tmp_path / 'x'}"], cwd=REPO, capture_output=True, text=True,
-                           env={**os.environ, "HYDRA_FULL_ERROR": ""})
+    empty, _ = fail_fast("infer.py", f"paths.log_dir={tmp_path / 'none'}", f"hydra.run.dir={tmp_path / 'x'}")
     assert empty.returncode == 2 and "Traceback" not in empty.stderr
     assert empty.stderr.splitlines()[0] == (
         f"Error: ckpt_path=last: no training run under {tmp_path / 'none' / 'train'} (no checkpoints/last.ckpt); "
