@@ -29,13 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from digits_accuracy import diversity, image_classifier, judge_videos, video_classifier, windows  # noqa: E402
 
-from ringdit.caching import (  # noqa: E402
-    CacheSettings,
-    StepCache,
-    calibrate,
-    load_for_sampling,
-    teacache_coefficients,
-)
+from ringdit.caching import CacheSettings, StepCache, teacache_coefficients  # noqa: E402
+from ringdit.caching.calibrate import calibrate, load_for_sampling  # noqa: E402
 from ringdit.images import to_uint8  # noqa: E402
 
 

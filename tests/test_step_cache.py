@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringdit.caching import CacheSettings, StepCache, fit_coefficients, teacache_coefficients
+from ringdit.caching import CacheSettings, StepCache, teacache_coefficients
+from ringdit.caching.calibrate import fit_coefficients
 from ringdit.diffusion import FlowMatching, initial_noise, sample
 from ringdit.errors import ConfigError
 from ringdit.models import parallelize
@@ -84,7 +85,7 @@ def test_threshold_zero_is_bit_identical_to_no_cache(kind):
 
 def test_module_generate_with_threshold_zero_equals_cache_off(tiny_checkpoint):
     """Through DiffusionModule.generate (infer.py's path): cache off and threshold 0 give the same bits."""
-    from ringdit.caching import load_for_sampling
+    from ringdit.caching.calibrate import load_for_sampling
 
     module = load_for_sampling(str(tiny_checkpoint))
     labels, seeds = torch.tensor([1, 2, 3]), [4, 5, 6]

@@ -29,11 +29,13 @@ skips the same blocks, so the collectives match, but only the block's compute is
 
 With ``cache=none`` nothing here runs: sampling is bit-identical to sampling without this module. ``threshold=0``
 never reuses (a relative change is never below 0), and then every block's output is returned untouched.
+
+TeaCache's coefficients for a model: ``python -m ringdit.caching calibrate`` (``ringdit.caching.calibrate``, a
+command: not imported here, as it imports the training module that samples).
 """
 
 from ringdit.caching.blocks import BlockIO, block_io, check_model, modulated_input_of
 from ringdit.caching.cache import CacheCounts, StepCache
-from ringdit.caching.calibrate import calibrate, fit_coefficients, load_for_sampling
 from ringdit.caching.settings import (
     COEFFICIENTS_FILE,
     KINDS,
@@ -55,10 +57,7 @@ __all__ = [
     "CacheSettings",
     "StepCache",
     "block_io",
-    "calibrate",
     "check_model",
-    "fit_coefficients",
-    "load_for_sampling",
     "model_fingerprint",
     "modulated_input_of",
     "read_coefficients",
