@@ -28,7 +28,7 @@ def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tupl
     return objective, sampling
 
 
-def training_expert(cfg: DictConfig, model_config: dict, objective: dict) -> str | None:
+def training_expert(cfg: DictConfig, model_config: dict) -> str | None:
     """``diffusion.expert``: which expert of a two-expert model (``model.boundary_ratio``) trains -- ``high``,
     ``low`` or ``both`` (the default) --; None for a model with one transformer, where setting it is a mistake."""
     from ringdit.diffusion.experts import EXPERT_SETTINGS
@@ -43,7 +43,7 @@ def training_expert(cfg: DictConfig, model_config: dict, objective: dict) -> str
                               f"model=wan22_a14b*), but this model has one transformer (no model.boundary_ratio); "
                               f"leave diffusion.expert unset")
         return None
-    if not str(objective["_target_"]).endswith("FlowMatching"):
+    if not str(OmegaConf.select(cfg, "diffusion.objective._target_")).endswith("FlowMatching"):
         raise ConfigError(f"model.boundary_ratio={model_config['boundary_ratio']}: a two-expert model splits the "
                           f"flow-matching times between its experts; train it with diffusion=flow")
     return setting or "both"

@@ -95,8 +95,8 @@ class TrainSpec:
         model, meta_model = ModelSpec.from_data(cfg.model, data.info, layout.ulysses_degree)
         data.module.set_patch_shape(meta_model.patch_shape)  # the bucket's token counts: tokens_per_batch
         check_preview_shapes(trainer.callbacks, data.info, meta_model.patch_shape)
+        expert = training_expert(cfg, model.config)  # first: a two-expert model's objective is the mistake to name
         objective, sampling = training_diffusion(cfg, model.config, model.tokens)
-        expert = training_expert(cfg, model.config, objective)
         if expert in ("high", "low"):  # the estimate counts gradients and optimizer state of the expert that trains
             meta_model.train_only(expert)
         # a warning (only an estimate), for the bucket whose steps hold the most tokens
