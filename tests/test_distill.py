@@ -17,6 +17,8 @@ pytestmark = pytest.mark.timeout(600)
 
 FP64 = ["trainer.precision=64-true"]
 MOMENTUM = [*SGD, "optimizer.momentum=0.9"]  # SGD shows a wrongly scaled gradient; momentum makes resume need state
+# the GAN head, weighted so that it moves the numbers as much as the other losses do (a wrong head gradient shows)
+GAN = ["distill.gan_loss=true", "distill.gan_generator_weight=0.5", "distill.gan_critic_weight=0.5"]
 # (reference, layout, the losses' and the weights' relative tolerance)
 LAYOUTS = {
     "one": FP64,
@@ -24,6 +26,11 @@ LAYOUTS = {
     "ring2_ulysses2": [*FP64, "ring_degree=2", "ulysses_degree=2"],
     "one_fp32": [],  # FSDP has no float64 (Lightning's ModelParallelStrategy refuses 64-true)
     "fsdp_ring2_ulysses2": ["trainer/strategy=fsdp", "ring_degree=2", "ulysses_degree=2"],
+    "gan_one": [*FP64, *GAN],
+    "gan_ring2": [*FP64, *GAN, "ring_degree=2"],
+    "gan_ring3": [*FP64, *GAN, "ring_degree=3"],  # 16 tokens in shards of 6: the last shard's 2 padded tokens
+    "gan_one_fp32": GAN,
+    "gan_fsdp_ring2_ulysses2": [*GAN, "trainer/strategy=fsdp", "ring_degree=2", "ulysses_degree=2"],
 }
 # float64: a layout only reorders sums, each rounded at u = 1.1e-16, so the weights (max ~3) and the losses agree
 # to ~1e-15 (measured at ring 2: 2e-16 in the weights, 1.4e-15 relative in the losses); rel 1e-10 is 1e5 x that.
@@ -31,8 +38,10 @@ LAYOUTS = {
 # predictions divided by a mean, so its relative rounding is ~100 u: measured 9e-7 (FSDP) and 8e-6 (ring 2); the
 # weights within 4.4e-7 (max ~3). rel 1e-4 and 1e-5 (+ atol 1e-5) are >= 10x that, and still far below what a
 # wrongly scaled or reduced gradient moves (SGD at lr 0.5: >= 1e-3).
-TOLERANCE = {"one": (1e-10, 1e-10, 1e-13), "one_fp32": (1e-4, 1e-5, 1e-5)}
-REFERENCE = {"ring2": "one", "ring2_ulysses2": "one", "fsdp_ring2_ulysses2": "one_fp32"}
+TOLERANCE = {"one": (1e-10, 1e-10, 1e-13), "one_fp32": (1e-4, 1e-5, 1e-5), "gan_one": (1e-10, 1e-10, 1e-13),
+             "gan_one_fp32": (1e-4, 1e-5, 1e-5)}
+REFERENCE = {"ring2": "one", "ring2_ulysses2": "one", "fsdp_ring2_ulysses2": "one_fp32", "gan_ring2": "gan_one",
+             "gan_ring3": "gan_one", "gan_fsdp_ring2_ulysses2": "gan_one_fp32"}
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +59,13 @@ def runs(tmp_path_factory, teacher):
     return LazyRuns(tmp_path_factory.mktemp("dmd2"), LAYOUTS, *common)
 
 
-def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
-    """(the student's loss, the critic's last loss) per student step."""
+def losses(run_dir: Path, *names: str) -> dict[int, tuple[float, ...]]:
+    """(the student's loss, the critic's last loss[, the other ``names`` logged]) per student step."""
     import csv
 
+    names = ("train/loss", "train/critic_loss", *names)
     with open(run_dir / "csv" / "metrics.csv") as f:
-        return {int(row["step"]): (float(row["train/loss"]), float(row["train/critic_loss"]))
+        return {int(row["step"]): tuple(float(row[name]) for name in names)
                 for row in csv.DictReader(f) if row.get("train/loss")}
 
 
@@ -142,7 +152,16 @@ BAD = {
     "zero time": (["distill.steps=2", "distill.times=[1.0,0.0]"], "lie in (0, 1]"),
     "times of another count": (["distill.steps=4", "distill.times=[1.0,0.5]"], "is not a list of distill.steps=4"),
     "ddpm": (["diffusion=ddpm"], "distils flow-matching models, but diffusion.objective is DDPM"),
-    "gan": (["distill.gan_loss=true"], "the GAN head of DMD2 is not built yet"),
+    "gan_loss not a bool": (["distill.gan_loss=3"], "distill.gan_loss must be true or false, got 3"),
+    "gan generator weight": (["distill.gan_loss=true", "distill.gan_generator_weight=-1"],
+                             "distill.gan_generator_weight=-1 must be a finite number >= 0 (DMD2: 3e-3); or "
+                             "distill.gan_loss=false"),
+    "gan critic weight": (["distill.gan_loss=true", "distill.gan_critic_weight=0"],
+                          "distill.gan_critic_weight=0 must be a finite number > 0"),
+    "gan block type": (["distill.gan_loss=true", "distill.gan_block=middle"],
+                       "distill.gan_block must be a block index"),
+    "gan block range": (["distill.gan_loss=true", "distill.gan_block=2"],
+                        "distill.gan_block=2 is not a block of this model (2 repeated blocks); give an index in [-2, 1]"),
     "regression": (["distill.regression_loss=true"], "the regression loss of DMD2 is not built yet"),
     "critic_steps": (["distill.critic_steps=0"], "distill.critic_steps must be a positive integer"),
 }
@@ -181,3 +200,42 @@ def test_a_wan_distillation_equals_one_process_at_ring_2(tmp_path):
         assert parallel[step][0] == pytest.approx(student, rel=1e-5), f"student loss, step {step}"
         assert parallel[step][1] == pytest.approx(critic, rel=1e-5), f"critic loss, step {step}"
     assert_same_numbers(state(tmp_path / "ring2"), state(tmp_path / "one"), rtol=1e-5, atol=1e-6, where="wan")
+
+
+@pytest.mark.parametrize("layout", ["gan_ring2", pytest.param("gan_ring3", marks=pytest.mark.slow),
+                                    pytest.param("gan_fsdp_ring2_ulysses2", marks=pytest.mark.slow)])
+def test_dmd2_with_the_gan_head_equals_one_process(runs, layout):
+    """The head reads token shards and pools them over the group (ring 3: a shard with padded tokens): losses (the
+    student's, the critic's with its GAN term, both GAN losses) and every weight (student, EMA, critic, head) equal one
+    process's, in float64 (FSDP, sharding the head too: float32, its losses and student weights)."""
+    gan = ("train/gan_loss", "train/critic_gan_loss")
+    name = REFERENCE[layout]
+    loss_tolerance, rtol, atol = TOLERANCE[name]
+    reference, parallel = losses(runs.trained(name), *gan), losses(runs.trained(layout), *gan)
+    assert sorted(reference) == sorted(parallel) == [0, 1, 2]
+    for step, values in reference.items():
+        assert parallel[step] == pytest.approx(values, rel=loss_tolerance), f"step {step}"
+    # the head changes the run: its losses are logged and the student differs from the run without it
+    assert reference[0][0] != pytest.approx(losses(runs.trained("one"))[0][0], rel=1e-6)
+    if not (runs.trained(layout) / "checkpoints" / "last.ckpt").is_file():  # FSDP: a sharded folder
+        for prefer in ("model", "ema"):
+            expected = read_weights(runs.trained(name) / "checkpoints" / "last.ckpt", prefer=prefer)[0]
+            got = read_weights(runs.trained(layout) / "checkpoints" / "last.ckpt", prefer=prefer)[0]
+            assert_same_numbers(got, expected, rtol=rtol, atol=atol, where=f"{layout} {prefer}")
+        return
+    expected, got = state(runs.trained(name)), state(runs.trained(layout))
+    assert {key.split(".")[0] for key in expected} == {"model", "ema", "critic", "gan_head"}
+    assert_same_numbers(got, expected, rtol=rtol, atol=atol, where=f"{layout} with the GAN head")
+
+
+def test_a_resumed_distillation_with_the_gan_head_continues_exactly(runs, teacher, tmp_path):
+    """The head's weights and its optimizer state (the critic's optimizer) come back from the checkpoint."""
+    first = runs.trained("gan_one")
+    checkpoint = torch.load(first / "checkpoints" / "last.ckpt", weights_only=False)
+    assert len(checkpoint["optimizer_states"]) == 2
+    resumed = tmp_path / "resumed"
+    run("train.py", resumed, *TINY, *MOMENTUM, *FP64, *GAN, "distill=dmd2", f"init_from={teacher}",
+        "distill.critic_steps=2", f"ckpt_path={first / 'checkpoints' / 'step_0000002.ckpt'}")
+    gan = ("train/gan_loss", "train/critic_gan_loss")
+    assert losses(resumed, *gan)[2] == losses(first, *gan)[2]
+    assert_same_numbers(state(resumed), state(first), where="resumed with the GAN head")

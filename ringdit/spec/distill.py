@@ -4,6 +4,7 @@ method, the student's steps and time grid, the critic's updates per student upda
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -26,6 +27,10 @@ class DistillSpec:
     teacher: str | None      # the teacher's weights (init_from); None: the model's pretrained folder
     teacher_weights: str     # which weights of a ringdit .ckpt teacher: ema | model
     gradient_clip_val: float | None  # each update's gradient norm clip (trainer.gradient_clip_val)
+    gan_loss: bool = False   # DMD2's GAN head on the critic's features (ringdit.training.gan_head)
+    gan_block: int | None = None  # the repeated block whose output it reads; None: the middle one
+    gan_generator_weight: float = 3e-3  # the student's GAN loss weight (DMD2's ImageNet-64 runs)
+    gan_critic_weight: float = 1e-2  # the head's (and the critic's) GAN loss weight (DMD2's)
 
     @property
     def settings(self) -> dict:
@@ -33,7 +38,8 @@ class DistillSpec:
         return {"method": self.method, "steps": self.steps, "times": list(self.times),
                 "critic_steps": self.critic_steps, "cfg_scale": self.cfg_scale, "t_min": self.t_min,
                 "t_max": self.t_max, "teacher": self.teacher, "teacher_weights": self.teacher_weights,
-                "gradient_clip_val": self.gradient_clip_val}
+                "gradient_clip_val": self.gradient_clip_val, "gan_loss": self.gan_loss, "gan_block": self.gan_block,
+                "gan_generator_weight": self.gan_generator_weight, "gan_critic_weight": self.gan_critic_weight}
 
     def student_sampling(self, sampling: dict) -> dict:
         """The run's sampling settings for the student: its own few-step sampler and grid, no guidance (previews
@@ -60,10 +66,14 @@ class DistillSpec:
             raise ConfigError(f"distill.t_min={distill.t_min} and distill.t_max={distill.t_max} bound the noise "
                               f"levels of the distribution-matching loss: 0 < t_min < t_max < 1 (DMD2: 0.02, 0.98)")
         require_number("distill.cfg_scale", distill.get("cfg_scale"), optional=True)
-        for key, what in (("gan_loss", "the GAN head"), ("regression_loss", "the regression loss")):
-            if distill.get(key):
-                raise ConfigError(f"distill.{key}={distill.get(key)}: {what} of DMD2 is not built yet; distil "
-                                  f"without it (distill.{key}=false)")
+        for key in ("gan_loss", "regression_loss"):
+            if not isinstance(distill.get(key, False), bool):
+                raise ConfigError(f"distill.{key} must be true or false, got {distill.get(key)!r}")
+        if distill.get("gan_loss"):
+            check_gan_settings(distill)
+        if distill.get("regression_loss"):
+            raise ConfigError(f"distill.regression_loss={distill.get('regression_loss')}: the regression loss of DMD2 "
+                              f"is not built yet; distil without it (distill.regression_loss=false)")
         precision = str(cfg.trainer.get("precision"))
         if precision.startswith("16"):
             raise ConfigError(f"trainer.precision={precision} with distill={method}: the critic's updates do not go "
@@ -104,10 +114,32 @@ class DistillSpec:
         cfg_scale = float(sampling.get("cfg_scale", 1.0) if cfg_scale is None else cfg_scale)
         check_sampling(model_config, objective, {**sampling, "cfg_scale": cfg_scale}, prefix="distill.")
         clip = cfg.trainer.get("gradient_clip_val")
+        gan = {}
+        if distill.get("gan_loss"):
+            from ringdit.training.gan_head import feature_block, feature_width
+
+            feature_width(feature_block(meta_model, distill.get("gan_block"))[0])  # a ConfigError saying why not
+            gan = {"gan_loss": True, "gan_block": distill.get("gan_block"),
+                   "gan_generator_weight": float(distill.gan_generator_weight),
+                   "gan_critic_weight": float(distill.gan_critic_weight)}
         return cls(method=method, steps=distill.steps, times=tuple(student_times(distill.steps, distill.get("times"))),
                    critic_steps=distill.critic_steps, cfg_scale=cfg_scale, t_min=float(distill.t_min),
                    t_max=float(distill.t_max), teacher=teacher or None, teacher_weights=cfg.init_weights,
-                   gradient_clip_val=float(clip) if clip else None)
+                   gradient_clip_val=float(clip) if clip else None, **gan)
+
+
+def check_gan_settings(distill) -> None:
+    """The GAN head's weights and block, alone (the block against the model: ``from_config``)."""
+    for key, low, example in (("gan_generator_weight", ">= 0", "3e-3"), ("gan_critic_weight", "> 0", "1e-2")):
+        value = distill.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or value < 0 or (value == 0 and low == "> 0"):
+            raise ConfigError(f"distill.{key}={value!r} must be a finite number {low} (DMD2: {example}); or "
+                              f"distill.gan_loss=false for no GAN head")
+    block = distill.get("gan_block")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int)):
+        raise ConfigError(f"distill.gan_block must be a block index (negative from the end) or null for the middle "
+                          f"block, got {block!r}")
 
 
 def student_times(steps: int, times) -> list[float]:

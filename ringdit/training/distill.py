@@ -21,10 +21,16 @@ each update draws which step trains, and that step's input comes from the studen
 Every draw comes from the ``DISTILL`` stream keyed by (student step, phase, role[, position in the global batch]),
 so every rank of a sequence-parallel group draws the same values and the gradient equals one device's (see
 ``DiffusionModule.diffusion_loss``).
+
+``gan_loss``: DMD2's GAN head (``ringdit.training.gan_head``) on the critic's features. Each critic update adds
+``gan_critic_weight`` x the head's non-saturating loss on the batch's real images and the student's samples, both
+noised to one drawn t (two more critic forwards); the student's update adds ``gan_generator_weight`` x its side of
+it, read from the critic forward the matching loss runs anyway (then with a gradient to the student's samples).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -36,6 +42,7 @@ from ringdit.diffusion import classifier_free_guidance, draw_noise
 from ringdit.diffusion.samplers import fewstep_step
 from ringdit.lora import lora_enabled
 from ringdit.seeding import Stream, generator
+from ringdit.training.gan_head import FeatureTap, GANHead, critic_gan_loss, generator_gan_loss
 from ringdit.training.module import DiffusionModule, _to_device, total_grad_norm
 
 Tensor = torch.Tensor
@@ -44,19 +51,21 @@ Tensor = torch.Tensor
 warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
 
 # the DISTILL stream's roles: which draw of a phase a generator is for
-STUDENT_NOISE, CRITIC_LOSS, MATCHING, TRAINED_STEP = 0, 1, 2, 3
+STUDENT_NOISE, CRITIC_LOSS, MATCHING, TRAINED_STEP, GAN, GAN_HEAD_INIT = 0, 1, 2, 3, 4, 5
 
 
 class DistillationModule(DiffusionModule):
     """``DiffusionModule``'s arguments, and ``distill``: ``ringdit.spec.DistillSpec.settings`` (``method``,
     ``steps``, ``times``, ``critic_steps``, ``cfg_scale``, ``t_min``, ``t_max``, ``teacher``, ``teacher_weights``,
-    ``gradient_clip_val``)."""
+    ``gradient_clip_val``, ``gan_loss``, ``gan_block``, ``gan_generator_weight``, ``gan_critic_weight``)."""
 
     def __init__(self, *args, distill: dict, **kwargs):
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False  # two optimizers, several critic updates per student update
         self.distill = dict(distill)
         self.critic: nn.Module | None = None
+        self.gan_head: GANHead | None = None  # gan_loss: trained with the critic, in its optimizer and the checkpoints
+        self.critic_features: FeatureTap | None = None
         self._teacher: list[nn.Module] = []  # in a list: not a submodule (no state dict, DDP, optimizer or .to())
 
     @property
@@ -84,6 +93,13 @@ class DistillationModule(DiffusionModule):
                                  init_weights=self.distill["teacher_weights"], **common)
         teacher.requires_grad_(False)
         self._teacher = [teacher.eval()]
+        if self.distill.get("gan_loss"):
+            self.critic_features = FeatureTap(self.critic, self.distill.get("gan_block"))
+            head = GANHead(self.critic_features.width)
+            head.reset_parameters(generator(Stream.DISTILL, self.hparams.seed, 0, 0, GAN_HEAD_INIT))
+            self.gan_head = head.to(torch.empty(0).device)  # Lightning's device for the models (the rank's GPU)
+            if common["shard"] is not None:  # FSDP: sharded like the critic, so its gradients are reduced too
+                common["shard"](self.gan_head)
 
     def on_fit_start(self) -> None:
         # what Lightning's precision did to this module (trainer.precision=64-true: float64), it does not do to the
@@ -93,8 +109,10 @@ class DistillationModule(DiffusionModule):
     def configure_optimizers(self):
         if self.optimizer_factory is None:
             raise ValueError("DistillationModule needs an optimizer (a partial, e.g. torch.optim.AdamW) to train")
-        optimizers = [self.optimizer_factory(params=[p for p in model.parameters() if p.requires_grad])
-                      for model in (self.model, self.critic)]
+        critic = [self.critic] + ([self.gan_head] if self.gan_head is not None else [])
+        optimizers = [self.optimizer_factory(params=[p for model in models for p in model.parameters()
+                                                     if p.requires_grad])
+                      for models in ([self.model], critic)]
         if self.scheduler_factory is None:
             return optimizers
         return optimizers, [{"scheduler": self.scheduler_factory(optimizer=o), "interval": "step"} for o in optimizers]
@@ -124,17 +142,25 @@ class DistillationModule(DiffusionModule):
                 x = (1 - times[i + 1]) * x0 + times[i + 1] * draw_noise(shape[1:], generators, self.device, dtype)
         return x0
 
-    def matching_loss(self, fake: Tensor, condition, step: int, phase: int) -> Tensor:
-        """DMD2's distribution-matching loss of the student's samples ``fake`` (B, C, [T,] H, W)."""
+    def matching_loss(self, fake: Tensor, condition, step: int, phase: int) -> tuple[Tensor, Tensor | None]:
+        """DMD2's distribution-matching loss of the student's samples ``fake`` (B, C, [T,] H, W), and with
+        ``gan_loss`` the student's GAN loss, read from the same critic forward (None without)."""
         batch, channels = fake.shape[:2]
         generators = self.draws(step, phase, MATCHING, batch)
-        low, high = self.distill["t_min"], self.distill["t_max"]
-        t = torch.cat([low + (high - low) * torch.rand(1, generator=g) for g in generators]).to(fake.device)
+        t = self.noise_levels(generators).to(fake.device)
         noise = draw_noise(fake.shape[1:], generators, fake.device, fake.dtype)
+        model_time = self.objective.model_time(t)
+        gan_loss = None
+        if self.gan_head is None:
+            with torch.no_grad():
+                fake_velocity = self.critic(self.objective.add_noise(fake.detach(), noise, t), model_time, condition)
+        else:  # the critic's forward carries the GAN loss's gradient to the samples (not to the critic: frozen here)
+            with frozen(self.critic, self.gan_head), self.critic_features.capture() as features:
+                fake_velocity = self.critic(self.objective.add_noise(fake, noise, t), model_time, condition)
+                gan_loss = generator_gan_loss(self.gan_head(*features.features()))
         with torch.no_grad():
             x_t = self.objective.add_noise(fake.detach(), noise, t)
-            model_time = self.objective.model_time(t)
-            fake_velocity = self.critic(x_t, model_time, condition)[:, :channels]
+            fake_velocity = fake_velocity[:, :channels].detach()
             real_velocity = self.guided_teacher(condition, batch)(x_t, model_time)[:, :channels]
             # in float32 at least (bf16 models), float64 in a float64 run
             dtype = torch.promote_types(fake.dtype, torch.float32)
@@ -142,7 +168,26 @@ class DistillationModule(DiffusionModule):
             p_fake, p_real = fewstep_step(x_t, t, fake_velocity), fewstep_step(x_t, t, real_velocity)
             scale = (fake.detach().to(dtype) - p_real).abs().mean(dim=tuple(range(1, fake.dim())), keepdim=True)
             grad = torch.nan_to_num((p_fake - p_real) / scale)
-        return 0.5 * F.mse_loss(fake.to(dtype), (fake.to(dtype) - grad).detach())
+        return 0.5 * F.mse_loss(fake.to(dtype), (fake.to(dtype) - grad).detach()), gan_loss
+
+    def noise_levels(self, generators: list[torch.Generator]) -> Tensor:
+        """One noise level per sample, uniform in [t_min, t_max] (the matching loss's and the GAN head's)."""
+        low, high = self.distill["t_min"], self.distill["t_max"]
+        return torch.cat([low + (high - low) * torch.rand(1, generator=g) for g in generators])
+
+    def head_logits(self, samples: Tensor, noise: Tensor, t: Tensor, condition) -> Tensor:
+        """The GAN head's realism logits (B,) of ``samples`` noised to ``t`` with ``noise``, read from the critic."""
+        with self.critic_features.capture() as features:
+            self.critic(self.objective.add_noise(samples, noise, t), self.objective.model_time(t), condition)
+            return self.gan_head(*features.features())
+
+    def critic_gan_loss(self, real: Tensor, fake: Tensor, condition, step: int, phase: int) -> Tensor:
+        """The head's (and the critic's) GAN loss: the batch's real images against the student's samples, both noised
+        to one drawn t per sample, with the same noise."""
+        generators = self.draws(step, phase, GAN, real.shape[0])
+        t = self.noise_levels(generators).to(real.device)
+        noise = draw_noise(real.shape[1:], generators, real.device, real.dtype)
+        return critic_gan_loss(self.head_logits(real, noise, t, condition), self.head_logits(fake, noise, t, condition))
 
     def guided_teacher(self, condition, batch: int):
         """``(x, model_time) -> velocity`` of the teacher guided with ``distill.cfg_scale``."""
@@ -153,7 +198,7 @@ class DistillationModule(DiffusionModule):
 
     # ---- training -----------------------------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx: int) -> None:
-        x0, condition = batch  # the data gives the conditions and the shape; DMD2 without regression needs no images
+        x0, condition = batch  # the conditions and the shape; the images only for the GAN head (real data)
         student_optimizer, critic_optimizer = self.optimizers()
         schedulers = self.lr_schedulers()
         step, shape = self.trainer.global_step, tuple(x0.shape)
@@ -163,6 +208,10 @@ class DistillationModule(DiffusionModule):
                 fake = self.student_samples(shape, condition, step, phase, grad=False, dtype=x0.dtype)
             critic_loss = self.diffusion_loss(self.critic, fake, condition,
                                               self.draws(step, phase, CRITIC_LOSS, shape[0]))
+            if self.gan_head is not None:
+                gan_loss = self.critic_gan_loss(x0, fake, condition, step, phase)
+                self.log("train/critic_gan_loss", self.trainer.strategy.reduce(gan_loss.detach(), reduce_op="mean"))
+                critic_loss = critic_loss + self.distill["gan_critic_weight"] * gan_loss
             critic_value = self._checked("critic_loss", critic_loss)
             if critic_value is None:
                 continue
@@ -171,7 +220,10 @@ class DistillationModule(DiffusionModule):
         if critic_value is not None:
             self.log("train/critic_loss", critic_value, prog_bar=True)
         fake = self.student_samples(shape, condition, step, critic_steps, grad=True, dtype=x0.dtype)
-        loss = self.matching_loss(fake, condition, step, critic_steps)
+        loss, gan_loss = self.matching_loss(fake, condition, step, critic_steps)
+        if gan_loss is not None:
+            self.log("train/gan_loss", self.trainer.strategy.reduce(gan_loss.detach(), reduce_op="mean"))
+            loss = loss + self.distill["gan_generator_weight"] * gan_loss
         value = self._checked("loss", loss)
         self.log("train/loss", value, prog_bar=True)  # the student's (generator's) loss
         if value is not None:
@@ -204,3 +256,17 @@ class DistillationModule(DiffusionModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         pass  # the norms are logged before clipping (_update)
+
+
+@contextlib.contextmanager
+def frozen(*models: nn.Module):
+    """The models' parameters without gradients inside the block (a forward whose gradient is only for its
+    input), as they were after it."""
+    params = [p for model in models for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
