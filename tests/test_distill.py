@@ -183,14 +183,16 @@ def test_a_teacher_of_another_architecture_is_refused(teacher, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_wan_distillation_equals_one_process_at_ring_2(tmp_path):
+@pytest.mark.parametrize("head", [[], GAN], ids=["dmd2", "gan_head"])
+def test_a_wan_distillation_equals_one_process_at_ring_2(tmp_path, head):
     """Tiny Wan (diffusers' transformer, text-conditioned, the teacher guided at the preset's CFG 5 away from the
     empty prompt): 2 iterations of one critic update and a student update, float32 as tests/test_diffusers_training.py
     trains it (its float64 is not float64 throughout: measured 1.3e-9 apart), ring 2 against one process. Measured:
-    1.6e-7 relative in the losses, 6e-8 in the weights (max ~1); rel 1e-5 and atol 1e-6 are >= 16x that."""
+    1.6e-7 relative in the losses, 6e-8 in the weights (max ~1); rel 1e-5 and atol 1e-6 are >= 16x that. With the GAN
+    head: it reads Wan's blocks (diffusers' block registry says where their tokens are)."""
     common = [*WAN, f"data.cache_dir={tmp_path / 'data'}"]
     run("train.py", tmp_path / "teacher", *common, "trainer.max_steps=1", env={"HF_HUB_OFFLINE": "1"})
-    distill = [*common, "trainer.max_steps=2", "distill=dmd2", "distill.critic_steps=1",
+    distill = [*common, "trainer.max_steps=2", "distill=dmd2", "distill.critic_steps=1", *head,
                f"init_from={tmp_path / 'teacher' / 'checkpoints' / 'last.ckpt'}"]
     for name, layout in {"one": [], "ring2": ["ring_degree=2"]}.items():
         run("train.py", tmp_path / name, *distill, *layout, env={"HF_HUB_OFFLINE": "1"})
