@@ -519,7 +519,7 @@ def sampled_grid(overrides: list[str], shape: tuple[int, ...], patch: tuple[int,
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     tokens = math.prod(s // p for s, p in zip(shape, patch))
-    objective, sampling = training_diffusion(cfg, {"family": cfg.model.family}, tokens)
+    objective, sampling = training_diffusion(cfg, {"_target_": cfg.model._target_, "family": cfg.model.family}, tokens)
     module = DiffusionModule(model={}, objective=objective, data={"image_size": list(shape), "latent_scale": 1.0},
                              sampling=sampling)
     module.model = model = VelocityIsX(patch)

@@ -334,7 +334,7 @@ def test_guidance_channels_are_checked_at_config_time():
     from ringdit.errors import ConfigError
     from ringdit.spec import check_sampling
 
-    model = {"in_channels": 4, "class_dropout_prob": 0.1}
+    model = {"_target_": "ringdit.models.DiT", "in_channels": 4, "class_dropout_prob": 0.1}
     objective = {"_target_": "ringdit.diffusion.DDPM"}
     check_sampling(model, objective, {"sampler": "ddpm", "steps": 250, "guidance_channels": 3})
     for bad in (0, 5, 2.5, True, "3"):

@@ -380,10 +380,10 @@ def test_bad_sampler_settings_are_refused():
     flow, ddpm = {"_target_": "ringdit.diffusion.FlowMatching"}, {"_target_": "ringdit.diffusion.DDPM"}
     with pytest.raises(ConfigError, match=r"sampler='unipcc' does not fit the FlowMatching objective; use one of "
                                           r"euler, heun, fewstep, flow_euler, unipc, dpmpp"):
-        check_sampling({}, flow, {"sampler": "unipcc"})
+        check_sampling({"_target_": "ringdit.models.DiT"}, flow, {"sampler": "unipcc"})
     with pytest.raises(ConfigError, match=r"sampler=unipc is diffusers' UniPCMultistepScheduler for flow-matching "
                                           r"models .* DDPM objective .* use one of ddim, ddpm"):
-        check_sampling({}, ddpm, {"sampler": "unipc"})
+        check_sampling({"_target_": "ringdit.models.DiT"}, ddpm, {"sampler": "unipc"})
 
 
 @pytest.mark.parametrize("text, message", [

@@ -156,16 +156,16 @@ def test_bad_sampling_times_are_refused_in_one_line(tmp_path):
     from ringdit.spec.diffusion import check_resolution, check_sampling
     from tests.helpers import assert_refused, fail_fast
 
-    flow = {"_target_": "ringdit.diffusion.FlowMatching"}
+    flow, DIT = {"_target_": "ringdit.diffusion.FlowMatching"}, {"_target_": "ringdit.models.DiT"}
     for value in (1, 0, -0.1, float("nan"), "abc", True, [0.1]):
         with pytest.raises(ConfigError, match=r"^diffusion.sampling.shift_terminal=.* is not a time in \(0, 1\): "
                                               r"give the last non-zero sampling time"):
-            check_sampling({}, flow, {"shift_terminal": value}, prefix="diffusion.sampling.")
+            check_sampling(DIT, flow, {"shift_terminal": value}, prefix="diffusion.sampling.")
     for fine in (None, False, 0.1):
-        check_sampling({}, flow, {"shift_terminal": fine})
+        check_sampling(DIT, flow, {"shift_terminal": fine})
     with pytest.raises(ConfigError, match=r"^shift_terminal=0.1 stretches a flow sampler's times, but this is the "
                                           r"DDPM objective; leave shift_terminal null"):
-        check_sampling({}, {"_target_": "ringdit.diffusion.DDPM"}, {"shift_terminal": 0.1})
+        check_sampling(DIT, {"_target_": "ringdit.diffusion.DDPM"}, {"shift_terminal": 0.1})
     for resolution, message in (
             ({"empirical_mu_steps": 0}, r"empirical_mu_steps=0 is not a number of steps; give a whole number >= 1"),
             ({"empirical_mu_steps": 200, "base_shift": 1.0}, r"replaces the linear rule, whose constants would"),

@@ -136,7 +136,8 @@ def test_flux2_trains_with_the_shift_of_200_steps():
     from ringdit.spec import resolve_shift
 
     objective = {"shift": "resolution"}
-    resolve_shift(objective, {"steps": 50}, 15, {"family": "flux2"})
+    resolve_shift(objective, {"steps": 50}, 15,
+                  {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "flux2"})
     assert objective["resolution"] == {"empirical_mu_steps": 200}
     for tokens in (15, 1024, 4096, 4356, 16384):
         shift = FlowMatching(**objective).shift_for(tokens)

@@ -501,12 +501,13 @@ def test_guidance_on_a_diffusers_model_without_the_embedding_is_refused():
     from ringdit.spec.diffusion import check_sampling
 
     flow = {"_target_": "ringdit.diffusion.objectives.FlowMatching"}
+    DIFFUSERS = {"_target_": "ringdit.models.diffusers.DiffusersTransformer"}
     with pytest.raises(ConfigError, match=r"guidance=3.5 is the guidance embedding's value .*but this wan model has "
                                           r"none \(guidance_embeds\) and would ignore it"):
-        check_sampling({"family": "wan", "config": {"num_layers": 2}}, flow, {"guidance": 3.5})
-    check_sampling({"family": "flux2", "config": {"num_layers": 1}}, flow, {"guidance": 3.5})
-    check_sampling({"family": "flux", "config": {"guidance_embeds": True}}, flow, {"guidance": 3.5})
-    check_sampling({"family": "wan", "pretrained": "/models/Wan"}, flow, {"guidance": 3.5})  # read when built
+        check_sampling({**DIFFUSERS, "family": "wan", "config": {"num_layers": 2}}, flow, {"guidance": 3.5})
+    check_sampling({**DIFFUSERS, "family": "flux2", "config": {"num_layers": 1}}, flow, {"guidance": 3.5})
+    check_sampling({**DIFFUSERS, "family": "flux", "config": {"guidance_embeds": True}}, flow, {"guidance": 3.5})
+    check_sampling({**DIFFUSERS, "family": "wan", "pretrained": "/models/Wan"}, flow, {"guidance": 3.5})  # read when built
 
 
 def test_the_planner_refuses_lora_targets_that_match_nothing(capsys):

@@ -159,18 +159,19 @@ def test_shift_resolution_is_ltx_pipelines_own():
     from ringdit.diffusion import FlowMatching
     from ringdit.spec import resolve_shift
 
+    LTX = {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "ltx_video"}
     objective, sampling = {"shift": "resolution"}, {}
-    resolve_shift(objective, sampling, 192, {"family": "ltx_video"})
+    resolve_shift(objective, sampling, 192, LTX)
     assert sampling == {"shift": "resolution"}
     for tokens in (192, 1024, 6000):
         ltx = math.exp(calculate_shift(tokens, 1024, 4096, 0.95, 2.05))  # LTX-Video's scheduler_config.json
         assert FlowMatching(**objective).shift_for(tokens) == pytest.approx(ltx, rel=1e-12)
-    for model in ({"family": "flux"}, {"_target_": "ringdit.models.DiT"}):
+    for model in ({**LTX, "family": "flux"}, {"_target_": "ringdit.models.DiT"}):
         objective = {"shift": "resolution"}
         resolve_shift(objective, {}, 192, model)
         assert FlowMatching(**objective).shift_for(192) == pytest.approx(math.exp(calculate_shift(192)), rel=1e-12)
     given = {"shift": "resolution", "resolution": {"base_shift": 1.0}}
-    resolve_shift(given, {}, 192, {"family": "ltx_video"})
+    resolve_shift(given, {}, 192, LTX)
     assert given["resolution"] == {"base_shift": 1.0}
     with pytest.raises(ValueError, match=r"resolution takes \['base_tokens', .*got \['base_seq_len'\]"):
         FlowMatching(shift="resolution", resolution={"base_seq_len": 1024})

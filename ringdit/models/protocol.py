@@ -36,6 +36,16 @@ class DiffusionModel(Protocol):
         classes or text embedding shape; a ConfigError where the data does not fit the model."""
 
     @staticmethod
+    def sampling_defaults(config: dict) -> dict:
+        """The flow objective's settings a run leaves unset, as the kind's pipeline fixes them: ``resolution`` (the
+        resolution shift's constants; None: Flux's) and ``shift_terminal`` (the last sampling time; None: none)."""
+
+    @staticmethod
+    def check_guidance(config: dict, sampling: dict, prefix: str = "") -> None:
+        """A ConfigError for guidance a model of ``config`` cannot take: a guidance embedding's value (``guidance``)
+        it has no embedding for, classifier-free guidance without a learnt null condition."""
+
+    @staticmethod
     def patch_shape_of(config: dict) -> tuple[int, ...] | None:
         """The ``patch_shape`` a model of ``config`` (``config_for_data``'s) will have, read from the config alone:
         the data's buckets are checked against it before the model is built around the most frequent one."""

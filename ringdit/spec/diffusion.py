@@ -61,12 +61,10 @@ def resolve_shift(objective: dict, sampling: dict, tokens: int, model_config: di
                               f"{objective['shift']!r}")
         return
     from ringdit.diffusion import resolution_shift
-    from ringdit.spec.model import is_diffusers_model
+    from ringdit.spec.model import model_class
 
-    if objective.get("resolution") is None and model_config is not None and is_diffusers_model(model_config):
-        from ringdit.models.diffusers.families import get_family
-
-        constants = get_family(model_config["family"]).resolution_shift
+    if objective.get("resolution") is None and model_config is not None:
+        constants = model_class(model_config).sampling_defaults(model_config)["resolution"]
         if constants is not None:  # kept with the run's objective: infer.py samples with them too
             objective["resolution"] = dict(constants)
     constants, steps = objective.get("resolution") or {}, sampling.get("steps")
@@ -112,21 +110,19 @@ def resolve_shift_terminal(sampling: dict, model_config: dict, objective: dict) 
     """``diffusion.sampling.shift_terminal`` (flow matching): null takes the model family's (LTX-Video's scheduler:
     0.1), kept in the run's sampling settings, so infer.py samples with it too (and a checkpoint from before the
     setting gets it there); false: none."""
-    from ringdit.spec.model import is_diffusers_model
+    from ringdit.spec.model import model_class
 
     if not str(objective.get("_target_", "")).endswith("FlowMatching"):
         return  # (check_sampling refused a stretch for another objective)
-    if sampling.get("shift_terminal") is None and is_diffusers_model(model_config):
-        from ringdit.models.diffusers.families import get_family
-
-        sampling["shift_terminal"] = get_family(model_config["family"]).shift_terminal
+    if sampling.get("shift_terminal") is None:
+        sampling["shift_terminal"] = model_class(model_config).sampling_defaults(model_config)["shift_terminal"]
 
 
 def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str = "") -> None:
     """The sampler fits the objective, steps are positive, guidance has a null class to guide with and guides some
     of the model's channels. ``prefix``: where the keys live (train.py's ``diffusion.sampling.``)."""
     from ringdit.diffusion import objectives
-    from ringdit.spec.model import is_diffusers_model
+    from ringdit.spec.model import model_class
 
     from ringdit.diffusion.schedulers import SCHEDULERS, is_scheduler_sampler
 
@@ -163,25 +159,10 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
                                or channels is not None and guided > channels):
         raise ConfigError(f"{prefix}guidance_channels={guided!r} is not a number of the model's {channels} latent "
                           f"channels; use null to guide all of them, or 1..{channels} (3: the original DiT's)")
-    cfg_scale = sampling.get("cfg_scale")
     if sampling.get("cfg_scale_2") is not None and model_cfg.get("boundary_ratio") is None:
         raise ConfigError(f"{prefix}cfg_scale_2={sampling['cfg_scale_2']} is the low-noise expert's guidance of a "
                           f"two-expert model (Wan 2.2 A14B), but this model has one transformer; set cfg_scale only")
-    if sampling.get("guidance") is not None and not is_diffusers_model(model_cfg):
-        raise ConfigError(f"{prefix}guidance={sampling['guidance']!r} is the guidance embedding's value of a "
-                          f"guidance-distilled model (Flux-dev); the DiT has none and would ignore it: leave it unset, "
-                          f"and set the strength of classifier-free guidance with cfg_scale")
-    if sampling.get("guidance") is not None and is_diffusers_model(model_cfg) \
-            and guidance_embedding(model_cfg) is False:
-        raise ConfigError(f"{prefix}guidance={sampling['guidance']!r} is the guidance embedding's value of a "
-                          f"guidance-distilled model (Flux-dev), but this {model_cfg['family']} model has none "
-                          f"(guidance_embeds) and would ignore it: leave it unset, and set the strength of "
-                          f"classifier-free guidance with cfg_scale")
-    if is_diffusers_model(model_cfg):  # guidance away from the empty or negative prompt: pretrained models learnt it
-        return
-    if cfg_scale is not None and cfg_scale != 1.0 and not model_cfg.get("class_dropout_prob", 0.1) > 0:
-        raise ConfigError(f"cfg_scale={cfg_scale} needs a model trained with label dropout (a null class), but "
-                          f"model.class_dropout_prob={model_cfg.get('class_dropout_prob')}; use cfg_scale=1")
+    model_class(model_cfg).check_guidance(model_cfg, sampling, prefix)  # what guidance the model kind takes
 
 
 def check_ddpm_objective(objective_cfg, sampler: str | None, prefix: str = "") -> None:
@@ -201,23 +182,6 @@ def check_ddpm_objective(objective_cfg, sampler: str | None, prefix: str = "") -
         raise ConfigError(f"{prefix}sampler=ddpm (the original DiT's ancestral sampler) with "
                           "diffusion.objective.rescale_zero_snr=true: its posterior divides by the last step's "
                           "alpha_bar, which is 0; use sampler=ddim")
-
-
-def guidance_embedding(model_cfg: dict) -> bool | None:
-    """Whether a diffusers model is guidance-distilled (``guidance_embeds``, as its class defaults it: FLUX.2 yes,
-    FLUX.1 and QwenImage no, Wan none); None while its architecture is a pretrained folder not read yet."""
-    import inspect
-
-    import diffusers
-
-    from ringdit.models.diffusers.families import get_family
-
-    architecture = model_cfg.get("config")
-    if not architecture:
-        return None
-    parameter = inspect.signature(getattr(diffusers, get_family(model_cfg["family"]).model_class).__init__
-                                  ).parameters.get("guidance_embeds")
-    return bool(architecture.get("guidance_embeds", parameter.default if parameter is not None else False))
 
 
 def resolve_scheduler(sampling: dict, model_config: dict, prefix: str = "") -> None:

@@ -263,6 +263,25 @@ class DiffusersTransformer(nn.Module):
     def patch_shape(self) -> tuple[int, ...]:
         return self.patch_size
 
+    # ---- what a diffusers model declares as a model kind (ringdit.models.protocol.DiffusionModel): its family's ----
+
+    @staticmethod
+    def sampling_defaults(config: dict) -> dict:
+        """The flow objective's settings a run leaves unset, as the family's pipeline fixes them: the resolution
+        shift's constants (``diffusion.objective.resolution``) and the last sampling time (``shift_terminal``)."""
+        family = get_family(config["family"])
+        return {"resolution": family.resolution_shift, "shift_terminal": family.shift_terminal}
+
+    @staticmethod
+    def check_guidance(config: dict, sampling: dict, prefix: str = "") -> None:
+        """The guidance embedding's value only for a model that has one (Flux-dev); classifier-free guidance always:
+        away from the empty or negative prompt, which pretrained models learnt."""
+        if sampling.get("guidance") is not None and guidance_embedding(config) is False:
+            raise ConfigError(f"{prefix}guidance={sampling['guidance']!r} is the guidance embedding's value of a "
+                              f"guidance-distilled model (Flux-dev), but this {config['family']} model has none "
+                              f"(guidance_embeds) and would ignore it: leave it unset, and set the strength of "
+                              f"classifier-free guidance with cfg_scale")
+
     @staticmethod
     def patch_shape_of(config: dict) -> tuple[int, ...] | None:
         """The patch a model of ``config`` (``config_for_data``'s: its architecture recorded) will have, before it is
@@ -531,3 +550,18 @@ def check_latent_shape(size: tuple[int, ...], patch: tuple[int, ...], data_chann
     if data_channels is not None and data_channels != channels:
         raise ConfigError(f"the data's latents have {data_channels} channels but the model takes {channels}: "
                           f"encode with the model's own VAE")
+
+
+def guidance_embedding(config: dict) -> bool | None:
+    """Whether a diffusers model is guidance-distilled (``guidance_embeds``, as its class defaults it: FLUX.2 yes,
+    FLUX.1 and QwenImage no, Wan none); None while its architecture is a pretrained folder not read yet."""
+    import inspect
+
+    import diffusers
+
+    architecture = config.get("config")
+    if not architecture:
+        return None
+    parameter = inspect.signature(getattr(diffusers, get_family(config["family"]).model_class).__init__
+                                  ).parameters.get("guidance_embeds")
+    return bool(architecture.get("guidance_embeds", parameter.default if parameter is not None else False))
