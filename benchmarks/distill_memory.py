@@ -18,7 +18,7 @@ so that freed activations leave the RSS; the tables of ``docs/memory.md`` say wh
 The estimate is ``ringdit.memory.check_training_memory`` on the same composed config and ``Layout``, as train.py
 computes it; its ``peak_bytes`` (start-up or step, whichever is larger) is compared to the measured peak, the largest
 over the ranks. ``plain``, the same model and teacher trained without distillation, is the control: the harness
-measured against the estimate of one model.
+measured against the estimate of one model. ``dmd2_gan`` adds DMD2's GAN head (``distill.gan_loss=true``).
 """
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ if str(ROOT) not in sys.path:
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 MODEL = ["model.hidden_size=384", "model.depth=6", "model.num_heads=6"]
-RUN = ["data.batch_size=64", "trainer.max_steps=3", "trainer=cpu", "+trainer.limit_val_batches=0", "trainer.precision=32-true",
-       "callbacks=none", "logger=none", "scheduler=constant", "ema_decay=0.999"]
+RUN = ["data.batch_size=64", "trainer.max_steps=3", "trainer=cpu", "+trainer.limit_val_batches=0",
+       "trainer.precision=32-true", "callbacks=none", "logger=none", "scheduler=constant", "ema_decay=0.999"]
 DMD2 = ["distill=dmd2", "distill.critic_steps=2"]
 CASES = {
     "plain": [],                                            # one model (the estimate as before): the control
     "dmd2": DMD2,                                           # DDP, one rank: student, EMA, critic, teacher
     "dmd2_lora": [*DMD2, "lora.rank=16"],                   # the student and critic adapted, the teacher whole
     "dmd2_fsdp": [*DMD2, "trainer/strategy=fsdp", "dp_degree=2"],  # FSDP over 2 ranks: every model sharded
+    "dmd2_gan": [*DMD2, "distill.gan_loss=true"],          # DDP with the GAN head: two more critic forwards
 }
 GiB, MiB = 2**30, 2**20
 

@@ -44,9 +44,12 @@ under 16-bit precision, else 4), M = the models that train (1; DMD2: 2, below):
   worth when sampling; an fp8 base adds its largest block Linear weight cast up to the compute dtype. DMD2's step
   runs one model's backward at a time (the critic's updates, then the student's through its one trained simulated
   step), and the teacher's and critic's forwards of the matching loss run without gradient while the student keeps
-  its activations, each holding one block's worth, less than backward's working set: the same term. Tokens per
-  rank: S / (ring x ulysses), rounded up, plus as much of the text of joint attention (Flux, QwenImage), which is
-  sharded like the image;
+  its activations, each holding one block's worth, less than backward's working set: the same term; but with its
+  GAN head (``distill.gan_loss``) the critic's update also keeps its two forwards of real and generated images
+  through the blocks up to the one the head reads (``distill.gan_block``, default the middle one: L // 2 + 1 blocks,
+  each keeping what it keeps above) until its backward (the head's own parameters, a per-token projection, are not
+  counted). Tokens per rank: S / (ring x ulysses), rounded up, plus as much of the text of joint attention (Flux,
+  QwenImage), which is sharded like the image;
 - ``attention_bytes``: per ring hop, after the Ulysses exchange (S / ring tokens of D / ulysses values): q, k, v,
   output and the K/V block in flight, 6 x B x S / ring x D / ulysses x a; the ``math`` backend also materialises the
   (S / ring)^2 score and probability matrices per head in fp32 (and their gradients when training);
@@ -138,6 +141,8 @@ class Setup:
     optimizer_8bit: bool = False       # the states in 8 bits with block scales (optimizer=adamw8bit)
     training: bool = True              # False: sampling (no gradients, optimizer, EMA; nothing kept for backward)
     distill: str = "none"              # dmd2: a trained critic and a frozen teacher beside the model (the student)
+    gan_loss: bool = False             # dmd2's GAN head: two more critic forwards in each critic update
+    gan_block: int | None = None       # the critic block the head reads (negative from the end); None: the middle one
 
     def __post_init__(self):
         for name, value in (("param_dtype", self.param_dtype), ("lora_base_dtype", self.lora_base_dtype)):
@@ -255,6 +260,10 @@ def estimate_memory(model: ModelSize, layout: Layout, setup: Setup = Setup()) ->
             per_token -= (sum(blocks[:-1]) - 1) * D
         # backward's working set at that peak: the gradient of the MLP's hidden layer before and after its activation
         per_token += 2 * F
+        if setup.gan_loss and setup.trained_models > 1:  # DMD2's GAN head: the critic update's backward also holds
+            # its two forwards (real, fake images) through the blocks up to the one the head reads
+            head = (model.depth // 2 if setup.gan_block is None else setup.gan_block % model.depth) + 1
+            per_token += 2 * sum(D if checkpointed else per_block for checkpointed in blocks[:head])
     activations = B * tokens_per_rank * per_token * a
     if model.lora and setup.lora_base_dtype in FLOAT8:  # one fp8 layer's weight cast up to the compute dtype
         activations += model.float8_largest * a
@@ -505,6 +514,8 @@ def setup_from_config(cfg, layout: Layout) -> Setup:
         optimizer_states=(1 if momentum else 0) if "SGD" in optimizer else 2,
         optimizer_8bit=optimizer.endswith("adamw8bit"),
         distill=str(OmegaConf.select(cfg, "distill.method", default="none") or "none"),
+        gan_loss=bool(OmegaConf.select(cfg, "distill.gan_loss", default=False)),
+        gan_block=OmegaConf.select(cfg, "distill.gan_block", default=None),
     )
 
 

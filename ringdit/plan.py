@@ -466,7 +466,8 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     _choice("distill", distill, DISTILL_METHODS)
     setup = Setup(batch_size=cfg.data.batch_size, param_dtype=cfg.param_dtype, precision=str(cfg.precision),
                   ema=bool(decay), lora_base_dtype=base or "bfloat16", optimizer_states=cfg.optimizer_states,
-                  distill=distill)
+                  distill=distill, gan_loss=bool((cfg.get("distill") or {}).get("gan_loss", False)),
+                  gan_block=(cfg.get("distill") or {}).get("gan_block"))
     strategies = (cfg.strategy,) if cfg.strategy else ("ddp", "fsdp")
     lora = (cfg.lora.rank or 0) > 0
     options = {

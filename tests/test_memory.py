@@ -137,6 +137,17 @@ def test_dmd2_counts_the_student_the_critic_and_the_frozen_teacher():
     dmd2 = estimate_memory(lora, Layout(), Setup(lora_base_dtype="bfloat16", distill="dmd2"))
     assert dmd2.weights_bytes == 2 * one.weights_bytes + P * w  # the teacher is built whole, in fp32
     assert dmd2.gradient_bytes == 2 * adapters * w and dmd2.ema_bytes == adapters * w
+    # the GAN head: the critic update's two more forwards (real, generated) kept through blocks 0 ... 14 (the middle
+    # of 28 and those before it), each block all it keeps, or its input when checkpointed
+    D, per_block = XL.hidden_size, 14 * XL.hidden_size + 2 * XL.mlp_hidden
+    for checkpointing, kept in ((False, per_block), (True, D)):
+        dmd2 = estimate_memory(XL, Layout(), Setup(distill="dmd2", activation_checkpointing=checkpointing))
+        gan = estimate_memory(XL, Layout(), Setup(distill="dmd2", gan_loss=True,
+                                                  activation_checkpointing=checkpointing))
+        assert gan.activation_bytes - dmd2.activation_bytes == 4096 * 2 * 15 * kept * 4
+    last = estimate_memory(XL, Layout(), Setup(distill="dmd2", gan_loss=True, gan_block=-1))  # every block
+    assert last.activation_bytes - estimate_memory(XL, Layout(), Setup(distill="dmd2")).activation_bytes == \
+        4096 * 2 * 28 * per_block * 4
     sampling = Setup(training=False, distill="dmd2")  # infer.py samples the student alone
     assert estimate_memory(XL, Layout(), sampling) == estimate_memory(XL, Layout(), Setup(training=False))
 
