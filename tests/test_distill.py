@@ -19,6 +19,7 @@ FP64 = ["trainer.precision=64-true"]
 MOMENTUM = [*SGD, "optimizer.momentum=0.9"]  # SGD shows a wrongly scaled gradient; momentum makes resume need state
 # the GAN head, weighted so that it moves the numbers as much as the other losses do (a wrong head gradient shows)
 GAN = ["distill.gan_loss=true", "distill.gan_generator_weight=0.5", "distill.gan_critic_weight=0.5"]
+REGRESSION = ["distill.regression_loss=true", "distill.regression_pairs=4", "distill.regression_weight=0.5"]
 # (reference, layout, the losses' and the weights' relative tolerance)
 LAYOUTS = {
     "one": FP64,
@@ -30,6 +31,9 @@ LAYOUTS = {
     "gan_ring2": [*FP64, *GAN, "ring_degree=2"],
     "gan_ring3": [*FP64, *GAN, "ring_degree=3"],  # 16 tokens in shards of 6: the last shard's 2 padded tokens
     "gan_one_fp32": GAN,
+    "regression_one": [*FP64, *REGRESSION],
+    "regression_ring2": [*FP64, *REGRESSION, "ring_degree=2", "distill.regression_distance=pseudo_huber"],
+    "regression_one_huber": [*FP64, *REGRESSION, "distill.regression_distance=pseudo_huber"],
     "gan_fsdp_ring2_ulysses2": [*GAN, "trainer/strategy=fsdp", "ring_degree=2", "ulysses_degree=2"],
 }
 # float64: a layout only reorders sums, each rounded at u = 1.1e-16, so the weights (max ~3) and the losses agree
@@ -39,9 +43,10 @@ LAYOUTS = {
 # weights within 4.4e-7 (max ~3). rel 1e-4 and 1e-5 (+ atol 1e-5) are >= 10x that, and still far below what a
 # wrongly scaled or reduced gradient moves (SGD at lr 0.5: >= 1e-3).
 TOLERANCE = {"one": (1e-10, 1e-10, 1e-13), "one_fp32": (1e-4, 1e-5, 1e-5), "gan_one": (1e-10, 1e-10, 1e-13),
-             "gan_one_fp32": (1e-4, 1e-5, 1e-5)}
+             "gan_one_fp32": (1e-4, 1e-5, 1e-5), "regression_one_huber": (1e-10, 1e-10, 1e-13)}
 REFERENCE = {"ring2": "one", "ring2_ulysses2": "one", "fsdp_ring2_ulysses2": "one_fp32", "gan_ring2": "gan_one",
-             "gan_ring3": "gan_one", "gan_fsdp_ring2_ulysses2": "gan_one_fp32"}
+             "gan_ring3": "gan_one", "gan_fsdp_ring2_ulysses2": "gan_one_fp32",
+             "regression_ring2": "regression_one_huber"}
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +166,14 @@ BAD = {
     "gan block type": (["distill.gan_loss=true", "distill.gan_block=middle"],
                        "distill.gan_block must be a block index"),
     "gan block range": (["distill.gan_loss=true", "distill.gan_block=2"],
-                        "distill.gan_block=2 is not a block of this model (2 repeated blocks); give an index in [-2, 1]"),
-    "regression": (["distill.regression_loss=true"], "the regression loss of DMD2 is not built yet"),
+                        "distill.gan_block=2 is not a block of this model (2 repeated blocks); give an index in "
+                        "[-2, 1]"),
+    "regression weight": (["distill.regression_loss=true", "distill.regression_weight=0"],
+                          "distill.regression_weight=0 must be a finite number > 0 (DMD: 0.25)"),
+    "regression pairs": (["distill.regression_loss=true", "distill.regression_pairs=0"],
+                         "distill.regression_pairs must be a positive integer, got 0"),
+    "regression distance": (["distill.regression_loss=true", "distill.regression_distance=lpips"],
+                            "distill.regression_distance='lpips' must be mse or pseudo_huber"),
     "critic_steps": (["distill.critic_steps=0"], "distill.critic_steps must be a positive integer"),
 }
 
@@ -241,3 +252,31 @@ def test_a_resumed_distillation_with_the_gan_head_continues_exactly(runs, teache
     gan = ("train/gan_loss", "train/critic_gan_loss")
     assert losses(resumed, *gan)[2] == losses(first, *gan)[2]
     assert_same_numbers(state(resumed), state(first), where="resumed with the GAN head")
+
+
+def test_dmd2_with_the_regression_loss_equals_one_process(runs):
+    """The teacher's pairs (sampled once, on every rank of the group) and the student's 1-step outputs from their
+    noises: ring 2 equals one process in float64 (pseudo-Huber); mse and pseudo-Huber train differently."""
+    regression = ("train/regression_loss",)
+    loss_tolerance, rtol, atol = TOLERANCE["regression_one_huber"]
+    reference = losses(runs.trained("regression_one_huber"), *regression)
+    parallel = losses(runs.trained("regression_ring2"), *regression)
+    assert sorted(reference) == sorted(parallel) == [0, 1, 2]
+    for step, values in reference.items():
+        assert parallel[step] == pytest.approx(values, rel=loss_tolerance), f"step {step}"
+    mse = losses(runs.trained("regression_one"), *regression)
+    assert mse[0][2] > 0 and mse[0][2] != pytest.approx(reference[0][2], rel=1e-3)
+    assert reference[0][0] != pytest.approx(losses(runs.trained("one"))[0][0], rel=1e-6)  # it moves the student
+    assert_same_numbers(state(runs.trained("regression_ring2")), state(runs.trained("regression_one_huber")),
+                        rtol=rtol, atol=atol, where="ring 2 with the regression loss")
+
+
+def test_a_resumed_distillation_with_the_regression_loss_continues_exactly(runs, teacher, tmp_path):
+    """The teacher's pairs are not saved: a resumed run samples the same ones again."""
+    first = runs.trained("regression_one_huber")
+    resumed = tmp_path / "resumed"
+    run("train.py", resumed, *TINY, *MOMENTUM, *FP64, *REGRESSION, "distill.regression_distance=pseudo_huber",
+        "distill=dmd2", f"init_from={teacher}", "distill.critic_steps=2",
+        f"ckpt_path={first / 'checkpoints' / 'step_0000002.ckpt'}")
+    assert losses(resumed, "train/regression_loss")[2] == losses(first, "train/regression_loss")[2]
+    assert_same_numbers(state(resumed), state(first), where="resumed with the regression loss")

@@ -31,6 +31,11 @@ class DistillSpec:
     gan_block: int | None = None  # the repeated block whose output it reads; None: the middle one
     gan_generator_weight: float = 3e-3  # the student's GAN loss weight (DMD2's ImageNet-64 runs)
     gan_critic_weight: float = 1e-2  # the head's (and the critic's) GAN loss weight (DMD2's)
+    regression_loss: bool = False  # DMD's regression onto teacher pairs, with a plain distance
+    regression_weight: float = 0.25  # its weight (DMD's lambda_reg)
+    regression_pairs: int = 64  # the pairs, sampled by the teacher once
+    regression_distance: str = "mse"  # mse | pseudo_huber
+    teacher_sampling: dict | None = None  # how the teacher samples the pairs: the run's sampler, steps, cfg_scale
 
     @property
     def settings(self) -> dict:
@@ -39,7 +44,10 @@ class DistillSpec:
                 "critic_steps": self.critic_steps, "cfg_scale": self.cfg_scale, "t_min": self.t_min,
                 "t_max": self.t_max, "teacher": self.teacher, "teacher_weights": self.teacher_weights,
                 "gradient_clip_val": self.gradient_clip_val, "gan_loss": self.gan_loss, "gan_block": self.gan_block,
-                "gan_generator_weight": self.gan_generator_weight, "gan_critic_weight": self.gan_critic_weight}
+                "gan_generator_weight": self.gan_generator_weight, "gan_critic_weight": self.gan_critic_weight,
+                "regression_loss": self.regression_loss, "regression_weight": self.regression_weight,
+                "regression_pairs": self.regression_pairs, "regression_distance": self.regression_distance,
+                "teacher_sampling": self.teacher_sampling}
 
     def student_sampling(self, sampling: dict) -> dict:
         """The run's sampling settings for the student: its own few-step sampler and grid, no guidance (previews
@@ -72,8 +80,7 @@ class DistillSpec:
         if distill.get("gan_loss"):
             check_gan_settings(distill)
         if distill.get("regression_loss"):
-            raise ConfigError(f"distill.regression_loss={distill.get('regression_loss')}: the regression loss of DMD2 "
-                              f"is not built yet; distil without it (distill.regression_loss=false)")
+            check_regression_settings(distill)
         precision = str(cfg.trainer.get("precision"))
         if precision.startswith("16"):
             raise ConfigError(f"trainer.precision={precision} with distill={method}: the critic's updates do not go "
@@ -114,18 +121,27 @@ class DistillSpec:
         cfg_scale = float(sampling.get("cfg_scale", 1.0) if cfg_scale is None else cfg_scale)
         check_sampling(model_config, objective, {**sampling, "cfg_scale": cfg_scale}, prefix="distill.")
         clip = cfg.trainer.get("gradient_clip_val")
-        gan = {}
+        options = {}  # the GAN head and the regression loss, when on
         if distill.get("gan_loss"):
             from ringdit.training.gan_head import feature_block, feature_width
 
             feature_width(feature_block(meta_model, distill.get("gan_block"))[0])  # a ConfigError saying why not
-            gan = {"gan_loss": True, "gan_block": distill.get("gan_block"),
-                   "gan_generator_weight": float(distill.gan_generator_weight),
-                   "gan_critic_weight": float(distill.gan_critic_weight)}
+            options = {"gan_loss": True, "gan_block": distill.get("gan_block"),
+                       "gan_generator_weight": float(distill.gan_generator_weight),
+                       "gan_critic_weight": float(distill.gan_critic_weight)}
+        if distill.get("regression_loss"):
+            if model_config.get("num_classes") is None:
+                raise ConfigError("distill.regression_loss=true samples its teacher pairs for class labels, and this "
+                                  "model takes text: regression onto text-conditioned pairs is not built; distil "
+                                  "with distill.regression_loss=false")
+            options.update(regression_loss=True, regression_weight=float(distill.regression_weight),
+                           regression_pairs=distill.regression_pairs, regression_distance=distill.regression_distance,
+                           teacher_sampling={"sampler": sampling.get("sampler"), "steps": sampling.get("steps"),
+                                             "cfg_scale": cfg_scale, "cfg_scale_2": None, "times": None})
         return cls(method=method, steps=distill.steps, times=tuple(student_times(distill.steps, distill.get("times"))),
                    critic_steps=distill.critic_steps, cfg_scale=cfg_scale, t_min=float(distill.t_min),
                    t_max=float(distill.t_max), teacher=teacher or None, teacher_weights=cfg.init_weights,
-                   gradient_clip_val=float(clip) if clip else None, **gan)
+                   gradient_clip_val=float(clip) if clip else None, **options)
 
 
 def check_gan_settings(distill) -> None:
@@ -155,3 +171,16 @@ def student_times(steps: int, times) -> list[float]:
         raise ConfigError(f"distill.times={list(times)} must decrease strictly and lie in (0, 1] (1 is pure noise, "
                           f"where the student starts); e.g. [1.0, 0.75, 0.5, 0.25]")
     return [float(t) for t in times]
+
+
+def check_regression_settings(distill) -> None:
+    """The regression loss's weight, pairs and distance."""
+    weight = distill.get("regression_weight")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        raise ConfigError(f"distill.regression_weight={weight!r} must be a finite number > 0 (DMD: 0.25); or "
+                          f"distill.regression_loss=false for no regression loss")
+    require_count("distill.regression_pairs", distill.get("regression_pairs"),
+                  hint="the teacher pairs sampled once at the start, e.g. distill.regression_pairs=64")
+    if distill.get("regression_distance") not in ("mse", "pseudo_huber"):
+        raise ConfigError(f"distill.regression_distance={distill.get('regression_distance')!r} must be mse or "
+                          f"pseudo_huber (LPIPS is not available offline)")

@@ -26,11 +26,17 @@ so every rank of a sequence-parallel group draws the same values and the gradien
 ``gan_critic_weight`` x the head's non-saturating loss on the batch's real images and the student's samples, both
 noised to one drawn t (two more critic forwards); the student's update adds ``gan_generator_weight`` x its side of
 it, read from the critic forward the matching loss runs anyway (then with a gradient to the student's samples).
+
+``regression_loss``: the original DMD's regression onto teacher pairs, with a plain distance (``regression_distance``:
+mse or pseudo-Huber) for LPIPS: ``regression_pairs`` noises, sampled by the teacher once when training starts (again,
+the same, on resume), and each student update adds ``regression_weight`` x the distance of the student's 1-step
+outputs from the same noises to the teacher's samples.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 
 import torch
@@ -38,12 +44,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringdit.build import build_model
-from ringdit.diffusion import classifier_free_guidance, draw_noise
+from ringdit.diffusion import classifier_free_guidance, draw_noise, noise_generators
 from ringdit.diffusion.samplers import fewstep_step
 from ringdit.lora import lora_enabled
-from ringdit.seeding import Stream, generator
+from ringdit.seeding import Stream, generator, seed_of
 from ringdit.training.gan_head import FeatureTap, GANHead, critic_gan_loss, generator_gan_loss
-from ringdit.training.module import DiffusionModule, _to_device, total_grad_norm
+from ringdit.training.module import DiffusionModule, total_grad_norm
 
 Tensor = torch.Tensor
 
@@ -51,13 +57,14 @@ Tensor = torch.Tensor
 warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
 
 # the DISTILL stream's roles: which draw of a phase a generator is for
-STUDENT_NOISE, CRITIC_LOSS, MATCHING, TRAINED_STEP, GAN, GAN_HEAD_INIT = 0, 1, 2, 3, 4, 5
+STUDENT_NOISE, CRITIC_LOSS, MATCHING, TRAINED_STEP, GAN, GAN_HEAD_INIT, REGRESSION = 0, 1, 2, 3, 4, 5, 6
 
 
 class DistillationModule(DiffusionModule):
     """``DiffusionModule``'s arguments, and ``distill``: ``ringdit.spec.DistillSpec.settings`` (``method``,
     ``steps``, ``times``, ``critic_steps``, ``cfg_scale``, ``t_min``, ``t_max``, ``teacher``, ``teacher_weights``,
-    ``gradient_clip_val``, ``gan_loss``, ``gan_block``, ``gan_generator_weight``, ``gan_critic_weight``)."""
+    ``gradient_clip_val``, ``gan_loss``, ``gan_block``, ``gan_generator_weight``, ``gan_critic_weight``,
+    ``regression_loss``, ``regression_weight``, ``regression_pairs``, ``regression_distance``, ``teacher_sampling``)."""
 
     def __init__(self, *args, distill: dict, **kwargs):
         super().__init__(*args, **kwargs)
@@ -66,6 +73,7 @@ class DistillationModule(DiffusionModule):
         self.critic: nn.Module | None = None
         self.gan_head: GANHead | None = None  # gan_loss: trained with the critic, in its optimizer and the checkpoints
         self.critic_features: FeatureTap | None = None
+        self.teacher_pairs: tuple[Tensor, Tensor, Tensor] | None = None  # regression_loss: (noise, labels, samples)
         self._teacher: list[nn.Module] = []  # in a list: not a submodule (no state dict, DDP, optimizer or .to())
 
     @property
@@ -105,6 +113,8 @@ class DistillationModule(DiffusionModule):
         # what Lightning's precision did to this module (trainer.precision=64-true: float64), it does not do to the
         # teacher, which is no submodule
         self.trainer.precision_plugin.convert_module(self.teacher)
+        if self.distill.get("regression_loss"):
+            self.teacher_pairs = self.sample_teacher_pairs()
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:
@@ -189,10 +199,41 @@ class DistillationModule(DiffusionModule):
         noise = draw_noise(real.shape[1:], generators, real.device, real.dtype)
         return critic_gan_loss(self.head_logits(real, noise, t, condition), self.head_logits(fake, noise, t, condition))
 
+    @torch.no_grad()
+    def sample_teacher_pairs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(noise, labels, the teacher's samples from that noise) for the regression loss: ``regression_pairs`` of
+        them, the labels cycling through the classes, sampled as the run's sampling settings say (its sampler, steps,
+        guidance at ``cfg_scale``); deterministic, so a resumed run samples the same pairs."""
+        count = self.distill["regression_pairs"]
+        labels = torch.arange(count, device=self.device) % self.hparams.data["num_classes"]
+        seeds = [seed_of(Stream.DISTILL, self.hparams.seed, 0, 0, REGRESSION, i) for i in range(count)]
+        student_sampling = self.sampling
+        self.sampling = {**student_sampling, **self.distill["teacher_sampling"]}
+        try:
+            samples = self._generate(self.teacher, labels, seeds, None, None, {})
+        finally:
+            self.sampling = student_sampling
+        noise = draw_noise((self.teacher.in_channels, *self.hparams.data["image_size"]), noise_generators(seeds),
+                           self.device, samples.dtype)  # what _generate started from
+        return noise, labels, samples
+
+    def regression_loss(self) -> Tensor:
+        """The distance of the student's 1-step outputs from the pairs' noises to the teacher's samples (mse, or
+        pseudo-Huber on each sample's L2 distance, c = 0.00054 sqrt(numel) as improved consistency training's)."""
+        noise, labels, samples = self.teacher_pairs
+        t = torch.ones(noise.shape[0], device=self.device)
+        velocity = self.model(noise, self.objective.model_time(t), labels)[:, :noise.shape[1]]
+        dtype = torch.promote_types(samples.dtype, torch.float32)
+        error = (fewstep_step(noise, t, velocity.to(noise.dtype)).to(dtype) - samples.to(dtype)).flatten(1)
+        if self.distill["regression_distance"] == "mse":
+            return error.square().mean()
+        c = 0.00054 * math.sqrt(error.shape[1])
+        return (torch.sqrt(error.square().sum(dim=1) + c * c) - c).mean()
+
     def guided_teacher(self, condition, batch: int):
         """``(x, model_time) -> velocity`` of the teacher guided with ``distill.cfg_scale``."""
         scale = self.distill["cfg_scale"]
-        null = None if scale == 1.0 else _to_device(self.teacher.model_condition(self.teacher.null_condition(batch)),
+        null = None if scale == 1.0 else _on_device(self.teacher.model_condition(self.teacher.null_condition(batch)),
                                                     self.device)
         return classifier_free_guidance(self.teacher, condition, null, scale)
 
@@ -224,6 +265,10 @@ class DistillationModule(DiffusionModule):
         if gan_loss is not None:
             self.log("train/gan_loss", self.trainer.strategy.reduce(gan_loss.detach(), reduce_op="mean"))
             loss = loss + self.distill["gan_generator_weight"] * gan_loss
+        if self.teacher_pairs is not None:
+            regression = self.regression_loss()
+            self.log("train/regression_loss", self.trainer.strategy.reduce(regression.detach(), reduce_op="mean"))
+            loss = loss + self.distill["regression_weight"] * regression
         value = self._checked("loss", loss)
         self.log("train/loss", value, prog_bar=True)  # the student's (generator's) loss
         if value is not None:
@@ -270,3 +315,10 @@ def frozen(*models: nn.Module):
     finally:
         for p in params:
             p.requires_grad_(True)
+
+
+def _on_device(condition, device):
+    """Labels (B,), or a dict of conditioning tensors, on ``device``."""
+    if isinstance(condition, dict):
+        return {key: value.to(device) for key, value in condition.items()}
+    return condition.to(device)
