@@ -7,6 +7,9 @@ The model consumes latents ``(z - shift) * scale``, per channel:
                                                  model's latents_mean / latents_std BUFFERS (its weights, not its
                                                  config; LTXPipeline._normalize_latents)
     AutoencoderKLHunyuanVideo15                  shift = 0, scale = scaling_factor (HunyuanVideo15Pipeline)
+    AutoencoderKLCogVideoX                       shift = 0, scale = scaling_factor (0.7 for CogVideoX 1.5; as
+                                                 CogVideoXPipeline.decode_latents divides by it and CogVideo's
+                                                 fine-tuning multiplies), its latent frames front-padded (below)
     AutoencoderKL                                shift = shift_factor (0 if None), scale = scaling_factor (Flux, SD)
                                                  with latents_mean / latents_std set (SDXL-style configs):
                                                  shift = latents_mean, scale = scaling_factor / latents_std
@@ -20,6 +23,16 @@ Patchified normalisation (``patch`` 2, Flux.2): ``latents = unpatchify((patchify
 ``c * 4 + 2 * row + col`` of the patchified latents being sub-pixel (row, col) of channel c (Flux2Pipeline's
 ``_patchify_latents``); ``shift`` / ``scale`` have ``latent_channels * 4`` values in that order. ``patch`` 1 (every
 other VAE): ``patchify`` is the identity.
+
+CogVideoX's latent frames (``frame_pad`` 2): CogVideoX 1.5's transformer takes latent frames in pairs (patch_size_t
+2), and its VAE decodes a clip's latents in pairs too, after an odd first group, so it gives back the frames it
+encoded only for an odd latent count: 1 + 8k frames (9, 81, 161; 85 frames, 22 latents, would decode to 88 frames).
+``encode`` therefore takes 1 + 8k frames (an image too: one frame) and puts a copy of the first latent frame in
+front, which makes the count even -- CogVideo's own fine-tuning pads its latents so (``ncopy`` copies of the first
+frame) --, and ``decode`` drops the first latent frame of an even count before decoding, as CogVideoXPipeline drops
+the front latent frames it added (``latents[:, additional_frames:]``). Other frame counts are a ``ConfigError``
+naming the nearest good ones (``check_frames``). (AutoencoderKLCogVideoX is CogVideoX 1.0's VAE as well, whose
+transformer has no temporal patch; ringdit trains the 1.5 layout only, so the pad is always made.)
 
 ``VAE.describe()`` records the class, shift, scale and patch (a JSON dict stored as the ``vae`` metadata key of every
 shard) so that decoding can invert the normalisation without guessing.
@@ -44,8 +57,10 @@ from ringdit.errors import ConfigError
 from ringdit.models.diffusers.folders import check_weights_folder
 
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo",
-              "AutoencoderKLHunyuanVideo15")  # (B, 3, T, H, W) in, (B, C, T', H', W') out
+              "AutoencoderKLHunyuanVideo15", "AutoencoderKLCogVideoX")  # (B, 3, T, H, W) in, (B, C, T', H', W') out
 IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")  # (B, 3, H, W) in, (B, C, H', W') out
+# latent frames padded at the front, with copies of the first, to a multiple of this (see the module doc)
+FRAME_PAD = {"AutoencoderKLCogVideoX": 2}  # CogVideoX 1.5's temporal patch
 
 
 def vae_folder(path: str | Path, subfolder: str | None = "vae", setting: str = "vae") -> Path:
@@ -108,9 +123,18 @@ class VAE:
         self.spatial = int(getattr(self.model, "spatial_compression_ratio", None)
                            or 2 ** (len(self.model.config.block_out_channels) - 1))
         self.size_step = self.spatial * self.patch  # a pixel size's multiple: whole latent patches (Flux.2: 16)
-        # Wan: scale_factor_temporal (4); LTX-Video: temporal_compression_ratio (8); HunyuanVideo 1.5: 4
-        self.temporal = int(getattr(self.model, "temporal_compression_ratio", None)
+        # Wan: scale_factor_temporal (4); LTX-Video: temporal_compression_ratio (8); HunyuanVideo 1.5: 4; CogVideoX:
+        # its config's temporal_compression_ratio (4; read there: diffusers warns when the model is asked)
+        self.temporal = int(self.model.config.get("temporal_compression_ratio") if self.class_name in FRAME_PAD
+                            else getattr(self.model, "temporal_compression_ratio", None)
                             or self.model.config.get("scale_factor_temporal") or 4) if self.is_video else 1
+        self.frame_pad = FRAME_PAD.get(self.class_name)  # None: the latents are the VAE's frames as they are
+        if tile is not None and self.frame_pad and tile % (4 * self.spatial):  # CogVideoX: stride 3/4 of the tile
+            # and a quarter blended, each whole latent cells, else its tiled encode / decode misplace the tiles
+            raise ConfigError(f"{tile_setting}={tile}: {self.class_name}'s tiles overlap by a quarter of a tile, "
+                              f"which must be whole {self.spatial}-pixel latent cells; use a multiple of "
+                              f"{4 * self.spatial}, e.g. {tile_setting}=256, or {tile_setting}=null for diffusers' "
+                              f"default")
         if tile is not None and (tile < 2 * self.spatial or tile % self.spatial):  # diffusers' tiles are whole
             # latent cells and blend over a quarter of one: a smaller tile divides by zero or skips pixels
             raise ConfigError(f"{tile_setting}={tile}: the VAE's tiles are whole {self.spatial}-pixel latent cells, at "
@@ -124,6 +148,9 @@ class VAE:
         if self.class_name == "AutoencoderKLHunyuanVideo15":  # tile sizes and an overlap factor, no strides
             return dict(tile_sample_min_height=tile, tile_sample_min_width=tile,
                         tile_latent_min_height=tile // self.spatial, tile_latent_min_width=tile // self.spatial)
+        if self.class_name == "AutoencoderKLCogVideoX":  # overlap factors, no strides: stride 3/4 as below
+            return dict(tile_sample_min_height=tile, tile_sample_min_width=tile, tile_overlap_factor_height=0.25,
+                        tile_overlap_factor_width=0.25)
         if self.is_video:  # overlapping tiles: stride 3/4 of the tile, blended in the overlap
             stride = max(self.spatial, tile * 3 // 4)
             return dict(tile_sample_min_height=tile, tile_sample_min_width=tile,
@@ -133,8 +160,25 @@ class VAE:
         return {}
 
     def frames_ok(self, frames: int) -> bool:
-        """A causal video VAE takes 1 + k * temporal frames (1, 5, 9, ... for Wan)."""
-        return frames >= 1 and (frames - 1) % self.temporal == 0
+        """A causal video VAE takes 1 + k * temporal frames (1, 5, 9, ... for Wan). CogVideoX's takes every other
+        of those, 1 + 8k: for another 1 + 4k this raises ``check_frames``'s ConfigError, which names its rule."""
+        if frames < 1 or (frames - 1) % self.temporal:
+            return False
+        self.check_frames(frames)
+        return True
+
+    def check_frames(self, frames: int, setting: str = "frames") -> None:
+        """A ``ConfigError`` (one line: ``setting``, the value, the nearest good counts) where clips of ``frames``
+        frames (1 + k * temporal) would not come back from this VAE: CogVideoX's, for an even latent count."""
+        latent = (frames - 1) // self.temporal + 1
+        if not self.frame_pad or latent % 2:
+            return
+        step = 2 * self.temporal
+        low, high = frames - self.temporal, frames + self.temporal
+        raise ConfigError(f"{setting}={frames}: {self.class_name} decodes {latent} latent frames (an even count) "
+                          f"to {latent * self.temporal} frames, not {frames}, so it takes 1 + k * {step} frames (as "
+                          f"CogVideoX 1.5's fine-tuning: 9, 81, 161, ...; the latents padded to an even count); "
+                          f"pass {setting}={low} or {setting}={high}")
 
     @torch.no_grad()
     def encode(self, pixels: torch.Tensor, group=None, dst: int | None = None) -> torch.Tensor | None:
@@ -148,6 +192,8 @@ class VAE:
 
         if self.is_video and pixels.ndim == 4:
             pixels = pixels[:, :, None]  # (B, 3, 1, H, W)
+        if self.frame_pad:  # before any rank starts encoding: every rank of a group refuses alike
+            self.check_frames(pixels.shape[2])
         pixels = pixels.to(self.device, self.dtype)
         if _parallel(group):
             from ringdit.media.parallel_vae import parallel_encode
@@ -159,7 +205,11 @@ class VAE:
         else:
             latents = self.model.encode(pixels).latent_dist.mode().float()
         patches = patchify(latents, self.patch)  # (B, C p^2, [T',] H'/p, W'/p)
-        return unpatchify((patches - self._view(self.shift, patches)) * self._view(self.scale, patches), self.patch)
+        latents = unpatchify((patches - self._view(self.shift, patches)) * self._view(self.scale, patches), self.patch)
+        if self.frame_pad and latents.shape[2] % self.frame_pad:  # CogVideoX: the first latent frame in front
+            copies = self.frame_pad - latents.shape[2] % self.frame_pad
+            latents = torch.cat([latents[:, :, :1].expand(-1, -1, copies, -1, -1), latents], dim=2)
+        return latents
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, normalised: bool = True, group=None,
@@ -171,8 +221,11 @@ class VAE:
         this with the same latents: the spatial tiles of the tiled decode are decoded in parallel over its ranks
         and blended as diffusers blends them (``ringdit.media.parallel_vae``); the pixels come back on group rank
         ``dst`` (None: on every rank) and None on the others. None (the default), or a group of one rank: this
-        process alone."""
+        process alone. CogVideoX's latents of an even frame count lose their first frame first: the pad ``encode``
+        put there (or the frame CogVideoXPipeline would drop)."""
         latents = latents.float().to(self.device)
+        if self.frame_pad and latents.ndim == 5 and latents.shape[2] % self.frame_pad == 0:
+            latents = latents[:, :, self.frame_pad - 1:]  # (B, C, T' - 1, H', W'): odd again
         if normalised:
             patches = patchify(latents, self.patch)  # (B, C p^2, [T',] H'/p, W'/p)
             raw = unpatchify(patches / self._view(self.scale, patches) + self._view(self.shift, patches), self.patch)
@@ -194,7 +247,8 @@ class VAE:
         return {"class": self.class_name, "path": str(self.folder.resolve()), "shift": self.shift.tolist(),
                 "scale": self.scale.tolist(), "spatial_compression": self.spatial,
                 "temporal_compression": self.temporal if self.is_video else None,
-                "latent_channels": self.channels, "patch": self.patch}
+                "latent_channels": self.channels, "patch": self.patch,
+                **({"frame_pad": self.frame_pad} if self.frame_pad else {})}
 
 
 
