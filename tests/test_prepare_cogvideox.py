@@ -99,8 +99,9 @@ def test_cogvideox_frame_counts_and_tiles(cogvideox):
     with pytest.raises(ConfigError, match=r"^tile=24: AutoencoderKLCogVideoX's tiles overlap by a quarter of a "
                                           r"tile, .* use a multiple of 32"):
         VAE(root, tile=24)
-    tiled = VAE(root, tile=32).model
-    assert (tiled.tile_sample_min_height, tiled.tile_latent_min_height, tiled.tile_overlap_factor_width) == (32, 4, 0.25)
+    tiled = VAE(root, tile=32).model  # stride int(32 * 3 / 4) = 24 pixels = 3 latents = 4 - int(4 / 4) kept
+    assert (tiled.tile_sample_min_height, tiled.tile_latent_min_height, tiled.tile_overlap_factor_width) == \
+        (32, 4, 0.25)
 
 
 def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
