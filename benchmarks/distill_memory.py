@@ -18,7 +18,9 @@ so that freed activations leave the RSS; the tables of ``docs/memory.md`` say wh
 The estimate is ``ringdit.memory.check_training_memory`` on the same composed config and ``Layout``, as train.py
 computes it; its ``peak_bytes`` (start-up or step, whichever is larger) is compared to the measured peak, the largest
 over the ranks. ``plain``, the same model and teacher trained without distillation, is the control: the harness
-measured against the estimate of one model. ``dmd2_gan`` adds DMD2's GAN head (``distill.gan_loss=true``).
+measured against the estimate of one model. ``dmd2_gan`` adds DMD2's GAN head (``distill.gan_loss=true``),
+``dmd2_regression`` DMD's regression loss (``distill.regression_loss=true``: 64 teacher pairs, sampled as training
+starts).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ CASES = {
     "dmd2_lora": [*DMD2, "lora.rank=16"],                   # the student and critic adapted, the teacher whole
     "dmd2_fsdp": [*DMD2, "trainer/strategy=fsdp", "dp_degree=2"],  # FSDP over 2 ranks: every model sharded
     "dmd2_gan": [*DMD2, "distill.gan_loss=true"],          # DDP with the GAN head: two more critic forwards
+    "dmd2_regression": [*DMD2, "distill.regression_loss=true"],  # the student's forward of 64 teacher pairs too
 }
 GiB, MiB = 2**30, 2**20
 
@@ -128,13 +131,13 @@ def main() -> None:
         write_teacher(teacher)
         print("DiT hidden 384, depth 6, batch 64 x 16 tokens, fp32, AdamW, EMA; one CPU thread per rank, malloc mmap "
               "128 KiB; MiB per rank (the largest over the ranks)")
-        print(f"{'case':<11}{'ranks':>6}{'measured':>10}{'estimate':>10}{'ratio':>7}   estimate's terms "
+        print(f"{'case':<16}{'ranks':>6}{'measured':>10}{'estimate':>10}{'ratio':>7}   estimate's terms "
               f"(weights gradient optimizer ema bucket gathered activation attention | startup)")
         for case in args.cases:
             r = measure(case, teacher, work)
             e = r["estimate"]
             terms = " ".join(f"{e.terms()[t] / MiB:.0f}" for t in e.STEP_TERMS)
-            print(f"{case:<11}{r['ranks']:>6}{r['peak'] / MiB:>10.0f}{e.peak_bytes / MiB:>10.0f}"
+            print(f"{case:<16}{r['ranks']:>6}{r['peak'] / MiB:>10.0f}{e.peak_bytes / MiB:>10.0f}"
                   f"{r['peak'] / e.peak_bytes:>7.2f}   {terms} | {e.startup_bytes / MiB:.0f}", flush=True)
 
 

@@ -47,9 +47,12 @@ under 16-bit precision, else 4), M = the models that train (1; DMD2: 2, below):
   its activations, each holding one block's worth, less than backward's working set: the same term; but with its
   GAN head (``distill.gan_loss``) the critic's update also keeps its two forwards of real and generated images
   through the blocks up to the one the head reads (``distill.gan_block``, default the middle one: L // 2 + 1 blocks,
-  each keeping what it keeps above) until its backward (the head's own parameters, a per-token projection, are not
-  counted). Tokens per rank: S / (ring x ulysses), rounded up, plus as much of the text of joint attention (Flux,
-  QwenImage), which is sharded like the image;
+  each keeping what it keeps above) until its backward, and the student's update the frozen critic's forward through
+  them (the head's own parameters, a per-token projection, are not counted); with the regression loss
+  (``distill.regression_loss``) the student's update also keeps its forward of the ``distill.regression_pairs``
+  teacher pairs, one batch of them (the pairs themselves, noise and sample each, are not counted); the larger of the
+  two updates is the peak. Tokens per rank: S / (ring x ulysses), rounded up, plus as much of the text of joint
+  attention (Flux, QwenImage), which is sharded like the image;
 - ``attention_bytes``: per ring hop, after the Ulysses exchange (S / ring tokens of D / ulysses values): q, k, v,
   output and the K/V block in flight, 6 x B x S / ring x D / ulysses x a; the ``math`` backend also materialises the
   (S / ring)^2 score and probability matrices per head in fp32 (and their gradients when training);
@@ -143,6 +146,7 @@ class Setup:
     distill: str = "none"              # dmd2: a trained critic and a frozen teacher beside the model (the student)
     gan_loss: bool = False             # dmd2's GAN head: two more critic forwards in each critic update
     gan_block: int | None = None       # the critic block the head reads (negative from the end); None: the middle one
+    regression_pairs: int = 0          # dmd2's regression loss: the teacher pairs the student's update runs; 0: off
 
     def __post_init__(self):
         for name, value in (("param_dtype", self.param_dtype), ("lora_base_dtype", self.lora_base_dtype)):
@@ -260,11 +264,19 @@ def estimate_memory(model: ModelSize, layout: Layout, setup: Setup = Setup()) ->
             per_token -= (sum(blocks[:-1]) - 1) * D
         # backward's working set at that peak: the gradient of the MLP's hidden layer before and after its activation
         per_token += 2 * F
-        if setup.gan_loss and setup.trained_models > 1:  # DMD2's GAN head: the critic update's backward also holds
-            # its two forwards (real, fake images) through the blocks up to the one the head reads
-            head = (model.depth // 2 if setup.gan_block is None else setup.gan_block % model.depth) + 1
-            per_token += 2 * sum(D if checkpointed else per_block for checkpointed in blocks[:head])
-    activations = B * tokens_per_rank * per_token * a
+    values = B * per_token  # per token of a sample: one forward's, through its backward (the one update of a step)
+    if training and setup.trained_models > 1:  # DMD2: its two updates' peaks, whichever is larger
+        kept = [D if checkpointed else per_block for checkpointed in blocks]  # what a forward's blocks keep
+        head = (model.depth // 2 if setup.gan_block is None else setup.gan_block % model.depth) + 1
+        critic_update = student_update = values
+        if setup.gan_loss:  # the GAN head: the critic's update also keeps its two forwards (real, generated images)
+            # through the head's block; the student's, the frozen critic's forward through it (no weight gradients)
+            critic_update += 2 * B * sum(kept[:head])
+            student_update += B * sum(D if checkpointed else 10 * D + 2 * F for checkpointed in blocks[:head])
+        # the regression loss: the student's update also keeps its forward of the teacher pairs, all in one batch
+        student_update += setup.regression_pairs * sum(kept)
+        values = max(critic_update, student_update)
+    activations = tokens_per_rank * values * a
     if model.lora and setup.lora_base_dtype in FLOAT8:  # one fp8 layer's weight cast up to the compute dtype
         activations += model.float8_largest * a
     if training and not model.lora and not fsdp:  # a weight's gradient is computed whole before it is added to .grad
@@ -516,6 +528,8 @@ def setup_from_config(cfg, layout: Layout) -> Setup:
         distill=str(OmegaConf.select(cfg, "distill.method", default="none") or "none"),
         gan_loss=bool(OmegaConf.select(cfg, "distill.gan_loss", default=False)),
         gan_block=OmegaConf.select(cfg, "distill.gan_block", default=None),
+        regression_pairs=(OmegaConf.select(cfg, "distill.regression_pairs", default=0) or 0)
+        if OmegaConf.select(cfg, "distill.regression_loss", default=False) else 0,
     )
 
 

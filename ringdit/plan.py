@@ -462,12 +462,15 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     layout = Layout(devices=devices, num_nodes=math.ceil(cfg.gpus / devices), device_type="cuda",
                     attention_backend=cfg.attention_backend, replicate_degree=cfg.replicate_degree,
                     cpu_offload=cfg.cpu_offload)
-    distill = (cfg.get("distill") or {}).get("method", "none")
+    distill_cfg = cfg.get("distill") or {}
+    distill = distill_cfg.get("method", "none")
     _choice("distill", distill, DISTILL_METHODS)
     setup = Setup(batch_size=cfg.data.batch_size, param_dtype=cfg.param_dtype, precision=str(cfg.precision),
                   ema=bool(decay), lora_base_dtype=base or "bfloat16", optimizer_states=cfg.optimizer_states,
-                  distill=distill, gan_loss=bool((cfg.get("distill") or {}).get("gan_loss", False)),
-                  gan_block=(cfg.get("distill") or {}).get("gan_block"))
+                  distill=distill, gan_loss=bool(distill_cfg.get("gan_loss", False)),
+                  gan_block=distill_cfg.get("gan_block"),
+                  regression_pairs=(distill_cfg.get("regression_pairs") or 0) if distill_cfg.get("regression_loss")
+                  else 0)
     strategies = (cfg.strategy,) if cfg.strategy else ("ddp", "fsdp")
     lora = (cfg.lora.rank or 0) > 0
     options = {

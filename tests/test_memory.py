@@ -148,6 +148,10 @@ def test_dmd2_counts_the_student_the_critic_and_the_frozen_teacher():
     last = estimate_memory(XL, Layout(), Setup(distill="dmd2", gan_loss=True, gan_block=-1))  # every block
     assert last.activation_bytes - estimate_memory(XL, Layout(), Setup(distill="dmd2")).activation_bytes == \
         4096 * 2 * 28 * per_block * 4
+    # the regression loss: the student's update also keeps its forward of the 64 teacher pairs, every block
+    regression = estimate_memory(XL, Layout(), Setup(distill="dmd2", regression_pairs=64))
+    assert regression.activation_bytes - estimate_memory(XL, Layout(), Setup(distill="dmd2")).activation_bytes == \
+        4096 * 64 * 28 * per_block * 4
     sampling = Setup(training=False, distill="dmd2")  # infer.py samples the student alone
     assert estimate_memory(XL, Layout(), sampling) == estimate_memory(XL, Layout(), Setup(training=False))
 
