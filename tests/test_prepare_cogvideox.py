@@ -4,6 +4,7 @@ AutoencoderKLCogVideoX (diffusers' own test layout, narrower) and the tiny T5 of
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -108,12 +109,14 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
     """prepare vae=<CogVideoX 1.5> text_encoder=<T5> max_text_len=226 masked_text=false (here the tiny T5 and 8
     tokens): latents = the VAE's (padded), text = CogVideoXPipeline._get_t5_prompt_embeds (T5 over the padded prompt,
     no mask, every state kept), the empty prompt's too, text_mask all true; frames=13 is refused before any file is
-    encoded; ringdit.media.decode writes the 9 frames the pipeline decodes."""
+    encoded; infer.py's prompt encoding with the recorded settings gives the same text; ringdit.media.decode writes
+    the 9 frames the pipeline decodes."""
     from transformers import AutoTokenizer, T5EncoderModel
 
     from ringdit.images import to_uint8
     from ringdit.media.decode import decode_latents, decode_samples
     from ringdit.media.frames import read_video
+    from ringdit.media.text import encode_prompts, encoder_settings
     from ringdit.media.vae import VAE
 
     root, model = cogvideox
@@ -131,7 +134,9 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
                            max_text_len=TEXT_LEN, masked_text=False, progress=False)
     assert report.samples == 1
     with safe_open(str(out / "shard-00000.safetensors"), framework="pt") as f:
-        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+        tensors, metadata = {key: f.get_tensor(key) for key in f.keys()}, f.metadata()  # noqa: SIM118
+    described = json.loads(metadata["text_encoder"])
+    assert described["masked"] is False and json.loads(metadata["vae"])["frame_pad"] == 2
 
     pixels = read_video(clips / "clip0.mp4", 16, 16, 9, 1)[None]  # (1, 3, 9, 16, 16)
     pipe = pipeline(model, T5EncoderModel.from_pretrained(models["wan"] / "text_encoder").eval(),
@@ -147,6 +152,10 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
     torch.testing.assert_close(tensors["text"], text, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(tensors["null_text"], null_text, rtol=1e-6, atol=1e-6)
     assert tensors["text_mask"].all() and tensors["null_text_mask"].all()
+    cond, negative = encode_prompts(captions, None, described["path"], described["tokenizer"], text_len=TEXT_LEN,
+                                    text_dim=16, **encoder_settings(described))  # infer.py's prompts, as recorded
+    torch.testing.assert_close(cond["text"], text, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(negative["text"], null_text, rtol=1e-6, atol=1e-6)
 
     # a model's samples: the stored latents as samples.npz holds them; decoded as the pipeline decodes them
     samples = tmp_path / "run" / "samples.npz"
