@@ -36,7 +36,7 @@ from ringdit.images import to_uint8  # noqa: E402
 
 def draw(module, condition, count: int, batch_size: int, cache: StepCache | None, overrides: dict) -> tuple:
     """(samples (N, [T,] H, W) on the digits' 0..16 scale, seconds) for ``condition``, sample i from seed i."""
-    module.step_cache = cache
+    module.pipeline.step_cache = cache
     batches = []
     start = time.perf_counter()
     for first in range(0, count, batch_size):

@@ -94,9 +94,9 @@ def prepare(cfg: DictConfig):
         if spec.image is not None:  # image-to-video: the given first frames (else the held-out prompts' own)
             conditions = {**conditions, **image_conditions(spec, spec.num_samples)}
     module = DiffusionModule.for_sampling(spec)
-    module.negative_condition = negative
+    module.pipeline.negative = negative
     if spec.cache.enabled:  # cache=fbcache / teacache: wrapped around each batch's sampling (ringdit.caching)
-        module.step_cache = StepCache(spec.cache, spec.cache.coefficients)
+        module.pipeline.step_cache = StepCache(spec.cache, spec.cache.coefficients)
     negatives, negative_given = per_sample or (None, None)
     requests = SampleRequests(conditions, spec.seed, shapes=spec.sample_shapes(), negatives=negatives,
                               negative_given=negative_given)
@@ -246,8 +246,8 @@ def run(trainer, module, requests, spec: InferSpec) -> Path:
     # SIGTERM: every rank stops at the next sampler step, the finished batches are written, exit code 143
     with stop_on_sigterm(trainer, logger=log):
         trainer.predict(module, dataloaders=requests, return_predictions=False)
-        if module.step_cache is not None and trainer.is_global_zero:
-            counts = module.step_cache.counts
+        if module.pipeline.step_cache is not None and trainer.is_global_zero:
+            counts = module.pipeline.step_cache.counts
             log.info("cache=%s threshold=%g: %d of %d model evaluations ran every block (%d reused the cache)",
                      spec.cache.kind, spec.cache.threshold, counts.full, counts.evaluations, counts.reused)
         writer = next(c for c in trainer.callbacks if isinstance(c, SampleWriter))

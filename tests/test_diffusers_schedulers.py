@@ -284,7 +284,7 @@ class Module:
                         data={"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"},
                         sampling=sampling)
         module.model = parallelize(copy.deepcopy(model), dims=dims if dims is not None and dims.sp_degree > 1 else None)
-        module.step_cache = cache
+        module.pipeline.step_cache = cache
         return module, condition, negative, shape
 
 

@@ -90,9 +90,9 @@ def test_module_generate_with_threshold_zero_equals_cache_off(tiny_checkpoint):
     module = load_for_sampling(str(tiny_checkpoint))
     labels, seeds = torch.tensor([1, 2, 3]), [4, 5, 6]
     off = module.generate(labels, seeds, steps=4, cfg_scale=2.0)
-    module.step_cache = StepCache(CacheSettings("fbcache", 0.0))
+    module.pipeline.step_cache = StepCache(CacheSettings("fbcache", 0.0))
     assert torch.equal(module.generate(labels, seeds, steps=4, cfg_scale=2.0), off)
-    assert module.step_cache.counts.full == module.step_cache.counts.evaluations == 7  # heun: 3 x 2 + 1
+    assert module.pipeline.step_cache.counts.full == module.pipeline.step_cache.counts.evaluations == 7  # heun: 3 x 2 + 1
 
 
 @pytest.mark.parametrize("kind, first_block_runs", [("fbcache", STEPS), ("teacache", 1)])

@@ -36,11 +36,11 @@ def calibrate(module, condition, seeds: list[int], degree: int = 4, **overrides)
     """Sample ``condition`` with every block running, record (modulated input change, residual change) per sample and
     evaluation, and fit TeaCache's polynomial to them. ``module``: a ``DiffusionModule`` with its model built."""
     recorder = StepCache(CacheSettings("teacache", 0.0), calibrate=True)
-    previous, module.step_cache = module.step_cache, recorder
+    previous, module.pipeline.step_cache = module.pipeline.step_cache, recorder
     try:
         module.generate(condition, seeds, **overrides)
     finally:
-        module.step_cache = previous
+        module.pipeline.step_cache = previous
     return fit_coefficients(recorder.records, degree)
 
 

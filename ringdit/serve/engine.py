@@ -181,8 +181,8 @@ class Engine:
         jobs = [self.queue.get(job_id) for job_id in command["jobs"]] if rank0 else []
         self._running = [job for job in jobs if job is not None]
         cache = CacheSettings(**command["cache"]) if command.get("cache") else None
-        module.step_cache = StepCache(cache, cache.coefficients) if cache is not None else None
-        module.negative_condition = None
+        module.pipeline.step_cache = StepCache(cache, cache.coefficients) if cache is not None else None
+        module.pipeline.negative = None
         total = command["evaluations"]
         for job in self._running:
             job.total_evaluations = total
@@ -194,9 +194,9 @@ class Engine:
         except Cancelled:
             pass
         finally:
-            if module.step_cache is not None:
-                self.cache_reused += module.step_cache.counts.reused
-            module.step_cache = None
+            if module.pipeline.step_cache is not None:
+                self.cache_reused += module.pipeline.step_cache.counts.reused
+            module.pipeline.step_cache = None
         self.batches += 1
         if rank0:
             self.samples += len(command["seeds"])

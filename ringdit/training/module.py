@@ -1,4 +1,5 @@
-"""``DiffusionModule``: the LightningModule that fine-tunes and samples a (sequence-parallel) diffusion transformer:
+"""``DiffusionModule``: the LightningModule that fine-tunes a (sequence-parallel) diffusion transformer, and samples it
+through its ``SamplingPipeline`` (``ringdit.diffusion.pipeline``: the sampling policy, apart from training):
 ringdit's class-conditional DiT, or a text-conditioned diffusers transformer (``DiffusersTransformer``: Wan, ...).
 Every model kind is built by ``ringdit.build.build_model`` and trained and sampled by the same code: the models share
 one conditioning interface (``drop_condition``, ``null_condition``, ``model_condition``) and all return their whole
@@ -10,7 +11,7 @@ the sample's position in the global batch: every rank of a group draws the same 
 uninterrupted run would have, and how the global batch is split over data-parallel replicas changes nothing.
 
 (Over 300 lines because it holds Lightning's whole life cycle of one run -- build, train step, non-finite losses,
-EMA, resume, sampling -- whose hooks share state; each part is a few short methods.)
+EMA, resume, predict -- whose hooks share state; each part is a few short methods.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from functools import partial
 from typing import Any, Callable
 
 import hydra
@@ -29,14 +29,14 @@ from torch import nn
 
 from ringdit.build import build_model
 from ringdit.checkpoints.loading import safe_torch_load
-from ringdit.diffusion import DDPM, draw_noise, noise_generators, resolution_shift, sample
-from ringdit.diffusion.experts import expert_guidance, step_expert, time_range
-from ringdit.diffusion.schedulers import PipelineTimesteps, is_scheduler_sampler, scheduler_config
+from ringdit.diffusion import DDPM
+from ringdit.diffusion.experts import step_expert, time_range
+from ringdit.diffusion.pipeline import SamplingPipeline
 from ringdit.ema import ModelAverage
 from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
 from ringdit.lora import is_adapter_key, lora_enabled
-from ringdit.parallel import ParallelDims, exchange_guidance_halves
+from ringdit.parallel import ParallelDims
 from ringdit.safe_config import check_file_configs
 from ringdit.seeding import Stream, generator
 
@@ -89,13 +89,10 @@ class DiffusionModule(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.objective = hydra.utils.instantiate(objective)
-        self.sampling = {"steps": 50, "cfg_scale": 1.0, "sampler": None, "shift": 1.0, "guidance_channels": None,
-                         **(sampling or {})}
+        self.pipeline = SamplingPipeline.for_run(self.objective, sampling, data)  # how it samples
         self.model: nn.Module | None = None  # built in configure_model
         self.ema: ModelAverage | None = None
         self._step_start: float | None = None
-        self.negative_condition: dict[str, Tensor] | None = None  # infer.py's negative prompt (text models)
-        self.step_cache = None  # infer.py's cache=: a ringdit.caching.StepCache wrapped around each generate call
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
@@ -313,9 +310,18 @@ class DiffusionModule(L.LightningModule):
                    attention_backend=spec.layout.attention_backend, **weights)
 
     @property
+    def sampling(self) -> dict:
+        """The run's sampling settings (``self.pipeline``'s)."""
+        return self.pipeline.settings
+
+    @sampling.setter
+    def sampling(self, settings: dict) -> None:
+        self.pipeline.settings = settings
+
+    @property
     def samples_are_pixels(self) -> bool:
         """Pixels live in [-1, 1] and become images; latents (data=latents) are kept as numbers for your VAE."""
-        return "latent_scale" not in self.hparams.data
+        return self.pipeline.pixels
 
     def sampling_model(self) -> nn.Module:
         """The model that samples (``sampling_weights`` gives it the EMA's weights)."""
@@ -355,52 +361,8 @@ class DiffusionModule(L.LightningModule):
 
     def _generate(self, model: nn.Module, condition, seeds: list[int], negative: dict | None,
                   shape: tuple[int, ...] | None, overrides: dict) -> Tensor:
-        settings = {**self.sampling, **{k: v for k, v in overrides.items() if v is not None}}
-        generators = noise_generators(seeds)  # sample i's noise: its initial noise, then the ddpm sampler's
-        shape = tuple(shape) if shape is not None else tuple(self.hparams.data["image_size"])
-        noise = draw_noise((model.in_channels, *shape), generators, device=self.device)
-        cfg_scale = expert_guidance(model, settings["cfg_scale"], settings.get("cfg_scale_2"))  # one per expert
-        guided = settings["cfg_scale"] != 1.0 or settings.get("cfg_scale_2") not in (None, 1.0)
-        condition = _to_device(model.model_condition(condition), self.device)
-        null = _to_device(model.model_condition(negative if negative is not None else model.null_condition(len(seeds))),
-                          self.device) if guided else None
-        if settings.get("guidance") is not None and isinstance(condition, dict):  # a guidance-distilled model's
-            condition["guidance"] = torch.full((len(seeds),), float(settings["guidance"]), device=self.device)
-        dims = self.parallel_dims
-        split = guided and dims.cfg_group is not None  # CFG parallel: the halves on two data-parallel replicas
-        # a step cache lives for this one call (this batch); its decisions are per sample, both halves together
-        cache = self.step_cache.attached(model, dims, pairs=guided and not split) if self.step_cache is not None \
-            else contextlib.nullcontext()
-        with cache:
-            samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use
-                model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=cfg_scale,
-                null=null, sampler=settings["sampler"], clip_denoised=self.samples_are_pixels,
-                shift=resolution_shift(self.tokens_per_sample(shape), steps=settings["steps"],
-                                       **getattr(self.objective, "resolution", {}))
-                if settings["shift"] == "resolution" else settings["shift"],
-                shift_terminal=settings.get("shift_terminal") or None,  # false: no stretch
-                exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
-                guidance_channels=settings.get("guidance_channels"), generators=generators,
-                times=settings.get("times"),  # a distilled student's recorded grid (sampler=fewstep)
-                scheduler=self._scheduler_settings(model, settings, shape)
-                if is_scheduler_sampler(settings["sampler"]) else None,
-            )
-        if hasattr(model, "with_condition_frames"):  # image-to-video: the given first frame, as the pipeline ends
-            samples = model.with_condition_frames(samples, condition)
-        return samples.clamp(-1, 1) if self.samples_are_pixels else samples
-
-    def _scheduler_settings(self, model: nn.Module, settings: dict, shape: tuple[int, ...]) -> dict:
-        """``sample_with_scheduler``'s keywords for a diffusers scheduler (``sampler=flow_euler / unipc / dpmpp``):
-        its config -- the pipeline folder's (``scheduler_config``, recorded by the spec), else the run's shift --, how
-        the model family's pipeline steps it, the sample's token count (a dynamic shift's mu) and the dtype the model
-        computes in (the pipelines feed it ``latents.to(transformer.dtype)``)."""
-        resolution = getattr(self.objective, "resolution", None) or None
-        config = scheduler_config(settings["sampler"], settings.get("scheduler_config"), shift=settings["shift"],
-                                  shift_terminal=settings.get("shift_terminal") or None, resolution=resolution)
-        return {"config": config, "pipeline": getattr(getattr(model, "family", None), "pipeline_timesteps",
-                                                      PipelineTimesteps()),
-                "tokens": self.tokens_per_sample(shape, model), "resolution": resolution,
-                "model_dtype": _compute_dtype(model)}
+        return self.pipeline.generate(model, condition, seeds, dims=self.parallel_dims, device=self.device,
+                                      negative=negative, shape=shape, overrides=overrides)
 
     def predict_step(self, batch, batch_idx: int) -> dict:
         """``(indices, condition, seeds[, extra])`` (``ringdit.sampling.SampleRequests``): ``extra`` holds the batch's
@@ -408,7 +370,7 @@ class DiffusionModule(L.LightningModule):
         prompt where ``negative_given``."""
         indices, condition, seeds, *rest = batch
         extra = rest[0] if rest else {}
-        negative = self.negative_condition
+        negative = self.pipeline.negative
         if "negative" in extra:
             negative = self._negatives(extra["negative"], extra["negative_given"])
         shape = tuple(int(s) for s in extra["shape"][0].tolist()) if "shape" in extra else None
@@ -422,7 +384,7 @@ class DiffusionModule(L.LightningModule):
     def _negatives(self, rows: dict[str, Tensor], given: Tensor) -> dict[str, Tensor]:
         """Each sample's negative prompt: its own where ``given``, else the run's (negative_prompt=), else the empty
         prompt's (the model's null condition, as trained)."""
-        fallback = self.negative_condition or self.model.null_condition(len(given))
+        fallback = self.pipeline.negative or self.model.null_condition(len(given))
         mixed = {}
         for key, value in rows.items():
             if key in fallback:
@@ -430,22 +392,6 @@ class DiffusionModule(L.LightningModule):
                 value = torch.where(where, value, fallback[key].to(value).expand_as(value))
             mixed[key] = value
         return mixed
-
-
-def _compute_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype the model computes in: its first floating-point parameter's (an fp8 frozen base computes in its
-    adapters' / norms' dtype, so 1-byte floats are skipped); None for a model without parameters."""
-    for parameter in model.parameters():
-        if parameter.is_floating_point() and parameter.element_size() > 1:
-            return parameter.dtype
-    return None
-
-
-def _to_device(condition, device):
-    """Labels (B,), or a dict of conditioning tensors, on ``device``."""
-    if isinstance(condition, dict):
-        return {key: value.to(device) for key, value in condition.items()}
-    return condition.to(device)
 
 
 def __getattr__(name: str):

@@ -1,0 +1,123 @@
+"""``SamplingPipeline``: how a model samples, apart from how it trains -- the sampler and its settings, guidance (a scale
+per expert, CFG parallel, the negative prompt, a guidance-distilled model's embedding), the step cache, the shift for
+the sample's size, a diffusers scheduler's set-up, and image-to-video's given frames.
+
+``DiffusionModule`` holds one (``module.pipeline``) and calls it with the weights worth sampling (infer.py's
+``predict_step``, the preview grids, validation); serving and TeaCache's calibration set its ``step_cache`` and
+``negative`` per request. It holds no model and no process state: every call gets the model, the ranks'
+``ParallelDims`` and the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringdit.diffusion.experts import expert_guidance
+from ringdit.diffusion.objectives import resolution_shift
+from ringdit.diffusion.samplers import draw_noise, noise_generators, sample
+from ringdit.diffusion.schedulers import PipelineTimesteps, is_scheduler_sampler, scheduler_config
+from ringdit.parallel import ParallelDims, exchange_guidance_halves
+
+Tensor = torch.Tensor
+
+# what a run samples with where its settings say nothing (the objective's default sampler: sampler=None)
+DEFAULT_SETTINGS = {"steps": 50, "cfg_scale": 1.0, "sampler": None, "shift": 1.0, "guidance_channels": None}
+
+
+@dataclass
+class SamplingPipeline:
+    objective: Any                   # ringdit.diffusion's FlowMatching or DDPM: what the model predicts
+    settings: dict                   # the run's sampling settings (DEFAULT_SETTINGS' keys, cfg_scale_2, times, ...)
+    image_size: tuple[int, ...]      # the data's sample shape ([T,] H, W): the default of every call
+    pixels: bool                     # samples are pixels in [-1, 1] (clamped), else latents kept as numbers
+    step_cache: Any = None           # a ringdit.caching.StepCache wrapped around each call (infer.py's cache=)
+    negative: dict | None = None     # infer.py's negative prompt's conditioning (text models), what its requests
+    #                                  guide away from unless they give their own; None: the empty prompt
+
+    @classmethod
+    def for_run(cls, objective, sampling: dict | None, data: dict) -> SamplingPipeline:
+        """The pipeline of a run's objective, ``diffusion.sampling`` settings and data description."""
+        return cls(objective, {**DEFAULT_SETTINGS, **(sampling or {})}, tuple(data["image_size"]),
+                   pixels="latent_scale" not in data)
+
+    def tokens(self, model: nn.Module, shape: tuple[int, ...] | None = None) -> int:
+        """Model tokens of one sample of ``shape`` (default the data's)."""
+        shape = self.image_size if shape is None else tuple(shape)
+        return math.prod(s // p for s, p in zip(shape, model.patch_shape))
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, condition, seeds: list[int], *, dims: ParallelDims, device,
+                 negative: dict | None = None, shape: tuple[int, ...] | None = None,
+                 overrides: dict | None = None) -> Tensor:
+        """Samples ``(N, C, [T,] H, W)`` of ``model`` for ``condition`` (labels ``(N,)`` or a dict of text tensors),
+        sample i from noise seeded by seeds[i]; ``negative``: the negative prompt's conditioning for guidance (None:
+        the model's null condition, the empty prompt); ``overrides``: sampling settings of this call (None: the run's).
+
+        Collective under sequence parallelism: every rank of the group must call it with the same arguments."""
+        settings = {**self.settings, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+        generators = noise_generators(seeds)  # sample i's noise: its initial noise, then the ddpm sampler's
+        shape = tuple(shape) if shape is not None else self.image_size
+        noise = draw_noise((model.in_channels, *shape), generators, device=device)
+        cfg_scale = expert_guidance(model, settings["cfg_scale"], settings.get("cfg_scale_2"))  # one per expert
+        guided = settings["cfg_scale"] != 1.0 or settings.get("cfg_scale_2") not in (None, 1.0)
+        condition = _to_device(model.model_condition(condition), device)
+        null = _to_device(model.model_condition(negative if negative is not None else model.null_condition(len(seeds))),
+                          device) if guided else None
+        if settings.get("guidance") is not None and isinstance(condition, dict):  # a guidance-distilled model's
+            condition["guidance"] = torch.full((len(seeds),), float(settings["guidance"]), device=device)
+        split = guided and dims.cfg_group is not None  # CFG parallel: the halves on two data-parallel replicas
+        # a step cache lives for this one call (this batch); its decisions are per sample, both halves together
+        cache = self.step_cache.attached(model, dims, pairs=guided and not split) if self.step_cache is not None \
+            else contextlib.nullcontext()
+        with cache:
+            samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use
+                model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=cfg_scale,
+                null=null, sampler=settings["sampler"], clip_denoised=self.pixels,
+                shift=resolution_shift(self.tokens(model, shape), steps=settings["steps"],
+                                       **getattr(self.objective, "resolution", {}))
+                if settings["shift"] == "resolution" else settings["shift"],
+                shift_terminal=settings.get("shift_terminal") or None,  # false: no stretch
+                exchange=partial(exchange_guidance_halves, dims=dims) if split else None, half=dims.cfg_rank,
+                guidance_channels=settings.get("guidance_channels"), generators=generators,
+                times=settings.get("times"),  # a distilled student's recorded grid (sampler=fewstep)
+                scheduler=self.scheduler_settings(model, settings, shape)
+                if is_scheduler_sampler(settings["sampler"]) else None,
+            )
+        if hasattr(model, "with_condition_frames"):  # image-to-video: the given first frame, as the pipeline ends
+            samples = model.with_condition_frames(samples, condition)
+        return samples.clamp(-1, 1) if self.pixels else samples
+
+    def scheduler_settings(self, model: nn.Module, settings: dict, shape: tuple[int, ...]) -> dict:
+        """``sample_with_scheduler``'s keywords for a diffusers scheduler (``sampler=flow_euler / unipc / dpmpp``):
+        its config -- the pipeline folder's (``scheduler_config``, recorded by the spec), else the run's shift --, how
+        the model family's pipeline steps it, the sample's token count (a dynamic shift's mu) and the dtype the model
+        computes in (the pipelines feed it ``latents.to(transformer.dtype)``)."""
+        resolution = getattr(self.objective, "resolution", None) or None
+        config = scheduler_config(settings["sampler"], settings.get("scheduler_config"), shift=settings["shift"],
+                                  shift_terminal=settings.get("shift_terminal") or None, resolution=resolution)
+        return {"config": config, "pipeline": getattr(getattr(model, "family", None), "pipeline_timesteps",
+                                                      PipelineTimesteps()),
+                "tokens": self.tokens(model, shape), "resolution": resolution, "model_dtype": _compute_dtype(model)}
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype the model computes in: its first floating-point parameter's (an fp8 frozen base computes in its
+    adapters' / norms' dtype, so 1-byte floats are skipped); None for a model without parameters."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.element_size() > 1:
+            return parameter.dtype
+    return None
+
+
+def _to_device(condition, device):
+    """Labels (B,), or a dict of conditioning tensors, on ``device``."""
+    if isinstance(condition, dict):
+        return {key: value.to(device) for key, value in condition.items()}
+    return condition.to(device)
