@@ -90,6 +90,9 @@ class SampleSizes:
     temporal: int = 1       # video frames per latent frame after the first (a video VAE); 1: frames are cells
     pixels: bool = False    # the data records a VAE: sizes in pixels and video frames
     max_grid: Shape | None = None  # the most tokens per axis the model's position embedding covers; None: any
+    # latent frames stored in front, copies of the first, that decoding drops (CogVideoX's VAE: its data records
+    # frame_pad 2, the latents padded to an even count); 0: the latents are the VAE's frames as they are
+    frame_pad: int = 0
 
     @classmethod
     def of(cls, data_info: dict, patch, max_grid=None) -> SampleSizes:
@@ -102,7 +105,7 @@ class SampleSizes:
             return cls(default, patch, max_grid=max_grid)
         spatial, temporal = vae.get("spatial_compression"), vae.get("temporal_compression")
         return cls(default, patch, spatial=int(spatial or 1), temporal=int(temporal or 1), pixels=spatial is not None,
-                   max_grid=max_grid)
+                   max_grid=max_grid, frame_pad=int(vae.get("frame_pad") or 0))
 
     @property
     def video(self) -> bool:
@@ -111,7 +114,8 @@ class SampleSizes:
     def user_size(self, shape: Shape) -> tuple[list[int], int | None]:
         """``shape`` (cells) in the units ``size`` / ``frames`` are given in: ([H, W], frames or None)."""
         height, width = (s * self.spatial for s in shape[-2:])
-        frames = (shape[0] - 1) * self.temporal + 1 if len(shape) == 3 else None
+        decoded = shape[0] - max(self.frame_pad - 1, 0) if len(shape) == 3 else None  # the pad is dropped
+        frames = (decoded - 1) * self.temporal + 1 if decoded is not None else None
         return [height, width], frames
 
     def name(self, shape: Shape) -> str:
@@ -185,6 +189,8 @@ class SampleSizes:
             unit = "video frames" if self.pixels else "frames (the data's cells)"
             raise ConfigError(f"{where}{setting} must be a positive whole number of {unit}, got {frames!r}")
         latent = (frames - 1) / temporal + 1  # latent frames: the first alone, then ``temporal`` frames each
+        if self.frame_pad > 1:  # copies of the first in front, up to a multiple of frame_pad, which decoding drops
+            return self._padded_frames(frames, latent, where, setting)
         if latent.is_integer() and latent % patch == 0:
             return int(latent)
         multiple = f"a multiple of the model's temporal patch {patch}"
@@ -196,6 +202,21 @@ class SampleSizes:
         nearest = f"the nearest valid counts are {valid[0]} and {valid[1]}" if len(valid) == 2 else \
             f"the nearest valid count is {valid[0]}"
         raise ConfigError(f"{where}{setting}={frames} is not a frame count the model takes: {rule}; {nearest}")
+
+    def _padded_frames(self, frames: int, latent: float, where: str, setting: str) -> int:
+        """The stored latent frames for ``frames`` video frames where the data's VAE pads (CogVideoX: an odd count
+        of latent frames, then one copy of the first in front); a ConfigError for a count that would not decode
+        back to ``frames``."""
+        pad, temporal = self.frame_pad, self.temporal
+        padded = int(latent) + pad - 1
+        if latent.is_integer() and int(latent) % pad == 1 and padded % self.patch[0] == 0:
+            return padded
+        step = pad * temporal
+        low = max(1, (frames - 1) // step * step + 1)
+        raise ConfigError(f"{where}{setting}={frames} is not a frame count the model takes: its VAE's latents are "
+                          f"padded to a multiple of {pad} frames that decoding drops again, so it takes 1 + k x "
+                          f"{step} frames ({1 + step}, {1 + 10 * step}, {1 + 20 * step}, ...); the nearest valid counts are {low} "
+                          f"and {low + step}")
 
 
 PROMPT_KEYS = ("prompt", "size", "frames", "negative_prompt")

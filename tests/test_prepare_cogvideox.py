@@ -169,3 +169,19 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
     assert np.abs(decoded.astype(int) - expected.numpy().astype(int)).max() <= 1  # uint8 rounding of fp32 noise
     written = decode_samples(samples, root, fps=8)
     assert sorted(p.name for p in written) == ["sample-000.gif", "sample-000.mp4", "samples.gif"]
+
+
+def test_sample_sizes_count_the_frames_the_padded_latents_decode_to():
+    """infer.py's frames= of CogVideoX data (frame_pad 2): 9 frames are 2 latent frames + the pad, as prepare stores
+    them and the VAE decodes them; a count that would not decode back is refused with the nearest good ones."""
+    from ringdit.errors import ConfigError
+    from ringdit.sampling import SampleSizes
+
+    data = {"image_size": [4, 8, 8], "vae": {"spatial_compression": 8, "temporal_compression": 4, "frame_pad": 2}}
+    sizes = SampleSizes.of(data, (2, 2, 2))
+    assert sizes.name((4, 8, 8)) == "64x64x9" and sizes.shape(frames=9) == (4, 8, 8)
+    assert sizes.shape(frames=1) == (2, 8, 8) and sizes.shape(frames=81) == (22, 8, 8)
+    for frames, nearest in ((13, "9 and 17"), (85, "81 and 89"), (5, "1 and 9")):
+        with pytest.raises(ConfigError, match=rf"^frames={frames} is not a frame count .* 1 \+ k x 8 frames "
+                                              rf"\(9, 81, 161, ...\); the nearest valid counts are {nearest}$"):
+            sizes.shape(frames=frames)
