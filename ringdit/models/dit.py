@@ -259,6 +259,7 @@ class DiT(nn.Module):
         return (patch, patch) if temporal is None else (int(temporal), patch, patch)
 
     max_grid = None  # its sin-cos position embedding is computed for any grid
+    loss_reaches_every_parameter = True  # DDP needs no search for parameters without a gradient
 
     # ---- what the DiT declares as a model kind (ringdit.models.protocol.DiffusionModel), read from a config -------
 

@@ -29,6 +29,7 @@ class DiffusionModel(Protocol):
     patch_shape: tuple[int, ...]  # the data cells one token covers, ([T,] H, W): any shape divisible by it works
     max_grid: tuple[int, ...] | None  # the largest token grid its position embedding covers per axis; None: any
     condition_dropout_prob: float  # the chance training replaces a sample's condition by the null one
+    loss_reaches_every_parameter: bool  # False: DDP learns which parameters get no gradient (static_graph)
 
     @classmethod
     def config_for_data(cls, config: dict, data: dict) -> dict:

@@ -21,8 +21,9 @@ class ModelSpec:
     tokens: int    # tokens per sample: the sequence the sequence-parallel ranks split
 
     @property
-    def diffusers(self) -> bool:
-        return is_diffusers_model(self.config)
+    def kind(self) -> type[nn.Module]:
+        """The model's class: what it declares of itself (``ringdit.models.protocol.DiffusionModel``)."""
+        return model_class(self.config)
 
     @staticmethod
     def check_settings(model_cfg: DictConfig | dict) -> None:

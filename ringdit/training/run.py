@@ -73,12 +73,13 @@ def prepare(cfg: DictConfig):
     layout = spec.layout
     strategy_cfg = spec.trainer.config["strategy"]
     ddp = layout.strategy == "ddp"
-    # diffusers models may hold parameters no loss reaches (QwenImage's last text-stream MLP): DDP's static graph
-    # learns which in the first step instead of failing on them (FSDP reduces whatever gradients exist); a
-    # two-expert model training both runs one expert a step, a set that changes, which DDP finds anew each step
+    # a model kind whose loss may leave parameters without a gradient (diffusers: QwenImage's last text-stream MLP):
+    # DDP's static graph learns which in the first step instead of failing on them (FSDP reduces whatever gradients
+    # exist); a two-expert model training both runs one expert a step, a set that changes, which DDP finds anew
     unused = {"find_unused_parameters": True} if spec.expert == "both" else {"static_graph": True}
-    if not (spec.model.diffusers and ddp) or {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
-        unused = {}  # the DiT's loss reaches every parameter; a strategy config that says how wins
+    if spec.model.kind.loss_reaches_every_parameter or not ddp \
+            or {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
+        unused = {}  # (the DiT's loss reaches every parameter); a strategy config that says how wins
     if spec.distill is not None and ddp and not {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
         unused = {"find_unused_parameters": True}  # the critic's updates reach the critic only, the student's it
     strategy = hydra.utils.instantiate(strategy_cfg, **strategy_layout(layout), **unused)

@@ -50,6 +50,10 @@ class DiffusersTransformer(nn.Module):
             as WanPipeline switches them; ``pretrained`` then holds ``<subfolder>/`` and ``<subfolder>_2/``.
     """
 
+    # a diffusers model may hold parameters its loss never reaches (QwenImage's last text-stream MLP): DDP learns
+    # which in the first step (static_graph)
+    loss_reaches_every_parameter = False
+
     def __init__(
         self,
         family: str,
