@@ -132,7 +132,7 @@ def test_settings_errors_exit_2_from_the_command_line(tmp_path):
 HYDRA_MISTAKES = [
     ("train", ["ring_degre=2"], r"no setting named 'ring_degre'; did you mean ring_degree\?"),
     ("train", ["trainer.strategy.timout_s=5"], r"did you mean trainer.strategy.timeout_s\?"),
-    ("train", ["model=foo"], r"model=foo: no such option \(options: dit, dit_b, dit_digits, dit_l, dit_s, dit_video"),
+    ("train", ["model=foo"], r"model=foo: no such option \(options: cogvideox15, cogvideox15_tiny, dit, dit_b, dit_digits, dit_l"),
     ("train", ["ring_degree=["], r"could not parse an override"),
     ("train", ["callbacks=none", "callbacks.sample_grid.steps=2"],
      r"callbacks.sample_grid.steps is not a setting of the configs selected here"),
