@@ -35,7 +35,7 @@ DEFAULT_SETTINGS = {"steps": 50, "cfg_scale": 1.0, "sampler": None, "shift": 1.0
 class SamplingPipeline:
     objective: Any                   # ringdit.diffusion's FlowMatching or DDPM: what the model predicts
     settings: dict                   # the run's sampling settings (DEFAULT_SETTINGS' keys, cfg_scale_2, times, ...)
-    image_size: tuple[int, ...]      # the data's sample shape ([T,] H, W): the default of every call
+    image_size: tuple[int, ...] | None  # the data's sample shape ([T,] H, W): every call's default (None: none)
     pixels: bool                     # samples are pixels in [-1, 1] (clamped), else latents kept as numbers
     step_cache: Any = None           # a ringdit.caching.StepCache wrapped around each call (infer.py's cache=)
     negative: dict | None = None     # infer.py's negative prompt's conditioning (text models), what its requests
@@ -44,7 +44,8 @@ class SamplingPipeline:
     @classmethod
     def for_run(cls, objective, sampling: dict | None, data: dict) -> SamplingPipeline:
         """The pipeline of a run's objective, ``diffusion.sampling`` settings and data description."""
-        return cls(objective, {**DEFAULT_SETTINGS, **(sampling or {})}, tuple(data["image_size"]),
+        size = data.get("image_size")
+        return cls(objective, {**DEFAULT_SETTINGS, **(sampling or {})}, None if size is None else tuple(size),
                    pixels="latent_scale" not in data)
 
     def tokens(self, model: nn.Module, shape: tuple[int, ...] | None = None) -> int:
