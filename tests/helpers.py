@@ -393,6 +393,21 @@ def compose_config(config_name: str, run_dir: Path, *overrides: str):
     return command_config(config_name, overrides, run_dir)
 
 
+def compose_train(overrides: list[str], run_dir: Path):
+    """The config ``python train.py overrides`` would run with, composed in this process, with Hydra's own config set
+    as a run has it (``HydraConfig``)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from ringdit.cli import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
 def prepare_train(overrides: list[str], run_dir):
     """train.py's checks and setup (``train.prepare``) in this process: what a launch does before spawning."""
     from hydra import compose, initialize_config_dir

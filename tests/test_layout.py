@@ -8,7 +8,7 @@ import pytest
 from ringdit.errors import ConfigError
 from ringdit.layout import Layout
 from ringdit.training import RingDDPStrategy, RingFSDPStrategy
-from tests.test_memory import compose_train
+from tests.helpers import compose_train
 
 
 class ShardedDDPNamed(RingFSDPStrategy):

@@ -7,30 +7,16 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-
-from ringdit.cli import register_resolvers
 from ringdit.layout import Layout
 from ringdit.memory import GiB, ModelSize, Setup, estimate_memory, warn_if_memory_short
-from tests.helpers import CONF
+from tests.helpers import compose_train
 
 # A DiT-XL-like model: sizes only, nothing is built.
 XL = ModelSize(parameters=675_000_000, trainable_parameters=675_000_000, largest_parameter=8_000_000,
                root_parameters=6_000_000, block_parameters=24_000_000, hidden_size=1152, depth=28, num_heads=16,
                mlp_hidden=4608, tokens=4096)
-
-
-def compose_train(overrides: list[str], run_dir: Path):
-    """The config ``python train.py overrides`` would run with, composed in this process."""
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    return cfg
 
 
 # ---- the terms -------------------------------------------------------------------------------------------------
