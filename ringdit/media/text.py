@@ -33,71 +33,44 @@ pipeline's second text encoder, over the prompt's quoted text; it adds ``glyph_t
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.glyph import GlyphEncoder
 from ringdit.media.pretrained import ENCODERS, REMOTE_CODE, find_folder
+from ringdit.models.diffusers.family import ChatTemplate
 from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.safe_json import read_json
 
 TEXT_SETTINGS = ("text_encoder", "tokenizer", "max_text_len")  # the prepare settings named in errors
 POOLED_SETTINGS = ("pooled_encoder", "pooled_tokenizer", "max_pooled_len")
-TEMPLATES = ("hunyuan_video15", "flux2")  # prompt_template: a pipeline's chat template around the prompt
 
 
-@dataclass(frozen=True)
-class ChatTemplate:
-    """How a pipeline encodes prompts with a chat model (``prompt_template``; see the module docstring)."""
+def chat_templates() -> dict[str, Callable[[], ChatTemplate]]:
+    """``prompt_template``'s names: the families whose pipelines wrap the prompt in a chat template (a family that
+    shares another's template, HunyuanVideo 1.5's image-to-video, goes by the first's name)."""
+    from ringdit.models.diffusers.families import FAMILIES
 
-    name: str
-    system: str  # the system message
-    crop: int  # template tokens before the prompt, cut off (their states are not kept)
-    layers: tuple[int, ...]  # ``hidden_states`` indices, joined per token along the features
-    masked: bool  # the default of ``masked``: states zeroed after the real tokens, text_mask = the real tokens
-    generation_prompt: bool  # apply_chat_template's add_generation_prompt
-    model_types: tuple[str, ...] | None  # config.json model_type the pipeline's encoder has (None: not checked)
-    glyph: bool = False  # the pipeline also encodes the prompt's quoted text (glyph_encoder: HunyuanVideo 1.5's ByT5)
-
-    def messages(self, prompts: list[str]) -> list[list[dict]]:
-        """The chats the pipeline tokenizes, one a prompt."""
-        if self.name == "flux2":  # Flux.2's own formatting (its content parts, "[IMG]" taken out of the prompt)
-            from diffusers.pipelines.flux2.pipeline_flux2 import format_input
-
-            return format_input(prompts=list(prompts), system_message=self.system)
-        # HunyuanVideo 1.5: plain-string content, an empty prompt as " "
-        return [[{"role": "system", "content": self.system}, {"role": "user", "content": p if p else " "}]
-                for p in prompts]
+    templates = {}
+    for name, family in FAMILIES.items():
+        if family.chat_template is not None and family.chat_template not in templates.values():
+            templates[name] = family.chat_template
+    return templates
 
 
 def chat_template(name: str | None) -> ChatTemplate | None:
-    """The ``ChatTemplate`` of a pipeline, its constants read from the defaults of diffusers' own code so that they
-    cannot drift: ``hunyuan_video15``: HunyuanVideo15Pipeline._get_mllm_prompt_embeds (its Qwen2.5-VL's third-last
-    hidden states after 108 template tokens); ``flux2``: Flux2Pipeline.encode_prompt (its Mistral's layers 10, 20,
-    30 and its system message)."""
+    """The ``ChatTemplate`` of the pipeline of family ``name`` (its ``Family.chat_template``)."""
     if name is None:
         return None
-    if name not in TEMPLATES:
-        raise ConfigError(f"prompt_template={name!r} is not one of {', '.join(TEMPLATES)}; pass "
-                          f"prompt_template=hunyuan_video15 (with its Qwen2.5-VL text encoder), "
-                          f"prompt_template=flux2 (with its Mistral3 text encoder), or null")
-    if name == "flux2":
-        from diffusers.pipelines.flux2 import pipeline_flux2
-
-        # encode_prompt hands _get_mistral_3_small_prompt_embeds its own layers and the module's system message
-        layers = inspect.signature(pipeline_flux2.Flux2Pipeline.encode_prompt).parameters["text_encoder_out_layers"]
-        return ChatTemplate(name, pipeline_flux2.SYSTEM_MESSAGE, 0, tuple(int(i) for i in layers.default),
-                            masked=False, generation_prompt=False, model_types=("mistral3",))
-    from diffusers import HunyuanVideo15Pipeline
-
-    defaults = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
-    skip = int(defaults["num_hidden_layers_to_skip"].default)
-    return ChatTemplate(name, defaults["system_message"].default, int(defaults["crop_start"].default), (-(skip + 1),),
-                        masked=True, generation_prompt=True, model_types=None, glyph=True)
+    templates = chat_templates()
+    if name not in templates:
+        raise ConfigError(f"prompt_template={name!r} is not one of {', '.join(templates)}; pass the family whose "
+                          f"pipeline's text encoder you give (its chat template), or null for an encoder that takes "
+                          f"the prompt as it is (T5, UMT5, CLIP)")
+    return templates[name]()
 
 
 def check_pooled_settings(pooled_encoder, pooled_tokenizer, masked) -> None:

@@ -18,6 +18,31 @@ Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
+class ChatTemplate:
+    """How a family's pipeline encodes prompts with a chat model (prepare's and infer's ``prompt_template``, which
+    names the family; ``ringdit.media.text``)."""
+
+    name: str
+    system: str  # the system message
+    crop: int  # template tokens before the prompt, cut off (their states are not kept)
+    layers: tuple[int, ...]  # ``hidden_states`` indices, joined per token along the features
+    masked: bool  # the default of ``masked``: states zeroed after the real tokens, text_mask = the real tokens
+    generation_prompt: bool  # apply_chat_template's add_generation_prompt
+    model_types: tuple[str, ...] | None  # config.json model_type the pipeline's encoder has (None: not checked)
+    glyph: bool = False  # the pipeline also encodes the prompt's quoted text (glyph_encoder: HunyuanVideo 1.5's ByT5)
+    # (prompts, system message) -> the chats the pipeline tokenizes, where it formats them its own way (Flux.2's
+    # content parts); None: a system and a user message each, an empty prompt as " " (HunyuanVideo 1.5's)
+    format: Callable[[list[str], str], list[list[dict]]] | None = None
+
+    def messages(self, prompts: list[str]) -> list[list[dict]]:
+        """The chats the pipeline tokenizes, one a prompt."""
+        if self.format is not None:
+            return self.format(list(prompts), self.system)
+        return [[{"role": "system", "content": self.system}, {"role": "user", "content": p if p else " "}]
+                for p in prompts]
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_class: str  # the diffusers class, e.g. "WanTransformer3DModel"
@@ -68,6 +93,9 @@ class Family:
     # TeaCache's probe: (first block, its BlockIO, args, kwargs) -> (its timestep-modulated input, whether that is a
     # (B, S_local, ...) token shard); None: cache=teacache is refused for the family
     teacache_input: Callable | None = None
+    # its pipeline's chat template around the prompt (prompt_template=<family>), its constants read from diffusers'
+    # own code when called, so that they cannot drift; None: the text encoder takes the prompt as it is (T5, UMT5)
+    chat_template: Callable[[], ChatTemplate] | None = None
     # installs the family's own attention processors on a freshly built transformer, for a model whose diffusers
     # processors call PyTorch attention directly (ringdit routes diffusers' dispatch_attention_fn only): they must
     # compute what the model's own do (CogVideoX's); None: the model's processors already dispatch

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringdit.models.diffusers.family import Family, PipelineTimesteps
+from ringdit.models.diffusers.family import ChatTemplate, Family, PipelineTimesteps
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -70,6 +70,22 @@ def _flux2_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> 
     return unpack_latents(out, height, width)
 
 
+def _chat_template() -> ChatTemplate:
+    """Flux2Pipeline.encode_prompt's: its Mistral3's layers 10, 20 and 30 joined (D = 3 x hidden size), nothing cut
+    off, every state kept (its transformer takes all ``max_len`` states, no mask), its system message and its own
+    formatting of the chats (content parts, "[IMG]" taken out of the prompt)."""
+    import inspect
+
+    from diffusers.pipelines.flux2 import pipeline_flux2
+
+    # encode_prompt hands _get_mistral_3_small_prompt_embeds its own layers and the module's system message
+    layers = inspect.signature(pipeline_flux2.Flux2Pipeline.encode_prompt).parameters["text_encoder_out_layers"]
+    return ChatTemplate("flux2", pipeline_flux2.SYSTEM_MESSAGE, 0, tuple(int(i) for i in layers.default),
+                        masked=False, generation_prompt=False, model_types=("mistral3",),
+                        format=lambda prompts, system: pipeline_flux2.format_input(prompts=prompts,
+                                                                                 system_message=system))
+
+
 FLUX2 = Family(
     name="flux2",
     model_class="Flux2Transformer2DModel",
@@ -102,4 +118,5 @@ FLUX2 = Family(
     resolution_shift={"empirical_mu_steps": 200},
     # Flux2Pipeline: sigmas linspace(1, 1 / steps, steps), none for a flow-sigmas scheduler
     pipeline_timesteps=PipelineTimesteps(sigmas="to_last", drops_for_flow_sigmas=True),
+    chat_template=_chat_template,
 )

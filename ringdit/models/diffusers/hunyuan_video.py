@@ -48,7 +48,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ringdit.models.diffusers.family import Family, PipelineTimesteps
+from ringdit.models.diffusers.family import ChatTemplate, Family, PipelineTimesteps
 from ringdit.models.block_io import BlockIO
 from ringdit.models.plan import ParallelPlan
 
@@ -101,6 +101,19 @@ def _glyph(cond: dict, x: Tensor, width: int) -> tuple[Tensor, Tensor]:
     return x.new_zeros(batch, 1, width), torch.zeros(batch, 1, dtype=torch.bool, device=x.device)
 
 
+def _chat_template() -> ChatTemplate:
+    """HunyuanVideo15Pipeline._get_mllm_prompt_embeds': its Qwen2.5-VL's third-last hidden states after the 108
+    template tokens, zero after the real tokens (masked); the prompt's quoted text goes to its ByT5 (glyph)."""
+    import inspect
+
+    from diffusers import HunyuanVideo15Pipeline
+
+    defaults = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
+    skip = int(defaults["num_hidden_layers_to_skip"].default)
+    return ChatTemplate("hunyuan_video15", defaults["system_message"].default, int(defaults["crop_start"].default),
+                        (-(skip + 1),), masked=True, generation_prompt=True, model_types=None, glyph=True)
+
+
 HUNYUAN_VIDEO15 = Family(
     name="hunyuan_video15",
     model_class="HunyuanVideo15Transformer3DModel",
@@ -128,6 +141,7 @@ HUNYUAN_VIDEO15 = Family(
     pipeline_timesteps=PipelineTimesteps(sigmas="to_zero"),  # HunyuanVideo15Pipeline: linspace(1, 0, steps + 1)[:-1]
     # the step cache's token streams: (video, text) in and out (not in diffusers' block registry)
     cache_blocks=BlockIO("hidden_states", "encoder_hidden_states", 0, 1),
+    chat_template=_chat_template,
 )
 
 # HunyuanVideo 1.5 I2V (the 480p / 720p i2v transformers): the same model, its input channels [video ; first-frame
