@@ -330,28 +330,15 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None
 
 def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     """The preset's sizes for the data's shape, from the model built on the meta device, and a line describing it."""
-    from ringdit.models.diffusers.families import get_family
-    from ringdit.models.dit import DiT
-    from ringdit.spec.model import build_on_meta, is_diffusers_model, model_config
+    from ringdit.spec.model import build_on_meta, model_class, model_config
 
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     lora = OmegaConf.to_container(cfg.lora, resolve=True)
-    if is_diffusers_model(model_cfg):
-        family = get_family(model_cfg["family"])
-        arch = _diffusers_architecture(model_cfg, family)
-        patch, video = family.patch_shape(arch), family.video
-        shape = latent_shape(cfg, model_cfg, family.vae_factors, video)
-        data = {"conditioning": "text", "image_size": shape, "channels": family.latent_channels(arch),
-                "text_len": cfg.data.text_len, "text_dim": arch[family.text_dim],
-                "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None,
-                # an image-to-video model is planned as prepare task=i2v stores its data
-                "image_keys": ["image_latents", "image_condition", "image_embeds"] if family.image_condition else []}
-    else:
-        video = model_cfg.get("temporal_patch_size") is not None
-        patch = (model_cfg.get("temporal_patch_size"),) * video + (model_cfg.get("patch_size", 2),) * 2
-        shape = latent_shape(cfg, model_cfg, DiT.vae_factors, video)
-        channels = cfg.data.channels or (4 if cfg.data.latent else 3)
-        data = {"channels": channels, "image_size": shape, "num_classes": cfg.data.num_classes}
+    # the model kind says what data it takes: its patch, whether it is a video model, its VAE's factors, and the
+    # data description but the shape, which the sizes give
+    plan = model_class(model_cfg).planned_data(model_cfg, OmegaConf.to_container(cfg.data, resolve=True))
+    shape = latent_shape(cfg, model_cfg, plan["vae_factors"], plan["video"])
+    patch, data = plan["patch"], {**plan["data"], "image_size": shape}
     if any(s % p for s, p in zip(shape, patch)):
         raise ConfigError(f"data.size / data.frames give a latent shape {shape} that the model's patch {list(patch)} "
                           f"does not divide; choose sizes whose latents are multiples of it")
@@ -371,18 +358,6 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
             + f", {size.depth} blocks, hidden {size.hidden_size}, {size.num_heads} heads, MLP {size.mlp_hidden}; "
               f"{size.tokens} tokens per sample ({grid} of the input {list(shape)}){text}")
     return size, line
-
-
-def _diffusers_architecture(model_cfg: dict, family) -> dict:
-    if model_cfg.get("pretrained"):
-        from ringdit.models.diffusers.model import pretrained_folder, read_config
-
-        folder = pretrained_folder(family, model_cfg["pretrained"], model_cfg.get("subfolder"))
-        return read_config(family, folder, model_cfg["pretrained"])
-    if not model_cfg.get("config"):
-        raise ConfigError("model: give model.pretrained=<local diffusers folder> or pick a preset with an "
-                          "architecture (model=wan_14b, model=flux_dev, ...)")
-    return model_cfg["config"]
 
 
 def _preset_name(model_cfg: dict) -> str:

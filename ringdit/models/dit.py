@@ -263,6 +263,17 @@ class DiT(nn.Module):
 
     # ---- what the DiT declares as a model kind (ringdit.models.protocol.DiffusionModel), read from a config -------
 
+    @classmethod
+    def planned_data(cls, config: dict, data: dict) -> dict:
+        """What ``python -m ringdit.plan`` lays out for a model of ``config`` on its ``data`` settings: its ``patch``,
+        whether it is a ``video`` model, the ``vae_factors`` sizes in pixels go through, and the ``data`` description
+        (``config_for_data``'s) but the shape: channels (4 on latents, SD's VAE; 3 on pixels) and classes."""
+        video = config.get("temporal_patch_size") is not None
+        patch = (config.get("temporal_patch_size"),) * video + (config.get("patch_size", 2),) * 2
+        channels = data.get("channels") or (4 if data.get("latent") else 3)
+        return {"patch": patch, "video": video, "vae_factors": cls.vae_factors,
+                "data": {"channels": channels, "num_classes": data.get("num_classes")}}
+
     @staticmethod
     def sampling_defaults(config: dict) -> dict:
         """The flow objective's settings a run leaves unset: Flux's resolution-shift constants, no terminal stretch."""

@@ -36,6 +36,11 @@ class DiffusionModel(Protocol):
         """Its config (``_target_`` and settings) with what the data module describes filled in: channels, shape,
         classes or text embedding shape; a ConfigError where the data does not fit the model."""
 
+    @classmethod
+    def planned_data(cls, config: dict, data: dict) -> dict:
+        """What ``python -m ringdit.plan`` needs of the kind on the planner's ``data`` settings: ``patch``,
+        ``video``, ``vae_factors`` and the ``data`` description ``config_for_data`` takes, but the shape."""
+
     @staticmethod
     def sampling_defaults(config: dict) -> dict:
         """The flow objective's settings a run leaves unset, as the kind's pipeline fixes them: ``resolution`` (the

@@ -270,6 +270,27 @@ class DiffusersTransformer(nn.Module):
     # ---- what a diffusers model declares as a model kind (ringdit.models.protocol.DiffusionModel): its family's ----
 
     @staticmethod
+    def planned_data(config: dict, data: dict) -> dict:
+        """What ``python -m ringdit.plan`` lays out for a model of ``config`` (its architecture: the preset's, or
+        ``model.pretrained``'s config.json) on its ``data`` settings: the family's patch, video or image, VAE factors,
+        and the text data it reads (an image-to-video family planned as prepare task=i2v stores its data)."""
+        family = get_family(config["family"])
+        if config.get("pretrained"):
+            folder = pretrained_folder(family, config["pretrained"], config.get("subfolder"))
+            arch = read_config(family, folder, config["pretrained"])
+        elif config.get("config"):
+            arch = config["config"]
+        else:
+            raise ConfigError("model: give model.pretrained=<local diffusers folder> or pick a preset with an "
+                              "architecture (model=wan_14b, model=flux_dev, ...)")
+        return {"patch": family.patch_shape(arch), "video": family.video, "vae_factors": family.vae_factors,
+                "data": {"conditioning": "text", "channels": family.latent_channels(arch),
+                         "text_len": data.get("text_len"), "text_dim": arch[family.text_dim],
+                         "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None,
+                         "image_keys": ["image_latents", "image_condition", "image_embeds"]
+                         if family.image_condition else []}}
+
+    @staticmethod
     def sampling_defaults(config: dict) -> dict:
         """The flow objective's settings a run leaves unset, as the family's pipeline fixes them: the resolution
         shift's constants (``diffusion.objective.resolution``) and the last sampling time (``shift_terminal``)."""
