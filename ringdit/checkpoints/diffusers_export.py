@@ -81,13 +81,13 @@ def export_diffusers(ckpt_path: str | Path, out: str | Path, prefer: str = "ema"
     pipeline's other components, replacing ``out`` whole (a kill while writing leaves the previous one as it was).
     Returns ``out`` and, for a transformer-only export, a note saying why there is no pipeline."""
     from ringdit.spec.checkpoint import recorded_hparams
-    from ringdit.spec.model import ModelSpec, is_diffusers_model
+    from ringdit.spec.model import ModelSpec, model_class
 
     out = checked_output(out, folder=True, what="format=diffusers (a pipeline folder)")
     shard_bytes(max_shard_size)
     _, info = read_weights(ckpt_path, prefer, load_tensors=False)  # the configs: the base is checked before the weights
     model_cfg = info.get("model") or {}
-    if not is_diffusers_model(model_cfg):
+    if not model_cfg or not model_class(model_cfg).diffusers_folders:
         raise CheckpointError(f"{ckpt_path} holds ringdit's DiT, not a diffusers transformer: export it with "
                               f"format=ringdit (a .safetensors file)")
     _, model = ModelSpec.from_config(model_cfg, 1)  # on meta: the architecture, no weights

@@ -202,10 +202,10 @@ def export_comfyui(state: dict[str, Tensor], info: dict, out_dir: Path, name: st
 
     from ringdit.atomic import atomic_write
     from ringdit.lora import ADAPTER_NAME, adapter_state
-    from ringdit.spec.model import ModelSpec, is_diffusers_model
+    from ringdit.spec.model import ModelSpec, model_class
 
     model_cfg, lora = info.get("model") or {}, info.get("lora") or {}
-    if not is_diffusers_model(model_cfg):
+    if not model_cfg or not model_class(model_cfg).diffusers_folders:
         raise ConfigError("format=comfyui names a diffusers family's layers; this checkpoint is ringdit's DiT: export "
                           "its adapter with lora=true format=diffusers")
     adapters = adapter_state(state)

@@ -260,6 +260,7 @@ class DiT(nn.Module):
 
     max_grid = None  # its sin-cos position embedding is computed for any grid
     loss_reaches_every_parameter = True  # DDP needs no search for parameters without a gradient
+    diffusers_folders = False  # its weights are ringdit's (.ckpt, .safetensors), never a diffusers folder
 
     # ---- what the DiT declares as a model kind (ringdit.models.protocol.DiffusionModel), read from a config -------
 

@@ -30,6 +30,7 @@ class DiffusionModel(Protocol):
     max_grid: tuple[int, ...] | None  # the largest token grid its position embedding covers per axis; None: any
     condition_dropout_prob: float  # the chance training replaces a sample's condition by the null one
     loss_reaches_every_parameter: bool  # False: DDP learns which parameters get no gradient (static_graph)
+    diffusers_folders: bool  # its weights load from (base=, init_from=) and export to diffusers folders
 
     @classmethod
     def config_for_data(cls, config: dict, data: dict) -> dict:

@@ -18,7 +18,7 @@ from ringdit.spec.diffusion import check_sampling, resolve_shift
 from ringdit.spec.distill import DistillSpec
 from ringdit.spec.infer import Conditioning, InferSpec, OutputSpec
 from ringdit.spec.layout import Layout
-from ringdit.spec.model import ModelSpec, build_on_meta, is_diffusers_model, model_config
+from ringdit.spec.model import ModelSpec, build_on_meta, model_config
 from ringdit.spec.optimizer import OptimizerSpec
 from ringdit.spec.train import DataSpec, TrainSpec
 from ringdit.spec.trainer import TrainerSpec
@@ -37,7 +37,6 @@ __all__ = [
     "TrainerSpec",
     "build_on_meta",
     "check_sampling",
-    "is_diffusers_model",
     "model_config",
     "resolve_shift",
 ]

@@ -28,7 +28,7 @@ from ringdit.errors import CheckpointError, ConfigError, require_choice
 from ringdit.lora import adapter_state, add_lora, check_adapter_fits, check_lora_settings, is_adapter_key, lora_enabled
 from ringdit.resume import check_resume
 from ringdit.spec.layout import device_type
-from ringdit.spec.model import ModelSpec
+from ringdit.spec.model import ModelSpec, model_class
 
 if TYPE_CHECKING:
     from ringdit.spec.optimizer import OptimizerSpec
@@ -218,7 +218,7 @@ class LoraBase:
                               f"no file holds); pass base=<the weights they were trained on: a ringdit .ckpt or "
                               f".safetensors export, or a diffusers folder>")
         if Path(base).expanduser().is_dir() and not is_sharded_checkpoint(base):  # a diffusers folder
-            if "family" not in model:
+            if not model_class(model).diffusers_folders:
                 raise ConfigError(f"{described} is a folder, but the model of the LoRA adapter in "
                                   f"ckpt_path={ckpt_path} is a DiT, whose weights are a ringdit .ckpt or .safetensors "
                                   f"export; give one of those as base=")

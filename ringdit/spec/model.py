@@ -87,11 +87,6 @@ def check_buckets(data_info: dict, patch: tuple[int, ...]) -> None:
                               f"{list(patch)} (the nearest shape that is: {nearest}); {BUCKET_FIX}")
 
 
-def is_diffusers_model(config: dict) -> bool:
-    """A diffusers transformer (``model=wan`` ...) rather than ringdit's own DiT."""
-    return "family" in config
-
-
 def model_config(model_cfg: DictConfig | dict, data_info: dict) -> dict:
     """The model config with the data's shape filled in by the model class itself (``config_for_data``: channels,
     size and classes for the DiT; channels, latent shape and text embedding shape for a diffusers model)."""

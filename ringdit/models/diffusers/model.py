@@ -53,6 +53,7 @@ class DiffusersTransformer(nn.Module):
     # a diffusers model may hold parameters its loss never reaches (QwenImage's last text-stream MLP): DDP learns
     # which in the first step (static_graph)
     loss_reaches_every_parameter = False
+    diffusers_folders = True  # its weights load from and export to diffusers folders
 
     def __init__(
         self,
