@@ -68,8 +68,8 @@ class SamplingPipeline:
         noise = draw_noise((model.in_channels, *shape), generators, device=device)
         cfg_scale = expert_guidance(model, settings["cfg_scale"], settings.get("cfg_scale_2"))  # one per expert
         guided = settings["cfg_scale"] != 1.0 or settings.get("cfg_scale_2") not in (None, 1.0)
-        condition = _to_device(model.model_condition(condition), device)
-        null = _to_device(model.model_condition(negative if negative is not None else model.null_condition(len(seeds))),
+        condition = condition_to(model.model_condition(condition), device)
+        null = condition_to(model.model_condition(negative if negative is not None else model.null_condition(len(seeds))),
                           device) if guided else None
         if settings.get("guidance") is not None and isinstance(condition, dict):  # a guidance-distilled model's
             condition["guidance"] = torch.full((len(seeds),), float(settings["guidance"]), device=device)
@@ -117,7 +117,7 @@ def _compute_dtype(model: nn.Module) -> torch.dtype | None:
     return None
 
 
-def _to_device(condition, device):
+def condition_to(condition, device):
     """Labels (B,), or a dict of conditioning tensors, on ``device``."""
     if isinstance(condition, dict):
         return {key: value.to(device) for key, value in condition.items()}

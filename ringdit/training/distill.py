@@ -46,6 +46,7 @@ from torch import nn
 from ringdit.build import build_model
 from ringdit.diffusion import classifier_free_guidance, draw_noise, noise_generators
 from ringdit.diffusion.samplers import fewstep_step
+from ringdit.diffusion.pipeline import condition_to
 from ringdit.lora import lora_enabled
 from ringdit.seeding import Stream, generator, seed_of
 from ringdit.training.gan_head import FeatureTap, GANHead, critic_gan_loss, generator_gan_loss
@@ -233,7 +234,7 @@ class DistillationModule(DiffusionModule):
     def guided_teacher(self, condition, batch: int):
         """``(x, model_time) -> velocity`` of the teacher guided with ``distill.cfg_scale``."""
         scale = self.distill["cfg_scale"]
-        null = None if scale == 1.0 else _on_device(self.teacher.model_condition(self.teacher.null_condition(batch)),
+        null = None if scale == 1.0 else condition_to(self.teacher.model_condition(self.teacher.null_condition(batch)),
                                                     self.device)
         return classifier_free_guidance(self.teacher, condition, null, scale)
 
@@ -315,10 +316,3 @@ def frozen(*models: nn.Module):
     finally:
         for p in params:
             p.requires_grad_(True)
-
-
-def _on_device(condition, device):
-    """Labels (B,), or a dict of conditioning tensors, on ``device``."""
-    if isinstance(condition, dict):
-        return {key: value.to(device) for key, value in condition.items()}
-    return condition.to(device)
