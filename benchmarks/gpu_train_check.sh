@@ -31,6 +31,6 @@ for strategy in ddp fsdp; do
   echo "== $strategy: exit ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s wall for $steps steps (with start-up)"
   tail -n 2 $out/$strategy/csv/metrics.csv
 done
-python3 infer.py ckpt_path=$out/fsdp/checkpoints/last.ckpt num_samples=4 steps=10 trainer=${TRAINER:-gpu} \
+python3 infer.py ckpt_path=$out/fsdp/checkpoints/last.ckpt num_samples=4 diffusion.sampling.steps=10 trainer=${TRAINER:-gpu} \
   hydra.run.dir=$out/infer 2>&1 | tail -3
 ls $out/infer

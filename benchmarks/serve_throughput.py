@@ -33,7 +33,7 @@ def start(ckpt: Path, run_dir: Path, max_batch: int, steps: int, devices: int) -
     log = open(run_dir.with_suffix(".log"), "w")
     proc = subprocess.Popen([sys.executable, "-m", "ringdit.serve", f"ckpt_path={ckpt}", "port=0",
                              f"hydra.run.dir={run_dir}", f"max_batch={max_batch}", "batch_wait_ms=20",
-                             f"steps={steps}", "queue_size=256", f"trainer.devices={devices}",
+                             f"diffusion.sampling.steps={steps}", "queue_size=256", f"trainer.devices={devices}",
                              f"ring_degree={devices}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 120

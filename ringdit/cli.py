@@ -220,7 +220,10 @@ def hydra_error_message(error: Exception, config_name: str, *, in_task: bool) ->
                 group = key.split(".")[0]
                 return f"{key} is not a setting of the configs selected here: its config option is not used " \
                        f"(e.g. {group}=none); select it ({group}=...) or drop the override"
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            nested = sorted((name for name in known if name.endswith(f".{key}")), key=len)  # steps= for the
+            close = nested[:1] or difflib.get_close_matches(key, known, n=1, cutoff=0.6)  # diffusion.sampling.steps=
+            if close and (CONF_DIR / close[0].replace(".", "/")).is_dir():  # a config group: chosen with a slash
+                close = [close[0].replace(".", "/") + "=..."]
             hint = f"did you mean {close[0]}? " if close else ""
             return f"no setting named '{key}'; {hint}({command_of(config_name)} --cfg job lists them; a new key " \
                    f"is added with +{key}=...)"

@@ -4,16 +4,17 @@ fit the GPUs, and which of those costs least.
 
     python -m ringdit.plan model=wan_14b data.frames=81 data.size=[480,832] gpus=16 gpu_memory_gb=80
     python -m ringdit.plan model=flux_dev data.size=1024 gpus=8 lora.rank=64
-    python -m ringdit.plan model=dit_xl data.size=512 gpus=4 strategy=ddp ema_decay=null
+    python -m ringdit.plan model=dit_xl data.size=512 gpus=4 trainer/strategy=ddp ema_decay=null
 
 For every layout of ``gpus`` ranks (dp x ring x ulysses = gpus, Ulysses dividing the heads, ring x ulysses no more
 than the tokens) it prints the estimated peak memory per rank at start-up and during a step (``ringdit.memory``: what
 it models is in its docstring), the attention TFLOPs per rank and step, the GB each rank sends per step for ring,
 Ulysses and the parameter / gradient sync, and an estimated time per sample relative to the best layout that fits;
 then the layout it recommends, and why. Only the model is built, on the meta device; nothing is downloaded. A setting
-left null (``strategy``, ``activation_checkpointing``, ``activation_offload``, ``lora.base_dtype``,
-``optimizer_8bit``) is searched over: every combination is a candidate, and the table shows the ``show`` best that fit
-and the ``show`` nearest that do not. Each candidate is a ``ringdit.layout.Layout`` (what train.py checks once and
+left null (``trainer/strategy``, ``model.activation_checkpointing``, ``model.activation_offload``,
+``lora.base_dtype``, ``optimizer_8bit``) is searched over: every combination is a candidate, and the table shows the
+``show`` best that fit and the ``show`` nearest that do not; the last line is train.py's command for the recommended
+one (the settings carry train.py's names). Each candidate is a ``ringdit.layout.Layout`` (what train.py checks once and
 runs); ``distill=dmd2`` counts DMD2's three models in the memory (``ringdit.memory``), while the cost below stays one
 model's step.
 
@@ -55,7 +56,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.cli import hydra_main, user_errors
 from ringdit.errors import ConfigError, require_count
-from ringdit.layout import Layout
+from ringdit.layout import Layout, strategy_kind
 from ringdit.memory import (DISTILL_METHODS, FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estimate_memory,
                             gathered_bytes_per_parameter, model_size)
 
@@ -221,7 +222,8 @@ def recommend(found: list[Candidate], hardware: Hardware) -> tuple[Candidate | N
         least = min(found, key=lambda c: c.memory.peak_bytes)
         return None, [f"No layout fits in {usable:.1f} GiB per GPU: the least memory is {least.label}'s "
                       f"{least.memory.peak_bytes / GiB:.1f} GiB. Try lora.rank=16 (and lora.base_dtype=null: an fp8 "
-                      f"base), cpu_offload=true, more gpus, a smaller data.size or data.frames, or data.batch_size=1."]
+                      f"base), trainer/strategy=fsdp trainer.strategy.cpu_offload=true, more gpus, a smaller "
+                      f"data.size or data.frames, or data.batch_size=1."]
     best = fitting[0]
     first = (f"Recommended: {best.label} -- {_number(best.memory.peak_bytes / GiB)} of {usable:.1f} GiB per GPU, and "
              f"the least estimated time per sample of the {len(fitting)} layouts that fit")
@@ -240,7 +242,7 @@ def _reasons(best: Candidate, found: list[Candidate], hardware: Hardware) -> lis
     reasons = []
     other = variant(strategy="ddp" if lay.fsdp else "fsdp")
     if other is None:  # the settings named the strategy
-        reasons.append(f"{lay.strategy.upper()} (strategy={lay.strategy})")
+        reasons.append(f"{lay.strategy.upper()} (trainer/strategy={lay.strategy})")
     elif lay.fsdp and not other.fits:
         reasons.append(f"FSDP, as replicated (DDP) state would need {other.memory.peak_bytes / GiB:.1f} GiB per rank")
     elif lay.fsdp:
@@ -344,10 +346,10 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
                           f"does not divide; choose sizes whose latents are multiples of it")
     config = model_config(model_cfg, data)
     meta_model = build_on_meta(config)
-    expert = cfg.get("expert")
+    expert = OmegaConf.select(cfg, "diffusion.expert", default=None)
     if expert not in (None, "both"):
         if expert not in ("high", "low") or not getattr(meta_model, "experts", ()):
-            raise ConfigError(f"expert={expert!r}: high or low picks the expert of a two-expert model "
+            raise ConfigError(f"diffusion.expert={expert!r}: high or low picks the expert of a two-expert model "
                               f"(model=wan22_a14b*) that trains; null for every other model")
         meta_model.train_only(expert)  # its gradients, optimizer state and EMA only
     size = model_size(config, meta_model, lora)
@@ -409,25 +411,29 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     require_count("data.channels", cfg.data.channels, optional=True, hint="null takes the model's")
     require_count("data.num_classes", cfg.data.num_classes, hint="e.g. 1000")
     _choice("data.latent", cfg.data.latent, (True, False))
-    _choice("strategy", cfg.strategy, (None, "ddp", "fsdp"))
-    checkpointing = (0.0, 0.5, 1.0) if cfg.activation_checkpointing is None else \
-        (checkpoint_fraction(cfg.activation_checkpointing),)
-    _choice("activation_offload", cfg.activation_offload, (None, True, False))
+    strategy = cfg.trainer.strategy
+    kind = strategy_kind(cfg.trainer) if "_target_" in strategy else None  # none selected: both are laid out
+    checkpointing = cfg.model.get("activation_checkpointing")
+    checkpointing = (0.0, 0.5, 1.0) if checkpointing is None else (checkpoint_fraction(checkpointing),)
+    offload = cfg.model.get("activation_offload")
+    _choice("model.activation_offload", offload, (None, True, False))
     _choice("optimizer_8bit", cfg.optimizer_8bit, (None, True, False))
     require_count("show", cfg.show, hint="rows of the table that fit (and as many that do not)")
-    _choice("precision", str(cfg.precision), PRECISIONS)
-    _choice("cpu_offload", cfg.cpu_offload, (True, False))
+    precision = str(cfg.trainer.precision)
+    _choice("trainer.precision", precision, PRECISIONS)
+    _choice("trainer.strategy.cpu_offload", strategy.cpu_offload, (True, False))
     _choice("attention_backend", cfg.attention_backend, list_backends())
-    if cfg.param_dtype is not None:
-        dtype_named("param_dtype", cfg.param_dtype)
+    if strategy.param_dtype is not None:
+        dtype_named("trainer.strategy.param_dtype", strategy.param_dtype)
     base = cfg.lora.base_dtype
     if base is not None:
         resolve_base_dtype(base)
     require_count("optimizer_states", cfg.optimizer_states, minimum=0, hint="AdamW 2, SGD with momentum 1, SGD 0")
-    require_count("replicate_degree", cfg.replicate_degree, hint="1 shards over every GPU")
-    if cfg.gpus % cfg.replicate_degree:
-        raise ConfigError(f"replicate_degree={cfg.replicate_degree} does not divide gpus={cfg.gpus} (HSDP shards "
-                          f"within gpus / replicate_degree ranks); use a divisor of {cfg.gpus}")
+    replicate = strategy.replicate_degree
+    require_count("trainer.strategy.replicate_degree", replicate, hint="1 shards over every GPU")
+    if cfg.gpus % replicate:
+        raise ConfigError(f"trainer.strategy.replicate_degree={replicate} does not divide gpus={cfg.gpus} (HSDP "
+                          f"shards within gpus / replicate_degree ranks); use a divisor of {cfg.gpus}")
     decay = cfg.ema_decay
     if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1):
         raise ConfigError(f"ema_decay must be a number in [0, 1) or null, got {decay!r}; null or 0 turns the EMA "
@@ -435,21 +441,21 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     check_lora_settings(OmegaConf.to_container(cfg.lora, resolve=True))
     devices = min(cfg.gpus, cfg.gpus_per_node)
     layout = Layout(devices=devices, num_nodes=math.ceil(cfg.gpus / devices), device_type="cuda",
-                    attention_backend=cfg.attention_backend, replicate_degree=cfg.replicate_degree,
-                    cpu_offload=cfg.cpu_offload)
+                    attention_backend=cfg.attention_backend, replicate_degree=replicate,
+                    cpu_offload=strategy.cpu_offload)
     distill_cfg = cfg.get("distill") or {}
     distill = distill_cfg.get("method", "none")
     _choice("distill", distill, DISTILL_METHODS)
-    setup = Setup(batch_size=cfg.data.batch_size, param_dtype=cfg.param_dtype, precision=str(cfg.precision),
+    setup = Setup(batch_size=cfg.data.batch_size, param_dtype=strategy.param_dtype, precision=precision,
                   ema=bool(decay), lora_base_dtype=base or "bfloat16", optimizer_states=cfg.optimizer_states,
                   distill=distill, gan_loss=bool(distill_cfg.get("gan_loss", False)),
                   gan_block=distill_cfg.get("gan_block"),
                   regression_pairs=(distill_cfg.get("regression_pairs") or 0) if distill_cfg.get("regression_loss")
                   else 0)
-    strategies = (cfg.strategy,) if cfg.strategy else ("ddp", "fsdp")
+    strategies = (kind,) if kind else ("ddp", "fsdp")
     lora = (cfg.lora.rank or 0) > 0
     options = {
-        "activation_offload": (False, True) if cfg.activation_offload is None else (cfg.activation_offload,),
+        "activation_offload": (False, True) if offload is None else (offload,),
         "lora_base_dtype": ("bfloat16", "float8_e4m3fn") if base is None and lora else (base or "bfloat16",),
         "optimizer_8bit": (False, True) if cfg.optimizer_8bit is None else (cfg.optimizer_8bit,),
     }
@@ -521,6 +527,44 @@ def format_plan(found: list[Candidate], hardware: Hardware, layout: Layout, setu
     return "\n".join([*lines, "", *why])
 
 
+def train_command(best: Candidate, cfg: DictConfig) -> str:
+    """train.py's command line for the candidate ``best`` of the plan of ``cfg``: its layout and memory options, and
+    the plan's other settings, by train.py's names (the data and everything else are the run's own)."""
+    lay, s = best.layout, best.setup
+    words = ["python train.py", _preset_name(OmegaConf.to_container(cfg.model)), "trainer=gpu",
+             f"trainer/strategy={lay.strategy}", f"dp_degree={lay.dp_degree}", f"ring_degree={lay.ring_degree}",
+             f"ulysses_degree={lay.ulysses_degree}"]
+    if lay.num_nodes > 1:  # train.py's default device count is every rank on one node
+        words += [f"trainer.devices={lay.devices}", f"trainer.num_nodes={lay.num_nodes}"]
+    if str(cfg.trainer.precision) != "bf16-mixed":  # trainer=gpu's
+        words.append(f"trainer.precision={cfg.trainer.precision}")
+    if lay.fsdp:
+        strategy = cfg.trainer.strategy
+        words += [f"trainer.strategy.param_dtype={strategy.param_dtype}"] if strategy.param_dtype else []
+        words += [f"trainer.strategy.replicate_degree={lay.replicate_degree}"] if lay.replicate_degree > 1 else []
+        words += ["trainer.strategy.cpu_offload=true"] if lay.cpu_offload else []
+    if s.checkpoint_fraction:
+        period = 1 / s.checkpoint_fraction
+        value = "true" if period == 1 else f"every_{round(period)}" if period.is_integer() else \
+            f"{s.checkpoint_fraction:g}"
+        words.append(f"model.activation_checkpointing={value}")
+        words += ["model.activation_offload=true"] if s.activation_offload else []
+    if lay.attention_backend == "math":  # the others hold the same memory; train.py picks the best available
+        words.append("attention_backend=math")
+    words += ["optimizer=adamw8bit"] if s.optimizer_8bit else []
+    for key in ("diffusion.expert", "lora.rank", "lora.alpha", "lora.targets"):
+        value = OmegaConf.select(cfg, key)
+        if value not in (None, 0, "both"):
+            words.append(f"{key}={value}")
+    if (cfg.lora.rank or 0) > 0:
+        words.append(f"lora.base_dtype={s.lora_base_dtype}")
+    if s.distill != "none":
+        words.append(f"distill={s.distill}")
+    if not s.ema:
+        words.append("ema_decay=null")
+    return " ".join(words)
+
+
 @hydra_main("plan")  # conf/plan.yaml
 def plan(cfg: DictConfig) -> None:
     with user_errors():  # a wrong setting: one line, exit code 2
@@ -528,6 +572,9 @@ def plan(cfg: DictConfig) -> None:
         size, model_line = planned_model(cfg)
         found = candidates(size, layout, setup, hardware, strategies, checkpointing, options)
     print(format_plan(found, hardware, layout, setup, size, model_line, cfg.show))
+    best, _ = recommend(found, hardware)
+    if best is not None:
+        print(f"Run it: {train_command(best, cfg)} (with the run's data=...)")
 
 
 def main(argv: list[str] | None = None) -> int:

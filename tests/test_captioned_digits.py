@@ -92,7 +92,7 @@ def test_train_then_sample_videos_from_prompts(tmp_path):
     assert iio.imread(preview).shape[0] == 5  # frames
 
     out = tmp_path / "infer"  # no ckpt_path: the newest run under paths.log_dir
-    run("infer.py", out, f"paths.log_dir={logs}", "num_samples=3", "steps=2",
+    run("infer.py", out, f"paths.log_dir={logs}", "num_samples=3", "diffusion.sampling.steps=2",
         "prompts=['a 3 moving left','a 7 moving down']", env=env)
     samples = np.load(out / "samples.npz")
     assert samples["images"].shape == (3, 5, 12, 12, 1) and samples["images"].dtype == np.uint8

@@ -236,7 +236,7 @@ def test_experiment_trains_and_infer_samples(tmp_path):
     run("train.py", tmp_path / "run", *RUN, f"data.cache_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})
     assert sorted(logged_losses(tmp_path / "run")) == [0, 1]
     run("infer.py", tmp_path / "infer", f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}",
-        "num_samples=2", "steps=3", env={"HF_HUB_OFFLINE": "1"})
+        "num_samples=2", "diffusion.sampling.steps=3", env={"HF_HUB_OFFLINE": "1"})
     latents = np.load(tmp_path / "infer" / "samples.npz")["latents"]
     assert latents.shape == (2, 4, 4, 6, 6) and np.isfinite(latents).all()
 

@@ -350,7 +350,7 @@ def test_train_on_latents(tmp_path, fmt):
     assert info["channels"] == 4 and info["class_names"] == ["x", "y", "z"] and info["latent_scale"] == 0.5
     if fmt == "safetensors":  # sampling gives latents in the VAE's scale, not pictures
         run("infer.py", tmp_path / "infer", f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}",
-            "num_samples=3", "labels=[z]", "steps=2")
+            "num_samples=3", "labels=[z]", "diffusion.sampling.steps=2")
         samples = np.load(tmp_path / "infer" / "samples.npz")
         assert samples["latents"].shape == (3, 4, 8, 8) and samples["latents"].dtype == np.float32
         assert samples["labels"].tolist() == [2, 2, 2] and "images" not in samples
@@ -362,7 +362,8 @@ def test_train_on_latents(tmp_path, fmt):
                           up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4,
                           norm_num_groups=4).save_pretrained(tmp_path / "vae")
             run("infer.py", tmp_path / "decoded", f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}",
-                "num_samples=3", "labels=[z]", "steps=2", f"vae={tmp_path / 'vae'}", env={"HF_HUB_OFFLINE": "1"})
+                "num_samples=3", "labels=[z]", "diffusion.sampling.steps=2", f"vae={tmp_path / 'vae'}",
+                env={"HF_HUB_OFFLINE": "1"})
             decoded = np.load(tmp_path / "decoded" / "samples.npz")
             np.testing.assert_array_equal(decoded["latents"], samples["latents"])
             assert sorted(p.name for p in (tmp_path / "decoded").glob("*.png")) == [
@@ -388,7 +389,7 @@ def test_train_moving_digits_on_a_ring(video_run):
 
 def test_infer_writes_video_samples(video_run, tmp_path):
     proc = run("infer.py", tmp_path, f"ckpt_path={video_run / 'checkpoints' / 'last.ckpt'}", "num_samples=3",
-               "labels=[2,5]", "steps=2")
+               "labels=[2,5]", "diffusion.sampling.steps=2")
     assert "wrote 3 samples" in proc.stdout
     samples = np.load(tmp_path / "samples.npz")
     assert samples["images"].shape == (3, 4, 8, 8, 1) and samples["images"].dtype == np.uint8

@@ -63,7 +63,8 @@ def test_wan_samples_do_not_depend_on_the_layout(wan_runs, tmp_path):
     ckpt = wan_runs.trained("ring1") / "checkpoints" / "last.ckpt"
     samples = {}
     for name, overrides in (("ring1", []), ("ring2", ["ring_degree=2"])):
-        run("infer.py", tmp_path / name, f"ckpt_path={ckpt}", "num_samples=3", "steps=3", "cfg_scale=4", *overrides)
+        run("infer.py", tmp_path / name, f"ckpt_path={ckpt}", "num_samples=3", "diffusion.sampling.steps=3",
+            "diffusion.sampling.cfg_scale=4", *overrides)
         samples[name] = np.load(tmp_path / name / "samples.npz")
     assert samples["ring1"]["latents"].shape == (3, 4, 3, 8, 8)
     assert list(samples["ring1"]["captions"]) == list(samples["ring2"]["captions"])
@@ -156,7 +157,8 @@ def test_flux_trains_and_samples_the_same_unsplit_and_cfg_parallel_over_a_ring(t
     samples = {}
     # CFG parallel: the guidance halves on two data-parallel replicas, each sharded over a ring of 2
     for name, overrides in (("ring1", []), ("cfg_parallel", ["dp_degree=2", "cfg_parallel=true", "ring_degree=2"])):
-        run("infer.py", tmp_path / f"infer_{name}", f"ckpt_path={ckpt}", "num_samples=3", "steps=2", "cfg_scale=4",
+        run("infer.py", tmp_path / f"infer_{name}", f"ckpt_path={ckpt}", "num_samples=3",
+            "diffusion.sampling.steps=2", "diffusion.sampling.cfg_scale=4",
             *overrides)
         samples[name] = np.load(tmp_path / f"infer_{name}" / "samples.npz")["latents"]
     assert samples["ring1"].shape == (3, 1, 8, 8)

@@ -173,5 +173,6 @@ def test_bad_sampling_times_are_refused_in_one_line(tmp_path):
             ("abc", r"='abc' is not a map")):
         with pytest.raises(ConfigError, match=rf"^diffusion.objective.resolution.*{message}"):
             check_resolution(resolution)
-    proc, seconds = fail_fast("infer.py", "shift_terminal=2", f"hydra.run.dir={tmp_path}")  # before the checkpoint
-    assert_refused(proc, r"^Error: shift_terminal=2 is not a time in \(0, 1\)", seconds=seconds, run_dir=tmp_path)
+    proc, seconds = fail_fast("infer.py", "diffusion.sampling.shift_terminal=2",
+                              f"hydra.run.dir={tmp_path}")  # before the checkpoint
+    assert_refused(proc, r"^Error: diffusion.sampling.shift_terminal=2 is not a time in \(0, 1\)", seconds=seconds, run_dir=tmp_path)

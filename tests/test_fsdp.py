@@ -117,7 +117,7 @@ def test_export_consolidates_a_sharded_checkpoint(runs, tmp_path):
     assert_same_numbers(exported, reference, rtol=1e-5, atol=1e-6, where="export")
     # infer.py samples from the sharded folder itself, as from its export
     for name, ckpt in (("sharded", sharded), ("export", out)):
-        run("infer.py", tmp_path / name, f"ckpt_path={ckpt}", "num_samples=2", "steps=2")
+        run("infer.py", tmp_path / name, f"ckpt_path={ckpt}", "num_samples=2", "diffusion.sampling.steps=2")
     samples = [np.load(tmp_path / name / "samples.npz")["images"] for name in ("sharded", "export")]
     np.testing.assert_array_equal(samples[0], samples[1])
 

@@ -119,12 +119,14 @@ def test_calibrate_is_a_hydra_command_with_one_line_errors(tiny_checkpoint, tmp_
                                                                   r"training run's .ckpt"),
         (["calibrate", f"ckpt_path={tiny_checkpoint}", "num_samples=0"], r"num_samples must be a positive integer, "
                                                                          r"got 0"),
-        (["calibrate", f"ckpt_path={tiny_checkpoint}", "steps=-2"], r"steps must be a positive integer, got -2"),
+        (["calibrate", f"ckpt_path={tiny_checkpoint}", "diffusion.sampling.steps=-2"],
+         r"steps must be a positive integer, got -2"),
         (["calibrate", f"ckpt_path={tiny_checkpoint}", f"out={tmp_path}"], r"out=.* is a folder; give the file"),
         (["calibrate"], r"ckpt_path is required"),
         (["fit"], r"python -m ringdit.caching has one command: calibrate"),
         # a 1-step model: adaLN-Zero blocks still add almost nothing, so no evaluation's change is a usable point
-        (["calibrate", f"ckpt_path={tiny_checkpoint}", "num_samples=2", "steps=3", f"out={tmp_path / 'c.json'}"],
+        (["calibrate", f"ckpt_path={tiny_checkpoint}", "num_samples=2", "diffusion.sampling.steps=3",
+         f"out={tmp_path / 'c.json'}"],
          r"calibration recorded 0 usable evaluations, fewer than degree \+ 1 = 5; sample more steps or samples"),
     ):
         code, err = command(main, argv, capsys)
@@ -491,7 +493,8 @@ def test_infer_output_settings_are_checked_without_a_vae(tiny_checkpoint, tmp_pa
     common = [f"ckpt_path={tiny_checkpoint}", f"hydra.run.dir={tmp_path}"]
     for setting, message in (("fps=0", r"fps must be a positive integer, got 0"),
                              ("vae_tile=-8", r"vae_tile must be a positive integer, got -8; the VAE's spatial tile"),
-                             ("guidance=3.5", r"guidance=3.5 is the guidance embedding's value of a guidance-distilled "
+                             ("model.guidance=3.5",
+                              r"guidance=3.5 is the guidance embedding's value of a guidance-distilled "
                                               r"model \(Flux-dev\); the DiT has none")):
         assert_refused(fail_fast("infer.py", *common, setting)[0], message)
 

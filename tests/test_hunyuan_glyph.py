@@ -197,7 +197,8 @@ def test_prepare_train_on_a_ring_and_sample_with_glyph_text(hunyuan, glyph_data,
     assert not weights["model.null_glyph_text_mask"].any()
     ckpt = tmp_path / "ring1" / "checkpoints" / "last.ckpt"
     out = tmp_path / "infer"
-    run("infer.py", out, f"ckpt_path={ckpt}", "num_samples=2", "steps=2", "cfg_scale=6",
+    run("infer.py", out, f"ckpt_path={ckpt}", "num_samples=2", "diffusion.sampling.steps=2",
+        "diffusion.sampling.cfg_scale=6",
         """prompts=['a red fox "OPEN" running','a blue cat']""", "negative_prompt='a \u201csky\u201d'",
         env={"HF_HUB_OFFLINE": "1"})
     import numpy as np

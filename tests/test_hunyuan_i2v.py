@@ -201,7 +201,8 @@ def test_prepare_train_and_sample_with_an_image(hunyuan_i2v, tmp_path):
     ckpt = tmp_path / "train" / "checkpoints" / "last.ckpt"
     images[0].save(tmp_path / "first.png")
     run("infer.py", tmp_path / "infer", f"ckpt_path={ckpt}", f"image={tmp_path / 'first.png'}", "num_samples=2",
-        "steps=2", "cfg_scale=6", "prompts=['a red fox running']", env={"HF_HUB_OFFLINE": "1"})
+        "diffusion.sampling.steps=2", "diffusion.sampling.cfg_scale=6", "prompts=['a red fox running']",
+        env={"HF_HUB_OFFLINE": "1"})
     samples = np.load(tmp_path / "infer" / "samples.npz")
     assert samples["latents"].shape == (2, 4, 3, 4, 4) and np.isfinite(samples["latents"]).all()
     assert (tmp_path / "infer" / "sample-001.mp4").is_file()  # decoded by the data's VAE

@@ -104,8 +104,8 @@ def test_bad_training_setting_is_refused_before_spawning(case, tmp_path, capsys)
     ("overrides", "message"),
     [
         (["labels=[1.7]"], r"labels: 1.7 is not a class id \(a whole number\)"),
-        (["cfg_scale=nan"], r"cfg_scale must be a finite number, got nan"),
-        (["cfg_scale=-inf"], r"cfg_scale must be a finite number, got -inf"),
+        (["diffusion.sampling.cfg_scale=nan"], r"cfg_scale must be a finite number, got nan"),
+        (["diffusion.sampling.cfg_scale=-inf"], r"cfg_scale must be a finite number, got -inf"),
         (["dp_degree=1.5"], r"dp_degree must be a positive integer, got 1.5"),
         (["dp_degree=2", "num_samples=1"], r"num_samples=1 is fewer than the 2 data-parallel ranks \(dp_degree=2\)"),
         (["cfg_parallel=true"], r"cfg_parallel=true runs the two halves of guidance on two data-parallel replicas, "
@@ -343,7 +343,8 @@ def test_odd_sample_count_on_two_data_parallel_ranks(tiny_checkpoint, tmp_path):
     """Prediction gives the ranks 2 and 1 samples; gathering pads to equal counts and drops the padding."""
     import numpy as np
 
-    run("infer.py", tmp_path, f"ckpt_path={tiny_checkpoint}", "dp_degree=2", "num_samples=3", "steps=2",
+    run("infer.py", tmp_path, f"ckpt_path={tiny_checkpoint}", "dp_degree=2", "num_samples=3",
+        "diffusion.sampling.steps=2",
         "trainer.strategy.timeout_s=60")
     written = np.load(tmp_path / "samples.npz")
     assert written["images"].shape == (3, 8, 8, 1) and written["labels"].tolist() == [0, 1, 2]

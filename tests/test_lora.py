@@ -303,7 +303,7 @@ def test_fsdp_shards_a_bf16_base_with_fp32_adapters():
 
 def sample(run_dir, ckpt, *overrides):
     """infer.py's images for ``ckpt`` (4 samples, 4 Heun steps)."""
-    run("infer.py", run_dir, f"ckpt_path={ckpt}", "num_samples=4", "steps=4", *overrides)
+    run("infer.py", run_dir, f"ckpt_path={ckpt}", "num_samples=4", "diffusion.sampling.steps=4", *overrides)
     return np.load(run_dir / "samples.npz")["images"].astype(np.int64)
 
 
@@ -462,7 +462,7 @@ def test_a_diffusers_lora_samples_on_its_pretrained_folder_or_on_base(tmp_path):
 
 def sample_latents(run_dir, ckpt, *overrides):
     """infer.py's latents for a text model's ``ckpt`` (2 samples, 3 Euler steps, the data's held-out prompts)."""
-    run("infer.py", run_dir, f"ckpt_path={ckpt}", "num_samples=2", "steps=3", *overrides)
+    run("infer.py", run_dir, f"ckpt_path={ckpt}", "num_samples=2", "diffusion.sampling.steps=3", *overrides)
     return np.load(run_dir / "samples.npz")["latents"]
 
 

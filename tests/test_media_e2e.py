@@ -34,7 +34,7 @@ def test_prepare_train_and_sample_from_prompts(models, tmp_path):
         "callbacks.sample_grid.steps=2", "callbacks.sample_grid.per_class=1", env=env)
     out = tmp_path / "infer"
     run("infer.py", out, f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}", "num_samples=3",
-        "steps=2", "prompts=['a red fox running','a blue cat']", "negative_prompt=sky", env=env)
+        "diffusion.sampling.steps=2", "prompts=['a red fox running','a blue cat']", "negative_prompt=sky", env=env)
 
     samples = np.load(out / "samples.npz")
     assert samples["latents"].shape == (3, 16, 2, 4, 4)  # (N, C, 1 + (5 - 1) / 4, 32 / 8, 32 / 8)

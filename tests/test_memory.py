@@ -155,10 +155,10 @@ def test_train_config_and_the_planner_count_dmd2(tmp_path, capsys):
         estimates[distill] = check_training_memory(cfg, layout, model_cfg, build_on_meta(model_cfg))
     assert estimates["dmd2"].weights_bytes == 3 * estimates["none"].weights_bytes
     assert estimates["dmd2"].optimizer_bytes == 2 * estimates["none"].optimizer_bytes
-    code, out, err = plan(capsys, "model=dit_xl", "data.size=512", "gpus=4", "strategy=ddp", "show=1",
-                          "activation_checkpointing=false", "optimizer_8bit=false", "activation_offload=false")
-    code2, out2, err2 = plan(capsys, "model=dit_xl", "data.size=512", "gpus=4", "strategy=ddp", "show=1",
-                             "activation_checkpointing=false", "optimizer_8bit=false", "activation_offload=false",
+    code, out, err = plan(capsys, "model=dit_xl", "data.size=512", "gpus=4", "trainer/strategy=ddp", "show=1",
+                          "model.activation_checkpointing=false", "optimizer_8bit=false", "model.activation_offload=false")
+    code2, out2, err2 = plan(capsys, "model=dit_xl", "data.size=512", "gpus=4", "trainer/strategy=ddp", "show=1",
+                             "model.activation_checkpointing=false", "optimizer_8bit=false", "model.activation_offload=false",
                              "distill=dmd2")
     assert code == code2 == 0, err + err2
     assert "distill=dmd2: the student and a critic train, the teacher is frozen" in out2 and "distill" not in out
@@ -335,7 +335,7 @@ def test_plan_of_a_tiny_model(capsys):
     (["data.frames=80"], "data.frames=80: wan's VAE takes 4 x k + 1 frames; use 77 or 81"),
     (["model=wan_15b"], "model=wan_15b: no such option; did you mean model=wan_14b?"),
     (["model=dit_xl", "data.frames=16"], "data.frames=16 but model=dit_xl is an image model; leave data.frames null"),
-    (["gpus=8", "replicate_degree=3"], "replicate_degree=3 does not divide gpus=8"),
+    (["gpus=8", "trainer.strategy.replicate_degree=3"], "trainer.strategy.replicate_degree=3 does not divide gpus=8"),
 ])
 def test_plan_refuses_bad_input_in_one_line(argv, message, capsys):
     code, out, err = plan(capsys, *argv)

@@ -36,7 +36,7 @@ def folder(tmp_path_factory):
     return root
 
 
-SAMPLE = ["size=[16,16]", "frames=5", "steps=3", "seed=4"]
+SAMPLE = ["size=[16,16]", "frames=5", "diffusion.sampling.steps=3", "seed=4"]
 
 
 def test_infer_samples_what_the_pipeline_returns(folder, tmp_path):
@@ -66,7 +66,8 @@ def test_the_server_serves_a_pipeline_folder(folder, tmp_path):
 
     run("infer.py", tmp_path / "infer", f"ckpt_path={folder}", f"prompts=[{PROMPT}]", "num_samples=1", *SAMPLE)
     saved = dict(os.environ)  # Lightning leaves LOCAL_RANK, MASTER_* behind, which later launches would read
-    server = Server(compose_config("serve", tmp_path / "serve", f"ckpt_path={folder}", "port=0", "steps=3",
+    server = Server(compose_config("serve", tmp_path / "serve", f"ckpt_path={folder}", "port=0",
+                    "diffusion.sampling.steps=3",
                                    "size=[16,16]", "frames=5"))
     server.build()
     thread = threading.Thread(target=server.run, daemon=True)

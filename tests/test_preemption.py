@@ -122,7 +122,8 @@ def sample_under_sigterm(run_dir: Path, checkpoint: Path, *overrides: str, targe
                          num_samples: int):
     """infer.py with 20 slow steps per batch, signalled once rank 0 has finished its first batch."""
     command = [sys.executable, "infer.py", f"hydra.run.dir={run_dir}", f"ckpt_path={checkpoint}", "trainer=cpu",
-               "steps=20", f"batch_size={batch_size}", f"num_samples={num_samples}", "trainer.strategy.timeout_s=60",
+               "diffusion.sampling.steps=20", f"batch_size={batch_size}", f"num_samples={num_samples}",
+               "trainer.strategy.timeout_s=60",
                "+callbacks.slow._target_=tests.test_preemption.SlowSampling", "+callbacks.slow.seconds=0.1",
                f"+callbacks.slow.output_dir={run_dir}", *overrides]
     proc, seconds, ranks = signal_when(command, lambda: (run_dir / "batches" / "0").exists(), target)
@@ -154,7 +155,8 @@ def test_sigkill_of_one_rank_ends_ring2_sampling(tiny_checkpoint, tmp_path):
     """A rank killed outright mid-sampling: its ring partner's next collective fails (the peer's socket closed), the
     run ends non-zero within seconds, nothing is left running, and no partial samples.npz is written."""
     command = [sys.executable, "infer.py", f"hydra.run.dir={tmp_path}", f"ckpt_path={tiny_checkpoint}", "trainer=cpu",
-               "ring_degree=2", "steps=20", "batch_size=2", "num_samples=8", "trainer.strategy.timeout_s=60",
+               "ring_degree=2", "diffusion.sampling.steps=20", "batch_size=2", "num_samples=8",
+               "trainer.strategy.timeout_s=60",
                "+callbacks.slow._target_=tests.test_preemption.SlowSampling", "+callbacks.slow.seconds=0.1",
                f"+callbacks.slow.output_dir={tmp_path}"]
     proc, seconds, ranks = signal_when(command, lambda: (tmp_path / "batches" / "0").exists(), "child",
@@ -180,7 +182,8 @@ def test_sigterm_stops_sampling_on_one_rank(tiny_checkpoint, tmp_path):
                                                       num_samples=8)
     assert len(samples["images"]) == 2 * finished
     assert "preempted: SIGTERM stopped sampling; wrote" in proc.stdout, proc.stdout[-3000:]
-    straight, _ = fail_fast("infer.py", f"ckpt_path={tiny_checkpoint}", "trainer=cpu", "steps=20", "batch_size=2",
+    straight, _ = fail_fast("infer.py", f"ckpt_path={tiny_checkpoint}", "trainer=cpu", "diffusion.sampling.steps=20",
+                            "batch_size=2",
                             "num_samples=8", f"hydra.run.dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr[-3000:]
     full = np.load(tmp_path / "straight" / "samples.npz")
@@ -191,7 +194,8 @@ def test_sigterm_stops_sampling_on_one_rank(tiny_checkpoint, tmp_path):
 
 def in_process_infer(checkpoint: Path, run_dir: Path, at: str):
     before = signal.getsignal(signal.SIGTERM)
-    proc, _ = fail_fast("infer.py", f"ckpt_path={checkpoint}", "trainer=cpu", "steps=2", "batch_size=2",
+    proc, _ = fail_fast("infer.py", f"ckpt_path={checkpoint}", "trainer=cpu", "diffusion.sampling.steps=2",
+                        "batch_size=2",
                         "num_samples=4", "+callbacks.term._target_=tests.test_preemption.SigtermAt",
                         f"+callbacks.term.at={at}", f"hydra.run.dir={run_dir}")
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
@@ -237,7 +241,7 @@ def test_sigterm_during_the_vae_decode_stops_it_and_keeps_the_samples(models, tm
     monkeypatch.setattr(ringdit.media.decode, "decode_latents", signal_while_decoding)
     out = tmp_path / "infer"
     proc, _ = fail_fast("infer.py", f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}", "trainer=cpu",
-                        "num_samples=3", "steps=2", f"vae={models['flux']}", f"hydra.run.dir={out}")
+                        "num_samples=3", "diffusion.sampling.steps=2", f"vae={models['flux']}", f"hydra.run.dir={out}")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 143, output[-3000:]
     assert (f"preempted: SIGTERM stopped the VAE decode; every sample is in {out / 'samples.npz'} (decoded files may "

@@ -43,7 +43,8 @@ def test_a_latent_model_previews_through_its_vae_as_videos_in_wandb(latent_run):
 
 
 def test_infer_logs_its_decoded_samples_to_wandb(latent_run, models, tmp_path):
-    run("infer.py", tmp_path, f"ckpt_path={latent_run / 'checkpoints' / 'last.ckpt'}", "num_samples=2", "steps=2",
+    run("infer.py", tmp_path, f"ckpt_path={latent_run / 'checkpoints' / 'last.ckpt'}", "num_samples=2",
+        "diffusion.sampling.steps=2",
         f"vae={models['wan']}", "logger=wandb")
     videos = wandb_videos(tmp_path)
     assert len(videos) == 2 and all(frames_of(video) == 9 for video in videos)

@@ -48,8 +48,9 @@ def test_text_settings_on_a_class_conditional_model_are_refused(setting, tiny_ch
 
 def test_guidance_on_a_dit_is_refused(tiny_checkpoint, tmp_path):
     """``guidance=`` feeds a guidance-distilled model's embedding; a DiT has none, so it would be silently ignored."""
-    proc, seconds = fail_fast("infer.py", f"ckpt_path={tiny_checkpoint}", "guidance=3.5", f"hydra.run.dir={tmp_path}")
-    assert_refused(proc, text="guidance=3.5 is the guidance embedding's value of a guidance-distilled model",
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={tiny_checkpoint}", "model.guidance=3.5",
+                              f"hydra.run.dir={tmp_path}")
+    assert_refused(proc, text="model.guidance=3.5 is the guidance embedding's value of a guidance-distilled model",
                    seconds=seconds)
     assert not (tmp_path / "samples.npz").exists()
 
@@ -167,7 +168,7 @@ def test_a_second_run_in_the_same_folder_is_refused_and_a_resume_appends(tmp_pat
 def test_a_second_sampling_run_in_the_same_folder_is_refused(tiny_checkpoint, tmp_path):
     from tests.helpers import run
 
-    sampling = [f"ckpt_path={tiny_checkpoint}", "num_samples=2", "steps=2"]
+    sampling = [f"ckpt_path={tiny_checkpoint}", "num_samples=2", "diffusion.sampling.steps=2"]
     run("infer.py", tmp_path, *sampling)
     samples = (tmp_path / "samples.npz").read_bytes()
     proc, _ = fail_fast("infer.py", *sampling, f"hydra.run.dir={tmp_path}")

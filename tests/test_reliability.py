@@ -97,7 +97,7 @@ def test_bad_checkpoint_files(setting, file, message, bad_files, tmp_path):
     ("overrides", "message"),
     [
         (["num_samples=0"], r"num_samples must be a positive integer, got 0"),
-        (["steps=0"], r"steps must be a positive integer, got 0"),
+        (["diffusion.sampling.steps=0"], r"steps must be a positive integer, got 0"),
         (["labels=[12]"], r"labels: class id 12 is out of range; this model has classes 0..9"),
         (["ring_degree=2", "attention_backend=torch_sdpa"], r"Ring Attention requires one of the ring-capable"),
     ],
@@ -135,7 +135,8 @@ def test_a_failing_rank_ends_the_run(name, overrides, message, tmp_path):
 
 
 def test_a_failing_rank_ends_sampling(tiny_checkpoint, tmp_path):
-    proc, seconds = launch("infer.py", f"ckpt_path={tiny_checkpoint}", "ring_degree=2", "num_samples=4", "steps=2",
+    proc, seconds = launch("infer.py", f"ckpt_path={tiny_checkpoint}", "ring_degree=2", "num_samples=4",
+                           "diffusion.sampling.steps=2",
                            "trainer.strategy.timeout_s=30", "+callbacks.fault._target_=tests.faults.RaiseOnRank",
                            "+callbacks.fault.rank=1", "+callbacks.fault.stage=predict", f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0 and "injected fault on rank 1 (predict" in proc.stderr, proc.stderr[-3000:]

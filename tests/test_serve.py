@@ -85,7 +85,8 @@ def dit(tmp_path_factory):
     loras = root / "loras"
     loras.mkdir()
     ckpt = root / "train" / "checkpoints" / "last.ckpt"
-    with serving(root / "serve", f"ckpt_path={ckpt}", f"api_key={KEY}", f"lora_dir={loras}", "steps=4",
+    with serving(root / "serve", f"ckpt_path={ckpt}", f"api_key={KEY}", f"lora_dir={loras}",
+                 "diffusion.sampling.steps=4",
                  "trainer.precision=64-true", "max_batch=4", "batch_wait_ms=300", "queue_size=64") as server:
         yield server, ckpt, loras, root
 
@@ -99,7 +100,8 @@ def test_samples_equal_infer_and_batching_changes_none(dit):
     requests are all answered, in batches of up to 4 (at most a third as many model-forward batches as requests),
     each sample equal to the same request sent alone."""
     server, ckpt, _, root = dit
-    run("infer.py", root / "infer", f"ckpt_path={ckpt}", "labels=[3]", "num_samples=3", "seed=5", "steps=4",
+    run("infer.py", root / "infer", f"ckpt_path={ckpt}", "labels=[3]", "num_samples=3", "seed=5",
+        "diffusion.sampling.steps=4",
         "trainer.precision=64-true")
     expected = np.load(root / "infer" / "samples.npz")["images"][..., 0]  # (3, 8, 8) uint8
     answer = post(server, "/v1/images/generations", {"prompt": "3", "n": 3, "seed": 5}).json()
@@ -375,7 +377,8 @@ def test_videos_at_ring_2_equal_infer_then_cancel_and_sigterm(ti2v):
     """Served at ring 2 (fp64), a video equals infer.py's on one process for the same prompt, first frame and seed; a
     long job is cancelled by DELETE; SIGTERM while a job runs: it finishes, new requests get 503, exit code 0."""
     ckpt = ti2v / "train" / "checkpoints" / "last.ckpt"
-    common = [f"ckpt_path={ckpt}", "trainer.precision=64-true", "steps=3", "cfg_scale=2.0"]
+    common = [f"ckpt_path={ckpt}", "trainer.precision=64-true", "diffusion.sampling.steps=3",
+              "diffusion.sampling.cfg_scale=2.0"]
     run("infer.py", ti2v / "infer", *common, "prompts=[a red fox running]", f"image={ti2v / 'first.png'}",
         "num_samples=1", "seed=11")
     expected = video_frames(ti2v / "infer" / "sample-000.mp4")

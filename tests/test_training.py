@@ -226,7 +226,8 @@ def test_run_outputs(sgd_runs):
 
 def test_infer_from_the_trained_checkpoint(sgd_runs, tmp_path):
     ckpt = sgd_runs.trained("ring2_ulysses2") / "checkpoints" / "last.ckpt"
-    common = [f"ckpt_path={ckpt}", "num_samples=6", "labels=[1,7]", "steps=3", "cfg_scale=2.0", "batch_size=4"]
+    common = [f"ckpt_path={ckpt}", "num_samples=6", "labels=[1,7]", "diffusion.sampling.steps=3",
+              "diffusion.sampling.cfg_scale=2.0", "batch_size=4"]
     outputs = {}
     for name, layout in {"ring1": [], "ring2": ["ring_degree=2"]}.items():
         proc = run("infer.py", tmp_path / name, *common, *layout)
@@ -247,7 +248,8 @@ def test_the_original_dits_objective_and_sampler_end_to_end(tmp_path):
     run("train.py", tmp_path / "train", *TINY, *ddpm, "trainer.max_steps=2")
     assert (tmp_path / "train" / "samples" / "step_0000002.png").is_file()
     ckpt = tmp_path / "train" / "checkpoints" / "last.ckpt"
-    common = [f"ckpt_path={ckpt}", "num_samples=3", "labels=[1,7]", "steps=4", "cfg_scale=2.0", "guidance_channels=1"]
+    common = [f"ckpt_path={ckpt}", "num_samples=3", "labels=[1,7]", "diffusion.sampling.steps=4",
+              "diffusion.sampling.cfg_scale=2.0", "diffusion.sampling.guidance_channels=1"]
     images = {}
     for name, layout in {"ring1": [], "ring2": ["ring_degree=2"]}.items():
         run("infer.py", tmp_path / name, *common, *layout)
@@ -265,7 +267,7 @@ def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
         target.mkdir(parents=True)
         shutil.copy(sgd_runs.trained(name) / "checkpoints" / "last.ckpt", target / "last.ckpt")
         os.utime(target / "last.ckpt", (1e9 + age, 1e9 + age))  # the second is the newest
-    proc = run("infer.py", tmp_path / "infer", f"paths.log_dir={logs}", "num_samples=2", "steps=2")
+    proc = run("infer.py", tmp_path / "infer", f"paths.log_dir={logs}", "num_samples=2", "diffusion.sampling.steps=2")
     assert "2026-01-02_00-00-00/checkpoints/last.ckpt" in proc.stdout + proc.stderr
     assert np.load(tmp_path / "infer" / "samples.npz")["images"].shape == (2, 8, 8, 1)
 

@@ -220,8 +220,9 @@ def test_both_experts_sgd_steps_equal_on_one_process_ring2_and_fsdp_and_sample(t
     assert high == low and high  # two whole experts, apart
     assert_exports_keep_the_experts_apart(ckpt, tmp_path / "export")
     for samples in (tmp_path / "guided", tmp_path / "guided_2"):
-        scale_2 = "cfg_scale_2=1" if samples.name == "guided_2" else "cfg_scale_2=4"
-        run("infer.py", samples, f"ckpt_path={ckpt}", "num_samples=2", "steps=4", "cfg_scale=4", scale_2)
+        scale_2 = f"diffusion.sampling.cfg_scale_2={1 if samples.name == 'guided_2' else 4}"
+        run("infer.py", samples, f"ckpt_path={ckpt}", "num_samples=2", "diffusion.sampling.steps=4",
+            "diffusion.sampling.cfg_scale=4", scale_2)
     first, second = (np.load(d / "samples.npz")["latents"] for d in (tmp_path / "guided", tmp_path / "guided_2"))
     assert first.shape == (2, 4, 3, 8, 8)
     assert not np.array_equal(first, second)  # the low-noise expert's steps are guided differently

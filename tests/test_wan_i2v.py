@@ -193,7 +193,8 @@ def test_ti2v_sgd_steps_equal_one_process_and_ring2_and_samples_keep_the_first_f
 
     assert_sgd_steps_equal_one_process_and_ring2(tmp_path, TI2V, steps=3)
     ckpt = tmp_path / "ring1" / "checkpoints" / "last.ckpt"
-    run("infer.py", tmp_path / "infer", f"ckpt_path={ckpt}", "num_samples=3", "steps=2", "cfg_scale=4")
+    run("infer.py", tmp_path / "infer", f"ckpt_path={ckpt}", "num_samples=3", "diffusion.sampling.steps=2",
+        "diffusion.sampling.cfg_scale=4")
     samples = np.load(tmp_path / "infer" / "samples.npz")["latents"]  # (3, 4, 3, 8, 8)
     data = next((tmp_path / "data").glob("synthetic-*image*.safetensors"))
     held_out, _ = TextLatentsDataModule(str(data), val_fraction=0.05, seed=0).held_out(3)

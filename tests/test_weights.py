@@ -65,7 +65,7 @@ def test_export_then_init_from_and_infer(trained, tmp_path):
 
     samples = {}
     for name, path in {"ckpt": trained, "export": export}.items():
-        run("infer.py", tmp_path / name, f"ckpt_path={path}", "num_samples=4", "steps=3")
+        run("infer.py", tmp_path / name, f"ckpt_path={path}", "num_samples=4", "diffusion.sampling.steps=3")
         samples[name] = np.load(tmp_path / name / "samples.npz")["images"]
     np.testing.assert_array_equal(samples["export"], samples["ckpt"])
 

@@ -323,7 +323,7 @@ def test_infer_refuses_a_broken_vae_or_text_encoder_before_sampling(part, breaks
     root = pipeline_copy(models, tmp_path, part, breaks)
     run_dir = tmp_path / "infer"
     proc, seconds = fail_fast("infer.py", f"ckpt_path={wan_export}", f"{part}={root}", "prompts=[a red fox]",
-                              "num_samples=1", "steps=1", f"hydra.run.dir={run_dir}")
+                              "num_samples=1", "diffusion.sampling.steps=1", f"hydra.run.dir={run_dir}")
     assert_refused(proc, message, seconds=seconds)
     assert not (run_dir / "samples.npz").exists() and not (tmp_path / "pwned").exists()
 

@@ -1,6 +1,7 @@
 """TeaCache calibration: fit the rescaling polynomial of a checkpoint's model and store it beside the checkpoint.
 
-    python -m ringdit.caching calibrate ckpt_path=CKPT [num_samples=32] [steps=N] [cfg_scale=S] [out=FILE]
+    python -m ringdit.caching calibrate ckpt_path=CKPT [num_samples=32] [diffusion.sampling.steps=N]
+        [diffusion.sampling.cfg_scale=S] [out=FILE]
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def calibrate_command(cfg: DictConfig) -> None:
     """Fit TeaCache's rescaling polynomial for a checkpoint and write it beside it (teacache.json)."""
     with user_errors():  # a wrong setting or checkpoint (CheckpointError): one line, exit code 2
         require_count("num_samples", cfg.num_samples, hint="each sample adds one point per step to the fit")
-        require_count("steps", cfg.steps, optional=True)
-        require_number("cfg_scale", cfg.cfg_scale, low=0, optional=True)
+        sampling = cfg.diffusion.sampling
+        require_count("diffusion.sampling.steps", sampling.steps, optional=True)
+        require_number("diffusion.sampling.cfg_scale", sampling.cfg_scale, low=0, optional=True)
         require_choice("weights", cfg.weights, ("ema", "model"))
         ckpt = Path(str(cfg.ckpt_path)).expanduser()
         if not ckpt.is_file():
@@ -80,7 +82,7 @@ def calibrate_command(cfg: DictConfig) -> None:
             condition = module.model.null_condition(cfg.num_samples)
         else:
             condition = torch.arange(cfg.num_samples) % module.hparams.data["num_classes"]
-        coefficients = calibrate(module, condition, seeds, steps=cfg.steps, cfg_scale=cfg.cfg_scale)
+        coefficients = calibrate(module, condition, seeds, steps=sampling.steps, cfg_scale=sampling.cfg_scale)
     record = {"coefficients": coefficients, "model": list(model_fingerprint(module.model)), "ckpt_path": str(ckpt),
               "num_samples": cfg.num_samples}
     with atomic_write(out) as tmp:

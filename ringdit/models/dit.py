@@ -285,13 +285,13 @@ class DiT(nn.Module):
         """The DiT has no guidance embedding, and classifier-free guidance needs the null class it learnt only where
         it was trained with label dropout."""
         if sampling.get("guidance") is not None:
-            raise ConfigError(f"{prefix}guidance={sampling['guidance']!r} is the guidance embedding's value of a "
+            raise ConfigError(f"model.guidance={sampling['guidance']!r} is the guidance embedding's value of a "
                               f"guidance-distilled model (Flux-dev); the DiT has none and would ignore it: leave it "
-                              f"unset, and set the strength of classifier-free guidance with cfg_scale")
+                              f"unset, and set the strength of classifier-free guidance with {prefix}cfg_scale")
         cfg_scale = sampling.get("cfg_scale")
         if cfg_scale is not None and cfg_scale != 1.0 and not config.get("class_dropout_prob", 0.1) > 0:
-            raise ConfigError(f"cfg_scale={cfg_scale} needs a model trained with label dropout (a null class), but "
-                              f"model.class_dropout_prob={config.get('class_dropout_prob')}; use cfg_scale=1")
+            raise ConfigError(f"{prefix}cfg_scale={cfg_scale} needs a model trained with label dropout (a null class), "
+                              f"but model.class_dropout_prob={config.get('class_dropout_prob')}; use {prefix}cfg_scale=1")
 
     # ---- conditioning: the interface every model ringdit trains shares (``DiffusersTransformer``'s for text) -----
     @property

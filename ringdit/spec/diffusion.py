@@ -24,7 +24,8 @@ def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tupl
     resolve_scheduler(sampling, model_config, prefix="diffusion.sampling.")
     grid_cfg_scale = OmegaConf.select(cfg, "callbacks.sample_grid.cfg_scale")
     if grid_cfg_scale is not None:  # the preview grids sample with their own scale
-        check_sampling(model_config, objective, {**sampling, "cfg_scale": grid_cfg_scale})
+        check_sampling(model_config, objective, {**sampling, "cfg_scale": grid_cfg_scale},
+                       prefix="callbacks.sample_grid.")
     return objective, sampling
 
 
@@ -142,7 +143,7 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
                           f"{prefix}sampler={sampler!r} does not fit the {objective} objective; use one of "
                           f"{', '.join(allowed)}")
     if sampling.get("steps") is not None:
-        require_count("steps", sampling["steps"])
+        require_count(f"{prefix}steps", sampling["steps"])
     terminal = sampling.get("shift_terminal")
     check_shift_terminal(f"{prefix}shift_terminal", terminal)
     if terminal is not None and terminal is not False and objective != "FlowMatching":
@@ -181,7 +182,7 @@ def check_ddpm_objective(objective_cfg, sampler: str | None, prefix: str = "") -
     if sampler == "ddpm" and settings.get("rescale_zero_snr"):
         raise ConfigError(f"{prefix}sampler=ddpm (the original DiT's ancestral sampler) with "
                           "diffusion.objective.rescale_zero_snr=true: its posterior divides by the last step's "
-                          "alpha_bar, which is 0; use sampler=ddim")
+                          f"alpha_bar, which is 0; use {prefix}sampler=ddim")
 
 
 def resolve_scheduler(sampling: dict, model_config: dict, prefix: str = "") -> None:
@@ -212,7 +213,7 @@ def resolve_scheduler(sampling: dict, model_config: dict, prefix: str = "") -> N
     if terminal and sampler == "dpmpp":
         raise ConfigError(f"{prefix}sampler=dpmpp: DPMSolverMultistepScheduler cannot stretch its sigmas to end at "
                           f"shift_terminal={terminal} (the model family's scheduler's: LTX-Video's); use "
-                          f"sampler=flow_euler or unipc, or set shift_terminal=false")
+                          f"{prefix}sampler=flow_euler or unipc, or set {prefix}shift_terminal=false")
     if folder_config is None:
         return
     where = f"{file if file is not None else 'the checkpoint'}'s scheduler config (for {prefix}sampler={sampler})"

@@ -31,8 +31,7 @@ from ringdit.spec.trainer import TrainerSpec, group_targets
 if TYPE_CHECKING:
     from ringdit.sampling import SampleSizes
 
-SAMPLING_OVERRIDES = ("steps", "cfg_scale", "cfg_scale_2", "sampler", "guidance", "guidance_channels",
-                      "shift_terminal")
+SAMPLING_PREFIX = "diffusion.sampling."  # infer.py's sampler settings carry train.py's names
 TEXT_SETTINGS = ("prompts", "prompt_file", "negative_prompt", "text_embeds", "negative_text_embeds", "text_encoder",
                  "tokenizer")
 
@@ -256,9 +255,10 @@ class InferSpec:
         """Check every setting of infer.py's ``cfg`` and the checkpoint; return the run (nothing is spawned)."""
         from ringdit.media.decode import sampling_vae
 
+        overrides = sampling_overrides(cfg)
         for key in ("cfg_scale", "cfg_scale_2"):  # cfg_scale=nan gives black images
-            require_number(key, cfg.get(key), optional=True)
-        check_shift_terminal("shift_terminal", cfg.get("shift_terminal"))
+            require_number(SAMPLING_PREFIX + key, overrides.get(key), optional=True)
+        check_shift_terminal(SAMPLING_PREFIX + "shift_terminal", overrides.get("shift_terminal"))
         TrainerSpec.check_settings(cfg, training=False)
         ckpt_path = resolve_sampling_ckpt(cfg.ckpt_path, cfg.paths.log_dir)
         require_count("num_samples", cfg.num_samples)
@@ -306,11 +306,10 @@ class InferSpec:
             cache = replace(cache, coefficients=teacache_coefficients(cache, meta_model, ckpt_path))
         del state, meta_model
         shape = sizes.shape(_plain(cfg.get("size")), cfg.get("frames"))
-        overrides = {key: cfg[key] for key in SAMPLING_OVERRIDES if cfg.get(key) is not None}
         sampling = {**info.get("sampling", {}), **overrides}
-        check_sampling(info["model"], info["objective"], sampling)
+        check_sampling(info["model"], info["objective"], sampling, prefix=SAMPLING_PREFIX)
         resolve_shift_terminal(sampling, info["model"], info["objective"])  # a checkpoint of before: the family's
-        resolve_scheduler(sampling, info["model"])  # sampler=unipc ...: the pipeline folder's scheduler config
+        resolve_scheduler(sampling, info["model"], prefix=SAMPLING_PREFIX)  # sampler=unipc ...: the pipeline folder's scheduler config
         conditioning = Conditioning.from_config(cfg, info["data"], ckpt_path=ckpt_path, num_samples=cfg.num_samples,
                                                 sizes=sizes)
         image_shape = conditioning.prompt_shapes[0] if conditioning.prompt_shapes else shape  # one size (checked)
@@ -326,6 +325,15 @@ class InferSpec:
                    weights=cfg.weights, model=model, data=info["data"], objective=info["objective"],
                    sampling=sampling, conditioning=conditioning, output=output, sizes=sizes, shape=shape, lora=lora,
                    cache=cache, image=image, loggers=loggers, pipeline=pipeline)
+
+
+def sampling_overrides(cfg: DictConfig) -> dict:
+    """The sampler settings infer.py's ``cfg`` sets (``diffusion.sampling.*``, ``model.guidance``: train.py's names),
+    over the checkpoint's; unset (null) ones are left out."""
+    sampling = OmegaConf.to_container(OmegaConf.select(cfg, "diffusion.sampling", default=None) or {})
+    overrides = {key: value for key, value in sampling.items() if value is not None}
+    guidance = OmegaConf.select(cfg, "model.guidance", default=None)
+    return overrides if guidance is None else {**overrides, "guidance": guidance}
 
 
 def _plain(value):

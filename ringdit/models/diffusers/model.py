@@ -303,10 +303,10 @@ class DiffusersTransformer(nn.Module):
         """The guidance embedding's value only for a model that has one (Flux-dev); classifier-free guidance always:
         away from the empty or negative prompt, which pretrained models learnt."""
         if sampling.get("guidance") is not None and guidance_embedding(config) is False:
-            raise ConfigError(f"{prefix}guidance={sampling['guidance']!r} is the guidance embedding's value of a "
+            raise ConfigError(f"model.guidance={sampling['guidance']!r} is the guidance embedding's value of a "
                               f"guidance-distilled model (Flux-dev), but this {config['family']} model has none "
                               f"(guidance_embeds) and would ignore it: leave it unset, and set the strength of "
-                              f"classifier-free guidance with cfg_scale")
+                              f"classifier-free guidance with {prefix}cfg_scale")
 
     @staticmethod
     def patch_shape_of(config: dict) -> tuple[int, ...] | None:
