@@ -1,0 +1,33 @@
+"""One vocabulary: a setting that infer.py, calibration or the planner share with train.py carries train.py's name,
+and a user who types another command's name is pointed to this one's."""
+
+import pytest
+
+from ringdit.cli import hydra_error_message, known_keys
+
+SHARED = ("diffusion.", "model.", "trainer.", "lora.")  # the groups a run's settings live in
+
+
+@pytest.mark.parametrize("command", ["infer", "calibrate", "plan"])
+def test_every_run_setting_of_a_command_is_named_as_train_py_names_it(command):
+    train = set(known_keys("train"))
+    keys = known_keys(command)
+    leaves = [key for key in keys if not any(other.startswith(f"{key}.") for other in keys)]
+    shared = [key for key in leaves if key.startswith(SHARED)]
+    assert shared, f"conf/{command}.yaml names no run setting: the test reads the wrong file"
+    assert sorted(set(shared) - train) == [], f"conf/{command}.yaml names settings train.py does not have"
+
+
+@pytest.mark.parametrize("command, key, hint", [
+    ("infer", "steps", "did you mean diffusion.sampling.steps?"),
+    ("infer", "guidance", "did you mean model.guidance?"),
+    ("plan", "expert", "did you mean diffusion.expert?"),
+    ("plan", "strategy", "did you mean trainer/strategy=...?"),  # a config group: chosen with a slash
+    ("plan", "precision", "did you mean trainer.precision?"),
+])
+def test_another_commands_name_is_pointed_to_this_ones(command, key, hint):
+    from hydra.errors import ConfigCompositionException
+
+    error = ConfigCompositionException(f"Could not override '{key}'.")
+    error.__cause__ = KeyError(f"Key '{key}' is not in struct")
+    assert hint in hydra_error_message(error, command, in_task=False)
