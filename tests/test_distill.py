@@ -229,6 +229,19 @@ def test_a_diffusers_distillation_equals_one_process_at_ring_2(tmp_path, family)
     assert_same_numbers(state(tmp_path / "ring2"), student, rtol=1e-5, atol=1e-6, where=family)
 
 
+@pytest.mark.parametrize("expert", [None, "high"])
+def test_a_two_expert_teacher_is_refused_with_the_reason(tmp_path, expert):
+    """Wan 2.2 A14B's two experts (tiny): not one student per expert, and the message says why and what instead."""
+    chosen = [] if expert is None else [f"diffusion.expert={expert}"]
+    proc, seconds = fail_fast("train.py", "experiment=wan_tiny", "model=wan22_a14b_tiny", f"data.cache_dir={tmp_path}",
+                              "data.num_samples=16", "distill=dmd2", *chosen, f"hydra.run.dir={tmp_path / 'run'}")
+    line = assert_refused(proc, seconds=seconds, run_dir=tmp_path / "run")
+    assert f"model.boundary_ratio=0.875, diffusion.expert={expert or 'both'}) is refused" in line
+    for reason in ("noise levels on both sides of the boundary", "the low expert's steps start from the high expert's "
+                   "student", "distil a one-transformer model instead (Wan 2.2 TI2V-5B: model=wan22_ti2v"):
+        assert reason in line
+
+
 @pytest.mark.parametrize("layout", ["gan_ring2", pytest.param("gan_ring3", marks=pytest.mark.slow),
                                     pytest.param("gan_fsdp_ring2_ulysses2", marks=pytest.mark.slow)])
 def test_dmd2_with_the_gan_head_equals_one_process(runs, layout):

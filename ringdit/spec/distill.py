@@ -107,9 +107,17 @@ class DistillSpec:
             raise ConfigError(f"distill={method} distils flow-matching models, but diffusion.objective is {name}; "
                               f"distil a teacher trained with diffusion=flow")
         if expert is not None or model_config.get("boundary_ratio") is not None:
-            raise ConfigError(f"distill={method} of a two-expert model (model.boundary_ratio="
-                              f"{model_config.get('boundary_ratio')}) is not supported: one student for both experts' "
-                              f"times is not built yet; distil a one-transformer model")
+            # Why not one student per expert (docs/distillation.md, "Two-expert teachers"): the matching loss scores
+            # each student step's clean sample at noise levels on both sides of the boundary, and the low expert's
+            # steps start from the high expert's student (backward simulation), so neither expert distils alone.
+            raise ConfigError(
+                f"distill={method} of a two-expert model (model.boundary_ratio={model_config.get('boundary_ratio')}, "
+                f"diffusion.expert={expert}) is refused: its experts cannot be distilled one per run -- DMD2 scores "
+                f"each student step's sample at noise levels on both sides of the boundary (distill.t_min..t_max: "
+                f"both teacher experts and a critic for both ranges), and the low expert's steps start from the high "
+                f"expert's student (backward simulation) -- and a run distilling both is not built; distil a "
+                f"one-transformer model instead (Wan 2.2 TI2V-5B: model=wan22_ti2v, or Wan 2.1); docs/distillation.md, "
+                f"two-expert teachers")
         teacher = cfg.get("init_from")
         if not teacher and not model_config.get("pretrained"):
             raise ConfigError(f"distill={method} needs a teacher: init_from=<the teacher's checkpoint> (or, for a "
