@@ -313,24 +313,29 @@ def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(target, models
     if target == "child":  # torchrun reports each stopped rank's exit code
         assert proc.stdout.count("exitcode: 143") + proc.stdout.count("exitcode  : 143") >= working, proc.stdout[-3000:]
 
+    if target == "child":  # the rerun after a stop is the launcher's case below: it resumes the same shards
+        return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as torchrun's ranks (OMP_NUM_THREADS=1); two threads on two busy cores: 25x slower
     try:
         for rank in (0, 1):  # the same command again (each rank in turn): only the missing shards are encoded
             report = encode_folder(**settings, rank=rank, world_size=2, progress=False)
             assert report.shards_skipped == sum(int(name[6:11]) % 2 == rank for name in kept)
+        after = check_shards(out)
+        assert len(after) == SHARDS and all(after[name] == stamp for name, stamp in kept.items())
+        # the interrupted and resumed shards are exactly an uninterrupted run's: a tenth of that run (every tenth
+        # shard, as rank r of 10 prepares them), one that holds a shard written before the stop and one after
+        resumed, world = sorted(set(after) - set(kept)), SHARDS // 4
+
+        def holds(rank: int, names) -> bool:
+            return any(int(name[6:11]) % world == rank for name in names)
+
+        rank = next((r for r in range(world) if holds(r, kept) and holds(r, resumed)), int(resumed[0][6:11]) % world)
+        straight = tmp_path / "straight"
+        encode_folder(**{**settings, "out": str(straight)}, rank=rank, world_size=world, progress=False)
     finally:
         torch.set_num_threads(threads)
-    after = check_shards(out)
-    assert len(after) == SHARDS and all(after[name] == stamp for name, stamp in kept.items())
-    if target == "launcher":  # the interrupted and resumed shards are exactly an uninterrupted run's
-        straight = tmp_path / "straight"
-        torch.set_num_threads(1)
-        try:
-            encode_folder(**{**settings, "out": str(straight)}, progress=False)
-        finally:
-            torch.set_num_threads(threads)
-        assert_same_shards(out, straight)
+    assert_same_shards(out, straight)
 
 
 def test_sigkill_of_one_rank_ends_prepare_under_torchrun(models, many_images, tmp_path):
@@ -360,8 +365,8 @@ def _runs_prepare(pid: int, out: Path) -> bool:
 def assert_same_shards(got: Path, expected: Path) -> None:
     from safetensors import safe_open
 
-    names = sorted(p.name for p in expected.glob("shard-*.safetensors"))
-    assert sorted(p.name for p in got.glob("shard-*.safetensors")) == names
+    names = sorted(p.name for p in expected.glob("shard-*.safetensors"))  # a share of the shards: ``got`` has more
+    assert names and set(names) <= {p.name for p in got.glob("shard-*.safetensors")}
     for name in names:
         with safe_open(str(got / name), framework="pt") as a, safe_open(str(expected / name), framework="pt") as b:
             assert a.metadata() == b.metadata(), name
