@@ -138,10 +138,6 @@ class DistillSpec:
                        "gan_generator_weight": float(distill.gan_generator_weight),
                        "gan_critic_weight": float(distill.gan_critic_weight)}
         if distill.get("regression_loss"):
-            if model_config.get("num_classes") is None:
-                raise ConfigError("distill.regression_loss=true samples its teacher pairs for class labels, and this "
-                                  "model takes text: regression onto text-conditioned pairs is not built; distil "
-                                  "with distill.regression_loss=false")
             options.update(regression_loss=True, regression_weight=float(distill.regression_weight),
                            regression_pairs=distill.regression_pairs, regression_distance=distill.regression_distance,
                            teacher_sampling={"sampler": sampling.get("sampler"), "steps": sampling.get("steps"),

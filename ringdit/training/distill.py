@@ -28,8 +28,9 @@ noised to one drawn t (two more critic forwards); the student's update adds ``ga
 it, read from the critic forward the matching loss runs anyway (then with a gradient to the student's samples).
 
 ``regression_loss``: the original DMD's regression onto teacher pairs, with a plain distance (``regression_distance``:
-mse or pseudo-Huber) for LPIPS: ``regression_pairs`` noises, sampled by the teacher once when training starts (again,
-the same, on resume), and each student update adds ``regression_weight`` x the distance of the student's 1-step
+mse or pseudo-Huber) for LPIPS: ``regression_pairs`` noises and conditions (labels cycling through the classes, or
+the training data's first prompts), sampled by the teacher once when training starts (again, the same, on resume),
+and each student update adds ``regression_weight`` x the distance of the student's 1-step
 outputs from the same noises to the teacher's samples.
 """
 
@@ -74,7 +75,7 @@ class DistillationModule(DiffusionModule):
         self.critic: nn.Module | None = None
         self.gan_head: GANHead | None = None  # gan_loss: trained with the critic, in its optimizer and the checkpoints
         self.critic_features: FeatureTap | None = None
-        self.teacher_pairs: tuple[Tensor, Tensor, Tensor] | None = None  # regression_loss: (noise, labels, samples)
+        self.teacher_pairs: tuple | None = None  # regression_loss: (noise, condition, the teacher's samples)
         self._teacher: list[nn.Module] = []  # in a list: not a submodule (no state dict, DDP, optimizer or .to())
 
     @property
@@ -201,31 +202,59 @@ class DistillationModule(DiffusionModule):
         return critic_gan_loss(self.head_logits(real, noise, t, condition), self.head_logits(fake, noise, t, condition))
 
     @torch.no_grad()
-    def sample_teacher_pairs(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(noise, labels, the teacher's samples from that noise) for the regression loss: ``regression_pairs`` of
-        them, the labels cycling through the classes, sampled as the run's sampling settings say (its sampler, steps,
-        guidance at ``cfg_scale``); deterministic, so a resumed run samples the same pairs."""
+    def sample_teacher_pairs(self) -> tuple:
+        """(noise, condition, the teacher's samples from that noise) for the regression loss: ``regression_pairs`` of
+        them, for labels cycling through the classes or for the training data's prompts (``pair_prompts``), sampled
+        as the run's sampling settings say (its sampler, steps, guidance at ``cfg_scale``); deterministic, so a
+        resumed run samples the same pairs."""
         count = self.distill["regression_pairs"]
-        labels = torch.arange(count, device=self.device) % self.hparams.data["num_classes"]
+        if self.text_conditioned:
+            # the precision's dtype, as Lightning converts the batches (64-true: float64 embeddings)
+            condition = self.trainer.precision_plugin.convert_input(condition_to(self.pair_prompts(count),
+                                                                                 self.device))  # dict of (K, ...)
+        else:
+            condition = torch.arange(count, device=self.device) % self.hparams.data["num_classes"]  # (K,)
         seeds = [seed_of(Stream.DISTILL, self.hparams.seed, 0, 0, REGRESSION, i) for i in range(count)]
         student_sampling = self.sampling
         self.sampling = {**student_sampling, **self.distill["teacher_sampling"]}
         try:
-            samples = self._generate(self.teacher, labels, seeds, None, None, {})
+            samples = self._generate(self.teacher, condition, seeds, None, None, {})
         finally:
             self.sampling = student_sampling
         noise = draw_noise((self.teacher.in_channels, *self.hparams.data["image_size"]), noise_generators(seeds),
                            self.device, samples.dtype)  # what _generate started from
-        return noise, labels, samples
+        return noise, condition, samples
+
+    def pair_prompts(self, count: int) -> dict[str, Tensor]:
+        """The conditions (text embeddings, ...) of the first ``count`` training samples of the sampled shape (the
+        data's image_size: a bucket's image keys have its shape), cycling when there are fewer: in the training set's
+        own order, so every rank picks the same, whatever its batches."""
+        rows = self.trainer.datamodule.train_set
+        shape = tuple(self.hparams.data["image_size"])
+        picked = []
+        for index in range(len(rows)):
+            x0, condition = rows[index]  # (C, [T,] H, W), dict
+            if tuple(x0.shape[1:]) == shape:
+                picked.append(condition)
+                if len(picked) == count:
+                    break
+        if not picked:
+            raise ValueError(f"the regression loss's teacher pairs are sampled at the data's image_size {list(shape)}, "
+                             f"and no training sample has that shape")
+        picked = [picked[i % len(picked)] for i in range(count)]
+        return {key: torch.stack([condition[key] for condition in picked]) for key in picked[0]}
 
     def regression_loss(self) -> Tensor:
         """The distance of the student's 1-step outputs from the pairs' noises to the teacher's samples (mse, or
         pseudo-Huber on each sample's L2 distance, c = 0.00054 sqrt(numel) as improved consistency training's)."""
-        noise, labels, samples = self.teacher_pairs
+        noise, condition, samples = self.teacher_pairs
         t = torch.ones(noise.shape[0], device=self.device)
-        velocity = self.model(noise, self.objective.model_time(t), labels)[:, :noise.shape[1]]
+        velocity = self.model(noise, self.objective.model_time(t), condition)[:, :noise.shape[1]]
+        output = fewstep_step(noise, t, velocity.to(noise.dtype))  # (K, C, [T,] H, W)
+        if hasattr(self.model, "with_condition_frames"):  # a given first frame: the teacher's samples hold it too
+            output = self.model.with_condition_frames(output, condition)
         dtype = torch.promote_types(samples.dtype, torch.float32)
-        error = (fewstep_step(noise, t, velocity.to(noise.dtype)).to(dtype) - samples.to(dtype)).flatten(1)
+        error = (output.to(dtype) - samples.to(dtype)).flatten(1)
         if self.distill["regression_distance"] == "mse":
             return error.square().mean()
         c = 0.00054 * math.sqrt(error.shape[1])
