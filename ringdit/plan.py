@@ -299,9 +299,11 @@ def _option_reasons(s: Setup, variant) -> list[str]:
 # ---- the model the plan is for -------------------------------------------------------------------------------------
 
 
-def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None, int], video: bool) -> list[int]:
+def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None, int], video: bool,
+                 frame_pad: int = 1) -> list[int]:
     """The model's input shape ((T,) H, W) for ``data.size`` / ``data.frames`` (pixels; latents when
-    ``data.latent`` is true: ``vae_factors``, (temporal, spatial) of the model kind's VAE)."""
+    ``data.latent`` is true: ``vae_factors``, (temporal, spatial) of the model kind's VAE, and the latent frames
+    padded to a multiple of ``frame_pad`` as prepare pads them: CogVideoX's)."""
     size = cfg.data.size
     size = [size, size] if isinstance(size, int) and not isinstance(size, bool) else list(size or [])
     if len(size) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size):
@@ -311,12 +313,14 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None
     temporal, spatial = vae_factors if cfg.data.latent else (1, 1)
     family = model_cfg.get("family", "dit")
     if video:
+        # CogVideoX (frame_pad 2): an odd count of latent frames, the pad in front making it even, as prepare takes
+        step = temporal * frame_pad if temporal and cfg.data.latent else temporal
         require_count("data.frames", frames, hint="the frames of a video sample" +
-                      (f", {temporal} x k + 1 for {family}'s VAE, e.g. 81" if temporal and temporal > 1 else ""))
-        if temporal and temporal > 1 and (frames - 1) % temporal:
-            below = (frames - 1) // temporal * temporal + 1
-            raise ConfigError(f"data.frames={frames}: {family}'s VAE takes {temporal} x k + 1 frames; use "
-                              f"{below} or {below + temporal}")
+                      (f", {step} x k + 1 for {family}'s VAE, e.g. 81" if step and step > 1 else ""))
+        if step and step > 1 and (frames - 1) % step:
+            below = (frames - 1) // step * step + 1
+            raise ConfigError(f"data.frames={frames}: {family}'s VAE takes {step} x k + 1 frames; use "
+                              f"{below} or {below + step}")
     elif frames is not None:
         raise ConfigError(f"data.frames={frames} but {_preset_name(model_cfg)} is an image model; leave "
                           f"data.frames null")
@@ -326,7 +330,10 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None
                           f"that are the model's input already")
     latent = [s // spatial for s in size]
     if video:
-        latent = [(frames - 1) // temporal + 1 if temporal and temporal > 1 else frames, *latent]
+        latent_frames = (frames - 1) // temporal + 1 if temporal and temporal > 1 else frames
+        if cfg.data.latent:
+            latent_frames = -(-latent_frames // frame_pad) * frame_pad
+        latent = [latent_frames, *latent]
     return latent
 
 
@@ -339,7 +346,7 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     # the model kind says what data it takes: its patch, whether it is a video model, its VAE's factors, and the
     # data description but the shape, which the sizes give
     plan = model_class(model_cfg).planned_data(model_cfg, OmegaConf.to_container(cfg.data, resolve=True))
-    shape = latent_shape(cfg, model_cfg, plan["vae_factors"], plan["video"])
+    shape = latent_shape(cfg, model_cfg, plan["vae_factors"], plan["video"], plan.get("frame_pad", 1))
     patch, data = plan["patch"], {**plan["data"], "image_size": shape}
     if any(s % p for s, p in zip(shape, patch)):
         raise ConfigError(f"data.size / data.frames give a latent shape {shape} that the model's patch {list(patch)} "

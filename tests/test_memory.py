@@ -319,6 +319,13 @@ def test_plan_lays_out_wan_14b_on_16_gpus(capsys):
     assert recommended and re.search(r"^Why: FSDP, as replicated \(DDP\) state would need", out, flags=re.M)
 
 
+def test_plan_counts_the_latent_frame_cogvideox_pads_in_front(capsys):
+    """81 frames are 21 latent frames, padded to 22 as prepare pads them (CogVideoX 1.5's temporal patch of 2)."""
+    code, out, err = plan(capsys, "model=cogvideox15", "data.frames=81", "data.size=[768,1360]", "show=1")
+    assert code == 0, err
+    assert "44880 tokens per sample (11 x 48 x 85 of the input [22, 96, 170])" in out
+
+
 def test_plan_of_a_tiny_model(capsys):
     code, out, err = plan(capsys, "model=dit_digits", "data.latent=false", "data.size=8", "gpus=2",
                           "data.batch_size=128", "ema_decay=null")
@@ -333,6 +340,8 @@ def test_plan_of_a_tiny_model(capsys):
     (["gpu_memory_gb=abc"], "gpu_memory_gb must be a number above 0, got 'abc'; e.g. gpu_memory_gb=80"),
     (["data.frames=0"], "data.frames must be a positive integer, got 0; the frames of a video sample, 4 x k + 1"),
     (["data.frames=80"], "data.frames=80: wan's VAE takes 4 x k + 1 frames; use 77 or 81"),
+    # 85 frames are 22 latent frames, which CogVideoX's VAE would decode to 88; prepare refuses them too
+    (["model=cogvideox15", "data.frames=85"], "data.frames=85: cogvideox15's VAE takes 8 x k + 1 frames; use 81 or 89"),
     (["model=wan_15b"], "model=wan_15b: no such option; did you mean model=wan_14b?"),
     (["model=dit_xl", "data.frames=16"], "data.frames=16 but model=dit_xl is an image model; leave data.frames null"),
     (["gpus=8", "trainer.strategy.replicate_degree=3"], "trainer.strategy.replicate_degree=3 does not divide gpus=8"),

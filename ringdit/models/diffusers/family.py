@@ -58,6 +58,9 @@ class Family:
     # the config key of the glyph text width (HunyuanVideo 1.5's ByT5 states of the prompt's quoted text: the data's
     # glyph_text / glyph_text_mask), if the model reads glyph text; it reads it only where the data holds it
     glyph_dim: str | None = None
+    # latent frames padded at the front (copies of the first) to a multiple of this, as its data are prepared and its
+    # fine-tuning pads them (CogVideoX 1.5: 2, its temporal patch; ringdit.media.vae); 1: none
+    frame_pad: int = 1
     latent_channels: Callable[[dict], int] = lambda config: config["in_channels"]
     # the latent cells one token covers, (T, H, W) or (H, W)
     patch_shape: Callable[[dict], tuple[int, ...]] = lambda config: tuple(config["patch_size"])

@@ -285,6 +285,7 @@ class DiffusersTransformer(nn.Module):
             raise ConfigError("model: give model.pretrained=<local diffusers folder> or pick a preset with an "
                               "architecture (model=wan_14b, model=flux_dev, ...)")
         return {"patch": family.patch_shape(arch), "video": family.video, "vae_factors": family.vae_factors,
+                "frame_pad": family.frame_pad,
                 "data": {"conditioning": "text", "channels": family.latent_channels(arch),
                          "text_len": data.get("text_len"), "text_dim": arch[family.text_dim],
                          "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None,
