@@ -62,21 +62,19 @@ from pathlib import Path
 
 import hydra
 import lightning as L
-import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from ringdit.caching import StepCache
 from ringdit.cli import hydra_main, register_resolvers, user_errors
-from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
-from ringdit.errors import ConfigError
-from ringdit.media.decode import decode_samples, latents_normalised
+from ringdit.conditions import sample_conditions
+from ringdit.media.decode import decode_group, decode_written, shared_files
+from ringdit.preemption import sigterm_stops_at_once, stop_on_sigterm
 from ringdit.run_folder import claim_run_folder
-from ringdit.sampling import SampleRequests, SampleWriter, write_pixels
+from ringdit.sampling import SampleRequests, SampleWriter
 from ringdit.spec import InferSpec
 from ringdit.training import DiffusionModule
 from ringdit.training.callbacks import LoadLoraAdapter
-from ringdit.preemption import sigterm_stops_at_once, stop_on_sigterm
 
 log = logging.getLogger("ringdit.infer")
 register_resolvers()
@@ -86,13 +84,7 @@ def prepare(cfg: DictConfig):
     """Check every setting and the checkpoint (``InferSpec``), then build the trainer, module and sample requests
     from the spec; returns them and the spec."""
     spec = InferSpec.from_config(cfg)
-    captions = negative = per_sample = None
-    if spec.conditioning.labels is not None:
-        conditions = list(spec.conditioning.labels)
-    else:
-        conditions, captions, negative, per_sample = text_conditions(spec)
-        if spec.image is not None:  # image-to-video: the given first frames (else the held-out prompts' own)
-            conditions = {**conditions, **image_conditions(spec, spec.num_samples)}
+    conditions, captions, negative, per_sample = sample_conditions(spec)
     module = DiffusionModule.for_sampling(spec)
     module.pipeline.negative = negative
     if spec.cache.enabled:  # cache=fbcache / teacache: wrapped around each batch's sampling (ringdit.caching)
@@ -114,116 +106,6 @@ def prepare(cfg: DictConfig):
     requests = DataLoader(requests, batch_sampler=requests.batches(spec.batch_size))
     claim_run_folder(spec.output_dir, "infer")  # last: every check has passed
     return trainer, module, requests, spec
-
-
-def text_conditions(spec: InferSpec) -> tuple[dict, list[str], dict | None, tuple | None]:
-    """A text model's (conditions cycled to num_samples, captions, negative (1, ...) or None for the empty prompt,
-    per-sample negatives or None: (each sample's negative prompt (N, ...), whether it has its own (N,)), from a
-    prompt file's negative_prompt keys)."""
-    conditioning = spec.conditioning
-    negative = per_sample = None
-    conditions, captions = text_prompts(spec)
-    if conditioning.prompts or conditioning.negative_prompt:
-        conditions, captions, negative, per_sample = encoded_prompts(spec, conditions, captions)
-    if conditioning.negative_text_embeds:
-        negative_prompts, _ = read_prompts(conditioning.negative_text_embeds, "negative_text_embeds")
-        negative = {key: value[:1] for key, value in negative_prompts.items()}  # the first row
-        check_prompt_shape("negative_text_embeds", negative, spec.data)
-    return conditions, captions, negative, per_sample
-
-
-def image_conditions(spec: InferSpec, count: int) -> dict[str, torch.Tensor]:
-    """``image=``'s first-frame conditioning of ``count`` samples (sample i: image i % len(files)), read upright as
-    prepare reads frames (``ringdit.media.image_condition.first_frame_inputs``)."""
-    from PIL import ImageOps
-
-    from ringdit.media.frames import open_image
-    from ringdit.media.image_condition import first_frame_inputs
-
-    image = spec.image
-    pictures = []
-    for file in image.files:  # each was opened and its aspect ratio checked by the spec
-        with open_image(file) as opened:  # upright as stored (a phone photo's EXIF rotation), as prepare reads it
-            pictures.append(ImageOps.exif_transpose(opened).convert("RGB"))
-    encoded = first_frame_inputs(pictures, size=image.size, frames=image.frames, latent=image.latent,
-                                 vae=spec.output.vae, image_encoder=image.image_encoder,
-                                 channels=spec.data["channels"], setting=f"image={image.files[0]}")
-    picked = [i % len(pictures) for i in range(count)]
-    return {key: value[picked] for key, value in encoded.items()}
-
-
-def text_prompts(spec: InferSpec) -> tuple[dict, list[str]]:
-    """``num_samples`` prompt embeddings (cycled): from ``text_embeds``, else the training data's held-out prompts."""
-    conditioning, data_info = spec.conditioning, spec.data
-    if conditioning.prompts:  # encoded in encoded_prompts
-        return None, None
-    if spec.pipeline:  # no held-out prompts; guidance's unconditional half is the empty prompt, encoded with them
-        raise ConfigError(f"ckpt_path={spec.ckpt_path} is a diffusers pipeline folder: give the prompts to encode with "
-                          f"its text encoder, prompts='[a red fox running]' (or prompt_file=)")
-    if conditioning.text_embeds:
-        prompts, captions = read_prompts(conditioning.text_embeds)
-        count = next(iter(prompts.values())).shape[0]
-        picked = [i % count for i in range(spec.num_samples)]
-        prompts = {key: value[picked] for key, value in prompts.items()}
-        captions = [captions[i] if captions else f"{conditioning.text_embeds}[{i}]" for i in picked]
-    else:
-        source = data_info["source"]
-        try:
-            data = TextLatentsDataModule(source["path"], val_fraction=source["val_fraction"], seed=source["seed"],
-                                         check_values=False)  # only its held-out prompts are read (and checked)
-        except ValueError as error:
-            raise ConfigError(f"text_embeds is not set and the training data's held-out prompts cannot be read "
-                              f"({error}); give prompt embeddings with text_embeds=<file>") from None
-        prompts, captions = data.held_out(spec.num_samples)
-    check_prompt_shape("text_embeds", prompts, data_info)
-    return prompts, captions
-
-
-def encoded_prompts(spec: InferSpec, conditions, captions):
-    """``prompts`` (or a prompt file's) / ``negative_prompt`` encoded with the spec's text encoder (the data's unless
-    ``text_encoder=``), in one pass with a prompt file's own negative prompts: (conditions cycled to num_samples,
-    captions, negative (1, ...) or None for the empty prompt, per-sample negatives or None; see text_conditions)."""
-    from ringdit.media.text import encode_prompts, encoder_settings
-
-    conditioning, data_info = spec.conditioning, spec.data
-    texts = list(conditioning.prompts)[:spec.num_samples] or [""]  # a prompt file's lines past num_samples: unused
-    if len(conditioning.prompts) > spec.num_samples:
-        log.info("sampling the first %d of the %d prompts (num_samples=%d; num_samples=%d samples them all)",
-                 spec.num_samples, len(conditioning.prompts), spec.num_samples, len(conditioning.prompts))
-    negatives = conditioning.negative_prompts[:len(texts)]
-    own = [text for text in dict.fromkeys(negatives) if text]  # a prompt file's, each once
-    encoded, negative = encode_prompts(texts + own, conditioning.negative_prompt, conditioning.text_encoder,
-                                       conditioning.tokenizer, text_len=data_info["text_len"],
-                                       text_dim=data_info["text_dim"],
-                                       device="cuda" if torch.cuda.is_available() else "cpu",
-                                       # as the data were prepared: Flux's CLIP pooled encoder, the masking, a template,
-                                       # HunyuanVideo 1.5's glyph encoder
-                                       **encoder_settings(data_info.get("text_encoder") or {}))
-    check_prompt_shape("prompts", encoded, data_info)  # the glyph text too: its encoder's folder may have changed
-    picked = [i % len(texts) for i in range(spec.num_samples)]
-    if conditioning.prompts:
-        conditions, captions = {key: value[:len(texts)][picked] for key, value in encoded.items()}, \
-            [texts[i] for i in picked]
-    per_sample = None
-    if own:  # row len(texts) + k: the k-th distinct negative; a prompt without one takes row 0 (not read)
-        rows = [len(texts) + own.index(negatives[i]) if negatives[i] else 0 for i in picked]
-        per_sample = ({key: value[rows] for key, value in encoded.items()},
-                      torch.tensor([bool(negatives[i]) for i in picked]))
-    # a pipeline folder's unconditional half is the empty prompt it encodes (encode_prompts' negative then)
-    return conditions, captions, negative if conditioning.negative_prompt or spec.pipeline else None, per_sample
-
-
-def check_prompt_shape(setting: str, prompts: dict, data_info: dict) -> None:
-    expected = (data_info["text_len"], data_info["text_dim"])
-    if tuple(prompts["text"].shape[1:]) != expected:
-        raise ConfigError(f"{setting}: the prompt embeddings are {tuple(prompts['text'].shape[1:])} (L, D) but the "
-                          f"model was trained on {expected}; encode them with the same text encoder and length")
-    glyph = (data_info.get("glyph_len"), data_info.get("glyph_dim"))  # HunyuanVideo 1.5's glyph text, if trained on
-    given = tuple(prompts["glyph_text"].shape[1:]) if "glyph_text" in prompts else None
-    if glyph[0] and given != glyph:  # without it, quoted text would be read as none
-        raise ConfigError(f"{setting}: the model was trained with glyph text {glyph} (G, D: the ByT5 states of the "
-                          f"prompts' quoted text) but the prompt embeddings have {given or 'none'}; encode them as "
-                          f"the data were (prepare's glyph_encoder), or pass prompts=")
 
 
 def sample(cfg: DictConfig) -> Path:
@@ -260,7 +142,8 @@ def run(trainer, module, requests, spec: InferSpec) -> Path:
             if group is not None and trainer.is_global_zero:
                 log.info("decoding each sample's VAE tiles over the %d ranks", trainer.world_size)
             with user_errors(), sigterm_stops_at_once("the VAE decode", kept):  # nothing else would be lost
-                written = decode(files, spec, device=str(trainer.strategy.root_device), group=group)
+                written = decode_written(files, output, spec.data, device=str(trainer.strategy.root_device),
+                                         group=group)
             if trainer.is_global_zero:
                 log.info("decoded with vae=%s: %s", output.vae, ", ".join(p.name for p in written))
         if trainer.is_global_zero and spec.loggers:
@@ -301,52 +184,3 @@ def log_written_samples(spec: InferSpec) -> None:
     for logger in loggers:
         logger.finalize("success")
         logger.experiment.finish()  # the run's files complete on disk (offline: ready for wandb sync)
-
-
-def decode_group():
-    """The sampling run's ranks, still joined after ``trainer.predict`` (Lightning's ranks run this script to its
-    end; the process group is destroyed at exit): every rank decodes its share of each sample's VAE tiles
-    (``ringdit.media.parallel_vae``) and rank 0 writes the files. None for a single process."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
-
-
-def shared_files(files: list[Path], group) -> list[Path]:
-    """Rank 0's written samples*.npz (the SampleWriter writes on rank 0 alone), on every rank of ``group``."""
-    if group is None:
-        return files
-    import torch.distributed as dist
-
-    message = [[str(file) for file in files]]
-    dist.broadcast_object_list(message, src=0, group=group)
-    return [Path(file) for file in message[0]]
-
-
-def decode(files: list[Path], spec: InferSpec, device: str, group=None) -> list[Path]:
-    """Decode the written samples with ``spec.output.vae``: samples.npz as ``ringdit.media.decode`` does (samples.png
-    / .gif, sample-000.png / .mp4 ...), or each shape's samples-<name>.npz into its grid samples-<name>.png / .gif
-    and its samples' files, named by their numbers (the npz's ``index``). ``group`` (``decode_group``): every rank
-    calls this and decodes its share of the tiles; rank 0 reads the files and writes the pictures (the others
-    return [])."""
-    output, normalised = spec.output, latents_normalised(spec.data)
-    if len(files) == 1 and files[0].name == "samples.npz":
-        return decode_samples(files[0], output.vae, vae_subfolder=output.vae_subfolder, fps=output.fps,
-                              tile=output.vae_tile, device=device, normalised=normalised, group=group,
-                              tile_setting="vae_tile")
-    from ringdit.media.decode import decode_latents, shared_latents
-    from ringdit.media.vae import VAE
-
-    codec = VAE(output.vae, output.vae_subfolder, device=device, tile=output.vae_tile, tile_setting="vae_tile")
-    written = []
-    for file in files:
-        latents, indices = shared_latents(file, group, index=True)
-        try:
-            pixels = decode_latents(latents, codec, normalised, group=group)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        if pixels is not None:  # rank 0 (or a single process)
-            written += write_pixels(pixels, file.parent, stem=file.stem, indices=indices, fps=output.fps)
-    return written

@@ -60,7 +60,6 @@ from ringdit.layout import Layout, strategy_kind
 from ringdit.memory import (DISTILL_METHODS, FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estimate_memory,
                             gathered_bytes_per_parameter, model_size)
 
-# the VAE's factors per family: (temporal, spatial); a temporal factor t takes frames = t x k + 1 to k + 1 latents
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
 
 
@@ -398,11 +397,10 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     """Every setting but the model's, checked: the hardware, the layout's settings (its degrees and strategy are
     filled in per candidate), the run's setup, the strategies and checkpointed shares to try, and the other memory
     options' values to try (``candidates``)."""
-    from ringdit.models.checkpointing import checkpoint_fraction
-
     from ringdit.attention import list_backends
     from ringdit.dtypes import dtype_named
     from ringdit.lora import check_lora_settings, resolve_base_dtype
+    from ringdit.models.checkpointing import checkpoint_fraction
 
     require_count("gpus", cfg.gpus, hint="the GPUs to lay out, e.g. gpus=16")
     require_count("gpus_per_node", cfg.gpus_per_node, hint="the GPUs of one node, e.g. gpus_per_node=8")
