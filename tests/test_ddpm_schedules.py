@@ -170,7 +170,7 @@ def test_train_refuses_bad_ddpm_settings_before_spawning(tmp_path):
                                                         r"diffusion.objective.prediction=v"),
         (["diffusion.objective.rescale_zero_snr=true", "diffusion.objective.prediction=v",
           "diffusion.sampling.sampler=ddpm"], r"diffusion.sampling.sampler=ddpm .*rescale_zero_snr=true: .*use "
-                                              r"sampler=ddim"),
+                                              r"diffusion.sampling.sampler=ddim"),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message) as raised:
