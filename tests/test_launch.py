@@ -106,6 +106,7 @@ def test_bad_training_setting_is_refused_before_spawning(case, tmp_path, capsys)
         (["labels=[1.7]"], r"labels: 1.7 is not a class id \(a whole number\)"),
         (["diffusion.sampling.cfg_scale=nan"], r"cfg_scale must be a finite number, got nan"),
         (["diffusion.sampling.cfg_scale=-inf"], r"cfg_scale must be a finite number, got -inf"),
+        (["model.guidance=abc"], r"model.guidance must be a finite number, got 'abc'"),
         (["dp_degree=1.5"], r"dp_degree must be a positive integer, got 1.5"),
         (["dp_degree=2", "num_samples=1"], r"num_samples=1 is fewer than the 2 data-parallel ranks \(dp_degree=2\)"),
         (["cfg_parallel=true"], r"cfg_parallel=true runs the two halves of guidance on two data-parallel replicas, "

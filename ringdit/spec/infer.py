@@ -258,6 +258,7 @@ class InferSpec:
         overrides = sampling_overrides(cfg)
         for key in ("cfg_scale", "cfg_scale_2"):  # cfg_scale=nan gives black images
             require_number(SAMPLING_PREFIX + key, overrides.get(key), optional=True)
+        require_number("model.guidance", overrides.get("guidance"), optional=True)  # an embedding's input value
         check_shift_terminal(SAMPLING_PREFIX + "shift_terminal", overrides.get("shift_terminal"))
         TrainerSpec.check_settings(cfg, training=False)
         ckpt_path = resolve_sampling_ckpt(cfg.ckpt_path, cfg.paths.log_dir)
