@@ -65,14 +65,17 @@ def run_ranks(fn, world_size: int, *args) -> None:
 
 
 def _command_rank(rank: int, world_size: int, port: int, script: str, overrides: tuple, env: dict, results) -> None:
-    """One rank of ``python script overrides``, as torchrun starts it: its rank in the environment, Lightning's
-    cluster environment (torchelastic's) reads it, and the run joins the others instead of spawning them."""
+    """One rank of ``python script overrides`` (``-m module``: ``python -m module overrides``), as torchrun starts
+    it: its rank in the environment, Lightning's cluster environment (torchelastic's) reads it, and the run joins the
+    others instead of spawning them."""
     from tests.helpers import in_process
 
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       GROUP_RANK="0", NODE_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       TORCHELASTIC_RUN_ID="ringdit-tests")
+    if "OMP_NUM_THREADS" in env:  # read by torch when it starts: this process (forked) has its server's pool
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     proc, _ = in_process(script, *overrides)
     results.put((rank, proc.returncode, proc.stdout, proc.stderr))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import lightning as L
@@ -65,3 +66,19 @@ class FailingDigitsDataModule(DigitsDataModule):
         super().setup(stage)
         if self.trainer is not None and self.trainer.global_rank == self.fail_rank:
             self.train_set = _Failing(self.train_set, self.after)
+
+
+class SigtermOnRank(L.Callback):
+    """A real SIGTERM to this process on global rank ``rank`` once training has finished step ``step`` (as a
+    scheduler's would come), for runs in the test's own processes; ``ringdit.preemption`` must be handling SIGTERM
+    (else it would end the test's process)."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            from ringdit import preemption
+
+            assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm, "SIGTERM is not handled here"
+            signal.raise_signal(signal.SIGTERM)

@@ -95,9 +95,9 @@ def ranks_without_wandb(script: str, overrides: tuple[str, ...]) -> int | None:
 
 
 def in_process(script: str, *overrides: str, env: dict | None = None) -> tuple[SimpleNamespace, float]:
-    """``python script overrides`` (train.py / infer.py) run in this process, as its command line would: argument
-    parsing, composition, the checks, the run, the one-line report and the exit code. Returns (``returncode``,
-    ``stdout``, ``stderr``) and the seconds it took. The process is left as it was: ``sys.argv``, the environment
+    """``python script overrides`` (train.py / infer.py; ``-m ringdit.prepare``: a module) run in this process, as
+    its command line would: argument parsing, composition, the checks, the run, the one-line report and the exit
+    code. Returns (``returncode``, ``stdout``, ``stderr``) and the seconds it took. The process is left as it was: ``sys.argv``, the environment
     (``env`` is added for the run), the working directory, Hydra's global state and the warning filters; warnings
     are written to its stderr, each time, as a new interpreter writes them."""
     from hydra.core.global_hydra import GlobalHydra
@@ -107,7 +107,8 @@ def in_process(script: str, *overrides: str, env: dict | None = None) -> tuple[S
 
     stdout, stderr, code = io.StringIO(), io.StringIO(), 0
     saved_argv, saved_env = sys.argv, dict(os.environ)
-    sys.argv = [str(REPO / script), *overrides]
+    module = script[3:] if script.startswith("-m ") else None
+    sys.argv = [module or str(REPO / script), *overrides]
     os.environ.update({"WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "", **(env or {})})
     start = time.monotonic()
     try:
@@ -115,7 +116,10 @@ def in_process(script: str, *overrides: str, env: dict | None = None) -> tuple[S
                 warnings.catch_warnings():
             warnings.simplefilter("default")  # a fresh process's filters: each warning once per run, not per worker
             warnings.showwarning = show
-            runpy.run_path(str(REPO / script), run_name="__main__")  # as ``python script``: Hydra finds conf/
+            if module:  # as ``python -m module``
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:  # as ``python script``: Hydra finds conf/
+                runpy.run_path(str(REPO / script), run_name="__main__")
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except Exception:  # noqa: BLE001 - a crash: exit code 1 and its traceback, as the interpreter reports it

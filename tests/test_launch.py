@@ -19,7 +19,8 @@ from hydra.core.hydra_config import HydraConfig
 
 from ringdit.cli import register_resolvers, user_errors
 from tests.helpers import (
-    CONF, FAST_FAIL_SECONDS, REPO, TINY, assert_refused, children_of, fail_fast, in_process, launch, logged_losses, run,
+    CONF, FAST_FAIL_SECONDS, REPO, TINY, assert_refused, children_of, fail_fast, in_process, launch, logged_losses,
+    prepare_train, run,
 )
 
 
@@ -196,15 +197,18 @@ def preempt(run_dir: Path, *overrides: str, target: str = "launcher") -> tuple[s
 
 
 def test_sigterm_stops_with_a_checkpoint_and_resumes_on_the_same_curve(tmp_path):
+    """One process (in this one): SIGTERM after step 2 writes that step's checkpoint, exits 143 with the line that
+    says how to resume, and the resumed run continues on the uninterrupted run's loss curve."""
     from ringdit.checkpoints.loading import safe_torch_load
 
-    proc, _ = preempt(tmp_path / "preempted")
+    proc, _ = in_process("train.py", *PREEMPT[:-2], "+callbacks.term._target_=tests.faults.SigtermOnRank",
+                         "+callbacks.term.rank=0", "+callbacks.term.step=3", f"hydra.run.dir={tmp_path / 'preempted'}")
     assert proc.returncode == 143, proc.stderr[-3000:]
     last = tmp_path / "preempted" / "checkpoints" / "last.ckpt"
     step = safe_torch_load(last)["global_step"]
-    assert 2 <= step < 6  # the step during which the signal came (2 if it came during step 2's checkpoint)
+    assert step == 3  # the step during which the signal came
     assert f"preempted: SIGTERM stopped every rank at step {step} with checkpoint {last}; resume with " \
-           f"ckpt_path=last" in proc.stderr
+           f"ckpt_path=last" in proc.stdout + proc.stderr
     run("train.py", tmp_path / "straight", *PREEMPT[:-2])
     run("train.py", tmp_path / "resumed", *PREEMPT[:-2], f"ckpt_path={last}")
     straight, resumed = logged_losses(tmp_path / "straight"), logged_losses(tmp_path / "resumed")
@@ -213,23 +217,40 @@ def test_sigterm_stops_with_a_checkpoint_and_resumes_on_the_same_curve(tmp_path)
         assert loss == pytest.approx(straight[i], rel=1e-6, abs=1e-7), f"step {i}"
 
 
-@pytest.mark.parametrize(("target", "strategy"), [("launcher", "ddp"), ("child", "ddp"), ("launcher", "fsdp")])
-def test_sigterm_stops_every_rank_together(target, strategy, tmp_path):
-    from ringdit.checkpoints.layout import SHARDED_METADATA, is_sharded_checkpoint
+@pytest.mark.parametrize("target", ["launcher", "child"])
+def test_sigterm_stops_every_rank_together(target, tmp_path):
+    """Lightning's launch of 2 ranks (ring 2), SIGTERM to the launching rank or to the rank it spawned: both stop at
+    the same step, with its checkpoint, exit code 143, nothing left running."""
     from ringdit.checkpoints.loading import safe_torch_load
 
     start = time.monotonic()
-    proc, ranks = preempt(tmp_path, "ring_degree=2", f"trainer/strategy={strategy}", "trainer.strategy.timeout_s=60",
-                          target=target)
+    proc, ranks = preempt(tmp_path, "ring_degree=2", "trainer.strategy.timeout_s=60", target=target)
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "preempted: SIGTERM stopped every rank at step" in proc.stderr
-    last = tmp_path / "checkpoints" / "last.ckpt"
-    assert is_sharded_checkpoint(last) == (strategy == "fsdp")  # FSDP: each rank wrote its shards of that step
-    assert 2 <= safe_torch_load(last / SHARDED_METADATA if strategy == "fsdp" else last)["global_step"] < 6
+    assert 2 <= safe_torch_load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] < 6
     assert len(ranks) == 1
     for pid in ranks:  # the launcher left after the rank it spawned
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
     assert time.monotonic() - start < 240
+
+
+def test_sigterm_to_one_fsdp_rank_stops_every_rank_with_its_shards(tmp_path):
+    """FSDP at ring 2, SIGTERM to rank 1 alone after step 3: every rank stops at that step and writes its shards of
+    the checkpoint (a sharded folder), exit code 143. (The ranks forked as torchrun starts them; the launch itself is
+    the test above.)"""
+    from ringdit.checkpoints.layout import SHARDED_METADATA, is_sharded_checkpoint
+    from ringdit.checkpoints.loading import safe_torch_load
+    from tests.distributed import run_command_ranks
+
+    proc = run_command_ranks("train.py", (f"hydra.run.dir={tmp_path}", *PREEMPT[:-2], "ring_degree=2",
+                                          "trainer/strategy=fsdp", "trainer.strategy.timeout_s=60",
+                                          "+callbacks.term._target_=tests.faults.SigtermOnRank", "+callbacks.term.rank=1",
+                                          "+callbacks.term.step=3"), 2, {"WANDB_MODE": "offline"}, timeout=240)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "preempted: SIGTERM stopped every rank at step 3" in proc.stdout + proc.stderr
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert is_sharded_checkpoint(last)  # each rank wrote its shards of that step
+    assert safe_torch_load(last / SHARDED_METADATA)["global_step"] == 3
 
 
 # ---- an error in a callback does not cost the step's checkpoint -------------------------------------------------------
@@ -249,9 +270,9 @@ class RaiseAtStepEnd(L.Callback):
 def test_a_failing_callback_keeps_the_checkpoint_of_its_step(tmp_path):
     from ringdit.checkpoints.loading import safe_torch_load
 
-    proc, _ = launch("train.py", *TINY, "trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=3",
-                     "+callbacks.fail._target_=tests.test_launch.RaiseAtStepEnd", "+callbacks.fail.step=3",
-                     f"hydra.run.dir={tmp_path}")
+    proc, _ = in_process("train.py", *TINY, "trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=3",
+                         "+callbacks.fail._target_=tests.test_launch.RaiseAtStepEnd", "+callbacks.fail.step=3",
+                         f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0 and "injected callback error at step 3" in proc.stderr, proc.stderr[-3000:]
     assert safe_torch_load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 3
     assert safe_torch_load(tmp_path / "checkpoints" / "step_0000003.ckpt")["global_step"] == 3
@@ -284,20 +305,37 @@ def test_launch_that_would_wait_for_ever_is_refused(overrides, environment, mess
     assert re.search(message, line), line
 
 
-@pytest.mark.parametrize(("strategy", "port"), [("ddp", 29581), ("fsdp", 29582)])
-def test_ranks_that_never_come_end_the_launch_after_the_rendezvous_timeout(strategy, port, tmp_path):
+def test_ranks_that_never_come_end_the_launch_after_the_rendezvous_timeout(tmp_path):
     """What cannot be told before spawning (this looks like one rank of a hand-made 2-process launch) is bounded."""
+    port = 29581
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
     env.update(LOCAL_RANK="0", NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                WANDB_MODE="offline")
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "train.py", *TINY, "ring_degree=2", f"trainer/strategy={strategy}",
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "ring_degree=2",
                            "trainer.strategy.rendezvous_timeout_s=3", f"hydra.run.dir={tmp_path}"], cwd=REPO,
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert re.search(r"Error: rank 0 waited 3 s for all 2 ranks \(trainer.num_nodes=1 x 2 per node\) to join at "
                      rf"127.0.0.1:{port}, and some never came", proc.stderr), proc.stderr[-3000:]
     assert time.monotonic() - start < 120
+
+
+def test_the_fsdp_strategy_joins_through_the_same_bounded_rendezvous(monkeypatch):
+    """RingFSDPStrategy sets up its process group inside SequenceParallelStrategy.setup_environment, the one that
+    arms the rendezvous watchdog (launched above with DDP): ranks that never come end an FSDP launch alike."""
+    from ringdit.training.fsdp import RingFSDPStrategy
+    from ringdit.training.parallel_strategy import SequenceParallelStrategy
+
+    class Joined(Exception):
+        pass
+
+    def bounded_rendezvous(self):
+        raise Joined  # where the watchdog is armed and the process group created
+
+    monkeypatch.setattr(SequenceParallelStrategy, "setup_environment", bounded_rendezvous)
+    with pytest.raises(Joined):
+        RingFSDPStrategy(ring_degree=2).setup_environment()
 
 
 # ---- wandb ----------------------------------------------------------------------------------------------------------
@@ -357,20 +395,12 @@ def test_odd_sample_count_on_two_data_parallel_ranks(tiny_checkpoint, tmp_path):
 # The estimate's terms, the warning's hint and the plan command: tests/test_memory.py.
 
 
-def test_a_sequence_too_long_for_memory_is_reported_before_training(tmp_path):
-    """Videos of 512 x 512 frames: 262144 tokens per sample, hundreds of GiB: the warning comes before any step."""
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.Popen([sys.executable, "train.py", "data=moving_digits", "model=dit_video", "data.canvas=512",
-                             "logger=csv", f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "memory:" in line or "Epoch 0" in line:
-                break
-        assert re.search(r"memory: about \d+\.\d GiB per rank needed \(262144 tokens per rank", lines[-1]), lines[-5:]
-        assert not (tmp_path / "checkpoints").exists()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def test_a_sequence_too_long_for_memory_is_reported_before_training(tmp_path, caplog):
+    """Videos of 512 x 512 frames: 262144 tokens per sample, hundreds of GiB: train.py's checks (``prepare``, which
+    runs before any rank or step) warn, naming the tokens per rank."""
+    with caplog.at_level("WARNING", logger="ringdit"):
+        prepare_train(["data=moving_digits", "model=dit_video", "data.canvas=512", "logger=none"], tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:")]
+    assert len(warnings) == 1, caplog.text[-3000:]
+    assert re.search(r"memory: about \d+\.\d GiB per rank needed \(262144 tokens per rank", warnings[0]), warnings[0]
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,14 +1,11 @@
 """``python -m ringdit.prepare task=i2v``: each clip's first-frame conditioning for image-to-video, checked against
 diffusers' own ``WanImageToVideoPipeline`` (its ``prepare_latents`` with and without ``expand_timesteps``, its
 ``encode_image``) on a tiny random Wan VAE and CLIP vision model; ``encode_image_condition`` (infer.py image=) gives
-the same rows; buckets, the images left out, bad settings and the tile-parallel VAE under torchrun."""
+the same rows; buckets, the images left out, bad settings and the tile-parallel VAE on two ranks."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +24,9 @@ from ringdit.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.frames import fit, read_video  # noqa: E402
 from ringdit.media.image_condition import encode_image_condition  # noqa: E402
+from tests.distributed import run_command_ranks  # noqa: E402
 from tests.helpers import TEXT_LEN, write_video  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 # fp32 on the CPU: the prepared rows come from batches of 2 (slicing: one sample at a time through the VAE), the
 # references from batches of 1; the same kernels, but convolution and matmul paths may reorder sums by batch
 CLOSE = dict(rtol=1e-5, atol=1e-5)
@@ -183,8 +180,9 @@ def test_i2v_bad_settings_are_one_line(models, clip_folder, clips, tmp_path, cap
 
 
 def test_i2v_parallel_vae_two_ranks(models, clip_folder, tmp_path):
-    """parallel_vae=true under torchrun: the first frames' extra encodes go through the tile-parallel VAE too, and
-    rank 0 writes the one-process shards bit for bit (as tests/test_prepare_parallel_vae.py, one thread a rank)."""
+    """parallel_vae=true on two ranks (forked, as torchrun starts them): the first frames' extra encodes go through
+    the tile-parallel VAE too, and rank 0 writes the one-process shards bit for bit (as
+    tests/test_prepare_parallel_vae.py, one thread a rank)."""
     from tests.helpers import TILE, split
 
     folder = tmp_path / "clips"
@@ -203,10 +201,8 @@ def test_i2v_parallel_vae_two_ranks(models, clip_folder, tmp_path):
     finally:
         torch.set_num_threads(threads)
     overrides = [f"{key}={value}".replace(" ", "") for key, value in {**settings, "out": out}.items()]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": "", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "ringdit.prepare", *overrides, "parallel_vae=true"],
-                          cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    done = run_command_ranks("-m ringdit.prepare", (*overrides, "parallel_vae=true"), 2,
+                             {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "prepared 2 samples into 1 new shards" in done.stdout, done.stdout
     # one batch, three encodes: the clips, their first frames alone, [first frame ; zeros]

@@ -1,9 +1,11 @@
-"""``python -m ringdit.prepare parallel_vae=true`` under torchrun: every rank encodes every clip, its VAE tiles split
-over the ranks (ringdit.media.encode_folder ``TileGroup``), and rank 0 writes the very shards one process writes.
+"""``python -m ringdit.prepare parallel_vae=true`` on two ranks (forked as torchrun starts them: their rank in the
+environment): every rank encodes every clip, its VAE tiles split over the ranks (ringdit.media.encode_folder
+``TileGroup``), and rank 0 writes the very shards one process writes.
 
 Equality: each shard is compared with a one-process prepare of the same folder: its tensor bytes exactly, its header
 (dtypes, shapes, offsets and metadata) as JSON. Each tile is encoded by the same kernels on one thread in both
-(torchrun's ranks run one thread each, OMP_NUM_THREADS=1, and the reference runs with ``torch.set_num_threads(1)``)
+(the ranks run one thread each, OMP_NUM_THREADS=1 as torchrun sets it, and the reference runs with
+``torch.set_num_threads(1)``)
 and blended by diffusers' own code in its order (ringdit.media.parallel_vae), and the captions' text states come
 from rank 0 alone, so the tensors are bit-identical. The files themselves are not byte-identical, not even between
 two one-process runs: safetensors writes the metadata keys from a Rust HashMap, in an order that changes per call.
@@ -12,10 +14,7 @@ two one-process runs: safetensors writes the metadata keys from a Rust HashMap, 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,10 +27,8 @@ pytest.importorskip("imageio")
 from ringdit.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import TileGroup, encode_folder  # noqa: E402
 from ringdit.media.vae import VAE  # noqa: E402
+from tests.distributed import run_command_ranks  # noqa: E402
 from tests.helpers import TEXT_LEN, TILE, split, write_video  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture
 def clips(tmp_path) -> Path:
@@ -76,10 +73,8 @@ def test_two_ranks_write_the_one_process_shards(models, clips, tmp_path):
     out.mkdir()
     shutil.copy(reference / "shard-00001.safetensors", out)  # a shard done before: skipped, not rewritten
     overrides = [f"{key}={value}".replace(" ", "") for key, value in settings(models, clips, out).items()]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": "", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "ringdit.prepare", *overrides, "parallel_vae=true"],
-                          cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    done = run_command_ranks("-m ringdit.prepare", (*overrides, "parallel_vae=true"), 2,
+                             {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "prepared 2 samples into 2 new shards (1 already done)" in done.stdout, done.stdout
     assert "skipped 1 unreadable files" in done.stdout

@@ -117,20 +117,14 @@ def test_full_traceback_on_request(tmp_path):
 FAULT_BOUND_SECONDS = 120
 
 
-@pytest.mark.parametrize(
-    ("name", "overrides", "message"),
-    [
-        ("step", ["ring_degree=2", "+callbacks.fault._target_=tests.faults.RaiseOnRank", "+callbacks.fault.rank=1",
-                  "+callbacks.fault.step=2"], "injected fault on rank 1 (train, step 2)"),
-        ("data", ["ring_degree=2", "data._target_=tests.faults.FailingDigitsDataModule", "+data.fail_rank=1",
-                  "+data.after=40"], "injected data-loading fault after 40 reads"),
-    ],
-)
-def test_a_failing_rank_ends_the_run(name, overrides, message, tmp_path):
-    proc, seconds = launch("train.py", *TINY, "trainer.max_steps=50", "trainer.strategy.timeout_s=30", *overrides,
+def test_a_failing_rank_ends_the_run(tmp_path):
+    """Lightning's launch of 2 ranks: the spawned rank fails while reading its data (the same exception path as a
+    failing step); the launcher ends the run, with the error, instead of waiting in the next collective."""
+    proc, seconds = launch("train.py", *TINY, "trainer.max_steps=50", "trainer.strategy.timeout_s=30", "ring_degree=2",
+                           "data._target_=tests.faults.FailingDigitsDataModule", "+data.fail_rank=1", "+data.after=40",
                            f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-3000:]
+    assert "injected data-loading fault after 40 reads" in proc.stderr, proc.stderr[-3000:]
     assert seconds < FAULT_BOUND_SECONDS
 
 
@@ -148,7 +142,7 @@ def test_a_failing_rank_ends_sampling(tiny_checkpoint, tmp_path):
 def test_nonfinite_loss(policy, tmp_path):
     explode = ["optimizer=sgd", "optimizer.lr=1e30", "trainer.gradient_clip_val=null", "trainer.max_steps=4",
                "callbacks.model_checkpoint.every_n_train_steps=1", f"nonfinite_loss={policy}"]
-    proc, _ = launch("train.py", *TINY, *explode, f"hydra.run.dir={tmp_path}")
+    proc, _ = in_process("train.py", *TINY, *explode, f"hydra.run.dir={tmp_path}")
     if policy == "stop":
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert "step 1: the loss is inf; training stopped before updating the weights" in proc.stderr

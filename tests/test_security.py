@@ -313,7 +313,7 @@ def test_settings_are_named(script, overrides, message, tiny_checkpoint, tmp_pat
 
 
 def test_bad_seed_exits_2_in_one_line(tmp_path):
-    proc, _ = launch("train.py", "seed=-1", f"hydra.run.dir={tmp_path}")
+    proc, _ = fail_fast("train.py", "seed=-1", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2 and "Error: seed must be an integer from 0 to 2**32 - 1" in proc.stderr, \
         proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

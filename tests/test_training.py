@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,6 @@ from tests.helpers import (
     CONF,
     GOOD,
     LABELS,
-    REPO,
     SGD,
     TINY,
     fail_fast,
@@ -353,10 +350,8 @@ def test_training_without_label_dropout(tmp_path):
 
 
 def test_multirun_sweep(tmp_path):
-    command = [sys.executable, "train.py", "-m", "seed=1,2", *TINY, "trainer.max_steps=1",
-               f"hydra.sweep.dir={tmp_path}"]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "WANDB_MODE": "offline"})
+    """Hydra's -m: one run per seed (Hydra's basic launcher runs them one after the other, here in this process)."""
+    proc, _ = in_process("train.py", "-m", "seed=1,2", *TINY, "trainer.max_steps=1", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert all(logged_losses(tmp_path / job) for job in ("0", "1"))
     assert logged_losses(tmp_path / "0")[0] != logged_losses(tmp_path / "1")[0]  # the seeds differ

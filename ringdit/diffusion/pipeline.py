@@ -21,7 +21,7 @@ from torch import nn
 
 from ringdit.diffusion.experts import expert_guidance
 from ringdit.diffusion.objectives import resolution_shift
-from ringdit.diffusion.samplers import draw_noise, noise_generators, sample
+from ringdit.diffusion.samplers import draw_noise, is_guided, noise_generators, sample
 from ringdit.diffusion.schedulers import PipelineTimesteps, is_scheduler_sampler, scheduler_config
 from ringdit.parallel import ParallelDims, exchange_guidance_halves
 
@@ -67,7 +67,7 @@ class SamplingPipeline:
         shape = tuple(shape) if shape is not None else self.image_size
         noise = draw_noise((model.in_channels, *shape), generators, device=device)
         cfg_scale = expert_guidance(model, settings["cfg_scale"], settings.get("cfg_scale_2"))  # one per expert
-        guided = settings["cfg_scale"] != 1.0 or settings.get("cfg_scale_2") not in (None, 1.0)
+        guided = is_guided(settings)
         condition = condition_to(model.model_condition(condition), device)
         null = condition_to(model.model_condition(negative if negative is not None else model.null_condition(len(seeds))),
                           device) if guided else None

@@ -23,6 +23,12 @@ Condition = Tensor | dict[str, Tensor]
 Model = Callable[[Tensor, Tensor, Condition], Tensor]
 
 
+def is_guided(settings: dict) -> bool:
+    """Whether sampling ``settings`` (``cfg_scale``, ``cfg_scale_2``) use classifier-free guidance (two halves per
+    step); 1 is none (a distilled student's few steps)."""
+    return settings.get("cfg_scale", 1.0) != 1.0 or settings.get("cfg_scale_2") not in (None, 1.0)
+
+
 def classifier_free_guidance(model: Model, condition: Condition, null: int | Condition | None,
                              scale: float | Callable[[Tensor], float],
                              exchange: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None, half: int = 0,

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from ringdit.caching import CacheSettings, teacache_coefficients
 from ringdit.caching import check_model as check_cache_model
 from ringdit.checkpoints.weights import WEIGHT_CHOICES
+from ringdit.diffusion.samplers import is_guided
 from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
 from ringdit.spec.diffusion import check_sampling, check_shift_terminal, resolve_scheduler, resolve_shift_terminal
@@ -311,6 +312,12 @@ class InferSpec:
         check_sampling(info["model"], info["objective"], sampling, prefix=SAMPLING_PREFIX)
         resolve_shift_terminal(sampling, info["model"], info["objective"])  # a checkpoint of before: the family's
         resolve_scheduler(sampling, info["model"], prefix=SAMPLING_PREFIX)  # sampler=unipc ...: the pipeline folder's scheduler config
+        if layout.cfg_parallel and not is_guided(sampling):  # a pair would sample the same videos twice
+            raise ConfigError(f"cfg_parallel=true splits classifier-free guidance's two halves over two data-parallel "
+                              f"ranks, but this run samples unguided ({SAMPLING_PREFIX}cfg_scale="
+                              f"{sampling.get('cfg_scale', 1.0):g}, as a distilled student's few steps do), so each "
+                              f"pair would compute the same samples twice; set cfg_parallel=false (the ranks then "
+                              f"sample different samples) or {SAMPLING_PREFIX}cfg_scale above 1")
         conditioning = Conditioning.from_config(cfg, info["data"], ckpt_path=ckpt_path, num_samples=cfg.num_samples,
                                                 sizes=sizes)
         image_shape = conditioning.prompt_shapes[0] if conditioning.prompt_shapes else shape  # one size (checked)
