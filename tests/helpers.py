@@ -52,13 +52,13 @@ def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, ti
     """Run train.py / infer.py with ``overrides``; fail with its output if it fails. A run of one process runs in this
     process (``in_process``: the same entry point, without a new interpreter's seconds of imports); one of several
     ranks on one node runs them forked from the test's fork server, each as torchrun starts a rank
-    (``tests.distributed.run_command_ranks``); one that logs to wandb (whose run lives until its process ends), or
-    that the settings do not let compose, runs in a subprocess, as a user starts it."""
+    (``tests.distributed.run_command_ranks``); one whose settings do not compose, or that runs on several nodes,
+    runs in a subprocess, as a user starts it."""
     from tests.distributed import run_command_ranks
 
     overrides = (f"hydra.run.dir={run_dir}", *overrides)
     environment = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    ranks = ranks_without_wandb(script, overrides)
+    ranks = local_ranks(script, overrides)
     if ranks == 1:
         proc, _ = in_process(script, *overrides, env=environment)
     elif ranks:
@@ -71,10 +71,9 @@ def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, ti
     return proc
 
 
-def ranks_without_wandb(script: str, overrides: tuple[str, ...]) -> int | None:
-    """The processes ``script`` with ``overrides`` runs on one node (Lightning's ``trainer.devices``, resolved) when it
-    logs to no wandb run; None when it logs to wandb, runs on several nodes, or the settings do not compose (the
-    command itself will say why)."""
+def local_ranks(script: str, overrides: tuple[str, ...]) -> int | None:
+    """The processes ``script`` with ``overrides`` runs on one node (Lightning's ``trainer.devices``, resolved); None
+    when it runs on several nodes or the settings do not compose (the command itself will say why)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -86,12 +85,11 @@ def ranks_without_wandb(script: str, overrides: tuple[str, ...]) -> int | None:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(Path(script).stem, overrides=[o for o in overrides if not o.startswith("hydra.")])
             devices, nodes = int(cfg.trainer.devices), int(cfg.trainer.get("num_nodes") or 1)
-            loggers = str(cfg.get("logger")).lower()
     except Exception:  # noqa: BLE001 - a subprocess reports it as the command does
         return None
     finally:
         GlobalHydra.instance().clear()
-    return devices if nodes == 1 and "wandb" not in loggers else None
+    return devices if nodes == 1 else None
 
 
 def in_process(script: str, *overrides: str, env: dict | None = None) -> tuple[SimpleNamespace, float]:

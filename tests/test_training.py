@@ -358,8 +358,14 @@ def test_multirun_sweep(tmp_path):
 
 
 def test_wandb_offline_run_writes_its_files(tmp_path):
-    env = {"WANDB_API_KEY": "", "WANDB_MODE": ""}  # no key: the logger must go offline by itself
-    run("train.py", tmp_path, *TINY, "logger=wandb", "trainer.max_steps=2", env=env)
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1, list((tmp_path / "wandb").iterdir()) if (tmp_path / "wandb").exists() else "no wandb dir"
-    assert list(runs[0].glob("*.wandb")), list(runs[0].iterdir())
+    """No API key: the logger goes offline by itself. Each run (here two, in this process, as a notebook's
+    ``ringdit.train`` calls) ends its wandb run when training ends: its own run folder, its files complete."""
+    import wandb
+
+    env = {"WANDB_API_KEY": "", "WANDB_MODE": ""}
+    for name in ("first", "second"):
+        run("train.py", tmp_path / name, *TINY, "logger=wandb", "trainer.max_steps=2", env=env)
+        assert wandb.run is None, "the run's wandb run is still open"
+        runs = list((tmp_path / name / "wandb").glob("offline-run-*"))
+        assert len(runs) == 1, list((tmp_path / name).iterdir())
+        assert list(runs[0].glob("*.wandb")), list(runs[0].iterdir())

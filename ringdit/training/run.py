@@ -118,11 +118,15 @@ def train(cfg: DictConfig) -> Path:
 
 def fit(cfg: DictConfig, trainer, module, datamodule, ckpt_path) -> Path:
     from ringdit.preemption import stop_on_sigterm
+    from ringdit.training.loggers import finish_runs
 
     # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; a non-finite loss or a disk that
     # fills while a checkpoint is written: one line, exit code 2; anything else is a fault: traceback
-    with user_errors(NonFiniteLossError, DiskFullError), stop_on_sigterm(trainer):
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        with user_errors(NonFiniteLossError, DiskFullError), stop_on_sigterm(trainer):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    finally:  # stopped or not: the wandb run's files complete, and the next run in this process gets its own
+        finish_runs(trainer.loggers)
     if trainer.is_global_zero:
         log.info("outputs in %s (checkpoints/last.ckpt, samples/)", cfg.paths.output_dir)
     return Path(cfg.paths.output_dir)
