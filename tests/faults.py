@@ -11,26 +11,6 @@ from torch.utils.data import Dataset
 from ringdit.data import DigitsDataModule
 
 
-class RaiseOnRank(L.Callback):
-    """Raise on global rank ``rank`` when training reaches ``step`` (``stage="train"``) or at the first sampling
-    batch (``stage="predict"``)."""
-
-    def __init__(self, rank: int, step: int = 1, stage: str = "train"):
-        self.rank, self.step, self.stage = rank, step, stage
-
-    def _maybe_raise(self, trainer: L.Trainer) -> None:
-        if trainer.global_rank == self.rank:
-            raise RuntimeError(f"injected fault on rank {self.rank} ({self.stage}, step {trainer.global_step})")
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.stage == "train" and trainer.global_step == self.step:
-            self._maybe_raise(trainer)
-
-    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
-        if self.stage == "predict":
-            self._maybe_raise(trainer)
-
-
 class SlowSteps(L.Callback):
     """Sleep after every step, so a test can kill a run between two known points."""
 
