@@ -109,7 +109,7 @@ def test_the_checkpoint_holds_student_and_critic_not_the_teacher(runs, teacher):
     sampling = checkpoint["hyper_parameters"]["sampling"]
     assert sampling["sampler"] == "fewstep" and sampling["cfg_scale"] == 1.0
     assert sampling["steps"] == 4 and sampling["times"] == [1.0, 0.75, 0.5, 0.25]
-    start = read_weights(flux_distill.teacher, prefer="ema")[0]
+    start = read_weights(teacher, prefer="ema")[0]
     for name in ("model", "critic"):  # both started from the teacher's EMA weights and moved
         moved = max((checkpoint["state_dict"][f"{name}.{key}"].double() - value.double()).abs().max().item()
                     for key, value in start.items())
