@@ -160,6 +160,7 @@ def log_written_samples(spec: InferSpec) -> None:
 
     from ringdit.media.writing import write_mp4
     from ringdit.training.callbacks import log_samples
+    from ringdit.training.loggers import finish_runs
 
     out = Path(spec.output_dir)
     npz = np.load(out / "samples.npz", allow_pickle=False) if (out / "samples.npz").is_file() else {}
@@ -183,4 +184,4 @@ def log_written_samples(spec: InferSpec) -> None:
     log_samples(loggers, images, captions[:count], step=0, videos=videos)
     for logger in loggers:
         logger.finalize("success")
-        logger.experiment.finish()  # the run's files complete on disk (offline: ready for wandb sync)
+    finish_runs(loggers)  # the runs' files complete on disk (offline: ready for wandb sync)

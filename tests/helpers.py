@@ -152,6 +152,15 @@ def logged_losses(run_dir: Path) -> dict[int, float]:
         return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")}
 
 
+def distill_losses(run_dir: Path, *names: str) -> dict[int, tuple[float, ...]]:
+    """A distillation run's (the student's loss, the critic's last loss[, the other ``names`` logged]) per student
+    step, from its csv/metrics.csv."""
+    names = ("train/loss", "train/critic_loss", *names)
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(row["step"]): tuple(float(row[name]) for name in names)
+                for row in csv.DictReader(f) if row.get("train/loss")}
+
+
 def model_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     return {k: v for k, v in state.items() if k.startswith("model.")}

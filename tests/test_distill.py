@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ringdit.checkpoints.weights import read_weights
-from tests.helpers import SGD, TINY, LazyRuns, assert_refused, assert_same_numbers, fail_fast, run
+from tests.helpers import distill_losses, SGD, TINY, LazyRuns, assert_refused, assert_same_numbers, fail_fast, run
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -65,16 +65,6 @@ def runs(tmp_path_factory, teacher):
     return LazyRuns(tmp_path_factory.mktemp("dmd2"), LAYOUTS, *common)
 
 
-def losses(run_dir: Path, *names: str) -> dict[int, tuple[float, ...]]:
-    """(the student's loss, the critic's last loss[, the other ``names`` logged]) per student step."""
-    import csv
-
-    names = ("train/loss", "train/critic_loss", *names)
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return {int(row["step"]): tuple(float(row[name]) for name in names)
-                for row in csv.DictReader(f) if row.get("train/loss")}
-
-
 def state(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
 
@@ -84,7 +74,7 @@ def state(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_dmd2_iterations_equal_one_process(runs, layout):
     name = REFERENCE[layout]
     loss_tolerance, rtol, atol = TOLERANCE[name]
-    reference, parallel = losses(runs.trained(name)), losses(runs.trained(layout))
+    reference, parallel = distill_losses(runs.trained(name)), distill_losses(runs.trained(layout))
     assert sorted(reference) == sorted(parallel) == [0, 1, 2]
     for step, (student, critic) in reference.items():
         assert parallel[step][0] == pytest.approx(student, rel=loss_tolerance), f"student loss, step {step}"
@@ -123,7 +113,7 @@ def test_a_resumed_distillation_continues_exactly(runs, teacher, tmp_path):
     resumed = tmp_path / "resumed"
     run("train.py", resumed, *TINY, *MOMENTUM, *FP64, "distill=dmd2", f"init_from={teacher}", "distill.critic_steps=2",
         f"ckpt_path={first / 'checkpoints' / 'step_0000002.ckpt'}")
-    assert losses(resumed)[2] == losses(first)[2]
+    assert distill_losses(resumed)[2] == distill_losses(first)[2]
     assert_same_numbers(state(resumed), state(first), where="resumed")
 
 
@@ -240,7 +230,7 @@ def test_a_flux_distillation_equals_one_process_at_ring_2(flux_distill, tmp_path
     for name, layout in {"one": [], "ring2": ["ring_degree=2"]}.items():
         run("train.py", tmp_path / name, *distill, *layout, env={"HF_HUB_OFFLINE": "1"})
     logged = ("train/gan_loss", "train/critic_gan_loss", "train/regression_loss")
-    reference, parallel = losses(tmp_path / "one", *logged), losses(tmp_path / "ring2", *logged)
+    reference, parallel = distill_losses(tmp_path / "one", *logged), distill_losses(tmp_path / "ring2", *logged)
     assert sorted(reference) == sorted(parallel) == [0]
     assert parallel[0] == pytest.approx(reference[0], rel=FLUX_TOLERANCE)
     assert reference[0][4] > 1e-3  # the student's 1-step outputs are not the teacher's samples yet
@@ -263,7 +253,7 @@ def test_a_flux_distillation_under_fsdp_and_ulysses_equals_one_process(flux_dist
     for name, layout in {"one": [], "fsdp": ["trainer/strategy=fsdp", "ring_degree=2", "ulysses_degree=2"]}.items():
         run("train.py", tmp_path / name, *flux_distill.settings, *layout, env={"HF_HUB_OFFLINE": "1"})
     logged = ("train/gan_loss", "train/critic_gan_loss", "train/regression_loss")
-    reference, sharded = losses(tmp_path / "one", *logged), losses(tmp_path / "fsdp", *logged)
+    reference, sharded = distill_losses(tmp_path / "one", *logged), distill_losses(tmp_path / "fsdp", *logged)
     assert sorted(reference) == sorted(sharded) == [0]
     loss_tolerance, rtol, atol = TOLERANCE["one_fp32"]
     assert sharded[0] == pytest.approx(reference[0], rel=loss_tolerance)
@@ -295,12 +285,12 @@ def test_dmd2_with_the_gan_head_equals_one_process(runs, layout):
     gan = ("train/gan_loss", "train/critic_gan_loss")
     name = REFERENCE[layout]
     loss_tolerance, rtol, atol = TOLERANCE[name]
-    reference, parallel = losses(runs.trained(name), *gan), losses(runs.trained(layout), *gan)
+    reference, parallel = distill_losses(runs.trained(name), *gan), distill_losses(runs.trained(layout), *gan)
     assert sorted(reference) == sorted(parallel) == [0, 1, 2]
     for step, values in reference.items():
         assert parallel[step] == pytest.approx(values, rel=loss_tolerance), f"step {step}"
     # the head changes the run: its losses are logged and the student differs from the run without it
-    assert reference[0][0] != pytest.approx(losses(runs.trained("one"))[0][0], rel=1e-6)
+    assert reference[0][0] != pytest.approx(distill_losses(runs.trained("one"))[0][0], rel=1e-6)
     if not (runs.trained(layout) / "checkpoints" / "last.ckpt").is_file():  # FSDP: a sharded folder
         for prefer in ("model", "ema"):
             expected = read_weights(runs.trained(name) / "checkpoints" / "last.ckpt", prefer=prefer)[0]
@@ -321,7 +311,7 @@ def test_a_resumed_distillation_with_the_gan_head_continues_exactly(runs, teache
     run("train.py", resumed, *TINY, *MOMENTUM, *FP64, *GAN, "distill=dmd2", f"init_from={teacher}",
         "distill.critic_steps=2", f"ckpt_path={first / 'checkpoints' / 'step_0000002.ckpt'}")
     gan = ("train/gan_loss", "train/critic_gan_loss")
-    assert losses(resumed, *gan)[2] == losses(first, *gan)[2]
+    assert distill_losses(resumed, *gan)[2] == distill_losses(first, *gan)[2]
     assert_same_numbers(state(resumed), state(first), where="resumed with the GAN head")
 
 
@@ -330,14 +320,14 @@ def test_dmd2_with_the_regression_loss_equals_one_process(runs):
     noises: ring 2 equals one process in float64 (pseudo-Huber); mse and pseudo-Huber train differently."""
     regression = ("train/regression_loss",)
     loss_tolerance, rtol, atol = TOLERANCE["regression_one_huber"]
-    reference = losses(runs.trained("regression_one_huber"), *regression)
-    parallel = losses(runs.trained("regression_ring2"), *regression)
+    reference = distill_losses(runs.trained("regression_one_huber"), *regression)
+    parallel = distill_losses(runs.trained("regression_ring2"), *regression)
     assert sorted(reference) == sorted(parallel) == [0, 1, 2]
     for step, values in reference.items():
         assert parallel[step] == pytest.approx(values, rel=loss_tolerance), f"step {step}"
-    mse = losses(runs.trained("regression_one"), *regression)
+    mse = distill_losses(runs.trained("regression_one"), *regression)
     assert mse[0][2] > 0 and mse[0][2] != pytest.approx(reference[0][2], rel=1e-3)
-    assert reference[0][0] != pytest.approx(losses(runs.trained("one"))[0][0], rel=1e-6)  # it moves the student
+    assert reference[0][0] != pytest.approx(distill_losses(runs.trained("one"))[0][0], rel=1e-6)  # it moves the student
     assert_same_numbers(state(runs.trained("regression_ring2")), state(runs.trained("regression_one_huber")),
                         rtol=rtol, atol=atol, where="ring 2 with the regression loss")
 
@@ -349,5 +339,5 @@ def test_a_resumed_distillation_with_the_regression_loss_continues_exactly(runs,
     run("train.py", resumed, *TINY, *MOMENTUM, *FP64, *REGRESSION, "distill.regression_distance=pseudo_huber",
         "distill=dmd2", f"init_from={teacher}", "distill.critic_steps=2",
         f"ckpt_path={first / 'checkpoints' / 'step_0000002.ckpt'}")
-    assert losses(resumed, "train/regression_loss")[2] == losses(first, "train/regression_loss")[2]
+    assert distill_losses(resumed, "train/regression_loss")[2] == distill_losses(first, "train/regression_loss")[2]
     assert_same_numbers(state(resumed), state(first), where="resumed with the regression loss")

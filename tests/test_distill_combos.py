@@ -7,7 +7,6 @@ compiling after the first update."""
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -15,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from ringdit.checkpoints.weights import read_weights
-from tests.helpers import SGD, TINY, WAN, LazyRuns, assert_same_numbers, run
+from tests.helpers import distill_losses, SGD, TINY, WAN, LazyRuns, assert_same_numbers, run
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,22 +44,12 @@ def runs(tmp_path_factory):
     return LazyRuns(root, LAYOUTS, *common)
 
 
-def losses(run_dir: Path, *names: str) -> dict[int, tuple[float, ...]]:
-    """(the student's loss, the critic's last loss[, the other ``names`` logged]) per student step."""
-    import csv
-
-    names = ("train/loss", "train/critic_loss", *names)
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return {int(row["step"]): tuple(float(row[name]) for name in names)
-                for row in csv.DictReader(f) if row.get("train/loss")}
-
-
 @pytest.mark.parametrize("layout", ["ring2", "fsdp_ring2"])
 def test_a_lora_distillation_with_checkpointing_equals_one_process(runs, layout):
     """The student's and the critic's adapters train, their bases and the teacher stay as they started: the losses
     and the student's weights (its EMA too) equal one process's; under DDP the critic's weights as well."""
     name, loss_tolerance, rtol, atol = TOLERANCE[layout]
-    reference, parallel = losses(runs.trained(name)), losses(runs.trained(layout))
+    reference, parallel = distill_losses(runs.trained(name)), distill_losses(runs.trained(layout))
     assert sorted(reference) == sorted(parallel) == [0, 1]
     for step, values in reference.items():
         assert parallel[step] == pytest.approx(values, rel=loss_tolerance), f"step {step}"
@@ -105,7 +94,7 @@ def test_a_bucketed_text_distillation_equals_one_process_at_ring_2_and_resumes_e
     for name, layout in {"one": [], "ring2": ["ring_degree=2"]}.items():
         run("train.py", tmp_path / name, *distill, *layout, env=env)
     logged = ("train/gan_loss", "train/critic_gan_loss", "train/regression_loss", "train/sample_tokens")
-    reference, parallel = losses(tmp_path / "one", *logged), losses(tmp_path / "ring2", *logged)
+    reference, parallel = distill_losses(tmp_path / "one", *logged), distill_losses(tmp_path / "ring2", *logged)
     assert sorted(reference) == sorted(parallel) == [0, 1]
     assert {values[-1] for values in reference.values()} == {45, 75}  # one update of each bucket (seed 0's draws)
     for step, values in reference.items():
@@ -117,7 +106,7 @@ def test_a_bucketed_text_distillation_equals_one_process_at_ring_2_and_resumes_e
 
     run("train.py", tmp_path / "resumed", *distill, f"ckpt_path={tmp_path / 'one' / 'checkpoints' / 'step_0000001.ckpt'}",
         env=env)
-    assert losses(tmp_path / "resumed", *logged)[1] == reference[1]
+    assert distill_losses(tmp_path / "resumed", *logged)[1] == reference[1]
     resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     assert_same_numbers(resumed, final, where="resumed")
 
@@ -157,7 +146,7 @@ def test_a_compiled_distillation_equals_eager_and_compiles_in_its_first_update(t
         "+callbacks.graphs._target_=tests.test_distill_combos.GraphCounts")
     assert len(GRAPHS) == 3 and GRAPHS[0] > 0
     assert GRAPHS[-1] == GRAPHS[0], f"graphs compiled after each update: {GRAPHS}"
-    eager, compiled = losses(tmp_path / "eager", "train/gan_loss"), losses(tmp_path / "compiled", "train/gan_loss")
+    eager, compiled = distill_losses(tmp_path / "eager", "train/gan_loss"), distill_losses(tmp_path / "compiled", "train/gan_loss")
     assert sorted(compiled) == [0, 1, 2]
     for step, values in eager.items():
         assert compiled[step] == pytest.approx(values, rel=1e-10), f"step {step}"
