@@ -304,11 +304,25 @@ TEXT_LEN = 8
 
 
 def write_video(path: Path, frames: int, seed: int = 0, size=(32, 24)) -> None:
-    import imageio.v3 as iio
+    """A random H.264 clip of ``frames`` frames, ``size`` = (width, height)."""
+    from ringdit.media.writing import write_mp4
 
     rng = np.random.default_rng(seed)
-    iio.imwrite(path, rng.integers(0, 256, (frames, size[1], size[0], 3), dtype=np.uint8), plugin="pyav",
-                codec="libx264", fps=8)
+    write_mp4(rng.integers(0, 256, (frames, size[1], size[0], 3), dtype=np.uint8), path, fps=8)
+
+
+def read_mp4(path: Path) -> np.ndarray:
+    """Every frame of a video file, uint8 (T, H, W, 3). PyAV directly: imageio's PyAV plugin ends each file with a
+    full garbage collection, ~0.25 s in a test process that has imported diffusers and transformers."""
+    import av
+
+    with av.open(str(path)) as container:
+        return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+
+
+def first_frame(path: Path) -> Image.Image:
+    """A clip's first frame as decoded, before any crop."""
+    return Image.fromarray(read_mp4(path)[0])
 
 
 def tiny_video_vae(name: str, folder: Path):

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from ringdit.errors import ConfigError
 from ringdit.sampling import SampleRequests, SampleSizes, read_prompt_file
-from tests.helpers import TEXT_LEN, architecture, assert_refused, fail_fast, run
+from tests.helpers import TEXT_LEN, architecture, assert_refused, fail_fast, read_mp4, run
 
 CHANNELS = 16  # the tiny Wan VAE's z_dim (conftest's ``models``)
 
@@ -92,11 +92,10 @@ def test_mixed_sizes_are_written_per_shape_and_decoded(prompt_runs):
     assert list(big["captions"]) == ["a red fox running", "a red sky"] and list(small["captions"]) == ["a blue cat"]
     assert not (out / "samples.npz").exists()
     # decoded with the data's VAE: a grid per shape, and each sample's files under its own number
-    import imageio.v3 as iio
 
     assert (out / "samples-48x80x9.gif").is_file() and (out / "samples-32x48x5.gif").is_file()
-    assert iio.imread(out / "sample-002.mp4", plugin="pyav").shape == (9, 48, 80, 3)
-    assert iio.imread(out / "sample-001.mp4", plugin="pyav").shape == (5, 32, 48, 3)
+    assert read_mp4(out / "sample-002.mp4").shape == (9, 48, 80, 3)
+    assert read_mp4(out / "sample-001.mp4").shape == (5, 32, 48, 3)
     assert np.isfinite(big["latents"]).all() and not np.allclose(big["latents"][0], big["latents"][1])
 
 

@@ -25,7 +25,7 @@ from tests.diffusers_helpers import forward_backward  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 from tests.families import assert_refused_before_spawning  # noqa: E402
 from tests.helpers import (TEXT_LEN, architecture, assert_refused, assert_same_numbers, fail_fast,  # noqa: E402
-                           run, save_tiny_qwen, tiny_video_vae, write_video)
+                           first_frame, run, save_tiny_qwen, tiny_video_vae, write_video)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -139,13 +139,6 @@ def hunyuan_i2v(tmp_path_factory) -> Path:
                       ).save_pretrained(root / "image_encoder")
     SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(root / "feature_extractor")
     return root
-
-
-def first_frame(path: Path):
-    import imageio.v3 as iio
-    from PIL import Image
-
-    return Image.fromarray(next(iter(iio.imiter(path, plugin="pyav"))))
 
 
 def test_prepare_train_and_sample_with_an_image(hunyuan_i2v, tmp_path):

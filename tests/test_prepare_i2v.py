@@ -25,7 +25,7 @@ from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.frames import fit, read_video  # noqa: E402
 from ringdit.media.image_condition import encode_image_condition  # noqa: E402
 from tests.distributed import run_command_ranks  # noqa: E402
-from tests.helpers import TEXT_LEN, write_video  # noqa: E402
+from tests.helpers import TEXT_LEN, first_frame, write_video  # noqa: E402
 
 # fp32 on the CPU: the prepared rows come from batches of 2 (slicing: one sample at a time through the VAE), the
 # references from batches of 1; the same kernels, but convolution and matmul paths may reorder sums by batch
@@ -46,13 +46,6 @@ def clips(tmp_path) -> Path:
 def read_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     with safe_open(str(path), framework="pt") as f:
         return {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
-
-
-def first_frame(path: Path) -> Image.Image:
-    """A clip's first frame as decoded, before any crop."""
-    import imageio.v3 as iio
-
-    return Image.fromarray(next(iter(iio.imiter(path, plugin="pyav"))))
 
 
 def test_i2v_shards_match_the_pipeline(models, clip_folder, clips, tmp_path):
