@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -48,17 +49,19 @@ class FailingDigitsDataModule(DigitsDataModule):
             self.train_set = _Failing(self.train_set, self.after)
 
 
-class SigtermOnRank(L.Callback):
-    """A real SIGTERM to this process on global rank ``rank`` once training has finished step ``step`` (as a
-    scheduler's would come), for runs in the test's own processes; ``ringdit.preemption`` must be handling SIGTERM
-    (else it would end the test's process)."""
+class SignalAtStep(L.Callback):
+    """A real signal (``sig``: SIGTERM, as a scheduler's would come, or SIGKILL) to this process on global rank
+    ``rank`` once training has finished step ``step`` (after that step's checkpoint, which the checkpoint callback
+    writes later in the same hook, for SIGTERM; before it for SIGKILL, whose process ends at once). For runs in the
+    test's own processes: SIGTERM needs ``ringdit.preemption`` handling it (else it would end the test's process)."""
 
-    def __init__(self, rank: int, step: int):
-        self.rank, self.step = rank, step
+    def __init__(self, rank: int, step: int, sig: str = "SIGTERM"):
+        self.rank, self.step, self.sig = rank, step, getattr(signal, sig)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            from ringdit import preemption
+            if self.sig == signal.SIGTERM:
+                from ringdit import preemption
 
-            assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm, "SIGTERM is not handled here"
-            signal.raise_signal(signal.SIGTERM)
+                assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm, "SIGTERM is not handled here"
+            os.kill(os.getpid(), self.sig)

@@ -180,8 +180,8 @@ PREEMPT = [*TINY, "trainer.max_steps=6", "callbacks.model_checkpoint.every_n_tra
            "+callbacks.slow._target_=tests.faults.SlowSteps", "+callbacks.slow.seconds=0.3"]
 
 
-def preempt(run_dir: Path, *overrides: str, target: str = "launcher") -> tuple[subprocess.CompletedProcess, list[int]]:
-    """Start train.py, send SIGTERM to ``target`` (the launcher or its spawned rank) once step 2 is saved."""
+def preempt(run_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Start train.py, send SIGTERM to the launching process once step 2 is saved."""
     env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": ""}
     proc = subprocess.Popen([sys.executable, "train.py", *PREEMPT, *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -190,8 +190,7 @@ def preempt(run_dir: Path, *overrides: str, target: str = "launcher") -> tuple[s
         assert proc.poll() is None and time.monotonic() < deadline, "the run to preempt ended early"
         time.sleep(0.05)
     ranks = children_of(proc.pid)
-    victim = proc.pid if target == "launcher" else ranks[0]
-    os.kill(victim, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, output, output), ranks
 
@@ -201,7 +200,7 @@ def test_sigterm_stops_with_a_checkpoint_and_resumes_on_the_same_curve(tmp_path)
     says how to resume, and the resumed run continues on the uninterrupted run's loss curve."""
     from ringdit.checkpoints.loading import safe_torch_load
 
-    proc, _ = in_process("train.py", *PREEMPT[:-2], "+callbacks.term._target_=tests.faults.SigtermOnRank",
+    proc, _ = in_process("train.py", *PREEMPT[:-2], "+callbacks.term._target_=tests.faults.SignalAtStep",
                          "+callbacks.term.rank=0", "+callbacks.term.step=3", f"hydra.run.dir={tmp_path / 'preempted'}")
     assert proc.returncode == 143, proc.stderr[-3000:]
     last = tmp_path / "preempted" / "checkpoints" / "last.ckpt"
@@ -217,14 +216,14 @@ def test_sigterm_stops_with_a_checkpoint_and_resumes_on_the_same_curve(tmp_path)
         assert loss == pytest.approx(straight[i], rel=1e-6, abs=1e-7), f"step {i}"
 
 
-@pytest.mark.parametrize("target", ["launcher", "child"])
-def test_sigterm_stops_every_rank_together(target, tmp_path):
-    """Lightning's launch of 2 ranks (ring 2), SIGTERM to the launching rank or to the rank it spawned: both stop at
-    the same step, with its checkpoint, exit code 143, nothing left running."""
+def test_sigterm_to_a_launch_stops_every_rank_together(tmp_path):
+    """Lightning's launch of 2 ranks (ring 2), SIGTERM to the launching process (rank 0, as a scheduler sends it):
+    both ranks stop at the same step, with its checkpoint, exit code 143, nothing left running. (SIGTERM to the
+    other rank alone: the test below.)"""
     from ringdit.checkpoints.loading import safe_torch_load
 
     start = time.monotonic()
-    proc, ranks = preempt(tmp_path, "ring_degree=2", "trainer.strategy.timeout_s=60", target=target)
+    proc, ranks = preempt(tmp_path, "ring_degree=2", "trainer.strategy.timeout_s=60")
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "preempted: SIGTERM stopped every rank at step" in proc.stderr
     assert 2 <= safe_torch_load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] < 6
@@ -234,23 +233,24 @@ def test_sigterm_stops_every_rank_together(target, tmp_path):
     assert time.monotonic() - start < 240
 
 
-def test_sigterm_to_one_fsdp_rank_stops_every_rank_with_its_shards(tmp_path):
-    """FSDP at ring 2, SIGTERM to rank 1 alone after step 3: every rank stops at that step and writes its shards of
-    the checkpoint (a sharded folder), exit code 143. (The ranks forked as torchrun starts them; the launch itself is
-    the test above.)"""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigterm_to_one_rank_stops_every_rank_at_its_step(strategy, tmp_path):
+    """Ring 2, SIGTERM to rank 1 alone after step 3: every rank stops at that step with its checkpoint (FSDP: each
+    rank writes its shards, a sharded folder), exit code 143. (The ranks forked as torchrun starts them; Lightning's
+    own launch is the test above.)"""
     from ringdit.checkpoints.layout import SHARDED_METADATA, is_sharded_checkpoint
     from ringdit.checkpoints.loading import safe_torch_load
     from tests.distributed import run_command_ranks
 
     proc = run_command_ranks("train.py", (f"hydra.run.dir={tmp_path}", *PREEMPT[:-2], "ring_degree=2",
-                                          "trainer/strategy=fsdp", "trainer.strategy.timeout_s=60",
-                                          "+callbacks.term._target_=tests.faults.SigtermOnRank", "+callbacks.term.rank=1",
+                                          f"trainer/strategy={strategy}", "trainer.strategy.timeout_s=60",
+                                          "+callbacks.term._target_=tests.faults.SignalAtStep", "+callbacks.term.rank=1",
                                           "+callbacks.term.step=3"), 2, {"WANDB_MODE": "offline"}, timeout=240)
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "preempted: SIGTERM stopped every rank at step 3" in proc.stdout + proc.stderr
     last = tmp_path / "checkpoints" / "last.ckpt"
-    assert is_sharded_checkpoint(last)  # each rank wrote its shards of that step
-    assert safe_torch_load(last / SHARDED_METADATA)["global_step"] == 3
+    assert is_sharded_checkpoint(last) == (strategy == "fsdp")  # FSDP: each rank wrote its shards of that step
+    assert safe_torch_load(last / SHARDED_METADATA if strategy == "fsdp" else last)["global_step"] == 3
 
 
 # ---- an error in a callback does not cost the step's checkpoint -------------------------------------------------------

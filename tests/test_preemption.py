@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,29 @@ class SlowSampling(L.Callback):
         if trainer.is_global_zero:
             self.marks.mkdir(parents=True, exist_ok=True)
             (self.marks / str(batch_idx)).touch()
+
+
+class SignalOnRank(L.Callback):
+    """Signal ``sig`` (a signal name: SIGTERM, SIGKILL) to this process on global rank ``rank`` once the file
+    ``when`` exists (``SlowSampling``'s mark of rank 0's first batch), from a thread: whatever the rank is doing then
+    (sampling, or done and waiting for the others), as a scheduler's signal would come. The time it was sent is
+    written to ``when`` + ".signalled"."""
+
+    def __init__(self, rank: int, sig: str, when: str):
+        self.rank, self.sig, self.when = rank, getattr(signal, sig), Path(when)
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank != self.rank:
+            return
+
+        def signal_when_marked() -> None:
+            deadline = time.monotonic() + 120
+            while not self.when.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            Path(f"{self.when}.signalled").write_text(str(time.time()))
+            os.kill(os.getpid(), self.sig)
+
+        threading.Thread(target=signal_when_marked, daemon=True).start()
 
 
 def raise_sigterm() -> None:
@@ -120,15 +144,15 @@ def signal_when(command: list[str], ready, target: str = "launcher", env: dict |
 # ---- infer.py -------------------------------------------------------------------------------------------------------
 
 
-def sample_under_sigterm(run_dir: Path, checkpoint: Path, *overrides: str, target: str = "launcher", batch_size: int,
-                         num_samples: int):
-    """infer.py with 20 slow steps per batch, signalled once rank 0 has finished its first batch."""
+def sample_under_sigterm(run_dir: Path, checkpoint: Path, *overrides: str, batch_size: int, num_samples: int):
+    """infer.py with 20 slow steps per batch, its launching process signalled once rank 0 has finished its first
+    batch."""
     command = [sys.executable, "infer.py", f"hydra.run.dir={run_dir}", f"ckpt_path={checkpoint}", "trainer=cpu",
                "diffusion.sampling.steps=20", f"batch_size={batch_size}", f"num_samples={num_samples}",
                "trainer.strategy.timeout_s=60",
                "+callbacks.slow._target_=tests.test_preemption.SlowSampling", "+callbacks.slow.seconds=0.1",
                f"+callbacks.slow.output_dir={run_dir}", *overrides]
-    proc, seconds, ranks = signal_when(command, lambda: (run_dir / "batches" / "0").exists(), target)
+    proc, seconds, ranks = signal_when(command, lambda: (run_dir / "batches" / "0").exists())
     assert proc.returncode == 143, proc.stdout[-3000:]
     assert seconds < STOP_SECONDS, f"{seconds:.1f} s from SIGTERM to exit"
     assert all(gone(pid) for pid in ranks), "a rank was left behind"
@@ -153,29 +177,46 @@ def test_sigterm_stops_ring2_sampling_and_keeps_the_finished_batches(tiny_checkp
 KILLED_SECONDS = 60  # one rank SIGKILLed (no handler runs) to every other process gone
 
 
+def forked_sampling(run_dir: Path, checkpoint: Path, *overrides: str, sig: str, batch_size: int, num_samples: int):
+    """infer.py on 2 ranks forked as torchrun starts them, 20 slow steps per batch; rank 1 gets ``sig`` once rank 0
+    has finished its first batch: (the run's report, seconds from the signal to the end of every rank)."""
+    from tests.distributed import run_command_ranks
+
+    mark = run_dir / "batches" / "0"
+    overrides = (f"hydra.run.dir={run_dir}", f"ckpt_path={checkpoint}", "trainer=cpu", "diffusion.sampling.steps=20",
+                 f"batch_size={batch_size}", f"num_samples={num_samples}", "trainer.strategy.timeout_s=60",
+                 "+callbacks.slow._target_=tests.test_preemption.SlowSampling", "+callbacks.slow.seconds=0.1",
+                 f"+callbacks.slow.output_dir={run_dir}", "+callbacks.signal._target_=tests.test_preemption.SignalOnRank",
+                 "+callbacks.signal.rank=1", f"+callbacks.signal.sig={sig}", f"+callbacks.signal.when={mark}",
+                 *overrides)
+    proc = run_command_ranks("infer.py", overrides, 2, {"WANDB_MODE": "offline"}, timeout=240)
+    signalled = Path(f"{mark}.signalled")
+    assert signalled.exists(), f"rank 1 was not signalled:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc, time.time() - float(signalled.read_text())
+
+
 def test_sigkill_of_one_rank_ends_ring2_sampling(tiny_checkpoint, tmp_path):
     """A rank killed outright mid-sampling: its ring partner's next collective fails (the peer's socket closed), the
-    run ends non-zero within seconds, nothing is left running, and no partial samples.npz is written."""
-    command = [sys.executable, "infer.py", f"hydra.run.dir={tmp_path}", f"ckpt_path={tiny_checkpoint}", "trainer=cpu",
-               "ring_degree=2", "diffusion.sampling.steps=20", "batch_size=2", "num_samples=8",
-               "trainer.strategy.timeout_s=60",
-               "+callbacks.slow._target_=tests.test_preemption.SlowSampling", "+callbacks.slow.seconds=0.1",
-               f"+callbacks.slow.output_dir={tmp_path}"]
-    proc, seconds, ranks = signal_when(command, lambda: (tmp_path / "batches" / "0").exists(), "child",
-                                       sig=signal.SIGKILL)
-    assert proc.returncode not in (0, 143), proc.stdout[-3000:]
+    run ends non-zero within seconds, and no partial samples.npz is written. (The ranks forked as torchrun starts
+    them; Lightning's launch under a signal is the SIGTERM test above.)"""
+    proc, seconds = forked_sampling(tmp_path, tiny_checkpoint, "ring_degree=2", sig="SIGKILL", batch_size=2,
+                                    num_samples=8)
+    assert proc.returncode not in (0, 143), proc.stderr[-3000:]
     assert seconds < KILLED_SECONDS, f"{seconds:.1f} s from SIGKILL to exit"
-    assert all(gone(pid) for pid in ranks), "a rank was left behind"
     assert not (tmp_path / "samples.npz").exists() and not list(tmp_path.glob(".samples*"))
 
 
 def test_sigterm_to_a_data_parallel_rank_that_is_done_stops_the_other(tiny_checkpoint, tmp_path):
     """3 samples on 2 data-parallel ranks, 1 a batch: rank 1 has one batch, rank 0 two. Rank 1, done and waiting for
     rank 0, gets SIGTERM; rank 0 stops in its second batch; samples 0 (rank 0) and 1 (rank 1) are written."""
-    proc, samples, finished, _ = sample_under_sigterm(tmp_path, tiny_checkpoint, "dp_degree=2", target="child",
-                                                      batch_size=1, num_samples=3)
-    assert finished == 1 and samples["labels"].tolist() == [0, 1]
-    assert "wrote 2 of 3 samples (the finished batches)" in proc.stdout, proc.stdout[-3000:]
+    proc, seconds = forked_sampling(tmp_path, tiny_checkpoint, "dp_degree=2", sig="SIGTERM", batch_size=1,
+                                    num_samples=3)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 143, output[-3000:]
+    assert seconds < STOP_SECONDS, f"{seconds:.1f} s from SIGTERM to exit"
+    assert len(list((tmp_path / "batches").glob("[0-9]"))) == 1  # rank 0 had finished one batch, not two
+    assert np.load(tmp_path / "samples.npz")["labels"].tolist() == [0, 1]
+    assert "wrote 2 of 3 samples (the finished batches)" in output, output[-3000:]
 
 
 def in_process_infer(checkpoint: Path, run_dir: Path, at: str):

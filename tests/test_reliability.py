@@ -16,7 +16,8 @@ import torch
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.errors import CheckpointError
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
-from tests.helpers import REPO, TINY, assert_refused, fail_fast, in_process, launch, logged_losses, run, write_latents
+from tests.distributed import run_command_ranks
+from tests.helpers import REPO, TINY, assert_refused, fail_fast, in_process, logged_losses, run, write_latents
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +119,17 @@ FAULT_BOUND_SECONDS = 120
 
 
 def test_a_failing_rank_ends_the_run(tmp_path):
-    """Lightning's launch of 2 ranks: the spawned rank fails while reading its data (the same exception path as a
-    failing step); the launcher ends the run, with the error, instead of waiting in the next collective."""
-    proc, seconds = launch("train.py", *TINY, "trainer.max_steps=50", "trainer.strategy.timeout_s=30", "ring_degree=2",
-                           "data._target_=tests.faults.FailingDigitsDataModule", "+data.fail_rank=1", "+data.after=40",
-                           f"hydra.run.dir={tmp_path}")
+    """2 ranks (ring 2, forked as torchrun starts them): rank 1 fails while reading its data (the same exception path
+    as a failing step); rank 0 ends too, within the bound, instead of waiting in the next collective."""
+    start = time.monotonic()
+    proc = run_command_ranks("train.py", (*TINY, "trainer.max_steps=50", "trainer.strategy.timeout_s=30",
+                                          "ring_degree=2", "data._target_=tests.faults.FailingDigitsDataModule",
+                                          "+data.fail_rank=1", "+data.after=40", f"hydra.run.dir={tmp_path}"),
+                             2, {"WANDB_MODE": "offline"}, timeout=FAULT_BOUND_SECONDS)
     assert proc.returncode != 0
     assert "injected data-loading fault after 40 reads" in proc.stderr, proc.stderr[-3000:]
-    assert seconds < FAULT_BOUND_SECONDS
+    assert "ended without a report" not in proc.stderr, proc.stderr[-3000:]  # every rank ended by itself
+    assert time.monotonic() - start < FAULT_BOUND_SECONDS
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
@@ -156,23 +160,17 @@ def test_killed_run_resumes_on_the_same_loss_curve(tmp_path):
               "scheduler=warmup_cosine", "scheduler.warmup_steps=2"]
     run("train.py", tmp_path / "straight", *common)
 
+    # SIGKILL (no handler runs, nothing is flushed) after step 5, in a process forked from the test's fork server
     killed = tmp_path / "killed"
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *common, "+callbacks.slow._target_=tests.faults.SlowSteps",
-         "+callbacks.slow.seconds=0.4", f"hydra.run.dir={killed}"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while not (killed / "checkpoints" / "step_0000004.ckpt").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run to kill ended early"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (killed / "checkpoints" / "step_0000008.ckpt").exists()
+    proc = run_command_ranks("train.py", (*common, "+callbacks.kill._target_=tests.faults.SignalAtStep",
+                                          "+callbacks.kill.rank=0", "+callbacks.kill.step=5", "+callbacks.kill.sig=SIGKILL",
+                                          f"hydra.run.dir={killed}"), 1, {"WANDB_MODE": "offline"}, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert not (killed / "checkpoints" / "step_0000006.ckpt").exists()
 
     last = killed / "checkpoints" / "last.ckpt"
-    saved_step = safe_torch_load(last)["global_step"]  # 2 or more: the kill may fall between two files' saves
+    saved_step = safe_torch_load(last)["global_step"]  # step 4's: the kill came before step 5's save
+    assert saved_step == 4
     run("train.py", tmp_path / "resumed", *common, f"ckpt_path={last}")
     straight, resumed = logged_losses(tmp_path / "straight"), logged_losses(tmp_path / "resumed")
     assert saved_step >= 2 and min(resumed) == saved_step and max(resumed) == 7
