@@ -64,50 +64,66 @@ def run_ranks(fn, world_size: int, *args) -> None:
 # ---- train.py / infer.py on several ranks, forked as torchrun would start them -------------------------------------
 
 
-def _command_rank(rank: int, world_size: int, port: int, script: str, overrides: tuple, env: dict, results) -> None:
-    """One rank of ``python script overrides`` (``-m module``: ``python -m module overrides``), as torchrun starts
-    it: its rank in the environment, Lightning's cluster environment (torchelastic's) reads it, and the run joins the
-    others instead of spawning them."""
+def _command(rank: int, world_size: int | None, port: int, script: str, overrides: tuple, env: dict, results) -> None:
+    """One process of ``python script overrides`` (``-m module``: ``python -m module overrides``): with a
+    ``world_size``, rank ``rank`` as torchrun starts it (its rank in the environment, which Lightning's cluster
+    environment, torchelastic's, reads, so that the run joins the others instead of spawning them); without, a run of
+    its own, as a user starts one."""
     from tests.helpers import in_process
 
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      GROUP_RANK="0", NODE_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      TORCHELASTIC_RUN_ID="ringdit-tests")
+    if world_size is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          GROUP_RANK="0", NODE_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                          TORCHELASTIC_RUN_ID="ringdit-tests")
     if "OMP_NUM_THREADS" in env:  # read by torch when it starts: this process (forked) has its server's pool
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     proc, _ = in_process(script, *overrides)
     results.put((rank, proc.returncode, proc.stdout, proc.stderr))
 
 
-def run_command_ranks(script: str, overrides: tuple, world_size: int, env: dict, timeout: float) -> SimpleNamespace:
-    """``python script overrides`` on ``world_size`` ranks forked from the fork server (the imports paid once per
-    pytest worker, not once per rank and run): (``returncode``, ``stdout``, ``stderr``) as one launch reports them --
-    the first failing rank's exit code, every rank's output, rank 0's first."""
+def _forked(script: str, overrides: tuple, count: int, world_size: int | None, env: dict,
+            timeout: float) -> list[SimpleNamespace]:
+    """``count`` processes of ``python script overrides`` forked from the fork server (the imports paid once per pytest
+    worker, not once per process and run), started together: each one's (``returncode``, ``stdout``, ``stderr``)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     results, port = ctx.SimpleQueue(), free_port()
-    ranks = [ctx.Process(target=_command_rank, args=(rank, world_size, port, script, overrides, env, results))
-             for rank in range(world_size)]
-    for process in ranks:
+    processes = [ctx.Process(target=_command, args=(i, world_size, port, script, overrides, env, results))
+                 for i in range(count)]
+    for process in processes:
         process.start()
     reports, deadline = {}, time.monotonic() + timeout
-    while len(reports) < world_size and time.monotonic() < deadline:
+    while len(reports) < count and time.monotonic() < deadline:
         if not results.empty():
-            rank, *report = results.get()
-            reports[rank] = report
-        elif not any(process.is_alive() for process in ranks) and results.empty():
-            break  # a rank died without reporting
+            i, *report = results.get()
+            reports[i] = report
+        elif not any(process.is_alive() for process in processes) and results.empty():
+            break  # a process died without reporting
         else:
             time.sleep(0.05)
-    for process in ranks:
+    for process in processes:
         process.join(timeout=max(1.0, deadline - time.monotonic()))
         if process.is_alive():
             process.kill()
             process.join()
-    codes = [reports[rank][0] if rank in reports else (ranks[rank].exitcode or 1) for rank in range(world_size)]
-    missing = [rank for rank in range(world_size) if rank not in reports]
-    stdout = "".join(reports[rank][1] for rank in sorted(reports))
-    stderr = "".join(reports[rank][2] for rank in sorted(reports)) + "".join(
-        f"\nrank {rank} ended without a report (exit code {ranks[rank].exitcode}; timeout {timeout} s)" for rank in missing)
-    return SimpleNamespace(returncode=next((code for code in codes if code), 0), stdout=stdout, stderr=stderr)
+    return [SimpleNamespace(returncode=reports[i][0], stdout=reports[i][1], stderr=reports[i][2]) if i in reports else
+            SimpleNamespace(returncode=processes[i].exitcode or 1, stdout="",
+                            stderr=f"\nrank {i} ended without a report (exit code {processes[i].exitcode}; timeout "
+                                   f"{timeout} s)") for i in range(count)]
+
+
+def run_command_ranks(script: str, overrides: tuple, world_size: int, env: dict, timeout: float) -> SimpleNamespace:
+    """``python script overrides`` on ``world_size`` ranks forked as torchrun starts them: (``returncode``,
+    ``stdout``, ``stderr``) as one launch reports them -- the first failing rank's exit code, every rank's output,
+    rank 0's first."""
+    ranks = _forked(script, overrides, world_size, world_size, env, timeout)
+    return SimpleNamespace(returncode=next((rank.returncode for rank in ranks if rank.returncode), 0),
+                           stdout="".join(rank.stdout for rank in ranks), stderr="".join(rank.stderr for rank in ranks))
+
+
+def run_commands_side_by_side(script: str, overrides: tuple, count: int, env: dict,
+                              timeout: float) -> list[SimpleNamespace]:
+    """``count`` separate runs of ``python script overrides`` started at the same moment, each a process of its
+    own: each one's (``returncode``, ``stdout``, ``stderr``)."""
+    return _forked(script, overrides, count, None, env, timeout)

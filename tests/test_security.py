@@ -9,8 +9,6 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +28,8 @@ from ringdit.export import main as export_main
 from ringdit.resume import check_resume
 from ringdit.safe_config import ALLOWED_TARGETS, allow_target
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
-from tests.helpers import CONF, REPO, TINY, fail_fast, launch, logged_losses, run, write_classes, write_latents
+from tests.distributed import run_commands_side_by_side
+from tests.helpers import CONF, TINY, fail_fast, launch, logged_losses, run, write_classes, write_latents
 
 PRECIOUS = "precious data\n"
 
@@ -328,12 +327,10 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
         dirs = {compose("train", return_hydra_config=True).hydra.run.dir for _ in range(3)}
     assert len(dirs) == 3  # the same second (or not): three folders
     logs = tmp_path / "logs"
-    command = [sys.executable, "train.py", *TINY, "trainer.max_steps=1", f"paths.log_dir={logs}"]
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    procs = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    for proc in procs:
-        assert proc.wait(timeout=240) == 0, proc.stderr.read()[-2000:]
+    # two processes started at the same moment (forked from the fork server), each composing its own run folder
+    for proc in run_commands_side_by_side("train.py", (*TINY, "trainer.max_steps=1", f"paths.log_dir={logs}"), 2,
+                                          {"WANDB_MODE": "offline"}, timeout=240):
+        assert proc.returncode == 0, proc.stderr[-2000:]
     runs = sorted((logs / "train" / "runs").iterdir())
     assert len(runs) == 2
     for folder in runs:
