@@ -114,7 +114,9 @@ def in_process(script: str, *overrides: str, env: dict | None = None) -> tuple[S
                 warnings.catch_warnings():
             warnings.simplefilter("default")  # a fresh process's filters: each warning once per run, not per worker
             warnings.showwarning = show
-            if module:  # as ``python -m module``
+            if module:  # as ``python -m module``; runpy's warning that this process imported it before is ours
+                warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package",
+                                        RuntimeWarning)
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
             else:  # as ``python script``: Hydra finds conf/
                 runpy.run_path(str(REPO / script), run_name="__main__")

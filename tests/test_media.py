@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.frames import fit, read_image, read_video  # noqa: E402
 from ringdit.media.text import TextEncoder  # noqa: E402
 from ringdit.media.vae import VAE  # noqa: E402
-from tests.helpers import TEXT_LEN, write_video
+from tests.helpers import TEXT_LEN, fail_fast, write_video
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 REPO = Path(__file__).resolve().parents[1]
@@ -185,15 +183,13 @@ def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp
 
 
 def test_prepare_cli_one_line_error_and_success(models, image_folder, tmp_path, capsys):
-    """The command line: exit 2 with one line for a setting mistake (a real process, checked before any model is
-    loaded); a run prints its counts (in this process: importing diffusers again would cost most of a minute)."""
+    """The command line (run in this process): exit 2 with one line for a setting mistake, checked before any model
+    is loaded; a run prints its counts."""
     from ringdit.prepare import main
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": ""}
     settings = [f"input={image_folder}", f"out={tmp_path / 'out'}", f"vae={models['flux']}",
                 f"text_encoder={models['flux']}", "resolution=16", f"max_text_len={TEXT_LEN}"]
-    bad = subprocess.run([sys.executable, "-m", "ringdit.prepare", *settings, f"input={tmp_path / 'nowhere'}"],
-                         cwd=REPO, capture_output=True, text=True, env=env)
+    bad, _ = fail_fast("-m ringdit.prepare", *settings, f"input={tmp_path / 'nowhere'}")
     assert bad.returncode == 2 and bad.stderr.startswith(f"Error: input={tmp_path / 'nowhere'} is not a folder")
     assert "Traceback" not in bad.stderr
     with pytest.raises(SystemExit) as exit_info:

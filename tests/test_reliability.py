@@ -222,7 +222,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"step": 1}, path)
     writer = (
         "import sys, torch; from ringdit.training.checkpoint_io import AtomicCheckpointIO\n"
-        "big = {'step': 2, 'w': torch.randn(150_000_000)}\n"  # 600 MB: seconds to write
+        "big = {'step': 2, 'w': torch.ones(150_000_000)}\n"  # 600 MB: seconds to write (ones: no time to draw)
         "print('saving', flush=True); AtomicCheckpointIO().save_checkpoint(big, sys.argv[1])\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", writer, str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True)

@@ -29,7 +29,7 @@ from ringdit.resume import check_resume
 from ringdit.safe_config import ALLOWED_TARGETS, allow_target
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from tests.distributed import run_commands_side_by_side
-from tests.helpers import CONF, TINY, fail_fast, launch, logged_losses, run, write_classes, write_latents
+from tests.helpers import CONF, TINY, fail_fast, logged_losses, run, write_classes, write_latents
 
 PRECIOUS = "precious data\n"
 
@@ -152,7 +152,7 @@ def test_crafted_files_are_refused_by_every_entry_point(command, fmt, evil_files
     out = tmp_path / "exported.safetensors"
     args = [arg.format(evil_files[fmt], out=out) for arg in command]
     overrides = [] if command[0] == "-m" else [f"hydra.run.dir={tmp_path / 'run'}"]
-    proc, _ = launch(*args, timeout=120) if command[0] == "-m" else fail_fast(*args, *overrides)
+    proc, _ = fail_fast(" ".join(args[:2]), *args[2:]) if command[0] == "-m" else fail_fast(*args, *overrides)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ from ringdit.checkpoints.fit import LABEL_TABLE, load_model_weights, resize_labe
 from ringdit.checkpoints.weights import read_weights
 from ringdit.errors import CheckpointError
 from ringdit.models import DiT, parallelize
-from tests.helpers import REPO, TINY, original_dit_state_dict_shapes, run
+from tests.helpers import TINY, fail_fast, in_process, original_dit_state_dict_shapes, run
 
 ZERO_LR = ["optimizer=sgd", "optimizer.lr=0.0", "trainer.max_steps=1", "scheduler=constant"]
 
@@ -53,8 +51,7 @@ def test_init_from_a_ringdit_checkpoint(trained, weights, tmp_path):
 
 def test_export_then_init_from_and_infer(trained, tmp_path):
     export = tmp_path / "weights.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "ringdit.export", f"ckpt_path={trained}", f"out={export}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc, _ = in_process("-m ringdit.export", f"ckpt_path={trained}", f"out={export}")
     assert proc.returncode == 0, proc.stderr
     state, info = read_weights(export)
     assert_same_weights(state, read_weights(trained, prefer="ema")[0])
@@ -88,8 +85,7 @@ def test_init_from_an_original_dit_state_dict(tmp_path):
 
 
 def test_init_from_a_different_model_is_refused_clearly(trained, tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", *TINY, "model.hidden_size=64", f"init_from={trained}",
-                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc, _ = fail_fast("train.py", *TINY, "model.hidden_size=64", f"init_from={trained}", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2
     assert "init_from: init_from=" in proc.stderr and "does not fit this model" in proc.stderr
     assert "x_embedder.proj.weight (32, 1, 2, 2) vs (64, 1, 2, 2)" in proc.stderr
