@@ -7,6 +7,7 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -69,23 +70,27 @@ def _command(rank: int, world_size: int | None, port: int, script: str, override
     ``world_size``, rank ``rank`` as torchrun starts it (its rank in the environment, which Lightning's cluster
     environment, torchelastic's, reads, so that the run joins the others instead of spawning them); without, a run of
     its own, as a user starts one."""
-    from tests.helpers import in_process
+    from tests.helpers import LAUNCH_VARIABLES, in_process
 
     os.environ.update(env)
     if world_size is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                           GROUP_RANK="0", NODE_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                           TORCHELASTIC_RUN_ID="ringdit-tests")
+    else:  # a port an earlier in-process run left in the server's environment would be both runs' port
+        for name in LAUNCH_VARIABLES:
+            os.environ.pop(name, None)
     if "OMP_NUM_THREADS" in env:  # read by torch when it starts: this process (forked) has its server's pool
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     proc, _ = in_process(script, *overrides)
     results.put((rank, proc.returncode, proc.stdout, proc.stderr))
 
 
-def _forked(script: str, overrides: tuple, count: int, world_size: int | None, env: dict,
-            timeout: float) -> list[SimpleNamespace]:
+def _forked(script: str, overrides: tuple, count: int, world_size: int | None, env: dict, timeout: float,
+            while_running: Callable[[list[int]], None] | None = None) -> list[SimpleNamespace]:
     """``count`` processes of ``python script overrides`` forked from the fork server (the imports paid once per pytest
-    worker, not once per process and run), started together: each one's (``returncode``, ``stdout``, ``stderr``)."""
+    worker, not once per process and run), started together: each one's (``returncode``, ``stdout``, ``stderr``).
+    ``while_running(pids)``, called once they have started, acts on them (a signal) before the wait."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     results, port = ctx.SimpleQueue(), free_port()
@@ -93,6 +98,8 @@ def _forked(script: str, overrides: tuple, count: int, world_size: int | None, e
                  for i in range(count)]
     for process in processes:
         process.start()
+    if while_running is not None:
+        while_running([process.pid for process in processes])
     reports, deadline = {}, time.monotonic() + timeout
     while len(reports) < count and time.monotonic() < deadline:
         if not results.empty():
@@ -113,11 +120,12 @@ def _forked(script: str, overrides: tuple, count: int, world_size: int | None, e
                                    f"{timeout} s)") for i in range(count)]
 
 
-def run_command_ranks(script: str, overrides: tuple, world_size: int, env: dict, timeout: float) -> SimpleNamespace:
+def run_command_ranks(script: str, overrides: tuple, world_size: int, env: dict, timeout: float,
+                      while_running: Callable[[list[int]], None] | None = None) -> SimpleNamespace:
     """``python script overrides`` on ``world_size`` ranks forked as torchrun starts them: (``returncode``,
     ``stdout``, ``stderr``) as one launch reports them -- the first failing rank's exit code, every rank's output,
-    rank 0's first."""
-    ranks = _forked(script, overrides, world_size, world_size, env, timeout)
+    rank 0's first. ``while_running(pids)``: as for ``_forked``."""
+    ranks = _forked(script, overrides, world_size, world_size, env, timeout, while_running)
     return SimpleNamespace(returncode=next((rank.returncode for rank in ranks if rank.returncode), 0),
                            stdout="".join(rank.stdout for rank in ranks), stderr="".join(rank.stderr for rank in ranks))
 

@@ -65,3 +65,13 @@ class SignalAtStep(L.Callback):
 
                 assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm, "SIGTERM is not handled here"
             os.kill(os.getpid(), self.sig)
+
+
+def save_a_big_checkpoint(path: str) -> None:
+    """Write a 600 MB checkpoint to ``path`` through the training's atomic writer: seconds to write, time to kill the
+    process in the middle (ones: no time spent drawing it)."""
+    import torch
+
+    from ringdit.training.checkpoint_io import AtomicCheckpointIO
+
+    AtomicCheckpointIO().save_checkpoint({"step": 2, "w": torch.ones(150_000_000)}, path)

@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 CONF = REPO / "conf"
 # what a launched rank reads to join a run; a run in this process that Lightning launched leaves them behind
-LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                    "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
 # A model and run small enough for seconds per run on 2 cores; 16 tokens per sample (8x8 digits, 2x2 patches).

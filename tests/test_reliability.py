@@ -3,10 +3,9 @@ checkpoints are written atomically and loaded without running code."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,8 +15,9 @@ import torch
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.errors import CheckpointError
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
-from tests.distributed import run_command_ranks
-from tests.helpers import REPO, TINY, assert_refused, fail_fast, in_process, logged_losses, run, write_latents
+from tests.distributed import PRELOAD, run_command_ranks
+from tests.faults import save_a_big_checkpoint
+from tests.helpers import TINY, assert_refused, fail_fast, in_process, logged_losses, run, write_latents
 
 
 @pytest.fixture(scope="module")
@@ -220,20 +220,19 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"step": 1}, path)
-    writer = (
-        "import sys, torch; from ringdit.training.checkpoint_io import AtomicCheckpointIO\n"
-        "big = {'step': 2, 'w': torch.ones(150_000_000)}\n"  # 600 MB: seconds to write (ones: no time to draw)
-        "print('saving', flush=True); AtomicCheckpointIO().save_checkpoint(big, sys.argv[1])\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", writer, str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "saving"
+    # the writer: a process forked from the fork server (torch already imported), killed in the middle of the write
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    writer = context.Process(target=save_a_big_checkpoint, args=(str(path),))
+    writer.start()
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(".last.ckpt.*.tmp")):  # the write has begun
-        assert time.monotonic() < deadline and proc.poll() is None
+        assert time.monotonic() < deadline and writer.is_alive()
         time.sleep(0.01)
     time.sleep(0.2)
-    proc.kill()
-    proc.wait()
+    writer.kill()
+    writer.join()
+    assert writer.exitcode == -signal.SIGKILL  # killed, not done
     assert safe_torch_load(path) == {"step": 1}
     AtomicCheckpointIO().save_checkpoint({"step": 3}, path)  # the next save also clears the torn temporary file
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
