@@ -72,14 +72,13 @@ def _command(rank: int, world_size: int | None, port: int, script: str, override
     its own, as a user starts one."""
     from tests.helpers import LAUNCH_VARIABLES, in_process
 
+    for name in LAUNCH_VARIABLES:  # what an in-process run left in the server's environment (one port for all runs)
+        os.environ.pop(name, None)
     os.environ.update(env)
     if world_size is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                           GROUP_RANK="0", NODE_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                           TORCHELASTIC_RUN_ID="ringdit-tests")
-    else:  # a port an earlier in-process run left in the server's environment would be both runs' port
-        for name in LAUNCH_VARIABLES:
-            os.environ.pop(name, None)
     if "OMP_NUM_THREADS" in env:  # read by torch when it starts: this process (forked) has its server's pool
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     proc, _ = in_process(script, *overrides)
