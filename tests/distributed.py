@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 import time
 import traceback
@@ -16,9 +17,19 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a rendezvous that nothing holds now and that nothing else takes before rank 0 listens on it: below
+    Linux's ephemeral range (32768 and up), where the many connections of the other worker's gloo ranks take theirs
+    (a port the kernel handed out free was once taken so, EADDRINUSE), in a stretch of its own for each xdist worker."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    start = 20000 + 1500 * (worker % 8)
+    for port in random.Random().sample(range(start, start + 1500), 1500):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}-{start + 1499}")
 
 
 def _entry(rank: int, fn, world_size: int, port: int, args: tuple, errors) -> None:
