@@ -79,6 +79,8 @@ def main() -> None:
             (f"images {args.size}x{args.size}, AutoencoderKL", "images", "sd", {}),
             (f"videos {args.frames}x{args.size}x{args.size}, Wan VAE", "videos", "wan", {"frames": args.frames}),
         ):
+            if not any((root / folder).iterdir()):  # --images 0 or --videos 0: that set is not measured
+                continue
             report = encode_folder(str(root / folder), str(root / f"out-{folder}"), str(root / models),
                                    str(root / models), resolution=args.size, max_text_len=32, shard_size=16,
                                    batch_size=8, progress=False,
