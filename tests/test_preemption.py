@@ -339,8 +339,7 @@ def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(models, many_i
                "ringdit.prepare", *(f"{key}={value}" for key, value in settings.items())]
     # signalled once both ranks encode (a shard of each: rank r writes shards i % 2 == r), not while one still loads
     # its models: a rank signalled then stops only after loading, by when a busy machine's other rank may be done
-    proc, seconds, ranks = signal_when(command, lambda: {int(path.name[6:11]) % 2 for path in out.glob("shard-*")}
-                                       == {0, 1})
+    proc, seconds, ranks = signal_when(command, lambda: both_ranks_wrote_a_shard(out))
     assert proc.returncode != 0  # torchrun's own code for "a rank failed" or "I was signalled": 1
     assert seconds < STOP_SECONDS, f"{seconds:.1f} s from SIGTERM to exit"
     assert all(gone(pid) for pid in ranks), "a rank was left behind"
@@ -389,7 +388,7 @@ def test_a_rank_killed_while_preparing_leaves_whole_shards_and_the_other_finishe
 
     def kill_rank_1(pids: list[int]) -> None:
         deadline = time.monotonic() + 120
-        while {int(path.name[6:11]) % 2 for path in out.glob("shard-*")} != {0, 1}:
+        while not both_ranks_wrote_a_shard(out):
             assert time.monotonic() < deadline, "the ranks wrote no shard each"
             time.sleep(0.02)
         os.kill(pids[1], signal.SIGKILL)
@@ -401,6 +400,11 @@ def test_a_rank_killed_while_preparing_leaves_whole_shards_and_the_other_finishe
     kept = check_shards(out)
     assert {f"shard-{i:05d}.safetensors" for i in range(0, SHARDS, 2)} <= set(kept)  # rank 0's share, all of it
     assert 0 < sum(int(name[6:11]) % 2 for name in kept) < SHARDS // 2  # rank 1's: some, not all
+
+
+def both_ranks_wrote_a_shard(out: Path) -> bool:
+    """Whether each of 2 prepare ranks has written a shard in ``out`` (rank r writes the shards i with i % 2 == r)."""
+    return {int(path.name[6:11]) % 2 for path in out.glob("shard-*")} == {0, 1}
 
 
 def assert_same_shards(got: Path, expected: Path) -> None:

@@ -323,17 +323,22 @@ def launched(run_dir: Path, *overrides: str):
                                  *overrides], cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
                                 env=launch_environment(), start_new_session=True)
     try:
-        deadline, url = time.monotonic() + 120, None
-        while url is None or not healthy(url):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            if url is None and (run_dir / "server.json").is_file():
-                url = json.loads((run_dir / "server.json").read_text())["url"]
-            time.sleep(0.1)
-        yield proc, url
+        yield proc, ready_url(run_dir, lambda: proc.poll() is None, lambda: log.read_text()[-3000:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def ready_url(run_dir: Path, alive=lambda: True, output=lambda: "") -> str:
+    """The URL of the server writing ``run_dir`` once it answers /health (within 120 s, while ``alive()``)."""
+    deadline, url = time.monotonic() + 120, None
+    while url is None or not healthy(url):
+        assert alive() and time.monotonic() < deadline, f"the server did not become ready:\n{output()}"
+        if url is None and (run_dir / "server.json").is_file():
+            url = json.loads((run_dir / "server.json").read_text())["url"]
+        time.sleep(0.1)
+    return url
 
 
 def launch_environment() -> dict:
@@ -446,12 +451,7 @@ def test_a_killed_rank_makes_the_server_answer_503_and_exit(dit, tmp_path):
     timing = {}
 
     def kill_rank_1_when_serving(pids: list[int]) -> None:
-        deadline, url = time.monotonic() + 120, None
-        while url is None or not healthy(url):
-            assert time.monotonic() < deadline, "the server did not become ready"
-            if url is None and (run_dir / "server.json").is_file():
-                url = json.loads((run_dir / "server.json").read_text())["url"]
-            time.sleep(0.1)
+        url = ready_url(run_dir)
         timing["killed"] = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         while True:
