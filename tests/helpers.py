@@ -1,9 +1,10 @@
 """What the test modules share: the repository paths, a tiny training run's overrides, running train.py / infer.py
-(in this process when the run is one process, else in a subprocess; or train.py's checks and setup alone:
-``prepare_train``), builders of small inputs (images, latents, videos, a tiny DiT, a tiny Wan folder, tiny
-LTX-Video / HunyuanVideo 1.5 VAEs, a tiny Qwen2.5-VL text encoder), a safetensors file's header and bytes (``split``)
-with the parallel VAE's tile (``TILE``), and the flow sampler's time grid: diffusers' scheduler's sigmas
-(``scheduler_sigmas``) and the times a run samples at (``sampled_grid``). Fixtures live in conftest.py."""
+(in this process when the run is one process, else on ranks forked from the fork server; or train.py's checks and
+setup alone: ``prepare_train``), builders of small inputs (images, latents, videos, a tiny DiT, a tiny Wan folder,
+tiny LTX-Video / HunyuanVideo 1.5 VAEs, a tiny Qwen2.5-VL text encoder), a safetensors file's header and bytes
+(``split``) with the parallel VAE's tile (``TILE``), and the flow sampler's time grid: diffusers' scheduler's sigmas
+(``scheduler_sigmas``) and the times a run samples at (``sampled_grid``). Fixtures live in conftest.py. Importing it
+makes Hydra compose each command once (``_compose_once_per_command``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import traceback
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import torch
@@ -33,6 +35,53 @@ from safetensors.torch import save_file
 from ringdit.models import DiT
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _compose_once_per_command() -> None:
+    """Hydra in the tests' processes, which compose configs hundreds of times, without two costs of each command:
+    ``get_mode``, which composes the whole config once more before the run only to read ``hydra.mode`` (None, as it
+    finds it when no override sets it: no config in conf/ does, test_vocabulary), and parsing each YAML file again
+    in every composition (each file is parsed once, keyed by its path, size and time, and handed out as a copy, as
+    Hydra mutates what it loads). Together a third of a tiny train.py run here. Set up when this module is imported:
+    in every pytest worker and in its fork server, whose forked ranks run the commands of several ranks."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.sources_registry import SourcesRegistry
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.config_source import ConfigResult
+
+    get_mode = Hydra.get_mode
+
+    def run_mode(hydra, config_name, overrides):
+        if any(override.lstrip("+~").startswith("hydra.mode") for override in overrides):
+            return get_mode(hydra, config_name, overrides)
+        return None
+
+    def parsed_once(load_config):
+        parsed = {}
+
+        def load_parsed_config(source, config_path: str) -> ConfigResult:
+            path = Path(str(source.path), source._normalize_file_name(config_path))
+            try:
+                stat = path.stat()
+                key = (type(source), path, stat.st_size, stat.st_mtime_ns)
+            except OSError:  # a package's resource (Hydra's own configs): as unchanging as the package
+                key = (type(source), path)
+            if key not in parsed:
+                parsed[key] = load_config(source, config_path)
+            result = parsed[key]
+            return ConfigResult(config=copy.deepcopy(result.config), path=result.path, provider=result.provider,
+                                header=dict(result.header))
+
+        return load_parsed_config
+
+    Hydra.get_mode = run_mode
+    Plugins.instance()  # its scan defines the config sources' classes anew: patch the ones it registered
+    for scheme in ("file", "pkg"):
+        source = SourcesRegistry.instance().resolve(scheme)
+        source.load_config = parsed_once(source.load_config)
+
+
+_compose_once_per_command()
 
 
 CONF = REPO / "conf"
@@ -53,52 +102,60 @@ def run(script: str, run_dir: Path, *overrides: str, env: dict | None = None, ti
     """Run train.py / infer.py with ``overrides``; fail with its output if it fails. A run of one process runs in this
     process (``in_process``: the same entry point, without a new interpreter's seconds of imports); one of several
     ranks on one node runs them forked from the test's fork server, each as torchrun starts a rank
-    (``tests.distributed.run_command_ranks``); one whose settings do not compose, or that runs on several nodes,
-    runs in a subprocess, as a user starts it."""
+    (``tests.distributed.run_command_ranks``), once this process composed its settings and found them several; one
+    on several nodes runs in a subprocess, as a user starts it."""
     from tests.distributed import run_command_ranks
 
     overrides = (f"hydra.run.dir={run_dir}", *overrides)
     environment = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    ranks = local_ranks(script, overrides)
-    if ranks == 1:
-        proc, _ = in_process(script, *overrides, env=environment)
-    elif ranks:
-        proc = run_command_ranks(script, overrides, ranks, environment, timeout)
-    else:
-        proc = subprocess.run([sys.executable, script, *overrides], cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, **environment})
+    try:
+        proc, _ = in_process(script, *overrides, env=environment, one_process=True)
+    except SeveralProcesses as several:
+        if several.ranks:
+            proc = run_command_ranks(script, overrides, several.ranks, environment, timeout)
+        else:
+            proc = subprocess.run([sys.executable, script, *overrides], cwd=REPO, capture_output=True, text=True,
+                                  timeout=timeout, env={**os.environ, **environment})
     assert proc.returncode == 0, (f"{script} {' '.join(overrides)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
                                   f"\n{proc.stderr[-5000:]}")
     return proc
 
 
-def local_ranks(script: str, overrides: tuple[str, ...]) -> int | None:
-    """The processes ``script`` with ``overrides`` runs on one node (Lightning's ``trainer.devices``, resolved); None
-    when it runs on several nodes or the settings do not compose (the command itself will say why)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+class SeveralProcesses(Exception):
+    """A command run by ``in_process(..., one_process=True)`` whose settings start several processes: ``ranks`` on one
+    node (Lightning's ``trainer.devices``, resolved), None on several nodes. Raised once its config is composed,
+    before its run folder or its task."""
 
-    from ringdit.cli import register_resolvers
-
-    register_resolvers()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(Path(script).stem, overrides=[o for o in overrides if not o.startswith("hydra.")])
-            devices, nodes = int(cfg.trainer.devices), int(cfg.trainer.get("num_nodes") or 1)
-    except Exception:  # noqa: BLE001 - a subprocess reports it as the command does
-        return None
-    finally:
-        GlobalHydra.instance().clear()
-    return devices if nodes == 1 else None
+    def __init__(self, ranks: int | None):
+        super().__init__(f"{ranks or 'several nodes of'} processes")
+        self.ranks = ranks
 
 
-def in_process(script: str, *overrides: str, env: dict | None = None) -> tuple[SimpleNamespace, float]:
+def _one_process_only(run_job):
+    """Hydra's ``run_job``, refusing a job of several processes (``SeveralProcesses``); a config whose ranks do not
+    resolve runs, for the command to report its error as it does."""
+
+    def run_one_process(*, config, **kwargs):
+        try:
+            devices, nodes = int(config.trainer.devices), int(config.trainer.get("num_nodes") or 1)
+        except Exception:  # noqa: BLE001 - the command reports it
+            devices, nodes = 1, 1
+        if (devices, nodes) != (1, 1):
+            raise SeveralProcesses(devices if nodes == 1 else None)
+        return run_job(config=config, **kwargs)
+
+    return run_one_process
+
+
+def in_process(script: str, *overrides: str, env: dict | None = None,
+               one_process: bool = False) -> tuple[SimpleNamespace, float]:
     """``python script overrides`` (train.py / infer.py; ``-m ringdit.prepare``: a module) run in this process, as
     its command line would: argument parsing, composition, the checks, the run, the one-line report and the exit
-    code. Returns (``returncode``, ``stdout``, ``stderr``) and the seconds it took. The process is left as it was: ``sys.argv``, the environment
-    (``env`` is added for the run), the working directory, Hydra's global state and the warning filters; warnings
-    are written to its stderr, each time, as a new interpreter writes them."""
+    code. Returns (``returncode``, ``stdout``, ``stderr``) and the seconds it took. The process is left as it was:
+    ``sys.argv``, the environment (``env`` is added for the run), the working directory, Hydra's global state and the
+    warning filters; warnings are written to its stderr, each time, as a new interpreter writes them.
+    ``one_process``: a run whose settings start several processes raises ``SeveralProcesses`` instead of running."""
+    from hydra._internal import hydra as hydra_run
     from hydra.core.global_hydra import GlobalHydra
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -112,7 +169,8 @@ def in_process(script: str, *overrides: str, env: dict | None = None) -> tuple[S
     start = time.monotonic()
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), contextlib.chdir(REPO), \
-                warnings.catch_warnings():
+                warnings.catch_warnings(), mock.patch.object(hydra_run, "run_job",
+                                  _one_process_only(hydra_run.run_job) if one_process else hydra_run.run_job):
             warnings.simplefilter("default")  # a fresh process's filters: each warning once per run, not per worker
             warnings.showwarning = show
             if module:  # as ``python -m module``; runpy's warning that this process imported it before is ours
@@ -121,6 +179,8 @@ def in_process(script: str, *overrides: str, env: dict | None = None) -> tuple[S
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
             else:  # as ``python script``: Hydra finds conf/
                 runpy.run_path(str(REPO / script), run_name="__main__")
+    except SeveralProcesses:
+        raise
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except Exception:  # noqa: BLE001 - a crash: exit code 1 and its traceback, as the interpreter reports it

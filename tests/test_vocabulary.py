@@ -31,3 +31,15 @@ def test_another_commands_name_is_pointed_to_this_ones(command, key, hint):
     error = ConfigCompositionException(f"Could not override '{key}'.")
     error.__cause__ = KeyError(f"Key '{key}' is not in struct")
     assert hint in hydra_error_message(error, command, in_task=False)
+
+
+@pytest.mark.parametrize("command", ["train", "infer", "prepare", "plan", "calibrate", "decode", "export", "serve"])
+def test_no_command_config_sets_hydras_run_mode(command):
+    """A command's run mode is Hydra's default (one run; ``-m`` for a sweep): no config sets ``hydra.mode``. The
+    in-process runs of the tests rely on it (``tests/helpers.in_process`` skips Hydra's composition that reads it)."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.helpers import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        assert compose(command, return_hydra_config=True).hydra.mode is None
