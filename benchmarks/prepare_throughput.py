@@ -82,7 +82,7 @@ def main() -> None:
             if not any((root / folder).iterdir()):  # --images 0 or --videos 0: that set is not measured
                 continue
             report = encode_folder(str(root / folder), str(root / f"out-{folder}"), str(root / models),
-                                   str(root / models), resolution=args.size, max_text_len=32, shard_size=16,
+                                   str(root / models), size=args.size, max_text_len=32, shard_size=16,
                                    batch_size=8, progress=False,
                                    tiling=False,  # the tiny VAEs' tile size is 32 px; a real VAE tiles above 256-1024
                                    **extra)

@@ -62,6 +62,9 @@ def user_errors(*kinds: type[BaseException]):
 # ---- Hydra's own errors (composition, overrides, ???, the run folder) as one line and exit code 2 -----------------
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# settings renamed so that every command names one thing alike (prepare's size, as infer.py's and the planner's):
+# the former name is pointed to the new one
+FORMER_NAMES = {"prepare": {"resolution": "size"}}
 FULL_ERROR = "HYDRA_FULL_ERROR"  # Hydra's own switch: "1" = re-raise errors instead of reporting them
 
 
@@ -222,6 +225,7 @@ def hydra_error_message(error: Exception, config_name: str, *, in_task: bool) ->
                        f"(e.g. {group}=none); select it ({group}=...) or drop the override"
             nested = sorted((name for name in known if name.endswith(f".{key}")), key=len)  # steps= for the
             close = nested[:1] or difflib.get_close_matches(key, known, n=1, cutoff=0.6)  # diffusion.sampling.steps=
+            close = [FORMER_NAMES[config_name][key]] if key in FORMER_NAMES.get(config_name, {}) else close
             if close and (CONF_DIR / close[0].replace(".", "/")).is_dir():  # a config group: chosen with a slash
                 close = [close[0].replace(".", "/") + "=..."]
             hint = f"did you mean {close[0]}? " if close else ""

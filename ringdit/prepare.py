@@ -1,9 +1,9 @@
 """Encode captioned images or videos into ``data=text_latents`` shards for training.
 
     python -m ringdit.prepare input=clips/ out=data/clips vae=Wan2.1-T2V text_encoder=Wan2.1-T2V \
-        resolution=[480,832] frames=81 max_text_len=512           # one bucket: every clip cropped to 480x832x81
+        size=[480,832] frames=81 max_text_len=512                 # one bucket: every clip cropped to 480x832x81
     python -m ringdit.prepare input=media/ out=data/media vae=Wan2.1-T2V text_encoder=Wan2.1-T2V \
-        buckets=auto resolution=[480,832] frames=81               # aspect-ratio / duration buckets, images too
+        buckets=auto size=[480,832] frames=81                     # aspect-ratio / duration buckets, images too
     torchrun --nproc-per-node 8 -m ringdit.prepare ...        # rank r encodes shards r, r + 8, ...; re-run resumes
     torchrun --nproc-per-node 8 -m ringdit.prepare ... parallel_vae=true  # all 8 ranks on each clip: VAE tiles split
     python -m ringdit.prepare ... vae=Wan2.1-I2V text_encoder=Wan2.1-I2V task=i2v image_encoder=Wan2.1-I2V

@@ -326,7 +326,7 @@ def test_prepare_summary_names_every_skipped_file(models, tmp_path):
     folder = captioned_folder(tmp_path / "in", [*GOOD_ROWS, {"file_name": "gone.png", "text": "a red sky"},
                                                 {"file_name": "broken.png", "text": "a broken file"}])
     (folder / "broken.png").write_bytes(b"not a png at all")
-    report = encode_folder(str(folder), str(tmp_path / "out"), str(models["flux"]), str(models["flux"]), resolution=16,
+    report = encode_folder(str(folder), str(tmp_path / "out"), str(models["flux"]), str(models["flux"]), size=16,
                            max_text_len=TEXT_LEN, progress=False)
     assert report.samples == 2 and report.missing == [str(folder / "gone.png")]
     assert report.unreadable == [str(folder / "broken.png")]
@@ -334,7 +334,7 @@ def test_prepare_summary_names_every_skipped_file(models, tmp_path):
     assert f"skipped 1 unreadable files ({folder / 'broken.png'}), 0 clips too short for the bucket and 1 files the " \
            f"metadata lists that are missing or not images / videos ({folder / 'gone.png'})" in summary
     other_rank = encode_folder(str(folder), str(tmp_path / "out2"), str(models["flux"]), str(models["flux"]),
-                               resolution=16, max_text_len=TEXT_LEN, shard_size=1, rank=1, world_size=2, progress=False)
+                               size=16, max_text_len=TEXT_LEN, shard_size=1, rank=1, world_size=2, progress=False)
     assert other_rank.missing == []  # every rank sees them; rank 0 reports them, so totals add up
 
 

@@ -216,7 +216,7 @@ def test_i2v_with_only_one_frame_buckets_is_refused(models, tmp_path):
     with pytest.raises(ConfigError, match=r"task=i2v: every file of input=.* falls in a 1-frame bucket .*a 1-frame "
                                           r"clip is its own first frame.*give frame buckets of 1 \+ k \* 4 frames"):
         encode_folder(str(clips), str(out), str(models["wan"]), str(models["wan"]), task="i2v", buckets=[[16, 24]],
-                      resolution=[16, 24], frames=5, frame_buckets=[1], max_text_len=TEXT_LEN, progress=False)
+                      size=[16, 24], frames=5, frame_buckets=[1], max_text_len=TEXT_LEN, progress=False)
     assert not list(out.glob("shard-*")) if out.exists() else True
 
 
@@ -390,14 +390,14 @@ def test_images_of_more_than_8_bits_are_named_not_whitened(tmp_path):
 
 
 def test_bucket_settings_out_of_range_are_named():
-    from ringdit.media.buckets import allowed_frames, resolution_pair
+    from ringdit.media.buckets import allowed_frames, size_pair
 
     with pytest.raises(ConfigError, match=r"frame_buckets: inf is not a frame count the VAE encodes .*use e.g. 5"):
         allowed_frames(17, 4, [float("inf")])
-    with pytest.raises(ConfigError, match=r"resolution=480832: 480832 pixels on a side is more than 16384; give "
-                                          r"\[H, W\], e.g. resolution=\[480,832\]"):
-        resolution_pair(480832)
-    assert resolution_pair("480x832") == (480, 832)
+    with pytest.raises(ConfigError, match=r"size=480832: 480832 pixels on a side is more than 16384; give "
+                                          r"\[H, W\], e.g. size=\[480,832\]"):
+        size_pair(480832)
+    assert size_pair("480x832") == (480, 832)
 
 
 def test_prepare_refuses_a_device_it_cannot_encode_on(models, tmp_path):
@@ -470,7 +470,7 @@ def test_prepare_that_prepares_nothing_fails(models, tmp_path, capsys):
     (folder / "broken.txt").write_text("a broken file")
     with pytest.raises(SystemExit) as stop:
         main([f"input={folder}", f"out={tmp_path / 'out'}", f"vae={models['flux']}", f"text_encoder={models['flux']}",
-              "resolution=16", "max_text_len=8"])
+              "size=16", "max_text_len=8"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and re.search(rf"Error: input={folder}: nothing was prepared -- prepared 0 samples .*"
                                               rf"skipped 1 unreadable files \({folder / 'broken.png'}\)", err), err

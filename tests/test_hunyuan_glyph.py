@@ -29,7 +29,7 @@ GLYPH_LEN = 256  # the pipeline's glyph tokens
 CAPTIONS = ['a red fox "running"', "a blue cat", 'a sky \u201cgreen field\u201d "red" "red"', "green field"]
 PROMPT = 'a red fox "OPEN 24h" running'
 # 5-frame clips at 16 px: 3 x 4 x 4 latents
-VIDEO = {"resolution": 16, "frames": 5, "max_text_len": TEXT_LEN, "prompt_template": "hunyuan_video15"}
+VIDEO = {"size": 16, "frames": 5, "max_text_len": TEXT_LEN, "prompt_template": "hunyuan_video15"}
 
 
 @pytest.fixture(scope="module")

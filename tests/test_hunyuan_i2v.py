@@ -119,7 +119,7 @@ def test_i2v_matches_unmodified_diffusers_on_one_process_and_under_ring_and_usp(
 
 # ---- prepare, train.py, infer.py image= -----------------------------------------------------------------------------
 
-VIDEO = {"resolution": 16, "frames": 5, "max_text_len": TEXT_LEN, "prompt_template": "hunyuan_video15"}  # 3x4x4
+VIDEO = {"size": 16, "frames": 5, "max_text_len": TEXT_LEN, "prompt_template": "hunyuan_video15"}  # 3x4x4
 
 
 @pytest.fixture(scope="module")

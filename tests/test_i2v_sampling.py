@@ -58,7 +58,7 @@ def i2v(models, clip_folder, tmp_path_factory) -> SimpleNamespace:
         Image.fromarray(rng.integers(0, 256, (*SIZE, 3), dtype=np.uint8)).save(images / name)
     data = root / "data"
     prepare([f"input={clips}", f"out={data}", f"vae={models['wan']}", f"text_encoder={models['wan']}",
-             f"resolution=[{SIZE[0]},{SIZE[1]}]", f"frames={FRAMES}", f"max_text_len={TEXT_LEN}", "task=i2v",
+             f"size=[{SIZE[0]},{SIZE[1]}]", f"frames={FRAMES}", f"max_text_len={TEXT_LEN}", "task=i2v",
              f"image_encoder={clip_folder}"])
     common = ["experiment=wan_tiny", "data=text_latents", f"data.path={data}", "data.batch_size=2",
               "data.val_fraction=0.5", "trainer.max_steps=1", "logger=csv", "scheduler=constant",

@@ -72,7 +72,7 @@ def test_prepare_images_with_sidecar_captions(models, image_folder, tmp_path):
     """Shards hold exactly the normalised VAE latents and masked text states of each file; the corrupt file is
     skipped and counted; the result loads as data=text_latents."""
     out = tmp_path / "out"
-    report = encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), resolution=16,
+    report = encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), size=16,
                            max_text_len=TEXT_LEN, shard_size=2, batch_size=2, progress=False)
     assert report.unreadable == [str(image_folder / "img9.png")] and report.too_short == []
     assert report.samples == 4 and report.shards_written == 2  # shard 2 held only img9: not written
@@ -114,7 +114,7 @@ def test_prepare_videos_with_metadata_and_resume(models, video_folder, tmp_path)
     """Videos: first ``frames`` frames at the stride, Wan normalisation, too-short clip counted; re-running skips
     finished shards and only re-encodes a missing one."""
     out = tmp_path / "out"
-    settings = dict(caption_column="caption", resolution=[16, 24], frames=5, frame_stride=2, max_text_len=TEXT_LEN,
+    settings = dict(caption_column="caption", size=[16, 24], frames=5, frame_stride=2, max_text_len=TEXT_LEN,
                     shard_size=1, progress=False)
     report = encode_folder(str(video_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
     assert report.samples == 2 and report.shards_written == 2 and report.too_short == [
@@ -143,7 +143,7 @@ def test_prepare_videos_with_metadata_and_resume(models, video_folder, tmp_path)
 def test_ranks_split_the_shards(models, image_folder, tmp_path):
     """Rank r of W writes shards r, r + W, ...; together they write what one process writes."""
     out = tmp_path / "out"
-    common = dict(resolution=16, max_text_len=TEXT_LEN, shard_size=1, progress=False)
+    common = dict(size=16, max_text_len=TEXT_LEN, shard_size=1, progress=False)
     first = encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=0, world_size=2,
                           **common)
     assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors", "shard-00002.safetensors"]
@@ -154,7 +154,7 @@ def test_ranks_split_the_shards(models, image_folder, tmp_path):
 
 def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp_path):
     def run(folder, vae, **kwargs):
-        return encode_folder(str(folder), str(tmp_path / "out"), str(vae), str(models["flux"]), resolution=16,
+        return encode_folder(str(folder), str(tmp_path / "out"), str(vae), str(models["flux"]), size=16,
                              max_text_len=TEXT_LEN, progress=False, **kwargs)
 
     with pytest.raises(ConfigError, match="input=.*missing is not a folder"):
@@ -175,8 +175,8 @@ def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp
         VAE(no_weights)
     with pytest.raises(ConfigError, match=r"frames=6: AutoencoderKLWan encodes 1 \+ k \* 4 frames; pass e.g. frames=5"):
         run(video_folder, models["wan"], caption_column="caption", frames=6)
-    with pytest.raises(ConfigError, match="resolution=12x12: .* multiples of the VAE's downsampling factor 8"):
-        encode_folder(str(video_folder), str(tmp_path / "o"), str(models["wan"]), str(models["wan"]), resolution=12,
+    with pytest.raises(ConfigError, match="size=12x12: .* multiples of the VAE's downsampling factor 8"):
+        encode_folder(str(video_folder), str(tmp_path / "o"), str(models["wan"]), str(models["wan"]), size=12,
                       caption_column="caption", frames=5, progress=False)
     with pytest.raises(ConfigError, match="max_text_len=32 is longer than CLIPTextModel takes .16 positions"):
         TextEncoder(models["flux"], max_len=32)
@@ -188,13 +188,13 @@ def test_prepare_cli_one_line_error_and_success(models, image_folder, tmp_path, 
     from ringdit.prepare import main
 
     settings = [f"input={image_folder}", f"out={tmp_path / 'out'}", f"vae={models['flux']}",
-                f"text_encoder={models['flux']}", "resolution=16", f"max_text_len={TEXT_LEN}"]
+                f"text_encoder={models['flux']}", "size=16", f"max_text_len={TEXT_LEN}"]
     bad, _ = fail_fast("-m ringdit.prepare", *settings, f"input={tmp_path / 'nowhere'}")
     assert bad.returncode == 2 and bad.stderr.startswith(f"Error: input={tmp_path / 'nowhere'} is not a folder")
     assert "Traceback" not in bad.stderr
     with pytest.raises(SystemExit) as exit_info:
-        main([*settings, "resolutoin=16"])
-    assert exit_info.value.code == 2 and "no setting named 'resolutoin'; did you mean resolution?" in \
+        main([*settings, "resolution=16"])  # the former name of size
+    assert exit_info.value.code == 2 and "no setting named 'resolution'; did you mean size?" in \
         capsys.readouterr().err
     main(settings)
     printed = capsys.readouterr().out
@@ -207,7 +207,7 @@ def test_a_corrupt_clip_is_skipped_and_named(models, video_folder, tmp_path):
     clip = video_folder / "clips" / "b.mp4"
     clip.write_bytes(clip.read_bytes()[: clip.stat().st_size // 3])
     report = encode_folder(str(video_folder), str(tmp_path / "out"), str(models["wan"]), str(models["wan"]),
-                           caption_column="caption", resolution=[16, 24], frames=5, frame_stride=2,
+                           caption_column="caption", size=[16, 24], frames=5, frame_stride=2,
                            max_text_len=TEXT_LEN, shard_size=1, progress=False)
     assert report.unreadable == [str(clip)] and report.samples == 1
     assert f"skipped 1 unreadable files ({clip})" in report.summary()
@@ -244,7 +244,7 @@ def test_prepare_buckets_auto_mixes_images_and_videos(models, mixed_folder, tmp_
     VAE, clips get the longest 1 + 4k frames they have; too-short and corrupt files are named; a re-run rewrites
     nothing, and a changed input with shards there is refused."""
     out = tmp_path / "out"
-    settings = dict(buckets="auto", resolution=32, frames=9, shard_size=2, max_text_len=TEXT_LEN, progress=False)
+    settings = dict(buckets="auto", size=32, frames=9, shard_size=2, max_text_len=TEXT_LEN, progress=False)
     report = encode_folder(str(mixed_folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
     # auto at 32 px (step 16): 16x48, 16x64, 32x32, 48x16, 64x16; ordered by frames, height, width
     assert report.unreadable == [str(mixed_folder / "broken.png")]
@@ -304,7 +304,7 @@ def test_prepare_bucket_list_image_vae_and_ranks(models, image_folder, tmp_path)
     out = tmp_path / "out"
     colour_image(5, (24, 40)).save(image_folder / "tall.png")  # portrait 40 x 24 (H x W)
     (image_folder / "tall.txt").write_text("a red sky")
-    common = dict(buckets=[[8, 16], [16, 8], [12, 12]], resolution=16, max_text_len=TEXT_LEN, shard_size=2,
+    common = dict(buckets=[[8, 16], [16, 8], [12, 12]], size=16, max_text_len=TEXT_LEN, shard_size=2,
                   progress=False)
     first = encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=0,
                           world_size=2, **common)
@@ -321,7 +321,7 @@ def test_prepare_bucket_list_image_vae_and_ranks(models, image_folder, tmp_path)
 def test_prepare_bucket_errors_are_one_line(models, image_folder, video_folder, tmp_path):
     def run(folder, vae, **kwargs):
         return encode_folder(str(folder), str(tmp_path / "out"), str(vae), str(models["flux"]),
-                             max_text_len=TEXT_LEN, progress=False, **{"resolution": 16, **kwargs})
+                             max_text_len=TEXT_LEN, progress=False, **{"size": 16, **kwargs})
 
     cases = [
         (dict(buckets="square"), r"buckets='square' is not null, auto or a list of \[H, W\]"),
@@ -329,8 +329,8 @@ def test_prepare_bucket_errors_are_one_line(models, image_folder, video_folder, 
          r"buckets: \[20, 32\] is not a multiple of AutoencoderKLWan's downsampling factor 8"),
         (dict(buckets="auto", frame_buckets=[6], frames=9, caption_column="caption"),
          r"frame_buckets: 6 is not a frame count AutoencoderKLWan encodes \(1 \+ k \* 4"),
-        (dict(buckets="auto", resolution=8, caption_column="caption"),
-         r"resolution=8 \(8x8\) is smaller than the smallest bucket buckets=auto can make, 16x16"),
+        (dict(buckets="auto", size=8, caption_column="caption"),
+         r"size=8 \(8x8\) is smaller than the smallest bucket buckets=auto can make, 16x16"),
         (dict(frame_buckets=[5]), r"frame_buckets=\[5\] needs buckets=auto or a list of \[H, W\]"),
         (dict(bucket_step=16), r"bucket_step=16 is the size step of buckets=auto, but buckets=null; pass buckets=auto"),
     ]

@@ -21,7 +21,7 @@ def test_prepare_train_and_sample_from_prompts(models, tmp_path):
         write_video(clips / f"{i}.mp4", 5, seed=i, size=(40, 32))
         (clips / f"{i}.txt").write_text(CAPTIONS[i % 4])
     data = tmp_path / "data"
-    report = encode_folder(str(clips), str(data), str(models["wan"]), str(models["wan"]), resolution=32, frames=5,
+    report = encode_folder(str(clips), str(data), str(models["wan"]), str(models["wan"]), size=32, frames=5,
                            max_text_len=TEXT_LEN, shard_size=4, progress=False)
     assert report.samples == 8 and report.shards_written == 2
 

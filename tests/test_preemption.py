@@ -311,7 +311,7 @@ def many_images(tmp_path) -> Path:
 
 def prepare_settings(images: Path, out: Path, models: dict, **more) -> dict:
     return dict(input=str(images), out=str(out), vae=str(models["flux"]), text_encoder=str(models["flux"]),
-                resolution=more.pop("resolution", 256), max_text_len=TEXT_LEN, shard_size=1, batch_size=1, **more)
+                size=more.pop("size", 256), max_text_len=TEXT_LEN, shard_size=1, batch_size=1, **more)
 
 
 def check_shards(out: Path) -> dict[str, int]:
@@ -433,7 +433,7 @@ def test_sigterm_while_a_shard_is_written_keeps_it(models, many_images, tmp_path
 
     monkeypatch.setattr(media, "write_text_latents", signal_while_writing)
     out = tmp_path / "out"
-    settings = prepare_settings(many_images, out, models, resolution=16)
+    settings = prepare_settings(many_images, out, models, size=16)
     with pytest.raises(SystemExit) as stop:
         main([f"{key}={value}" for key, value in settings.items()])
     assert stop.value.code == 143
@@ -457,7 +457,7 @@ def test_sigterm_while_models_load_stops_at_once(models, many_images, tmp_path, 
     monkeypatch.setattr(media, "VAE", signal_while_loading)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as stop:
-        main([f"{key}={value}" for key, value in prepare_settings(many_images, out, models, resolution=16).items()])
+        main([f"{key}={value}" for key, value in prepare_settings(many_images, out, models, size=16).items()])
     assert stop.value.code == 143
     assert not out.exists() or not list(out.iterdir())
     assert "preempted: SIGTERM stopped preparing; 0 complete shards in" in caplog.text

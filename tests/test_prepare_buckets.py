@@ -17,8 +17,8 @@ WAN = dict(spatial=8, temporal=4, class_name="AutoencoderKLWan")  # what the Wan
 
 
 def test_auto_sizes_follow_the_area_and_aspect_rule():
-    """Multiples of the step, area at most the resolution's, 1:4 .. 4:1, the largest height for each width and its
-    mirror image, the largest square; the resolution itself is a bucket when it is a multiple of the step."""
+    """Multiples of the step, area at most the size's, 1:4 .. 4:1, the largest height for each width and its
+    mirror image, the largest square; the size itself is a bucket when it is a multiple of the step."""
     area, step = 480 * 832, 16
     sizes = auto_sizes(area, step)
     assert (480, 832) in sizes and (832, 480) in sizes and (624, 624) in sizes
@@ -31,11 +31,11 @@ def test_auto_sizes_follow_the_area_and_aspect_rule():
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
     assert auto_sizes(32 * 32, 16) == [(16, 48), (16, 64), (32, 32), (48, 16), (64, 16)]
     assert make_buckets("auto", 32, frames=9, **WAN).sizes == ((16, 48), (16, 64), (32, 32), (48, 16), (64, 16))
-    assert make_buckets("auto", [480, 832], frames=81, **WAN).sizes == tuple(sizes)  # resolution [H, W]: H * W
+    assert make_buckets("auto", [480, 832], frames=81, **WAN).sizes == tuple(sizes)  # size [H, W]: H * W
 
 
 def test_nearest_aspect_ratio_within_the_area():
-    """The bucket of nearest log aspect ratio; a listed bucket larger than the resolution's area is left out."""
+    """The bucket of nearest log aspect ratio; a listed bucket larger than the size's area is left out."""
     buckets = make_buckets([[256, 256], [256, 448], [448, 256], [512, 512]], 400, frames=81, **WAN)
     assert (512, 512) not in buckets.sizes  # 262144 px > 400 ** 2
     assert buckets.choose(1080, 1920, 40) == Bucket(256, 448, 37)  # 16:9 landscape
@@ -89,17 +89,17 @@ def test_plan_groups_by_bucket_in_a_fixed_order():
                               r"9, ...\); use e.g. 5"),
     (dict(frame_buckets=[85]), r"frame_buckets: 85 is above frames=81, .* pass frames=85 or leave 85 out"),
     (dict(frame_buckets="17"), r"frame_buckets='17' is not null or a list of frame counts"),
-    (dict(resolution=8), r"resolution=8 \(8x8\) is smaller than the smallest bucket buckets=auto can make, 16x16 "
-                         r"\(bucket_step=16\); pass resolution>=16"),
-    (dict(buckets=[[512, 512]], resolution=256), r"resolution=256 .* smaller than the smallest bucket in buckets, "
-                                                 r"512x512; .* resolution=\[512,512\]"),
+    (dict(size=8), r"size=8 \(8x8\) is smaller than the smallest bucket buckets=auto can make, 16x16 "
+                         r"\(bucket_step=16\); pass size>=16"),
+    (dict(buckets=[[512, 512]], size=256), r"size=256 .* smaller than the smallest bucket in buckets, "
+                                                 r"512x512; .* size=\[512,512\]"),
     (dict(bucket_step=12), r"bucket_step=12: .* multiple of the VAE's downsampling factor 8; e.g. bucket_step=16"),
-    (dict(resolution="big"), r"resolution must be an int, \[H, W\] or 'HxW', got 'big'"),
+    (dict(size="big"), r"size must be an int, \[H, W\] or 'HxW', got 'big'"),
 ])
 def test_bad_bucket_settings_are_one_line(settings, message):
-    settings = {"buckets": "auto", "resolution": 64, "frames": 81, **settings}
+    settings = {"buckets": "auto", "size": 64, "frames": 81, **settings}
     with pytest.raises(ConfigError, match=message) as error:
-        make_buckets(settings.pop("buckets"), settings.pop("resolution"), **settings, **WAN)
+        make_buckets(settings.pop("buckets"), settings.pop("size"), **settings, **WAN)
     assert "\n" not in str(error.value)
 
 
@@ -108,4 +108,4 @@ def test_parse_buckets_and_leaving_out_large_ones(caplog):
     assert parse_buckets([[480, 832], "832x480", (480, 832)]) == [(480, 832), (832, 480)]
     with caplog.at_level(logging.WARNING):
         buckets = make_buckets([[16, 16], [64, 64]], 32, frames=5, **WAN)
-    assert buckets.sizes == ((16, 16),) and "leaving out 64x64, larger in area than resolution=32" in caplog.text
+    assert buckets.sizes == ((16, 16),) and "leaving out 64x64, larger in area than size=32" in caplog.text

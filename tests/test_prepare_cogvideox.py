@@ -127,10 +127,10 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
     (clips / "clip0.txt").write_text(captions[0])
     out = tmp_path / "out"
     with pytest.raises(ConfigError, match=r"^frames=13: AutoencoderKLCogVideoX decodes 4 latent frames"):
-        encode_folder(str(clips), str(out), str(root), str(models["wan"]), resolution=16, frames=13,
+        encode_folder(str(clips), str(out), str(root), str(models["wan"]), size=16, frames=13,
                       max_text_len=TEXT_LEN, masked_text=False, progress=False)
     assert not out.exists()  # refused before the text encoder was loaded or a shard begun
-    report = encode_folder(str(clips), str(out), str(root), str(models["wan"]), resolution=16, frames=9,
+    report = encode_folder(str(clips), str(out), str(root), str(models["wan"]), size=16, frames=9,
                            max_text_len=TEXT_LEN, masked_text=False, progress=False)
     assert report.samples == 1
     with safe_open(str(out / "shard-00000.safetensors"), framework="pt") as f:

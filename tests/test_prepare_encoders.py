@@ -60,7 +60,7 @@ def test_flux_pair_matches_flux_pipeline(flux, images, tmp_path):
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
     out = tmp_path / "out"
-    report = encode_folder(str(images), str(out), str(flux), str(flux / "text_encoder_2"), resolution=16,
+    report = encode_folder(str(images), str(out), str(flux), str(flux / "text_encoder_2"), size=16,
                            max_text_len=TEXT_LEN, pooled_encoder=str(flux), max_pooled_len=CLIP_LEN, progress=False)
     assert report.samples == 3
     with safe_open(str(out / "shard-00000.safetensors"), framework="pt") as f:
@@ -112,7 +112,7 @@ def test_masked_text_overrides_and_one_encoder_unchanged(flux, models):
 
 def test_pooled_encoder_errors_are_one_line(flux, models, images, tmp_path):
     def run(**kwargs):
-        encode_folder(str(images), str(tmp_path / "out"), str(flux), str(flux / "text_encoder_2"), resolution=16,
+        encode_folder(str(images), str(tmp_path / "out"), str(flux), str(flux / "text_encoder_2"), size=16,
                       max_text_len=TEXT_LEN, progress=False, **kwargs)
 
     with pytest.raises(ConfigError, match=r"pooled_encoder=.*text_encoder_2 is T5EncoderModel, which has no pooled "
@@ -163,7 +163,7 @@ def test_new_video_vaes_normalise_as_their_pipelines(name, models, tmp_path):
     clips.mkdir()
     write_video(clips / "a.mp4", frames, seed=1)
     (clips / "a.txt").write_text("a red fox")
-    report = encode_folder(str(clips), str(tmp_path / "out"), str(tmp_path), str(models["wan"]), resolution=16,
+    report = encode_folder(str(clips), str(tmp_path / "out"), str(tmp_path), str(models["wan"]), size=16,
                            frames=frames, max_text_len=TEXT_LEN, progress=False)
     assert report.samples == 1
     with safe_open(str(tmp_path / "out" / "shard-00000.safetensors"), framework="pt") as f:
@@ -303,7 +303,7 @@ def test_flux2_prepare_matches_flux2_pipeline(flux2, images, tmp_path):
     from ringdit.media.frames import read_image
 
     out = tmp_path / "out"
-    report = encode_folder(str(images), str(out), str(flux2), str(flux2), resolution=16, max_text_len=FLUX2_LEN,
+    report = encode_folder(str(images), str(out), str(flux2), str(flux2), size=16, max_text_len=FLUX2_LEN,
                            prompt_template="flux2", progress=False)
     assert report.samples == 3
     with safe_open(str(out / "shard-00000.safetensors"), framework="pt") as f:
@@ -338,7 +338,7 @@ def test_flux2_wrong_inputs_are_one_line(flux2, models, images, tmp_path):
     a size that is not whole latent patches, another kind of folder as the VAE: each one ConfigError line, before any
     file is encoded."""
     def run(vae=flux2, text_encoder=flux2, **kwargs):
-        settings = dict(resolution=16, max_text_len=FLUX2_LEN, prompt_template="flux2", progress=False) | kwargs
+        settings = dict(size=16, max_text_len=FLUX2_LEN, prompt_template="flux2", progress=False) | kwargs
         encode_folder(str(images), str(tmp_path / "out"), str(vae), str(text_encoder), **settings)
 
     def copy(subfolder: str, edit, weights: bool = True) -> Path:
@@ -368,9 +368,9 @@ def test_flux2_wrong_inputs_are_one_line(flux2, models, images, tmp_path):
     with pytest.raises(ConfigError, match=r"vae=.*AutoencoderKLFlux2 with patch_size=\[1, 1\]; Flux2Pipeline "
                                           r"normalises 2x2 patches"):
         run(vae=copy("vae", lambda c: c.update(patch_size=[1, 1])))
-    with pytest.raises(ConfigError, match=r"resolution=6x6: height and width must be positive multiples of "
+    with pytest.raises(ConfigError, match=r"size=6x6: height and width must be positive multiples of "
                                           r"AutoencoderKLFlux2's 2x downsampling x its 2x2 latent patches, 4"):
-        run(resolution=6)
+        run(size=6)
     with pytest.raises(ConfigError, match=r"vae=.*FLUX.2/text_encoder: .*config.json describes 'None', not a VAE"):
         run(vae=flux2 / "text_encoder")
     with pytest.raises(ConfigError, match=r"vae=.*copy\d/vae.*safetensors"):

@@ -56,7 +56,7 @@ def test_i2v_shards_match_the_pipeline(models, clip_folder, clips, tmp_path):
     from transformers import CLIPImageProcessor, CLIPVisionModel
 
     out = tmp_path / "out"
-    report = encode_folder(str(clips), str(out), str(models["wan"]), str(models["wan"]), resolution=[16, 24],
+    report = encode_folder(str(clips), str(out), str(models["wan"]), str(models["wan"]), size=[16, 24],
                            frames=5, max_text_len=TEXT_LEN, batch_size=2, task="i2v",
                            image_encoder=str(clip_folder), progress=False)
     assert report.samples == 2 and report.shards_written == 1 and report.stills == []
@@ -112,7 +112,7 @@ def test_i2v_buckets_leave_images_out(models, clips, tmp_path):
     Image.fromarray(colour).save(clips / "still.png")
     (clips / "still.txt").write_text("green field")
     out = tmp_path / "out"
-    settings = dict(buckets=[[16, 24]], resolution=[16, 24], frames=9, max_text_len=TEXT_LEN, progress=False)
+    settings = dict(buckets=[[16, 24]], size=[16, 24], frames=9, max_text_len=TEXT_LEN, progress=False)
     report = encode_folder(str(clips), str(out), str(models["wan"]), str(models["wan"]), task="i2v", **settings)
     assert report.stills == [str(clips / "still.png")] and report.samples == 2 and report.shards_written == 2
     assert "task=i2v: left out 1 images or 1-frame clips, which have no video to condition on their first frame " \
@@ -138,7 +138,7 @@ def test_i2v_bad_settings_are_one_line(models, clip_folder, clips, tmp_path, cap
     out = tmp_path / "out"
 
     def run(folder=clips, **kwargs):
-        settings = dict(resolution=[16, 24], frames=5, max_text_len=TEXT_LEN, progress=False) | kwargs
+        settings = dict(size=[16, 24], frames=5, max_text_len=TEXT_LEN, progress=False) | kwargs
         encode_folder(str(folder), str(out), str(models["wan"]), str(models["wan"]), **settings)
 
     cases = [
@@ -184,7 +184,7 @@ def test_i2v_parallel_vae_two_ranks(models, clip_folder, tmp_path):
         write_video(folder / f"{name}.mp4", 6, seed=seed, size=(64, 48))  # 2 x 3 tiles of 32 px
         (folder / f"{name}.txt").write_text("a red fox")
     settings = dict(input=str(folder), vae=str(models["wan"]), text_encoder=str(models["wan"]),
-                    resolution=[48, 64], frames=5, max_text_len=TEXT_LEN, batch_size=2, tile=TILE, task="i2v",
+                    size=[48, 64], frames=5, max_text_len=TEXT_LEN, batch_size=2, tile=TILE, task="i2v",
                     image_encoder=str(clip_folder))
     reference, out = tmp_path / "reference", tmp_path / "parallel"
     threads = torch.get_num_threads()

@@ -46,7 +46,7 @@ def clips(tmp_path) -> Path:
 
 def settings(models, clips, out, **extra) -> dict:
     return dict(input=str(clips), out=str(out), vae=str(models["wan"]), text_encoder=str(models["wan"]),
-                resolution=[48, 64], frames=5, max_text_len=TEXT_LEN, shard_size=2, batch_size=2, tile=TILE, **extra)
+                size=[48, 64], frames=5, max_text_len=TEXT_LEN, shard_size=2, batch_size=2, tile=TILE, **extra)
 
 
 def one_process(models, clips, out) -> None:

@@ -370,7 +370,7 @@ def ti2v(models, tmp_path_factory):
         (clips / f"{i}.txt").write_text(caption)
     Image.fromarray(np.random.default_rng(9).integers(0, 256, (16, 48, 3), dtype=np.uint8)).save(root / "first.png")
     prepare([f"input={clips}", f"out={root / 'data'}", f"vae={models['wan']}", f"text_encoder={models['wan']}",
-             "resolution=[16,48]", "frames=9", "max_text_len=8", "task=i2v"])
+             "size=[16,48]", "frames=9", "max_text_len=8", "task=i2v"])
     run("train.py", root / "train", "experiment=wan_tiny", "model=wan22_ti2v_tiny", "model.config.in_channels=16",
         "model.config.out_channels=16", "data=text_latents", f"data.path={root / 'data'}", "data.batch_size=2",
         "data.val_fraction=0.5", "trainer.max_steps=1", "logger=csv", "scheduler=constant",

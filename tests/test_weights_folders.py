@@ -341,7 +341,7 @@ def test_prepare_refuses_a_broken_vae_or_text_encoder(part, breaks, models, tmp_
     Image.new("RGB", (16, 16), (200, 10, 10)).save(images / "fox.png")
     (images / "fox.txt").write_text("a red fox")
     with pytest.raises(SystemExit) as stop:
-        main([f"input={images}", f"out={tmp_path / 'out'}", f"vae={root}", f"text_encoder={root}", "resolution=16",
+        main([f"input={images}", f"out={tmp_path / 'out'}", f"vae={root}", f"text_encoder={root}", "size=16",
               f"max_text_len={TEXT_LEN}"])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("Error:")]

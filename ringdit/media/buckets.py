@@ -1,13 +1,13 @@
 """Choosing each file's bucket for ``python -m ringdit.prepare buckets=...``: the (H, W[, T]) it is encoded at.
 
 The candidate sizes (``buckets``):
-    null     one bucket, ``resolution`` x ``frames`` (every file cropped to it; encode_folder does not call this)
+    null     one bucket, ``size`` x ``frames`` (every file cropped to it; encode_folder does not call this)
     auto     the musubi-tuner / kohya rule: the largest square, and for each width w = step, 2 * step, ... the
-             largest height h, a multiple of ``step``, with h * w <= the resolution's area (``resolution ** 2``, or
+             largest height h, a multiple of ``step``, with h * w <= the size's area (``size ** 2``, or
              H * W for ``[H, W]``), kept when the aspect ratio is within 1:4 .. 4:1; ``step`` (``bucket_step``)
              defaults to twice the VAE's downsampling (16 px for the Wan / Flux VAEs: whole 2 x 2 latent patches)
     a list   of ``[H, W]`` pixel sizes (or ``"HxW"``), each a multiple of the VAE's downsampling; those of area
-             above the resolution's are left out (with a warning)
+             above the size's are left out (with a warning)
 A file goes to the size of nearest aspect ratio (the smallest |log(h / w) - log(H / W)|); of equally near sizes
 (only a list can have several), the largest the file covers without upscaling, else the smallest. It is then
 scaled to cover the size and centre-cropped (``frames.fit``).
@@ -52,9 +52,9 @@ class Bucket:
         return (self.frames or 0, self.height, self.width)
 
 
-def resolution_pair(resolution) -> tuple[int, int]:
-    """``resolution`` (an int, ``[H, W]`` or ``"HxW"``) -> (H, W), both positive integers."""
-    value = resolution
+def size_pair(size) -> tuple[int, int]:
+    """``size`` (an int, ``[H, W]`` or ``"HxW"``) -> (H, W), both positive integers."""
+    value = size
     if isinstance(value, str) and "x" in value:
         value = value.split("x")
     sizes = list(value) if isinstance(value, (list, tuple)) else [value, value]
@@ -63,19 +63,19 @@ def resolution_pair(resolution) -> tuple[int, int]:
             raise ValueError
         height, width = (int(s) for s in sizes)
     except (TypeError, ValueError):
-        raise ConfigError(f"resolution must be an int, [H, W] or 'HxW', got {resolution!r}") from None
+        raise ConfigError(f"size must be an int, [H, W] or 'HxW', got {size!r}") from None
     if height < 1 or width < 1:
-        raise ConfigError(f"resolution={resolution!r}: height and width must be positive, e.g. resolution=256")
+        raise ConfigError(f"size={size!r}: height and width must be positive, e.g. size=256")
     if max(height, width) > MAX_SIDE:  # auto buckets would enumerate every size up to it; a frame would not fit
-        raise ConfigError(f"resolution={resolution!r}: {max(height, width)} pixels on a side is more than "
-                          f"{MAX_SIDE}; give [H, W], e.g. resolution=[480,832]")
+        raise ConfigError(f"size={size!r}: {max(height, width)} pixels on a side is more than "
+                          f"{MAX_SIDE}; give [H, W], e.g. size=[480,832]")
     return height, width
 
 
-MAX_SIDE = 16384  # pixels on a side: 8K video is 7680; beyond this a resolution is a typo
+MAX_SIDE = 16384  # pixels on a side: 8K video is 7680; beyond this a size is a typo
 
 
-BUCKETS_HINT = ("pass buckets=null (one bucket at resolution), buckets=auto, or a list of [H, W] pixel sizes, e.g. "
+BUCKETS_HINT = ("pass buckets=null (one bucket at size), buckets=auto, or a list of [H, W] pixel sizes, e.g. "
                 "buckets=[[480,832],[832,480],[624,624]]")
 
 
@@ -170,15 +170,15 @@ class Buckets:
                 list(self.frame_counts), "frame_stride": self.frame_stride}
 
 
-def make_buckets(buckets, resolution, *, spatial: int, temporal: int | None, frames: int, frame_stride: int = 1,
+def make_buckets(buckets, size, *, spatial: int, temporal: int | None, frames: int, frame_stride: int = 1,
                  frame_buckets=None, bucket_step: int | None = None, class_name: str = "the VAE") -> Buckets:
     """The settings -> ``Buckets`` (see the module docstring), every mistake a one-line ``ConfigError``.
     ``temporal`` None: an image VAE; else the video VAE's temporal factor."""
     form = parse_buckets(buckets)
     if form is None:
-        raise ConfigError("buckets=null is one bucket at resolution / frames; make_buckets is for buckets=auto or a "
+        raise ConfigError("buckets=null is one bucket at size / frames; make_buckets is for buckets=auto or a "
                           "list of [H, W]")
-    res_h, res_w = resolution_pair(resolution)
+    res_h, res_w = size_pair(size)
     area = res_h * res_w
     if form == "auto":
         step = 2 * spatial if bucket_step is None else bucket_step
@@ -187,25 +187,25 @@ def make_buckets(buckets, resolution, *, spatial: int, temporal: int | None, fra
                               f"downsampling factor {spatial}; e.g. bucket_step={2 * spatial} (null: 2 x {spatial})")
         sizes = auto_sizes(area, step)
         if not sizes:
-            raise ConfigError(f"resolution={resolution!r} ({res_h}x{res_w}) is smaller than the smallest bucket "
-                              f"buckets=auto can make, {step}x{step} (bucket_step={step}); pass resolution>={step}")
+            raise ConfigError(f"size={size!r} ({res_h}x{res_w}) is smaller than the smallest bucket "
+                              f"buckets=auto can make, {step}x{step} (bucket_step={step}); pass size>={step}")
     else:
         for height, width in form:
             if height % spatial or width % spatial:
                 raise ConfigError(f"buckets: [{height}, {width}] is not a multiple of {class_name}'s downsampling "
                                   f"factor {spatial}; use e.g. [{max(spatial, round(height / spatial) * spatial)}, "
                                   f"{max(spatial, round(width / spatial) * spatial)}]")
-        sizes = sorted(size for size in form if size[0] * size[1] <= area)
+        sizes = sorted(bucket for bucket in form if bucket[0] * bucket[1] <= area)
         if not sizes:
             smallest = min(form, key=lambda s: (s[0] * s[1], s))
-            raise ConfigError(f"resolution={resolution!r} ({res_h}x{res_w} = {area} px) is smaller than the smallest "
+            raise ConfigError(f"size={size!r} ({res_h}x{res_w} = {area} px) is smaller than the smallest "
                               f"bucket in buckets, {smallest[0]}x{smallest[1]}; every bucket's area must be at most "
-                              f"the resolution's: pass e.g. resolution=[{smallest[0]},{smallest[1]}] or list smaller "
+                              f"the size's: pass e.g. size=[{smallest[0]},{smallest[1]}] or list smaller "
                               f"buckets")
         dropped = [f"{h}x{w}" for h, w in form if h * w > area]
         if dropped:
-            log.warning("buckets: leaving out %s, larger in area than resolution=%s (%dx%d)", ", ".join(dropped),
-                        resolution, res_h, res_w)
+            log.warning("buckets: leaving out %s, larger in area than size=%s (%dx%d)", ", ".join(dropped),
+                        size, res_h, res_w)
     if temporal is None:
         if frame_buckets is not None:
             log.warning("frame_buckets=%s is for videos; %s is an image VAE, so it is not used", frame_buckets,

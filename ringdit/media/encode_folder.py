@@ -2,9 +2,9 @@
 ``python -m ringdit.prepare`` (ringdit/prepare.py: its command line and SIGTERM handling).
 
 Buckets (the shapes files are encoded at; ringdit/media/buckets.py chooses, ringdit/media/frames.py crops):
-    buckets=null     (the default) one bucket, ``resolution`` x ``frames``: every file is centre-cropped and resized
+    buckets=null     (the default) one bucket, ``size`` x ``frames``: every file is centre-cropped and resized
                      to it and every shard has that shape; a folder may not mix images and videos.
-    buckets=auto     aspect-ratio buckets of area at most the resolution's (1:4 to 4:1, sides in ``bucket_step``
+    buckets=auto     aspect-ratio buckets of area at most the size's (1:4 to 4:1, sides in ``bucket_step``
     or a list        steps), or the listed [H, W] sizes: each file goes to the bucket of nearest aspect ratio and is
                      cropped as little as it needs; a clip gets the longest allowed frame count (``frame_buckets``,
                      default 1 + k * temporal up to ``frames``) it has at ``frame_stride``, and an image is one
@@ -72,7 +72,7 @@ from ringdit.data.text_latents import GLYPH_KEYS, IMAGE_KEYS, write_text_latents
 from ringdit.dtypes import dtype_named
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.folder import MediaItem, list_media
-from ringdit.media.buckets import Bucket, Buckets, make_buckets, parse_buckets, resolution_pair
+from ringdit.media.buckets import Bucket, Buckets, make_buckets, parse_buckets, size_pair
 from ringdit.media.frames import TooShort, probe, read_image, read_video, to_image
 from ringdit.media.image_condition import ImageEncoder, first_frame_condition, image_encoder_folders
 from ringdit.media.text import TextEncoder, chat_template, check_glyph_settings, check_pooled_settings
@@ -122,13 +122,13 @@ def _named(paths: list[str], shown: int = 5) -> str:
     return f" ({', '.join(paths[:shown])}{more})"
 
 
-def bucket_size(resolution, spatial: int, why: str = "the VAE's downsampling factor") -> tuple[int, int]:
-    """``resolution`` (an int, ``[H, W]`` or ``"HxW"``) -> (H, W), each a multiple of ``spatial``: the VAE's
+def bucket_size(size, spatial: int, why: str = "the VAE's downsampling factor") -> tuple[int, int]:
+    """``size`` (an int, ``[H, W]`` or ``"HxW"``) -> (H, W), each a multiple of ``spatial``: the VAE's
     downsampling (x its latent patch, for Flux.2's: ``VAE.size_step``)."""
-    height, width = resolution_pair(resolution)
+    height, width = size_pair(size)
     if height < spatial or width < spatial or height % spatial or width % spatial:
-        raise ConfigError(f"resolution={height}x{width}: height and width must be positive multiples of {why} "
-                          f"{spatial}; e.g. resolution={max(spatial, height // spatial * spatial)}")
+        raise ConfigError(f"size={height}x{width}: height and width must be positive multiples of {why} "
+                          f"{spatial}; e.g. size={max(spatial, height // spatial * spatial)}")
     return height, width
 
 
@@ -185,7 +185,7 @@ def default_device() -> str:
 
 
 def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | None = None, *,
-            vae_subfolder: str | None = "vae", caption_column: str = "text", resolution=256, frames: int = 17,
+            vae_subfolder: str | None = "vae", caption_column: str = "text", size=256, frames: int = 17,
             frame_stride: int = 1, buckets=None, bucket_step: int | None = None, frame_buckets=None,
             max_text_len: int = 512, shard_size: int = 64, batch_size: int = 4, device: str | None = None,
             dtype: str = "float32", tiling: bool = True, tile: int | None = None, parallel_vae: bool = False,
@@ -218,7 +218,7 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
                     "is the plain prepare; launch with torchrun --nproc-per-node N to split them over N ranks")
     with TileGroup.joined(parallel_vae and world_size > 1, rank, world_size, device) as tiles:
         return _encode_folder(input, out, vae, text_encoder, tokenizer, vae_subfolder=vae_subfolder,
-                              caption_column=caption_column, resolution=resolution, frames=frames,
+                              caption_column=caption_column, size=size, frames=frames,
                               frame_stride=frame_stride, buckets=buckets, bucket_step=bucket_step,
                               frame_buckets=frame_buckets, max_text_len=max_text_len, shard_size=shard_size,
                               batch_size=batch_size, device=device, dtype=dtype, tiling=tiling, tile=tile,
@@ -229,7 +229,7 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
                               tiles=tiles, rank=rank, world_size=world_size, progress=progress)
 
 
-def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, caption_column, resolution, frames,
+def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, caption_column, size, frames,
                    frame_stride, buckets, bucket_step, frame_buckets, max_text_len, shard_size, batch_size, device,
                    dtype, tiling, tile, task, image_encoder, image_processor, pooled_encoder, pooled_tokenizer,
                    max_pooled_len, masked_text, prompt_template, glyph_encoder, glyph_tokenizer,
@@ -292,7 +292,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     if bucketed:
         if bucket_step is None and codec.patch > 1:  # Flux.2: one token's 16 px (as 2 x 8 px for Flux's 2x2 packing)
             bucket_step = codec.size_step
-        chooser = make_buckets(buckets, resolution, spatial=codec.size_step,
+        chooser = make_buckets(buckets, size, spatial=codec.size_step,
                                temporal=codec.temporal if codec.is_video else None, frames=frames,
                                frame_stride=frame_stride, frame_buckets=frame_buckets, bucket_step=bucket_step,
                                class_name=codec.class_name)
@@ -316,7 +316,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
         shards = plan_shards(placed, shard_size)
         check_plan(out_dir, Path(str(input)).expanduser(), shards, rank, unreadable, too_short, chooser, stills)
     else:
-        height, width = bucket_size(resolution, codec.size_step, "the VAE's downsampling factor" if codec.patch == 1
+        height, width = bucket_size(size, codec.size_step, "the VAE's downsampling factor" if codec.patch == 1
                                     else f"{codec.class_name}'s {codec.spatial}x downsampling x its {codec.patch}x"
                                          f"{codec.patch} latent patches,")
         bucket = Bucket(height, width, frames if videos else None)

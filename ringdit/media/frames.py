@@ -2,7 +2,7 @@
 file's size and length cheaply (``probe``: headers only) so that every file's bucket is known before any decoding.
 
 The bucket rule, for a bucket of H x W pixels and T frames (``python -m ringdit.prepare``: with ``buckets=null`` one
-bucket per prepared folder, ``resolution`` x ``frames``; with ``buckets=auto`` or a list, each file's own bucket, of
+bucket per prepared folder, ``size`` x ``frames``; with ``buckets=auto`` or a list, each file's own bucket, of
 nearest aspect ratio, chosen by ringdit/media/buckets.py):
     space  scale to cover (H, W) and centre-crop the excess: crop to the bucket's aspect ratio (keep the largest
            middle region), then resize to (H, W) with Lanczos filtering, so nothing is stretched;
