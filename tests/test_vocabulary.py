@@ -24,6 +24,7 @@ def test_every_run_setting_of_a_command_is_named_as_train_py_names_it(command):
     ("plan", "expert", "did you mean diffusion.expert?"),
     ("plan", "strategy", "did you mean trainer/strategy=...?"),  # a config group: chosen with a slash
     ("plan", "precision", "did you mean trainer.precision?"),
+    ("prepare", "resolution", "did you mean size?"),  # the pixel size, as infer.py's size= and the planner's data.size=
 ])
 def test_another_commands_name_is_pointed_to_this_ones(command, key, hint):
     from hydra.errors import ConfigCompositionException
