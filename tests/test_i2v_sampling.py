@@ -200,3 +200,19 @@ def test_image_to_video_samples_do_not_depend_on_the_layout(i2v):
     assert set(IMAGE_KEYS) <= set(condition)
     checkpoints = {family: str(checkpoint(i2v, family)) for family in FAMILIES}
     run_ranks(sample_under_layouts, 2, checkpoints, condition)
+
+
+@pytest.mark.parametrize("preset, conditioning", [
+    ("dit_digits", (None, None)), ("wan_tiny", (None, None)), ("flux_tiny", (None, None)),
+    ("wan_i2v_tiny", ("channels", "image_dim")),  # Wan 2.1 I2V: CLIP embeddings too, its config sets image_dim
+    ("wan22_ti2v_tiny", ("first_frame", None)),
+    ("hunyuan_video15_i2v_tiny", ("first_frame_channels", "image_embed_dim")),
+])
+def test_the_model_kind_says_how_it_takes_a_first_frame(preset, conditioning):
+    """``infer.py image=`` asks the model kind (``image_conditioning``) whether and how a checkpoint's model takes a
+    first frame, from its config alone: no family names outside the kind."""
+    from ringdit.cli import model_preset
+    from ringdit.spec.model import model_class
+
+    config = model_preset(preset)
+    assert model_class(config).image_conditioning(config) == conditioning

@@ -281,6 +281,11 @@ class DiT(nn.Module):
         return {"resolution": None, "shift_terminal": None}
 
     @staticmethod
+    def image_conditioning(config: dict) -> tuple[str | None, str | None]:
+        """The DiT takes no first frame: class-conditional."""
+        return None, None
+
+    @staticmethod
     def check_guidance(config: dict, sampling: dict, prefix: str = "") -> None:
         """The DiT has no guidance embedding, and classifier-free guidance needs the null class it learnt only where
         it was trained with label dropout."""

@@ -53,6 +53,12 @@ class DiffusionModel(Protocol):
         it has no embedding for, classifier-free guidance without a learnt null condition."""
 
     @staticmethod
+    def image_conditioning(config: dict) -> tuple[str | None, str | None]:
+        """How a model of ``config`` takes a first frame (image-to-video): (the conditioning, ``Family.image_condition``
+        -- None for a text-to-video or class-conditional model; the config key of the image embeddings it reads where
+        its config sets one, None for none)."""
+
+    @staticmethod
     def patch_shape_of(config: dict) -> tuple[int, ...] | None:
         """The ``patch_shape`` a model of ``config`` (``config_for_data``'s) will have, read from the config alone:
         the data's buckets are checked against it before the model is built around the most frequent one."""

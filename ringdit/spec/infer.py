@@ -25,7 +25,7 @@ from ringdit.errors import ConfigError, require_choice, require_count, require_n
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
 from ringdit.spec.diffusion import check_sampling, check_shift_terminal, resolve_scheduler, resolve_shift_terminal
 from ringdit.spec.layout import Layout
-from ringdit.spec.model import ModelSpec
+from ringdit.spec.model import ModelSpec, model_class
 from ringdit.spec.pipeline import is_pipeline_folder, pipeline_checkpoint
 from ringdit.spec.trainer import TrainerSpec, group_targets
 
@@ -150,7 +150,7 @@ class ImageInput:
         latent = "vae" in data_info
         prepared = data_info.get("image_encoder") if isinstance(data_info.get("image_encoder"), dict) else {}
         encoder = cfg.get("image_encoder") or prepared.get("path")  # given, else the CLIP the data was prepared with
-        embeds = image_embeds_key(model_config)
+        embeds = model_class(model_config).image_conditioning(model_config)[1]
         if latent and embeds and not encoder:
             raise ConfigError(f"image={image}: the model takes image embeddings (model.config.{embeds}); give the "
                               f"image encoder folder the data was prepared with, image_encoder=FOLDER")
@@ -159,25 +159,9 @@ class ImageInput:
 
 
 def image_kind(model_config: dict) -> str | None:
-    """The model's image conditioning (``Family.image_condition``), None for text-to-video and DiT models."""
-    family = model_config.get("family")
-    if not family:
-        return None
-    from ringdit.models.diffusers.families import get_family
-
-    return get_family(family).image_condition
-
-
-def image_embeds_key(model_config: dict) -> str | None:
-    """The config key of the image embeddings the model reads (``Family.image_embeds``: Wan's image_dim,
-    HunyuanVideo 1.5 I2V's image_embed_dim) where its config sets it; None: it reads none."""
-    family = model_config.get("family")
-    if not family:
-        return None
-    from ringdit.models.diffusers.families import get_family
-
-    key = get_family(family).image_embeds
-    return key if key and (model_config.get("config") or {}).get(key) else None
+    """The model's first-frame conditioning (the model kind's ``image_conditioning``), None for text-to-video and DiT
+    models."""
+    return model_class(model_config).image_conditioning(model_config)[0]
 
 
 def image_files(image: str) -> list[str]:

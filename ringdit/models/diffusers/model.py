@@ -310,6 +310,15 @@ class DiffusersTransformer(nn.Module):
                               f"classifier-free guidance with {prefix}cfg_scale")
 
     @staticmethod
+    def image_conditioning(config: dict) -> tuple[str | None, str | None]:
+        """The family's first-frame conditioning (``Family.image_condition``) and the key of the image embeddings it
+        reads (``Family.image_embeds``: Wan's image_dim, HunyuanVideo 1.5 I2V's image_embed_dim) where the config's
+        architecture sets it."""
+        family = get_family(config["family"])
+        embeds = family.image_embeds
+        return family.image_condition, embeds if embeds and (config.get("config") or {}).get(embeds) else None
+
+    @staticmethod
     def patch_shape_of(config: dict) -> tuple[int, ...] | None:
         """The patch a model of ``config`` (``config_for_data``'s: its architecture recorded) will have, before it is
         built; None where the config holds no architecture (it does not build either)."""
