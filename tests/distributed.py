@@ -48,10 +48,11 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, errors) -> No
 
 # The ranks are forked from a fork server that imported these once (per pytest worker), instead of each spawned
 # rank importing torch, diffusers and ringdit again: that start-up was most of a short multi-rank test's time. The
-# server runs no torch op, so no thread pool is forked.
+# server runs no torch op, so no thread pool is forked. The last one does in the server what each forked rank would
+# otherwise do again at its start (tests/forkserver_warmup.py).
 PRELOAD = ["torch", "torch.distributed", "diffusers.models.transformers", "ringdit.attention", "ringdit.models",
            "ringdit.parallel", "lightning", "hydra", "ringdit.training.run", "ringdit.inference", "tests.distributed",
-           "tests.helpers"]
+           "tests.helpers", "tests.forkserver_warmup"]
 
 
 def run_ranks(fn, world_size: int, *args) -> None:
