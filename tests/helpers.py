@@ -85,21 +85,6 @@ _compose_once_per_command()
 
 
 CONF = REPO / "conf"
-
-
-def parse_every_config() -> None:
-    """Every YAML file of conf/, and Hydra's own (one composition), parsed into this process's cache of
-    ``_compose_once_per_command``: for a process that forks ranks, which inherit it (the fork server)."""
-    from hydra import compose, initialize_config_dir
-    from hydra._internal.sources_registry import SourcesRegistry
-    from hydra.core.global_hydra import GlobalHydra
-
-    source = SourcesRegistry.instance().resolve("file")(provider="main", path=f"file://{CONF}")
-    for path in sorted(CONF.rglob("*.yaml")):
-        source.load_config(path.relative_to(CONF).as_posix())
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        compose("train", return_hydra_config=True)
-    GlobalHydra.instance().clear()
 # what a launched rank reads to join a run; a run in this process that Lightning launched leaves them behind
 LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                     "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
