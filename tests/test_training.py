@@ -369,3 +369,10 @@ def test_wandb_offline_run_writes_its_files(tmp_path):
         runs = list((tmp_path / name / "wandb").glob("offline-run-*"))
         assert len(runs) == 1, list((tmp_path / name).iterdir())
         assert list(runs[0].glob("*.wandb")), list(runs[0].iterdir())
+
+
+def test_a_run_without_a_logger_trains(tmp_path):
+    """logger=none: no experiment tracker, so no learning-rate monitor (Lightning refuses one without a logger); the
+    checkpoints are still written."""
+    run("train.py", tmp_path, *TINY, "logger=none", "trainer.max_steps=2")
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()

@@ -25,7 +25,8 @@ from ringdit.checkpoints.layout import SHARDED_METADATA, is_sharded_checkpoint, 
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.checkpoints.weights import WEIGHT_CHOICES, read_weights
 from ringdit.errors import CheckpointError, ConfigError, require_choice
-from ringdit.lora import adapter_state, add_lora, check_adapter_fits, check_lora_settings, is_adapter_key, lora_enabled
+from ringdit.lora import (adapter_state, add_lora, check_adapter_fits, check_lora_settings, is_adapter_key,
+                          is_null_condition_key, lora_enabled)
 from ringdit.resume import check_resume
 from ringdit.spec.layout import device_type
 from ringdit.spec.model import ModelSpec, model_class
@@ -193,7 +194,7 @@ class LoraBase:
         """The base of ``ckpt_path`` (read as ``state``, ``info``); None when it holds a whole model."""
         settings = info.get("lora")
         if not lora_enabled(settings):
-            if state and all(is_adapter_key(key) for key in state):
+            if state and all(is_adapter_key(key) or is_null_condition_key(key) for key in state):
                 raise ConfigError(f"ckpt_path={ckpt_path} holds only LoRA adapter weights, without the LoRA settings "
                                   f"(rank, alpha) of the run that trained them: sample that run's own checkpoint "
                                   f"(checkpoints/last.ckpt) with base= if needed")

@@ -38,7 +38,7 @@ def prepare(cfg: DictConfig):
     plan = spec.checkpoint
 
     import lightning as L  # the trainer, module and processes come only after every check has passed
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     from ringdit.training import DiffusionModule, DistillationModule
 
@@ -68,6 +68,8 @@ def prepare(cfg: DictConfig):
     )
     callbacks = [hydra.utils.instantiate(c) for c in spec.trainer.callbacks]
     loggers = [hydra.utils.instantiate(c) for c in spec.trainer.loggers]
+    if not loggers:  # logger=none: the learning rate has nowhere to go (Lightning refuses the monitor without one)
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # the strategy runs the layout checked once (spec.layout), whose kind its class declared: not read again from
     # its config or recognised by name
     layout = spec.layout
