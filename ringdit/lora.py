@@ -6,7 +6,8 @@
 Adapters are injected with ``peft.inject_adapter_in_model`` into the model itself (a DiT) or its diffusers
 transformer (``model.transformer``, with diffusers' own ``add_adapter``), so the model keeps its class and forward;
 a wrapped layer's weight becomes ``<layer>.base_layer.weight`` and its adapter ``<layer>.lora_A.default.weight`` /
-``lora_B``. Checkpoints keep only the adapter weights (the base comes from ``init_from`` / ``model.pretrained``);
+``lora_B``. Checkpoints keep only the adapter weights and the empty prompt's embedding the run trained with (the base
+comes from ``init_from`` / ``model.pretrained``);
 ``python -m ringdit.export ... lora=true`` writes the adapter in diffusers' LoRA format
 (``pytorch_lora_weights.safetensors``, keys ``transformer.<module>.lora_A.weight``), which diffusers'
 ``load_lora_adapter`` / pipelines' ``load_lora_weights`` read.
@@ -302,12 +303,39 @@ def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return {key: value for key, value in state.items() if is_adapter_key(key)}
 
 
+def null_condition_names(model: nn.Module) -> set[str]:
+    """The names of ``model``'s null-condition buffers: the empty prompt's embedding, which training set from its data
+    (``set_null_condition``) and guidance steers away from. An adapter checkpoint keeps them beside the adapters:
+    the base it is sampled on holds zeros there (a diffusers folder has no empty-prompt embedding) or another run's."""
+    nulls = {id(buffer) for buffer in model.null_buffers().values()} if hasattr(model, "null_buffers") else set()
+    return {name for name, buffer in model.named_buffers() if id(buffer) in nulls}
+
+
+def is_null_condition_key(key: str) -> bool:
+    """A null-condition buffer's key in an adapter checkpoint (``null_condition_names``: ``null_text``, ...)."""
+    return key.rsplit(".", 1)[-1].startswith("null_")
+
+
+@torch.no_grad()
+def load_null_condition(model: nn.Module, state: dict[str, Tensor]) -> bool:
+    """Copy an adapter checkpoint's null-condition buffers (by the model's names) into ``model``; False when the
+    model has some and ``state`` holds none of them (a checkpoint written before adapter checkpoints kept them)."""
+    names = null_condition_names(model)
+    buffers = dict(model.named_buffers())
+    for name in names & state.keys():
+        buffers[name].copy_(state[name].reshape(buffers[name].shape))
+    return not names or bool(names & state.keys())
+
+
 def check_adapter_fits(model: nn.Module, adapter: dict[str, Tensor], model_named: str = "the model") -> str | None:
     """Why ``adapter`` (adapter weights by the model's names) does not fit ``model`` (adapted with the same LoRA
     settings; on the meta device is enough), naming the first key that does not; None when it fits."""
     from ringdit.checkpoints.fit import first_misfit
 
-    return first_misfit(adapter_state(model.state_dict()), adapter, "the adapter", model_named)
+    state = model.state_dict()
+    nulls = {key: value for key, value in adapter.items() if is_null_condition_key(key)}  # none in older checkpoints
+    return first_misfit({**adapter_state(state), **{key: state[key] for key in nulls if key in state}},
+                        {**adapter_state(adapter), **nulls}, "the adapter", model_named)
 
 
 @torch.no_grad()

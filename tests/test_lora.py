@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringdit.lora import adapter_state, add_lora, export_lora, is_adapter_key
+from ringdit.lora import adapter_state, add_lora, export_lora, is_adapter_key, is_null_condition_key
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
 from ringdit.checkpoints.weights import read_weights
@@ -73,19 +73,19 @@ def test_lora_trains_only_adapters_under_ddp_and_fsdp(tmp_path):
 
 def test_flux2_lora_trains_only_its_adapters_single_stream_projection_included(tmp_path):
     """experiment=flux2_tiny with LoRA and the default targets: the optimizer holds the adapters and nothing else,
-    the checkpoint only them, and they adapt every default target -- the single-stream blocks' fused
+    the checkpoint only them (and the empty prompt's embedding), and they adapt every default target -- the single-stream blocks' fused
     to_qkv_mlp_proj (they have no to_q) with the image stream's projections -- and trained (B starts at zero)."""
     from tests.families import FLUX2
 
     run("train.py", tmp_path, *FLUX2, *LORA, f"data.cache_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})
     state, info = read_weights(tmp_path / "checkpoints" / "last.ckpt", prefer="model")
-    assert state and all(is_adapter_key(key) for key in state), sorted(state)[:5]
-    adapted = {re.sub(r"\.lora_[AB]\.default\.weight$", "", key) for key in state}
+    assert state and all(is_adapter_key(key) or is_null_condition_key(key) for key in state), sorted(state)[:5]
+    adapted = {re.sub(r"\.lora_[AB]\.default\.weight$", "", key) for key in adapter_state(state)}
     assert adapted == {"transformer.transformer_blocks.0.attn.to_q", "transformer.transformer_blocks.0.attn.to_k",
                        "transformer.transformer_blocks.0.attn.to_v", "transformer.transformer_blocks.0.attn.to_out.0",
                        "transformer.single_transformer_blocks.0.attn.to_qkv_mlp_proj"}
     optimizer = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0]
-    assert sum(len(group["params"]) for group in optimizer["param_groups"]) == len(state)  # nothing else trains
+    assert sum(len(group["params"]) for group in optimizer["param_groups"]) == len(adapter_state(state))  # only they
     fused_b = state["transformer.single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_B.default.weight"]
     assert fused_b.abs().max() > 0
     assert info["lora"]["rank"] == 4
@@ -469,13 +469,59 @@ def sample_latents(run_dir, ckpt, *overrides):
 @pytest.mark.parametrize("family", ["hunyuan_video15", "ltx_video", "skyreels_v2"])
 def test_lora_trains_only_adapters_of_the_video_families(family, tmp_path):
     """LoRA with the family's default targets (its attention projections, HunyuanVideo 1.5's token refiner's among
-    them): the checkpoint and the optimizer hold the adapters and nothing else, and they trained (B starts at 0)."""
+    them): the checkpoint and the optimizer hold the adapters and nothing else (the checkpoint also the empty prompt's
+    embedding: the base has none), and they trained (B starts at 0)."""
     from tests.families import family_runs
 
     overrides, _ = family_runs(family)
     run("train.py", tmp_path, *overrides, *LORA, f"data.cache_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})
     state, _ = read_weights(tmp_path / "checkpoints" / "last.ckpt", prefer="model")
-    assert state and all(is_adapter_key(key) for key in state), sorted(state)[:5]
+    assert state and all(is_adapter_key(key) or is_null_condition_key(key) for key in state), sorted(state)[:5]
     optimizer = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0]
-    assert sum(len(group["params"]) for group in optimizer["param_groups"]) == len(state)  # nothing else trains
+    assert sum(len(group["params"]) for group in optimizer["param_groups"]) == len(adapter_state(state))  # only they
     assert any(value.abs().max() > 0 for key, value in state.items() if ".lora_B." in key)
+
+
+def test_a_lora_checkpoint_guides_away_from_the_empty_prompt_it_trained_with(models, tmp_path):
+    """A LoRA run on a diffusers folder (which holds no empty-prompt embedding) over prepared data: its checkpoint keeps
+    the data's empty prompt beside the adapters, and infer.py without negative_prompt= guides away from it -- the
+    samples equal those given that embedding as negative_text_embeds=, as diffusers' pipelines encode "" for it."""
+    import diffusers
+    from safetensors.torch import save_file
+
+    from ringdit.data.text_latents import TextLatentsDataModule
+    from ringdit.media.encode_folder import encode_folder
+    from tests.helpers import TEXT_LEN, write_video
+
+    base = tmp_path / "base"
+    shutil.copytree(models["wan"], base)
+    torch.manual_seed(0)
+    diffusers.WanTransformer3DModel.from_config({**architecture("wan_tiny"), "in_channels": 16, "out_channels": 16}
+                                                ).save_pretrained(base / "transformer")
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    for i in range(4):
+        write_video(clips / f"{i}.mp4", 5, seed=i, size=(32, 32))
+        (clips / f"{i}.txt").write_text("a red fox running")
+    encode_folder(str(clips), str(tmp_path / "data"), str(base), str(base), size=32, frames=5, max_text_len=TEXT_LEN,
+                  shard_size=4, progress=False)
+    env = {"HF_HUB_OFFLINE": "1"}
+    run("train.py", tmp_path / "lora", "experiment=wan_tiny", "data=text_latents", f"data.path={tmp_path / 'data'}",
+        "model.config.in_channels=16", "model.config.out_channels=16", f"model.pretrained={base}", *LORA,
+        "data.batch_size=2", "data.val_fraction=0.25", "trainer.max_steps=1", "logger=csv", "scheduler=constant",
+        "callbacks.model_checkpoint.every_n_train_steps=1", "callbacks.sample_grid.steps=2",
+        "callbacks.sample_grid.per_class=1", env=env)
+    ckpt = tmp_path / "lora" / "checkpoints" / "last.ckpt"
+    empty = TextLatentsDataModule(str(tmp_path / "data"), val_fraction=0.25, seed=0, check_values=False).null_condition()
+    assert empty["text"].abs().max() > 0  # the encoded empty prompt is not the zeros a folder's base would give
+    state, _ = read_weights(ckpt, prefer="ema")
+    torch.testing.assert_close(state["null_text"], empty["text"][None], rtol=0, atol=0)
+    save_file({"text": empty["text"][None].contiguous(), "text_mask": empty["text_mask"][None].contiguous()},
+              str(tmp_path / "empty.safetensors"))
+    sample = ["num_samples=1", "diffusion.sampling.steps=2", "prompts=['a red fox running']", "size=[32,32]",
+              "frames=5", "diffusion.sampling.cfg_scale=5"]
+    run("infer.py", tmp_path / "default", f"ckpt_path={ckpt}", *sample, env=env)
+    run("infer.py", tmp_path / "given", f"ckpt_path={ckpt}", *sample,
+        f"negative_text_embeds={tmp_path / 'empty.safetensors'}", env=env)
+    default, given = (np.load(tmp_path / name / "samples.npz")["latents"] for name in ("default", "given"))
+    np.testing.assert_array_equal(default, given)

@@ -108,3 +108,52 @@ def test_what_a_pipeline_folder_cannot_give_is_refused(folder, tmp_path):
     proc, seconds = fail_fast("infer.py", f"ckpt_path={other}", f"prompts=[{PROMPT}]",
                               f"hydra.run.dir={tmp_path / 'flux'}")
     assert_refused(proc, r"is a FluxPipeline folder; ringdit samples WanPipeline folders as published", seconds=seconds)
+
+
+@pytest.mark.parametrize("sampler", ["unipc", "flow_euler"])
+def test_float64_sampling_is_the_float64_pipeline_from_the_same_noise(folder, tmp_path, sampler):
+    """``trainer.precision=64-true`` (Lightning makes float64 the default dtype while predicting): the seed draws the
+    same noise as in float32, UniPC (the folder's scheduler) steps in the pipeline's dtypes instead of failing, and the
+    latents equal WanPipeline's with float64 transformers. Tolerance 1e-7 of the largest value: samples.npz holds
+    float32 latents (rounding <= 2^-24 = 6e-8 relative), while the pipeline's flow Euler steps end in float64;
+    UniPC keeps Wan's latents in float32 in both."""
+    import diffusers
+
+    from ringdit.diffusion.samplers import initial_noise
+    from ringdit.seeding import Stream, seed_of
+
+    chosen = [f"diffusion.sampling.sampler={sampler}"]
+    run("infer.py", tmp_path / "fp64", f"ckpt_path={folder}", f"prompts=[{PROMPT}]", "num_samples=1", *SAMPLE,
+        *chosen, "trainer.precision=64-true")
+    ours = torch.from_numpy(np.load(tmp_path / "fp64" / "samples.npz")["latents"]).double()
+    pipeline = diffusers.WanPipeline.from_pretrained(folder)
+    for expert in (pipeline.transformer, pipeline.transformer_2):
+        expert.to(torch.float64)  # its text encoder stays float32, as ringdit encodes prompts
+    if sampler == "flow_euler":  # the folder's shift given to the chosen class, as ringdit does
+        pipeline.scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=pipeline.scheduler.config.flow_shift)
+    noise = initial_noise((16, 2, 2, 2), [seed_of(Stream.INFERENCE, 4, 0)])
+    theirs = pipeline(prompt=PROMPT, height=16, width=16, num_frames=5, num_inference_steps=3, latents=noise,
+                      output_type="latent").frames.double()
+    difference = (ours - theirs).abs().max().item() / theirs.abs().max().item()
+    print(f"{sampler} at 64-true vs the float64 pipeline: largest difference / largest value {difference:.2e}")
+    assert difference < 1e-7
+
+
+def test_prompts_are_cleaned_as_the_pipeline_cleans_them(folder, tmp_path):
+    """WanPipeline cleans each prompt before encoding it (its ``prompt_clean``: HTML entities, runs of whitespace):
+    so does ringdit for a folder whose pipeline does. ``&#32;`` is a space once unescaped: uncleaned, the word-level
+    tokenizer would read "a&#32;red" as one unknown word."""
+    import diffusers
+
+    from ringdit.diffusion.samplers import initial_noise
+    from ringdit.seeding import Stream, seed_of
+
+    prompt = "a&#32;red   fox running "
+    run("infer.py", tmp_path, f"ckpt_path={folder}", f"prompts=['{prompt}']", "num_samples=1", *SAMPLE)
+    ours = torch.from_numpy(np.load(tmp_path / "samples.npz")["latents"]).double()
+    noise = initial_noise((16, 2, 2, 2), [seed_of(Stream.INFERENCE, 4, 0)])
+    theirs = diffusers.WanPipeline.from_pretrained(folder)(
+        prompt=prompt, height=16, width=16, num_frames=5, num_inference_steps=3, latents=noise,
+        output_type="latent").frames.double()
+    difference = (ours - theirs).abs().max().item() / theirs.abs().max().item()
+    assert difference < 1e-5  # as the plain prompt's test, module docstring

@@ -100,9 +100,10 @@ class FlowMatching:
             quantile = low + (high - low) * torch.rand(batch, generator=generator, dtype=torch.float64)
             return self._time_at(quantile, tokens).float().clamp(*within)
         if self.time_sampling == "uniform":
-            t = torch.rand(batch, generator=generator)
-        else:
-            t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(batch, generator=generator))
+            t = torch.rand(batch, generator=generator, dtype=torch.float32)  # float32 whatever the default dtype:
+        else:  # the same times in every precision (Lightning's 64-true makes float64 the default)
+            t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(batch, generator=generator,
+                                                                             dtype=torch.float32))
         return shift_time(t, self.shift_for(tokens))
 
     def cumulative(self, t: float, tokens: int | None = None) -> float:

@@ -176,7 +176,7 @@ def sample_ddim(denoiser, noise: Tensor, steps: int, schedule: DDPM, eta: float 
         sigma = eta * ((1 - alpha_prev) / (1 - alpha) * (1 - alpha / alpha_prev)) ** 0.5
         x = alpha_prev**0.5 * x0 + (1 - alpha_prev - sigma**2) ** 0.5 * eps
         if sigma > 0:
-            x = x + sigma * torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+            x = x + sigma * torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x)
     return x
 
 
@@ -245,8 +245,11 @@ def noise_generators(seeds: list[int]) -> list[torch.Generator]:
 
 
 def draw_noise(shape: tuple[int, ...], generators: list[torch.Generator], device=None, dtype=torch.float32) -> Tensor:
-    """(N, *shape): one N(0, 1) draw per generator, on the CPU (the same numbers on any device), then moved."""
-    return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device=device, dtype=dtype)
+    """(N, *shape): one N(0, 1) draw per generator, on the CPU (the same numbers on any device), then moved. Drawn in
+    float32 whatever the default dtype (Lightning's ``trainer.precision=64-true`` makes it float64), then cast: a seed
+    is the same noise in every precision."""
+    return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
+                       ).to(device=device, dtype=dtype)
 
 
 def initial_noise(shape: tuple[int, ...], seeds: list[int], device=None, dtype=torch.float32) -> Tensor:

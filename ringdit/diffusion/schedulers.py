@@ -17,6 +17,7 @@ guidance, CFG parallel, step caching and a two-expert model's choice of expert a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -168,9 +169,10 @@ def sample_with_scheduler(denoiser, noise: Tensor, steps: int, sampler: str, con
     velocity``."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    scheduler = build_scheduler(sampler, config)
-    check_flow_scheduler(scheduler, f"sampler={sampler}")
-    set_timesteps(scheduler, steps, pipeline, tokens, resolution, device=noise.device)
+    with float32_default():
+        scheduler = build_scheduler(sampler, config)
+        check_flow_scheduler(scheduler, f"sampler={sampler}")
+        set_timesteps(scheduler, steps, pipeline, tokens, resolution, device=noise.device)
     x = noise
     for t in scheduler.timesteps:
         model_input = x if model_dtype is None else x.to(model_dtype)
@@ -178,8 +180,22 @@ def sample_with_scheduler(denoiser, noise: Tensor, steps: int, sampler: str, con
         # float32 (a bf16 timestep would round it)
         time_dtype = torch.float64 if model_input.dtype == torch.float64 else torch.float32
         prediction = denoiser(model_input, t.to(time_dtype).expand(x.shape[0]))  # float32 where the pipeline casts
-        x = scheduler.step(prediction, t, x, return_dict=False)[0]
+        with float32_default():
+            x = scheduler.step(prediction, t, x, return_dict=False)[0]
     return x
+
+
+@contextlib.contextmanager
+def float32_default():
+    """The scheduler's arithmetic under float32 as the default dtype, as the pipelines run it: diffusers' schedulers
+    make their tables (sigmas, UniPC's ``rks``) in the default dtype, which Lightning's ``trainer.precision=64-true``
+    turns to float64 while sampling -- UniPC's solve then mixes float64 with the float32 latents and fails."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)
 
 
 __all__ = ["SCHEDULERS", "PipelineTimesteps", "build_scheduler", "check_flow_scheduler", "dynamic_mu",

@@ -33,6 +33,7 @@ pipeline's second text encoder, over the prompt's quoted text; it adds ``glyph_t
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Callable
 
@@ -111,7 +112,8 @@ class TextEncoder:
                  pooled_encoder: str | Path | None = None, pooled_tokenizer: str | Path | None = None,
                  max_pooled_len: int = 77, masked: bool | None = None,
                  prompt_template: str | None = None, glyph_encoder: str | Path | None = None,
-                 glyph_tokenizer: str | Path | None = None, settings: tuple[str, str, str] = TEXT_SETTINGS):
+                 glyph_tokenizer: str | Path | None = None, settings: tuple[str, str, str] = TEXT_SETTINGS,
+                 clean: bool | None = None):
         import transformers
 
         setting, tokenizer_setting, length_setting = settings
@@ -163,6 +165,7 @@ class TextEncoder:
                               f"positions{' after the template' if cropped else ''}); pass {length_setting}={limit} "
                               f"or less")
         self.folder, self.tokenizer_folder = folder, tokenizer_folder
+        self.clean = pipeline_cleans_prompts(folder) if clean is None else bool(clean)
         self.max_len, self.device = max_len, torch.device(device)
         self.pooled = model_type.startswith("clip")
         self.dim = int(getattr(text_config, "d_model", None) or text_config.hidden_size)
@@ -203,6 +206,10 @@ class TextEncoder:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        if self.clean:  # as WanPipeline's encode_prompt: HTML entities, runs of whitespace (and ftfy where installed)
+            from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+            prompts = [prompt_clean(prompt) for prompt in prompts]
         cond = self._templated(prompts) if self.template is not None else self._plain(prompts)
         if self.glyph_encoder is not None:  # + glyph_text (N, G, D_byt5), glyph_text_mask (N, G)
             cond.update(self.glyph_encoder(prompts))
@@ -252,7 +259,7 @@ class TextEncoder:
         """What a shard records as its ``text_encoder`` metadata key (so sampling can encode prompts the same way)."""
         info = {"class": type(self.model).__name__, "path": str(self.folder.resolve()),
                 "tokenizer": str(self.tokenizer_folder.resolve()), "max_len": self.max_len, "dim": self.dim,
-                "pooled": self.pooled, "masked": self.masked}
+                "pooled": self.pooled, "masked": self.masked, "clean": self.clean}
         if self.template_name is not None:
             info["prompt_template"] = self.template_name
         if self.pooled_encoder is not None:
@@ -281,8 +288,8 @@ def encode_prompts(prompts: list[str], negative_prompt: str | None, text_encoder
                    device: str | torch.device = "cpu", pooled_encoder: str | Path | None = None,
                    pooled_tokenizer: str | Path | None = None, max_pooled_len: int = 77,
                    masked: bool | None = None, prompt_template: str | None = None,
-                   glyph_encoder: str | Path | None = None, glyph_tokenizer: str | Path | None = None
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                   glyph_encoder: str | Path | None = None, glyph_tokenizer: str | Path | None = None,
+                   clean: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """infer.py's prompts: (cond (N, ...), negative (1, ...)) as the model was trained on them.
 
     ``text_len`` / ``text_dim`` are the training data's (its ``describe()``); the negative prompt defaults to the
@@ -292,7 +299,8 @@ def encode_prompts(prompts: list[str], negative_prompt: str | None, text_encoder
     """
     encoder = TextEncoder(text_encoder, tokenizer, max_len=text_len, device=device, pooled_encoder=pooled_encoder,
                           pooled_tokenizer=pooled_tokenizer, max_pooled_len=max_pooled_len, masked=masked,
-                          prompt_template=prompt_template, glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer)
+                          prompt_template=prompt_template, glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer,
+                          clean=clean)
     if encoder.dim != text_dim:
         raise ConfigError(f"text_encoder={text_encoder} gives {encoder.dim}-dim states but the model was trained on "
                           f"{text_dim}-dim text; pass the text encoder the training data was prepared with")
@@ -301,12 +309,30 @@ def encode_prompts(prompts: list[str], negative_prompt: str | None, text_encoder
     return encoder([str(p) for p in prompts]), encoder([negative_prompt or ""])
 
 
+def pipeline_cleans_prompts(encoder_folder: Path) -> bool:
+    """Whether the diffusers pipeline whose folder holds ``encoder_folder`` (``text_encoder/`` beside
+    model_index.json) cleans each prompt before encoding it, as WanPipeline and SkyReelsV2Pipeline do (their module's
+    ``prompt_clean``): read from diffusers' own pipeline module, so it is what that pipeline does. A bare encoder
+    folder (no pipeline around it): False."""
+    import diffusers  # here: prepare's start-up without diffusers' pipelines
+
+    for folder in (encoder_folder.parent, encoder_folder):
+        if (folder / "model_index.json").is_file():
+            index = read_json(folder / "model_index.json", f"{folder / 'model_index.json'}", kind=dict,
+                              fix="give the folder DiffusionPipeline.save_pretrained wrote")
+            pipeline = getattr(diffusers, str(index.get("_class_name")), None)
+            return pipeline is not None and hasattr(inspect.getmodule(pipeline), "prompt_clean")
+    return False
+
+
 def encoder_settings(described: dict) -> dict:
     """``TextEncoder.describe()`` (a shard's ``text_encoder`` metadata) -> the ``encode_prompts`` keywords beyond the
     text encoder itself that encode prompts as that shard's were: the pooled encoder, the masking, the template, the
     glyph encoder."""
     pooled, glyph = described.get("pooled_encoder") or {}, described.get("glyph_encoder") or {}
     settings = {"masked": described.get("masked")}  # absent (shards from before): None, the one-encoder default
+    if "clean" in described:  # absent: what the encoder's pipeline does (TextEncoder's clean=None)
+        settings["clean"] = described["clean"]
     if described.get("prompt_template"):
         settings["prompt_template"] = described["prompt_template"]
     if pooled:

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from ringdit.checkpoints.weights import read_weights
 from ringdit.images import grid_image, save_samples, to_uint8
-from ringdit.lora import adapter_state, load_adapter
+from ringdit.lora import adapter_state, load_adapter, load_null_condition
 from ringdit.media.writing import write_mp4
 from ringdit.errors import require_count
 from ringdit.sampling import SampleSizes, patch_shape, size_pair
@@ -205,7 +205,8 @@ def log_samples(loggers, images, captions: list[str], step: int | None, *, video
 class LoadLoraAdapter(L.Callback):
     """Loads a LoRA checkpoint's adapters (``weights``: EMA or raw) into the module's model when prediction starts:
     by then the model is built on its base and adapted (``configure_model``), and sharded under FSDP -- each rank
-    keeps its shard. The checkpoint holds nothing else, so Lightning's own loading has nothing to do with it."""
+    keeps its shard -- and the empty prompt's embedding the run trained with (the base's null condition is not it). The
+    checkpoint holds nothing else, so Lightning's own loading has nothing to do with it."""
 
     def __init__(self, ckpt_path: str, weights: str):
         self.ckpt_path, self.weights = ckpt_path, weights
@@ -213,3 +214,7 @@ class LoadLoraAdapter(L.Callback):
     def on_predict_start(self, trainer: L.Trainer, pl_module) -> None:
         state, _ = read_weights(self.ckpt_path, prefer=self.weights)
         load_adapter(pl_module.model, adapter_state(state))
+        if not load_null_condition(pl_module.model, state) and trainer.is_global_zero:
+            rank_zero_warn(f"{self.ckpt_path} holds no empty-prompt embedding (written before LoRA checkpoints kept "
+                           f"it): guidance steers away from the base's, not the training data's; give the negative "
+                           f"prompt to steer from with negative_prompt= or negative_text_embeds=")

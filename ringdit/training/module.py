@@ -29,13 +29,13 @@ from torch import nn
 
 from ringdit.build import build_model
 from ringdit.checkpoints.loading import safe_torch_load
-from ringdit.diffusion import DDPM
+from ringdit.diffusion import DDPM, draw_noise
 from ringdit.diffusion.experts import step_expert, time_range
 from ringdit.diffusion.pipeline import SamplingPipeline
 from ringdit.ema import ModelAverage
 from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
-from ringdit.lora import is_adapter_key, lora_enabled
+from ringdit.lora import is_adapter_key, lora_enabled, null_condition_names
 from ringdit.parallel import ParallelDims
 from ringdit.safe_config import check_file_configs
 from ringdit.seeding import Stream, generator
@@ -144,9 +144,11 @@ class DiffusionModule(L.LightningModule):
         return self.hparams.data.get("conditioning") == "text"
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if lora_enabled(self.hparams.lora):  # the frozen base is init_from's: keep the adapters (and EMA count)
+        if lora_enabled(self.hparams.lora):  # the frozen base is init_from's: keep the adapters (and EMA count), and
+            # the empty prompt's embedding from the data, which guidance steers away from (the base's is not it)
+            nulls = {prefix + name for name in null_condition_names(self.model) for prefix in ("model.", "ema.module.")}
             checkpoint["state_dict"] = {key: value for key, value in checkpoint["state_dict"].items()
-                                        if is_adapter_key(key) or key == "ema.n_averaged"}
+                                        if is_adapter_key(key) or key == "ema.n_averaged" or key in nulls}
 
     def tokens_per_sample(self, shape: tuple[int, ...] | None = None, model: nn.Module | None = None) -> int:
         """Model tokens of one sample of ``shape`` ``([T,] H, W)`` (a bucket's; default the data's image_size) for
@@ -176,8 +178,8 @@ class DiffusionModule(L.LightningModule):
         tokens = self.tokens_per_sample(x0.shape[2:], model)  # this batch's bucket (Flux's shift=resolution follows)
         within = time_range(expert, model.boundary_ratio) if expert else None
         t = torch.cat([self.objective.sample_time(1, g, tokens, within) for g in generators]).to(x0.device)
-        noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in generators]).to(x0.device, x0.dtype)
-        draws = torch.cat([torch.rand(1, generator=g) for g in generators]).to(x0.device)
+        noise = draw_noise(x0.shape[1:], generators, x0.device, x0.dtype)  # float32 draws: the same in any precision
+        draws = torch.cat([torch.rand(1, generator=g, dtype=torch.float32) for g in generators]).to(x0.device)
         x_t = self.objective.add_noise(x0, noise, t)
         if model.condition_dropout_prob > 0:  # no null condition, no drop
             condition = model.drop_condition(condition, draws < model.condition_dropout_prob)
