@@ -16,8 +16,9 @@ for _noisy in ("torchao", "diffusers.quantizers.torchao.torchao_quantizer", "tor
 
 
 def config(command: str = "train", overrides=(), run_dir=None):
-    """The settings of ``command`` (train, infer, serve, export, prepare, plan ...) with ``overrides``, as its command
-    line composes them (``ringdit.cli.command_config``)."""
+    """The settings of ``command`` (train, infer, serve, export, prepare, plan ...) with ``overrides`` (a list of
+    strings), as its command line composes them (``ringdit.cli.command_config``). A mistake raises
+    ``ringdit.errors.ConfigError`` with the command line's one line (the setting, the value, the fix)."""
     from ringdit.cli import command_config
 
     return command_config(command, overrides, run_dir)
@@ -27,18 +28,41 @@ def train(cfg):
     """``python train.py``: train or fine-tune with ``cfg`` (``config("train", [...])``); returns the run folder."""
     from ringdit.training.run import train as run
 
-    return run(cfg)
+    return run(_settings_of(cfg, "train"))
 
 
 def sample(cfg):
     """``python infer.py``: sample with ``cfg`` (``config("infer", [...])``); returns the run folder."""
     from ringdit.inference import sample as run
 
-    return run(cfg)
+    return run(_settings_of(cfg, "infer"))
 
 
 def serve(cfg) -> int:
     """``python -m ringdit.serve``: serve with ``cfg`` (``config("serve", [...])``) until drained; its exit code."""
     from ringdit.serve import serve as run
 
-    return run(cfg)
+    return run(_settings_of(cfg, "serve"))
+
+
+def _settings_of(cfg, command: str):
+    """``cfg`` if it is ``config(command, ...)``'s kind of settings: a config holding every setting
+    ``conf/<command>.yaml`` defines itself; else a ``ConfigError`` naming what was passed and what to pass."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from ringdit.cli import CONF_DIR
+    from ringdit.errors import ConfigError
+
+    fix = f"pass ringdit.config({command!r}, [...])"
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"ringdit.{_RUNS[command]} takes the settings of {command}, got {type(cfg).__name__} "
+                          f"{cfg!r:.60}; {fix}")
+    own = set(OmegaConf.load(CONF_DIR / f"{command}.yaml")) - {"defaults", "hydra"}
+    missing = sorted(own - set(cfg))
+    if missing:
+        raise ConfigError(f"ringdit.{_RUNS[command]} takes the settings of {command}, but the config passed has no "
+                          f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (another command's?); {fix}")
+    return cfg
+
+
+_RUNS = {"train": "train", "infer": "sample", "serve": "serve"}

@@ -80,19 +80,59 @@ def model_preset(name: str) -> dict:
 def command_config(command: str = "train", overrides=(), run_dir: str | Path | None = None):
     """``conf/<command>.yaml`` with ``overrides`` (``["model=wan_tiny", "trainer.max_steps=10"]``), composed as the
     command line would compose it, for ``ringdit.train`` / ``sample`` / ``serve``: its run folder ``run_dir``, or the
-    command's own (``outputs/<task>/runs/<time>_<id>``). A misspelt key or option raises Hydra's error."""
+    command's own (``outputs/<task>/runs/<time>_<id>``). A mistake -- an unknown command, a misspelt key or option,
+    an override that does not parse -- raises ``ConfigError`` with the command line's one line."""
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
+    from ringdit.errors import ConfigError
+
+    check_command(command)
+    if isinstance(overrides, (str, bytes)) or not all(isinstance(item, str) for item in _iterable(overrides)):
+        raise ConfigError(f"overrides must be a list of strings such as ['model=wan_tiny', 'trainer.max_steps=10'], "
+                          f"got {overrides!r}")
+    if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+        raise ConfigError(f"run_dir must be a folder path (a str or a pathlib.Path) or None, got {run_dir!r}")
     register_resolvers()
     extra = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(command, overrides=[*overrides, *extra], return_hydra_config=True)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(command, overrides=[*overrides, *extra], return_hydra_config=True)
+    except Exception as error:  # noqa: BLE001 - what is not a settings mistake is raised again, in full
+        message = hydra_error_message(error, command, in_task=False)
+        if message is None:
+            raise
+        raise ConfigError(message) from error
     HydraConfig.instance().set_config(cfg)  # ${hydra:...} interpolations (the run folder) resolve as in the command
-    cfg.paths.output_dir = str(run_dir if run_dir is not None else cfg.hydra.run.dir)
+    if "paths" in cfg:  # the commands that write a run folder (train, infer, serve)
+        cfg.paths.output_dir = str(run_dir if run_dir is not None else cfg.hydra.run.dir)
     with open_dict(cfg):
         del cfg["hydra"]  # as a command's task receives it: Hydra's own node is HydraConfig's
     return cfg
+
+
+def _iterable(value) -> list:
+    try:
+        return list(value)
+    except TypeError:
+        from ringdit.errors import ConfigError
+
+        raise ConfigError(f"overrides must be a list of strings such as ['model=wan_tiny', 'trainer.max_steps=10'], "
+                          f"got {value!r}") from None
+
+
+def check_command(command) -> None:
+    """``command`` names a conf/<command>.yaml that configures a command (``ringdit.reference.commands``)."""
+    import difflib
+
+    from ringdit.errors import ConfigError
+    from ringdit.reference import commands
+
+    known = list(commands())
+    if not isinstance(command, str) or command not in known:
+        close = difflib.get_close_matches(command, known, n=1) if isinstance(command, str) else []
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"no command named {command!r}; {hint}(commands: {', '.join(known)})")
 
 
 def hydra_main(config_name: str):

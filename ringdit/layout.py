@@ -85,6 +85,7 @@ class Layout:
         device count (their product) wrong too.
         """
         check_launch_environment(cfg.trainer)
+        check_strategy_degrees(cfg)
         dp, ring, ulysses = cfg.get("dp_degree", 1), cfg.ring_degree, cfg.ulysses_degree
         require_count("dp_degree", dp)
         check_degrees(ring, ulysses)
@@ -122,6 +123,19 @@ class Layout:
         return cls(dp_degree=dp, ring_degree=ring, ulysses_degree=ulysses, devices=world // nodes, num_nodes=nodes,
                    device_type=kind, attention_backend=backend, strategy=strategy,
                    replicate_degree=replicate, cpu_offload=cpu_offload, cfg_parallel=cfg_parallel)
+
+
+def check_strategy_degrees(cfg: DictConfig) -> None:
+    """``trainer.strategy.ring_degree`` / ``ulysses_degree`` are the top-level settings' (conf/trainer/strategy/*.yaml
+    interpolate them, and the strategy is built from the ``Layout``): one set there directly would be overruled, so
+    it is refused, pointing to the name that works."""
+    strategy = OmegaConf.select(cfg, "trainer.strategy")
+    if not OmegaConf.is_dict(strategy):
+        return
+    for name in ("ring_degree", "ulysses_degree"):
+        if name in strategy and not OmegaConf.is_interpolation(strategy, name) and strategy[name] != cfg.get(name):
+            raise ConfigError(f"trainer.strategy.{name}={strategy[name]!r} is set from {name} (the strategy takes "
+                              f"the layout's degrees); use {name}={strategy[name]}")
 
 
 def strategy_kind(trainer_cfg: DictConfig) -> str:

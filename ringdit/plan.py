@@ -56,7 +56,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.cli import hydra_main, user_errors
 from ringdit.errors import ConfigError, require_count
-from ringdit.layout import Layout, strategy_kind
+from ringdit.layout import Layout, check_strategy_degrees, strategy_kind
 from ringdit.memory import (DISTILL_METHODS, FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estimate_memory,
                             gathered_bytes_per_parameter, model_size)
 
@@ -173,33 +173,81 @@ def options_label(s: Setup) -> str:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """In increasing order; sqrt(n) trial divisions (gpus=10**12 lists its divisors at once)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+DEGREES = ("dp_degree", "ring_degree", "ulysses_degree")
+
+
+def degree_triples(model: ModelSize, gpus: int, fixed: dict[str, int] | None = None) -> list[tuple[int, int, int]]:
+    """Every (dp, ring, ulysses) of ``gpus`` ranks the model can run: dp x ring x ulysses = gpus, Ulysses dividing
+    the heads, ring x ulysses no more than the tokens; ``fixed`` (``DEGREES`` -> value): only those with it."""
+    fixed = fixed or {}
+    found = []
+    for dp in divisors(gpus):
+        sp = gpus // dp
+        for ulysses in divisors(sp):
+            triple = (dp, sp // ulysses, ulysses)
+            if model.num_heads % ulysses or sp > model.tokens \
+                    or any(fixed.get(name, value) != value for name, value in zip(DEGREES, triple)):
+                continue
+            found.append(triple)
+    return found
+
+
+def _either(values) -> str:
+    """1, 2 or 4."""
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
+
+
+def check_fixed_degrees(model: ModelSize, gpus: int, fixed: dict[str, int]) -> None:
+    """The degrees the settings fix leave at least one layout; else a ConfigError naming the first one that rules
+    every layout out, why, and the values it can take with the others as given."""
+    if not fixed or degree_triples(model, gpus, fixed):
+        return
+    given = " ".join(f"{name}={value}" for name, value in fixed.items())
+    for name, value in fixed.items():
+        others = {key: v for key, v in fixed.items() if key != name}
+        options = sorted({triple[DEGREES.index(name)] for triple in degree_triples(model, gpus, others)})
+        if not options:
+            continue
+        if gpus % value:
+            why = f"{name}={value} does not divide gpus={gpus}"
+        elif name == "ulysses_degree" and model.num_heads % value:
+            why = f"ulysses_degree={value} does not divide the model's {model.num_heads} heads (Ulysses splits them)"
+        elif value > model.tokens:
+            why = f"{name}={value} is more ranks than the model's {model.tokens} tokens per sample"
+        else:
+            why = f"{given}: dp_degree x ring_degree x ulysses_degree must be gpus={gpus}"
+        raise ConfigError(f"{why}; with {' '.join(f'{k}={v}' for k, v in others.items()) or 'the others free'}, "
+                          f"use {name}={_either(options)}")
+    raise ConfigError(f"{given}: no layout of gpus={gpus} ranks has these degrees (dp x ring x ulysses = gpus, "
+                      f"Ulysses dividing the model's {model.num_heads} heads); leave them null to lay out every one")
 
 
 def candidates(model: ModelSize, layout: Layout, base: Setup, hardware: Hardware, strategies: tuple[str, ...],
-               checkpointing: tuple, options: dict[str, tuple] | None = None) -> list[Candidate]:
-    """Every feasible layout of ``hardware.gpus`` ranks (``layout`` with its degrees and strategy replaced) under
-    every combination of the strategies, checkpointed shares and ``options`` (Setup fields: ``activation_offload``,
-    ``lora_base_dtype``, ``optimizer_8bit``: the values to try), with its memory and cost. Offloading is tried only
-    where blocks are checkpointed."""
+               checkpointing: tuple, options: dict[str, tuple] | None = None,
+               fixed: dict[str, int] | None = None) -> list[Candidate]:
+    """Every feasible layout of ``hardware.gpus`` ranks (``layout`` with its degrees and strategy replaced; ``fixed``:
+    only those with these ``DEGREES``) under every combination of the strategies, checkpointed shares and
+    ``options`` (Setup fields: ``activation_offload``, ``lora_base_dtype``, ``optimizer_8bit``: the values to try),
+    with its memory and cost. Offloading is tried only where blocks are checkpointed."""
     options = {"activation_offload": (False,), **(options or {})}
     names = list(options)
     found = []
-    for dp in divisors(hardware.gpus):
-        sp = hardware.gpus // dp
-        for ulysses in divisors(sp):
-            ring = sp // ulysses
-            if model.num_heads % ulysses or sp > model.tokens:
+    for dp, ring, ulysses in degree_triples(model, hardware.gpus, fixed):
+        for strategy, ckpt, *values in itertools.product(strategies, checkpointing, *options.values()):
+            chosen = dict(zip(names, values))
+            if chosen["activation_offload"] and not ckpt:
                 continue
-            for strategy, ckpt, *values in itertools.product(strategies, checkpointing, *options.values()):
-                chosen = dict(zip(names, values))
-                if chosen["activation_offload"] and not ckpt:
-                    continue
-                laid_out = replace(layout, dp_degree=dp, ring_degree=ring, ulysses_degree=ulysses, strategy=strategy)
-                setup = replace(base, activation_checkpointing=ckpt, **chosen)
-                memory = estimate_memory(model, laid_out, setup)
-                found.append(Candidate(laid_out, setup, memory, step_cost(model, laid_out, setup, hardware),
-                                       memory.peak_bytes <= hardware.usable_bytes))
+            laid_out = replace(layout, dp_degree=dp, ring_degree=ring, ulysses_degree=ulysses, strategy=strategy)
+            setup = replace(base, activation_checkpointing=ckpt, **chosen)
+            memory = estimate_memory(model, laid_out, setup)
+            found.append(Candidate(laid_out, setup, memory, step_cost(model, laid_out, setup, hardware),
+                                   memory.peak_bytes <= hardware.usable_bytes))
     return found
 
 
@@ -389,24 +437,110 @@ def _positive(setting: str, value, example: str, *, at_most: float | None = None
 
 
 def _choice(setting: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"{setting} must be one of {' | '.join(map(str, choices))}, got {value!r}")
+    """``value`` is one of ``choices`` and of its type (1 is not true, 0.0 not false)."""
+    if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
+        words = ("null" if c is None else str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
+        raise ConfigError(f"{setting} must be one of {' | '.join(words)}, got {value!r}")
 
 
-def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...], tuple, dict[str, tuple]]:
+def gpu_counts(cfg: DictConfig, fixed: dict[str, int]) -> tuple[int, int]:
+    """(gpus, gpus_per_node) from the planner's names or train.py's (``trainer.devices`` per node x
+    ``trainer.num_nodes``), which must agree where both are given; none given: as train.py, the product of the
+    degrees when all three are ``fixed``, else 8. The ranks fill whole nodes, as train.py runs devices x num_nodes
+    processes."""
+    gpus, per_node = cfg.gpus, cfg.gpus_per_node
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes")
+    require_count("gpus", gpus, optional=True, hint="the GPUs to lay out, e.g. gpus=16")
+    require_count("gpus_per_node", per_node, optional=True, hint="the GPUs of one node, e.g. gpus_per_node=8")
+    require_count("trainer.devices", devices, optional=True, hint="the GPUs of one node, e.g. trainer.devices=8")
+    require_count("trainer.num_nodes", nodes, optional=True, hint="e.g. trainer.num_nodes=2")
+    if per_node is not None and devices is not None and per_node != devices:
+        raise ConfigError(f"gpus_per_node={per_node} and trainer.devices={devices} both name the GPUs of one node; "
+                          f"give one of them")
+    per_node = per_node or devices
+    if nodes is not None:
+        if per_node is None:
+            per_node = gpus // nodes if gpus and gpus % nodes == 0 else 8
+        if gpus is not None and gpus != per_node * nodes:
+            raise ConfigError(f"gpus={gpus} but {'trainer.devices' if devices else 'gpus_per_node'} x "
+                              f"trainer.num_nodes = {per_node} x {nodes} = {per_node * nodes}; give gpus or "
+                              f"trainer.num_nodes, not both")
+        gpus = per_node * nodes
+    gpus = gpus or devices or (math.prod(fixed.values()) if len(fixed) == len(DEGREES) else 8)
+    per_node = per_node or min(gpus, 8)
+    if gpus > per_node and gpus % per_node:
+        below, above = gpus // per_node * per_node, -(-gpus // per_node) * per_node
+        fits = [d for d in divisors(gpus) if d < per_node][-1]
+        raise ConfigError(f"gpus={gpus} do not fill whole nodes of gpus_per_node={per_node} (train.py runs "
+                          f"trainer.devices x trainer.num_nodes processes); use gpus={below} or gpus={above}, or "
+                          f"gpus_per_node={fits}")
+    return gpus, min(gpus, per_node)
+
+
+def fixed_degrees(cfg: DictConfig) -> dict[str, int]:
+    """The degrees the settings fix (train.py's names), each a positive integer; null ones are laid out."""
+    fixed = {name: cfg.get(name) for name in DEGREES if cfg.get(name) is not None}
+    for name, value in fixed.items():
+        require_count(name, value, optional=True, hint=f"or null to lay out every {name}")
+    check_strategy_degrees(cfg)
+    return fixed
+
+
+# the optimizers conf/optimizer/ holds: their states per trainable parameter, whether they are 8-bit
+OPTIMIZERS = {"torch.optim.AdamW": (2, False), "ringdit.optimizers.adamw8bit": (2, True), "torch.optim.SGD": None}
+
+
+def optimizer_states(cfg: DictConfig) -> tuple[int, tuple[bool, ...]]:
+    """The optimizer's states per trainable parameter and the 8-bit choices to lay out, from ``optimizer=`` (train.py's
+    group) or ``optimizer_states`` / ``optimizer_8bit``, which must agree with it where both are given."""
+    states, eight_bit = cfg.optimizer_states, cfg.optimizer_8bit
+    require_count("optimizer_states", states, minimum=0, optional=True,
+                  hint="AdamW 2, SGD with momentum 1, SGD 0")
+    _choice("optimizer_8bit", eight_bit, (None, True, False))
+    optimizer = cfg.get("optimizer")
+    if optimizer is None:
+        return (2 if states is None else states), ((False, True) if eight_bit is None else (eight_bit,))
+    target = optimizer.get("_target_")
+    if target not in OPTIMIZERS:
+        if states is None or eight_bit is None:
+            raise ConfigError(f"optimizer._target_={target!r}: the planner knows the states of "
+                              f"{', '.join(OPTIMIZERS)}; for another, give optimizer_states=N and optimizer_8bit=false")
+        return states, (eight_bit,)
+    momentum = optimizer.get("momentum") or 0
+    own_states, own_8bit = OPTIMIZERS[target] or ((1 if momentum else 0), False)
+    for setting, given, own in (("optimizer_states", states, own_states), ("optimizer_8bit", eight_bit, own_8bit)):
+        if given is not None and given != own:
+            raise ConfigError(f"{setting}={str(given).lower()} but optimizer={_choice_name('optimizer', target)} "
+                              f"keeps {own_states} states per parameter{' in 8 bits' if own_8bit else ''}; drop "
+                              f"{setting}= (or choose another optimizer=)")
+    return own_states, (own_8bit,)
+
+
+def _choice_name(group: str, target: str) -> str:
+    """The option ``group=...`` that was chosen (Hydra's record), else the class it names."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return HydraConfig.get().runtime.choices[group]
+    except (ValueError, KeyError):
+        return target
+
+
+def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...], tuple, dict[str, tuple],
+                                       dict[str, int]]:
     """Every setting but the model's, checked: the hardware, the layout's settings (its degrees and strategy are
-    filled in per candidate), the run's setup, the strategies and checkpointed shares to try, and the other memory
-    options' values to try (``candidates``)."""
+    filled in per candidate), the run's setup, the strategies and checkpointed shares to try, the other memory
+    options' values to try and the degrees the settings fix (``candidates``)."""
     from ringdit.attention import list_backends
     from ringdit.dtypes import dtype_named
     from ringdit.lora import check_lora_settings, resolve_base_dtype
     from ringdit.models.checkpointing import checkpoint_fraction
 
-    require_count("gpus", cfg.gpus, hint="the GPUs to lay out, e.g. gpus=16")
-    require_count("gpus_per_node", cfg.gpus_per_node, hint="the GPUs of one node, e.g. gpus_per_node=8")
+    fixed = fixed_degrees(cfg)
+    gpus, per_node = gpu_counts(cfg, fixed)
     memory = _positive("gpu_memory_gb", cfg.gpu_memory_gb, "80")
     usable = _positive("usable_memory", cfg.usable_memory, "0.9", at_most=1)
-    hardware = Hardware(gpus=cfg.gpus, gpus_per_node=cfg.gpus_per_node, usable_bytes=memory * usable * GiB,
+    hardware = Hardware(gpus=gpus, gpus_per_node=per_node, usable_bytes=memory * usable * GiB,
                         flops=_positive("gpu_tflops", cfg.gpu_tflops, "400") * 1e12,
                         intra_node=_positive("intra_node_gbps", cfg.intra_node_gbps, "150") * 1e9,
                         inter_node=_positive("inter_node_gbps", cfg.inter_node_gbps, "25") * 1e9,
@@ -422,10 +556,13 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     checkpointing = (0.0, 0.5, 1.0) if checkpointing is None else (checkpoint_fraction(checkpointing),)
     offload = cfg.model.get("activation_offload")
     _choice("model.activation_offload", offload, (None, True, False))
-    _choice("optimizer_8bit", cfg.optimizer_8bit, (None, True, False))
+    states, eight_bit = optimizer_states(cfg)
     require_count("show", cfg.show, hint="rows of the table that fit (and as many that do not)")
     precision = str(cfg.trainer.precision)
     _choice("trainer.precision", precision, PRECISIONS)
+    if str(cfg.trainer.get("accelerator", "gpu")) not in ("gpu", "cuda", "auto"):
+        raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator}: the planner lays out GPUs; use "
+                          f"trainer=gpu")
     _choice("trainer.strategy.cpu_offload", strategy.cpu_offload, (True, False))
     _choice("attention_backend", cfg.attention_backend, list_backends())
     if strategy.param_dtype is not None:
@@ -433,26 +570,24 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     base = cfg.lora.base_dtype
     if base is not None:
         resolve_base_dtype(base)
-    require_count("optimizer_states", cfg.optimizer_states, minimum=0, hint="AdamW 2, SGD with momentum 1, SGD 0")
     replicate = strategy.replicate_degree
     require_count("trainer.strategy.replicate_degree", replicate, hint="1 shards over every GPU")
-    if cfg.gpus % replicate:
-        raise ConfigError(f"trainer.strategy.replicate_degree={replicate} does not divide gpus={cfg.gpus} (HSDP "
-                          f"shards within gpus / replicate_degree ranks); use a divisor of {cfg.gpus}")
+    if gpus % replicate:
+        raise ConfigError(f"trainer.strategy.replicate_degree={replicate} does not divide gpus={gpus} (HSDP "
+                          f"shards within gpus / replicate_degree ranks); use a divisor of {gpus}")
     decay = cfg.ema_decay
     if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1):
         raise ConfigError(f"ema_decay must be a number in [0, 1) or null, got {decay!r}; null or 0 turns the EMA "
                           f"off, e.g. ema_decay=0.999")
     check_lora_settings(OmegaConf.to_container(cfg.lora, resolve=True))
-    devices = min(cfg.gpus, cfg.gpus_per_node)
-    layout = Layout(devices=devices, num_nodes=math.ceil(cfg.gpus / devices), device_type="cuda",
+    layout = Layout(devices=per_node, num_nodes=math.ceil(gpus / per_node), device_type="cuda",
                     attention_backend=cfg.attention_backend, replicate_degree=replicate,
                     cpu_offload=strategy.cpu_offload)
     distill_cfg = cfg.get("distill") or {}
     distill = distill_cfg.get("method", "none")
     _choice("distill", distill, DISTILL_METHODS)
     setup = Setup(batch_size=cfg.data.batch_size, param_dtype=strategy.param_dtype, precision=precision,
-                  ema=bool(decay), lora_base_dtype=base or "bfloat16", optimizer_states=cfg.optimizer_states,
+                  ema=bool(decay), lora_base_dtype=base or "bfloat16", optimizer_states=states,
                   distill=distill, gan_loss=bool(distill_cfg.get("gan_loss", False)),
                   gan_block=distill_cfg.get("gan_block"),
                   regression_pairs=(distill_cfg.get("regression_pairs") or 0) if distill_cfg.get("regression_loss")
@@ -462,9 +597,9 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     options = {
         "activation_offload": (False, True) if offload is None else (offload,),
         "lora_base_dtype": ("bfloat16", "float8_e4m3fn") if base is None and lora else (base or "bfloat16",),
-        "optimizer_8bit": (False, True) if cfg.optimizer_8bit is None else (cfg.optimizer_8bit,),
+        "optimizer_8bit": eight_bit,
     }
-    return hardware, layout, setup, strategies, checkpointing, options
+    return hardware, layout, setup, strategies, checkpointing, options, fixed
 
 
 # ---- the table -----------------------------------------------------------------------------------------------------
@@ -556,7 +691,7 @@ def train_command(best: Candidate, cfg: DictConfig) -> str:
         words += ["model.activation_offload=true"] if s.activation_offload else []
     if lay.attention_backend == "math":  # the others hold the same memory; train.py picks the best available
         words.append("attention_backend=math")
-    words += ["optimizer=adamw8bit"] if s.optimizer_8bit else []
+    words += optimizer_words(cfg, s)
     for key in ("diffusion.expert", "lora.rank", "lora.alpha", "lora.targets"):
         value = OmegaConf.select(cfg, key)
         if value not in (None, 0, "both"):
@@ -570,12 +705,26 @@ def train_command(best: Candidate, cfg: DictConfig) -> str:
     return " ".join(words)
 
 
+def optimizer_words(cfg: DictConfig, s: Setup) -> list[str]:
+    """train.py's optimizer= for the plan's optimizer: the one chosen, else the one whose states were counted."""
+    optimizer = cfg.get("optimizer")
+    if optimizer is not None:
+        name = _choice_name("optimizer", optimizer.get("_target_"))
+        momentum = optimizer.get("momentum") if name == "sgd" else None
+        return [f"optimizer={name}"] + ([f"optimizer.momentum={momentum}"] if momentum else [])
+    if s.optimizer_8bit:
+        return ["optimizer=adamw8bit"]
+    return {0: ["optimizer=sgd"], 1: ["optimizer=sgd", "optimizer.momentum=0.9"]}.get(s.optimizer_states,
+                                                                                       ["optimizer=adamw"])
+
+
 @hydra_main("plan")  # conf/plan.yaml
 def plan(cfg: DictConfig) -> None:
     with user_errors():  # a wrong setting: one line, exit code 2
-        hardware, layout, setup, strategies, checkpointing, options = settings(cfg)
+        hardware, layout, setup, strategies, checkpointing, options, fixed = settings(cfg)
         size, model_line = planned_model(cfg)
-        found = candidates(size, layout, setup, hardware, strategies, checkpointing, options)
+        check_fixed_degrees(size, hardware.gpus, fixed)
+        found = candidates(size, layout, setup, hardware, strategies, checkpointing, options, fixed)
     print(format_plan(found, hardware, layout, setup, size, model_line, cfg.show))
     best, _ = recommend(found, hardware)
     if best is not None:

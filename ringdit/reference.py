@@ -79,16 +79,20 @@ def command_groups(config_name: str) -> list[Group]:
 
     def add(name: str, default: str | None) -> None:
         groups.append(Group(name, default, options(name)))
-        for entry in defaults_list(CONF_DIR / name / f"{default}.yaml") if default else []:
-            if isinstance(entry, dict):  # {"strategy": "ddp"}: a group nested in this one
-                (sub, choice), = entry.items()
-                if (CONF_DIR / name / sub).is_dir():
-                    add(f"{name}/{sub}", choice)
+        for option in [default, *inherited(name, default)] if default else []:  # trainer=gpu builds on default
+            for entry in defaults_list(CONF_DIR / name / f"{option}.yaml"):
+                if isinstance(entry, dict):  # {"strategy": "ddp"}: a group nested in this one
+                    (sub, choice), = entry.items()
+                    if (CONF_DIR / name / sub).is_dir():
+                        add(f"{name}/{sub}", choice)
 
     for entry in defaults_list(CONF_DIR / f"{config_name}.yaml"):
         if isinstance(entry, dict):
             (name, default), = entry.items()
-            if name != "hydra":
+            if name.startswith("override "):  # `override trainer/strategy: null`: another default for that group
+                name = name.split()[-1].lstrip("/")
+                groups = [Group(name, default, g.options) if g.name == name else g for g in groups]
+            elif name != "hydra":
                 add(name, default)
     return groups
 
