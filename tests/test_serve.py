@@ -155,9 +155,26 @@ def test_only_callers_with_the_key_are_served(dit):
     ({"prompt": "3", "lora_scale": "inf"}, "lora_scale", 400),
     ({"prompt": "3", "guidance_scale": "NaN"}, "guidance_scale", 400),
     ({"prompt": "3", "response_format": "file"}, "response_format", 400),
+    # strict types (issue 53): a boolean is not a number, a string not an integer, sizes and class ids ASCII digits
+    ({"prompt": "3", "n": True}, "n", 400),
+    ({"prompt": "3", "n": "2"}, "n", 400),
+    ({"prompt": "3", "steps": 2.0}, "steps", 400),
+    ({"prompt": "3", "seed": True}, "seed", 400),
+    ({"prompt": "3", "guidance_scale": True}, "guidance_scale", 400),
+    ({"prompt": "3", "size": "\uff18x\uff18"}, "size", 400),     # full-width digits
+    ({"prompt": "3", "size": "9" * 5000 + "x8"}, "size", 400),     # once a 500 (int() of over 4300 digits)
+    ({"prompt": "3", "size": ""}, "size", 400),                    # once the default size, silently
+    ({"prompt": "\uff13"}, "prompt", 400),                         # a full-width class id
+    ({"prompt": "\ud800"}, "prompt", 400),                         # a lone surrogate: not Unicode text
+    ({"prompt": "3", "model": "m" * 300}, "model", 400),
+    # a setting that applies only with another (once ignored silently)
+    ({"prompt": "3", "cache_threshold": 0.5}, "cache_threshold", 400),
+    ({"prompt": "3", "lora_scale": 0.5}, "lora_scale", 400),
 ])
 def test_bad_requests_name_the_field(dit, body, param, status):
-    answer = post(dit[0], "/v1/images/generations", body)
+    # json.dumps escapes what httpx's encoder would refuse to send (a lone surrogate)
+    answer = httpx.post(dit[0].url + "/v1/images/generations", content=json.dumps(body).encode(),
+                        headers={**AUTH, "Content-Type": "application/json"}, timeout=120)
     assert answer.status_code == status, answer.text
     assert answer.json()["error"]["param"] == param, answer.json()
 
@@ -166,6 +183,77 @@ def test_a_body_that_is_not_json_is_a_400(dit):
     answer = httpx.post(dit[0].url + "/v1/images/generations", content=b"not json",
                         headers={**AUTH, "Content-Type": "application/json"})
     assert answer.status_code == 400 and "not valid JSON" in answer.json()["error"]["message"]
+
+
+def api_error(answer, status: int) -> dict:
+    """The answer's error, checked to be in the API's shape with ``status``."""
+    assert answer.status_code == status, answer.text[:500]
+    error = answer.json()["error"]
+    assert set(error) == {"message", "param", "type"} and error["message"], error
+    return error
+
+
+def test_every_refusal_is_in_the_api_shape(dit):
+    """Answers that FastAPI and Starlette make themselves -- a body its JSON parser gives up on (100,000 arrays deep:
+    a RecursionError inside it), no such endpoint, a method not allowed --, a body too large (by its Content-Length,
+    or streamed without one), and names that no file system takes: all in ``{"error": {"message", "param", "type"}}``,
+    none a 500."""
+    from ringdit.serve.api import MAX_BODY_BYTES
+
+    url, json_type = dit[0].url, {**AUTH, "Content-Type": "application/json"}
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert "not valid JSON" in api_error(httpx.post(url + "/v1/images/generations", content=deep, headers=json_type),
+                                         400)["message"]
+    assert "JSON object" in api_error(httpx.post(url + "/v1/images/generations", content=b"[]", headers=json_type),
+                                      400)["message"]
+    api_error(httpx.get(url + "/v1/no-such-endpoint", headers=AUTH), 404)
+    assert api_error(httpx.put(url + "/v1/models", headers=AUTH), 405)["message"] == "PUT is not allowed on /v1/models"
+    large = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    api_error(httpx.post(url + "/v1/images/generations", content=large, headers=json_type), 413)
+
+    def streamed():  # chunked: no Content-Length to refuse it by
+        yield large[:len(large) // 2]
+        yield large[len(large) // 2:]
+
+    api_error(httpx.post(url + "/v1/images/generations", content=streamed(), headers=json_type), 413)
+    assert api_error(httpx.get(url + "/v1/files/a%00b.png", headers=AUTH), 404)["param"] == "name"
+    assert api_error(httpx.get(url + "/v1/files/" + "a" * 5000 + ".png", headers=AUTH), 404)["param"] == "name"
+    for path in ("a\x00.safetensors", "a" * 300 + ".safetensors"):  # once a 500 (ValueError, OSError)
+        assert api_error(post(dit[0], "/v1/loras", {"name": "x", "path": path}), 400)["param"] == "path"
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_fuzzed_requests_from_the_openapi_schema(dit):
+    """Schemathesis draws requests for every endpoint from the API's OpenAPI schema -- valid ones and ones that break
+    it (wrong types, missing and extra fields, hostile strings) -- and sends them in-process (ASGI) to the app over the
+    running tiny server: no 500, and every 4xx in the API's error shape. Bounded: 120 requests, a few seconds."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from ringdit.serve.api import create_app
+
+    app = create_app(dit[0])
+    schema = schemathesis.openapi.from_dict(app.openapi())
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) == 12, [f"{op.method} {op.path}" for op in operations]
+    modes = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
+    answered = []
+
+    @settings(max_examples=120, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=st.one_of([op.as_strategy(generation_mode=mode) for op in operations for mode in modes]))
+    def check(case):
+        answer = case.call(app=app, headers=AUTH)
+        answered.append(answer.status_code)
+        assert answer.status_code < 500, (case.as_curl_command(), answer.text[:500])
+        if answer.status_code >= 400:
+            error = answer.json().get("error")
+            assert isinstance(error, dict) and set(error) == {"message", "param", "type"}, (
+                case.as_curl_command(), answer.text[:500])
+
+    check()
+    assert len(answered) >= 100 and any(code == 200 for code in answered)
 
 
 def test_video_endpoints_refuse_an_image_model(dit):
@@ -239,6 +327,69 @@ def test_lora_load_swap_unload_equal_the_merged_base(dit):
     assert httpx.delete(server.url + "/v1/loras/a", headers=AUTH).status_code == 200
     assert post(server, "/v1/images/generations", {"prompt": "4", "lora": "a"}).status_code == 400
     np.testing.assert_array_equal(image(), base)
+
+
+@contextlib.contextmanager
+def batches_held(server):
+    """Inside, the sampling loop takes no job from the queue (it still ticks and carries out LoRA commands): requests
+    wait there, as they would behind a long batch."""
+    queue, held, entered = server.queue, threading.Event(), threading.Event()
+    held.set()
+    original = queue.next_batch
+
+    def next_batch(timeout):
+        if held.is_set():
+            entered.set()
+            time.sleep(0.05)
+            return []
+        return original(timeout)
+
+    queue.next_batch = next_batch
+    try:
+        assert entered.wait(timeout=30)  # the loop has left the original, which may have been waiting for a job
+        yield
+    finally:
+        held.clear()
+        del queue.next_batch
+
+
+def test_unloading_an_adapter_that_queued_jobs_name_is_refused(dit):
+    """Issue 53: DELETE /v1/loras/<name> while a waiting request names the adapter once unloaded it, and the request's
+    batch then failed on every rank (KeyError), killing the server. Now the unload is refused with 409 naming the jobs;
+    the request is served with the adapter; once it is done the unload succeeds. A job that still names an adapter
+    unloaded before its turn (accepted in the moment between the check and the unload) fails alone with a 409 job
+    error, and the server serves on."""
+    from ringdit.serve.api import ImageBody, sample_request
+    from ringdit.serve.jobs import Job
+
+    server, _, loras, _ = dit
+    write_adapter(loras / "busy.safetensors", server.module.model, seed=3)
+    assert post(server, "/v1/loras", {"name": "busy", "path": "busy.safetensors"}).status_code == 200
+    answers = []
+    with batches_held(server):
+        waiting = threading.Thread(target=lambda: answers.append(
+            post(server, "/v1/images/generations", {"prompt": "5", "seed": 1, "lora": "busy"})))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while not server.queue.naming("busy"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        job_id = server.queue.naming("busy")[0].id
+        refused = httpx.delete(server.url + "/v1/loras/busy", headers=AUTH)
+        error = api_error(refused, 409)
+        assert error["param"] == "name" and "'busy'" in error["message"] and job_id in error["message"], error
+    waiting.join(timeout=60)
+    assert answers[0].status_code == 200, answers[0].text[:500]
+    assert httpx.delete(server.url + "/v1/loras/busy", headers=AUTH).status_code == 200
+
+    # the race's other side: a job accepted with the adapter, which is then unloaded before the job's turn
+    assert post(server, "/v1/loras", {"name": "brief", "path": "busy.safetensors"}).status_code == 200
+    request = sample_request(ImageBody(prompt="5", lora="brief"), "image", server)
+    assert httpx.delete(server.url + "/v1/loras/brief", headers=AUTH).status_code == 200
+    job = server.queue.submit(Job(request))
+    assert job.done.wait(timeout=60)
+    assert job.status == "failed" and job.error_code == 409 and "lora='brief' was unloaded" in job.error, job
+    assert server.state == "ok" and post(server, "/v1/images/generations", {"prompt": "5"}).status_code == 200
 
 
 def test_two_expert_adapters_equal_each_expert_merged(tmp_path):

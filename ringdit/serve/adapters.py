@@ -57,13 +57,18 @@ def resolve_file(lora_dir: Path | None, given: str, field: str) -> Path:
                            "lora_dir=<folder of adapters>)")
     if not isinstance(given, str) or not given:
         raise AdapterError(f"{field}: give the adapter's path relative to lora_dir")
-    path = (lora_dir / given).resolve()
-    if not path.is_relative_to(lora_dir):
-        raise AdapterError(f"{field}={given!r} is outside lora_dir; give a path inside it")
-    if path.suffix != ".safetensors":
-        raise AdapterError(f"{field}={given!r} is not a .safetensors file (pickled formats are not loaded)")
-    if not path.is_file():
-        raise AdapterError(f"{field}={given!r} does not exist in lora_dir")
+    if "\0" in given:  # no file system takes it (Python raises ValueError on it)
+        raise AdapterError(f"{field}={given!r} holds a NUL character; give the adapter's path relative to lora_dir")
+    try:
+        path = (lora_dir / given).resolve()
+        if not path.is_relative_to(lora_dir):
+            raise AdapterError(f"{field}={given!r} is outside lora_dir; give a path inside it")
+        if path.suffix != ".safetensors":
+            raise AdapterError(f"{field}={given!r} is not a .safetensors file (pickled formats are not loaded)")
+        if not path.is_file():
+            raise AdapterError(f"{field}={given!r} does not exist in lora_dir")
+    except OSError as error:  # a name too long for the file system, a loop of links, a folder it may not read
+        raise AdapterError(f"{field}={given!r} cannot be read in lora_dir ({error.strerror})") from None
     return path
 
 

@@ -12,7 +12,9 @@
 
 Every request is data: it is validated field by field (400 with ``{"error": {"message", "param", "type"}}`` naming
 the field and its bound); nothing in it is executed, and no path in it reaches outside ``lora_dir`` / the run's
-``files/``.
+``files/``. Types are strict (JSON's own: ``true`` is not a number, ``"4"`` is not an integer, sizes are ASCII
+digits), and every answer that is not a success -- a body that is not JSON, one over ``MAX_BODY_BYTES``, an unknown
+endpoint -- is in that one shape.
 """
 
 from __future__ import annotations
@@ -21,21 +23,28 @@ import asyncio
 import base64
 import binascii
 import io
+import re
 import secrets
 import time
 from typing import Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringdit.errors import ConfigError
 from ringdit.serve.adapters import AdapterError
+from ringdit.serve.engine import AdapterInUse
 from ringdit.serve.jobs import COMPLETED, FINISHED, Job, QueueFull, SampleRequest, ShuttingDown
 
 MAX_IMAGE_BYTES = 20 * 2**20  # a first frame, base64-decoded
 MAX_PROMPT = 4096  # characters: the text encoders cut far sooner
+MAX_BODY_BYTES = 32 * 2**20  # a request's body: the largest first frame in base64 (4/3 of MAX_IMAGE_BYTES) fits
+FILE_NAME = re.compile(r"job_[0-9a-f]{16}-[0-9]+\.(png|mp4)")  # a sample's file, as Rank0.write names it
+SIZE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")  # ASCII digits only: "\uff18x\uff18" is not a size
+CLASS_ID = re.compile(r"[0-9]{1,9}")  # a class-conditional prompt that is not a class name: ASCII digits only
 
 
 class BadRequest(Exception):
@@ -44,19 +53,35 @@ class BadRequest(Exception):
         self.param, self.message, self.status = param, message, status
 
 
-class ImageBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Strict(BaseModel):
+    """JSON's types as they are: no bool taken for a number, no string for a number, no number for a string; text
+    that is not Unicode (a lone surrogate escape, which Python's JSON parser lets through) refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _unicode(cls, value, info):
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("is not valid Unicode text (it holds a lone surrogate escape)") from None
+        return value
+
+
+class ImageBody(Strict):
 
     prompt: str = Field(max_length=MAX_PROMPT)
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=256)
     n: int = 1
-    size: str | None = None                      # "WxH" (OpenAI's order); null: the model's default
+    size: str | None = Field(default=None, max_length=32)  # "WxH" (OpenAI's order); null: the model's default
     seed: int | None = None                      # null: a random one (returned in the job)
     steps: int | None = None
     guidance_scale: float | None = None
     negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT)
     response_format: Literal["b64_json", "url"] = "b64_json"
-    lora: str | None = None
+    lora: str | None = Field(default=None, max_length=128)
     lora_scale: float = 1.0
     cache: Literal["none", "fbcache", "teacache"] | None = None
     cache_threshold: float | None = None
@@ -67,12 +92,42 @@ class VideoBody(ImageBody):
     image: str | None = None                     # base64 (or a data: URL) of the first frame
 
 
-class LoraBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LoraBody(Strict):
 
     name: str = Field(min_length=1, max_length=128)
     path: str = Field(min_length=1, max_length=4096)
     path_2: str | None = Field(default=None, max_length=4096)  # a two-expert model's low-noise expert
+
+
+NOT_JSON = ("the body is not valid JSON, or nested deeper than a JSON parser reads (send a JSON object with "
+            "Content-Type: application/json)")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``limit`` bytes is refused (413) before it is all read -- by its Content-Length,
+    or while it streams in (chunked) --, so no request can make the server hold gigabytes."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            response = error(413, f"the body is larger than {self.limit // 2**20} MiB")
+            return await response(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:  # FastAPI passes an HTTPException raised while reading the body on
+                raise HTTPException(413)
+            return message
+
+        return await self.app(scope, counted, send)
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
@@ -83,6 +138,7 @@ def create_app(server) -> FastAPI:
     """The app over ``server`` (``ringdit.serve.Server``: its settings, spec, queue, engine and control)."""
     settings = server.settings
     app = FastAPI(title="ringdit", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
@@ -99,9 +155,24 @@ def create_app(server) -> FastAPI:
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
-            return error(400, "the body is not valid JSON (send a JSON object with Content-Type: application/json)")
+            return error(400, NOT_JSON)
         param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        return error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if param is None:  # the body itself: empty, an array, a string, or sent as another content type
+            return error(400, f"the body must be a JSON object sent with Content-Type: application/json ({message})")
+        return error(400, f"{param}: {message}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        """Starlette's and FastAPI's own answers (no such endpoint, a method not allowed, a body the parser gave up
+        on -- e.g. nested too deep for it --, one too large) in the API's shape, their headers kept (Allow)."""
+        status = exc.status_code
+        message = {400: NOT_JSON, 404: f"no endpoint {request.url.path} (see docs/serving.md)",
+                   405: f"{request.method} is not allowed on {request.url.path}",
+                   413: f"the body is larger than {MAX_BODY_BYTES // 2**20} MiB"}.get(status, str(exc.detail))
+        response = error(status, message, kind="invalid_request_error" if status < 500 else "server_error")
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(BadRequest)
     async def bad(request: Request, exc: BadRequest):
@@ -144,6 +215,9 @@ def create_app(server) -> FastAPI:
     async def videos(body: VideoBody):
         if server.kind != "video":
             raise BadRequest("model", "this model generates images: POST /v1/images/generations")
+        if "response_format" in body.model_fields_set:  # inherited from images; a video is a job, not a reply
+            raise BadRequest("response_format", "a video is a job: leave response_format out and fetch the MP4 from "
+                                                "GET /v1/videos/{id}/content once it is completed")
         return submit(body, "video").describe()
 
     @app.get("/v1/videos/{job_id}")
@@ -157,7 +231,7 @@ def create_app(server) -> FastAPI:
             raise BadRequest("id", f"job {job_id} is {job.status}, not completed", status=409)
         if not 0 <= index < len(job.files):
             raise BadRequest("index", f"index={index}: the job has samples 0..{len(job.files) - 1}")
-        return FileResponse(job.files[index], media_type="video/mp4")
+        return FileResponse(job.files[index], media_type=media_type(job.files[index].name))
 
     @app.delete("/v1/videos/{job_id}")
     async def cancel(job_id: str):
@@ -166,10 +240,10 @@ def create_app(server) -> FastAPI:
 
     @app.get("/v1/files/{name}")
     async def files(name: str):
-        path = server.files_dir / name
-        if "/" in name or "\\" in name or name.startswith(".") or not path.is_file():
-            raise BadRequest("name", f"no file {name!r}", status=404)
-        return FileResponse(path, media_type="video/mp4" if name.endswith(".mp4") else "image/png")
+        # only names the server writes (Rank0.write): nothing else in files/ or beyond it can be asked for
+        if FILE_NAME.fullmatch(name) is None or not (server.files_dir / name).is_file():
+            raise BadRequest("name", f"no file {name[:200]!r}", status=404)
+        return FileResponse(server.files_dir / name, media_type=media_type(name))
 
     @app.get("/v1/loras")
     async def loras():
@@ -183,19 +257,34 @@ def create_app(server) -> FastAPI:
         try:
             adapter = await asyncio.to_thread(adapters.read, settings.lora_dir, body.name, paths)
             command = {"op": "lora_add", "adapter": (adapter.name, list(adapter.files), adapter.layers)}
-            return await asyncio.to_thread(server.control.ask, command, 600)
+            return await ask(command)
         except AdapterError as problem:
             raise BadRequest(str(problem).split(":")[0].split("=")[0], str(problem)) from None
 
     @app.delete("/v1/loras/{name}")
     async def unload_lora(name: str):
+        """409 while unfinished jobs name it: a job the server accepted is sampled as accepted (an unload never
+        fails someone else's request); the caller learns which jobs hold it and retries, or cancels them."""
         adapters = ready_adapters()
         if name not in adapters.loaded:
             raise BadRequest("name", f"no adapter {name!r} is loaded", status=404)
-        await asyncio.to_thread(server.control.ask, {"op": "lora_remove", "name": name}, 600)
+        try:
+            await ask({"op": "lora_remove", "name": name})
+        except AdapterInUse as busy:
+            raise BadRequest("name", str(busy), status=409) from None
         return {"name": name, "deleted": True}
 
     # ---- helpers --------------------------------------------------------------------------------------------------
+    async def ask(command: dict):
+        """A LoRA command run by every rank between batches (503 if the sampling loop no longer takes commands)."""
+        if server.state != "ok":
+            raise BadRequest(None, f"the server is {server.state}", status=503)
+        try:
+            return await asyncio.to_thread(server.control.ask, command, settings.request_timeout_s)
+        except TimeoutError:
+            raise BadRequest(None, f"the sampling ranks did not take the command within request_timeout_s="
+                                   f"{settings.request_timeout_s:g} seconds", status=503) from None
+
     def ready_adapters():
         if server.engine.adapters is None:
             raise BadRequest("model", "the model is still loading", status=503)
@@ -248,7 +337,7 @@ def sample_request(body: ImageBody, kind: str, server) -> SampleRequest:
     if body.model is not None and body.model != server.model_name:
         raise BadRequest("model", f"model={body.model!r}: this server serves {server.model_name!r} (GET /v1/models)")
     default_size, default_frames = spec.sizes.user_size(spec.shape)
-    size = parse_size(body.size) if body.size else tuple(default_size)
+    size = parse_size(body.size) if body.size is not None else tuple(default_size)
     frames = getattr(body, "frames", None)
     if kind == "video":
         frames = default_frames if frames is None else frames
@@ -266,6 +355,10 @@ def sample_request(body: ImageBody, kind: str, server) -> SampleRequest:
     if spec.data.get("conditioning") != "text":
         from ringdit.sampling import resolve_labels
 
+        names = [str(name) for name in spec.data.get("class_names") or []]
+        if prompt not in names and CLASS_ID.fullmatch(prompt) is None:  # int() would take " 3", "\uff13", "+3"
+            raise BadRequest("prompt", f"this model is class-conditional: the prompt is a class id in ASCII digits or "
+                                       f"one of the class names {names[:20]}; got {prompt[:100]!r}")
         try:
             resolve_labels([prompt], 1, spec.data)
         except ValueError as problem:
@@ -275,6 +368,8 @@ def sample_request(body: ImageBody, kind: str, server) -> SampleRequest:
             raise BadRequest("negative_prompt", "a class-conditional model takes no negative prompt")
     if not -10 <= body.lora_scale <= 10:
         raise BadRequest("lora_scale", f"lora_scale={body.lora_scale} must be in [-10, 10]")
+    if body.lora is None and "lora_scale" in body.model_fields_set:
+        raise BadRequest("lora_scale", "lora_scale is the strength of the adapter named by lora; give lora too")
     lora = None
     if body.lora is not None:
         adapters = server.engine.adapters
@@ -283,21 +378,29 @@ def sample_request(body: ImageBody, kind: str, server) -> SampleRequest:
                                      f"them)")
         lora = body.lora
     cache = None
-    if body.cache is None and spec.cache.enabled:  # the server's own cache= setting
-        cache = (spec.cache.kind, spec.cache.threshold)
+    if body.cache_threshold is not None and (body.cache == "none" or body.cache is None and not spec.cache.enabled):
+        raise BadRequest("cache_threshold", "cache_threshold applies to a step cache; give cache=fbcache (or teacache) "
+                                            "too")
+    if body.cache is None and spec.cache.enabled:  # the server's own cache= setting (its threshold the default)
+        threshold = spec.cache.threshold if body.cache_threshold is None else body.cache_threshold
+        cache = (spec.cache.kind, float(threshold))
     elif body.cache not in (None, "none"):
         if body.cache not in server.rank0.cache_settings:
             raise BadRequest("cache", f"cache={body.cache} is not available for this model (its TeaCache polynomial "
                                       f"is unknown: calibrate one, or use fbcache)")
         threshold = 0.1 if body.cache_threshold is None else body.cache_threshold
-        if not 0 <= threshold <= 10:
-            raise BadRequest("cache_threshold", f"cache_threshold={threshold} must be in [0, 10]")
         cache = (body.cache, float(threshold))
+    if body.cache_threshold is not None and not 0 <= body.cache_threshold <= 10:
+        raise BadRequest("cache_threshold", f"cache_threshold={body.cache_threshold} must be in [0, 10]")
     image = first_frame(getattr(body, "image", None), server, size)
     return SampleRequest(kind=kind, prompt=prompt, n=body.n, seed=seed, shape=tuple(shape), size=size,
                          frames=frames, steps=steps, cfg_scale=float(cfg_scale),
                          negative_prompt=body.negative_prompt or None, lora=lora,
                          lora_scale=float(body.lora_scale), cache=cache, image=image)
+
+
+def media_type(name: str) -> str:
+    return "video/mp4" if name.endswith(".mp4") else "image/png"
 
 
 def bounded(param: str, value: int, low: int, high: int) -> None:
@@ -307,10 +410,10 @@ def bounded(param: str, value: int, low: int, high: int) -> None:
 
 def parse_size(size: str) -> tuple[int, int]:
     """OpenAI's ``"WxH"`` -> (H, W)."""
-    parts = size.lower().split("x")
-    if len(parts) != 2 or not all(part.isdigit() and 0 < int(part) <= 65536 for part in parts):
-        raise BadRequest("size", f"size={size!r} is not WIDTHxHEIGHT in pixels, e.g. \"832x480\"")
-    width, height = (int(part) for part in parts)
+    match = SIZE.fullmatch(size)
+    if match is None or not all(0 < int(part) <= 65536 for part in match.groups()):
+        raise BadRequest("size", f"size={size!r} is not WIDTHxHEIGHT in pixels (ASCII digits), e.g. \"832x480\"")
+    width, height = (int(part) for part in match.groups())
     return height, width
 
 

@@ -43,6 +43,16 @@ class Cancelled(Exception):
     """Every job of the running batch was cancelled: the ranks stop sampling it, together."""
 
 
+class AdapterInUse(Exception):
+    """``DELETE /v1/loras/<name>`` while unfinished jobs name the adapter: refused (409), nothing unloaded."""
+
+    def __init__(self, name: str, job_ids: list[str]):
+        shown = ", ".join(job_ids[:10]) + (f" and {len(job_ids) - 10} more" if len(job_ids) > 10 else "")
+        super().__init__(f"adapter {name!r} is named by {len(job_ids)} unfinished job(s) ({shown}); unload it when "
+                         f"they have finished, or cancel them first (DELETE /v1/videos/<id>)")
+        self.name, self.job_ids = name, job_ids
+
+
 class Control:
     """What rank 0 asks of the sampling loop besides jobs: run-time LoRA commands and the stop."""
 
@@ -62,10 +72,10 @@ class Control:
             raise answer[0]
         return answer[0]
 
-    def take(self) -> list[tuple[dict, threading.Event, list]]:
+    def take(self) -> tuple[dict, threading.Event, list] | None:
+        """The oldest command not yet taken (one per turn of the loop: each gets its own answer)."""
         with self._lock:
-            taken, self._commands = self._commands, []
-        return taken
+            return self._commands.pop(0) if self._commands else None
 
 
 class Commands(IterableDataset):
@@ -137,7 +147,15 @@ class Engine:
         return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
     def _make_command(self) -> dict:
-        for command, done, answer in self.control.take():
+        taken = self.control.take()
+        if taken is not None:
+            command, done, answer = taken
+            if command["op"] == "lora_remove" and (users := self.queue.naming(command["name"])):
+                # rank 0's loop alone decides, between batches: no job that names the adapter can start after this
+                # check and before the removal (a job the HTTP side accepts meanwhile fails in ``unloaded`` below)
+                answer.append(AdapterInUse(command["name"], [job.id for job in users]))
+                done.set()
+                return {"op": "tick"}
             self._pending_control = (done, answer)
             return {**command, "reply": True}
         if self.control.stop_requested and not self._running:
@@ -146,12 +164,25 @@ class Engine:
         jobs = [job for job in jobs if not job.cancel_requested]
         if not jobs:
             return {"op": "tick"}
+        if self.unloaded(jobs):
+            return {"op": "tick"}
         try:
             return self.rank0.sample_command(jobs)
         except ValueError as error:  # a prompt / image the encoders refuse: those jobs fail, the server goes on
             for job in jobs:
                 job.finish(FAILED, str(error), code=400)
             return {"op": "tick"}
+
+    def unloaded(self, jobs: list[Job]) -> bool:
+        """Whether the batch names an adapter no longer resident (unloaded between the request's check and its turn):
+        its jobs fail alone (409) -- sampling it would fail on every rank, and with them the server."""
+        name = jobs[0].request.lora  # one key: one adapter for the batch
+        if name is None or name in self.adapters.loaded:
+            return False
+        for job in jobs:
+            job.finish(FAILED, f"lora={name!r} was unloaded before this job ran; load it again (POST /v1/loras) and "
+                               f"resend the request", code=409)
+        return True
 
     # ---- carrying a command out (every rank) -----------------------------------------------------------------------
     def run(self, module: ServingModule, command: dict):

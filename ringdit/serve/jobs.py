@@ -122,6 +122,11 @@ class JobQueue:
         with self._lock:
             return self._jobs.get(job_id)
 
+    def naming(self, lora: str) -> list[Job]:
+        """The unfinished (waiting or running) jobs that sample with adapter ``lora``."""
+        with self._lock:
+            return [job for job in self._jobs.values() if job.status not in FINISHED and job.request.lora == lora]
+
     def cancel(self, job_id: str) -> Job | None:
         """A waiting job leaves the queue at once; a running one stops at its batch's next model forward (when every
         job of the batch is cancelled; otherwise its samples are dropped when the batch ends)."""
