@@ -407,7 +407,43 @@ def test_a_broken_scheduler_config_is_refused_before_spawning(text, message, tmp
     (["diffusion=ddpm", "diffusion.sampling.sampler=dpmpp"], r"diffusion.sampling.sampler=dpmpp is diffusers' "
                                                              r"DPMSolverMultistepScheduler for flow-matching models"),
     (["experiment=wan_tiny", "diffusion.sampling.sampler=unipcc"], r"sampler='unipcc' does not fit"),
+    (["experiment=wan_tiny", "diffusion.sampling.shift=-2"], r"diffusion.sampling.shift=-2 is not a shift: give a "
+                                                             r"number > 0 \(Wan: 3 at 480p"),
+    (["experiment=wan_tiny", "diffusion.sampling.shift=nan"], r"diffusion.sampling.shift=nan is not a shift"),
+    (["experiment=wan_tiny", "diffusion.sampling.shift=abc"], r"diffusion.sampling.shift='abc' is not a shift"),
 ])
 def test_bad_samplers_are_refused_before_spawning(overrides, message, tmp_path):
     proc, seconds = fail_fast("train.py", *overrides, f"hydra.run.dir={tmp_path}")
     assert_refused(proc, message, seconds=seconds, run_dir=tmp_path)
+
+
+@pytest.mark.parametrize("sampler", ["flow_euler", "unipc", "dpmpp"])
+def test_the_runs_shift_reaches_a_pipeline_folders_scheduler(sampler):
+    """diffusion.sampling.shift is laid over a pipeline folder's scheduler config (Wan's UniPC at flow_shift 3), for
+    its own class and the others: the schedule is that of the pipeline's scheduler at the run's shift (Wan: 3 at
+    480p, 5 at 720p), and not the folder's; None keeps the folder's. A dynamically shifting folder (Flux's) given a
+    number shifts by that number."""
+    import diffusers
+
+    from ringdit.diffusion.schedulers import build_scheduler, scheduler_config
+
+    class_name, settings = SCHEDULERS[("wan", "unipc")]
+    folder = {"_class_name": class_name, **settings}
+
+    def sigmas(config: dict) -> list[float]:
+        scheduler = build_scheduler(sampler, config)
+        scheduler.set_timesteps(STEPS)
+        return scheduler.sigmas.tolist()
+
+    reference = SCHEDULERS[("wan", sampler)]
+    key = "shift" if sampler == "flow_euler" else "flow_shift"
+    at_five = getattr(diffusers, reference[0])(**{**reference[1], key: 5.0})
+    at_five.set_timesteps(STEPS)
+    assert sigmas(scheduler_config(sampler, folder, shift=5.0)) == at_five.sigmas.tolist()
+    assert sigmas(scheduler_config(sampler, folder)) == sigmas(scheduler_config(sampler, folder, shift=3.0))
+    assert sigmas(scheduler_config(sampler, folder, shift=5.0)) != sigmas(scheduler_config(sampler, folder))
+    if sampler == "flow_euler":
+        flux = {"_class_name": "FlowMatchEulerDiscreteScheduler", **SCHEDULERS[("flux", "flow_euler")][1]}
+        assert scheduler_config(sampler, flux, shift=5.0) == {**SCHEDULERS[("flux", "flow_euler")][1],
+                                                              "use_dynamic_shifting": False, "shift": 5.0}
+        assert scheduler_config(sampler, flux, shift="resolution")["use_dynamic_shifting"] is True

@@ -157,3 +157,23 @@ def test_prompts_are_cleaned_as_the_pipeline_cleans_them(folder, tmp_path):
         output_type="latent").frames.double()
     difference = (ours - theirs).abs().max().item() / theirs.abs().max().item()
     assert difference < 1e-5  # as the plain prompt's test, module docstring
+
+
+def test_the_shift_given_reaches_the_folders_scheduler(folder, tmp_path):
+    """``diffusion.sampling.shift=5`` on a folder whose UniPC config says flow_shift 3: the pipeline's latents with
+    its scheduler at flow_shift 5 (Wan's 720p setting), not at the folder's 3."""
+    import diffusers
+
+    from ringdit.diffusion.samplers import initial_noise
+    from ringdit.seeding import Stream, seed_of
+
+    run("infer.py", tmp_path, f"ckpt_path={folder}", f"prompts=[{PROMPT}]", "num_samples=1", *SAMPLE,
+        "diffusion.sampling.shift=5")
+    ours = torch.from_numpy(np.load(tmp_path / "samples.npz")["latents"]).double()
+    pipeline = diffusers.WanPipeline.from_pretrained(folder)
+    assert pipeline.scheduler.config.flow_shift == 3.0
+    pipeline.scheduler = diffusers.UniPCMultistepScheduler.from_config(pipeline.scheduler.config, flow_shift=5.0)
+    noise = initial_noise((16, 2, 2, 2), [seed_of(Stream.INFERENCE, 4, 0)])
+    theirs = pipeline(prompt=PROMPT, height=16, width=16, num_frames=5, num_inference_steps=3, latents=noise,
+                      output_type="latent").frames.double()
+    assert (ours - theirs).abs().max().item() / theirs.abs().max().item() < 1e-5  # as the module docstring's

@@ -97,12 +97,13 @@ class SamplingPipeline:
 
     def scheduler_settings(self, model: nn.Module, settings: dict, shape: tuple[int, ...]) -> dict:
         """``sample_with_scheduler``'s keywords for a diffusers scheduler (``sampler=flow_euler / unipc / dpmpp``):
-        its config -- the pipeline folder's (``scheduler_config``, recorded by the spec), else the run's shift --, how
+        its config -- the pipeline folder's (``scheduler_config``, recorded by the spec) with the run's shift and
+        terminal stretch laid over it, else the run's shift --, how
         the model family's pipeline steps it, the sample's token count (a dynamic shift's mu) and the dtype the model
         computes in (the pipelines feed it ``latents.to(transformer.dtype)``)."""
         resolution = getattr(self.objective, "resolution", None) or None
         config = scheduler_config(settings["sampler"], settings.get("scheduler_config"), shift=settings["shift"],
-                                  shift_terminal=settings.get("shift_terminal") or None, resolution=resolution)
+                                  shift_terminal=settings.get("shift_terminal"), resolution=resolution)
         return {"config": config, "pipeline": getattr(getattr(model, "family", None), "pipeline_timesteps",
                                                       PipelineTimesteps()),
                 "tokens": self.tokens(model, shape), "resolution": resolution, "model_dtype": _compute_dtype(model)}

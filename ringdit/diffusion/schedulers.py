@@ -68,40 +68,47 @@ def scheduler_class(sampler: str):
     return getattr(diffusers, SCHEDULERS[sampler])
 
 
-def scheduler_config(sampler: str, folder_config: dict | None = None, *, shift: float | str = 1.0,
-                     shift_terminal: float | None = None, resolution: dict | None = None) -> dict:
+def scheduler_config(sampler: str, folder_config: dict | None = None, *, shift: float | str | None = None,
+                     shift_terminal: float | bool | None = None, resolution: dict | None = None) -> dict:
     """The configuration ``sampler``'s scheduler class is built from.
 
-    ``folder_config``: a pipeline folder's ``scheduler_config.json``. Of the same class it is used as it is (the
+    ``folder_config``: a pipeline folder's ``scheduler_config.json``. Of the same class it is the base as it is (the
     pipeline's scheduler); of another flow scheduler (Wan's UniPC config for ``sampler=flow_euler``), its settings
     are carried over -- the flow shift under the other class's name, flow sigmas for the multistep solvers.
-    None: the run's schedule -- ``shift`` (a number, or ``"resolution"``: dynamic shifting with ``resolution``'s
-    constants, Flux's by default), ``shift_terminal``.
+    None: flow sigmas and a shift of 1.
+
+    The run's schedule is laid over it, so that ``diffusion.sampling.shift`` / ``shift_terminal`` always reach the
+    scheduler: ``shift`` a number (dynamic shifting off), or ``"resolution"`` (dynamic shifting: the folder's own
+    constants where it shifts dynamically, else ``resolution``'s, Flux's by default), None: the folder's (else 1);
+    ``shift_terminal`` a time in (0, 1), False: no stretch, None: the folder's (else none).
     """
     cls = scheduler_class(sampler)
     name, shift_key = cls.__name__, SHIFT_KEY.get(cls.__name__, "flow_shift")
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    config = {} if shift_key == "shift" else dict(FLOW_SIGMAS)
     if folder_config is not None:
         config = {k: v for k, v in folder_config.items() if not k.startswith("_")}
-        if folder_config.get("_class_name") == name:
-            return config
-        given_shift = config.pop("shift", config.pop("flow_shift", None))
-        if given_shift is not None:
-            config[shift_key] = given_shift
-        if shift_key == "flow_shift":
-            config.update(FLOW_SIGMAS)
-        return {k: v for k, v in config.items() if k in accepted}
-    config = {} if shift_key == "shift" else dict(FLOW_SIGMAS)
+        if folder_config.get("_class_name") != name:
+            given_shift = config.pop("shift", config.pop("flow_shift", None))
+            if given_shift is not None:
+                config[shift_key] = given_shift
+            if shift_key == "flow_shift":
+                config.update(FLOW_SIGMAS)
+    elif shift is None:
+        shift = 1.0
     if shift == "resolution":
-        constants = resolution or {}
-        config.update(use_dynamic_shifting=True, time_shift_type="exponential")
-        for key in ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift"):  # the linear rule's
-            source = {"base_image_seq_len": "base_tokens", "max_image_seq_len": "max_tokens"}.get(key, key)
-            if source in constants:
-                config[key] = constants[source]
-    else:
-        config[shift_key] = float(shift)
-    if shift_terminal:
+        if not config.get("use_dynamic_shifting"):  # the folder's constants where it has them: its pipeline's
+            constants = resolution or {}
+            config.update(use_dynamic_shifting=True, time_shift_type="exponential")
+            for key in ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift"):  # the linear rule's
+                source = {"base_image_seq_len": "base_tokens", "max_image_seq_len": "max_tokens"}.get(key, key)
+                if source in constants:
+                    config[key] = constants[source]
+    elif shift is not None:
+        config.update({shift_key: float(shift), "use_dynamic_shifting": False})
+    if shift_terminal is False:
+        config.pop("shift_terminal", None)
+    elif shift_terminal:
         config["shift_terminal"] = float(shift_terminal)
     return {k: v for k, v in config.items() if k in accepted}
 

@@ -5,6 +5,7 @@ model."""
 from __future__ import annotations
 
 import logging
+import math
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,6 +19,7 @@ def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tupl
     and ``diffusion.sampling`` checked against it and the model, with the preview grids' own cfg_scale too."""
     objective = OmegaConf.to_container(cfg.diffusion.objective, resolve=True)
     sampling = OmegaConf.to_container(cfg.diffusion.sampling, resolve=True)
+    check_shift("diffusion.sampling.shift", sampling.get("shift"))
     resolve_shift(objective, sampling, tokens, model_config)
     check_sampling(model_config, objective, sampling, prefix="diffusion.sampling.")
     resolve_shift_terminal(sampling, model_config, objective)
@@ -96,6 +98,15 @@ def check_resolution(resolution) -> None:
     if steps is not None and len(resolution) > 1:
         raise ConfigError(f"{setting}={resolution}: empirical_mu_steps (Flux.2's rule) replaces the linear rule, whose "
                           f"constants would be ignored; give empirical_mu_steps alone, or the constants alone")
+
+
+def check_shift(setting: str, value) -> None:
+    """A flow sampler's ``shift``: null, a finite number > 0, or ``resolution`` (the sample size's shift)."""
+    if value is None or value == "resolution":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{setting}={value!r} is not a shift: give a number > 0 (Wan: 3 at 480p, 5 at 720p; 1 = "
+                          f"no shift) or resolution (the sample size's, as Flux's scheduler)")
 
 
 def check_shift_terminal(setting: str, value) -> None:

@@ -23,7 +23,8 @@ from ringdit.checkpoints.weights import WEIGHT_CHOICES
 from ringdit.diffusion.samplers import is_guided
 from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
-from ringdit.spec.diffusion import check_sampling, check_shift_terminal, resolve_scheduler, resolve_shift_terminal
+from ringdit.spec.diffusion import (check_sampling, check_shift, check_shift_terminal, resolve_scheduler,
+                                    resolve_shift_terminal)
 from ringdit.spec.layout import Layout
 from ringdit.spec.model import ModelSpec, model_class
 from ringdit.spec.pipeline import is_pipeline_folder, pipeline_checkpoint
@@ -244,6 +245,7 @@ class InferSpec:
         for key in ("cfg_scale", "cfg_scale_2"):  # cfg_scale=nan gives black images
             require_number(SAMPLING_PREFIX + key, overrides.get(key), optional=True)
         require_number("model.guidance", overrides.get("guidance"), optional=True)  # an embedding's input value
+        check_shift(SAMPLING_PREFIX + "shift", overrides.get("shift"))
         check_shift_terminal(SAMPLING_PREFIX + "shift_terminal", overrides.get("shift_terminal"))
         TrainerSpec.check_settings(cfg, training=False)
         ckpt_path = resolve_sampling_ckpt(cfg.ckpt_path, cfg.paths.log_dir)
