@@ -175,7 +175,9 @@ def hydra_main(config_name: str):
             # for the help templates (hydra/default.yaml, hydra/command.yaml); the settings are read from conf/ only
             # when --help renders them, not on every launch
             OmegaConf.register_new_resolver("command_help", lambda: doc, replace=True)
-            OmegaConf.register_new_resolver("command_settings", lambda: _settings_text(config_name), replace=True)
+            OmegaConf.register_new_resolver(  # the options the command line composes (experiment=X --help: X's)
+                "command_settings", lambda _root_: _settings_text(config_name, _root_.hydra.runtime.choices),
+                replace=True)
             run.update(started=False, user_value=os.environ.get(FULL_ERROR))
             saved_argv = sys.argv
             if argv is not None:
@@ -200,13 +202,14 @@ def hydra_main(config_name: str):
     return decorator
 
 
-def _settings_text(config_name: str) -> str:
+def _settings_text(config_name: str, choices) -> str:
     """For ``--help``: the groups ``conf/<config_name>.yaml`` selects from with their options, its own settings and
-    those of each group's default option, every one with its default and its comment (``ringdit.reference``; ``$``
-    doubled: Hydra's help template is a ``string.Template``)."""
+    those of each group's option the command line picks (``choices``: Hydra's ``runtime.choices``; else the
+    default), every one with its default and its comment (``ringdit.reference``; ``$`` doubled: Hydra's help template
+    is a ``string.Template``)."""
     from ringdit.reference import help_settings
 
-    return help_settings(config_name)
+    return help_settings(config_name, dict(choices))
 
 
 def _set_env(name: str, value: str | None) -> None:

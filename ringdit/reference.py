@@ -124,11 +124,14 @@ def option_settings(group: Group, option: str) -> str:
     return f"{head}\n{indented(body, len(parts))}" if body else f"{head} {{}}"
 
 
-def help_settings(config_name: str) -> str:
+def help_settings(config_name: str, choices: dict | None = None) -> str:
     """What ``--help`` shows after the command's own description: its groups and options, its settings, and the
-    settings of each group's default option, all with their comments."""
+    settings of each group's chosen option, all with their comments. ``choices``: the option of each group the
+    command line composes (Hydra's ``runtime.choices``: ``experiment=wan21_14b_lora --help`` shows the experiment's
+    own settings and the model, data ... options it picks); None: the defaults."""
     out = []
     groups = command_groups(config_name)
+    chosen = {group.key: (choices or {}).get(group.name, group.default) for group in groups}
     if groups:
         out.append("== Groups (group=option on the command line; the default in [brackets]) ==\n")
         width = max(len(g.key) for g in groups)
@@ -139,16 +142,25 @@ def help_settings(config_name: str) -> str:
         out.append("")
     out.append(f"== Settings (key=value on the command line; ??? = required): conf/{config_name}.yaml ==\n")
     out.append(yaml_body(CONF_DIR / f"{config_name}.yaml"))
-    for group in groups:
-        if group.default is None:
+    picked = [group for group in groups if chosen[group.key] != group.default and chosen[group.key] is not None]
+    # the command line's choices first, one that sets top-level keys (an experiment) before the options it picks
+    picked.sort(key=lambda group: not is_global(CONF_DIR / group.name / f"{chosen[group.key]}.yaml"))
+    if picked:
+        wins = "; the experiment's settings win over those of the options it picks, shown after it" \
+            if is_global(CONF_DIR / picked[0].name / f"{chosen[picked[0].key]}.yaml") else ""
+        out.append(f"\n(first the options this command line picks: "
+                   f"{', '.join(f'{g.key}={chosen[g.key]}' for g in picked)}{wins})")
+    for group in [*picked, *(group for group in groups if group not in picked)]:
+        option = chosen[group.key]
+        if option is None or not (CONF_DIR / group.name / f"{option}.yaml").is_file():
             continue
-        path = CONF_DIR / group.name / f"{group.default}.yaml"
+        path = CONF_DIR / group.name / f"{option}.yaml"
         how = "top-level keys: KEY=value" if is_global(path) else f"override as {group.key}.KEY=value"
-        out.append(f"\n== {group.key}={group.default} (conf/{group.name}/{group.default}.yaml; {how}) ==\n")
-        for base in inherited(group.name, group.default):
+        out.append(f"\n== {group.key}={option} (conf/{group.name}/{option}.yaml; {how}) ==\n")
+        for base in inherited(group.name, option):
             out.append(f"# builds on {group.key}={base}, whose settings follow it")
-        out.append(option_settings(group, group.default))
-        for base in inherited(group.name, group.default):
+        out.append(option_settings(group, option))
+        for base in inherited(group.name, option):
             out.append(f"# from {group.key}={base}:")
             out.append(option_settings(group, base))
     if groups:

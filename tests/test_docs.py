@@ -139,3 +139,18 @@ def test_the_readme_is_short_and_links_into_the_docs():
         assert (REPO / link).exists(), f"README links to {link}, which does not exist"
     assert 'pip install torch==2.13.0 && pip install -e ".[dev]" && python train.py' in readme
     assert "python -m pytest -q" in readme
+
+
+def test_help_shows_the_settings_the_command_line_composes(capsys):
+    """``train.py experiment=wan21_14b_lora --help`` shows the experiment's settings and the options it picks (the
+    Wan 14B model, text latents), not the digits' defaults."""
+    from tests.helpers import in_process
+
+    proc, _ = in_process("train.py", "experiment=wan21_14b_lora", "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shown = proc.stdout
+    for section in ("== experiment=wan21_14b_lora (conf/experiment/wan21_14b_lora.yaml", "== model=wan_14b (",
+                    "== data=text_latents ("):
+        assert section in shown, section
+    assert shown.index("== experiment=wan21_14b_lora") < shown.index("== model=wan_14b")
+    assert "== model=dit_digits" not in shown and "== data=digits " not in shown
