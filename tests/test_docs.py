@@ -135,8 +135,11 @@ def test_every_page_is_in_the_navigation():
 def test_the_readme_is_short_and_links_into_the_docs():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 150
-    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
+    links = set(re.findall(r"\]\((docs/[^)#]+)", readme))
+    for link in links:
         assert (REPO / link).exists(), f"README links to {link}, which does not exist"
+    guide = {f"docs/{page.relative_to(DOCS)}" for page in [*DOCS.glob("*.md"), *DOCS.glob("recipes/*.md")]}
+    assert not guide - links, f"user-guide pages the README does not link: {sorted(guide - links)}"
     assert 'pip install torch==2.13.0 && pip install -e ".[dev]" && python train.py' in readme
     assert "python -m pytest -q" in readme
 
