@@ -61,6 +61,33 @@ def check_resume(ckpt_path: str, *, max_steps: int, optimizer: Callable | None, 
     return checkpoint
 
 
+def check_resumed_models(ckpt_path: str, hparams: dict, distill: dict | None) -> None:
+    """``ckpt_path`` holds the models this run trains: a distillation's (``distill``: the run's ``distill`` settings,
+    method and GAN head) holds a student, its critic, maybe a GAN head and two optimizers; a plain run's one model and
+    one optimizer. ``hparams``: what the checkpoint's run recorded. A mismatch is no resume (the state dicts do not
+    fit): each message says how to resume it, and how to start this run from its weights instead."""
+    run = dict(distill or {})
+    run_method = run.get("method", "none")
+    recorded = hparams.get("distill") or {}
+    method = recorded.get("method", "none")
+    if method != "none" and run_method == "none":
+        teacher = recorded.get("teacher")
+        resume = f"distill={method}" + (f" init_from={teacher}" if teacher else " (its teacher: model.pretrained)")
+        raise ConfigError(f"ckpt_path={ckpt_path} is a distillation checkpoint (distill={method}: a student, its critic "
+                          f"and their two optimizers), but this run has distill=none; resume the distillation with "
+                          f"{resume}, or train its student on as a plain model, from its weights: init_from={ckpt_path} "
+                          f"instead of ckpt_path")
+    if method == "none" and run_method != "none":
+        raise ConfigError(f"ckpt_path={ckpt_path} is a plain training checkpoint (one model, no critic), but this run "
+                          f"has distill={run_method}; distil it as the teacher: init_from={ckpt_path} instead of "
+                          f"ckpt_path, or resume its training with distill=none")
+    if method != "none" and bool(recorded.get("gan_loss")) != bool(run.get("gan_loss")):
+        had = bool(recorded.get("gan_loss"))
+        raise ConfigError(f"ckpt_path={ckpt_path} was distilled {'with' if had else 'without'} the GAN head (its "
+                          f"weights and optimizer state {'are' if had else 'are not'} in it), but this run has "
+                          f"distill.gan_loss={str(not had).lower()}; resume with distill.gan_loss={str(had).lower()}")
+
+
 def optimizer_signature(optimizer: torch.optim.Optimizer | dict) -> tuple[frozenset, frozenset]:
     """(hyper-parameter names of a param group, names of the per-parameter state) of an optimizer or its
     ``state_dict()``: what loading one optimizer's state into another needs to agree."""
@@ -82,10 +109,9 @@ def _check_optimizer(ckpt_path: str, saved_states: list, optimizer: Callable, op
         return
     groups, state = optimizer_signature(fresh)
     if len(saved_states) != optimizers:
+        # (a distillation's checkpoint under plain training, or back, is refused before: check_resumed_models)
         raise ConfigError(f"ckpt_path={ckpt_path} holds {len(saved_states)} optimizer states, this run has "
-                          f"{optimizers}; resume with resume_optimizer=false to start a fresh optimizer" +
-                          ("" if optimizers == 1 and len(saved_states) != 2 else
-                           " (a distillation holds 2, the student's and the critic's: resume it with distill=dmd2)"))
+                          f"{optimizers}; resume with resume_optimizer=false to start a fresh optimizer")
     signatures = [optimizer_signature(saved) for saved in saved_states]
     for saved_groups, saved_state in signatures:
         if saved_groups == groups and not (saved_state and state and saved_state != state):

@@ -27,7 +27,7 @@ from ringdit.checkpoints.weights import WEIGHT_CHOICES, read_weights
 from ringdit.errors import CheckpointError, ConfigError, require_choice
 from ringdit.lora import (adapter_state, add_lora, check_adapter_fits, check_lora_settings, is_adapter_key,
                           is_null_condition_key, lora_enabled)
-from ringdit.resume import check_resume
+from ringdit.resume import check_resume, check_resumed_models
 from ringdit.spec.layout import device_type
 from ringdit.spec.model import ModelSpec, model_class
 
@@ -65,13 +65,16 @@ class CheckpointPlan:
         if lora_enabled(lora):
             check_lora(meta_model, lora)
         ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
+        distill = OmegaConf.to_container(cfg.distill, resolve=True) if cfg.get("distill") else None
+        if ckpt_path:  # first: a distillation's checkpoint under plain training (or back) fits nothing below
+            check_resumed_models(ckpt_path, recorded_hparams(ckpt_path), distill)
         if ckpt_path and lora_enabled(lora):
             check_lora_checkpoint(ckpt_path)
         elif ckpt_path:
             check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
             check_resume(ckpt_path, max_steps=max_steps, optimizer=optimizer.optimizer_factory(),
                          optimizer_name=optimizer.name, resume_optimizer=cfg.resume_optimizer, expert=expert,
-                         optimizers=1 if (cfg.get("distill") or {}).get("method", "none") == "none" else 2)
+                         optimizers=1 if (distill or {}).get("method", "none") == "none" else 2)
         elif cfg.init_from:  # a resumed run takes its weights from ckpt_path
             check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
                                resize_labels=cfg.init_resize_labels)
@@ -87,6 +90,7 @@ def _lora_settings(cfg: DictConfig) -> dict | None:
     if not cfg.get("lora"):
         return None
     lora = OmegaConf.to_container(cfg.lora, resolve=True)
+    check_lora_settings(lora)  # first: lora_enabled compares the rank (lora.rank=abc)
     if lora_enabled(lora) and lora.get("base_dtype") is None:
         lora["base_dtype"] = default_base_dtype(device_type(cfg.trainer))
     return lora

@@ -73,7 +73,8 @@ class DistillSpec:
         if not distill.t_min < distill.t_max < 1:
             raise ConfigError(f"distill.t_min={distill.t_min} and distill.t_max={distill.t_max} bound the noise "
                               f"levels of the distribution-matching loss: 0 < t_min < t_max < 1 (DMD2: 0.02, 0.98)")
-        require_number("distill.cfg_scale", distill.get("cfg_scale"), optional=True)
+        if distill.get("cfg_scale") is not None:
+            check_teacher_guidance(distill.get("cfg_scale"))
         for key in ("gan_loss", "regression_loss"):
             if not isinstance(distill.get(key, False), bool):
                 raise ConfigError(f"distill.{key} must be true or false, got {distill.get(key)!r}")
@@ -126,7 +127,10 @@ class DistillSpec:
         if teacher:  # checked here too: a resumed run reads its student from ckpt_path, its teacher still from here
             check_weights_file("init_from", teacher, meta_model, prefer=cfg.init_weights)
         cfg_scale = distill.get("cfg_scale")
-        cfg_scale = float(sampling.get("cfg_scale", 1.0) if cfg_scale is None else cfg_scale)
+        if cfg_scale is None:  # the run's own guidance, checked as the teacher's
+            cfg_scale = sampling.get("cfg_scale", 1.0)
+            check_teacher_guidance(cfg_scale, inherited=True)
+        cfg_scale = float(cfg_scale)
         check_sampling(model_config, objective, {**sampling, "cfg_scale": cfg_scale}, prefix="distill.")
         clip = cfg.trainer.get("gradient_clip_val")
         options = {}  # the GAN head and the regression loss, when on
@@ -146,6 +150,27 @@ class DistillSpec:
                    critic_steps=distill.critic_steps, cfg_scale=cfg_scale, t_min=float(distill.t_min),
                    t_max=float(distill.t_max), teacher=teacher or None, teacher_weights=cfg.init_weights,
                    gradient_clip_val=float(clip) if clip else None, **options)
+
+
+# The teacher's classifier-free guidance: 1 is its conditional prediction unguided, above 1 guided (DMD2: 1.75 on
+# ImageNet, 8 on SDXL; DreamFusion's score distillation 100). Below 1 mixes in the unconditional prediction, which a
+# student that always gets its condition is not meant to match; a negative scale guides away from the condition. Far
+# above 100 a larger scale changes nothing but the rounding: the matching gradient is normalised by the guided
+# prediction's size, so it tends to the direction of the condition's difference alone (and float32 overflows).
+TEACHER_GUIDANCE = (1.0, 100.0)
+
+
+def check_teacher_guidance(value, *, inherited: bool = False) -> None:
+    """``distill.cfg_scale``, or with ``inherited`` the run's ``diffusion.sampling.cfg_scale`` that its null takes: a
+    finite number in ``TEACHER_GUIDANCE``."""
+    low, high = TEACHER_GUIDANCE
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if number and low <= value <= high:
+        return
+    given = (f"distill.cfg_scale=null takes the run's diffusion.sampling.cfg_scale={value!r}, which"
+             if inherited else f"distill.cfg_scale={value!r}")
+    raise ConfigError(f"{given} is not a teacher's guidance scale: give a number in [{low:g}, {high:g}] (1: the "
+                      f"teacher unguided; DMD2 guides with 1.75 to 8), e.g. distill.cfg_scale=1.5")
 
 
 def check_gan_settings(distill) -> None:

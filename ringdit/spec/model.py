@@ -12,7 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ringdit.errors import ConfigError, require_count, require_number
+from ringdit.models.checkpointing import checkpoint_fraction
 from ringdit.parallel import ParallelDims
+from ringdit.spec.settings import check_setting_types, declared_types
 
 
 @dataclass(frozen=True)
@@ -29,9 +31,14 @@ class ModelSpec:
     def check_settings(model_cfg: DictConfig | dict) -> None:
         """The sizes a user sets, each alone: checked before the data is opened (cheap), the rest in ``from_data``."""
         model = model_cfg or {}
+        if model.get("_target_"):  # each setting of the kind the model class declares (activation_offload: a bool)
+            kind = model_class({"_target_": model["_target_"]})
+            check_setting_types("model", {key: model.get(key) for key in declared_types(kind) if key in model}, kind)
         for key in ("hidden_size", "depth", "num_heads"):  # depth=0 would train a model without blocks, silently
             if key in model:
                 require_count(f"model.{key}", model[key])
+        if "activation_checkpointing" in model:  # '' is falsy: the model would take it as false, silently
+            checkpoint_fraction(model["activation_checkpointing"])
         if "mlp_ratio" in model:
             require_number("model.mlp_ratio", model["mlp_ratio"], low=0, low_open=True)
         if "class_dropout_prob" in model:
