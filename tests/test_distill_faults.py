@@ -71,6 +71,14 @@ def test_a_teacher_guidance_out_of_range_is_refused_and_the_advice_trains(teache
     assert torch.load(distilled / "last.ckpt", weights_only=True)["hyper_parameters"]["distill"]["cfg_scale"] == 1.5
 
 
+def test_a_student_of_too_many_steps_is_refused(teacher, tmp_path):
+    """Each update simulates up to distill.steps student steps: 100000 never finished its first update."""
+    refused(tmp_path, *DISTILL, f"init_from={teacher}", "distill.steps=100000",
+            text="distill.steps=100000 is not a few-step student: each student and critic update runs up to that many "
+                 "student forwards (backward simulation); distil at most 100 steps (DMD2: 1 to 4), e.g. "
+                 "distill.steps=4")
+
+
 # ---- a distillation checkpoint resumed as plain training, and back -------------------------------------------------
 
 

@@ -13,6 +13,10 @@ from torch import nn
 from ringdit.errors import ConfigError, require_count, require_number
 
 METHODS = ("none", "dmd2")
+# A distilled student samples in a few steps (DMD2: 1 to 4; the teachers' own samplers take 25 to 50). Every update
+# simulates up to distill.steps student steps to reach the one it trains, so a long grid costs that many forwards per
+# update (distill.steps=100000 never finished its first).
+MAX_STUDENT_STEPS = 100
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,10 @@ class DistillSpec:
         if method == "none":
             return
         require_count("distill.steps", distill.get("steps"), hint="the student's sampling steps, e.g. distill.steps=4")
+        if distill.steps > MAX_STUDENT_STEPS:
+            raise ConfigError(f"distill.steps={distill.steps} is not a few-step student: each student and critic update "
+                              f"runs up to that many student forwards (backward simulation); distil at most "
+                              f"{MAX_STUDENT_STEPS} steps (DMD2: 1 to 4), e.g. distill.steps=4")
         require_count("distill.critic_steps", distill.get("critic_steps"),
                       hint="critic updates per student update (DMD2's two time-scale rule: 5)")
         student_times(distill.get("steps"), distill.get("times"))
