@@ -485,7 +485,8 @@ def test_lora_trains_only_adapters_of_the_video_families(family, tmp_path):
 def test_a_lora_checkpoint_guides_away_from_the_empty_prompt_it_trained_with(models, tmp_path):
     """A LoRA run on a diffusers folder (which holds no empty-prompt embedding) over prepared data: its checkpoint keeps
     the data's empty prompt beside the adapters, and infer.py without negative_prompt= guides away from it -- the
-    samples equal those given that embedding as negative_text_embeds=, as diffusers' pipelines encode "" for it."""
+    samples equal those given that embedding as negative_text_embeds=, as diffusers' pipelines encode "" for it; the
+    server samples the checkpoint alike."""
     import diffusers
     from safetensors.torch import save_file
 
@@ -525,3 +526,41 @@ def test_a_lora_checkpoint_guides_away_from_the_empty_prompt_it_trained_with(mod
         f"negative_text_embeds={tmp_path / 'empty.safetensors'}", env=env)
     default, given = (np.load(tmp_path / name / "samples.npz")["latents"] for name in ("default", "given"))
     np.testing.assert_array_equal(default, given)
+    served = served_video(ckpt, tmp_path / "serve", "a red fox running", seed=0, steps=2, size=32, frames=5,
+                          extra=["diffusion.sampling.cfg_scale=5"])
+    assert served == (tmp_path / "default" / "sample-000.mp4").read_bytes()  # the server loads it alike
+
+
+def served_video(ckpt, run_dir, prompt: str, *, seed: int, steps: int, size: int, frames: int, extra=()) -> bytes:
+    """The MP4 ``python -m ringdit.serve ckpt_path=ckpt`` returns for one video request (a server in this process)."""
+    import threading
+    import time
+
+    import httpx
+
+    from ringdit.serve import Server
+    from tests.helpers import compose_config
+
+    saved = dict(os.environ)  # Lightning leaves LOCAL_RANK, MASTER_* behind, which later launches would read
+    server = Server(compose_config("serve", run_dir, f"ckpt_path={ckpt}", "port=0",
+                                   f"diffusion.sampling.steps={steps}", f"size=[{size},{size}]", f"frames={frames}",
+                                   *extra))
+    server.build()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while server.state != "ok":
+            assert thread.is_alive()
+            time.sleep(0.02)
+        job = httpx.post(server.url + "/v1/videos", json={"prompt": prompt, "size": f"{size}x{size}",
+                                                          "frames": frames, "seed": seed}).json()
+        while job["status"] in ("queued", "in_progress"):
+            time.sleep(0.05)
+            job = httpx.get(f"{server.url}/v1/videos/{job['id']}").json()
+        assert job["status"] == "completed", job
+        return httpx.get(f"{server.url}/v1/videos/{job['id']}/content").content
+    finally:
+        server.drain()
+        thread.join(timeout=60)
+        os.environ.clear()
+        os.environ.update(saved)
