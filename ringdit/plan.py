@@ -18,28 +18,17 @@ one (the settings carry train.py's names). Each candidate is a ``ringdit.layout.
 runs); ``distill=dmd2`` counts DMD2's three models in the memory (``ringdit.memory``), while the cost below stays one
 model's step.
 
-The cost model behind the relative figure (it ranks layouts; it does not predict seconds):
+The time per sample is ``ringdit.step_time``'s model of one step on one rank (its docstring has each term): matmuls
+at ``gpu_tflops``; attention at the rate the kernel of ``attention_backend`` reaches on the chunk one call takes (the
+FlashAttention-3 paper's H100 measurements: short chunks run slower); element-wise work at the HBM bandwidth;
+the ring's hops (a latency plus K/V, overlapping the attention) and Ulysses' blocking all-to-alls over
+``intra_node_gbps`` within a node (``gpus_per_node``; ranks placed as ``ringdit.parallel.mesh`` says) or
+``inter_node_gbps`` across; eager PyTorch's launch floor per block (why splitting a short sequence stops paying);
+recomputation; DDP's gradient all-reduce and FSDP's gathers and reduce-scatters where they do not hide behind the
+compute; offloaded activations at ``host_gbps``; per sample: the step over dp x data.batch_size. It is held against
+published wall-clock times of real models on H100s (docs/benchmarks.md). DMD2's step is timed as one model's.
 
-- compute, at ``gpu_tflops``: attention 4 x q_tokens x k_tokens x D / ulysses FLOPs per block forward (q_tokens =
-  S / ring, k_tokens = S, plus the text tokens of joint attention, which are sharded like the image), backward 2.5x forward; the linear layers
-  2 x P x tokens per rank forward, backward 2x (LoRA's frozen base: 1x, no weight gradients); activation
-  checkpointing of a share f of the blocks adds f of a forward; an fp8 base's cast-up and 8-bit states' quantization
-  are not timed (memory-bound, small beside the matmuls of long sequences);
-- communication per rank and step: ring sends the K/V of S / ring tokens x D / ulysses to the next rank ring - 1
-  times per block forward, and K/V plus their gradients in backward; Ulysses runs 4 all-to-alls (q, k, v, out) of
-  this rank's S / (ring x ulysses) tokens per block forward and 4 in backward, each sending (u - 1) / u of them;
-  FSDP all-gathers the parameters in forward and again in backward (in ``param_dtype``) and reduce-scatters the fp32
-  gradients (HSDP: plus an all-reduce across replicas); DDP all-reduces the gradients. Recomputation (activation
-  checkpointing) repeats the forward's ring and Ulysses traffic (its share f of it); offloaded block inputs go to
-  host memory and back at ``host_gbps``, overlapping compute;
-- a group whose ranks lie in one node (``gpus_per_node``; ranks are placed as ``ringdit.parallel.mesh`` says:
-  Ulysses groups contiguous, ring groups strided by ulysses, FSDP's shard groups contiguous) sends at
-  ``intra_node_gbps``, one across nodes at ``inter_node_gbps``;
-- ring hops, FSDP's gathers and DDP's buckets are issued ahead of need and overlap compute; Ulysses' all-to-alls
-  block (their output is the next operation's input): step = max(compute, ring + sync) + ulysses;
-- per sample: the step over the samples it trains, dp x data.batch_size.
-
-The recommendation is the candidate that fits with the least time per sample; among equal times (to 4 digits) the one
+The recommendation is the candidate that fits with the least time per sample; among equal times (within 1 %) the one
 with exact numerics (a bf16 base, fp32 optimizer states), then DDP, then less recomputation, then no offloading, then
 the most headroom. So an fp8 base or 8-bit states are recommended only when they buy something: a layout that fits
 only with them, or one that needs less recomputation.
@@ -55,10 +44,10 @@ from dataclasses import dataclass, fields, replace
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.cli import hydra_main, user_errors
-from ringdit.errors import ConfigError, require_count
+from ringdit.errors import ConfigError, require_count, require_number
 from ringdit.layout import Layout, check_strategy_degrees, strategy_kind
-from ringdit.memory import (DISTILL_METHODS, FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estimate_memory,
-                            gathered_bytes_per_parameter, model_size)
+from ringdit.memory import DISTILL_METHODS, FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estimate_memory, model_size
+from ringdit.step_time import Machine, step_time
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
 
@@ -76,10 +65,6 @@ class Hardware:
     inter_node: float        # ... to another node
     host: float = 25e9       # bytes per second one GPU copies to or from host memory (offloaded activations)
 
-    def bandwidth(self, span: int) -> float:
-        """For a group spanning ``span`` consecutive ranks."""
-        return self.intra_node if span <= self.gpus_per_node else self.inter_node
-
 
 @dataclass(frozen=True)
 class StepCost:
@@ -88,7 +73,7 @@ class StepCost:
     ring_bytes: float        # sent per rank and step
     ulysses_bytes: float
     sync_bytes: float        # FSDP's all-gathers and reduce-scatters, or DDP's all-reduce
-    seconds: float           # the step, as the module docstring models it
+    seconds: float           # the step, as ringdit.step_time models it
     samples: int             # trained per step: dp x batch
 
     @property
@@ -97,40 +82,13 @@ class StepCost:
 
 
 def step_cost(model: ModelSize, layout: Layout, setup: Setup, hardware: Hardware) -> StepCost:
-    """The work and traffic of one training step on one rank (the module docstring's cost model)."""
-    S, L, D, B = model.tokens, model.text_tokens, model.hidden_size, setup.batch_size
-    ring, ulysses, sp, a = layout.ring_degree, layout.ulysses_degree, layout.sp_degree, setup.activation_bytes
-    recompute = setup.checkpoint_fraction
-    # compute
-    attention = model.depth * 4 * B * (math.ceil(S / ring) + math.ceil(L / ring)) * (S + L) * (D / ulysses) \
-        * (3.5 + recompute)
-    tokens = math.ceil(S / sp) + math.ceil(L / sp)  # joint attention's text is sharded like the image
-    linear = 2 * B * tokens * model.parameters * ((2 if model.lora else 3) + recompute)
-    # sequence-parallel traffic: K/V (and their gradients) around the ring, the all-to-alls of Ulysses
-    kv_hop = 2 * B * (math.ceil(S / ring) + math.ceil(L / ring)) * (D / ulysses) * a  # K, V after the exchange
-    ring_bytes = model.depth * (ring - 1) * kv_hop * (1 + 2 + recompute)
-    exchange = 4 * B * tokens * D * a * (ulysses - 1) / ulysses  # q, k, v, out
-    ulysses_bytes = model.depth * exchange * (1 + 1 + recompute)
-    # parameter / gradient sync
-    trainable = model.lora_parameters if model.lora else model.trainable_parameters
-    w, world = setup.weight_bytes, layout.ranks
-    if layout.fsdp:
-        n, replicas = layout.shard_degree, layout.replicate_degree
-        gathered = gathered_bytes_per_parameter(model, setup) * (model.parameters + model.lora_parameters)
-        within = 2 * (n - 1) / n * gathered + (n - 1) / n * trainable * 4  # the gathers in forward and backward,
-        across = 2 * (replicas - 1) / replicas * trainable * 4 / n  # reduce-scatter; HSDP: all-reduce of the shards
-        sync_bytes = within + across
-        sync_s = within / hardware.bandwidth(n) + across / hardware.bandwidth(world)
-    else:
-        sync_bytes = 2 * (world - 1) / world * trainable * w
-        sync_s = sync_bytes / hardware.bandwidth(world)
-    compute_s = (attention + linear) / hardware.flops
-    offloaded = estimate_memory(model, layout, setup).host_bytes if setup.activation_offload else 0
-    overlapped_s = ring_bytes / hardware.bandwidth(sp) + sync_s + 2 * offloaded / hardware.host
-    seconds = max(compute_s, overlapped_s) + ulysses_bytes / hardware.bandwidth(ulysses)
-    return StepCost(attention_flops=attention, linear_flops=linear, ring_bytes=ring_bytes,
-                    ulysses_bytes=ulysses_bytes, sync_bytes=sync_bytes, seconds=seconds,
-                    samples=layout.dp_degree * B)
+    """The work, traffic and time of one training step on one rank (``ringdit.step_time``'s model)."""
+    machine = Machine(gpus_per_node=hardware.gpus_per_node, matmul_flops=hardware.flops,
+                      intra_node=hardware.intra_node, inter_node=hardware.inter_node, host=hardware.host)
+    t = step_time(model, layout, setup, machine)
+    return StepCost(attention_flops=t.attention_flops, linear_flops=t.matmul_flops, ring_bytes=t.ring_bytes,
+                    ulysses_bytes=t.ulysses_bytes, sync_bytes=t.sync_bytes, seconds=t.seconds,
+                    samples=layout.dp_degree * setup.batch_size)
 
 
 # ---- the layouts -------------------------------------------------------------------------------------------------
@@ -252,13 +210,13 @@ def candidates(model: ModelSize, layout: Layout, base: Setup, hardware: Hardware
 
 
 def preference(c: Candidate) -> tuple:
-    """Least time per sample first; among equal times (to 4 digits, as when communication hides behind compute) exact
-    numerics (no fp8 base, no 8-bit states), DDP (fewer collectives), then less recomputation, no offloading, then the
-    most headroom."""
+    """Least time per sample first; among equal times (on a grid of 1 % steps: closer than that, as when communication
+    hides behind compute, the time model cannot tell them apart) exact numerics (no fp8 base, no 8-bit states), DDP
+    (fewer collectives), then less recomputation, no offloading, then the most headroom."""
     s = c.setup
     approximations = (s.lora_base_dtype in FLOAT8) + s.optimizer_8bit
-    return (float(f"{c.cost.per_sample:.4g}"), approximations, c.layout.fsdp, s.checkpoint_fraction,
-            s.activation_offload, c.memory.peak_bytes)
+    return (round(math.log(c.cost.per_sample) / math.log(1.01)), approximations, c.layout.fsdp,
+            s.checkpoint_fraction, s.activation_offload, c.memory.peak_bytes)
 
 
 def recommend(found: list[Candidate], hardware: Hardware) -> tuple[Candidate | None, list[str]]:
@@ -298,8 +256,8 @@ def _reasons(best: Candidate, found: list[Candidate], hardware: Hardware) -> lis
         reasons.append("DDP: the replicated state fits, and DDP does without FSDP's per-step all-gathers")
     reasons += _option_reasons(s, variant)
     if lay.sp_degree == 1:
-        reasons.append(f"no sequence parallelism: every rank trains whole samples (dp={lay.dp_degree}), which needs "
-                       f"the least communication per sample")
+        reasons.append(f"no sequence parallelism: every rank trains whole samples (dp={lay.dp_degree}); "
+                       + _split_reason(best, found))
     else:
         parts = []
         if lay.ulysses_degree > 1:
@@ -308,8 +266,30 @@ def _reasons(best: Candidate, found: list[Candidate], hardware: Hardware) -> lis
         if lay.ring_degree > 1:
             where = "within a node" if lay.sp_degree <= hardware.gpus_per_node else "across nodes"
             parts.append(f"ring={lay.ring_degree} {where} (its K/V hops overlap the attention)")
-        reasons.append(f"the sequence split over {lay.sp_degree} ranks: " + ", ".join(parts))
+        reasons.append(f"the sequence split over {lay.sp_degree} ranks: {', '.join(parts)}; "
+                       + _split_reason(best, found))
     return reasons
+
+
+def _split_reason(best: Candidate, found: list[Candidate]) -> str:
+    """Why ``best`` splits its samples' sequences over as many ranks as it does: the best layout of the other kind
+    (whole samples per rank against a split sequence), its estimated time per sample or the memory it needs."""
+    whole = best.layout.sp_degree == 1
+    other = [c for c in found if (c.layout.sp_degree == 1) != whole]
+    if not other:
+        return ("no layout splits a sample's sequence here" if whole else
+                "no layout trains whole samples per rank here")
+    fitting = [c for c in other if c.fits]
+    if not fitting:
+        if whole:
+            return "no split layout fits"
+        least = min(other, key=lambda c: c.memory.peak_bytes)
+        return (f"whole samples per rank do not fit: the least of them, {least.label}, needs "
+                f"{least.memory.peak_bytes / GiB:.1f} GiB")
+    rival = min(fitting, key=preference)
+    ratio = rival.cost.per_sample / best.cost.per_sample
+    kind = "splitting the sequence" if whole else "whole samples per rank"
+    return f"the best layout with {kind}, {rival.label}, takes {ratio:.2f}x the time per sample"
 
 
 def _option_reasons(s: Setup, variant) -> list[str]:
@@ -328,7 +308,7 @@ def _option_reasons(s: Setup, variant) -> list[str]:
     if fraction:  # against the next smaller share that was tried
         less = [c for c in (variant(activation_checkpointing=f, activation_offload=False)
                             for f in sorted({0.5, 0.0}, reverse=True) if f < fraction) if c is not None]
-        share = "every block" if fraction == 1 else options_label(replace(s, activation_offload=False)).strip()
+        share = "every block" if fraction == 1 else options_label(Setup(activation_checkpointing=fraction)).strip()
         reasons.append(because(f"activation checkpointing ({share})", less[0] if less else None,
                                "with less checkpointing"))
     if s.activation_offload:
@@ -347,15 +327,18 @@ def _option_reasons(s: Setup, variant) -> list[str]:
 
 
 def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None, int], video: bool,
-                 frame_pad: int = 1) -> list[int]:
+                 frame_pad: int = 1, patch: tuple[int, ...] = (1, 1)) -> list[int]:
     """The model's input shape ((T,) H, W) for ``data.size`` / ``data.frames`` (pixels; latents when
     ``data.latent`` is true: ``vae_factors``, (temporal, spatial) of the model kind's VAE, and the latent frames
-    padded to a multiple of ``frame_pad`` as prepare pads them: CogVideoX's)."""
+    padded to a multiple of ``frame_pad`` as prepare pads them: CogVideoX's); H and W whole tokens of ``patch``."""
+    from ringdit.media.buckets import MAX_SIDE
+
     size = cfg.data.size
-    size = [size, size] if isinstance(size, int) and not isinstance(size, bool) else list(size or [])
-    if len(size) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size):
-        raise ConfigError(f"data.size must be H, W in pixels (or one integer for a square), got {cfg.data.size!r}; "
-                          f"e.g. data.size=[480,832]")
+    size = [size, size] if isinstance(size, int) and not isinstance(size, bool) else \
+        list(size) if OmegaConf.is_list(size) else []
+    if len(size) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and 0 < s <= MAX_SIDE for s in size):
+        raise ConfigError(f"data.size must be H, W in pixels (or one integer for a square), each from 1 to "
+                          f"{MAX_SIDE}, got {cfg.data.size!r}; e.g. data.size=[480,832]")
     frames = cfg.data.frames
     temporal, spatial = vae_factors if cfg.data.latent else (1, 1)
     family = model_cfg.get("family", "dit")
@@ -371,10 +354,14 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None
     elif frames is not None:
         raise ConfigError(f"data.frames={frames} but {_preset_name(model_cfg)} is an image model; leave "
                           f"data.frames null")
-    if any(s % spatial for s in size):
-        raise ConfigError(f"data.size={size} is not a multiple of the VAE's factor {spatial}; use "
-                          f"{[s // spatial * spatial or spatial for s in size]}, or data.latent=false for sizes "
-                          f"that are the model's input already")
+    step = [spatial * p for p in patch[-2:]]  # pixels (or cells) per token
+    if any(s % k for s, k in zip(size, step)):
+        why = f"the VAE's factor {spatial} x the model's patch {list(patch[-2:])}" if cfg.data.latent else \
+            f"the model's patch {list(patch[-2:])}"
+        fix = [max(k, round(s / k) * k) for s, k in zip(size, step)]
+        raise ConfigError(f"data.size={size} is not a multiple of {step} ({why}); use data.size=[{fix[0]},{fix[1]}]"
+                          + (", or data.latent=false for sizes that are the model's input already"
+                             if cfg.data.latent else ""))
     latent = [s // spatial for s in size]
     if video:
         latent_frames = (frames - 1) // temporal + 1 if temporal and temporal > 1 else frames
@@ -393,11 +380,12 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     # the model kind says what data it takes: its patch, whether it is a video model, its VAE's factors, and the
     # data description but the shape, which the sizes give
     plan = model_class(model_cfg).planned_data(model_cfg, OmegaConf.to_container(cfg.data, resolve=True))
-    shape = latent_shape(cfg, model_cfg, plan["vae_factors"], plan["video"], plan.get("frame_pad", 1))
-    patch, data = plan["patch"], {**plan["data"], "image_size": shape}
+    patch = plan["patch"]
+    shape = latent_shape(cfg, model_cfg, plan["vae_factors"], plan["video"], plan.get("frame_pad", 1), patch)
+    data = {**plan["data"], "image_size": shape}
     if any(s % p for s, p in zip(shape, patch)):
-        raise ConfigError(f"data.size / data.frames give a latent shape {shape} that the model's patch {list(patch)} "
-                          f"does not divide; choose sizes whose latents are multiples of it")
+        raise ConfigError(f"data.frames={cfg.data.frames} gives {shape[0]} latent frames, which the model's temporal "
+                          f"patch {patch[0]} does not divide; choose frames whose latent count is a multiple of it")
     config = model_config(model_cfg, data)
     meta_model = build_on_meta(config)
     expert = OmegaConf.select(cfg, "diffusion.expert", default=None)
@@ -506,7 +494,8 @@ def optimizer_states(cfg: DictConfig) -> tuple[int, tuple[bool, ...]]:
             raise ConfigError(f"optimizer._target_={target!r}: the planner knows the states of "
                               f"{', '.join(OPTIMIZERS)}; for another, give optimizer_states=N and optimizer_8bit=false")
         return states, (eight_bit,)
-    momentum = optimizer.get("momentum") or 0
+    momentum = optimizer.get("momentum", 0)
+    require_number("optimizer.momentum", momentum, low=0)
     own_states, own_8bit = OPTIMIZERS[target] or ((1 if momentum else 0), False)
     for setting, given, own in (("optimizer_states", states, own_states), ("optimizer_8bit", eight_bit, own_8bit)):
         if given is not None and given != own:

@@ -345,12 +345,47 @@ def test_plan_of_a_tiny_model(capsys):
     (["model=wan_15b"], "model=wan_15b: no such option; did you mean model=wan_14b?"),
     (["model=dit_xl", "data.frames=16"], "data.frames=16 but model=dit_xl is an image model; leave data.frames null"),
     (["gpus=8", "trainer.strategy.replicate_degree=3"], "trainer.strategy.replicate_degree=3 does not divide gpus=8"),
+    # the sweep of every key (wrong types, out of range, empty, huge): what once slipped through or named nothing
+    (["data.size=1.5"], "data.size must be H, W in pixels (or one integer for a square), each from 1 to 16384, got 1.5"),
+    (["data.size=10000000000000"], "data.size must be H, W in pixels (or one integer for a square), each from 1 to "
+                                   "16384, got 10000000000000"),
+    (["optimizer_8bit=1"], "optimizer_8bit must be one of null | true | false, got 1"),
+    (["model.activation_offload=0"], "model.activation_offload must be one of null | true | false, got 0"),
+    (["data.latent=0"], "data.latent must be one of true | false, got 0"),
+    (["optimizer=sgd", "optimizer.momentum=abc"], "optimizer.momentum must be a finite number, got 'abc'"),
+    (["optimizer=sgd", "optimizer.momentum=-1"], "optimizer.momentum must be in [0, inf], got -1"),
+    (["gpus=1e30"], "gpus must be a positive integer, got 1e+30"),
+    (["data.frames=81", "ring_degree=10000000000000"], "ring_degree=10000000000000 does not divide gpus=8; with the "
+                                                        "others free, use ring_degree=1, 2, 4 or 8"),
 ])
 def test_plan_refuses_bad_input_in_one_line(argv, message, capsys):
     code, out, err = plan(capsys, *argv)
     errors = [line for line in err.splitlines() if line.startswith("Error: ")]
     assert code == 2 and len(errors) == 1 and message in errors[0], err
     assert "Traceback" not in err and not out
+
+
+@pytest.mark.parametrize("model, size, fix", [
+    (["model=dit_xl"], "[100,200]", "[96,192]"),  # the VAE's 8 x the patch's 2: 96 x 200 would not do either
+    (["model=wan_14b", "data.frames=81"], "[480,830]", "[480,832]"),
+    (["model=dit_digits", "data.latent=false"], "[1,2]", "[2,2]"),
+])
+def test_a_size_the_patch_does_not_divide_is_refused_with_one_that_works(model, size, fix, capsys):
+    code, out, err = plan(capsys, *model, f"data.size={size}", "show=1")
+    assert code == 2 and f"use data.size={fix}" in err, err
+    code, out, err = plan(capsys, *model, f"data.size={fix}", "show=1")
+    assert code == 0, err
+
+
+def test_plan_of_a_huge_gpu_count_is_quick(capsys):
+    """10**13 GPUs: their divisors are found in sqrt time, and the plan is one like any other."""
+    import time
+
+    start = time.perf_counter()
+    code, out, err = plan(capsys, "model=dit_digits", "data.latent=false", "data.size=8", "show=1",
+                          "gpus=10000000000000")
+    assert code == 0 and "Recommended: dp=10000000000000 ring=1 ulysses=1" in out, err
+    assert time.perf_counter() - start < 10
 
 
 def test_plan_is_a_hydra_app_like_every_command(capsys, tmp_path, monkeypatch):
