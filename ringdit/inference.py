@@ -29,8 +29,9 @@ whole number of the model's patches, frames 1 + k x the VAE's temporal factor). 
 of one prompt per line) gives each prompt its own size (default size / frames, else the data's); samples of one
 shape are batched together, each keeps its number i and its seed.
 
-Image-to-video models (Wan 2.2 TI2V, Wan 2.1 I2V): ``image=`` gives the first frame (a file, or a folder of them cycled
-over the samples like the prompts), of the samples' aspect ratio; pixel-space models take it as their first frame,
+Image-to-video models (those whose kind has an ``image_condition``: Wan 2.1 I2V, Wan 2.2 TI2V-5B and I2V-A14B,
+HunyuanVideo 1.5 I2V): ``image=`` gives the first frame (a file, or a folder of them cycled over the samples like the
+prompts), of the samples' aspect ratio; pixel-space models take it as their first frame,
 latent ones encode it with the data's VAE (``ringdit.media.image_condition``). Without ``image=`` and prompts, the
 training data's held-out prompts come with their own first frames.
 

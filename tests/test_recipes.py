@@ -1,7 +1,12 @@
 """The real-model recipes (conf/experiment/<model>_<task>.yaml): each composes, its header's planner command builds
 the model on the meta device at the recipe's real shapes and recommends the layout the recipe sets (so the memory it
 quotes is the planner's), and its tiny twin -- the same settings on the family's tiny architecture and synthetic
-latents, on one process -- trains a few steps."""
+latents, on one process -- trains a few steps.
+
+The recipe pages (docs/recipes/*.md) show the presets and nothing else: every ``train.py`` command on them is
+``experiment=<preset>`` plus the model folder, the data and the run folder (the same line as the preset's header),
+the tiny twin runs the page's own command, and every row of a page's settings table ("Settings of
+`experiment=X`") holds the value X composes to."""
 
 from __future__ import annotations
 
@@ -11,10 +16,12 @@ import re
 import shlex
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from ringdit.cli import CONF_DIR, register_resolvers
-from tests.helpers import fail_fast
+from tests.helpers import REPO, fail_fast
 
 # recipe -> its tiny twin: the family's tiny architecture and synthetic latents it reads (one process, CPU)
 IMAGES = ["data.frames=0", "data.channels=1"]
@@ -34,7 +41,47 @@ TWINS = {
                       "model.config.guidance_embeds=true"],  # FLUX.1-dev is guidance-distilled, the tiny one not
     "flux2_lora": ["model=flux2_tiny", *IMAGES, "data.text_dim=32", "lora.base_dtype=null"],
     "qwenimage_lora": ["model=qwenimage_tiny", "data.frames=0", "data.channels=4", "data.text_dim=16"],
+    "cogvideox15_lora": ["model=cogvideox15_tiny", "data.frames=4"],
 }
+# the recipe pages of the presets (dit.md: the original class-conditional checkpoints, no preset; index.md: the list)
+PAGES = sorted(page for page in (REPO / "docs" / "recipes").glob("*.md") if page.name not in ("index.md", "dit.md"))
+# what a page's train command may add to experiment=<preset>: where the model, the data and the run are
+PLACES = {"model.pretrained", "data.path", "hydra.run.dir"}
+
+
+def page_commands(script: str) -> list[tuple[str, list[str]]]:
+    """(page, words after ``script``) of every command running ``script`` in the recipe pages' shell blocks."""
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"^```bash[^\n]*\n(.*?)^```", page.read_text(), re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line.split(" #")[0]) if line.strip() and not line.lstrip().startswith("#") else []
+                if script in words:
+                    found.append((page.name, words[words.index(script) + 1:]))
+    return found
+
+
+def page_train_command(name: str) -> list[str]:
+    """The overrides of the recipe page's train command for preset ``name``."""
+    (words,) = [w for _, w in page_commands("train.py") if f"experiment={name}" in w]
+    return words
+
+
+def compose_preset(name: str):
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=[f"experiment={name}"])
+
+
+def settings_tables() -> list[tuple[str, list[str], list[tuple[str, str]]]]:
+    """(page, presets, [(setting, ours)]) of each "Settings of `experiment=X`, ..." table on the recipe pages."""
+    tables = []
+    for page in PAGES:
+        for title, table in re.findall(r"^#+ Settings of (.*)\n\n((?:\|.*\n)+)", page.read_text(), re.M):
+            rows = [[cell.strip() for cell in row.strip().strip("|").split("|")] for row in table.splitlines()[2:]]
+            tables.append((page.name, re.findall(r"`experiment=(\w+)`", title),
+                           [(row[0].strip("`"), row[1].strip("`")) for row in rows]))
+    return tables
 
 
 def recipe_header(name: str) -> tuple[list[str], dict]:
@@ -52,6 +99,37 @@ def test_every_real_model_has_a_recipe_with_sources():
                                    if "Sources of the settings" in p.read_text())
 
 
+def test_every_command_on_the_recipe_pages_is_a_preset():
+    """One recipe per model: each train command on the pages is ``experiment=<preset>`` and where things are, the
+    line the preset's header quotes; every preset has one."""
+    commands = page_commands("train.py")
+    shown = []
+    for page, words in commands:
+        (preset,) = [w.split("=", 1)[1] for w in words if w.startswith("experiment=")] or [None]
+        assert preset in TWINS, f"{page}: train.py {' '.join(words)} is not experiment=<a real preset>"
+        extra = {w.split("=", 1)[0] for w in words} - PLACES - {"experiment"}
+        assert not extra, f"{page}: the {preset} command sets {sorted(extra)} beside the preset: put them in it"
+        header = (CONF_DIR / "experiment" / f"{preset}.yaml").read_text().replace("\\\n#", " ")
+        assert " ".join(["train.py", *words]) in " ".join(header.split()), f"{preset}.yaml's header quotes another command"
+        shown.append(preset)
+    assert sorted(shown) == sorted(TWINS), "each preset has exactly one train command on the recipe pages"
+
+
+def test_every_settings_table_holds_what_its_presets_compose():
+    tables = settings_tables()
+    assert sorted({p for _, presets, _ in tables for p in presets}) == sorted(TWINS), "a preset has no settings table"
+    for page, presets, rows in tables:
+        for name in presets:
+            cfg = compose_preset(name)
+            for setting, ours in rows:
+                value = OmegaConf.select(cfg, setting, default="<unset>")
+                value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+                expected = yaml.safe_load(ours)
+                if isinstance(expected, str) and isinstance(value, float):
+                    expected = float(expected)  # 1e-4: YAML 1.1 reads it as a string
+                assert value == expected, f"{page}: {name} composes {setting}={value!r}, its table says {ours}"
+
+
 @pytest.mark.parametrize("name", sorted(TWINS))
 def test_a_recipe_is_laid_out_as_the_planner_recommends(name, capsys):
     """The header's planner command recommends the layout the recipe sets, and the model builds at real shapes."""
@@ -64,19 +142,19 @@ def test_a_recipe_is_laid_out_as_the_planner_recommends(name, capsys):
     assert recommended, printed[-2000:]
     dp, ring, ulysses, strategy = recommended.groups()
     assert {"dp": dp, "ring": ring, "ulysses": ulysses, "strategy": strategy} == quoted
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"experiment={name}"])
+    cfg = compose_preset(name)
     assert (cfg.dp_degree, cfg.ring_degree, cfg.ulysses_degree) == (int(dp), int(ring), int(ulysses))
     assert cfg.trainer.strategy._target_.lower().endswith(f"{strategy}strategy")
 
 
 @pytest.mark.parametrize("name", sorted(TWINS))
 def test_a_recipes_tiny_twin_trains(name, tmp_path):
-    """The recipe's optimizer, schedule, time sampling, LoRA and sampler settings on its tiny architecture: two
-    optimizer steps on one CPU process (activation checkpointing kept where the recipe sets it)."""
+    """The recipe page's train command on its tiny architecture (the model, data and run folder replaced): the
+    preset's optimizer, schedule, time sampling, LoRA and sampler settings, two optimizer steps on one CPU process
+    (activation checkpointing kept where the recipe sets it)."""
+    page = [w for w in page_train_command(name) if w.split("=", 1)[0] not in PLACES]
     with contextlib.redirect_stdout(io.StringIO()):
-        proc, _ = fail_fast("train.py", f"experiment={name}", "data=synthetic_text_latents", *TWINS[name],
+        proc, _ = fail_fast("train.py", *page, "data=synthetic_text_latents", *TWINS[name],
                             "data.num_samples=8", "trainer=cpu",
                             "dp_degree=1", "ring_degree=1", "ulysses_degree=1", "trainer.max_steps=2", "logger=csv",
                             "callbacks=none", f"hydra.run.dir={tmp_path}")
