@@ -143,18 +143,29 @@ class SampleSizes:
         units of the setting that set it."""
         if self.max_grid is None:
             return
-        for axis, (cells, patch, most) in enumerate(zip(shape, self.patch, self.max_grid)):
-            if cells // patch <= most:
-                continue
-            largest = list(shape)
-            largest[axis] = most * patch
-            (given, given_frames), (bound, bound_frames) = self.user_size(tuple(shape)), self.user_size(tuple(largest))
-            frames_axis = len(shape) == 3 and axis == 0
-            setting, fix = ((f"{names[1]}={given_frames}", f"{names[1]}={bound_frames}") if frames_axis else
-                            (f"{names[0]}={given}", f"{names[0]}={bound}"))
-            raise ConfigError(f"{where}{setting}: {cells // patch} tokens along one axis, more than the {most} "
-                              f"positions the model's position embedding covers (its rope_max_seq_len); the most it "
-                              f"samples there is {fix}")
+        over = [axis for axis, (cells, patch, most) in enumerate(zip(shape, self.patch, self.max_grid))
+                if cells // patch > most]
+        if not over:
+            return
+        # every axis clipped at once, so that the size suggested is one this check takes (CogVideoX's RoPE grid
+        # bounds height and width both)
+        largest = [min(cells, most * patch) for cells, patch, most in zip(shape, self.patch, self.max_grid)]
+        (given, given_frames), (bound, bound_frames) = self.user_size(tuple(shape)), self.user_size(tuple(largest))
+        video = len(shape) == 3
+        settings, fixes = [], []
+        if any(axis >= len(shape) - 2 for axis in over):
+            settings.append(f"{names[0]}={given}")
+            fixes.append(f"{names[0]}={bound}")
+        if video and 0 in over:
+            settings.append(f"{names[1]}={given_frames}")
+            fixes.append(f"{names[1]}={bound_frames}")
+        first, *others = over
+        tokens = (f"{shape[first] // self.patch[first]} tokens along one axis, more than the {self.max_grid[first]} "
+                  f"positions the model's position embedding covers" +
+                  "".join(f", and {shape[a] // self.patch[a]} along another that covers {self.max_grid[a]}"
+                          for a in others))
+        raise ConfigError(f"{where}{' '.join(settings)}: {tokens} (Wan's rope_max_seq_len, CogVideoX's sample_height "
+                          f"/ sample_width); the most it samples there is {' '.join(fixes)}")
 
     def _cells(self, size, where: str, setting: str) -> list[int]:
         default, _ = self.user_size(self.default)

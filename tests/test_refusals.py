@@ -191,3 +191,37 @@ def test_the_run_folder_is_claimed_once_every_check_passed(tmp_path, monkeypatch
         claim_run_folder(tmp_path, "train", resumes=str(tmp_path.parent / "other" / "last.ckpt"))
     monkeypatch.setenv("LOCAL_RANK", "1")  # a rank Lightning's launcher spawned: the launcher claimed the folder
     claim_run_folder(tmp_path, "train")
+
+
+# ---- a size beyond the position table: the size suggested is one the same check takes ---------------------------
+
+
+@pytest.mark.parametrize("family, preset, data, given, fix", [
+    # CogVideoX's RoPE grid (sample_height / sample_width 16 -> 8 x 8 tokens) bounds height and width both
+    ("cogvideox15", "cogvideox15_tiny", {"image_size": [2, 8, 8], "frame_pad": 2}, ([256, 256], None),
+     "size=[128, 128]"),
+    ("cogvideox15", "cogvideox15_tiny", {"image_size": [2, 8, 8], "frame_pad": 2}, ([256, 64], None),
+     "size=[128, 64]"),
+    # Wan's RoPE table (16 positions per axis here): the frames and the size at once
+    ("wan", "wan_tiny", {"image_size": [3, 8, 8]}, ([512, 512], 65), "size=[256, 256] frames=61"),
+])
+def test_a_size_beyond_the_position_table_is_refused_with_one_that_is_taken(family, preset, data, given, fix):
+    from ringdit.errors import ConfigError
+    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.sampling import SampleSizes
+    from tests.helpers import architecture
+
+    config = architecture(preset) | ({"rope_max_seq_len": 16} if family == "wan" else {})
+    with torch.device("meta"):
+        model = DiffusersTransformer(family, config=config)
+    vae = {"spatial_compression": 8, "temporal_compression": 4, "frame_pad": data.get("frame_pad", 0)}
+    sizes = SampleSizes.of({"image_size": data["image_size"], "vae": vae}, model.patch_shape, model.max_grid)
+    with pytest.raises(ConfigError, match=r"position embedding covers") as refused:
+        sizes.shape(*given)
+    message = str(refused.value)
+    assert message.endswith(f"the most it samples there is {fix}"), message
+    import re
+
+    advice = re.fullmatch(r"size=\[(\d+), (\d+)\](?: frames=(\d+))?", fix)
+    size, frames = [int(advice[1]), int(advice[2])], int(advice[3]) if advice[3] else given[1]
+    sizes.shape(size, frames)  # the advice is taken
