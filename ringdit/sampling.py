@@ -5,7 +5,7 @@ the samples from every rank into files (``SampleWriter``: one set of files per s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
@@ -230,6 +230,21 @@ class SampleSizes:
                           f"and {low + step}")
 
 
+FPS_HINT = "the frames per second videos are written at; null: the model's own (its pipeline's rate)"
+
+
+def frame_rate(setting: str, value, model_config: dict) -> int | None:
+    """The frames per second videos are written at: ``value`` (the ``setting`` fps=, checked: a positive integer),
+    else (None) the model kind's own rate, its published pipeline's (``DiffusionModel.frame_rate``: Wan 2.1 16,
+    HunyuanVideo 1.5 24, ...); None for an image model when none is given."""
+    from hydra.utils import get_class  # the kind's class: the config was checked by its spec (ringdit.spec.model)
+
+    from ringdit.errors import require_count
+
+    require_count(setting, value, optional=True, hint=FPS_HINT)
+    return value if value is not None else get_class(model_config["_target_"]).frame_rate(model_config)
+
+
 PROMPT_KEYS = ("prompt", "size", "frames", "negative_prompt")
 PROMPT_LINE = '{"prompt": "a red fox running", "size": [480, 832], "frames": 81}'
 
@@ -244,12 +259,14 @@ class PromptLine:
     size: object = None             # as written: [H, W] (checked later, in the data's units)
     frames: object = None
     negative_prompt: str | None = None
+    options: dict = field(default_factory=dict)  # the caller's own keys (read_prompt_file's ``options``), as written
 
 
-def read_prompt_file(path, setting: str = "prompt_file") -> list[PromptLine]:
+def read_prompt_file(path, setting: str = "prompt_file", options: tuple[str, ...] = ()) -> list[PromptLine]:
     """The prompts of a ``.jsonl`` file (one JSON object per line: ``prompt`` and optionally ``size`` [H, W],
-    ``frames``, ``negative_prompt``) or a ``.txt`` file (one prompt per line); blank lines are skipped. Data, never
-    code: each line is parsed as JSON and checked, a mistake is one ``ConfigError`` naming the file and line."""
+    ``frames``, ``negative_prompt``, and the caller's ``options`` keys, kept as written for it to check) or a ``.txt``
+    file (one prompt per line); blank lines are skipped. Data, never code: each line is parsed as JSON and checked, a
+    mistake is one ``ConfigError`` naming the file and line."""
     file = Path(str(path)).expanduser()
     kind = file.suffix.lower()
     if kind not in (".jsonl", ".txt"):
@@ -267,26 +284,27 @@ def read_prompt_file(path, setting: str = "prompt_file") -> list[PromptLine]:
         if not raw.strip():
             continue
         where = f"{setting}={path} line {number}: "
-        lines.append(PromptLine(raw.strip(), where) if kind == ".txt" else _prompt_line(raw, where))
+        lines.append(PromptLine(raw.strip(), where) if kind == ".txt" else _prompt_line(raw, where, options))
     if not lines:
         raise ConfigError(f"{setting}={path} holds no prompts; write one per line")
     return lines
 
 
-def _prompt_line(raw: str, where: str) -> PromptLine:
+def _prompt_line(raw: str, where: str, options: tuple[str, ...] = ()) -> PromptLine:
     entry = parse_json(raw, f"{where}the line", fix=f"each line is one object such as {PROMPT_LINE}")
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}a JSON {type(entry).__name__}, not an object such as {PROMPT_LINE}")
-    unknown = [key for key in entry if key not in PROMPT_KEYS]
+    unknown = [key for key in entry if key not in PROMPT_KEYS + options]
     if unknown:
         raise ConfigError(f"{where}unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; a "
-                          f"line holds {', '.join(PROMPT_KEYS)} (all but prompt optional)")
+                          f"line holds {', '.join(PROMPT_KEYS + options)} (all but prompt optional)")
     prompt, negative = entry.get("prompt"), entry.get("negative_prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError(f"{where}\"prompt\" must be a non-empty string, got {prompt!r}")
     if negative is not None and not isinstance(negative, str):
         raise ConfigError(f"{where}\"negative_prompt\" must be a string, got {negative!r}")
-    return PromptLine(prompt, where, entry.get("size"), entry.get("frames"), negative)
+    return PromptLine(prompt, where, entry.get("size"), entry.get("frames"), negative,
+                      {key: entry[key] for key in options if key in entry})
 
 
 class SampleRequests(Dataset):
@@ -393,7 +411,7 @@ class SampleWriter(L.Callback):
     """
 
     def __init__(self, output_dir: str | Path, columns: int | None = None, captions: list[str] | None = None,
-                 fps: int = 16, shapes: list[Shape] | None = None, shape_names: dict[Shape, str] | None = None):
+                 fps: int | None = 16, shapes: list[Shape] | None = None, shape_names: dict[Shape, str] | None = None):
         self.output_dir, self.columns, self.captions, self.fps = Path(output_dir), columns, captions, fps
         self.shapes = [tuple(shape) for shape in shapes] if shapes and len(shapes) > 1 else None
         self.shape_names = shape_names or {}

@@ -123,3 +123,25 @@ def condition_to(condition, device):
     if isinstance(condition, dict):
         return {key: value.to(device) for key, value in condition.items()}
     return condition.to(device)
+
+
+def in_micro_batches(generate, condition, seeds: list[int], batch_size: int | None, *,
+                     negative: dict | None = None, **keywords) -> Tensor:
+    """``generate(condition, seeds, negative=..., **keywords)`` (a ``SamplingPipeline.generate`` or
+    ``DiffusionModule.generate``) over at most ``batch_size`` samples per call (None: all in one), concatenated: the
+    same samples, as each one's noise comes from its own seed, with the memory of one micro-batch (a preview of 80
+    video samples would otherwise be one forward of 80, twice that with guidance). ``condition``: labels ``(N,)`` or
+    a dict of ``(N, ...)`` tensors; ``negative``: a ``(1, ...)`` prompt for all, or ``(N, ...)`` one per sample.
+
+    Collective under sequence parallelism, as ``generate`` is: every rank makes the same calls."""
+    count = len(seeds)
+    size = count if batch_size is None else batch_size
+
+    def rows(value, start: int, stop: int):
+        if isinstance(value, dict):
+            return {key: rows(tensor, start, stop) for key, tensor in value.items()}
+        return value[start:stop] if torch.is_tensor(value) and value.ndim and len(value) == count else value
+
+    return torch.cat([generate(rows(condition, start, start + size), seeds[start:start + size],
+                               negative=rows(negative, start, start + size), **keywords)
+                      for start in range(0, count, size)])

@@ -69,7 +69,7 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
     decoded over every rank (``ringdit.media.parallel_vae``), and rank 0 writes the files (the others return [])."""
     from ringdit.errors import ConfigError, require_count
 
-    require_count("fps", fps)
+    require_count("fps", fps, optional=True)  # None: an image model's samples (infer.py's), which have no rate
     for name, value in (("tiling", tiling), ("normalised", normalised)):
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")

@@ -60,6 +60,10 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+# the frame rate the moving-digits demos write their videos at (ringdit's one rate before rates were the model's)
+DIGITS_FPS = 16
+
+
 class DiTBlock(nn.Module):
     """Transformer block whose LayerNorms are modulated by the conditioning, with zero-initialised gates."""
 
@@ -274,6 +278,12 @@ class DiT(nn.Module):
         channels = data.get("channels") or (4 if data.get("latent") else 3)
         return {"patch": patch, "video": video, "vae_factors": cls.vae_factors,
                 "data": {"channels": channels, "num_classes": data.get("num_classes")}}
+
+    @staticmethod
+    def frame_rate(config: dict) -> int | None:
+        """The frame rate a video DiT's samples play at: the digits demos' 16 fps (their clips have no rate of their
+        own); None for an image DiT."""
+        return DIGITS_FPS if config.get("temporal_patch_size") is not None else None
 
     @staticmethod
     def sampling_defaults(config: dict) -> dict:

@@ -48,6 +48,11 @@ class DiffusionModel(Protocol):
         resolution shift's constants; None: Flux's) and ``shift_terminal`` (the last sampling time; None: none)."""
 
     @staticmethod
+    def frame_rate(config: dict) -> int | None:
+        """The frames per second a model of ``config`` makes videos at (its published pipeline's rate): what infer.py,
+        the previews and the server write MP4s / GIFs at unless ``fps=`` says otherwise; None for an image model."""
+
+    @staticmethod
     def check_guidance(config: dict, sampling: dict, prefix: str = "") -> None:
         """A ConfigError for guidance a model of ``config`` cannot take: a guidance embedding's value (``guidance``)
         it has no embedding for, classifier-free guidance without a learnt null condition."""

@@ -38,6 +38,36 @@ TEXT_SETTINGS = ("prompts", "prompt_file", "negative_prompt", "text_embeds", "ne
                  "tokenizer")
 
 
+PROMPTS_FORM = "'prompts=[\"a red fox, running in the snow\", \"a cat\"]'"  # each prompt quoted: no comma splits it
+
+
+def check_prompt_list(overrides: list[str] | None = None) -> None:
+    """Hydra splits ``prompts=[a red fox, running in the snow]`` at the comma, into two prompts: a list of several
+    prompts of which any is unquoted is refused, pointing to the quoted form that cannot split (``PROMPTS_FORM``).
+    ``overrides``: the command line's (default: Hydra's record of them; none for a config composed by hand)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import QuotedString
+
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        try:
+            overrides = list(HydraConfig.get().overrides.task)
+        except ValueError:  # not composed by Hydra: nothing says how the list was written
+            return
+    for raw in overrides:
+        if raw.lstrip("+~").split("=", 1)[0] != "prompts":
+            continue
+        value = OverridesParser.create().parse_overrides([raw])[0]._value  # as written: quoted items stay marked
+        if isinstance(value, list) and len(value) > 1 and not all(isinstance(v, QuotedString) for v in value):
+            items = [str(v.text if isinstance(v, QuotedString) else v) for v in value]
+            one = ", ".join(items).replace('"', '\\"')
+            many = ", ".join('"' + item.replace('"', '\\"') + '"' for item in items)
+            raise ConfigError(f"{raw.lstrip('+~')}: Hydra splits an unquoted list at every comma, so this is "
+                              f"{len(items)} prompts ({' | '.join(items)}); quote each prompt: 'prompts=[\"{one}\"]' "
+                              f"for one prompt, 'prompts=[{many}]' for {len(items)}")
+
+
 @dataclass(frozen=True)
 class Conditioning:
     """What the samples are conditioned on: a class id each (a class-conditional model), or prompts (a text model)."""
@@ -85,6 +115,7 @@ class Conditioning:
             raise ConfigError("prompts / prompt_file / negative_prompt need a text encoder: pass text_encoder=FOLDER "
                               "(the T5 / UMT5 / CLIP folder the training data was encoded with), or give text_embeds= "
                               "instead")
+        check_prompt_list()
         prompts = () if not cfg.prompts else (cfg.prompts,) if isinstance(cfg.prompts, str) else \
             tuple(str(p) for p in cfg.prompts)
         file_settings = {}
@@ -203,7 +234,7 @@ class OutputSpec:
     vae: str | None          # resolved: given, else the VAE the data was prepared with when that folder exists
     vae_subfolder: str | None
     vae_tile: int | None     # spatial tile in pixels for decoding; None: diffusers' default
-    fps: int
+    fps: int | None          # videos' frames per second: fps=, else the model's own (None: an image model)
 
 
 @dataclass(frozen=True)
@@ -240,6 +271,7 @@ class InferSpec:
     def from_config(cls, cfg: DictConfig) -> InferSpec:
         """Check every setting of infer.py's ``cfg`` and the checkpoint; return the run (nothing is spawned)."""
         from ringdit.media.decode import sampling_vae
+        from ringdit.sampling import FPS_HINT, frame_rate
 
         overrides = sampling_overrides(cfg)
         for key in ("cfg_scale", "cfg_scale_2"):  # cfg_scale=nan gives black images
@@ -253,7 +285,7 @@ class InferSpec:
         require_count("batch_size", cfg.batch_size)
         require_seed("seed", cfg.seed)
         require_choice("weights", cfg.weights, WEIGHT_CHOICES)
-        require_count("fps", cfg.fps)  # with or without a VAE: a wrong value is wrong before it is used
+        require_count("fps", cfg.fps, optional=True, hint=FPS_HINT)  # with or without a VAE: wrong before it is used
         require_count("vae_tile", cfg.vae_tile, optional=True,
                       hint="the VAE's spatial tile size in pixels for decoding, e.g. vae_tile=256")
         cache = CacheSettings.from_config(cfg.get("cache"))
@@ -274,7 +306,7 @@ class InferSpec:
                               f"sample from a ringdit checkpoint (.ckpt) or export (.safetensors), or fine-tune it "
                               f"first with init_from")
         output = OutputSpec(vae=sampling_vae(cfg.vae, cfg.vae_subfolder, info["data"]), vae_subfolder=cfg.vae_subfolder,
-                            vae_tile=cfg.vae_tile, fps=cfg.fps)
+                            vae_tile=cfg.vae_tile, fps=frame_rate("fps", cfg.fps, info["model"]))
         if pipeline and cfg.get("base"):
             raise ConfigError(f"base={cfg.base} is the base model under a LoRA adapter, but ckpt_path={ckpt_path} is a "
                               f"pipeline folder, sampled whole; drop base=")

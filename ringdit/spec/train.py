@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from ringdit.errors import ConfigError, require_count, require_number, require_seed
 from ringdit.memory import check_training_memory
+from ringdit.previews import check_run_previews
 from ringdit.spec.checkpoint import CheckpointPlan
 from ringdit.spec.diffusion import training_diffusion, training_expert
 from ringdit.spec.distill import DistillSpec
@@ -107,6 +108,7 @@ class TrainSpec:
         distill = DistillSpec.from_config(cfg, objective, sampling, model.config, meta_model, expert)
         if distill is not None:  # previews and the checkpoint's record: the student's few steps, unguided
             sampling = distill.student_sampling(sampling)
+        check_run_previews(cfg, layout, trainer.callbacks, data.info, model.config, meta_model, model.tokens, sampling)
         return cls(seed=cfg.seed, compile=cfg.compile, nonfinite_loss=cfg.nonfinite_loss,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, data=data, model=model,
                    objective=objective, expert=expert, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint,

@@ -61,6 +61,9 @@ def _check_callback_numbers(callbacks: DictConfig) -> None:
     for key in ("every_n_steps", "per_class", "max_classes"):
         if key in grid:
             require_count(f"callbacks.sample_grid.{key}", grid[key])
+    for key in ("batch_size", "fps"):  # null: all at once / the model's own frame rate
+        if key in grid:
+            require_count(f"callbacks.sample_grid.{key}", grid[key], optional=True)
     if "steps" in grid:
         require_count("callbacks.sample_grid.steps", grid.steps, optional=True)
     if "cfg_scale" in grid:

@@ -15,11 +15,30 @@ from ringdit.checkpoints.weights import read_weights
 from ringdit.images import grid_image, save_samples, to_uint8
 from ringdit.lora import adapter_state, load_adapter, load_null_condition
 from ringdit.media.writing import write_mp4
-from ringdit.errors import require_count
-from ringdit.sampling import SampleSizes, patch_shape, size_pair
+from ringdit.diffusion.pipeline import in_micro_batches
+from ringdit.errors import ConfigError, require_count, require_number, require_seed
+from ringdit.sampling import FPS_HINT, PromptLine, SampleSizes, frame_rate, patch_shape, read_prompt_file, size_pair
 from ringdit.seeding import Stream, seed_of
 
 SETTING = "callbacks.sample_grid"
+# a preview prompt file's keys beyond infer.py's (musubi-tuner's sample prompts' --d --s --l --g): the line's seed,
+# sampling steps, classifier-free guidance scale and a guidance-distilled model's embedded guidance
+PROMPT_OPTIONS = ("seed", "steps", "cfg_scale", "guidance")
+BATCH_HINT = "samples per forward (twice that with guidance); null: all of a row at once"
+
+
+def read_preview_prompts(path) -> list[PromptLine]:
+    """``callbacks.sample_grid.prompt_file``: infer.py's prompt file (``read_prompt_file``) with ``PROMPT_OPTIONS``
+    per line, each checked here: a mistake is one ConfigError naming the file, the line and the key."""
+    lines = read_prompt_file(path, f"{SETTING}.prompt_file", PROMPT_OPTIONS)
+    for line in lines:
+        name = line.where.removesuffix(": ") + " "
+        if "seed" in line.options:
+            require_seed(name + '"seed"', line.options["seed"])
+        require_count(name + '"steps"', line.options.get("steps"), optional=True)
+        for key in ("cfg_scale", "guidance"):
+            require_number(f'{name}"{key}"', line.options.get(key), optional=True)
+    return lines
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -81,15 +100,30 @@ class SampleGrid(L.Callback):
     data's cells); None: the data's ``image_size``, its most frequent bucket. Their form is checked when the callback
     is built (train.py: before any rank starts), against the data and the model's patch by ``check_shape`` (at the
     latest when training starts).
+
+    ``prompt_file`` (text models): the prompts to preview instead of the held-out ones, one row each, as infer.py's
+    ``prompt_file`` (``{"prompt": ..., "size": [H, W], "frames": N, "negative_prompt": ...}``) plus ``seed``,
+    ``steps``, ``cfg_scale`` and ``guidance`` per line; encoded once, when training starts, with the text encoder the
+    data was prepared with. ``batch_size``: samples per forward (None: a row at once), so that a preview's memory is
+    one micro-batch's whatever the count: the samples are the same (each one's noise comes from its own seed).
+    ``fps``: the videos' frame rate (None: the model's own, ``DiffusionModel.frame_rate``).
     """
 
     def __init__(self, output_dir: str, every_n_steps: int = 500, per_class: int = 8, max_classes: int = 10,
                  steps: int | None = None, cfg_scale: float | None = None, seed: int = 0,
                  size: list[int] | None = None, frames: int | None = None, vae: str | None = None,
-                 vae_subfolder: str | None = "vae", fps: int = 16):
+                 vae_subfolder: str | None = "vae", fps: int | None = None, prompt_file: str | None = None,
+                 batch_size: int | None = None):
         require_count("callbacks.sample_grid.every_n_steps", every_n_steps)
-        require_count(f"{SETTING}.fps", fps)
-        self.vae_setting, self.vae_subfolder, self.fps = vae, vae_subfolder, fps
+        for key, value in (("per_class", per_class), ("max_classes", max_classes)):
+            require_count(f"{SETTING}.{key}", value)
+        require_count(f"{SETTING}.fps", fps, optional=True, hint=FPS_HINT)
+        require_count(f"{SETTING}.batch_size", batch_size, optional=True, hint=BATCH_HINT)
+        self.vae_setting, self.vae_subfolder, self.fps, self.batch_size = vae, vae_subfolder, fps, batch_size
+        self.prompt_file = prompt_file
+        self.lines = read_preview_prompts(prompt_file) if prompt_file else None
+        self.line_shapes: list = []  # each prompt line's sample shape in the data's cells (None: the grid's)
+        self._prompts = None  # the prompt file's lines encoded (conditions, negatives), at the first preview
         self._codec = None  # the VAE, loaded at the first preview of a latent model (None: no VAE here)
         self.output_dir = Path(output_dir)
         self.every_n_steps, self.per_class, self.max_classes = every_n_steps, per_class, max_classes
@@ -109,7 +143,28 @@ class SampleGrid(L.Callback):
         else:
             self.shape = SampleSizes.of(data_info, patch).shape(self.size, self.frames,
                                                                 names=(f"{SETTING}.size", f"{SETTING}.frames"))
+        if self.lines is not None:
+            self.line_shapes = self.check_prompt_file(data_info, patch)
         return self.shape
+
+    def check_prompt_file(self, data_info: dict, patch: tuple[int, ...]) -> list:
+        """The prompt file against the run: a text model whose data name the text encoder that encodes its prompts
+        (and that folder is here); each line's size / frames (default the grid's) one the model samples."""
+        setting = f"{SETTING}.prompt_file={self.prompt_file}"
+        if data_info.get("conditioning") != "text":
+            raise ConfigError(f"{setting}: this run's model is class-conditional and takes no prompts; drop it (the "
+                              f"previews show {SETTING}.max_classes classes)")
+        encoder = (data_info.get("text_encoder") or {}).get("path")
+        if not encoder or not Path(encoder).expanduser().exists():
+            raise ConfigError(f"{setting}: its prompts are encoded with the text encoder the data was prepared with, "
+                              f"but {'the data records none' if not encoder else f'{encoder} is not here'}; prepare "
+                              f"the data with ringdit.prepare (it records its encoder), or preview the held-out "
+                              f"prompts ({SETTING}.prompt_file=null)")
+        sizes = SampleSizes.of(data_info, patch)
+        return [None if line.size is None and line.frames is None and self.shape is None else
+                sizes.shape(line.size if line.size is not None else self.size,
+                            line.frames if line.frames is not None else self.frames, where=line.where)
+                for line in self.lines]
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.check_shape(pl_module.hparams.data, patch_shape(pl_module.model))  # before the first step
@@ -127,6 +182,65 @@ class SampleGrid(L.Callback):
         self._last_step = step = trainer.global_step
         if not pl_module.samples_are_pixels and self.preview_vae(pl_module.hparams.data) is None:
             return None  # latents without their VAE cannot be looked at (said once, by preview_vae)
+        rows = self.rows(trainer, pl_module)
+        shapes = {row["shape"] for row in rows}
+        images, captions = [], []
+        for row in rows:
+            samples = in_micro_batches(pl_module.generate, row["condition"], row["seeds"], self.batch_size,
+                                       negative=row["negative"], shape=row["shape"], **row["overrides"])
+            if pl_module.samples_are_pixels:
+                images.append(to_uint8(samples).numpy() if trainer.is_global_zero else None)
+            else:  # every rank decodes its share of each sample's tiles; rank 0 gets the pixels
+                images.append(self.decode(samples, pl_module.hparams.data, trainer))
+            captions += row["captions"]
+        if not trainer.is_global_zero:
+            return None
+        import numpy as np
+
+        folder = self.output_dir / "samples"
+        stem = folder / f"step_{step:07d}"
+        if len(shapes) == 1:  # one grid, a row per prompt or class
+            images = [np.concatenate(images)]
+        paths = [save_samples(grid, stem if len(images) == 1 else stem.with_name(f"{stem.name}_{i:02d}"),
+                              columns=self.per_class, fps=self.frame_rate(pl_module) or 8)
+                 for i, grid in enumerate(images)]
+        videos = []
+        if images[0].ndim == 5:  # (N, T, H, W, C): each one an MP4 too, which the loggers upload
+            stem.mkdir(parents=True, exist_ok=True)
+            videos = [write_mp4(video, stem / f"{i:03d}.mp4", self.frame_rate(pl_module))
+                      for i, video in enumerate(v for grid in images for v in grid)]
+        for grid in images if len(images) == 1 else []:
+            log_samples(trainer.loggers, grid, captions, step, videos=videos, columns=self.per_class)
+        if len(images) > 1:  # rows of several shapes: each sample on its own (the grids are files)
+            log_samples(trainer.loggers, [v for grid in images for v in grid], captions, step, videos=videos,
+                        columns=self.per_class)
+        return paths[0]
+
+    def frame_rate(self, pl_module) -> int | None:
+        """The previews' frames per second: ``fps``, else the model's own."""
+        return frame_rate(f"{SETTING}.fps", self.fps, pl_module.hparams.model)
+
+    def rows(self, trainer: L.Trainer, pl_module) -> list[dict]:
+        """What the preview samples, in calls of one shape and settings each: its ``condition``, ``seeds``,
+        ``captions`` (one a sample), ``shape``, ``negative`` (None: the empty prompt) and sampling ``overrides``. The
+        held-out prompts or classes are one call (``per_class`` samples each); a prompt file's lines one each, with
+        their own size, seed and settings."""
+        overrides = {"steps": self.steps, "cfg_scale": self.cfg_scale}
+        if self.lines is not None:
+            conditions, negatives = self.encoded_prompts(pl_module.hparams.data)
+            rows, cell = [], 0
+            for i, line in enumerate(self.lines[:self.max_classes]):
+                seed = line.options.get("seed")
+                seeds = [seed_of(Stream.PREVIEW, self.seed if seed is None else seed, cell + j if seed is None else j)
+                         for j in range(self.per_class)]
+                cell += self.per_class
+                options = {key: line.options.get(key) for key in ("steps", "cfg_scale", "guidance")}
+                rows.append({"condition": {key: value[i:i + 1].repeat_interleave(self.per_class, 0)
+                                           for key, value in conditions.items()},
+                             "seeds": seeds, "captions": [line.prompt] * self.per_class, "negative": negatives[i],
+                             "shape": (self.line_shapes[i] if self.line_shapes else None) or self.shape,
+                             "overrides": {**overrides, **{k: v for k, v in options.items() if v is not None}}})
+            return rows
         if pl_module.text_conditioned:  # one row per held-out prompt (the same prompts at every step)
             prompts, names = trainer.datamodule.held_out(self.max_classes)
             condition = {key: value.repeat_interleave(self.per_class, 0) for key, value in prompts.items()}
@@ -136,24 +250,31 @@ class SampleGrid(L.Callback):
             condition = torch.arange(classes).repeat_interleave(self.per_class)
             names = list(pl_module.hparams.data.get("class_names") or range(classes))[:classes]
             count = len(condition)
-        captions = [str(name) for name in names for _ in range(self.per_class)]
         seeds = [seed_of(Stream.PREVIEW, self.seed, cell) for cell in range(count)]
-        samples = pl_module.generate(condition, seeds, steps=self.steps, cfg_scale=self.cfg_scale, shape=self.shape)
-        if pl_module.samples_are_pixels:
-            images = to_uint8(samples).numpy() if trainer.is_global_zero else None
-        else:  # every rank decodes its share of each sample's tiles; rank 0 gets the pixels
-            images = self.decode(samples, pl_module.hparams.data, trainer)
-        if not trainer.is_global_zero:
-            return None
-        folder = self.output_dir / "samples"
-        path = save_samples(images, folder / f"step_{step:07d}", columns=self.per_class)
-        videos = []
-        if images.ndim == 5:  # (N, T, H, W, C): each one an MP4 too, which the loggers upload
-            (folder / f"step_{step:07d}").mkdir(parents=True, exist_ok=True)
-            videos = [write_mp4(video, folder / f"step_{step:07d}" / f"{i:03d}.mp4", self.fps)
-                      for i, video in enumerate(images)]
-        log_samples(trainer.loggers, images, captions, step, videos=videos, columns=self.per_class)
-        return path
+        return [{"condition": condition, "seeds": seeds, "captions": [str(name) for name in names
+                                                                       for _ in range(self.per_class)],
+                 "negative": None, "shape": self.shape, "overrides": overrides}]  # one call, in micro-batches
+
+    def encoded_prompts(self, data_info: dict) -> tuple[dict, list]:
+        """The prompt file's lines encoded once, with the data's text encoder as its prompts were (on the GPU where
+        there is one: at the first preview the optimizer's state is not yet allocated): the conditions ``(lines,
+        ...)`` and each line's negative prompt ``(1, ...)`` or None (the empty prompt)."""
+        if self._prompts is None:
+            from ringdit.media.text import encode_prompts, encoder_settings
+
+            described = data_info["text_encoder"]
+            texts = [line.prompt for line in self.lines]
+            own = [text for text in dict.fromkeys(line.negative_prompt for line in self.lines) if text]
+            encoded, _ = encode_prompts(texts + own, None, described["path"], described.get("tokenizer"),
+                                        text_len=data_info["text_len"], text_dim=data_info["text_dim"],
+                                        device="cuda" if torch.cuda.is_available() else "cpu",
+                                        **encoder_settings(described))
+            encoded = {key: value.cpu() for key, value in encoded.items()}
+            negatives = [None if not line.negative_prompt else
+                         {key: value[len(texts) + own.index(line.negative_prompt)][None] for key, value in
+                          encoded.items()} for line in self.lines]
+            self._prompts = ({key: value[:len(texts)] for key, value in encoded.items()}, negatives)
+        return self._prompts
 
     def preview_vae(self, data_info: dict):
         """The VAE latent previews decode with (``vae``, else the data's when its folder is here), loaded once;

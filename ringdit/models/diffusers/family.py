@@ -58,6 +58,9 @@ class Family:
     # the config key of the glyph text width (HunyuanVideo 1.5's ByT5 states of the prompt's quoted text: the data's
     # glyph_text / glyph_text_mask), if the model reads glyph text; it reads it only where the data holds it
     glyph_dim: str | None = None
+    # the frame rate its videos play at, as its published pipeline writes them (infer.py, the previews and the server
+    # write MP4 / GIF at it unless fps= says otherwise); None: an image model
+    fps: int | None = None
     # latent frames padded at the front (copies of the first) to a multiple of this, as its data are prepared and its
     # fine-tuning pads them (CogVideoX 1.5: 2, its temporal patch; ringdit.media.vae); 1: none
     frame_pad: int = 1

@@ -24,8 +24,10 @@ from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
 
-# LTXPipeline's default RoPE scale: the VAE's compression (8 frames, 32 pixels) over the frame rate (25 fps).
-ROPE_INTERPOLATION_SCALE = (8 / 25, 32, 32)
+# LTXPipeline's default frame rate (its frame_rate=25), which its RoPE is scaled by: the videos play at it too
+FPS = 25
+# LTXPipeline's default RoPE scale: the VAE's compression (8 frames, 32 pixels) over the frame rate.
+ROPE_INTERPOLATION_SCALE = (8 / FPS, 32, 32)
 
 
 def pack_video(x: Tensor, patch: int, patch_t: int) -> Tensor:
@@ -70,6 +72,7 @@ LTX_VIDEO = Family(
     forward=_ltx_forward,
     video=True,
     vae_factors=(8, 32),
+    fps=FPS,
     condition_keys=("text", "text_mask"),
     text_dim="caption_channels",
     latent_channels=lambda config: config["in_channels"] // (config["patch_size_t"] * config["patch_size"] ** 2),

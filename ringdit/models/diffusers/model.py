@@ -293,6 +293,11 @@ class DiffusersTransformer(nn.Module):
                          if family.image_condition else []}}
 
     @staticmethod
+    def frame_rate(config: dict) -> int | None:
+        """The frame rate the family's videos play at (``Family.fps``, its published pipeline's); None: images."""
+        return get_family(config["family"]).fps
+
+    @staticmethod
     def sampling_defaults(config: dict) -> dict:
         """The flow objective's settings a run leaves unset, as the family's pipeline fixes them: the resolution
         shift's constants (``diffusion.objective.resolution``) and the last sampling time (``shift_terminal``)."""

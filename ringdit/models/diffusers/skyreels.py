@@ -25,8 +25,9 @@ from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
 
-# SkyReels-V2's pipelines embed the frame rate as an index: 0 for 16 fps, 1 otherwise (their default is 24 fps).
-FPS_INDEX = 1
+# SkyReels-V2's frame rate (its pipelines' default fps=24), which they embed as an index: 0 for 16 fps, 1 otherwise.
+FPS = 24
+FPS_INDEX = 0 if FPS == 16 else 1
 
 
 def _skyreels_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
@@ -63,6 +64,7 @@ SKYREELS_V2 = Family(
     forward=_skyreels_forward,
     video=True,
     vae_factors=(4, 8),
+    fps=FPS,
     condition_keys=("text",),
     text_dim="text_dim",
     max_grid=lambda config: (config.get("rope_max_seq_len", 1024),) * 3,  # its RoPE table (Wan's), per axis
