@@ -41,10 +41,11 @@ TEXT_SETTINGS = ("prompts", "prompt_file", "negative_prompt", "text_embeds", "ne
 PROMPTS_FORM = "'prompts=[\"a red fox, running in the snow\", \"a cat\"]'"  # each prompt quoted: no comma splits it
 
 
-def check_prompt_list(overrides: list[str] | None = None) -> None:
+def check_prompt_list(prompts, overrides: list[str] | None = None) -> None:
     """Hydra splits ``prompts=[a red fox, running in the snow]`` at the comma, into two prompts: a list of several
     prompts of which any is unquoted is refused, pointing to the quoted form that cannot split (``PROMPTS_FORM``).
-    ``overrides``: the command line's (default: Hydra's record of them; none for a config composed by hand)."""
+    ``prompts``: the setting's value, which the override must have made; ``overrides``: the command line's (default:
+    Hydra's record of them; none for a config composed by hand)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import QuotedString
 
@@ -61,6 +62,8 @@ def check_prompt_list(overrides: list[str] | None = None) -> None:
         value = OverridesParser.create().parse_overrides([raw])[0]._value  # as written: quoted items stay marked
         if isinstance(value, list) and len(value) > 1 and not all(isinstance(v, QuotedString) for v in value):
             items = [str(v.text if isinstance(v, QuotedString) else v) for v in value]
+            if OmegaConf.is_list(prompts) and items != [str(p) for p in prompts]:  # another config's record
+                return
             one = ", ".join(items).replace('"', '\\"')
             many = ", ".join('"' + item.replace('"', '\\"') + '"' for item in items)
             raise ConfigError(f"{raw.lstrip('+~')}: Hydra splits an unquoted list at every comma, so this is "
@@ -115,7 +118,7 @@ class Conditioning:
             raise ConfigError("prompts / prompt_file / negative_prompt need a text encoder: pass text_encoder=FOLDER "
                               "(the T5 / UMT5 / CLIP folder the training data was encoded with), or give text_embeds= "
                               "instead")
-        check_prompt_list()
+        check_prompt_list(cfg.prompts)
         prompts = () if not cfg.prompts else (cfg.prompts,) if isinstance(cfg.prompts, str) else \
             tuple(str(p) for p in cfg.prompts)
         file_settings = {}
