@@ -167,6 +167,7 @@ def test_a_setting_of_the_wrong_kind_is_refused_and_the_advice_passes(case, tmp_
         fixed = [o for o in overrides if o.lstrip("+").split("=", 1)[0] != key]
         cfg = compose_train([*TINY, *fixed, ("+" if f"+{key}=" in " ".join(overrides) else "") + advice],
                             tmp_path / "advised")
+        cfg.paths.output_dir = str(tmp_path / "advised")  # as a run's Hydra sets it (compose alone does not)
         TrainSpec.from_config(cfg)  # every check train.py makes before it spawns a rank
 
 
