@@ -392,6 +392,41 @@ def test_unloading_an_adapter_that_queued_jobs_name_is_refused(dit):
     assert server.state == "ok" and post(server, "/v1/images/generations", {"prompt": "5"}).status_code == 200
 
 
+def test_lora_commands_sent_together_are_all_answered(dit):
+    """Two adapter loads that reach the sampling loop at one turn are both carried out and answered (the loop once
+    took every waiting command and answered only the first: the other request waited out its timeout, then a 500)."""
+    server, _, loras, _ = dit
+    write_adapter(loras / "together.safetensors", server.module.model, seed=4)
+    queue, entered, go_on = server.queue, threading.Event(), threading.Event()
+    original = queue.next_batch
+
+    def next_batch(timeout):  # the loop waits here, as behind a long batch, while both commands arrive
+        entered.set()
+        go_on.wait(timeout=30)
+        return original(timeout)
+
+    queue.next_batch = next_batch
+    answers = {}
+    threads = [threading.Thread(target=lambda name=name: answers.update({name: post(
+        server, "/v1/loras", {"name": name, "path": "together.safetensors"}, timeout=30)})) for name in ("t1", "t2")]
+    try:
+        assert entered.wait(timeout=30)
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while len(server.control._commands) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        del queue.next_batch
+        go_on.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert {name: answer.status_code for name, answer in answers.items()} == {"t1": 200, "t2": 200}
+    for name in ("t1", "t2"):
+        assert httpx.delete(f"{server.url}/v1/loras/{name}", headers=AUTH).status_code == 200
+
+
 def test_two_expert_adapters_equal_each_expert_merged(tmp_path):
     """A two-expert model (Wan 2.2 A14B) takes one adapter file per expert (path, path_2): with both applied, each
     transformer computes what it would with its adapter merged into its weights."""
