@@ -147,6 +147,7 @@ class StepTime:
 
 
 def kernel_of(layout: Layout) -> str:
+    """The kernel (``ATTENTION_FORWARD_TFLOPS``' names) the layout's attention backend runs on an H100."""
     return BACKEND_KERNELS.get(layout.attention_backend, "fa2")
 
 
@@ -183,12 +184,12 @@ def step_time(model: ModelSize, layout: Layout, setup: Setup, machine: Machine =
                                              else 0.0)
     if not setup.training:
         per_block = max(fwd_gpu, host)
-        seconds = forwards * depth
-        return StepTime(matmul_s=seconds * matmul_s, attention_s=seconds * fwd_attn,
-                        elementwise_s=seconds * elementwise_s, ulysses_s=seconds * exchange_s,
-                        host_floor_s=seconds * (per_block - fwd_gpu), sync_s=0.0,
-                        attention_flops=seconds * attention, matmul_flops=seconds * matmul,
-                        ring_bytes=seconds * (ring - 1) * hop_bytes, ulysses_bytes=seconds * exchange_bytes,
+        blocks = forwards * depth                             # block forwards the step runs
+        return StepTime(matmul_s=blocks * matmul_s, attention_s=blocks * fwd_attn,
+                        elementwise_s=blocks * elementwise_s, ulysses_s=blocks * exchange_s,
+                        host_floor_s=blocks * (per_block - fwd_gpu), sync_s=0.0,
+                        attention_flops=blocks * attention, matmul_flops=blocks * matmul,
+                        ring_bytes=blocks * (ring - 1) * hop_bytes, ulysses_bytes=blocks * exchange_bytes,
                         sync_bytes=0.0)
     f = setup.checkpoint_fraction
     bwd_matmul = (1 if model.lora else 2) * matmul_s          # a frozen base: input gradients only
