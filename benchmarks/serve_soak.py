@@ -11,8 +11,8 @@ while requests name them. A sampler records the resident memory (RSS) of every p
 
 It asserts, and exits 1 naming what failed otherwise:
 - no 5xx answer (no 503 either: nothing drains or fails during the soak), and no 4xx but the documented races
-  (a request naming an adapter unloaded meanwhile: 400 at the request or a 409 job error; an unload refused with 409
-  while jobs name the adapter; an unload of one already gone: 404);
+  (a request naming an adapter unloaded meanwhile: 400 at the request or a 409 job error; an unload or a replacement
+  refused with 409 while jobs name the adapter; an unload of one already gone: 404);
 - no request lost: every image request answered, every video job ends completed, cancelled or failed (its reason one
   of the above) and is known to the server to the end;
 - every completed job's files intact: each PNG decodes to the size asked, each MP4 to its frames at that size;
@@ -247,7 +247,8 @@ class Soak:
             self.fail(f"video job {job['id']} still {status} after 300 s (lost)")
 
     def adapters(self, kind: str, seed: int) -> None:
-        """Loads and unloads adapters while requests name them: 200, or 409 (in use) / 404 (already gone)."""
+        """Loads (or replaces) and unloads adapters while requests name them: 200, or 409 (jobs name it: neither
+        replaced nor unloaded) / 404 (unloaded already)."""
         import httpx
 
         rng = random.Random(seed)
@@ -260,7 +261,7 @@ class Soak:
                     if answer.status_code == 200:
                         with self.lock:
                             self.loaded[kind].add(name)
-                    else:
+                    elif answer.status_code != 409:
                         self.fail(f"{kind} POST /v1/loras {name}: {answer.status_code} {answer.text[:200]}")
                 else:
                     with self.lock:  # requests picking it from now on may still race with the unload: documented

@@ -355,8 +355,8 @@ def batches_held(server):
 
 def test_unloading_an_adapter_that_queued_jobs_name_is_refused(dit):
     """Issue 53: DELETE /v1/loras/<name> while a waiting request names the adapter once unloaded it, and the request's
-    batch then failed on every rank (KeyError), killing the server. Now the unload is refused with 409 naming the jobs;
-    the request is served with the adapter; once it is done the unload succeeds. A job that still names an adapter
+    batch then failed on every rank (KeyError), killing the server. Now the unload is refused with 409 naming the jobs
+    (and so is replacing the adapter under its name); the request is served with the adapter; once it is done the unload succeeds. A job that still names an adapter
     unloaded before its turn (accepted in the moment between the check and the unload) fails alone with a 409 job
     error, and the server serves on."""
     from ringdit.serve.api import ImageBody, sample_request
@@ -378,6 +378,8 @@ def test_unloading_an_adapter_that_queued_jobs_name_is_refused(dit):
         refused = httpx.delete(server.url + "/v1/loras/busy", headers=AUTH)
         error = api_error(refused, 409)
         assert error["param"] == "name" and "'busy'" in error["message"] and job_id in error["message"], error
+        replaced = post(server, "/v1/loras", {"name": "busy", "path": "busy.safetensors"})  # a replacement
+        assert api_error(replaced, 409)["param"] == "name"
     waiting.join(timeout=60)
     assert answers[0].status_code == 200, answers[0].text[:500]
     assert httpx.delete(server.url + "/v1/loras/busy", headers=AUTH).status_code == 200

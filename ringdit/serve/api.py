@@ -260,6 +260,8 @@ def create_app(server) -> FastAPI:
             return await ask(command)
         except AdapterError as problem:
             raise BadRequest(str(problem).split(":")[0].split("=")[0], str(problem)) from None
+        except AdapterInUse as busy:  # replacing it would change what accepted jobs sample
+            raise BadRequest("name", str(busy), status=409) from None
 
     @app.delete("/v1/loras/{name}")
     async def unload_lora(name: str):

@@ -44,12 +44,13 @@ class Cancelled(Exception):
 
 
 class AdapterInUse(Exception):
-    """``DELETE /v1/loras/<name>`` while unfinished jobs name the adapter: refused (409), nothing unloaded."""
+    """Unloading (``DELETE /v1/loras/<name>``) or replacing (``POST /v1/loras`` with its name) an adapter while
+    unfinished jobs name it: refused (409), nothing changed."""
 
     def __init__(self, name: str, job_ids: list[str]):
         shown = ", ".join(job_ids[:10]) + (f" and {len(job_ids) - 10} more" if len(job_ids) > 10 else "")
-        super().__init__(f"adapter {name!r} is named by {len(job_ids)} unfinished job(s) ({shown}); unload it when "
-                         f"they have finished, or cancel them first (DELETE /v1/videos/<id>)")
+        super().__init__(f"adapter {name!r} is named by {len(job_ids)} unfinished job(s) ({shown}); unload or replace "
+                         f"it when they have finished, or cancel them first (DELETE /v1/videos/<id>)")
         self.name, self.job_ids = name, job_ids
 
 
@@ -150,10 +151,12 @@ class Engine:
         taken = self.control.take()
         if taken is not None:
             command, done, answer = taken
-            if command["op"] == "lora_remove" and (users := self.queue.naming(command["name"])):
-                # rank 0's loop alone decides, between batches: no job that names the adapter can start after this
-                # check and before the removal (a job the HTTP side accepts meanwhile fails in ``unloaded`` below)
-                answer.append(AdapterInUse(command["name"], [job.id for job in users]))
+            name = command["name"] if command["op"] == "lora_remove" else command["adapter"][0]
+            if (command["op"] == "lora_remove" or name in self.adapters.loaded) and (users := self.queue.naming(name)):
+                # an unload, or a replacement, of an adapter that accepted jobs name: refused. Rank 0's loop alone
+                # decides, between batches: no job that names the adapter can start after this check and before the
+                # removal (a job the HTTP side accepts meanwhile fails in ``unloaded`` below)
+                answer.append(AdapterInUse(name, [job.id for job in users]))
                 done.set()
                 return {"op": "tick"}
             self._pending_control = (done, answer)
