@@ -490,3 +490,61 @@ def test_a_corrupt_zip_member_is_named(tmp_path, capsys, monkeypatch):
     path.write_bytes(bytes(data))
     proc = decode_main(capsys, str(path), f"vae={tmp_path}")
     assert_refused(proc, rf"samples={re.escape(str(path))}: its 'latents' cannot be read \(")
+
+
+# ---- a list of prompts on the command line: the taught form keeps its commas, the ambiguous one is refused --------
+
+
+def taught_prompts() -> list[str]:
+    """The prompts= examples --help (conf/infer.yaml's comment) and docs/sampling.md teach, as the shell passes them."""
+    import shlex
+
+    comment = re.search(r"^\s+# stays in its prompt: (.*)$", (REPO / "conf" / "infer.yaml").read_text(), flags=re.M)
+    docs = re.search(r"^python infer\.py ('prompts=.*?') negative_prompt", (REPO / "docs" / "sampling.md").read_text(),
+                     flags=re.M)
+    return [shlex.split(comment.group(1))[0], shlex.split(docs.group(1))[0]]
+
+
+@pytest.mark.parametrize("override", taught_prompts())
+def test_the_taught_prompt_list_keeps_the_comma_in_its_prompt(override):
+    """Through the shell's quoting (shlex) and Hydra's parser, as infer.py receives them."""
+    import ringdit
+    from ringdit.spec.infer import check_prompt_list
+
+    cfg = ringdit.config("infer", [override])
+    assert list(cfg.prompts) == ["a red fox, running in the snow", "a cat"]
+    check_prompt_list(cfg.prompts)  # quoted: not refused
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    from tests.helpers import architecture, tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("pipeline") / "Wan-tiny"
+    torch.manual_seed(0)
+    tiny_wan_pipeline({**architecture("wan22_a14b_tiny"), "in_channels": 16, "out_channels": 16}, z_dim=16
+                      ).save_pretrained(root)
+    return root
+
+
+def test_an_unquoted_list_of_prompts_is_refused_and_its_advice_samples(wan_folder, tmp_path):
+    """infer.py prompts=[a red fox, running in the snow] would sample two prompts; it is refused before anything is
+    built, with the quoted forms for one prompt and for two, and the one-prompt form samples one prompt."""
+    import shlex
+
+    sample = [f"ckpt_path={wan_folder}", "size=[16,16]", "frames=5", "diffusion.sampling.steps=1", "num_samples=1"]
+    proc, seconds = fail_fast("infer.py", *sample, "prompts=[a red fox, running in the snow]",
+                              f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_refused(proc, text="prompts=[a red fox, running in the snow]: Hydra splits an unquoted list at every comma, so "
+                         "this is 2 prompts (a red fox | running in the snow); quote each prompt: "
+                         "'prompts=[\"a red fox, running in the snow\"]' for one prompt, "
+                         "'prompts=[\"a red fox\", \"running in the snow\"]' for 2", seconds=seconds)
+    one, two = re.findall(r"('prompts=\[.*?\]')", proc.stderr)
+    import ringdit
+
+    assert list(ringdit.config("infer", shlex.split(two)).prompts) == ["a red fox", "running in the snow"]
+    from tests.helpers import run
+
+    run("infer.py", tmp_path / "one", *sample, *shlex.split(one))
+    with np.load(tmp_path / "one" / "samples.npz") as samples:
+        assert list(samples["captions"]) == ["a red fox, running in the snow"]

@@ -124,7 +124,7 @@ def test_infer_image_feeds_the_pipelines_conditioning(i2v, family, tmp_path):
 
     out = tmp_path / "infer"
     proc, _ = fail_fast("infer.py", f"ckpt_path={checkpoint(i2v, family)}", f"image={i2v.images}",
-                        f"prompts=[{','.join(PROMPTS)}]", "num_samples=3", "diffusion.sampling.steps=2",
+                        "prompts=[" + ",".join(f'"{p}"' for p in PROMPTS) + "]", "num_samples=3", "diffusion.sampling.steps=2",
                         "diffusion.sampling.cfg_scale=4", "trainer=cpu",
                         f"+callbacks.record._target_={__name__}.RecordTransformerCalls", f"hydra.run.dir={out}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

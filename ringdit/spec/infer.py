@@ -38,6 +38,39 @@ TEXT_SETTINGS = ("prompts", "prompt_file", "negative_prompt", "text_embeds", "ne
                  "tokenizer")
 
 
+PROMPTS_FORM = "'prompts=[\"a red fox, running in the snow\", \"a cat\"]'"  # each prompt quoted: no comma splits it
+
+
+def check_prompt_list(prompts, overrides: list[str] | None = None) -> None:
+    """Hydra splits ``prompts=[a red fox, running in the snow]`` at the comma, into two prompts: a list of several
+    prompts of which any is unquoted is refused, pointing to the quoted form that cannot split (``PROMPTS_FORM``).
+    ``prompts``: the setting's value, which the override must have made; ``overrides``: the command line's (default:
+    Hydra's record of them; none for a config composed by hand)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import QuotedString
+
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        try:
+            overrides = list(HydraConfig.get().overrides.task)
+        except ValueError:  # not composed by Hydra: nothing says how the list was written
+            return
+    for raw in overrides:
+        if raw.lstrip("+~").split("=", 1)[0] != "prompts":
+            continue
+        value = OverridesParser.create().parse_overrides([raw])[0]._value  # as written: quoted items stay marked
+        if isinstance(value, list) and len(value) > 1 and not all(isinstance(v, QuotedString) for v in value):
+            items = [str(v.text if isinstance(v, QuotedString) else v) for v in value]
+            if OmegaConf.is_list(prompts) and items != [str(p) for p in prompts]:  # another config's record
+                return
+            one = ", ".join(items).replace('"', '\\"')
+            many = ", ".join('"' + item.replace('"', '\\"') + '"' for item in items)
+            raise ConfigError(f"{raw.lstrip('+~')}: Hydra splits an unquoted list at every comma, so this is "
+                              f"{len(items)} prompts ({' | '.join(items)}); quote each prompt: 'prompts=[\"{one}\"]' "
+                              f"for one prompt, 'prompts=[{many}]' for {len(items)}")
+
+
 @dataclass(frozen=True)
 class Conditioning:
     """What the samples are conditioned on: a class id each (a class-conditional model), or prompts (a text model)."""
@@ -85,6 +118,7 @@ class Conditioning:
             raise ConfigError("prompts / prompt_file / negative_prompt need a text encoder: pass text_encoder=FOLDER "
                               "(the T5 / UMT5 / CLIP folder the training data was encoded with), or give text_embeds= "
                               "instead")
+        check_prompt_list(cfg.prompts)
         prompts = () if not cfg.prompts else (cfg.prompts,) if isinstance(cfg.prompts, str) else \
             tuple(str(p) for p in cfg.prompts)
         file_settings = {}
