@@ -193,7 +193,8 @@ OUT_OF_RANGE = {
     "betas of one": (["optimizer.betas=[0.9]"], "optimizer.betas=[0.9] must be two numbers in [0, 1), the moments' "
                                                 "decays, e.g. optimizer.betas=[0.9,0.99]"),
     "betas of three": (["optimizer.betas=[0.9,0.9,0.9]"], "optimizer.betas=[0.9, 0.9, 0.9] must be two numbers"),
-    "beta of 1": (["optimizer.betas=[1,0.9]"], "optimizer.betas[0]=1 never forgets a gradient"),
+    "beta of 1": (["optimizer.betas=[1,0.9]"], "optimizer.betas[0] must be in [0, 1), got 1: a decay of 1 never "
+                                              "forgets a gradient (torch refuses it); e.g. optimizer.betas=[0.9,0.99]"),
     "negative eps": (["+optimizer.eps=-1"], "optimizer.eps must be in [0, inf], got -1"),
     "nesterov without momentum": (["optimizer=sgd", "+optimizer.nesterov=true"],
                                   "optimizer.nesterov=true needs momentum and no dampening (torch's SGD), but "

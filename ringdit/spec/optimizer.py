@@ -98,12 +98,12 @@ def check_optimizer_settings(optimizer: dict) -> None:
 
 
 def check_betas(betas) -> None:
-    """Adam's two moment decays, each in [0, 1) (torch refuses 1 only in the ranks; 1 never forgets)."""
+    """Adam's two moment decays, each in [0, 1): torch refuses 1 (it never forgets a gradient) only in the ranks."""
+    example = "e.g. optimizer.betas=[0.9,0.99]"
     if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-        raise ConfigError(f"optimizer.betas={betas!r} must be two numbers in [0, 1), the moments' decays, e.g. "
-                          f"optimizer.betas=[0.9,0.99]")
+        raise ConfigError(f"optimizer.betas={betas!r} must be two numbers in [0, 1), the moments' decays, {example}")
     for i, beta in enumerate(betas):
         require_number(f"optimizer.betas[{i}]", beta, low=0, high=1)
         if beta == 1:
-            raise ConfigError(f"optimizer.betas[{i}]=1 never forgets a gradient (torch refuses it); use a decay "
-                              f"below 1, e.g. optimizer.betas=[0.9,0.99]")
+            raise ConfigError(f"optimizer.betas[{i}] must be in [0, 1), got 1: a decay of 1 never forgets a gradient "
+                              f"(torch refuses it); {example}")
