@@ -1,7 +1,8 @@
 """Attention: backend registry, ring / Ulysses context parallelism, and the ``USPAttention`` layer.
 
-``RING_CAPABLE_ATTENTION_BACKENDS`` is computed on access from the registered classes, so a backend registered
-later (``@register_backend``) appears in it too.
+``RING_CAPABLE_ATTENTION_BACKENDS`` and ``FORWARD_AD_ATTENTION_BACKENDS`` (those with a forward-mode rule, for
+``torch.func.jvp``) are computed on access from the registered classes, so a backend registered later
+(``@register_backend``) appears in them too.
 """
 
 from ringdit.attention.backend import AttentionBackend
@@ -9,6 +10,7 @@ from ringdit.attention.backends.flash_attn import FlashAttnBackend
 from ringdit.attention.backends.math_backend import MathBackend
 from ringdit.attention.backends.torch_flash import TorchFlashBackend
 from ringdit.attention.backends.torch_sdpa import TorchSDPABackend
+from ringdit.attention.backend import check_forward_ad_capable
 from ringdit.attention.layout import Stream, TokenLayout
 from ringdit.attention.layer import LocalAttention, USPAttention, local_attention
 from ringdit.attention.ring import RingAttentionFunction, merge_attention_chunk, ring_attention
@@ -30,6 +32,10 @@ def __getattr__(name: str):
         from ringdit.attention.registry import _ring_capable_backends
 
         return _ring_capable_backends()
+    if name == "FORWARD_AD_ATTENTION_BACKENDS":
+        from ringdit.attention.registry import forward_ad_capable_backends
+
+        return forward_ad_capable_backends()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -38,6 +44,7 @@ __all__ = [
     "FlashAttnBackend",
     "MathBackend",
     "RING_CAPABLE_ATTENTION_BACKENDS",
+    "FORWARD_AD_ATTENTION_BACKENDS",
     "TorchFlashBackend",
     "TorchSDPABackend",
     "USPAttention",
@@ -48,6 +55,7 @@ __all__ = [
     "ring_attention",
     "Stream",
     "TokenLayout",
+    "check_forward_ad_capable",
     "check_ring_capable",
     "describe_backends",
     "get_attn_backend",

@@ -7,8 +7,13 @@ to ONE chunk of keys/values and returns ``(out, lse)``, so that the chunks of a 
 (this is how flash-attention's backward composes across chunks: ``P = exp(S - lse_final)`` is the chunk's slice of
 the full softmax, and ``rowsum(dout * out_final)`` is the full-row correction term).
 
-Ring capability is never declared by hand: ``supports_ring_rotation()`` is True exactly when a class overrides
-``forward_ring_kv_chunk`` (and ``supports_ring_backward()`` when it overrides ``backward_ring_kv_chunk``).
+Forward mode (``torch.func.jvp``, ``torch.autograd.forward_ad``) composes the same way: ``jvp_ring_kv_chunk`` returns
+one chunk's share of the output's tangent given the FINAL ``lse``, and the shares of all chunks add up (see
+``attention_tangent``; the derivation is in docs/concepts.md).
+
+Capabilities are never declared by hand: ``supports_ring_rotation()`` is True exactly when a class overrides
+``forward_ring_kv_chunk`` (``supports_ring_backward()`` when it overrides ``backward_ring_kv_chunk``,
+``supports_forward_ad()`` when it overrides ``jvp_ring_kv_chunk``).
 """
 
 from __future__ import annotations
@@ -96,6 +101,12 @@ class AttentionBackend:
         return cls.backward_ring_kv_chunk is not AttentionBackend.backward_ring_kv_chunk
 
     @classmethod
+    def supports_forward_ad(cls) -> bool:
+        """True when the output's tangent can be computed with this backend, locally and over the ring (it implements
+        ``jvp_ring_kv_chunk``)."""
+        return cls.jvp_ring_kv_chunk is not AttentionBackend.jvp_ring_kv_chunk
+
+    @classmethod
     def enum_name(cls) -> str:
         return cls.name.upper()
 
@@ -124,28 +135,95 @@ class AttentionBackend:
         """This K/V chunk's ``(dq, dk, dv)`` given the FINAL merged ``out`` and ``lse`` of the whole row."""
         raise NotImplementedError(f"{type(self).__name__} does not implement ring KV-chunk attention backward")
 
+    def jvp_ring_kv_chunk(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        dq: Tensor,
+        dk: Tensor,
+        dv: Tensor,
+        lse: Tensor,
+        *,
+        softmax_scale: float | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """This K/V chunk's share ``(partial, rowsum)`` of the output's tangent given the FINAL ``lse`` of the whole
+        row (``dq, dk, dv``: the tangents of ``q, k, v``). With ``P = exp(S - lse)`` the chunk's slice of the full
+        softmax and ``dS = scale * (dq k^T + q dk^T)``: ``partial = P dv + (P * dS) v`` ``(B, Sq, H, D)`` and
+        ``rowsum = rowsum(P * dS)`` ``(B, H, Sq)``, both in the accumulation dtype; summed over the chunks they give
+        the tangent ``partial - rowsum * out`` (``attention_tangent``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no forward-mode (JVP) rule")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+def attention_tangent(partial: Tensor, rowsum: Tensor, out: Tensor) -> Tensor:
+    """The output's tangent from the chunk shares summed over every chunk of the row: ``partial - rowsum * out``
+    (``partial (B, S, H, D)``, ``rowsum (B, H, S)`` in the accumulation dtype; ``out`` the forward's output)."""
+    return partial - rowsum.transpose(1, 2).unsqueeze(-1) * out.to(partial.dtype)
+
+
+def zero_tangents(primals, tangents) -> list[Tensor]:
+    """Forward mode passes None for an input without a tangent: a zero tangent of the same shape."""
+    return [torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents)]
+
+
 class ChunkKernelAttention(torch.autograd.Function):
-    """Plain attention built from a backend's own chunk kernels: forward = one chunk, backward = its gradient.
+    """Plain attention built from a backend's own chunk kernels: forward = one chunk, backward = its gradient,
+    jvp = its tangent (``jvp_ring_kv_chunk``).
 
     Lets LSE-returning kernels (which are not differentiable ops themselves) serve ``AttentionBackend.forward``.
+    ``forward`` / ``setup_context`` are separate (and ``lse`` an output, not differentiable) so that ``torch.func``
+    transforms (``jvp``) can run it; call it through ``chunk_kernel_attention``.
     """
 
     @staticmethod
-    def forward(ctx, backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None):
+    def forward(backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None):
         # autocast must not re-type the statistics: backward (which runs outside autocast) recomputes against them
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = backend.forward_ring_kv_chunk(q, k, v, softmax_scale=softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backend, ctx.softmax_scale = backend, softmax_scale
-        return out
+            return backend.forward_ring_kv_chunk(q, k, v, softmax_scale=softmax_scale)
 
     @staticmethod
-    def backward(ctx, dout: Tensor):
+    def setup_context(ctx, inputs, output):
+        backend, q, k, v, softmax_scale = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_forward(q, k, v, out, lse)
+        ctx.backend, ctx.softmax_scale = backend, softmax_scale
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):  # also when backward is called inside autocast
             dq, dk, dv = ctx.backend.backward_ring_kv_chunk(dout, q, k, v, out, lse, softmax_scale=ctx.softmax_scale)
         return None, dq, dk, dv, None
+
+    @staticmethod
+    def jvp(ctx, _dbackend, dq, dk, dv, _dscale):
+        q, k, v, out, lse = ctx.saved_tensors
+        check_forward_ad_capable(ctx.backend)
+        dq, dk, dv = zero_tangents((q, k, v), (dq, dk, dv))
+        # no_grad: the tangent is a constant to reverse mode (what sCM's stop-gradient wants; see docs/concepts.md)
+        with torch.autocast(q.device.type, enabled=False), torch.no_grad():
+            partial, rowsum = ctx.backend.jvp_ring_kv_chunk(q, k, v, dq, dk, dv, lse, softmax_scale=ctx.softmax_scale)
+            # in out's own strides (fused kernels return a transposed view): forward AD wants the layouts to match
+            return torch.empty_like(out).copy_(attention_tangent(partial, rowsum, out)), None
+
+
+def chunk_kernel_attention(backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None):
+    """``ChunkKernelAttention``'s output (its lse is internal)."""
+    return ChunkKernelAttention.apply(backend, q, k, v, softmax_scale)[0]
+
+
+def check_forward_ad_capable(backend: AttentionBackend) -> None:
+    """The one-line refusal where a forward-mode derivative meets a backend without the rule."""
+    if not backend.supports_forward_ad():
+        from ringdit.attention.registry import forward_ad_capable_backends  # the registry imports this module
+
+        raise RuntimeError(
+            f"attention backend {backend.name!r} has no forward-mode (JVP) rule (it does not implement "
+            f"jvp_ring_kv_chunk), so torch.func.jvp / forward_ad cannot run through it; use attention_backend= one of "
+            f"({', '.join(forward_ad_capable_backends())})"
+        )

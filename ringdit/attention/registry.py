@@ -2,6 +2,7 @@
 
 The registry is the single source of truth: ``RING_CAPABLE_ATTENTION_BACKENDS`` is computed from the registered
 classes (those that implement ``forward_ring_kv_chunk``), ordered by ``priority``; nothing keeps a second list.
+``FORWARD_AD_ATTENTION_BACKENDS`` likewise (those that implement ``jvp_ring_kv_chunk``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def list_backends() -> tuple[str, ...]:
 def _ring_capable_backends() -> tuple[str, ...]:
     """Registered backends whose kernel exposes the LSE (they implement ``forward_ring_kv_chunk``), preferred first."""
     return tuple(name for name in list_backends() if _REGISTRY[name].supports_ring_rotation())
+
+
+def forward_ad_capable_backends() -> tuple[str, ...]:
+    """Registered backends with a forward-mode rule (they implement ``jvp_ring_kv_chunk``), preferred first."""
+    return tuple(name for name in list_backends() if _REGISTRY[name].supports_forward_ad())
 
 
 def backend_class(name: str) -> type[AttentionBackend]:
@@ -75,10 +81,11 @@ def get_attn_backend(
     return _INSTANCES[name]
 
 
-def _first_available_ring_backend(device_type: str, training: bool) -> str:
+def _first_available_ring_backend(device_type: str, training: bool, forward_ad: bool = False) -> str:
     for name in _ring_capable_backends():
         cls = _REGISTRY[name]
-        if cls.is_available(device_type) and (cls.supports_ring_backward() or not training):
+        if (cls.is_available(device_type) and (cls.supports_ring_backward() or not training)
+                and (cls.supports_forward_ad() or not forward_ad)):
             return name
     raise ValueError(f"no ring-capable attention backend is available; {describe_backends(device_type)}")
 
@@ -88,6 +95,7 @@ def validate_attention_config(
     *,
     ring_degree: int = 1,
     training: bool = False,
+    forward_ad: bool = False,
     device_type: str | None = None,
 ) -> str:
     """Check the attention settings before any process starts; return the backend name to use.
@@ -95,12 +103,20 @@ def validate_attention_config(
     - ``ring_degree > 1`` needs a ring-capable backend (a ValueError naming them otherwise); with none named, the
       first available ring-capable backend is chosen and logged.
     - training with ring needs the backend's ``backward_ring_kv_chunk`` too.
+    - ``forward_ad`` (a JVP through the model, as consistency distillation takes): the backend needs a forward-mode
+      rule (``jvp_ring_kv_chunk``), on every layout; with none named, the first that has one is chosen.
     - the backend must be registered and available on ``device_type``.
     """
     device_type = device_type or default_device_type()
     ring_capable = _ring_capable_backends()
     if attention_backend is not None:
         backend_class(attention_backend)  # unknown names first: that message lists what exists
+    if forward_ad and attention_backend is not None and not _REGISTRY[attention_backend].supports_forward_ad():
+        raise ValueError(
+            f"attention_backend={attention_backend!r} has no forward-mode (JVP) rule (no jvp_ring_kv_chunk), so "
+            f"torch.func.jvp cannot run through it; use attention_backend= one of "
+            f"({', '.join(forward_ad_capable_backends())})"
+        )
     if ring_degree > 1:
         if attention_backend is not None and attention_backend not in ring_capable:
             raise ValueError(
@@ -108,7 +124,7 @@ def validate_attention_config(
                 f"({', '.join(ring_capable)}), got {attention_backend!r}"
             )
         if attention_backend is None:
-            attention_backend = _first_available_ring_backend(device_type, training)
+            attention_backend = _first_available_ring_backend(device_type, training, forward_ad)
             log.info(
                 "Ring Attention requires a ring-capable backend; attention_backend has been automatically set to %s",
                 attention_backend,
@@ -121,7 +137,7 @@ def validate_attention_config(
                 f"use one of ({', '.join(trainable)}) or ring_degree=1"
             )
     elif attention_backend is None:
-        attention_backend = get_attn_backend(None, device_type=device_type, training=training).name
+        attention_backend = _first_available_ring_backend(device_type, training, forward_ad)
     get_attn_backend(attention_backend, device_type=device_type)  # raises with the reason when unavailable
     return attention_backend
 

@@ -14,7 +14,12 @@ mask. Padded and masked keys get no attention weight: hops whose K/V block has n
 are cut to their real keys (a view for one contiguous run), so the kernels never see an empty or masked block.
 Padded query rows return zeros and get zero gradients.
 
-(The forward and backward share their hop loop, and are easiest to check side by side.)
+Forward mode (``jvp``: ``torch.func.jvp``, ``torch.autograd.forward_ad``) rotates ``[k, v, dk, dv]`` the same way and
+calls the backend's ``jvp_ring_kv_chunk`` with the FINAL lse: each hop's share ``(P dv + (P * dS) v, rowsum(P * dS))``
+is already weighted by the log-sum-exp weight of its block (``P = exp(S - lse)``), so the shares add up, and the
+tangent is ``sum(partial) - sum(rowsum) * out`` (derivation: docs/concepts.md).
+
+(The forward, backward and jvp share their hop loop, and are easiest to check side by side.)
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringdit.attention.backend import AttentionBackend, Tensor, accumulation_dtype
+from ringdit.attention.backend import (
+    AttentionBackend,
+    Tensor,
+    accumulation_dtype,
+    attention_tangent,
+    check_forward_ad_capable,
+    zero_tangents,
+)
 from ringdit.attention.layout import TokenLayout, add_at, is_empty, take
 from ringdit.parallel.mesh import ParallelDims
 
@@ -81,23 +93,40 @@ def merge_attention_chunk_(out: Tensor, lse: Tensor, chunk_out: Tensor, chunk_ls
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Ring attention of this rank's block ``q, k, v: (B, L, H, D)`` -> ``out (B, L, H, D)``."""
+    """Ring attention of this rank's block ``q, k, v: (B, L, H, D)`` -> ``(out (B, L, H, D), lse)``; ``lse`` is not
+    differentiable. ``forward`` and ``setup_context`` are separate so that ``torch.func`` transforms can run it
+    (``torch.func.jvp`` needs that form); call it through ``ring_attention``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, backend: AttentionBackend, softmax_scale, dims: ParallelDims, layout):
+    def forward(q, k, v, backend: AttentionBackend, softmax_scale, dims: ParallelDims, layout):
         # Statistics and merges in fp32 even under autocast (backward runs outside autocast and must agree).
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = _ring_forward(q, k, v, backend, softmax_scale, dims, layout)
-        # k and v rather than the stacked copy: the caller keeps them anyway, the copy would double them.
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backend, ctx.softmax_scale, ctx.dims, ctx.layout = backend, softmax_scale, dims, layout
-        return out
+            return _ring_forward(q, k, v, backend, softmax_scale, dims, layout)
 
     @staticmethod
-    def backward(ctx, dout):
+    def setup_context(ctx, inputs, output):
+        q, k, v, backend, softmax_scale, dims, layout = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        # k and v rather than the stacked copy: the caller keeps them anyway, the copy would double them.
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_forward(q, k, v, out, lse)
+        ctx.backend, ctx.softmax_scale, ctx.dims, ctx.layout = backend, softmax_scale, dims, layout
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
         with torch.autocast(dout.device.type, enabled=False):  # also when backward is called inside autocast
             dq, dk, dv = _ring_backward(ctx, dout, *ctx.saved_tensors)
         return dq, dk, dv, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, dq, dk, dv, *_non_tensor_tangents):
+        q, k, v, out, lse = ctx.saved_tensors
+        check_forward_ad_capable(ctx.backend)
+        # no_grad: the tangent is a constant to reverse mode (the received K/V tangents carry no graph anyway);
+        # sCM's JVP term is under a stop-gradient. See docs/concepts.md.
+        with torch.autocast(q.device.type, enabled=False), torch.no_grad():
+            return _ring_tangent(ctx, q, k, v, out, lse, *zero_tangents((q, k, v), (dq, dk, dv))), None
 
 
 def _blocks(dims: ParallelDims, layout: TokenLayout | None, step: int):
@@ -176,6 +205,45 @@ def _ring_backward(ctx, dout, q, k, v, out, lse):
     return dq.to(q.dtype), dk, dv
 
 
+def _ring_tangent(ctx, q, k, v, out, lse, dq, dk, dv):
+    """The jvp hops: ``[k, v, dk, dv]`` rotate as one message; returns the tangent of this rank's ``out``."""
+    dims, layout, backend, scale = ctx.dims, ctx.layout, ctx.backend, ctx.softmax_scale
+    ring_size = dims.ring_degree
+    exchange = RingExchange(dims)
+    acc = accumulation_dtype(q.dtype)
+    partial = torch.zeros_like(q, dtype=acc)
+    rowsum = q.new_zeros(lse.shape, dtype=acc)
+    kv = torch.stack([k, v, dk.to(k.dtype), dv.to(v.dtype)])  # (4, B, L, H, D): one message per hop
+    for step in range(ring_size):
+        if step + 1 < ring_size:
+            next_kv = exchange.start(kv, _KV_TAG)
+        keys = _blocks(dims, layout, step)
+        if not is_empty(keys):
+            _tangent_hop(backend, scale, q, dq, kv, lse, partial, rowsum, keys)
+        if step + 1 < ring_size:
+            exchange.wait(_KV_TAG)
+            kv = next_kv
+    tangent = attention_tangent(partial, rowsum, out)
+    rows = _query_rows(dims, layout)
+    if rows is not None:
+        tangent[:, ~rows] = 0  # padded query rows are zeros, so is their tangent
+    return tangent.to(out.dtype)
+
+
+def _tangent_hop(backend, softmax_scale, q, dq, kv, lse, partial, rowsum, keys) -> None:
+    """Add one K/V block's share of the tangent into the accumulators ``partial`` and ``rowsum`` in place."""
+    if isinstance(keys, list):  # samples differ (masked text): one kernel call per sample
+        for b, sample_keys in enumerate(keys):
+            if not is_empty(sample_keys):
+                s = slice(b, b + 1)
+                _tangent_hop(backend, softmax_scale, q[s], dq[s], kv[:, s], lse[s], partial[s], rowsum[s], sample_keys)
+        return
+    k, v, dk, dv = (take(t, keys, 1) for t in kv.unbind(0))
+    chunk_partial, chunk_rowsum = backend.jvp_ring_kv_chunk(q, k, v, dq, dk, dv, lse, softmax_scale=softmax_scale)
+    partial += chunk_partial
+    rowsum += chunk_rowsum
+
+
 def _attend_hop(backend, softmax_scale, q, kv, out, lse, keys) -> None:
     """Attend ``q`` to the real keys of one K/V block and merge into ``out``/``lse`` in place."""
     if isinstance(keys, list):  # samples differ (masked text): one kernel call per sample
@@ -224,4 +292,4 @@ def ring_attention(
     Ring rank j holds the chunks of its Ulysses group (``L = U * chunk`` tokens); ``layout`` says which of them are
     real keys and rows (None: all of them).
     """
-    return RingAttentionFunction.apply(q, k, v, backend, softmax_scale, dims, layout)
+    return RingAttentionFunction.apply(q, k, v, backend, softmax_scale, dims, layout)[0]

@@ -4,6 +4,9 @@ wrong input gradients on gloo in one of our checks).
 Autograd convention for sequence parallelism: the objective is the SUM of the losses computed on the ranks of a
 group. Hence ``shard_sequence`` (every rank holds the same full tensor) keeps only the local chunk's gradient, and
 ``gather_sequence``'s backward sums the gradients every rank computed for the local chunk (a reduce-scatter).
+
+Forward mode (``torch.func.jvp``, ``torch.autograd.forward_ad``): each of these maps is linear, so its ``jvp`` is the
+same map applied to the tangent. ``forward`` and ``setup_context`` are separate, the form ``torch.func`` needs.
 """
 
 from __future__ import annotations
@@ -31,13 +34,20 @@ class AllToAll(torch.autograd.Function):
     """Ulysses' exchange: trade a shard of one dim for a shard of another; backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
-        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+    def forward(x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
         return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.scatter_dim, ctx.gather_dim = inputs
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+    @staticmethod
+    def jvp(ctx, tangent: Tensor, *_):
+        return _all_to_all(tangent, ctx.group, ctx.scatter_dim, ctx.gather_dim)
 
 
 def all_to_all(x: Tensor, group: ProcessGroup | None, scatter_dim: int, gather_dim: int) -> Tensor:
@@ -56,10 +66,15 @@ def chunk_length(length: int, parts: int) -> int:
 
 class _ShardSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, index: int, parts: int) -> Tensor:
+    def forward(x: Tensor, dim: int, index: int, parts: int) -> Tensor:
+        return _shard(x, dim, index, parts)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, dim, index, parts = inputs
         local = chunk_length(x.shape[dim], parts)
         ctx.dim, ctx.length, ctx.padded_length, ctx.start = dim, x.shape[dim], local * parts, index * local
-        return _pad_dim(x, dim, local * parts).narrow(dim, index * local, local).clone()
+        ctx.index, ctx.parts = index, parts
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -68,14 +83,25 @@ class _ShardSequence(torch.autograd.Function):
         full.narrow(ctx.dim, ctx.start, grad.shape[ctx.dim]).copy_(grad)
         return full.narrow(ctx.dim, 0, ctx.length), None, None, None
 
+    @staticmethod
+    def jvp(ctx, tangent: Tensor, *_):
+        return _shard(tangent, ctx.dim, ctx.index, ctx.parts)
+
+
+def _shard(x: Tensor, dim: int, index: int, parts: int) -> Tensor:
+    local = chunk_length(x.shape[dim], parts)
+    return _pad_dim(x, dim, local * parts).narrow(dim, index * local, local).clone()
+
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, length: int, group: ProcessGroup) -> Tensor:
-        ctx.dim, ctx.group, ctx.local = dim, group, x.shape[dim]
-        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, x.contiguous(), group=group)
-        return torch.cat(pieces, dim=dim).narrow(dim, 0, length)
+    def forward(x: Tensor, dim: int, length: int, group: ProcessGroup) -> Tensor:
+        return _gather(x, dim, length, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.dim, ctx.length, ctx.group = inputs
+        ctx.local = x.shape[ctx.dim]
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -86,6 +112,16 @@ class _GatherSequence(torch.autograd.Function):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=ctx.group)
         return recv.sum(dim=0), None, None, None
+
+    @staticmethod
+    def jvp(ctx, tangent: Tensor, *_):
+        return _gather(tangent, ctx.dim, ctx.length, ctx.group)
+
+
+def _gather(x: Tensor, dim: int, length: int, group: ProcessGroup) -> Tensor:
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, x.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim).narrow(dim, 0, length)
 
 
 def shard_sequence(x: Tensor, dim: int = 1, *, dims: ParallelDims) -> Tensor:

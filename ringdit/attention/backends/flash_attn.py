@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ringdit.attention.backend import AttentionBackend, ChunkKernelAttention, accepts_packed_layout
+from ringdit.attention.backend import AttentionBackend, accepts_packed_layout, chunk_kernel_attention
 
 # Values for every backward parameter any release has had, apart from the tensors (plain attention, no dropout).
 _BACKWARD_SETTINGS = {
@@ -123,7 +123,7 @@ class FlashAttnBackend(AttentionBackend):
         return self._api
 
     def forward(self, q, k, v, *, softmax_scale=None):
-        return ChunkKernelAttention.apply(self, q, k, v, softmax_scale)
+        return chunk_kernel_attention(self, q, k, v, softmax_scale)
 
     @accepts_packed_layout
     def forward_ring_kv_chunk(self, q, k, v, *, softmax_scale=None):

@@ -27,6 +27,22 @@ def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k.to(acc)) * scale
 
 
+def chunk_tangent(q, k, v, dq, dk, dv, lse, scale: float) -> tuple[Tensor, Tensor]:
+    """One K/V chunk's share of the attention output's tangent, given the FINAL row ``lse`` (the contract of
+    ``AttentionBackend.jvp_ring_kv_chunk``), in plain PyTorch: ``(P dv + (P * dS) v, rowsum(P * dS))``.
+
+    ``P = exp(S - lse)`` is this chunk's slice of the whole row's softmax, ``dS = scale * (dq k^T + q dk^T)``. The
+    two products of ``dS`` are one matmul over the concatenated head dims ``[dq, q] . [k, dk]``.
+    """
+    acc = accumulation_dtype(q.dtype)
+    q, k, v, dq, dk, dv = (t.to(acc) for t in (q, k, v, dq, dk, dv))
+    probs = torch.exp(_scores(q, k, scale) - lse.to(acc).unsqueeze(-1))  # (B, H, Sq, Sk)
+    dscores = _scores(torch.cat([dq, q], dim=-1), torch.cat([k, dk], dim=-1), scale)
+    pds = dscores.mul_(probs)  # P * dS, in place: dS is not needed again
+    partial = torch.einsum("bhqk,bkhd->bqhd", probs, dv) + torch.einsum("bhqk,bkhd->bqhd", pds, v)
+    return partial, pds.sum(dim=-1)
+
+
 class MathBackend(AttentionBackend):
     name = "math"
     priority = 90  # correct everywhere, fast nowhere: the last automatic choice
@@ -65,3 +81,9 @@ class MathBackend(AttentionBackend):
         dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k.to(acc))
         dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.to(acc))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    @accepts_packed_layout
+    @_without_autocast
+    def jvp_ring_kv_chunk(self, q, k, v, dq, dk, dv, lse, *, softmax_scale=None):
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        return chunk_tangent(q, k, v, dq, dk, dv, lse, scale)

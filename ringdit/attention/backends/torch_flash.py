@@ -16,7 +16,8 @@ import functools
 
 import torch
 
-from ringdit.attention.backend import AttentionBackend, ChunkKernelAttention, Tensor, accepts_packed_layout
+from ringdit.attention.backend import AttentionBackend, Tensor, accepts_packed_layout, chunk_kernel_attention
+from ringdit.attention.backends.math_backend import chunk_tangent
 
 aten = torch.ops.aten
 # The CUDA memory-efficient kernel pads its LSE's sequence dim to a multiple of this (kAlignLSE in ATen).
@@ -54,7 +55,7 @@ class TorchFlashBackend(AttentionBackend):
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)  # fp64 on CPU only
 
     def forward(self, q, k, v, *, softmax_scale=None):
-        return ChunkKernelAttention.apply(self, q, k, v, softmax_scale)
+        return chunk_kernel_attention(self, q, k, v, softmax_scale)
 
     @accepts_packed_layout
     def forward_ring_kv_chunk(self, q, k, v, *, softmax_scale=None):
@@ -94,6 +95,14 @@ class TorchFlashBackend(AttentionBackend):
             )[:3]
         dq, dk, dv = (g.transpose(1, 2) for g in grads[:3])
         return dq, dk, dv
+
+
+    @accepts_packed_layout
+    def jvp_ring_kv_chunk(self, q, k, v, dq, dk, dv, lse, *, softmax_scale=None):
+        # No fused kernel computes a tangent: the chunk's share is written out in PyTorch (as the math backend does),
+        # against the lse this backend's fused forward returned.
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        return chunk_tangent(q, k, v, dq, dk, dv, lse, scale)
 
 
 def _check_cuda_dtype(q: Tensor) -> None:
