@@ -5,7 +5,7 @@ latents, on one process -- trains a few steps.
 
 The recipe pages (docs/recipes/*.md) show the presets and nothing else: every ``train.py`` command on them is
 ``experiment=<preset>`` plus the model folder, the data and the run folder (the same line as the preset's header),
-the tiny twin runs the page's own command, and every row of a page's settings table ("Settings of
+the tiny twin runs the page's own train and export commands, and every row of a page's settings table ("Settings of
 `experiment=X`") holds the value X composes to."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from ringdit.cli import CONF_DIR, register_resolvers
-from tests.helpers import REPO, fail_fast
+from tests.helpers import REPO, fail_fast, in_process
 
 # recipe -> its tiny twin: the family's tiny architecture and synthetic latents it reads (one process, CPU)
 IMAGES = ["data.frames=0", "data.channels=1"]
@@ -65,6 +65,12 @@ def page_train_command(name: str) -> list[str]:
     """The overrides of the recipe page's train command for preset ``name``."""
     (words,) = [w for _, w in page_commands("train.py") if f"experiment={name}" in w]
     return words
+
+
+def page_exports(run_dir: str) -> list[list[str]]:
+    """The recipe pages' export commands of the run in ``run_dir`` (their ``ckpt_path`` lies in it)."""
+    return [words for _, words in page_commands("ringdit.export")
+            if any(word.startswith(f"ckpt_path={run_dir}/") for word in words)]
 
 
 def compose_preset(name: str):
@@ -151,12 +157,24 @@ def test_a_recipe_is_laid_out_as_the_planner_recommends(name, capsys):
 def test_a_recipes_tiny_twin_trains(name, tmp_path):
     """The recipe page's train command on its tiny architecture (the model, data and run folder replaced): the
     preset's optimizer, schedule, time sampling, LoRA and sampler settings, two optimizer steps on one CPU process
-    (activation checkpointing kept where the recipe sets it)."""
-    page = [w for w in page_train_command(name) if w.split("=", 1)[0] not in PLACES]
+    (activation checkpointing kept where the recipe sets it); then the page's export commands of that run on its
+    checkpoint."""
+    train = page_train_command(name)
+    run_dir = dict(word.split("=", 1) for word in train)["hydra.run.dir"]
+    exports = page_exports(run_dir)
+    # previews off (the twin's data have no VAE to decode with); a checkpoint when the page exports this run
+    callbacks = ["~callbacks.sample_grid", *([] if exports else ["~callbacks.model_checkpoint"])]
     with contextlib.redirect_stdout(io.StringIO()):
-        proc, _ = fail_fast("train.py", *page, "data=synthetic_text_latents", *TWINS[name],
-                            "data.num_samples=8", "trainer=cpu",
+        proc, _ = fail_fast("train.py", *[w for w in train if w.split("=", 1)[0] not in PLACES],
+                            "data=synthetic_text_latents", *TWINS[name], "data.num_samples=8", "trainer=cpu",
                             "dp_degree=1", "ring_degree=1", "ulysses_degree=1", "trainer.max_steps=2", "logger=csv",
-                            "callbacks=none", f"hydra.run.dir={tmp_path}")
+                            *callbacks, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "csv" / "metrics.csv").read_text().count("\n") >= 2
+    for number, words in enumerate(exports):  # the page's export command on the twin's checkpoint
+        out = tmp_path / f"export-{number}"
+        words = [f"ckpt_path={tmp_path}{w.split('=', 1)[1][len(run_dir):]}" if w.startswith("ckpt_path=") else
+                 f"out={out}" if w.startswith("out=") else w for w in words]
+        proc, _ = in_process("-m ringdit.export", *words)
+        assert proc.returncode == 0, f"ringdit.export {' '.join(words)}:\n{proc.stderr[-3000:]}"
+        assert list(out.rglob("*.safetensors")), f"{out} holds no weights"
