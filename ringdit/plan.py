@@ -718,6 +718,9 @@ def plan(cfg: DictConfig) -> None:
     best, _ = recommend(found, hardware)
     if best is not None:
         print(f"Run it: {train_command(best, cfg)} (with the run's data=...)")
+        from ringdit.previews import planned_preview_line  # here: ringdit.previews reads the memory, not the plan
+
+        print(planned_preview_line(cfg, best.layout, best.setup, size, hardware))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,3 +147,31 @@ def check_run_previews(cfg, layout: Layout, callbacks: tuple[dict, ...], data_in
         return check_preview(cfg, layout, model_cfg, meta_model, grid=config, rows=rows, tokens=tokens,
                              sampling=sampling)
     return None
+
+
+def planned_preview_line(cfg, layout: Layout, setup: Setup, model: ModelSize, hardware) -> str:
+    """``python -m ringdit.plan``'s line for the previews on the recommended ``layout``: train.py's default
+    ``callbacks.sample_grid`` under the plan's ``+callbacks.sample_grid.*`` (rows: ``max_classes``, at the planned
+    sample's tokens) and ``+diffusion.sampling.*`` (default: 50 guided steps) -- their memory beside the training
+    state and their seconds (``hardware``: the plan's GPUs)."""
+    from ringdit.cli import CONF_DIR
+    from ringdit.step_time import Machine
+
+    given = OmegaConf.select(cfg, "callbacks.sample_grid", default=None) or {}
+    grid = {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "callbacks" / "default.yaml").sample_grid),
+            **(OmegaConf.to_container(given, resolve=True) if given else {})}
+    sampling = OmegaConf.select(cfg, "diffusion.sampling", default=None)
+    sampling = {"steps": 50, "cfg_scale": 5.0, **(OmegaConf.to_container(sampling) if sampling else {})}
+    preview = planned_preview(grid, rows=grid["max_classes"], tokens=model.tokens, sampling=sampling,
+                              cfg_parallel=False)
+    peak = preview_peak_bytes(model, layout, setup, preview)
+    machine = Machine(gpus_per_node=hardware.gpus_per_node, matmul_flops=hardware.flops,
+                      intra_node=hardware.intra_node, inter_node=hardware.inter_node, host=hardware.host)
+    seconds = preview_seconds(model, layout, setup, preview, machine)
+    fits = largest_batch(model, layout, setup, preview, int(hardware.usable_bytes)) if peak > hardware.usable_bytes \
+        else preview.batch
+    verdict = "fits" if fits == preview.batch else \
+        f"does not fit: +{SETTING}.batch_size={fits} does" if fits else "does not fit even one sample a forward"
+    return (f"Previews ({SETTING}: {preview.samples} samples, {preview.batch} a forward"
+            f"{' x2 (guidance)' if preview.guided else ''}, {preview.steps} steps): about {peak / GiB:.1f} GiB per "
+            f"rank with the training state, {verdict}; ~{seconds:.0f} s each on this layout")

@@ -183,3 +183,39 @@ def test_a_preview_that_cannot_fit_is_refused_before_training_and_its_advice_fit
         logger.removeHandler(caplog.handler)
     assert re.search(rf"previews: 10000000 samples every 100 steps, {fits} a forward \(x2: guidance\), 30 steps: "
                      r"about \d+\.\d GiB per rank, ~\d+ s each", caplog.text)
+
+
+REAL_PRESETS = ["wan21_14b_lora", "wan21_14b_full", "wan21_1_3b_full", "wan21_1_3b_lora", "wan22_a14b_i2v_lora",
+                "wan22_a14b_t2v_lora", "wan22_ti2v_5b_lora", "hunyuan_video15_i2v_lora", "hunyuan_video15_t2v_lora",
+                "ltx_video_lora", "skyreels_v2_lora", "flux_dev_lora", "flux2_lora", "qwenimage_lora",
+                "cogvideox15_lora"]
+
+
+def test_every_real_preset_previews_a_handful_of_samples_one_a_forward():
+    """2 prompts x 1 sample every 250 steps, one sample a forward, at the recipe's own sampling settings and the
+    model's frame rate."""
+    from ringdit.cli import command_config
+
+    for name in REAL_PRESETS:
+        grid = command_config("train", [f"experiment={name}"], run_dir="unused").callbacks.sample_grid
+        assert (grid.every_n_steps, grid.max_classes, grid.per_class, grid.batch_size) == (250, 2, 1, 1), name
+        assert grid.steps is None and grid.cfg_scale is None and grid.fps is None, name
+
+
+def test_the_planner_counts_the_previews_and_its_advice_fits(capsys):
+    """``python -m ringdit.plan`` ends with the previews' memory on the recommended layout: train.py's default grid
+    (80 samples in one guided forward) does not fit Wan 14B at 480x832x81 on 80 GB GPUs; the micro-batch it names
+    does."""
+    import re
+
+    from ringdit.plan import main
+
+    plan = ["model=wan_14b", "data.frames=81", "data.size=[480,832]", "gpus=8", "lora.rank=32"]
+    assert main(plan) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    found = re.fullmatch(r"Previews \(callbacks.sample_grid: 80 samples, 80 a forward x2 \(guidance\), 50 steps\): "
+                         r"about \d+\.\d GiB per rank with the training state, does not fit: "
+                         r"\+callbacks.sample_grid.batch_size=(\d+) does; ~\d+ s each on this layout", line)
+    assert found, line
+    assert main([*plan, f"+callbacks.sample_grid.batch_size={found.group(1)}"]) == 0
+    assert re.search(r"fits; ~\d+ s each", capsys.readouterr().out.strip().splitlines()[-1])
