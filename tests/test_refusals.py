@@ -225,3 +225,50 @@ def test_a_size_beyond_the_position_table_is_refused_with_one_that_is_taken(fami
     advice = re.fullmatch(r"size=\[(\d+), (\d+)\](?: frames=(\d+))?", fix)
     size, frames = [int(advice[1]), int(advice[2])], int(advice[3]) if advice[3] else given[1]
     sizes.shape(size, frames)  # the advice is taken
+
+
+# ---- a pipeline folder's scheduler_config.json: the file, the key, the value and the fix ------------------------
+
+
+@pytest.fixture(scope="module")
+def wan_pipeline(tmp_path_factory):
+    from tests.helpers import architecture, tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("pipeline") / "Wan-tiny"
+    torch.manual_seed(0)
+    tiny_wan_pipeline({**architecture("wan22_a14b_tiny"), "in_channels": 16, "out_channels": 16}, z_dim=16
+                      ).save_pretrained(root)
+    return root
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("flow_shift", "abc", 'flow_shift="abc" must be a finite number (UniPCMultistepScheduler\'s default: 1.0)'),
+    ("flow_shift", -3, "flow_shift=-3 must be above 0"),
+    ("num_train_timesteps", 10**12, "num_train_timesteps=1000000000000 must be at least 1 and at most 100000"),
+    ("solver_order", "two", 'solver_order="two" must be an integer'),
+    ("use_flow_sigmas", "yes", 'use_flow_sigmas="yes" must be true or false'),  # was taken: a non-empty str is true
+])
+def test_a_bad_scheduler_config_value_is_named_with_its_file_and_key(key, value, message, wan_pipeline, tmp_path):
+    """Was "could not convert string to float: 'abc'" (no file, no key), a refusal of FlowMatching's shift, a
+    scheduler that failed to build, or a string taken as true. Following the advice (removing the key) samples."""
+    import json
+
+    folder = tmp_path / "Wan-tiny"
+    shutil.copytree(wan_pipeline, folder)
+    file = folder / "scheduler" / "scheduler_config.json"
+    config = json.loads(file.read_text())
+    file.write_text(json.dumps({**config, key: value}))
+    sample = [f"ckpt_path={folder}", 'prompts=["a red fox"]', "size=[16,16]", "frames=5", "num_samples=1",
+              "diffusion.sampling.steps=1"]
+    proc, seconds = fail_fast("infer.py", *sample, f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_refused(proc, text=f"{file}: {message}", seconds=seconds)
+    assert "remove the key for the scheduler's default" in proc.stderr
+    file.write_text(json.dumps({k: v for k, v in config.items() if k != key}))
+    if key == "flow_shift" and value == "abc":  # one of them sampled end to end; the others pass the same check
+        from tests.helpers import run
+
+        run("infer.py", tmp_path / "fixed", *sample)
+    else:
+        from ringdit.diffusion.schedulers import check_scheduler_file
+
+        check_scheduler_file(json.loads(file.read_text()), file)

@@ -113,6 +113,63 @@ def scheduler_config(sampler: str, folder_config: dict | None = None, *, shift: 
     return {k: v for k, v in config.items() if k in accepted}
 
 
+# settings whose values diffusers takes without complaint but which cannot work: (lowest, highest, open below)
+SCHEDULER_BOUNDS = {"num_train_timesteps": (1, 100_000, False), "flow_shift": (0, None, True), "shift": (0, None, True),
+                    "solver_order": (1, 3, False)}
+
+
+def check_scheduler_file(config: dict, file, class_name: str | None = None) -> None:
+    """Each setting of a pipeline folder's ``scheduler_config.json`` (``config``, read from ``file``) of the type
+    ``class_name``'s (the folder's ``_class_name`` when ringdit knows it) own default has -- a number where it takes a
+    number, true / false where a switch -- and in range where a value would fail late or silently (a shift <= 0, a
+    table of 10**12 timesteps); else a ``ConfigError`` naming the file, the key, the value and the fix."""
+    import math
+
+    import diffusers
+
+    from ringdit.errors import ConfigError
+
+    class_name = class_name or config.get("_class_name")
+    defaults = {}
+    if class_name in SCHEDULERS.values():
+        defaults = {name: param.default for name, param in
+                    inspect.signature(getattr(diffusers, class_name).__init__).parameters.items()
+                    if param.default is not inspect.Parameter.empty}
+    fix = "fix the value (save_pretrained writes it), or remove the key for the scheduler's default"
+    for key, value in config.items():
+        if key.startswith("_"):
+            continue
+        default = defaults.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(default, bool) and not isinstance(value, bool):
+            what = "true or false"
+        elif isinstance(default, int) and not isinstance(default, bool) and not (number and float(value).is_integer()):
+            what = "an integer"
+        elif isinstance(default, float) and not (number and math.isfinite(value)):
+            what = "a finite number"
+        elif isinstance(default, str) and not isinstance(value, str):
+            what = "a string"
+        elif key in SCHEDULER_BOUNDS and not (number and math.isfinite(value)):
+            what = "a finite number"
+        else:
+            low, high, open_below = SCHEDULER_BOUNDS.get(key, (None, None, False))
+            if low is None or (value > low if open_below else value >= low) and (high is None or value <= high):
+                continue
+            what = f"{'above' if open_below else 'at least'} {low}" + (f" and at most {high}" if high else "")
+        shown = f" ({class_name}'s default: {json_value(default)})" if key in defaults else ""
+        raise ConfigError(f"{file}: {key}={json_value(value)} must be {what}{shown}; {fix}")
+
+
+def json_value(value) -> str:
+    """``value`` as the JSON file writes it ("abc" quoted, true, null)."""
+    import json
+
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def build_scheduler(sampler: str, config: dict):
     """A fresh scheduler of ``sampler``'s class from ``config`` (``scheduler_config``'s)."""
     return scheduler_class(sampler).from_config(config)

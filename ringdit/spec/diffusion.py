@@ -205,7 +205,8 @@ def resolve_scheduler(sampling: dict, model_config: dict, prefix: str = "") -> N
     from pathlib import Path
 
     from ringdit.diffusion.schedulers import (SCHEDULERS, PipelineTimesteps, build_scheduler, check_flow_scheduler,
-                                              is_scheduler_sampler, scheduler_config, set_timesteps)
+                                              check_scheduler_file, is_scheduler_sampler, scheduler_config,
+                                              set_timesteps)
     from ringdit.safe_json import read_json
 
     sampler = sampling.get("sampler")
@@ -218,6 +219,7 @@ def resolve_scheduler(sampling: dict, model_config: dict, prefix: str = "") -> N
     if file is not None and (file.exists() or file.parent.is_dir()):
         sampling["scheduler_config"] = read_json(file, f"model.pretrained's scheduler config {file}", fix=fix,
                                                  kind=dict)
+        check_scheduler_file(sampling["scheduler_config"], file)
     folder_config = sampling.get("scheduler_config")
     terminal = (folder_config or {}).get("shift_terminal") if folder_config is not None else \
         sampling.get("shift_terminal")

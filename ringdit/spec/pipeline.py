@@ -34,7 +34,7 @@ def pipeline_checkpoint(folder: str) -> dict:
     """The ``model`` / ``data`` / ``objective`` / ``sampling`` a checkpoint records, for the pipeline in ``folder``."""
     import diffusers
 
-    from ringdit.diffusion.schedulers import SCHEDULERS
+    from ringdit.diffusion.schedulers import SCHEDULERS, check_scheduler_file
     from ringdit.models.diffusers.families import FAMILIES
     from ringdit.safe_json import read_json
     from ringdit.spec.model import model_config
@@ -68,8 +68,11 @@ def pipeline_checkpoint(folder: str) -> dict:
             "latent_scale": 1.0, "vae": vae, "text_encoder": encoder, "pipeline": str(root.resolve())}
     preset = {**_preset(family.name), "pretrained": str(root.resolve()),
               "boundary_ratio": index.get("boundary_ratio")}
-    shift = float(read_json(root / "scheduler" / "scheduler_config.json", f"ckpt_path={folder}: its scheduler config",
-                            kind=dict, fix="give the folder save_pretrained wrote").get("flow_shift") or 1.0)
+    scheduler_file = root / "scheduler" / "scheduler_config.json"
+    scheduler = read_json(scheduler_file, f"ckpt_path={folder}: its scheduler config", kind=dict,
+                          fix="give the folder save_pretrained wrote")
+    check_scheduler_file(scheduler, scheduler_file, scheduler_class)
+    shift = float(scheduler.get("flow_shift") or 1.0)
     objective = {"_target_": "ringdit.diffusion.FlowMatching", "time_sampling": "uniform", "logit_mean": 0.0,
                  "logit_std": 1.0, "shift": shift, "resolution": None}
     sampling = {"sampler": sampler, "steps": int(defaults["num_inference_steps"]),
