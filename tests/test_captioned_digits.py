@@ -84,7 +84,7 @@ def test_train_then_sample_videos_from_prompts(tmp_path):
     tiny = ["data.num_videos=32", "model.config.num_layers=1", "model.config.ffn_dim=32", "trainer.max_steps=2",
             "logger=csv", "scheduler=constant", "callbacks.model_checkpoint.every_n_train_steps=2",
             "trainer.val_check_interval=2", "callbacks.sample_grid.steps=2", "callbacks.sample_grid.per_class=1",
-            "+callbacks.sample_grid.max_classes=2"]
+            "callbacks.sample_grid.max_classes=2"]
     env = {"HF_HUB_OFFLINE": "1"}
     train_dir = logs / "train" / "runs" / "demo"
     run("train.py", train_dir, "experiment=captioned_moving_digits", f"paths.log_dir={logs}", *tiny, env=env)
