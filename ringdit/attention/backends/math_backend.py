@@ -32,21 +32,23 @@ def chunk_tangent(q, k, v, dq, dk, dv, lse, scale: float) -> tuple[Tensor, Tenso
     ``AttentionBackend.jvp_ring_kv_chunk``), in plain PyTorch: ``(P dv + (P * dS) v, rowsum(P * dS))``.
 
     ``P = exp(S - lse)`` is this chunk's slice of the whole row's softmax, ``dS = scale * (dq k^T + q dk^T)``.
-    Written for speed, as batched matmuls over ``(B*H, S, D)`` with the elementwise work done in place (each
-    ``(Sq, Sk)`` matrix is passed over as few times as possible: on CPU those passes cost as much as a matmul): ``S -
-    lse`` is one ``baddbmm``, the two products of ``dS`` one matmul over the concatenated head dims ``[dq, q] .
-    [k, dk]``, and ``scale`` is applied to the ``(S, D)`` results instead of the ``(Sq, Sk)`` matrix.
+    Written for speed, as batched matmuls over ``(B*H, S, D)``, because on CPU every elementwise pass over an
+    ``(Sq, Sk)`` matrix costs about as much as a matmul: the extra columns fold ``- lse`` into the scores' matmul
+    (``[scale q, -lse] . [k, 1]``) and ``rowsum`` into the value product (``(P * dS) . [v, 1]``), the two products of
+    ``dS`` are one matmul over the concatenated head dims (``[dq, q] . [k, dk]``), and ``scale`` is applied to the
+    ``(S, D)`` results. What is left on the ``(Sq, Sk)`` matrices is one ``exp`` and one product, in place.
     """
     acc = accumulation_dtype(q.dtype)
     batch, queries, heads, head_size = q.shape
     q, k, v, dq, dk, dv = (_by_head(t.to(acc)) for t in (q, k, v, dq, dk, dv))
-    probs = torch.baddbmm(lse.to(acc).reshape(batch * heads, queries, 1), q, k.transpose(1, 2), beta=-1, alpha=scale)
-    probs.exp_()  # (B*H, Sq, Sk)
+    lse = lse.to(acc).reshape(batch * heads, queries, 1)
+    ones = k.new_ones(k.shape[:2] + (1,))
+    probs = torch.bmm(torch.cat([q * scale, -lse], dim=-1), torch.cat([k, ones], dim=-1).transpose(1, 2)).exp_()
     pds = torch.bmm(torch.cat([dq, q], dim=-1), torch.cat([k, dk], dim=-1).transpose(1, 2)).mul_(probs)  # P*dS/scale
-    partial = torch.baddbmm(torch.bmm(probs, dv), pds, v, alpha=scale)  # (B*H, Sq, D)
-    rowsum = pds.sum(dim=-1).mul_(scale)
+    weighted = torch.bmm(pds, torch.cat([v, ones], dim=-1)).mul_(scale)  # [(P * dS) v, rowsum(P * dS)]
+    partial = torch.bmm(probs, dv).add_(weighted[..., :head_size])  # (B*H, Sq, D)
     partial = partial.view(batch, heads, queries, head_size).transpose(1, 2)  # (B, Sq, H, D)
-    return partial, rowsum.view(batch, heads, queries)
+    return partial, weighted[..., head_size].view(batch, heads, queries)
 
 
 def _by_head(t: Tensor) -> Tensor:
