@@ -248,3 +248,32 @@ def test_a_preview_prompt_file_previews_its_prompts_at_the_models_frame_rate(tmp
     # fp32: one forward of 4 rows or of 2 sums in another order (the GEMM kernel the batch size picks): at most one
     # uint8 level (infer.py's documented bound); a wrong seed, prompt or negative would change whole glyphs
     assert abs(grids[0].astype(int) - grids[1]).max() <= 1
+
+
+@pytest.fixture(scope="module")
+def ltx_checkpoint(tmp_path_factory):
+    """A tiny LTX-Video trained one step (synthetic latents: no VAE here, so no preview is drawn)."""
+    from tests.helpers import run
+
+    out = tmp_path_factory.mktemp("ltx")
+    run("train.py", out, "experiment=ltx_video_tiny", "data.num_samples=8", "data.batch_size=2", "trainer.max_steps=1",
+        "logger=none", "callbacks.sample_grid.per_class=1", "callbacks.sample_grid.steps=1")
+    return out / "checkpoints" / "last.ckpt"
+
+
+def test_infer_writes_at_the_models_frame_rate_unless_fps_says_otherwise(ltx_checkpoint, tmp_path):
+    """infer.py's (and the server's: the same InferSpec) fps: LTX-Video's 25 by default, fps=30 when given; a bad
+    value is refused in one line naming fps."""
+    from ringdit.cli import command_config
+    from ringdit.spec import InferSpec
+
+    def fps(*overrides):
+        return InferSpec.from_config(command_config("infer", [f"ckpt_path={ltx_checkpoint}", *overrides],
+                                                    run_dir=tmp_path / "run")).output.fps
+
+    assert fps() == 25 and fps("fps=30") == 30
+    for value, shown in (("0", "0"), ("-1", "-1"), ("nan", "nan"), ("abc", "'abc'")):
+        proc, seconds = fail_fast("infer.py", f"ckpt_path={ltx_checkpoint}", f"fps={value}",
+                                  f"hydra.run.dir={tmp_path / value}")
+        assert_refused(proc, rf"fps must be a positive integer, got {shown}; the frames per second videos are "
+                             rf"written at; null: the model's own", seconds=seconds)
