@@ -272,3 +272,30 @@ def test_a_bad_scheduler_config_value_is_named_with_its_file_and_key(key, value,
         from ringdit.diffusion.schedulers import check_scheduler_file
 
         check_scheduler_file(json.loads(file.read_text()), file)
+
+
+@pytest.mark.parametrize("part, key, value, message", [
+    ("transformer", "num_attention_heads", "two", 'num_attention_heads="two" must be an integer '
+                                                  "(WanTransformer3DModel's default: 40)"),
+    ("transformer", "patch_size", "abc", 'patch_size="abc" must be a list of integers'),
+    ("vae", "z_dim", "abc", 'z_dim="abc" must be an integer (AutoencoderKLWan\'s default: 16)'),
+    ("text_encoder", "d_model", "abc", "d_model='abc' must be a positive integer (the text encoder's width)"),
+])
+def test_a_bad_config_json_value_is_named_with_its_file_and_key(part, key, value, message, wan_pipeline, tmp_path):
+    """Was "not all arguments converted during string formatting", "empty(): argument 'size' failed to unpack" or
+    "invalid literal for int()": no file, no key. Writing back the saved value (the advice) passes the checks."""
+    import json
+
+    folder = tmp_path / "Wan-tiny"
+    shutil.copytree(wan_pipeline, folder)
+    file = folder / part / "config.json"
+    saved = file.read_text()
+    file.write_text(json.dumps({**json.loads(saved), key: value}))
+    sample = [f"ckpt_path={folder}", 'prompts=["a red fox"]', "size=[16,16]", "frames=5", "num_samples=1",
+              "diffusion.sampling.steps=1"]
+    proc, seconds = fail_fast("infer.py", *sample, f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_refused(proc, text=f"{file}: {message}", seconds=seconds)
+    file.write_text(saved)
+    from ringdit.spec.pipeline import pipeline_checkpoint
+
+    assert pipeline_checkpoint(str(folder))["model"]  # the folder's settings are read and checked again

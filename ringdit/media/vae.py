@@ -88,6 +88,11 @@ def vae_class(folder: Path, path, setting: str = "vae") -> str:
     if class_name not in VIDEO_VAES + IMAGE_VAES:
         raise ConfigError(f"{setting}={path}: {folder / 'config.json'} describes {class_name!r}, not a VAE "
                           f"this can use ({', '.join(VIDEO_VAES + IMAGE_VAES)})")
+    import diffusers
+
+    from ringdit.models.diffusers.folders import check_config_values
+
+    check_config_values(config, getattr(diffusers, class_name), folder / "config.json", f"{setting}={path}")
     return class_name
 
 

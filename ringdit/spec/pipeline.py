@@ -110,7 +110,11 @@ def _text_encoder_description(root: Path, folder: str, text_len: int) -> dict:
     encoder = find_folder(root, "text_encoder", "config.json", f"ckpt_path={folder}'s text_encoder/")
     config = read_json(encoder / "config.json", f"ckpt_path={folder}: {encoder / 'config.json'}", kind=dict,
                        fix="give the folder save_pretrained wrote")
-    dim = config.get("d_model") or config.get("hidden_size")
+    key = "d_model" if "d_model" in config else "hidden_size"
+    dim = config.get(key)
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise ConfigError(f"ckpt_path={folder}: {encoder / 'config.json'}: {key}={dim!r} must be a positive integer "
+                          f"(the text encoder's width); give the folder save_pretrained wrote")
     tokenizer = root / "tokenizer" if (root / "tokenizer" / "tokenizer_config.json").is_file() else encoder
     return {"class": (config.get("architectures") or ["?"])[0], "path": str(encoder.resolve()),
             "tokenizer": str(tokenizer.resolve()), "max_len": text_len, "dim": int(dim), "pooled": False,

@@ -174,3 +174,41 @@ def _check_readable(path: Path, where: str) -> None:
     except OSError as error:
         raise ConfigError(f"{where}: cannot read {path} ({error.strerror or error}); make it readable, or "
                           f"{REFETCH}") from None
+
+
+def check_config_values(config: dict, cls, file: Path, where: str, fix: str = "") -> None:
+    """Each setting of a folder's ``config.json`` (``config``, read from ``file``) of the type ``cls``'s own default
+    for it has -- an integer, a number, true / false, a string, a list of integers where the default is a tuple of
+    them -- so that a wrong one is named (``where``: the setting that gave the folder; the file, the key, the value,
+    the default) before ``cls`` is built, not met as "not all arguments converted during string formatting"."""
+    import inspect
+    import math
+
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):  # a class without a Python signature: nothing to compare with
+        return
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    for key, value in config.items():
+        if key.startswith("_") or key not in defaults or value is None:
+            continue  # null: the class's default (diffusers and transformers take it so)
+        default = defaults[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        integers = isinstance(value, (list, tuple)) and all(type(v) is int for v in value)
+        if isinstance(default, bool):
+            bad, what = not isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            bad, what = not (number and math.isfinite(value) and float(value).is_integer()), "an integer"
+        elif isinstance(default, float):
+            bad, what = not (number and math.isfinite(value)), "a finite number"
+        elif isinstance(default, str):
+            bad, what = not isinstance(value, str), "a string"
+        elif isinstance(default, tuple) and default and all(type(v) is int for v in default):
+            bad, what = not (integers or (type(value) is int)), "a list of integers"
+        else:
+            continue
+        if bad:
+            shown = json.dumps(value) if isinstance(value, (str, int, float, bool, list, dict)) else repr(value)
+            raise ConfigError(f"{where}: {file}: {key}={shown} must be {what} ({cls.__name__}'s default: "
+                              f"{json.dumps(default)}); write the value the weights were saved with (the config.json "
+                              f"save_pretrained wrote)" + (f"; {fix}" if fix else ""))

@@ -578,6 +578,12 @@ def read_config(family: Family, folder: Path, pretrained: str, setting: str = "m
     if kind != family.model_class:
         raise ConfigError(f"{setting}={pretrained} holds a {kind}, not a {family.model_class} "
                           f"(model.family={family.name}); pick the model preset that matches the folder")
+    import diffusers
+
+    from ringdit.models.diffusers.folders import check_config_values
+
+    check_config_values(config, getattr(diffusers, family.model_class), folder / "config.json",
+                        f"{setting}={pretrained}")
     return {key: value for key, value in config.items() if not key.startswith("_")}
 
 
