@@ -299,3 +299,28 @@ def test_a_bad_config_json_value_is_named_with_its_file_and_key(part, key, value
     from ringdit.spec.pipeline import pipeline_checkpoint
 
     assert pipeline_checkpoint(str(folder))["model"]  # the folder's settings are read and checked again
+
+
+@pytest.mark.parametrize("change, message", [
+    ("boundary_ratio", "model_index.json: boundary_ratio='abc' must be a number in (0, 1)"),  # was model.boundary_ratio
+    ("missing", "is a folder that is neither a sharded checkpoint (no .metadata) nor a diffusers pipeline folder (no "
+                "model_index.json)"),  # was "does not exist (it is a folder)"
+])
+def test_a_bad_model_index_is_named(change, message, wan_pipeline, tmp_path):
+    import json
+
+    folder = tmp_path / "Wan-tiny"
+    shutil.copytree(wan_pipeline, folder)
+    index = folder / "model_index.json"
+    saved = index.read_text()
+    if change == "missing":
+        index.unlink()
+    else:
+        index.write_text(json.dumps({**json.loads(saved), change: "abc"}))
+    proc, seconds = fail_fast("infer.py", f"ckpt_path={folder}", 'prompts=["a red fox"]', "num_samples=1",
+                              f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_refused(proc, text=message, seconds=seconds)
+    index.write_text(saved)  # the advice: the model_index.json save_pretrained wrote
+    from ringdit.spec.pipeline import pipeline_checkpoint
+
+    assert pipeline_checkpoint(str(folder))["model"]

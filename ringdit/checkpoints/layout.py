@@ -73,8 +73,13 @@ def existing_checkpoint(path: str | Path) -> Path:
         missing = [name for name in (".metadata", SHARDED_METADATA) if not (path / name).is_file()]
         raise CheckpointError(f"{path} is an incomplete sharded checkpoint: {' and '.join(missing)} missing (copied "
                               f"or synced only in part?); copy the whole folder again, or use an earlier checkpoint")
+    if path.is_dir():  # e.g. a pipeline folder whose model_index.json is missing
+        raise CheckpointError(f"checkpoint {str(path)!r} is a folder that is neither a sharded checkpoint (no "
+                              f".metadata) nor a diffusers pipeline folder (no model_index.json); give a .ckpt or "
+                              f".safetensors file, a sharded checkpoint folder, or a folder "
+                              f"DiffusionPipeline.save_pretrained wrote")
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     return path
 
 

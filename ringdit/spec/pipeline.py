@@ -66,8 +66,13 @@ def pipeline_checkpoint(folder: str) -> dict:
     data = {"channels": vae["latent_channels"], "image_size": image_size, "conditioning": "text",
             "text_len": text_len, "text_dim": encoder["dim"], "num_classes": 0, "class_names": [],
             "latent_scale": 1.0, "vae": vae, "text_encoder": encoder, "pipeline": str(root.resolve())}
-    preset = {**_preset(family.name), "pretrained": str(root.resolve()),
-              "boundary_ratio": index.get("boundary_ratio")}
+    boundary = index.get("boundary_ratio")
+    if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, (int, float))
+                                 or not 0 < boundary < 1):
+        raise ConfigError(f"ckpt_path={folder}: {root / INDEX}: boundary_ratio={boundary!r} must be a number in (0, 1) "
+                          f"(the share of the timesteps the high-noise expert denoises) or null for one transformer; "
+                          f"give the model_index.json save_pretrained wrote")
+    preset = {**_preset(family.name), "pretrained": str(root.resolve()), "boundary_ratio": boundary}
     scheduler_file = root / "scheduler" / "scheduler_config.json"
     scheduler = read_json(scheduler_file, f"ckpt_path={folder}: its scheduler config", kind=dict,
                           fix="give the folder save_pretrained wrote")
