@@ -3,7 +3,8 @@ in one run, on CPU. Three rows per backend:
 
 - attention alone, one process (``USPAttention`` without a mesh);
 - ring attention on ``--ranks`` gloo CPU ranks (each rank one thread): the tangent pass rotates ``[k, v, dk, dv]``;
-- a whole DiT (``--depth`` blocks, width ``--hidden``) on one process, the JVP in the input and the time as sCM takes it;
+- a whole DiT (``--depth`` blocks, width ``--hidden``) on one process, the JVP in the input and the time as sCM
+  takes it;
 - for scale, one linear layer of the DiT's MLP shape through PyTorch's own forward-AD formula (no ringdit code): what
   the rest of a model pays.
 
@@ -132,7 +133,8 @@ def main() -> None:
                           lambda: best_pair(*linear_case(args.hidden, (args.image // 2) ** 2), args.repeat)))
         for name, measure in cases:
             plain, jvp = measure()
-            print(f"| {name} | {'-' if name.startswith('one linear') else backend} | {plain * 1e3:.1f} | {jvp * 1e3:.1f} | {jvp / plain:.2f}x |", flush=True)
+            shown = "-" if name.startswith("one linear") else backend
+            print(f"| {name} | {shown} | {plain * 1e3:.1f} | {jvp * 1e3:.1f} | {jvp / plain:.2f}x |", flush=True)
     load_after = os.getloadavg()
     print(f"\nload average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; "
           f"after: {', '.join(f'{x:.2f}' for x in load_after)} (on {os.cpu_count()} cores)")
