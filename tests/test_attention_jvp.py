@@ -85,6 +85,11 @@ def check_sequence_layouts(rank, world):
             out = attn(*(fwAD.make_dual(p, t) for p, t in zip(local[:3], local[3:])))
             tangent = fwAD.unpack_dual(out).tangent
         assert_close_of_max(gather_sequence(tangent, dims=dims), ref_tangent, f"forward_ad, ring {ring} x {ulysses}")
+        # a tangent on the queries only (k and v constants: the rule gets None for theirs)
+        q, k, v, dq = primals_tangents[:4]
+        _, ref_tangent = torch.func.jvp(lambda q: reference_attention(q, k, v), (q,), (dq,))
+        _, tangent = torch.func.jvp(lambda q: attn(q, local[1], local[2]), (local[0],), (local[3],))
+        assert_close_of_max(gather_sequence(tangent, dims=dims), ref_tangent, f"dq only, ring {ring} x {ulysses}")
 
 
 def test_usp_attention_jvp_equals_unsharded_on_every_layout():
