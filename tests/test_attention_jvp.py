@@ -125,6 +125,21 @@ def test_jvp_keeps_the_forward_and_backward_unchanged():
     assert torch.equal(out, kernel)
 
 
+def test_the_primal_of_a_jvp_keeps_its_backward_and_the_tangent_is_a_constant():
+    """What sCM / rCM take: the tangent under a stop-gradient, the output trained through."""
+    q, k, v, dq = random_tensors(4, (2, 9, HEADS, HEAD_SIZE), seed=6)
+    reference = q.clone().requires_grad_()
+    reference_attention(reference, k, v).sum().backward()
+    for backend in attention.FORWARD_AD_ATTENTION_BACKENDS:
+        attn = USPAttention(HEADS, HEAD_SIZE, backend=backend)
+        leaf = q.clone().requires_grad_()
+        out, tangent = torch.func.jvp(lambda q: attn(q, k, v), (leaf,), (dq,))
+        if backend != "math":  # math's local path is torch's own ops: its tangent is differentiable, as torch makes it
+            assert not tangent.requires_grad
+        out.sum().backward()
+        assert_close_of_max(leaf.grad, reference.grad, f"{backend} gradient through the JVP's output")
+
+
 # ---- joint text-image attention with masked text -------------------------------------------------------------------
 
 TEXT, IMAGE = 5, 19  # neither divides the degrees: both streams padded
