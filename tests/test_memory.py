@@ -9,6 +9,8 @@ import re
 from dataclasses import replace
 
 import pytest
+
+import ringdit.training  # noqa: F401 - not first imported under capsys by a planner test (test_vocabulary.py)
 from ringdit.layout import Layout
 from ringdit.memory import GiB, ModelSize, Setup, estimate_memory, warn_if_memory_short
 from tests.helpers import compose_train

@@ -3,7 +3,9 @@ and a user who types another command's name is pointed to this one's."""
 
 import pytest
 
-from ringdit.cli import hydra_error_message, known_keys
+import ringdit.training  # noqa: F401 - imported here, not first under capsys in a planner test: lightning's
+from ringdit.cli import hydra_error_message, known_keys  # loggers would keep capsys's stream, and later in-process
+#                                                          runs in this worker log a traceback to it
 
 SHARED = ("diffusion.", "model.", "trainer.", "lora.")  # the groups a run's settings live in
 
