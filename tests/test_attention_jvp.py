@@ -140,6 +140,21 @@ def test_the_primal_of_a_jvp_keeps_its_backward_and_the_tangent_is_a_constant():
         assert_close_of_max(leaf.grad, reference.grad, f"{backend} gradient through the JVP's output")
 
 
+def test_the_chunk_rule_in_query_tiles(monkeypatch):
+    """Long blocks run the chunk rule a tile of query rows at a time: tiles of 4 rows (the last one short) give the
+    tangent of the whole block."""
+    from ringdit.attention.backend import attention_tangent
+    from ringdit.attention.backends import math_backend
+
+    q, k, v, dq, dk, dv = random_tensors(6, (2, 10, HEADS, HEAD_SIZE), seed=8)
+    out, ref_tangent = torch.func.jvp(reference_attention, (q, k, v), (dq, dk, dv))
+    _, lse = get_attn_backend("math").forward_ring_kv_chunk(q, k, v)
+    monkeypatch.setattr(math_backend, "_TANGENT_TILE_ELEMENTS", 1)
+    monkeypatch.setattr(math_backend, "_TANGENT_MIN_ROWS", 4)
+    tangent = attention_tangent(*math_backend.chunk_tangent(q, k, v, dq, dk, dv, lse, HEAD_SIZE**-0.5), out)
+    assert_close_of_max(tangent, ref_tangent, "tangent in tiles of 4 query rows")
+
+
 # ---- joint text-image attention with masked text -------------------------------------------------------------------
 
 TEXT, IMAGE = 5, 19  # neither divides the degrees: both streams padded
