@@ -311,7 +311,7 @@ BAD_EXPERTS = {
                         r"model.boundary_ratio=1.0 is not in \(0, 1\)"),
     "a boundary of 0": (["model=wan22_a14b_tiny", "model.boundary_ratio=0"], r"model.boundary_ratio=0 is not in"),
     "a boundary that is no number": (["model=wan22_a14b_tiny", "model.boundary_ratio=high"],
-                                     r"model.boundary_ratio='high' is not in"),
+                                     r"model.boundary_ratio='high' must be a number or null"),
     "DDPM on two experts": (["model=wan22_a14b_tiny", "diffusion=ddpm", "diffusion.sampling.sampler=ddim"],
                             r"train it with diffusion=flow"),
     "cfg_scale_2 on a one-expert model": (["diffusion.sampling.cfg_scale_2=3"],

@@ -220,10 +220,20 @@ def chunk_kernel_attention(backend: AttentionBackend, q: Tensor, k: Tensor, v: T
 def check_forward_ad_capable(backend: AttentionBackend) -> None:
     """The one-line refusal where a forward-mode derivative meets a backend without the rule."""
     if not backend.supports_forward_ad():
-        from ringdit.attention.registry import forward_ad_capable_backends  # the registry imports this module
-
         raise RuntimeError(
             f"attention backend {backend.name!r} has no forward-mode (JVP) rule (it does not implement "
             f"jvp_ring_kv_chunk), so torch.func.jvp / forward_ad cannot run through it; use attention_backend= one of "
-            f"({', '.join(forward_ad_capable_backends())})"
+            f"({', '.join(_forward_ad_classes())})"
         )
+
+
+def _forward_ad_classes() -> list[str]:
+    """The backend classes with a forward-mode rule, in the registry's order (priority, name): read from the classes
+    themselves, as the registry reads them (which imports this module, so it cannot be asked here)."""
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    capable = {cls.name: cls for cls in subclasses(AttentionBackend) if cls.name and cls.supports_forward_ad()}
+    return sorted(capable, key=lambda name: (capable[name].priority, name))

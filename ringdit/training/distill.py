@@ -185,7 +185,7 @@ class DistillationModule(DiffusionModule):
     def noise_levels(self, generators: list[torch.Generator]) -> Tensor:
         """One noise level per sample, uniform in [t_min, t_max] (the matching loss's and the GAN head's)."""
         low, high = self.distill["t_min"], self.distill["t_max"]
-        return torch.cat([low + (high - low) * torch.rand(1, generator=g) for g in generators])
+        return torch.cat([low + (high - low) * torch.rand(1, generator=g, dtype=torch.float32) for g in generators])
 
     def head_logits(self, samples: Tensor, noise: Tensor, t: Tensor, condition) -> Tensor:
         """The GAN head's realism logits (B,) of ``samples`` noised to ``t`` with ``noise``, read from the critic."""

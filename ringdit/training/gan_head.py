@@ -122,8 +122,10 @@ class GANHead(nn.Module):
         with torch.no_grad():
             for linear in self.layers[1:]:
                 bound = 1 / linear.in_features ** 0.5  # nn.Linear's default, drawn from ``generator``
-                linear.weight.copy_(torch.rand(linear.weight.shape, generator=generator, device="cpu") * 2 * bound
-                                  - bound)  # on the CPU, as its generator (configure_model may default to the GPU)
+                # on the CPU, as its generator (configure_model may default to the GPU); float32 draws whatever the
+                # default dtype (64-true makes it float64): the same weights in every precision
+                draw = torch.rand(linear.weight.shape, generator=generator, device="cpu", dtype=torch.float32)
+                linear.weight.copy_(draw * 2 * bound - bound)
                 linear.bias.zero_()
 
     def forward(self, tokens: Tensor, valid: Tensor, length: int, dims) -> Tensor:
