@@ -41,7 +41,8 @@ def resolve_labels(labels, num_samples: int, data_info: dict) -> list[int]:
         if isinstance(label, str) and label in names and not label.isdigit():
             ids.append(names.index(label))
             continue
-        if isinstance(label, float) and not label.is_integer() or isinstance(label, bool):
+        if isinstance(label, float) and not label.is_integer() or isinstance(label, bool) \
+                or isinstance(label, str) and not label.isascii():  # int() would read "３" (full-width) as 3
             raise ValueError(f"labels: {label!r} is not a class id (a whole number) nor one of the class names {names}")
         try:
             value = int(label)

@@ -548,3 +548,29 @@ def test_an_unquoted_list_of_prompts_is_refused_and_its_advice_samples(wan_folde
     run("infer.py", tmp_path / "one", *sample, *shlex.split(one))
     with np.load(tmp_path / "one" / "samples.npz") as samples:
         assert list(samples["captions"]) == ["a red fox, running in the snow"]
+
+
+def test_a_broken_tokenizer_file_is_named(tmp_path):
+    """An empty tokenizer.json in a pipeline folder: one line naming the tokenizer folder, not the JSON parser's."""
+    from transformers import T5Config, T5EncoderModel
+
+    from ringdit.errors import ConfigError
+    from ringdit.media.text import TextEncoder, word_level_tokenizer
+    from tests.helpers import WORDS
+
+    T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1, num_heads=2)
+                   ).save_pretrained(tmp_path / "text_encoder")
+    word_level_tokenizer(WORDS).save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("")
+    with pytest.raises(ConfigError, match=rf"tokenizer={tmp_path / 'tokenizer'}: cannot load its tokenizer"):
+        TextEncoder(tmp_path, max_len=8)
+
+
+def test_class_ids_are_ascii_digits():
+    """labels=[３] (a full-width digit, which int() reads as 3) is no class id; labels=[3] is."""
+    from ringdit.sampling import resolve_labels
+
+    digits = {"num_classes": 10, "class_names": []}
+    with pytest.raises(ValueError, match="labels: '３' is not a class id"):
+        resolve_labels(["３"], 1, digits)
+    assert resolve_labels(["3"], 2, digits) == [3, 3]

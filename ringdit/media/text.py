@@ -150,7 +150,12 @@ class TextEncoder:
         # a chat model's pipeline may load a processor here (Flux.2's PixtralProcessor); for text alone it renders
         # the same template and tokenizes with this tokenizer, adding no special tokens when the template starts with
         # BOS (Mistral's does), as the tokenizer's apply_chat_template never adds them: the same ids
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder), **REMOTE_CODE)
+        try:
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder), **REMOTE_CODE)
+        except (OSError, ValueError, TypeError, KeyError) as error:  # an empty or broken tokenizer.json, vocab file
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ConfigError(f"{tokenizer_setting}={tokenizer_folder}: cannot load its tokenizer ({first}); pass the "
+                              f"folder the pipeline's tokenizer save_pretrained wrote") from None
         if self.template is not None and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"{tokenizer_setting}={tokenizer_folder} has no chat template (chat_template.jinja or "
                               f"in tokenizer_config.json), which prompt_template={self.template.name} puts the prompt "
