@@ -632,3 +632,36 @@ def sampled_grid(overrides: list[str], shape: tuple[int, ...], patch: tuple[int,
     factor = torch.prod(1 + times.diff()).item()
     torch.testing.assert_close(samples, noise * factor, rtol=1e-5, atol=0)  # the sampler stepped through these
     return times
+
+
+def served_video(ckpt, run_dir, prompt: str, *, seed: int, steps: int, size: int, frames: int, extra=()) -> bytes:
+    """The MP4 ``python -m ringdit.serve ckpt_path=ckpt`` returns for one video request (a server in this process)."""
+    import threading
+
+    import httpx
+
+    from ringdit.serve import Server
+
+    saved = dict(os.environ)  # Lightning leaves LOCAL_RANK, MASTER_* behind, which later launches would read
+    server = Server(compose_config("serve", run_dir, f"ckpt_path={ckpt}", "port=0",
+                                   f"diffusion.sampling.steps={steps}", f"size=[{size},{size}]", f"frames={frames}",
+                                   *extra))
+    server.build()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while server.state != "ok":
+            assert thread.is_alive()
+            time.sleep(0.02)
+        job = httpx.post(server.url + "/v1/videos", json={"prompt": prompt, "size": f"{size}x{size}",
+                                                          "frames": frames, "seed": seed}).json()
+        while job["status"] in ("queued", "in_progress"):
+            time.sleep(0.05)
+            job = httpx.get(f"{server.url}/v1/videos/{job['id']}").json()
+        assert job["status"] == "completed", job
+        return httpx.get(f"{server.url}/v1/videos/{job['id']}/content").content
+    finally:
+        server.drain()
+        thread.join(timeout=60)
+        os.environ.clear()
+        os.environ.update(saved)

@@ -22,7 +22,7 @@ from ringdit.parallel import init_sequence_parallel
 from ringdit.checkpoints.weights import read_weights
 from tests.distributed import run_ranks
 from tests.helpers import (SGD, TINY, WAN, architecture, assert_refused, assert_same_numbers, fail_fast, logged_losses,
-                           run, save_tiny_wan, tiny_dit)
+                           run, save_tiny_wan, served_video, tiny_dit)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(900)  # a test runs at most three trainings (under a minute on an idle 2-core machine)
@@ -530,37 +530,3 @@ def test_a_lora_checkpoint_guides_away_from_the_empty_prompt_it_trained_with(mod
                           extra=["diffusion.sampling.cfg_scale=5"])
     assert served == (tmp_path / "default" / "sample-000.mp4").read_bytes()  # the server loads it alike
 
-
-def served_video(ckpt, run_dir, prompt: str, *, seed: int, steps: int, size: int, frames: int, extra=()) -> bytes:
-    """The MP4 ``python -m ringdit.serve ckpt_path=ckpt`` returns for one video request (a server in this process)."""
-    import threading
-    import time
-
-    import httpx
-
-    from ringdit.serve import Server
-    from tests.helpers import compose_config
-
-    saved = dict(os.environ)  # Lightning leaves LOCAL_RANK, MASTER_* behind, which later launches would read
-    server = Server(compose_config("serve", run_dir, f"ckpt_path={ckpt}", "port=0",
-                                   f"diffusion.sampling.steps={steps}", f"size=[{size},{size}]", f"frames={frames}",
-                                   *extra))
-    server.build()
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while server.state != "ok":
-            assert thread.is_alive()
-            time.sleep(0.02)
-        job = httpx.post(server.url + "/v1/videos", json={"prompt": prompt, "size": f"{size}x{size}",
-                                                          "frames": frames, "seed": seed}).json()
-        while job["status"] in ("queued", "in_progress"):
-            time.sleep(0.05)
-            job = httpx.get(f"{server.url}/v1/videos/{job['id']}").json()
-        assert job["status"] == "completed", job
-        return httpx.get(f"{server.url}/v1/videos/{job['id']}/content").content
-    finally:
-        server.drain()
-        thread.join(timeout=60)
-        os.environ.clear()
-        os.environ.update(saved)

@@ -11,14 +11,12 @@ tests/test_diffusers_schedulers.py's proof, with the embeddings given directly."
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import architecture, assert_refused, compose_config, fail_fast, run, tiny_wan_pipeline
+from tests.helpers import architecture, assert_refused, fail_fast, run, served_video, tiny_wan_pipeline
 
 pytest.importorskip("diffusers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,35 +58,9 @@ def test_infer_samples_what_the_pipeline_returns(folder, tmp_path):
 
 def test_the_server_serves_a_pipeline_folder(folder, tmp_path):
     """python -m ringdit.serve ckpt_path=<folder>: a video equals infer.py's for the same prompt and seed."""
-    import httpx
-
-    from ringdit.serve import Server
-
     run("infer.py", tmp_path / "infer", f"ckpt_path={folder}", f"prompts=[{PROMPT}]", "num_samples=1", *SAMPLE)
-    saved = dict(os.environ)  # Lightning leaves LOCAL_RANK, MASTER_* behind, which later launches would read
-    server = Server(compose_config("serve", tmp_path / "serve", f"ckpt_path={folder}", "port=0",
-                    "diffusion.sampling.steps=3",
-                                   "size=[16,16]", "frames=5"))
-    server.build()
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while server.state != "ok":
-            assert thread.is_alive()
-            time.sleep(0.02)
-        job = httpx.post(server.url + "/v1/videos", json={"prompt": PROMPT, "size": "16x16", "frames": 5,
-                                                          "seed": 4}).json()
-        while job["status"] in ("queued", "in_progress"):
-            time.sleep(0.05)
-            job = httpx.get(f"{server.url}/v1/videos/{job['id']}").json()
-        assert job["status"] == "completed", job
-        served = httpx.get(f"{server.url}/v1/videos/{job['id']}/content").content
-        assert served == (tmp_path / "infer" / "sample-000.mp4").read_bytes()
-    finally:
-        server.drain()
-        thread.join(timeout=60)
-        os.environ.clear()
-        os.environ.update(saved)
+    served = served_video(folder, tmp_path / "serve", PROMPT, seed=4, steps=3, size=16, frames=5)
+    assert served == (tmp_path / "infer" / "sample-000.mp4").read_bytes()
 
 
 def test_what_a_pipeline_folder_cannot_give_is_refused(folder, tmp_path):
