@@ -74,28 +74,12 @@ def write_adapters(ckpt: Path, lora_dir: Path) -> None:
 
 
 def start(ckpt: Path, run_dir: Path, lora_dir: Path, steps: int) -> tuple[subprocess.Popen, str]:
-    import httpx
+    from serve_throughput import launch_server  # this folder's: the same start and wait as the throughput table's
 
-    log = open(run_dir.with_suffix(".log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "ringdit.serve", f"ckpt_path={ckpt}", "host=127.0.0.1", "port=0",
-                             f"hydra.run.dir={run_dir}", "trainer.devices=2", "ring_degree=2", f"lora_dir={lora_dir}",
-                             f"diffusion.sampling.steps={steps}", "max_batch=4", "batch_wait_ms=20", "queue_size=64",
-                             "keep_files=64", "request_timeout_s=300"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server did not start: {run_dir.with_suffix('.log')}")
-        info = run_dir / "server.json"
-        if info.is_file():
-            url = json.loads(info.read_text())["url"]
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
-        time.sleep(0.2)
+    return launch_server([f"ckpt_path={ckpt}", "host=127.0.0.1", "port=0", f"hydra.run.dir={run_dir}",
+                          "trainer.devices=2", "ring_degree=2", f"lora_dir={lora_dir}",
+                          f"diffusion.sampling.steps={steps}", "max_batch=4", "batch_wait_ms=20", "queue_size=64", "keep_files=64", "request_timeout_s=300"],
+                         run_dir, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
 
 
 def rss_mib(pid: int) -> float:

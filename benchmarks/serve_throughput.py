@@ -28,15 +28,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def start(ckpt: Path, run_dir: Path, max_batch: int, steps: int, devices: int) -> tuple[subprocess.Popen, str]:
+    return launch_server([f"ckpt_path={ckpt}", "port=0", f"hydra.run.dir={run_dir}", f"max_batch={max_batch}",
+                          "batch_wait_ms=20", f"diffusion.sampling.steps={steps}", "queue_size=256",
+                          f"trainer.devices={devices}", f"ring_degree={devices}"], run_dir)
+
+
+def launch_server(settings: list[str], run_dir: Path, env: dict | None = None,
+                  timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """``python -m ringdit.serve settings`` in a session of its own (its log beside run_dir), and its URL once
+    /health answers; SystemExit naming the log when it exits or does not answer within ``timeout`` seconds."""
     import httpx
 
     log = open(run_dir.with_suffix(".log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "ringdit.serve", f"ckpt_path={ckpt}", "port=0",
-                             f"hydra.run.dir={run_dir}", f"max_batch={max_batch}", "batch_wait_ms=20",
-                             f"diffusion.sampling.steps={steps}", "queue_size=256", f"trainer.devices={devices}",
-                             f"ring_degree={devices}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 120
+    proc = subprocess.Popen([sys.executable, "-m", "ringdit.serve", *settings], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"the server did not start: {run_dir.with_suffix('.log')}")
