@@ -98,3 +98,16 @@ def clip_folder(tmp_path_factory) -> Path:
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
         root / "image_processor")
     return root
+
+
+@pytest.fixture(scope="module")
+def wan_pipeline_folder(tmp_path_factory) -> Path:
+    """A tiny two-expert WanPipeline folder (T5 encoder, word-level tokenizer, 16-channel Wan VAE, UniPC), as
+    diffusers' save_pretrained writes it."""
+    from tests.helpers import architecture, tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("pipeline") / "Wan-tiny"
+    torch.manual_seed(0)
+    tiny_wan_pipeline({**architecture("wan22_a14b_tiny"), "in_channels": 16, "out_channels": 16}, z_dim=16
+                      ).save_pretrained(root)
+    return root

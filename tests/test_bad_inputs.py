@@ -516,23 +516,14 @@ def test_the_taught_prompt_list_keeps_the_comma_in_its_prompt(override):
     check_prompt_list(cfg.prompts)  # quoted: not refused
 
 
-@pytest.fixture(scope="module")
-def wan_folder(tmp_path_factory):
-    from tests.helpers import architecture, tiny_wan_pipeline
 
-    root = tmp_path_factory.mktemp("pipeline") / "Wan-tiny"
-    torch.manual_seed(0)
-    tiny_wan_pipeline({**architecture("wan22_a14b_tiny"), "in_channels": 16, "out_channels": 16}, z_dim=16
-                      ).save_pretrained(root)
-    return root
-
-
-def test_an_unquoted_list_of_prompts_is_refused_and_its_advice_samples(wan_folder, tmp_path):
+def test_an_unquoted_list_of_prompts_is_refused_and_its_advice_samples(wan_pipeline_folder, tmp_path):
     """infer.py prompts=[a red fox, running in the snow] would sample two prompts; it is refused before anything is
     built, with the quoted forms for one prompt and for two, and the one-prompt form samples one prompt."""
     import shlex
 
-    sample = [f"ckpt_path={wan_folder}", "size=[16,16]", "frames=5", "diffusion.sampling.steps=1", "num_samples=1"]
+    sample = [f"ckpt_path={wan_pipeline_folder}", "size=[16,16]", "frames=5", "diffusion.sampling.steps=1",
+              "num_samples=1"]
     proc, seconds = fail_fast("infer.py", *sample, "prompts=[a red fox, running in the snow]",
                               f"hydra.run.dir={tmp_path / 'refused'}")
     assert_refused(proc, text="prompts=[a red fox, running in the snow]: Hydra splits an unquoted list at every comma, so "

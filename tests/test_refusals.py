@@ -230,16 +230,6 @@ def test_a_size_beyond_the_position_table_is_refused_with_one_that_is_taken(fami
 # ---- a pipeline folder's scheduler_config.json: the file, the key, the value and the fix ------------------------
 
 
-@pytest.fixture(scope="module")
-def wan_pipeline(tmp_path_factory):
-    from tests.helpers import architecture, tiny_wan_pipeline
-
-    root = tmp_path_factory.mktemp("pipeline") / "Wan-tiny"
-    torch.manual_seed(0)
-    tiny_wan_pipeline({**architecture("wan22_a14b_tiny"), "in_channels": 16, "out_channels": 16}, z_dim=16
-                      ).save_pretrained(root)
-    return root
-
 
 @pytest.mark.parametrize("key, value, message", [
     ("flow_shift", "abc", 'flow_shift="abc" must be a finite number (UniPCMultistepScheduler\'s default: 1.0)'),
@@ -248,13 +238,14 @@ def wan_pipeline(tmp_path_factory):
     ("solver_order", "two", 'solver_order="two" must be an integer'),
     ("use_flow_sigmas", "yes", 'use_flow_sigmas="yes" must be true or false'),  # was taken: a non-empty str is true
 ])
-def test_a_bad_scheduler_config_value_is_named_with_its_file_and_key(key, value, message, wan_pipeline, tmp_path):
+def test_a_bad_scheduler_config_value_is_named_with_its_file_and_key(key, value, message, wan_pipeline_folder,
+                                                                    tmp_path):
     """Was "could not convert string to float: 'abc'" (no file, no key), a refusal of FlowMatching's shift, a
     scheduler that failed to build, or a string taken as true. Following the advice (removing the key) samples."""
     import json
 
     folder = tmp_path / "Wan-tiny"
-    shutil.copytree(wan_pipeline, folder)
+    shutil.copytree(wan_pipeline_folder, folder)
     file = folder / "scheduler" / "scheduler_config.json"
     config = json.loads(file.read_text())
     file.write_text(json.dumps({**config, key: value}))
@@ -281,13 +272,14 @@ def test_a_bad_scheduler_config_value_is_named_with_its_file_and_key(key, value,
     ("vae", "z_dim", "abc", 'z_dim="abc" must be an integer (AutoencoderKLWan\'s default: 16)'),
     ("text_encoder", "d_model", "abc", "d_model='abc' must be a positive integer (the text encoder's width)"),
 ])
-def test_a_bad_config_json_value_is_named_with_its_file_and_key(part, key, value, message, wan_pipeline, tmp_path):
+def test_a_bad_config_json_value_is_named_with_its_file_and_key(part, key, value, message, wan_pipeline_folder,
+                                                                tmp_path):
     """Was "not all arguments converted during string formatting", "empty(): argument 'size' failed to unpack" or
     "invalid literal for int()": no file, no key. Writing back the saved value (the advice) passes the checks."""
     import json
 
     folder = tmp_path / "Wan-tiny"
-    shutil.copytree(wan_pipeline, folder)
+    shutil.copytree(wan_pipeline_folder, folder)
     file = folder / part / "config.json"
     saved = file.read_text()
     file.write_text(json.dumps({**json.loads(saved), key: value}))
@@ -306,11 +298,11 @@ def test_a_bad_config_json_value_is_named_with_its_file_and_key(part, key, value
     ("missing", "is a folder that is neither a sharded checkpoint (no .metadata) nor a diffusers pipeline folder (no "
                 "model_index.json)"),  # was "does not exist (it is a folder)"
 ])
-def test_a_bad_model_index_is_named(change, message, wan_pipeline, tmp_path):
+def test_a_bad_model_index_is_named(change, message, wan_pipeline_folder, tmp_path):
     import json
 
     folder = tmp_path / "Wan-tiny"
-    shutil.copytree(wan_pipeline, folder)
+    shutil.copytree(wan_pipeline_folder, folder)
     index = folder / "model_index.json"
     saved = index.read_text()
     if change == "missing":
