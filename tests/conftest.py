@@ -100,10 +100,10 @@ def clip_folder(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def wan_pipeline_folder(tmp_path_factory) -> Path:
     """A tiny two-expert WanPipeline folder (T5 encoder, word-level tokenizer, 16-channel Wan VAE, UniPC), as
-    diffusers' save_pretrained writes it."""
+    diffusers' save_pretrained writes it; read only (a test that changes it changes a copy), so built once."""
     from tests.helpers import architecture, tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("pipeline") / "Wan-tiny"
