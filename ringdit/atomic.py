@@ -8,9 +8,11 @@ import contextlib
 import errno
 import os
 import tempfile
+import time
 from pathlib import Path
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+STALE_TEMPORARY_SECONDS = 600  # a write in progress touches its file far more often than this
 NEARLY_FULL_BYTES = 2**20  # a write that failed with less than this left failed for lack of space: torch.save's own
 # writer reports that as "enforce fail at inline_container.cc ... unexpected pos", without an errno
 
@@ -79,7 +81,7 @@ def atomic_write(path: str | Path):
     """Yield a temporary path beside ``path`` to write; on success it gets the usual new-file mode (umask
     respected, instead of mkstemp's 0600, which would hide the file from a shared group), is fsynced and renamed
     onto ``path`` (atomic on POSIX), and the rename is made durable; on failure it is removed. Temporary files left
-    by an earlier write of ``path`` that was killed are removed first. A write that fills the disk ends in one
+    by an earlier write of ``path`` that was killed are removed first (not one another process is writing now). A write that fills the disk ends in one
     ``DiskFullError`` that says so, where, and that the previous ``path`` is intact."""
     path = Path(path)
     if (path.exists() or path.is_symlink()) and not path.is_file():  # a FIFO, a device (/dev/null), a folder: a
@@ -87,8 +89,7 @@ def atomic_write(path: str | Path):
         raise FileExistsError(errno.EEXIST, f"{path} exists and is not a regular file (a device, pipe or folder); "
                                             f"refusing to replace it: write to a file path", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
-        stale.unlink(missing_ok=True)
+    remove_stale_temporaries(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.close(fd)
@@ -107,6 +108,17 @@ def atomic_write(path: str | Path):
             raise disk_full_error(path, replaced=f"the previous {path.name}") from error
         raise
     _fsync_folder(path.parent)
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary files of writes of ``path`` that were killed: those untouched for
+    ``STALE_TEMPORARY_SECONDS``. A fresh one may be another process's write in progress (two runs, or two test
+    workers, writing the same cached shard at once): removing it would fail that write's rename."""
+    now = time.time()
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        with contextlib.suppress(OSError):  # gone already: its writer renamed or removed it
+            if now - stale.stat().st_mtime > STALE_TEMPORARY_SECONDS:
+                stale.unlink()
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -6,6 +6,7 @@ written as GIF and MP4."""
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import imageio.v3 as iio
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ringdit.data.captioned_moving_digits import (DIRECTIONS, CaptionedMovingDigits, CaptionedMovingDigitsDataModule,
-                                                  parse_caption)
+                                                  build_once, parse_caption)
 from ringdit.errors import ConfigError
 from ringdit.media.text import TextEncoder
 from tests.helpers import REPO, read_mp4, run
@@ -99,3 +100,43 @@ def test_train_then_sample_videos_from_prompts(tmp_path):
     assert list(samples["captions"]) == ["a 3 moving left", "a 7 moving down", "a 3 moving left"]
     assert read_mp4(out / "sample-001.mp4").shape == (5, 12, 12, 3)
     assert (out / "sample-002.gif").is_file() and (out / "samples.gif").is_file()
+
+
+def test_two_processes_building_the_same_set_at_once_both_get_it(tmp_path):
+    """Two runs (or two test workers) starting on an unbuilt cache at once: each builds in a folder of its own, the
+    first rename wins, the second drops its copy -- neither writes into the other's folder or deletes its result."""
+    folder = tmp_path / "cache" / "captioned_moving_digits-x"
+    both_building = threading.Barrier(2)
+    errors = []
+
+    def build(partial):
+        (partial / "videos.safetensors").write_text(threading.current_thread().name)
+        both_building.wait(timeout=30)  # both are mid-build before either renames
+
+    def run_one():
+        try:
+            build_once(folder, build)
+        except Exception as error:  # noqa: BLE001 -- collected and asserted below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run_one, name=f"build{i}") for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    assert (folder / "videos.safetensors").read_text() in {"build0", "build1"}
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no temporary folder left
+
+
+def test_a_foreign_folder_in_the_way_is_named_and_its_advice_works(tmp_path):
+    name = "captioned_moving_digits-num_videos24-frames5-canvas12-text_len8-text_dim32-seed0"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=f"{name} exists without its videos.safetensors; remove it and run again"):
+        CaptionedMovingDigitsDataModule(str(tmp_path), num_videos=24, frames=5, canvas=12)
+    assert (tmp_path / name / "notes.txt").read_text() == "mine"  # not deleted
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # the refused build left nothing
+    (tmp_path / name / "notes.txt").unlink()
+    (tmp_path / name).rmdir()  # the advice
+    assert CaptionedMovingDigitsDataModule(str(tmp_path), num_videos=24, frames=5, canvas=12).describe()

@@ -266,6 +266,24 @@ def test_a_full_disk_is_said_and_the_previous_file_kept(tmp_path, monkeypatch):
     assert atomic.disk_full(OSError(28, "No space left on device"), tmp_path)
 
 
+def test_a_write_removes_a_killed_writes_temporary_but_not_one_in_progress(tmp_path):
+    """Two processes writing the same cached shard at once must not delete each other's temporary file (the second
+    one's rename would fail); a temporary left by a killed write is removed by the next write."""
+    import os
+
+    from ringdit import atomic
+
+    target = tmp_path / "shard.safetensors"
+    killed, live = tmp_path / ".shard.safetensors.killed.tmp", tmp_path / ".shard.safetensors.live.tmp"
+    killed.write_bytes(b"torn")
+    live.write_bytes(b"being written")
+    old = killed.stat().st_mtime - atomic.STALE_TEMPORARY_SECONDS - 1
+    os.utime(killed, (old, old))
+    with atomic.atomic_write(target) as tmp:
+        tmp.write_bytes(b"new")
+    assert target.read_bytes() == b"new" and not killed.exists() and live.read_bytes() == b"being written"
+
+
 def test_a_real_full_file_system(tmp_path):
     """A 1 MiB tmpfs (where this machine lets the test mount one) filled by a checkpoint write."""
     mount = tmp_path / "small"

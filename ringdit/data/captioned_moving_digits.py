@@ -17,9 +17,12 @@ The videos stay in pixel space (1 channel in [-1, 1], no VAE): the set is writte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -130,6 +133,40 @@ def write_captioned_moving_digits(folder: Path, final: Path, *, num_videos: int,
                                               "tokenizer": str(final.resolve() / "tokenizer")})})
 
 
+STALE_BUILD_SECONDS = 3600  # a temporary folder this old was left by a build that was killed
+
+
+def build_once(folder: Path, build) -> None:
+    """Run ``build(partial)`` in a temporary folder of this process's own and rename it ``folder``: an interrupted
+    build never looks finished, and two processes building the same seeded set at once (two runs, two test workers)
+    neither write into one folder nor delete the one the other finished -- the second rename loses and its copy
+    is dropped. Temporary folders left by killed builds are removed once they are an hour old."""
+    def refuse_foreign():
+        if folder.is_dir() and any(folder.iterdir()) and not (folder / "videos.safetensors").is_file():
+            raise ConfigError(f"data.cache_dir: {folder} exists without its videos.safetensors; remove it and "
+                              f"run again")
+
+    refuse_foreign()  # before minutes of building
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for stale in folder.parent.glob(f".{folder.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > STALE_BUILD_SECONDS:
+                shutil.rmtree(stale, ignore_errors=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        build(partial)
+        with contextlib.suppress(OSError):  # an empty folder in the way holds nothing (rmdir refuses a full one)
+            folder.rmdir()
+        try:
+            partial.rename(folder)
+        except OSError:  # the folder exists: another process finished first (the same seeded set), or it is foreign
+            refuse_foreign()
+            if not (folder / "videos.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 class CaptionedMovingDigitsDataModule(TextLatentsDataModule):
     """``data=captioned_moving_digits``: written once to ``cache_dir`` (per settings), then read as text_latents.
     Pixels, not latents: samples come out as videos (no VAE). ``image``: each video's first frame is stored as
@@ -149,12 +186,7 @@ class CaptionedMovingDigitsDataModule(TextLatentsDataModule):
         folder = Path(cache_dir).expanduser() / name
         shard = folder / "videos.safetensors"
         if not shard.is_file():
-            # built in a temporary folder and renamed: an interrupted build never looks finished
-            partial = folder.with_name(f".{name}.tmp")
-            shutil.rmtree(partial, ignore_errors=True)
-            write_captioned_moving_digits(partial, folder, seed=seed, **settings)
-            shutil.rmtree(folder, ignore_errors=True)
-            partial.rename(folder)
+            build_once(folder, lambda partial: write_captioned_moving_digits(partial, folder, seed=seed, **settings))
         super().__init__(str(shard), batch_size, num_workers, val_fraction, val_batches, seed)
 
     def describe(self) -> dict:
