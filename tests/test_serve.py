@@ -236,7 +236,7 @@ def test_fuzzed_requests_from_the_openapi_schema(dit):
     app = create_app(dit[0])
     schema = schemathesis.openapi.from_dict(app.openapi())
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 12, [f"{op.method} {op.path}" for op in operations]
+    assert len(operations) == 15, [f"{op.method} {op.path}" for op in operations]
     modes = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
     answered = []
 
@@ -621,13 +621,14 @@ def test_videos_at_ring_2_equal_infer_then_cancel_and_sigterm(ti2v):
         assert f"{running['id']}: 1 video(s)" in (ti2v / "serve").with_suffix(".log").read_text()  # logged as done
 
 
-def finished_video(url: str, job_id: str) -> bytes:
+def finished_video(url: str, job_id: str, headers=None) -> bytes:
     deadline = time.monotonic() + 60
-    while (job := httpx.get(f"{url}/v1/videos/{job_id}").json())["status"] in ("queued", "in_progress"):
+    while (job := httpx.get(f"{url}/v1/videos/{job_id}", headers=headers).json())["status"] in ("queued",
+                                                                                               "in_progress"):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert job["status"] == "completed", job
-    return httpx.get(f"{url}/v1/videos/{job_id}/content").content
+    return httpx.get(f"{url}/v1/videos/{job_id}/content", headers=headers).content
 
 
 def test_a_killed_rank_makes_the_server_answer_503_and_exit(dit, tmp_path):
@@ -656,3 +657,177 @@ def test_a_killed_rank_makes_the_server_answer_503_and_exit(dit, tmp_path):
                              while_running=kill_rank_1_when_serving)
     assert proc.returncode == 1, proc.stderr[-3000:]  # rank 0's own code (rank 1's is -9): the server ended itself
     assert time.monotonic() - timing["killed"] < 15
+
+
+# ---- OpenAI compatibility (issue 55): the openai client, seconds, uploads, the list, edits, /metrics -----------------
+
+
+def openai_client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_the_openai_client_generates_images_and_unknown_fields_are_named(dit):
+    """``images.generate`` of OpenAI's client: the same pixels as ringdit's own JSON request; OpenAI's fields ringdit
+    has no use for (quality) are ignored and named in the headers; a misspelt field of ringdit's own, and stream=true,
+    are refused by name (as OpenAI refuses a parameter it does not know)."""
+    import openai
+
+    server = dit[0]
+    client = openai_client(server)
+    raw = client.images.with_raw_response.generate(model="dit", prompt="3", n=2, size="8x8", quality="high",
+                                                   response_format="b64_json", extra_body={"seed": 5})
+    assert raw.headers["x-ringdit-ignored-fields"] == "quality" and "quality" in raw.headers["warning"]
+    result = raw.parse()
+    own = post(server, "/v1/images/generations", {"prompt": "3", "n": 2, "seed": 5})
+    assert "x-ringdit-ignored-fields" not in own.headers
+    np.testing.assert_array_equal(np.stack([pixels_of({"b64_json": item.b64_json}) for item in result.data]),
+                                  np.stack([pixels_of(item) for item in own.json()["data"]]))
+    for extra, param in (({"step": 3}, "step"), ({"stream": True}, "stream")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.images.generate(prompt="3", extra_body=extra)
+        assert refused.value.status_code == 400 and refused.value.body["param"] == param, refused.value.body
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_metrics_are_prometheus_text(dit):
+    """GET /metrics: the queue, the engine's counts (equal to /v1/stats), latency histograms and answers per route, in
+    Prometheus' text format as its own parser reads it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = dit[0]
+    assert post(server, "/v1/images/generations", {"prompt": "2", "seed": 1}).status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 401  # behind the key, as every endpoint but /health
+    stats = httpx.get(server.url + "/v1/stats", headers=AUTH).json()
+    answer = httpx.get(server.url + "/metrics", headers=AUTH)
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(answer.text) for s in family.samples}
+    assert samples[("ringdit_batches_total", ())] == stats["batches"]
+    assert samples[("ringdit_samples_total", ())] == stats["samples"]
+    assert samples[("ringdit_model_evaluations_total", ())] == stats["model_evaluations"]
+    assert samples[("ringdit_queue_waiting", ())] == 0 and samples[("ringdit_state", (("state", "ok"),))] == 1
+    done = (("kind", "image"), ("status", "completed"))
+    assert samples[("ringdit_job_seconds_count", done)] >= 1
+    every = (("kind", "image"), ("le", "+Inf"), ("status", "completed"))
+    assert samples[("ringdit_job_seconds_bucket", every)] == samples[("ringdit_job_seconds_count", done)]
+    assert samples[("ringdit_batch_seconds_count", (("kind", "image"),))] == stats["batches"]
+    assert samples[("ringdit_queue_wait_seconds_count", (("kind", "image"),))] >= 1
+    assert samples[("ringdit_http_requests_total", (("code", "200"), ("route", "/v1/images/generations")))] >= 1
+    assert samples[("ringdit_http_requests_total", (("code", "401"), ("route", "/metrics")))] >= 1
+
+
+def test_edits_refuse_a_model_without_a_reference_image(dit):
+    answer = httpx.post(dit[0].url + "/v1/images/edits", data={"prompt": "3"},
+                        files={"image": ("a.png", png_bytes((8, 8)), "image/png")}, headers=AUTH)
+    error = api_error(answer, 400)
+    assert error["param"] == "model" and "not image-to-video" in error["message"]
+    assert httpx.get(dit[0].url + "/health").status_code == 200
+
+
+def png_bytes(size: tuple[int, int], seed: int = 0) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def ti2v_served(ti2v):
+    """The tiny Wan 2.2 TI2V (24 fps, 1 + 4k frames) served in this process, 2 steps."""
+    with serving(ti2v / "serve_openai", f"ckpt_path={ti2v / 'train' / 'checkpoints' / 'last.ckpt'}", f"api_key={KEY}",
+                 "diffusion.sampling.steps=2") as server:
+        yield server
+
+
+def test_the_openai_client_makes_lists_and_downloads_videos_and_edits(ti2v, ti2v_served):
+    """``videos.create`` of OpenAI's client (multipart: the first frame as input_reference, seconds as text) makes
+    the video ringdit's own JSON request makes with frames and a base64 image: 0.3 s at the model's 24 fps is 7.2
+    frames, and the nearest count Wan takes (1 + 4k) is 9. ``videos.retrieve`` follows it, ``download_content`` fetches
+    the MP4, ``videos.list`` pages through the jobs; ``images.edit`` answers with that video's last frame."""
+    import warnings
+
+    server, png = ti2v_served, (ti2v / "first.png").read_bytes()
+    client = openai_client(server)
+    written = {}
+    original = server.rank0.write
+
+    def write(job, index, pixels):  # the pixels each job's file is written from (its MP4 is lossy)
+        written[job.id] = pixels.copy()
+        return original(job, index, pixels)
+
+    server.rank0.write = write
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the SDK marks the Videos API deprecated
+            video = client.videos.create(prompt="a red fox running", input_reference=("first.png", png, "image/png"),
+                                         seconds="0.3", size="48x16", extra_body={"seed": 11})
+            assert video.status == "queued" and video.seconds == "0.375" and video.size == "48x16"
+            deadline = time.monotonic() + 60
+            while (video := client.videos.retrieve(video.id)).status in ("queued", "in_progress"):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert video.status == "completed" and video.progress == 100 and video.model == server.model_name
+            mp4 = client.videos.download_content(video.id).content
+            own = post(server, "/v1/videos", {"prompt": "a red fox running", "frames": 9, "seed": 11,
+                                              "image": base64.b64encode(png).decode()}).json()
+            np.testing.assert_array_equal(video_frames(mp4), video_frames(finished_video(server.url, own["id"],
+                                                                                         AUTH)))
+            page = client.videos.list(limit=1)
+            assert [v.id for v in page.data] == [own["id"]] and page.has_more
+            assert [v.id for v in client.videos.list(limit=1)][:2] == [own["id"], video.id]  # newest first, paged
+            assert [v.id for v in client.videos.list(order="asc")][-2:] == [video.id, own["id"]]
+        edit = client.images.with_raw_response.edit(image=("first.png", png, "image/png"), prompt="a red fox running",
+                                                    quality="high", extra_body={"seed": 11, "frames": 9})
+        assert edit.headers["x-ringdit-ignored-fields"] == "quality"
+        last = pixels_of({"b64_json": edit.parse().data[0].b64_json})
+        np.testing.assert_array_equal(last, written[video.id][-1])  # the same video's last frame, exactly
+    finally:
+        del server.rank0.write
+
+
+FIRST = base64.b64encode(png_bytes((16, 48))).decode()
+
+
+@pytest.mark.parametrize("path, body, upload, param", [
+    ("/v1/videos", {"seconds": "abc"}, None, "seconds"),
+    ("/v1/videos", {"seconds": 0}, None, "seconds"),
+    ("/v1/videos", {"seconds": -1.5}, None, "seconds"),
+    ("/v1/videos", {"seconds": "nan"}, None, "seconds"),
+    ("/v1/videos", {"seconds": "1e400"}, None, "seconds"),      # inf
+    ("/v1/videos", {"seconds": True}, None, "seconds"),
+    ("/v1/videos", {"seconds": 100}, None, "seconds"),          # 2400 frames, more than max_frames (the data's 9)
+    ("/v1/videos", {"seconds": 0.375, "frames": 5}, None, "seconds"),  # 9 frames at 24 fps, not 5
+    ("/v1/videos", {"second": 4}, None, "second"),              # a typo: refused, not ignored
+    ("/v1/videos", {"seconds": "-2"}, "input_reference", "seconds"),   # multipart: the same checks
+    ("/v1/videos", {"frames": "nine"}, "input_reference", "frames"),
+    ("/v1/videos", {"input_reference": "https://example.com/a.png"}, None, "input_reference"),  # nothing fetched
+    ("/v1/videos", {}, "not an image", "input_reference"),
+    ("/v1/images/edits", {}, "not an image", "image"),
+    ("/v1/images/edits", {"mask": "x"}, "image", "mask"),
+    ("/v1/images/edits", {"stream": "true"}, "image", "stream"),
+])
+def test_bad_openai_style_requests_name_the_field(ti2v_served, path, body, upload, param):
+    """``seconds`` that is not a positive number, or disagrees with frames; a typo; an upload that is not an image: a
+    400 whose error.param names the field, in JSON and in multipart alike; the server serves on."""
+    server = ti2v_served
+    body = {"prompt": "a red fox running", **body}
+    if upload is None:
+        answer = post(server, path, {**body, "image": FIRST} if "input_reference" not in body else body)
+    else:
+        field = "image" if path.endswith("edits") else "input_reference"
+        content = b"%PDF-1.4 not an image" if upload == "not an image" else base64.b64decode(FIRST)
+        answer = httpx.post(server.url + path, data={k: str(v) for k, v in body.items()},
+                            files={field: ("first.png", content, "image/png")}, headers=AUTH, timeout=60)
+    assert api_error(answer, 400)["param"] == param, answer.json()
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_the_video_list_refuses_bad_pages(ti2v_served):
+    url = ti2v_served.url + "/v1/videos"
+    assert api_error(httpx.get(url, params={"limit": 0}, headers=AUTH), 400)["param"] == "limit"
+    assert api_error(httpx.get(url, params={"limit": "x"}, headers=AUTH), 400)["param"] == "limit"
+    assert api_error(httpx.get(url, params={"order": "up"}, headers=AUTH), 400)["param"] == "order"
+    assert api_error(httpx.get(url, params={"after": "job_0"}, headers=AUTH), 404)["param"] == "after"
+    assert httpx.get(url, headers=AUTH).json()["object"] == "list"

@@ -50,7 +50,7 @@ class Server:
         self.image_kind = image_kind(spec.model.config)
         self.files_dir = Path(spec.output_dir) / "files"
         self.http = None
-        self.trainer = self.module = self.engine = self.queue = self.control = self.rank0 = None
+        self.trainer = self.module = self.engine = self.queue = self.control = self.rank0 = self.metrics = None
 
     def build(self) -> None:
         """The trainer and module (as infer.py builds them), the engine, and on rank 0 the queue and encoders."""
@@ -65,7 +65,11 @@ class Server:
         callbacks = [LoadLoraAdapter(spec.ckpt_path, spec.weights)] if spec.lora is not None else []
         self.trainer = hydra.utils.instantiate(spec.trainer.config, callbacks=callbacks, logger=False,
                                                enable_progress_bar=False)
-        self.queue = JobQueue(settings.queue_size, settings.max_batch, settings.batch_wait_s, keep=settings.keep_files)
+        from ringdit.serve.metrics import Metrics
+
+        self.metrics = Metrics(self)
+        self.queue = JobQueue(settings.queue_size, settings.max_batch, settings.batch_wait_s, keep=settings.keep_files,
+                              metrics=self.metrics)
         self.control = Control()
         if self.trainer.global_rank == 0:
             self.rank0 = self._rank0()

@@ -2,19 +2,29 @@
 
     POST   /v1/images/generations   {prompt, n, size "WxH", seed, steps, guidance_scale, negative_prompt,
                                      response_format b64_json | url, lora, lora_scale, cache, cache_threshold}
-    POST   /v1/videos               the same + frames, image (base64, image-to-video) -> a job
+    POST   /v1/videos               the same + frames or seconds, image (base64) -> a job; JSON, or multipart/form-data
+                                    with the first frame as the file input_reference (OpenAI's SDK sends that)
+    GET    /v1/videos               the video jobs still known, OpenAI's paged list (after, limit, order)
     GET    /v1/videos/{id}          status (queued, in_progress, completed, failed, cancelled), progress, step
     GET    /v1/videos/{id}/content  the MP4 (?index=i for sample i of n)
     DELETE /v1/videos/{id}          cancels a queued or running job
+    POST   /v1/images/edits         image-to-video models: the image as the first frame, the prompt -> the last frame
     GET    /v1/files/{name}         a PNG / MP4 of a finished job (response_format=url)
     POST   /v1/loras {name, path[, path_2]}, GET /v1/loras, DELETE /v1/loras/{name}: run-time adapters (lora_dir)
-    GET    /v1/models, GET /v1/stats, GET /health (the only one without the key)
+    GET    /v1/models, GET /v1/stats, GET /metrics (Prometheus), GET /health (the only one without the key)
 
 Every request is data: it is validated field by field (400 with ``{"error": {"message", "param", "type"}}`` naming
 the field and its bound); nothing in it is executed, and no path in it reaches outside ``lora_dir`` / the run's
 ``files/``. Types are strict (JSON's own: ``true`` is not a number, ``"4"`` is not an integer, sizes are ASCII
 digits), and every answer that is not a success -- a body that is not JSON, one over ``MAX_BODY_BYTES``, an unknown
-endpoint -- is in that one shape.
+endpoint -- is in that one shape. Multipart form fields are text: they are read as the JSON field's type (ASCII digits
+for an integer) and then held to the same checks.
+
+Unknown fields: OpenAI's API refuses a parameter it does not know, and so does this one (a misspelt ``step`` is a 400
+naming it, not a setting silently dropped). Parameters OpenAI's API defines for the endpoint that ringdit has no use
+for (``quality``, ``style``, ``output_format``, ``user`` ...: ``OPENAI_IGNORED``) are ignored and named in the
+``X-Ringdit-Ignored-Fields`` and ``Warning`` headers; the few whose meaning cannot be ignored (``stream=true``, an
+edit's ``mask``) are refused.
 """
 
 from __future__ import annotations
@@ -23,15 +33,17 @@ import asyncio
 import base64
 import binascii
 import io
+import math
 import re
 import secrets
 import time
-from typing import Literal
+import typing
+from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringdit.errors import ConfigError
@@ -45,6 +57,23 @@ MAX_BODY_BYTES = 32 * 2**20  # a request's body: the largest first frame in base
 FILE_NAME = re.compile(r"job_[0-9a-f]{16}-[0-9]+\.(png|mp4)")  # a sample's file, as Rank0.write names it
 SIZE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")  # ASCII digits only: "\uff18x\uff18" is not a size
 CLASS_ID = re.compile(r"[0-9]{1,9}")  # a class-conditional prompt that is not a class name: ASCII digits only
+INTEGER = re.compile(r"-?[0-9]{1,19}")  # a multipart field read as an integer
+DECIMAL = re.compile(r"[-+]?([0-9]{1,30}(\.[0-9]{0,30})?|\.[0-9]{1,30})([eE][-+]?[0-9]{1,3})?")  # ... as a number
+MAX_LIST = 100  # GET /v1/videos: jobs per page at most (OpenAI's bound)
+
+# OpenAI's parameters of each endpoint that ringdit has no use for: ignored, named in the answer's headers. Anything
+# else unknown is refused, as OpenAI refuses it (``stream`` is ignored only while it is false; see ``REFUSED``).
+OPENAI_IGNORED = {
+    "/v1/images/generations": {"quality", "style", "background", "moderation", "output_compression",
+                               "output_format", "partial_images", "stream", "user"},
+    "/v1/images/edits": {"quality", "background", "input_fidelity", "output_compression", "output_format",
+                         "partial_images", "stream", "user"},
+    "/v1/videos": set(),  # OpenAI's create takes prompt, model, seconds, size, input_reference: all used
+}
+REFUSED = {
+    "stream": "streaming answers (stream=true) are not supported; leave stream out, or false",
+    "mask": "masked edits (inpainting) are not supported: leave mask out; the image is the video's first frame",
+}
 
 
 class BadRequest(Exception):
@@ -71,6 +100,9 @@ class Strict(BaseModel):
 
 
 class ImageBody(Strict):
+    """Unknown fields are kept aside (``model_extra``) for ``unknown_fields`` to ignore or refuse by name."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     prompt: str = Field(max_length=MAX_PROMPT)
     model: str | None = Field(default=None, max_length=256)
@@ -89,7 +121,13 @@ class ImageBody(Strict):
 
 class VideoBody(ImageBody):
     frames: int | None = None
+    seconds: Any = None                          # a positive number, or its text ("4", OpenAI's): frames at the fps
     image: str | None = None                     # base64 (or a data: URL) of the first frame
+    input_reference: Any = None                  # the first frame as a multipart file (anything else is refused)
+
+
+class EditBody(VideoBody):
+    mask: Any = None                             # OpenAI's inpainting mask: refused
 
 
 class LoraBody(Strict):
@@ -151,6 +189,24 @@ def create_app(server) -> FastAPI:
                 return response
         return await call_next(request)
 
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        """Every answer counted by route (its template: one series per endpoint, not per job id) and status."""
+        response = await call_next(request)
+        metrics = getattr(server, "metrics", None)
+        if metrics is not None:
+            metrics.requests.labels(route_of(request), str(response.status_code)).inc()
+        return response
+
+    def route_of(request: Request) -> str:
+        """The route's template, also for an answer made before routing (a 401): one series per endpoint."""
+        from starlette.routing import Match
+
+        route = request.scope.get("route")
+        if route is None:
+            route = next((r for r in app.router.routes if r.matches(request.scope)[0] == Match.FULL), None)
+        return getattr(route, "path", "unmatched")
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -195,37 +251,81 @@ def create_app(server) -> FastAPI:
         return {"batches": engine.batches, "model_evaluations": engine.evaluations, "samples": engine.samples,
                 "cache_reused": engine.cache_reused, "waiting": server.queue.waiting}
 
+    @app.get("/metrics")
+    async def metrics():
+        content, media_type = server.metrics.render()
+        return Response(content, media_type=media_type)
+
     @app.post("/v1/images/generations")
     async def images(body: ImageBody, request: Request):
         if server.kind != "image":
             raise BadRequest("model", "this model generates videos: POST /v1/videos")
+        ignored = unknown_fields(body, "/v1/images/generations")
         job = submit(body, "image")
-        await finished(job, server.queue, settings.request_timeout_s)
-        if job.status != COMPLETED:
-            return error(job.error_code if job.error_code >= 400 else 500, job.error or job.status, kind="job_error")
-        data = []
-        for file in job.files:
-            if body.response_format == "url":
-                data.append({"url": str(request.base_url) + f"v1/files/{file.name}"})
-            else:
-                data.append({"b64_json": base64.b64encode(file.read_bytes()).decode()})
-        return {"created": int(job.created), "data": data, "id": job.id, "seed": job.request.seed}
+        return warned(await image_answer(job, body, request), ignored)
 
-    @app.post("/v1/videos")
-    async def videos(body: VideoBody):
+    @app.post("/v1/images/edits", openapi_extra=json_body(EditBody))
+    async def edits(request: Request):
+        """An image-to-video model edits an image as a video model can: the image is the first frame of a video
+        sampled for the prompt, and the video's last frame is the answer (as video-based editors such as ChronoEdit
+        use Wan's image-to-video). The video's length is ``frames`` / ``seconds`` (default: the model's)."""
+        body, uploads = await read_body(request, EditBody, files=("image", "mask"))
+        if server.image_kind is None:
+            other = "POST /v1/videos" if server.kind == "video" else "POST /v1/images/generations"
+            raise BadRequest("model", f"this model takes no reference image (it is not image-to-video): {other} "
+                                      f"without one")
+        if "mask" in uploads or body.mask is not None:
+            raise BadRequest("mask", REFUSED["mask"])
+        if body.input_reference is not None:
+            raise BadRequest("input_reference", "POST /v1/images/edits takes the image as image (a file, or base64)")
+        ignored = unknown_fields(body, "/v1/images/edits")
+        job = submit(body, "video", reference=("image", uploads.get("image")), last_frame=True)
+        return warned(await image_answer(job, body, request), ignored)
+
+    @app.post("/v1/videos", openapi_extra=json_body(VideoBody))
+    async def videos(request: Request):
+        body, uploads = await read_body(request, VideoBody, files=("input_reference",))
         if server.kind != "video":
             raise BadRequest("model", "this model generates images: POST /v1/images/generations")
         if "response_format" in body.model_fields_set:  # inherited from images; a video is a job, not a reply
             raise BadRequest("response_format", "a video is a job: leave response_format out and fetch the MP4 from "
                                                 "GET /v1/videos/{id}/content once it is completed")
-        return submit(body, "video").describe()
+        if body.input_reference is not None:  # a JSON value, or a form's text: OpenAI's {image_url} / {file_id}
+            raise BadRequest("input_reference", "input_reference is the first frame as an uploaded file (a "
+                                                "multipart/form-data request: OpenAI's SDK sends one for "
+                                                "input_reference=open(path, 'rb')); nothing is fetched from a URL or "
+                                                "a file id; in JSON, give the image as base64 in image")
+        ignored = unknown_fields(body, "/v1/videos")
+        job = submit(body, "video", reference=("input_reference", uploads.get("input_reference")))
+        return warned(JSONResponse(job.describe()), ignored)
+
+    @app.get("/v1/videos")
+    async def list_videos(after: str | None = None, limit: int = 20, order: Literal["asc", "desc"] = "desc"):
+        """OpenAI's paged list: the video jobs still known (the newest ``keep_files`` finished ones and every
+        unfinished one), newest first by default; the next page starts ``after`` the last id of this one."""
+        bounded("limit", limit, 1, MAX_LIST)
+        jobs = [job for job in server.queue.jobs() if job.is_video]
+        if order == "desc":
+            jobs.reverse()
+        if after is not None:
+            ids = [job.id for job in jobs]
+            if after not in ids:
+                raise BadRequest("after", f"after={after[:100]!r} is not a video job this server still knows (the "
+                                          f"oldest finished ones are forgotten past keep_files); list from the start",
+                                 status=404)
+            jobs = jobs[ids.index(after) + 1:]
+        page = jobs[:limit]
+        return {"object": "list", "data": [job.describe() for job in page],
+                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+                "has_more": len(jobs) > limit}
 
     @app.get("/v1/videos/{job_id}")
     async def video(job_id: str):
         return known(job_id).describe()
 
     @app.get("/v1/videos/{job_id}/content")
-    async def content(job_id: str, index: int = 0):
+    async def content(job_id: str, index: int = 0, variant: Literal["video"] = "video"):
+        # variant: OpenAI's thumbnail and spritesheet are not made (a 400 naming variant)
         job = known(job_id)
         if job.status != COMPLETED:
             raise BadRequest("id", f"job {job_id} is {job.status}, not completed", status=409)
@@ -298,10 +398,11 @@ def create_app(server) -> FastAPI:
             raise BadRequest("id", f"no job {job_id!r}", status=404)
         return job
 
-    def submit(body: ImageBody, kind: str) -> Job:
+    def submit(body: ImageBody, kind: str, reference: tuple[str, bytes | None] = ("image", None),
+               last_frame: bool = False) -> Job:
         if server.state != "ok":
             raise BadRequest(None, f"the server is {server.state}", status=503)
-        request = sample_request(body, kind, server)
+        request = sample_request(body, kind, server, reference=reference, last_frame=last_frame)
         try:
             return server.queue.submit(Job(request))
         except QueueFull as full:
@@ -309,7 +410,109 @@ def create_app(server) -> FastAPI:
         except ShuttingDown as down:
             raise BadRequest(None, str(down), status=503) from None
 
+    async def image_answer(job: Job, body: ImageBody, request: Request):
+        """OpenAI's images answer once ``job`` is done: each PNG as base64, or its URL."""
+        await finished(job, server.queue, settings.request_timeout_s)
+        if job.status != COMPLETED:
+            return error(job.error_code if job.error_code >= 400 else 500, job.error or job.status, kind="job_error")
+        data = []
+        for file in job.files:
+            if body.response_format == "url":
+                data.append({"url": str(request.base_url) + f"v1/files/{file.name}"})
+            else:
+                data.append({"b64_json": base64.b64encode(file.read_bytes()).decode()})
+        return JSONResponse({"created": int(job.created), "data": data, "id": job.id, "seed": job.request.seed})
+
     return app
+
+
+def json_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI description of an endpoint that reads its body itself (JSON, or multipart/form-data)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+async def read_body(request: Request, model: type[ImageBody], files: tuple[str, ...]):
+    """The body as ``model`` and its uploaded files (field -> bytes): a JSON object, or multipart/form-data whose
+    text fields are read as the JSON fields' types and whose files may only be ``files``."""
+    uploads: dict[str, bytes] = {}
+    try:
+        if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+            data, uploads = await form_fields(request, model, files)
+            return model.model_validate(data), uploads
+        return model.model_validate_json(await request.body()), uploads
+    except ValidationError as problem:  # as FastAPI reports a body it validated: the invalid() handler names it
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in problem.errors()]) from None
+
+
+async def form_fields(request: Request, model: type[ImageBody], files: tuple[str, ...]):
+    from starlette.datastructures import UploadFile
+
+    try:
+        form = await request.form(max_files=len(files), max_fields=64, max_part_size=MAX_BODY_BYTES)
+    except StarletteHTTPException as problem:
+        if problem.status_code != 400:
+            raise  # 413: the BodyLimit
+        raise BadRequest(None, f"the multipart/form-data body cannot be read ({problem.detail}); at most "
+                               f"{len(files)} file(s): {', '.join(files)}") from None
+    data, uploads = {}, {}
+    for key in dict.fromkeys(form.keys()):
+        values = form.getlist(key)
+        name = key.removesuffix("[]")  # OpenAI's SDK sends a list as image[]
+        base = name.partition("[")[0]  # and an object as input_reference[image_url]
+        if len(values) > 1 or name in data or name in uploads:
+            raise BadRequest(name, f"{name} is given {len(values)} times; give it once")
+        value = values[0]
+        if base in files and (name != base or isinstance(value, str)):
+            data[base] = value  # text (a URL, a file id): refused by its endpoint, by name
+            continue
+        if isinstance(value, UploadFile):
+            if name not in files:
+                raise BadRequest(name, f"{name} is a file; the files this endpoint takes: {', '.join(files)}")
+            raw = await value.read(MAX_IMAGE_BYTES + 1)
+            if len(raw) > MAX_IMAGE_BYTES:
+                raise BadRequest(name, f"{name}: more than {MAX_IMAGE_BYTES // 2**20} MiB")
+            uploads[name] = raw
+            continue
+        data[name] = form_value(name, value, model)
+    return data, uploads
+
+
+def form_value(name: str, text: str, model: type[ImageBody]):
+    """A multipart field's text as its JSON field's type: ASCII digits for an integer, a decimal for a number."""
+    field = model.model_fields.get(name)
+    types = typing.get_args(field.annotation) or (field.annotation,) if field is not None else (str,)
+    if float in types:
+        if DECIMAL.fullmatch(text) is None:
+            raise BadRequest(name, f"{name}={text[:100]!r} is not a number")
+        return float(text)
+    if int in types:
+        if INTEGER.fullmatch(text) is None:
+            raise BadRequest(name, f"{name}={text[:100]!r} is not an integer (ASCII digits)")
+        return int(text)
+    return text
+
+
+def unknown_fields(body: ImageBody, endpoint: str) -> list[str]:
+    """The fields of ``body`` the endpoint does not know: OpenAI's that ringdit ignores (returned, for the headers);
+    any other is a 400 naming it."""
+    ignored = []
+    for name, value in (body.model_extra or {}).items():
+        if name == "stream" and value not in (False, "false", None):
+            raise BadRequest(name, REFUSED["stream"])
+        if name not in OPENAI_IGNORED[endpoint]:
+            raise BadRequest(name[:200], f"{name[:200]}: not a field of POST {endpoint} (misspelt?); its fields are "
+                                         f"{', '.join(sorted(type(body).model_fields))}")
+        ignored.append(name)
+    return ignored
+
+
+def warned(response: Response, ignored: list[str]) -> Response:
+    """``response`` with the OpenAI fields it ignored named in its headers (they are ASCII: ``OPENAI_IGNORED``)."""
+    if ignored and response.status_code < 400:
+        names = ", ".join(ignored)
+        response.headers["X-Ringdit-Ignored-Fields"] = names
+        response.headers["Warning"] = f'299 ringdit "ignored OpenAI fields ringdit has no use for: {names}"'
+    return response
 
 
 async def finished(job: Job, queue, timeout: float) -> None:
@@ -324,8 +527,10 @@ async def finished(job: Job, queue, timeout: float) -> None:
         await asyncio.sleep(0.02)
 
 
-def sample_request(body: ImageBody, kind: str, server) -> SampleRequest:
-    """``body`` checked against the model and the server's bounds (``BadRequest`` naming the field)."""
+def sample_request(body: ImageBody, kind: str, server, reference: tuple[str, bytes | None] = ("image", None),
+                   last_frame: bool = False) -> SampleRequest:
+    """``body`` checked against the model and the server's bounds (``BadRequest`` naming the field); ``reference``:
+    (its field, the uploaded first frame or None)."""
     settings, spec = server.settings, server.spec
     bounded("n", body.n, 1, settings.max_n)
     steps = spec.sampling["steps"] if body.steps is None else body.steps
@@ -341,9 +546,18 @@ def sample_request(body: ImageBody, kind: str, server) -> SampleRequest:
     default_size, default_frames = spec.sizes.user_size(spec.shape)
     size = parse_size(body.size) if body.size is not None else tuple(default_size)
     frames = getattr(body, "frames", None)
+    fps = spec.output.fps
     if kind == "video":
+        most = settings.max_frames or default_frames
+        seconds = getattr(body, "seconds", None)
+        if seconds is not None:
+            timed = frames_for(seconds, fps, spec.sizes, most)
+            if frames is not None and frames != timed:
+                raise BadRequest("seconds", f"seconds={seconds} is {timed} frames at {fps} fps, but frames={frames}: "
+                                            f"give one of seconds and frames")
+            frames = timed
         frames = default_frames if frames is None else frames
-        bounded("frames", frames, 1, settings.max_frames or default_frames)
+        bounded("frames", frames, 1, most)
     if size[0] * size[1] > (settings.max_pixels or default_size[0] * default_size[1]):
         raise BadRequest("size", f"size={body.size}: {size[0] * size[1]} pixels, more than the "
                                  f"{settings.max_pixels or default_size[0] * default_size[1]} this server allows "
@@ -394,11 +608,53 @@ def sample_request(body: ImageBody, kind: str, server) -> SampleRequest:
         cache = (body.cache, float(threshold))
     if body.cache_threshold is not None and not 0 <= body.cache_threshold <= 10:
         raise BadRequest("cache_threshold", f"cache_threshold={body.cache_threshold} must be in [0, 10]")
-    image = first_frame(getattr(body, "image", None), server, size)
+    field, upload = reference
+    given = getattr(body, "image", None)
+    if upload is not None and given is not None:
+        raise BadRequest(field, f"the first frame is given twice: as {field} and as image; give one")
+    image = first_frame(upload, server, size, field) if upload is not None else first_frame(given, server, size)
     return SampleRequest(kind=kind, prompt=prompt, n=body.n, seed=seed, shape=tuple(shape), size=size,
                          frames=frames, steps=steps, cfg_scale=float(cfg_scale),
                          negative_prompt=body.negative_prompt or None, lora=lora,
-                         lora_scale=float(body.lora_scale), cache=cache, image=image)
+                         lora_scale=float(body.lora_scale), cache=cache, image=image, last_frame=last_frame,
+                         fps=fps if kind == "video" else None, model=server.model_name)
+
+
+def parse_seconds(value) -> float:
+    """``seconds``: a positive finite number, or its text in ASCII ("4", "2.5": OpenAI's SDK sends text)."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str) and DECIMAL.fullmatch(value.strip()):
+        number = float(value)
+    if number is None or not (math.isfinite(number) and number > 0):
+        raise BadRequest("seconds", f"seconds={str(value)[:100]!r} is not a positive number of seconds, e.g. \"4\" "
+                                    f"or 2.5")
+    return number
+
+
+def frames_for(value, fps: int | None, sizes, most: int) -> int:
+    """``seconds`` as video frames at ``fps`` (the MP4's rate): the nearest frame count the model takes (Wan: 1 + 4k,
+    so 4 s at 16 fps is 65 frames, 4.06 s), ties to the longer; a ``BadRequest`` naming seconds past ``most``."""
+    seconds = parse_seconds(value)
+    if not fps:
+        raise BadRequest("seconds", "this model's videos have no frame rate: give frames instead of seconds")
+    target = seconds * fps
+    step = sizes.temporal * (sizes.patch[0] if len(sizes.patch) == 3 else 1) * max(sizes.frame_pad, 1)
+    if target > most + step:  # before searching: seconds=1e300 is not a loop of 1e300 tries
+        raise BadRequest("seconds", f"seconds={value}: {math.ceil(target)} frames at {fps} fps, more than the {most} "
+                                    f"this server makes (max_frames): at most {most / fps:.4g} seconds")
+    valid = []
+    for frames in range(max(1, math.floor(target) - step), min(math.ceil(target) + step, most) + 1):
+        try:
+            sizes.shape(None, frames)
+            valid.append(frames)
+        except ConfigError:
+            continue
+    if not valid:
+        raise BadRequest("seconds", f"seconds={value}: no frame count the model takes is near {target:.4g} frames "
+                                    f"({fps} fps) within max_frames={most}; give frames")
+    return min(valid, key=lambda frames: (abs(frames - target), -frames))
 
 
 def media_type(name: str) -> str:
@@ -419,31 +675,36 @@ def parse_size(size: str) -> tuple[int, int]:
     return height, width
 
 
-def first_frame(data: str | None, server, size: tuple[int, int]):
-    """The base64 first frame of an image-to-video request as an upright RGB PIL image of the samples' ratio."""
+def first_frame(data: str | bytes | None, server, size: tuple[int, int], field: str = "image"):
+    """The first frame of an image-to-video request -- base64 text (``image``), or the bytes of an uploaded file
+    (``field``) -- as an upright RGB PIL image of the samples' ratio."""
     from PIL import Image, ImageOps
 
     needs = server.image_kind is not None
     if data is None:
         if needs:
-            raise BadRequest("image", "this model is image-to-video: give the first frame as base64 in image")
+            raise BadRequest(field, f"this model is image-to-video: give the first frame as base64 in image (or upload "
+                                    f"it as the file {'input_reference' if field == 'image' else field})")
         return None
     if not needs:
-        raise BadRequest("image", "this model takes no image (it is not image-to-video)")
-    if data.startswith("data:"):
-        data = data.partition(",")[2]
-    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-        raise BadRequest("image", f"image: more than {MAX_IMAGE_BYTES // 2**20} MiB")
+        raise BadRequest(field, "this model takes no image (it is not image-to-video)")
+    if isinstance(data, str):
+        if data.startswith("data:"):
+            data = data.partition(",")[2]
+        if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+            raise BadRequest(field, f"{field}: more than {MAX_IMAGE_BYTES // 2**20} MiB")
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest(field, f"{field} is not base64") from None
     try:
-        raw = base64.b64decode(data, validate=True)
-        with Image.open(io.BytesIO(raw)) as opened:
+        with Image.open(io.BytesIO(data)) as opened:
             picture = ImageOps.exif_transpose(opened).convert("RGB")
-    except (binascii.Error, ValueError):
-        raise BadRequest("image", "image is not base64") from None
     except Exception as problem:  # noqa: BLE001 - Pillow's many failures (a decompression bomb included)
-        raise BadRequest("image", f"image is not a readable image ({type(problem).__name__})") from None
+        raise BadRequest(field, f"{field} is not a readable image ({type(problem).__name__}); give a PNG, JPEG or "
+                                f"WebP file") from None
     height, width = size
     if abs(picture.width * height - picture.height * width) >= max(height, width):
-        raise BadRequest("image", f"image is {picture.width}x{picture.height} but the samples are {width}x{height}: "
-                                  f"crop it to that aspect ratio (nothing is cropped for you)")
+        raise BadRequest(field, f"{field} is {picture.width}x{picture.height} but the samples are {width}x{height}: "
+                                f"crop it to that aspect ratio (nothing is cropped for you)")
     return picture

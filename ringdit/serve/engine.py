@@ -221,6 +221,7 @@ class Engine:
         for job in self._running:
             job.total_evaluations = total
         samples = None
+        began = time.monotonic()
         try:
             with self.adapters.applied(command["lora"], command["lora_scale"]), self._watching(module):
                 samples = module.generate(command["condition"], command["seeds"], negative=command["negative"],
@@ -237,6 +238,9 @@ class Engine:
             try:
                 self.rank0.deliver(self._running, command, samples, module)
             finally:
+                if self.queue.metrics is not None and self._running:
+                    self.queue.metrics.batch_seconds.labels(self._running[0].request.kind).observe(
+                        time.monotonic() - began)
                 self._running = []
         return {}
 
@@ -372,7 +376,9 @@ class Rank0:
     def write(self, job: Job, index: int, pixels) -> Path:
         from ringdit.atomic import atomic_write
 
-        if pixels.ndim == 4:  # (T, H, W, C): a video
+        if pixels.ndim == 4 and job.request.last_frame:  # an image edit (POST /v1/images/edits): the video's end
+            pixels = pixels[-1]
+        elif pixels.ndim == 4:  # (T, H, W, C): a video
             from ringdit.media.writing import write_mp4
 
             path = self.files_dir / f"{job.id}-{index}.mp4"

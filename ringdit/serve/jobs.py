@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
 FINISHED = (COMPLETED, FAILED, CANCELLED)
@@ -46,6 +46,9 @@ class SampleRequest:
     lora_scale: float = 1.0
     cache: tuple[str, float] | None = None  # (kind, threshold)
     image: Any = None                # image-to-video: the first frame, a PIL image
+    last_frame: bool = False         # POST /v1/images/edits: a video whose last frame is written, as a PNG
+    fps: int | None = None           # a video's frames per second (its MP4's): the job reports frames / fps seconds
+    model: str = ""                  # the served model's name, as GET /v1/models lists it
 
     @property
     def key(self) -> tuple:
@@ -66,7 +69,10 @@ class Job:
     error_code: int = 500
     files: list[Path] = field(default_factory=list)
     cancel_requested: bool = False
+    started: float | None = None     # when its batch started
+    finished: float | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    on_finish: Callable[[Job], None] | None = field(default=None, repr=False)  # the server's metrics
 
     @property
     def progress(self) -> int:
@@ -79,18 +85,32 @@ class Job:
         if self.status in FINISHED:
             return
         self.status, self.error, self.error_code = status, error, code
+        self.finished = time.time()
+        if self.on_finish is not None:
+            self.on_finish(self)
         self.done.set()
 
+    @property
+    def is_video(self) -> bool:
+        """A job of ``POST /v1/videos`` (an image edit samples a video too, but answers with its last frame)."""
+        return self.request.kind == "video" and not self.request.last_frame
+
     def describe(self) -> dict:
+        """The job as OpenAI's Video object (id, object, status, progress, created_at, completed_at, model, size,
+        seconds, prompt, error) plus ringdit's own (step, steps, n, seed, frames)."""
         request = self.request
         steps = request.steps
-        described = {"id": self.id, "object": "video" if request.kind == "video" else "image.generation",
+        described = {"id": self.id, "object": "video" if self.is_video else "image.generation",
                      "status": self.status, "created_at": int(self.created), "progress": self.progress,
+                     "completed_at": int(self.finished) if self.status == COMPLETED else None,
+                     "model": request.model, "prompt": request.prompt,
                      "step": min(steps, round(steps * self.evaluations / max(1, self.total_evaluations)))
                      if self.status != COMPLETED else steps, "steps": steps,
                      "size": f"{request.size[1]}x{request.size[0]}", "n": request.n, "seed": request.seed}
         if request.frames is not None:
             described["frames"] = request.frames
+            if request.fps:  # the MP4's length (OpenAI's seconds is a string: "4")
+                described["seconds"] = f"{request.frames / request.fps:.4g}"
         if self.error:
             described["error"] = {"message": self.error}
         return described
@@ -99,8 +119,9 @@ class Job:
 class JobQueue:
     """Bounded FIFO of waiting jobs plus every job still known by id (finished ones until ``keep`` newer exist)."""
 
-    def __init__(self, size: int, max_batch: int, batch_wait_s: float, keep: int = 256):
+    def __init__(self, size: int, max_batch: int, batch_wait_s: float, keep: int = 256, metrics=None):
         self.size, self.max_batch, self.batch_wait_s, self.keep = size, max_batch, batch_wait_s, keep
+        self.metrics = metrics  # ringdit.serve.metrics.Metrics, or None
         self._waiting: list[Job] = []
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._lock = threading.Condition()
@@ -112,6 +133,8 @@ class JobQueue:
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.size:
                 raise QueueFull(f"{len(self._waiting)} jobs are waiting (queue_size={self.size}); retry later")
+            if self.metrics is not None:
+                job.on_finish = self.metrics.job_finished
             self._waiting.append(job)
             self._jobs[job.id] = job
             self._forget_old()
@@ -121,6 +144,11 @@ class JobQueue:
     def get(self, job_id: str) -> Job | None:
         with self._lock:
             return self._jobs.get(job_id)
+
+    def jobs(self) -> list[Job]:
+        """Every job still known, oldest first."""
+        with self._lock:
+            return list(self._jobs.values())
 
     def naming(self, lora: str) -> list[Job]:
         """The unfinished (waiting or running) jobs that sample with adapter ``lora``."""
@@ -160,8 +188,11 @@ class JobQueue:
                     batch.append(job)
                     samples += job.request.n
                     self._waiting.remove(job)
+            now = time.time()
             for job in batch:
-                job.status = RUNNING
+                job.status, job.started = RUNNING, now
+                if self.metrics is not None:
+                    self.metrics.job_started(job)
             return batch
 
     def _fits(self) -> int:
@@ -191,6 +222,11 @@ class JobQueue:
     def waiting(self) -> int:
         with self._lock:
             return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return sum(job.status == RUNNING for job in self._jobs.values())
 
     def _forget_old(self) -> None:
         finished = [job_id for job_id, job in self._jobs.items() if job.status in FINISHED]
