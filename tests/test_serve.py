@@ -4,7 +4,9 @@ A one-process server of the tiny DiT runs in this process (its sampling loop in 
 for the same seeds, batching (model forwards counted) changes no sample, the API key, bad requests, run-time LoRA
 (load, swap, unload: exactly the base merged with the adapter). A tiny Wan 2.2 TI2V (text encoder, VAE, image-to-video)
 is served at ring 2 by ``python -m ringdit.serve`` as a user starts it: its videos equal infer.py's, a job is
-cancelled, SIGTERM drains. A ring-2 DiT server whose rank is killed answers 503 and exits non-zero.
+cancelled, SIGTERM drains. A ring-2 DiT server whose rank is killed answers 503 and exits non-zero. OpenAI's own
+client (``openai``) drives both in this process (issue 55): images, videos from ``seconds`` and an uploaded
+``input_reference``, the paged video list, image edits, and ``/metrics`` read by Prometheus' parser.
 """
 
 from __future__ import annotations
