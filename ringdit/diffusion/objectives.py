@@ -5,7 +5,9 @@ every rank of a sequence-parallel group draws the same t and noise).
 
 - ``FlowMatching`` (rectified flow, the default): ``x_t = (1 - t) x0 + t noise``, target velocity
   ``noise - x0``, t uniform or logit-normal in (0, 1), optionally shifted towards noise for large resolutions
-  (SD3's ``t' = s t / (1 + (s - 1) t)``). The model sees ``1000 t``.
+  (SD3's ``t' = s t / (1 + (s - 1) t)``, or Flux's / Qwen-Image's dynamic shift of each sample's token count),
+  optionally restricted to ``[min_time, max_time]``, its loss optionally weighted by time (DiffSynth-Studio's
+  weighting). The model sees ``1000 t``.
 - ``DDPM``: epsilon prediction on the original DiT's linear beta schedule (1e-4 .. 0.02, 1000 steps), so original
   DiT checkpoints can be fine-tuned. The model sees the integer step. A model with a learned variance (the DiT's
   ``learn_sigma``) also learns it with the original's variational-bound term (``vb_bits``, ``learn_variance``).
@@ -18,6 +20,7 @@ every rank of a sequence-parallel group draws the same t and noise).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,24 +41,107 @@ def shift_time(t: Tensor, shift: float) -> Tensor:
     return t if shift == 1.0 else shift * t / (1 + (shift - 1) * t)
 
 
-def resolution_shift(tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_shift: float = 0.5,
-                     max_shift: float = 1.15, empirical_mu_steps: int | None = None, steps: int | None = None) -> float:
-    """Flux's resolution-dependent shift for ``tokens`` image tokens: ``exp(mu)`` with mu linear in the token count
-    (FluxPipeline's ``calculate_shift`` + exponential time shift, which is ``shift_time`` with shift = exp(mu)).
+def resolution_mu(tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_shift: float = 0.5,
+                  max_shift: float = 1.15, empirical_mu_steps: int | None = None, steps: int | None = None,
+                  time_shift_type: str = "exponential") -> float:
+    """The dynamic shift's ``mu`` for ``tokens`` image tokens: FluxPipeline's / QwenImagePipeline's
+    ``calculate_shift(tokens, base_tokens, max_tokens, base_shift, max_shift)`` in its own arithmetic (so that it is
+    the pipelines' number to the last bit), with their scheduler config's ``base_image_seq_len``,
+    ``max_image_seq_len``, ``base_shift``, ``max_shift``.
 
     ``empirical_mu_steps``: Flux.2's rule instead (the other constants unused): Flux2Pipeline's
     ``compute_empirical_mu(tokens, steps)``, imported from diffusers, whose mu depends on the sampler's ``steps``
-    too; training, which has no steps, takes it at ``empirical_mu_steps``."""
+    too; training, which has no steps, takes it at ``empirical_mu_steps``. (``time_shift_type``: how the scheduler
+    applies mu, ``dynamic_shift_time``; unused here.)"""
     if empirical_mu_steps is not None:
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-        return math.exp(compute_empirical_mu(image_seq_len=tokens, num_steps=steps or empirical_mu_steps))
-    mu = base_shift + (max_shift - base_shift) * (tokens - base_tokens) / (max_tokens - base_tokens)
-    return math.exp(mu)
+        return compute_empirical_mu(image_seq_len=tokens, num_steps=steps or empirical_mu_steps)
+    slope = (max_shift - base_shift) / (max_tokens - base_tokens)
+    return tokens * slope + (base_shift - slope * base_tokens)
 
 
-# resolution_shift's constants: the linear rule's, or Flux.2's step count
-RESOLUTION_SHIFT_KEYS = ("base_tokens", "max_tokens", "base_shift", "max_shift", "empirical_mu_steps")
+def resolution_shift(tokens: int, steps: int | None = None, time_shift_type: str = "exponential",
+                     **constants) -> float:
+    """Flux's resolution-dependent shift for ``tokens`` image tokens as an SD3 shift (``shift_time``'s): ``exp(mu)``
+    of ``resolution_mu`` -- FlowMatchEulerDiscreteScheduler's exponential time shift with ``use_dynamic_shifting``
+    is ``shift_time`` with that shift --, or mu itself for a scheduler whose ``time_shift_type`` is ``linear``."""
+    mu = resolution_mu(tokens, steps=steps, **constants)
+    return math.exp(mu) if time_shift_type == "exponential" else mu
+
+
+def dynamic_shift_time(t: Tensor, mu: float, time_shift_type: str = "exponential") -> Tensor:
+    """t in [0, 1] shifted by ``mu`` as FlowMatchEulerDiscreteScheduler shifts its sigmas with
+    ``use_dynamic_shifting`` (its ``time_shift`` at sigma 1, in its arithmetic): ``e^mu / (e^mu + 1 / t - 1)``, or
+    ``mu / (mu + 1 / t - 1)`` for ``time_shift_type=linear``. (t = 0 stays 0: 1 / 0 is inf.)"""
+    scale = math.exp(mu) if time_shift_type == "exponential" else mu
+    return scale / (scale + (1 / t - 1))
+
+
+# resolution_shift's constants: the linear rule's (with how the scheduler applies mu), or Flux.2's step count
+RESOLUTION_SHIFT_KEYS = ("base_tokens", "max_tokens", "base_shift", "max_shift", "time_shift_type",
+                         "empirical_mu_steps")
+TIME_SHIFT_TYPES = ("exponential", "linear")  # FlowMatchEulerDiscreteScheduler's time_shift_type
+TIME_SAMPLINGS = ("uniform", "logit_normal")
+# diffusion.objective.loss_weighting: none, or DiffSynth-Studio's FlowMatchScheduler.training_weight
+LOSS_WEIGHTINGS = ("none", "diffsynth")
+# the settings FlowMatching takes (diffusion.objective.<key>)
+FLOW_SETTINGS = ("time_sampling", "logit_mean", "logit_std", "shift", "resolution", "min_time", "max_time",
+                 "loss_weighting")
+
+
+def check_flow(settings: dict, setting: str = "diffusion.objective") -> None:
+    """A ConfigError naming the first FlowMatching setting of ``settings`` that cannot work, its value and what to
+    give (``shift`` and ``resolution``: ``ringdit.spec.diffusion``'s checks, which know the model)."""
+    def refuse(key: str, why: str) -> None:
+        raise ConfigError(f"{setting}.{key}={settings.get(key)!r} {why}")
+
+    def number(key: str) -> bool:
+        value = settings.get(key)
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+    for key in sorted(set(settings) - set(FLOW_SETTINGS) - {"_target_"}):
+        refuse(key, f"is not a flow-matching setting; use one of {', '.join(FLOW_SETTINGS)}")
+    if "time_sampling" in settings and settings["time_sampling"] not in TIME_SAMPLINGS:
+        refuse("time_sampling", f"is not one of {', '.join(TIME_SAMPLINGS)}")
+    if "logit_mean" in settings and not number("logit_mean"):
+        refuse("logit_mean", "is not a finite number; give the logit-normal's mean (0.0: centred at t = 0.5)")
+    if "logit_std" in settings and not (number("logit_std") and settings["logit_std"] > 0):
+        refuse("logit_std", "is not a number > 0; give the logit-normal's spread (1.0: SD3's)")
+    for key in ("min_time", "max_time"):
+        if key in settings and not (number(key) and 0 <= settings[key] <= 1):
+            refuse(key, "is not a time in [0, 1] (t = 1 is pure noise; musubi-tuner's min_timestep / max_timestep "
+                        "are 1000 t); give e.g. 0.0 .. 1.0 for no restriction")
+    low, high = settings.get("min_time", 0.0), settings.get("max_time", 1.0)
+    if low >= high:
+        refuse("min_time", f"is not below max_time={high!r}: the training times are drawn in [min_time, max_time]; "
+                           f"give min_time < max_time (swap them, or 0.0 .. 1.0 for all times)")
+    if "loss_weighting" in settings and settings["loss_weighting"] not in LOSS_WEIGHTINGS:
+        refuse("loss_weighting", f"is not one of {', '.join(LOSS_WEIGHTINGS)} (diffsynth: DiffSynth-Studio's "
+                                 f"bell-shaped weight of the time)")
+
+
+@functools.lru_cache(maxsize=64)  # one table per shift: the buckets of a run have a few
+def _diffsynth_table(shift: float) -> tuple[float, float]:
+    """(y_min, sum of y - y_min) over DiffSynth's training table, which ``diffsynth_weight`` normalises by: its 1000
+    training times (``set_timesteps(1000, training=True)``: ``linspace(1, 0, 1001)[:-1]``, shifted)."""
+    bell = _diffsynth_bell(shift_time(torch.linspace(1, 0, 1001, dtype=torch.float64)[:-1], shift))
+    return float(bell.min()), float((bell - bell.min()).sum())
+
+
+def _diffsynth_bell(t: Tensor) -> Tensor:
+    """DiffSynth's ``exp(-2 ((x - 1000 / 2) / 1000)^2)`` of its timestep x = 1000 t."""
+    return torch.exp(-2 * ((t * 1000 - 1000 / 2) / 1000) ** 2)
+
+
+def diffsynth_weight(t: Tensor, shift: float) -> Tensor:
+    """DiffSynth-Studio's flow-loss weight of time t (``FlowMatchScheduler.training_weight``, a bell centred on
+    t = 0.5): ``(y(t) - y_min) * (1000 / sum_i (y(t_i) - y_min))`` over its 1000 training times t_i (shifted by the
+    sample's ``shift``), so that the weights of its training table average 1; y_min is the table's, at t = 1 (the
+    time farthest from 0.5), where the weight is 0. DiffSynth looks the weight up at the table's time nearest to its
+    (discrete) time; ringdit's times are continuous, so the formula is evaluated at t itself."""
+    low, total = _diffsynth_table(float(shift))
+    return (_diffsynth_bell(t) - low) * (1000 / total)
 
 
 class FlowMatching:
@@ -63,13 +149,19 @@ class FlowMatching:
     samplers = ("euler", "heun", "fewstep")
 
     def __init__(self, time_sampling: str = "logit_normal", logit_mean: float = 0.0, logit_std: float = 1.0,
-                 shift: float | str = 1.0, resolution: dict | None = None):
-        """``shift``: a number, or ``"resolution"`` (Flux's): ``resolution_shift`` of each sample's token count, so
+                 shift: float | str = 1.0, resolution: dict | None = None, min_time: float = 0.0,
+                 max_time: float = 1.0, loss_weighting: str = "none"):
+        """``shift``: a number, or ``"resolution"`` (Flux's): ``resolution_mu`` of each sample's token count, so
         every bucket of a mixed-resolution set is shifted for its own size. ``resolution``: that shift's constants
-        (``resolution_shift``'s keywords) where a model's pipeline has its own (LTX-Video's, Flux.2's); None: Flux's."""
-        if time_sampling not in ("uniform", "logit_normal"):
-            raise ValueError(f"time_sampling must be 'uniform' or 'logit_normal', got {time_sampling!r}")
-        if shift != "resolution" and (isinstance(shift, str) or shift <= 0):
+        (``resolution_mu``'s keywords) where a model's pipeline has its own (LTX-Video's, Qwen-Image's, a pipeline
+        folder's scheduler config, Flux.2's rule); None: Flux's.
+
+        ``min_time`` / ``max_time``: the training times are the distribution's restricted to that range (its
+        quantiles there: no draw is rejected, the shape within the range is kept). ``loss_weighting``: ``none``, or
+        ``diffsynth`` (``diffsynth_weight`` of each sample's time, ``loss_weight``)."""
+        check_flow({"time_sampling": time_sampling, "logit_mean": logit_mean, "logit_std": logit_std,
+                    "min_time": min_time, "max_time": max_time, "loss_weighting": loss_weighting})
+        if shift != "resolution" and (isinstance(shift, (str, bool)) or not shift > 0):
             raise ValueError(f"shift must be > 0 or 'resolution', got {shift!r}")
         self.resolution = dict(resolution or {})
         unknown = sorted(set(self.resolution) - set(RESOLUTION_SHIFT_KEYS))
@@ -80,34 +172,68 @@ class FlowMatching:
                                   or len(self.resolution) > 1):
             raise ValueError(f"resolution's empirical_mu_steps is a step count >= 1 without the linear rule's "
                              f"constants, got {self.resolution}")
+        if self.resolution.get("time_shift_type", "exponential") not in TIME_SHIFT_TYPES:
+            raise ValueError(f"resolution's time_shift_type is one of {TIME_SHIFT_TYPES}, got {self.resolution}")
         self.time_sampling, self.logit_mean, self.logit_std, self.shift = time_sampling, logit_mean, logit_std, shift
+        self.min_time, self.max_time, self.loss_weighting = float(min_time), float(max_time), loss_weighting
 
     def shift_for(self, tokens: int | None) -> float:
-        """The time shift of a sample of ``tokens`` model tokens."""
+        """The time shift of a sample of ``tokens`` model tokens (as an SD3 shift, ``shift_time``'s)."""
         if self.shift != "resolution":
             return self.shift
         if tokens is None:
             raise ValueError("shift='resolution' needs the sample's token count")
         return resolution_shift(tokens, **self.resolution)
 
+    def shifted(self, t: Tensor, tokens: int | None) -> Tensor:
+        """Unshifted times ``t`` moved by the shift of samples of ``tokens`` tokens: ``shift_time``, or for
+        ``shift=resolution`` the scheduler's dynamic shift of ``resolution_mu`` in its own arithmetic
+        (``dynamic_shift_time``), so that the times are the pipelines' to the last bit."""
+        if self.shift != "resolution":
+            return shift_time(t, self.shift)
+        if tokens is None:
+            raise ValueError("shift='resolution' needs the sample's token count")
+        return dynamic_shift_time(t, resolution_mu(tokens, **self.resolution),
+                                  self.resolution.get("time_shift_type", "exponential"))
+
+    def time_range(self, within: tuple[float, float] | None = None) -> tuple[float, float]:
+        """The range training times are drawn in: ``[min_time, max_time]``, within ``within`` (an expert's)."""
+        if within is None:
+            return self.min_time, self.max_time
+        low, high = max(self.min_time, within[0]), min(self.max_time, within[1])
+        if low >= high:
+            raise ValueError(f"the times {within} lie outside min_time={self.min_time} .. max_time={self.max_time}")
+        return low, high
+
     def sample_time(self, batch: int, generator: torch.Generator, tokens: int | None = None,
                     within: tuple[float, float] | None = None) -> Tensor:
-        """(B,) training times in (0, 1) for samples of ``tokens`` tokens (used by ``shift='resolution'``).
-        ``within``: ``(low, high)``, times from the same distribution restricted to that range (by inverting its
-        CDF, so no draw is rejected): a two-expert model's expert trains on its own range of times."""
-        if within is not None:
-            low, high = (self.cumulative(end, tokens) for end in within)
-            quantile = low + (high - low) * torch.rand(batch, generator=generator, dtype=torch.float64)
-            return self._time_at(quantile, tokens).float().clamp(*within)
+        """(B,) training times in (0, 1) for samples of ``tokens`` tokens (used by ``shift='resolution'``), from
+        ``generator`` alone (a sample's own: the same times whatever the rank layout). Restricted to ``min_time`` ..
+        ``max_time`` and to ``within``, ``(low, high)`` (a two-expert model's expert trains on its own range of
+        times): the same distribution's times in that range, by inverting its CDF, so no draw is rejected."""
+        low, high = self.time_range(within)
+        if (low, high) != (0.0, 1.0):
+            start, end = (self._cumulative(edge, tokens) for edge in (low, high))
+            quantile = start + (end - start) * torch.rand(batch, generator=generator, dtype=torch.float64)
+            return self._time_at(quantile, tokens).float().clamp(low, high)
         if self.time_sampling == "uniform":
             t = torch.rand(batch, generator=generator, dtype=torch.float32)  # float32 whatever the default dtype:
         else:  # the same times in every precision (Lightning's 64-true makes float64 the default)
             t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(batch, generator=generator,
                                                                              dtype=torch.float32))
-        return shift_time(t, self.shift_for(tokens))
+        return self.shifted(t, tokens)
 
     def cumulative(self, t: float, tokens: int | None = None) -> float:
-        """P(a training time <= t): the distribution ``sample_time`` draws from, for samples of ``tokens``."""
+        """P(a training time <= t): the distribution ``sample_time`` draws from (restricted to ``min_time`` ..
+        ``max_time``), for samples of ``tokens``."""
+        if (self.min_time, self.max_time) == (0.0, 1.0):
+            return self._cumulative(t, tokens)
+        start, end = (self._cumulative(edge, tokens) for edge in (self.min_time, self.max_time))
+        inside = self._cumulative(min(max(t, self.min_time), self.max_time), tokens)
+        return (inside - start) / (end - start)
+
+    def _cumulative(self, t: float, tokens: int | None = None) -> float:
+        """P(a time <= t) before the restriction to ``min_time`` .. ``max_time``."""
         shift = self.shift_for(tokens)
         unshifted = torch.tensor(t / (shift - (shift - 1) * t), dtype=torch.float64)  # shift_time's inverse
         if self.time_sampling == "uniform":
@@ -115,10 +241,16 @@ class FlowMatching:
         return float(torch.special.ndtr((torch.logit(unshifted) - self.logit_mean) / self.logit_std))
 
     def _time_at(self, quantile: Tensor, tokens: int | None) -> Tensor:
-        """The training time whose ``cumulative`` is ``quantile`` (float64)."""
+        """The training time whose ``_cumulative`` is ``quantile`` (float64)."""
         unshifted = quantile if self.time_sampling == "uniform" else \
             torch.sigmoid(self.logit_mean + self.logit_std * torch.special.ndtri(quantile))
-        return shift_time(unshifted, self.shift_for(tokens))
+        return self.shifted(unshifted, tokens)
+
+    def loss_weight(self, t: Tensor, tokens: int | None = None) -> Tensor | None:
+        """(B,) weights of the samples' losses at times ``t`` (``loss_weighting``); None: unweighted."""
+        if self.loss_weighting == "none":
+            return None
+        return diffsynth_weight(t.double(), self.shift_for(tokens)).to(t.dtype)
 
     def add_noise(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
         t = _broadcast(t, x0)

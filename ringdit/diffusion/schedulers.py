@@ -99,7 +99,8 @@ def scheduler_config(sampler: str, folder_config: dict | None = None, *, shift: 
     if shift == "resolution":
         if not config.get("use_dynamic_shifting"):  # the folder's constants where it has them: its pipeline's
             constants = resolution or {}
-            config.update(use_dynamic_shifting=True, time_shift_type="exponential")
+            config.update(use_dynamic_shifting=True,
+                          time_shift_type=constants.get("time_shift_type", "exponential"))
             for key in ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift"):  # the linear rule's
                 source = {"base_image_seq_len": "base_tokens", "max_image_seq_len": "max_tokens"}.get(key, key)
                 if source in constants:
@@ -190,14 +191,12 @@ def dynamic_mu(config, tokens: int, steps: int, resolution: dict | None) -> floa
     """The exponent of dynamic shifting for a sample of ``tokens`` model tokens, as the pipelines compute it:
     Flux.2's empirical rule when ``resolution`` holds ``empirical_mu_steps``, else ``calculate_shift`` with the
     scheduler config's constants (FluxPipeline's, LTXPipeline's, QwenImagePipeline's)."""
-    if resolution and "empirical_mu_steps" in resolution:
-        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+    from ringdit.diffusion.objectives import resolution_mu
 
-        return compute_empirical_mu(image_seq_len=tokens, num_steps=steps)
-    base, most = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-    slope = (max_shift - base_shift) / (most - base)  # calculate_shift's arithmetic, in its order
-    return tokens * slope + (base_shift - slope * base)
+    if resolution and "empirical_mu_steps" in resolution:
+        return resolution_mu(tokens, empirical_mu_steps=resolution["empirical_mu_steps"], steps=steps)
+    return resolution_mu(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                         config.get("base_shift", 0.5), config.get("max_shift", 1.15))
 
 
 def set_timesteps(scheduler, steps: int, pipeline: PipelineTimesteps, tokens: int | None,

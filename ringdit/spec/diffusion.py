@@ -17,8 +17,12 @@ log = logging.getLogger(__name__)
 def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tuple[dict, dict]:
     """train.py's (objective, sampling): ``diffusion.objective`` with its shift resolved for ``tokens`` per sample,
     and ``diffusion.sampling`` checked against it and the model, with the preview grids' own cfg_scale too."""
+    from ringdit.diffusion.objectives import check_flow
+
     objective = OmegaConf.to_container(cfg.diffusion.objective, resolve=True)
     sampling = OmegaConf.to_container(cfg.diffusion.sampling, resolve=True)
+    if str(objective.get("_target_")).endswith("FlowMatching"):
+        check_flow(objective)  # its times and loss weighting, before any rank starts
     check_shift("diffusion.sampling.shift", sampling.get("shift"))
     resolve_shift(objective, sampling, tokens, model_config)
     check_sampling(model_config, objective, sampling, prefix="diffusion.sampling.")
@@ -49,7 +53,23 @@ def training_expert(cfg: DictConfig, model_config: dict) -> str | None:
     if not str(OmegaConf.select(cfg, "diffusion.objective._target_")).endswith("FlowMatching"):
         raise ConfigError(f"model.boundary_ratio={model_config['boundary_ratio']}: a two-expert model splits the "
                           f"flow-matching times between its experts; train it with diffusion=flow")
+    check_expert_times(setting or "both", model_config["boundary_ratio"], cfg.diffusion.objective)
     return setting or "both"
+
+
+def check_expert_times(expert: str, boundary: float, objective) -> None:
+    """The expert that trains has times in ``diffusion.objective.min_time`` .. ``max_time`` (``both``: one of them
+    has; the other then never trains)."""
+    from ringdit.diffusion.experts import time_range
+
+    low, high = objective.get("min_time", 0.0), objective.get("max_time", 1.0)
+    for name in ("high", "low") if expert != "both" else ():
+        start, end = time_range(name, boundary)
+        if name == expert and max(low, start) >= min(high, end):
+            other = "low" if name == "high" else "high"
+            raise ConfigError(f"diffusion.expert={name} trains the times {start} .. {end} (model.boundary_ratio), "
+                              f"but diffusion.objective.min_time={low} .. max_time={high} leaves it none; widen "
+                              f"min_time / max_time into that range, or train diffusion.expert={other}")
 
 
 def resolve_shift(objective: dict, sampling: dict, tokens: int, model_config: dict | None = None) -> None:
@@ -68,6 +88,9 @@ def resolve_shift(objective: dict, sampling: dict, tokens: int, model_config: di
 
     if objective.get("resolution") is None and model_config is not None:
         constants = model_class(model_config).sampling_defaults(model_config)["resolution"]
+        folder = folder_resolution(model_config)
+        if folder is not None and (constants is None or "empirical_mu_steps" not in constants):
+            constants = folder  # the pipeline's own (Flux.2's pipeline ignores its folder's: its rule stays)
         if constants is not None:  # kept with the run's objective: infer.py samples with them too
             objective["resolution"] = dict(constants)
     constants, steps = objective.get("resolution") or {}, sampling.get("steps")
@@ -77,6 +100,35 @@ def resolve_shift(objective: dict, sampling: dict, tokens: int, model_config: di
              resolution_shift(tokens, **constants), tokens, sampled)
     if sampling.get("shift") in (None, "resolution"):
         sampling["shift"] = "resolution"
+
+
+# a scheduler config's dynamic-shift keys -> resolution_mu's keywords
+SCHEDULER_SHIFT_KEYS = {"base_image_seq_len": "base_tokens", "max_image_seq_len": "max_tokens",
+                        "base_shift": "base_shift", "max_shift": "max_shift", "time_shift_type": "time_shift_type"}
+
+
+def folder_resolution(model_config: dict) -> dict | None:
+    """The dynamic shift's constants of ``model.pretrained``'s pipeline folder: its
+    ``scheduler/scheduler_config.json``'s, where that scheduler shifts dynamically (``use_dynamic_shifting``: the
+    constants its pipeline's ``calculate_shift`` takes, Qwen-Image's 256 / 8192 / 0.5 / 0.9 ...; those it leaves out
+    are the scheduler class's defaults, Flux's, as ``resolution_mu``'s); None where the model comes from no such
+    folder or its scheduler shifts by a fixed amount. The file is read and checked as ``resolve_scheduler`` reads
+    it."""
+    from pathlib import Path
+
+    from ringdit.diffusion.schedulers import check_scheduler_file
+    from ringdit.safe_json import read_json
+
+    pretrained = model_config.get("pretrained")
+    file = Path(str(pretrained)).expanduser() / "scheduler" / "scheduler_config.json" if pretrained else None
+    if file is None or not file.is_file():
+        return None
+    config = read_json(file, f"model.pretrained's scheduler config {file}", kind=dict,
+                       fix="give the pipeline's scheduler_config.json, or set diffusion.objective.resolution")
+    check_scheduler_file(config, file)
+    if not config.get("use_dynamic_shifting"):
+        return None
+    return {key: config[name] for name, key in SCHEDULER_SHIFT_KEYS.items() if name in config}
 
 
 def check_resolution(resolution) -> None:
@@ -91,6 +143,20 @@ def check_resolution(resolution) -> None:
     if unknown is None or unknown:
         raise ConfigError(f"{setting}={resolution!r} is not a map of resolution_shift's constants "
                           f"({', '.join(RESOLUTION_SHIFT_KEYS)}); give some of them, or null for the model family's")
+    from ringdit.diffusion.objectives import TIME_SHIFT_TYPES
+
+    kind = resolution.get("time_shift_type", "exponential")
+    if kind not in TIME_SHIFT_TYPES:
+        raise ConfigError(f"{setting}.time_shift_type={kind!r} is not one of {', '.join(TIME_SHIFT_TYPES)} (how the "
+                          f"scheduler applies mu: exp(mu) or mu as the shift); give exponential, Flux's")
+    for key in ("base_tokens", "max_tokens", "base_shift", "max_shift"):
+        value = resolution.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{setting}.{key}={value!r} is not a finite number; give the scheduler config's (Flux's "
+                              f"base_tokens 256, max_tokens 4096, base_shift 0.5, max_shift 1.15)")
+    if resolution.get("base_tokens", 256) == resolution.get("max_tokens", 4096):
+        raise ConfigError(f"{setting}: base_tokens and max_tokens are both {resolution.get('max_tokens', 4096)}, so "
+                          f"mu has no slope; give two token counts (Flux's 256 and 4096)")
     steps = resolution.get("empirical_mu_steps")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ConfigError(f"{setting}.empirical_mu_steps={steps!r} is not a number of steps; give a whole number "

@@ -193,6 +193,9 @@ class DiffusionModule(L.LightningModule):
             # terms are means over a sample's elements, so adding them per element gives mse + vb.
             error = error + self.objective.vb_bits(x0.float(), x_t.float(), t, eps, prediction[:, channels:].float())
         # otherwise a learned variance gets no loss: flow matching and DDIM ignore it
+        time_weights = getattr(self.objective, "loss_weight", lambda t, tokens: None)(t, tokens)
+        if time_weights is not None:  # diffusion.objective.loss_weighting: each sample's loss times its time's weight
+            error = error * time_weights.to(error.dtype).reshape(-1, *[1] * (error.dim() - 1))
         weights = model.loss_weights(x0) if hasattr(model, "loss_weights") else None
         if weights is not None:  # image-to-video with a given first frame: the mean over the frames that were noised
             return (error * weights).sum() / weights.expand_as(error).sum()

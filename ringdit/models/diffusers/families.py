@@ -187,6 +187,8 @@ QWENIMAGE = Family(
     latent_channels=lambda config: config["in_channels"] // 4,
     patch_shape=lambda config: (config["patch_size"], config["patch_size"]),
     pipeline_timesteps=PipelineTimesteps(sigmas="to_last"),  # QwenImagePipeline: linspace(1, 1 / steps, steps)
+    # shift=resolution: Qwen-Image's scheduler_config.json (a pipeline folder's own config is read instead)
+    resolution_shift={"base_tokens": 256, "max_tokens": 8192, "base_shift": 0.5, "max_shift": 0.9},
     teacache_input=_qwenimage_modulated,
 )
 
