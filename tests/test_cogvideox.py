@@ -248,7 +248,7 @@ BAD_INPUTS = {
     "CogVideoX 1.0's layout": (
         ["model.config.use_rotary_positional_embeddings=false"],
         r"model.family=cogvideox15 runs the CogVideoX 1.5 layout .*use model=cogvideox15"),
-    "heads do not split": (["ulysses_degree=4"], r"num_heads=2 is not divisible by ulysses_degree=4"),
+    "more Ulysses ranks than heads": (["ulysses_degree=4"], r"ulysses_degree=4 is more than the model's num_heads=2"),
     "epsilon on a zero-SNR schedule": (
         ["diffusion.objective.prediction=epsilon"], r"rescale_zero_snr=True with prediction=epsilon"),
 }

@@ -208,8 +208,10 @@ def test_mesh_keeps_the_documented_rank_layout():
 
 def check_layout_errors(rank, world):
     dims = init_sequence_parallel(1, 4)
-    with pytest.raises(ValueError, match=r"num_heads=6 is not divisible by ulysses_degree=4.*\[1, 2, 3, 6\]"):
-        USPAttention(6, 16, dims=dims)  # built with the mesh
+    USPAttention(6, 16, dims=dims)  # a degree that does not divide the heads splits them 2 + 2 + 1 + 1
+    with pytest.raises(ValueError, match=r"ulysses_degree=4 is more than the model's num_heads=3: .* use "
+                                         r"ulysses_degree=2 ring_degree=2 \(the same ranks\)"):
+        USPAttention(3, 16, dims=dims)  # built with the mesh
 
 
 def test_layout_errors_name_values_and_fixes():

@@ -113,7 +113,7 @@ BAD_WAN_INPUTS = {
                                                        r"class labels; use data=text_latents"),
     "text data for the DiT": (["model=dit_digits"], r"the data is text-conditioned .* but the model is the "
                                                     r"class-conditional DiT"),
-    "heads do not split": (["ulysses_degree=4"], r"num_heads=2 is not divisible by ulysses_degree=4"),
+    "more Ulysses ranks than heads": (["ulysses_degree=4"], r"ulysses_degree=4 is more than the model's num_heads=2"),
     "no data path": (["data=text_latents"], r"data.path is not set"),
 }
 

@@ -166,7 +166,7 @@ BAD_INPUTS = {
     "model.family does not match model.pretrained": (
         ["model.family=flux", "data.pooled_dim=32", "model.pretrained={root}/flux2"],
         r"holds a Flux2Transformer2DModel, not a FluxTransformer2DModel \(model.family=flux\)"),
-    "heads do not split": (["ulysses_degree=4"], r"num_heads=2 is not divisible by ulysses_degree=4"),
+    "more Ulysses ranks than heads": (["ulysses_degree=4"], r"ulysses_degree=4 is more than the model's num_heads=2"),
 }
 
 

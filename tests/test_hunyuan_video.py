@@ -129,7 +129,7 @@ BAD_INPUTS = {
     "model.family does not match model.pretrained": (
         ["model.pretrained={root}/wan"], r"holds a WanTransformer3DModel, not a HunyuanVideo15Transformer3DModel "
                                          r"\(model.family=hunyuan_video15\)"),
-    "heads do not split": (["ulysses_degree=4"], r"num_heads=2 is not divisible by ulysses_degree=4"),
+    "more Ulysses ranks than heads": (["ulysses_degree=4"], r"ulysses_degree=4 is more than the model's num_heads=2"),
 }
 
 

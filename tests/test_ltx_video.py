@@ -211,7 +211,7 @@ BAD_INPUTS = {
     "a folder of another family": ("model.pretrained={root}/wan", r"holds a WanTransformer3DModel, not a "
                                                                   r"LTXVideoTransformer3DModel \(model.family="
                                                                   r"ltx_video\)"),
-    "heads do not split": ("ulysses_degree=4", r"num_heads=2 is not divisible by ulysses_degree=4"),
+    "more Ulysses ranks than heads": ("ulysses_degree=4", r"ulysses_degree=4 is more than the model's num_heads=2"),
 }
 
 

@@ -1,8 +1,10 @@
 """``USPAttention``: the one place where a model's attention meets sequence parallelism.
 
 USP = Ulysses x Ring. Inside the Ulysses group an all-to-all trades the sequence shard for a head shard (each rank
-then holds ``ulysses`` consecutive sequence chunks for ``H / ulysses`` heads); ring attention runs over the ring group
-on that longer block; the reverse all-to-all restores the ``[B, S_local, H, D]`` layout. With both degrees 1 it is
+then holds ``ulysses`` consecutive sequence chunks for its share of the heads: ``H / ulysses`` of them, or, where the
+degree does not divide the heads, ``ceil`` or ``floor`` of it, ``ringdit.parallel.heads``); ring attention runs over
+the ring group on that longer block (a ring group's ranks share a Ulysses rank, so they hold the same heads); the
+reverse all-to-all restores the ``[B, S_local, H, D]`` layout. With both degrees 1 it is
 plain local attention and communicates nothing.
 
 Which tokens are real is a ``TokenLayout`` (``ringdit.attention.layout``): ``valid_len`` for one tail-padded
@@ -20,7 +22,7 @@ from ringdit.attention.backend import AttentionBackend, Tensor
 from ringdit.attention.registry import check_ring_capable, get_attn_backend
 from ringdit.attention.layout import Stream, TokenLayout, is_empty, take
 from ringdit.attention.ring import ring_attention
-from ringdit.parallel import ParallelDims, all_to_all, check_heads_divisible
+from ringdit.parallel import ParallelDims, all_to_all, check_heads_placeable, head_counts
 
 
 def local_attention(
@@ -83,8 +85,8 @@ class USPAttention(nn.Module):
     streams (joint attention: ``[text shard ; image shard]``, text keys optionally masked per sample); see
     ``ringdit.attention.layout``. Every query attends to every real key of every rank.
 
-    ``dims``: this rank's place in the mesh; without it the layer is plain local attention. Whether the heads split
-    over Ulysses and the backend can do ring is checked here, at construction, not at every call.
+    ``dims``: this rank's place in the mesh; without it the layer is plain local attention. Whether every Ulysses rank
+    gets a head and the backend can do ring is checked here, at construction, not at every call.
     """
 
     def __init__(
@@ -103,8 +105,9 @@ class USPAttention(nn.Module):
         dims = dims or ParallelDims()
         if dims.ring_degree > 1:
             check_ring_capable(self.backend)
-        check_heads_divisible(self.num_heads, dims.ulysses_degree)
+        check_heads_placeable(self.num_heads, dims.ulysses_degree, dims.ring_degree)
         self.dims = dims
+        self.head_counts = head_counts(num_heads, dims.ulysses_degree)  # each Ulysses rank's heads
 
     def keep_communication_eager(self) -> None:
         """Before ``torch.compile``: the sharded paths break the graph and run eagerly, so point-to-point transfers
@@ -126,21 +129,24 @@ class USPAttention(nn.Module):
 
     def _parallel_forward(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout | None, dims) -> Tensor:
         if dims.ulysses_degree > 1:
-            q, k, v = self._sequence_to_heads(q, k, v, dims)  # (B, U*S_local, H/U, D)
+            q, k, v = self._sequence_to_heads(q, k, v, dims)  # (B, U*S_local, this rank's heads, D)
         if dims.ring_degree > 1:
             out = ring_attention(q, k, v, self.backend, dims, softmax_scale=self.softmax_scale, layout=layout)
         else:  # Ulysses only: the chunks of the whole group are here, for this rank's heads
             out = local_attention(self.backend, q, k, v, softmax_scale=self.softmax_scale, layout=layout,
                                   count=dims.ulysses_degree)
-        if dims.ulysses_degree > 1:
-            out = all_to_all(out, dims.ulysses_group, scatter_dim=1, gather_dim=2)  # (B, S_local, H, D)
+        if dims.ulysses_degree > 1:  # (B, S_local, H, D): every rank's heads come back
+            out = all_to_all(out, dims.ulysses_group, scatter_dim=1, gather_dim=2, gather_sizes=self.head_counts)
         return out
 
-    @staticmethod
-    def _sequence_to_heads(q: Tensor, k: Tensor, v: Tensor, dims) -> tuple[Tensor, Tensor, Tensor]:
-        """Ulysses: trade the sequence shard for a head shard, ``(B, S_local, H, D) -> (B, U*S_local, H/U, D)``."""
+    def _sequence_to_heads(self, q: Tensor, k: Tensor, v: Tensor, dims) -> tuple[Tensor, Tensor, Tensor]:
+        """Ulysses: trade the sequence shard for a head shard, ``(B, S_local, H, D) -> (B, U*S_local, H_u, D)``
+        with ``H_u = self.head_counts[ulysses_rank]``."""
+        if q.shape[2] != self.num_heads:
+            raise ValueError(f"q has {q.shape[2]} heads (dim 2), the attention layer was built for {self.num_heads}")
         qkv = torch.stack([q, k, v])  # (3, B, S_local, H, D): one all-to-all for all three
-        return all_to_all(qkv, dims.ulysses_group, scatter_dim=3, gather_dim=2).unbind(0)
+        heads = all_to_all(qkv, dims.ulysses_group, scatter_dim=3, gather_dim=2, scatter_sizes=self.head_counts)
+        return heads.unbind(0)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_size={self.head_size}, backend={self.backend.name}"

@@ -100,7 +100,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | None = None, dims: Parall
     """Attach ``plan`` (default: ``model.parallel_plan``) to ``model`` over the mesh ``dims`` (default: one process)
     with attention ``backend``; returns ``model``. Once per model.
 
-    The USPAttention layers are built here, with ``dims``, so their checks (heads divisible by Ulysses, a
+    The USPAttention layers are built here, with ``dims``, so their checks (a head for every Ulysses rank, a
     ring-capable backend) run now. Hooks keep no references of their own: what they need hangs on the modules they
     are registered on, so a ``copy.deepcopy`` of the model (the EMA) is parallel on its own state.
     """

@@ -12,9 +12,9 @@ from ringdit.parallel.mesh import (
     build_mesh,
     build_shard_mesh,
     check_degrees,
-    check_heads_divisible,
     init_sequence_parallel,
 )
+from ringdit.parallel.heads import check_heads_placeable, head_counts, head_imbalance
 
 __all__ = [
     "ParallelDims",
@@ -22,10 +22,12 @@ __all__ = [
     "build_mesh",
     "build_shard_mesh",
     "check_degrees",
-    "check_heads_divisible",
+    "check_heads_placeable",
     "chunk_length",
     "exchange_guidance_halves",
     "gather_sequence",
+    "head_counts",
+    "head_imbalance",
     "init_sequence_parallel",
     "shard_sequence",
 ]

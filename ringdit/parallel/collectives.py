@@ -11,6 +11,8 @@ same map applied to the tangent. ``forward`` and ``setup_context`` are separate,
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,43 +22,82 @@ from ringdit.parallel.mesh import ParallelDims, ProcessGroup
 Tensor = torch.Tensor
 
 
-def _all_to_all(x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
-    """Split ``x`` into ``world`` pieces along ``scatter_dim``, send piece j to rank j, concatenate what arrives
-    (in rank order) along ``gather_dim``."""
-    world = dist.get_world_size(group)
-    send = torch.stack(x.chunk(world, dim=scatter_dim))  # (world, *piece), contiguous
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), dim=gather_dim)
+def _all_to_all(x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int, scatter_sizes: tuple[int, ...],
+                gather_sizes: tuple[int, ...]) -> Tensor:
+    """Split ``x`` along ``scatter_dim`` into pieces of ``scatter_sizes``, send piece j to rank j, concatenate what
+    arrives (in rank order) along ``gather_dim``; the piece from rank i is ``gather_sizes[i]`` long there.
+
+    The sizes may differ (Ulysses over a head count its degree does not divide: ``ringdit.parallel.heads``), so the
+    pieces travel flattened, one after the other, through ``all_to_all_single`` with per-rank split sizes (NCCL's and
+    gloo's all-to-all-v). Against padding the heads to a multiple of the degree (an even exchange of zero heads):
+    both leave the busiest rank the same ``ceil(H / U)`` heads, so the step takes as long, but padding sends the
+    zero heads over the link, makes the lighter ranks attend over them (memory and energy for nothing) and costs a
+    pad and a slice on every q, k, v, output and gradient. Unequal splits cost nothing beyond the exchange itself,
+    and an even split is the same code (equal sizes). Each piece is copied once into the send buffer and once out of
+    the receive buffer, as for a plain all-to-all."""
+    rank = dist.get_rank(group)
+    pieces = x.split(list(scatter_sizes), dim=scatter_dim)
+    send, offset = x.new_empty(x.numel()), 0
+    for piece in pieces:  # narrow, not split: a view of one view-making call may be written in place (forward AD)
+        send.narrow(0, offset, piece.numel()).view(piece.shape).copy_(piece)
+        offset += piece.numel()
+    shapes = []
+    for size in gather_sizes:  # what rank i sends here: my share of its scatter_dim, its length of gather_dim
+        shape = list(x.shape)
+        shape[scatter_dim], shape[gather_dim] = scatter_sizes[rank], size
+        shapes.append(shape)
+    numels = [math.prod(shape) for shape in shapes]
+    recv = x.new_empty(sum(numels))
+    dist.all_to_all_single(recv, send, output_split_sizes=numels, input_split_sizes=[p.numel() for p in pieces],
+                           group=group)
+    return torch.cat([flat.view(shape) for flat, shape in zip(recv.split(numels), shapes)], dim=gather_dim)
 
 
 class AllToAll(torch.autograd.Function):
-    """Ulysses' exchange: trade a shard of one dim for a shard of another; backward is the reverse exchange."""
+    """Ulysses' exchange: trade a shard of one dim for a shard of another; backward is the reverse exchange (what
+    went to rank j comes back from it: the scatter and gather dims and sizes swap)."""
 
     @staticmethod
-    def forward(x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
-        return _all_to_all(x, group, scatter_dim, gather_dim)
+    def forward(x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int, scatter_sizes: tuple[int, ...],
+                gather_sizes: tuple[int, ...]) -> Tensor:
+        return _all_to_all(x, group, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.scatter_dim, ctx.gather_dim = inputs
+        _, ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.scatter_sizes, ctx.gather_sizes = inputs
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+        grad = _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim, ctx.gather_sizes, ctx.scatter_sizes)
+        return grad, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, tangent: Tensor, *_):
-        return _all_to_all(tangent, ctx.group, ctx.scatter_dim, ctx.gather_dim)
+        return _all_to_all(tangent, ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.scatter_sizes, ctx.gather_sizes)
 
 
-def all_to_all(x: Tensor, group: ProcessGroup | None, scatter_dim: int, gather_dim: int) -> Tensor:
+def all_to_all(x: Tensor, group: ProcessGroup | None, scatter_dim: int, gather_dim: int,
+               scatter_sizes: tuple[int, ...] | None = None, gather_sizes: tuple[int, ...] | None = None) -> Tensor:
+    """Ulysses' differentiable all-to-all. ``scatter_sizes``: the length of ``scatter_dim`` each rank gets (default:
+    equal shares, which must divide); ``gather_sizes``: the length of ``gather_dim`` each rank sends (default: all
+    as long as this rank's). Every rank passes the same sizes; this rank's ``gather_sizes`` entry is its own."""
     if group is None or dist.get_world_size(group) == 1:
         return x
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    scatter_dim, gather_dim = scatter_dim % x.dim(), gather_dim % x.dim()
     size = x.shape[scatter_dim]
-    if size % dist.get_world_size(group):
-        raise ValueError(f"all_to_all: dim {scatter_dim} of size {size} does not split over {dist.get_world_size(group)} ranks")
-    return AllToAll.apply(x, group, scatter_dim, gather_dim)
+    if scatter_sizes is None:
+        if size % world:
+            raise ValueError(f"all_to_all: dim {scatter_dim} of size {size} does not split over {world} ranks")
+        scatter_sizes = (size // world,) * world
+    gather_sizes = (x.shape[gather_dim],) * world if gather_sizes is None else gather_sizes
+    if len(scatter_sizes) != world or sum(scatter_sizes) != size:
+        raise ValueError(f"all_to_all: scatter sizes {tuple(scatter_sizes)} do not split dim {scatter_dim} of size "
+                         f"{size} over {world} ranks")
+    if len(gather_sizes) != world or gather_sizes[rank] != x.shape[gather_dim]:
+        raise ValueError(f"all_to_all: gather sizes {tuple(gather_sizes)} of {world} ranks do not give rank {rank} "
+                         f"its dim {gather_dim} of size {x.shape[gather_dim]}")
+    return AllToAll.apply(x, group, scatter_dim, gather_dim, tuple(scatter_sizes), tuple(gather_sizes))
 
 
 def chunk_length(length: int, parts: int) -> int:

@@ -188,11 +188,3 @@ def init_sequence_parallel(
     mesh = build_mesh(ring_degree, ulysses_degree, device_type=device_type, timeout=timeout)
     return ParallelDims.from_mesh(mesh, cfg_parallel=cfg_parallel, timeout=timeout)
 
-
-def check_heads_divisible(num_heads: int, ulysses_degree: int) -> None:
-    if num_heads % ulysses_degree:
-        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-        raise ValueError(
-            f"num_heads={num_heads} is not divisible by ulysses_degree={ulysses_degree}: Ulysses gives each rank "
-            f"num_heads / ulysses_degree heads; use ulysses_degree in {divisors} (or move the rest to ring_degree)"
-        )

@@ -116,7 +116,7 @@ def model_class(config: dict) -> type[nn.Module]:
 
 def build_on_meta(config: dict, ulysses_degree: int = 1) -> nn.Module:
     """The model built and parallelized on the meta device (no memory): its settings, and whether its attention
-    layers fit the layout (heads divisible by Ulysses), are checked before any process is spawned."""
+    layers fit the layout (a head for every Ulysses rank), are checked before any process is spawned."""
     from ringdit.build import build_model
 
     with torch.device("meta"):
