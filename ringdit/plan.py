@@ -535,7 +535,7 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
                         inter_node=_positive("inter_node_gbps", cfg.inter_node_gbps, "25") * 1e9,
                         host=_positive("host_gbps", cfg.host_gbps, "25") * 1e9)
     require_count("data.batch_size", cfg.data.batch_size, hint="samples per data-parallel rank, e.g. 1")
-    require_count("data.text_len", cfg.data.text_len, hint="text tokens per sample, e.g. 512")
+    require_count("data.text_len", cfg.data.text_len, optional=True, hint="text tokens per sample, e.g. 512")
     require_count("data.channels", cfg.data.channels, optional=True, hint="null takes the model's")
     require_count("data.num_classes", cfg.data.num_classes, hint="e.g. 1000")
     _choice("data.latent", cfg.data.latent, (True, False))
@@ -707,6 +707,9 @@ def optimizer_words(cfg: DictConfig, s: Setup) -> list[str]:
                                                                                        ["optimizer=adamw"])
 
 
+_planned_preset: list[str] = []  # main's experiment=<name>, for the run line (Hydra composes the planner's own settings)
+
+
 @hydra_main("plan")  # conf/plan.yaml
 def plan(cfg: DictConfig) -> None:
     with user_errors():  # a wrong setting: one line, exit code 2
@@ -717,15 +720,26 @@ def plan(cfg: DictConfig) -> None:
     print(format_plan(found, hardware, layout, setup, size, model_line, cfg.show))
     best, _ = recommend(found, hardware)
     if best is not None:
-        print(f"Run it: {train_command(best, cfg)} (with the run's data=...)")
+        if _planned_preset:  # the preset's command, and whether its own layout is the one recommended
+            from ringdit.plan_preset import preset_overrides, preset_run_line
+
+            print(preset_run_line(_planned_preset[0], preset_overrides(_planned_preset[0])[1], best))
+        else:
+            print(f"Run it: {train_command(best, cfg)} (with the run's data=...)")
         from ringdit.previews import planned_preview_line  # here: ringdit.previews reads the memory, not the plan
 
         print(planned_preview_line(cfg, best.layout, best.setup, size, hardware))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command on ``argv`` (default ``sys.argv[1:]``); its exit code: 0, or 2 for a settings mistake."""
+    """The command on ``argv`` (default ``sys.argv[1:]``); its exit code: 0, or 2 for a settings mistake.
+    ``experiment=<preset>``: train.py's preset, its settings laid out (``ringdit.plan_preset``)."""
+    from ringdit.plan_preset import expand_experiment
+
     try:
+        with user_errors():
+            argv, preset = expand_experiment(sys.argv[1:] if argv is None else list(argv))
+        _planned_preset[:] = [preset] if preset else []
         plan(argv)
     except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)

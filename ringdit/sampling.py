@@ -481,6 +481,8 @@ class SampleWriter(L.Callback):
         numbers that name each video's files (None: their position, as for one shape)."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         npz = self.output_dir / f"{stem}.npz"
+        if self.fps and contents[kind].ndim == 5:  # videos: their rate, for python -m ringdit.media.decode
+            contents = {**contents, "fps": np.asarray(self.fps, dtype=np.int64)}
         with atomic_write(npz) as partial, open(partial, "wb") as f:  # a samples.npz is never half-written
             np.savez_compressed(f, **contents)
         self.npz_files.append(npz)

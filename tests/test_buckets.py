@@ -186,6 +186,28 @@ def test_shards_that_cannot_be_mixed_are_refused(tmp_path, case, other, message)
         TextLatentsDataModule(str(tmp_path))
 
 
+def test_clips_larger_than_the_run_was_planned_for_are_refused_and_the_advice_works(tmp_path):
+    """A preset plans its layout and memory for its clips' size (data.size / data.frames); a prepared bucket of more
+    pixels (prepare's bucket metadata) is refused, naming the shard and the settings; following the advice loads it,
+    and a bucket within the size loads as it is."""
+    import json
+
+    from ringdit.data import TextLatentsDataModule
+
+    for name, (height, width, frames) in {"a": (32, 48, 9), "b": (48, 64, 13)}.items():
+        write_text_latents(tmp_path / f"{name}.safetensors", torch.zeros(2, 4, (frames - 1) // 4 + 1, height // 8,
+                                                                         width // 8), torch.zeros(2, 8, 16),
+                           metadata={"bucket": json.dumps({"height": height, "width": width, "frames": frames})})
+    with pytest.raises(ConfigError, match=r"b.safetensors holds 48x64 x 13 frame clips, more pixels than "
+                                          r"data.size=\[32, 48\] x data.frames=9 the run was planned for; prepare at "
+                                          r"that size, or set data.size=\[48,64\] data.frames=13 and plan again"):
+        TextLatentsDataModule(str(tmp_path), size=[32, 48], frames=9)
+    assert len(TextLatentsDataModule(str(tmp_path), size=[48, 64], frames=13).shards) == 2  # the advice
+    assert len(TextLatentsDataModule(str(tmp_path)).shards) == 2  # null: any size
+    with pytest.raises(ConfigError, match=r"data.size='big': H, W in pixels"):
+        TextLatentsDataModule(str(tmp_path), size="big")
+
+
 BAD = {
     "bucket smaller than the patch": (["data.buckets=[[3,6,10],[3,1,6]]", "data.bucket_samples=[10,6]"],
                                       r"the bucket \[3, 1, 6\] \(\d+ samples\) is smaller than the model's patch "

@@ -393,6 +393,30 @@ def test_decode_samples_writes_videos_and_images(models, tmp_path):
         decode_samples(tmp_path / "pixels.npz", models["wan"])
 
 
+def test_decode_writes_videos_at_the_rate_infer_stored(models, tmp_path):
+    """infer.py stores its model's frame rate in samples.npz; decode writes the MP4s at it (fps= overrides), and a
+    stored rate that is not a positive integer is one line whose advice works."""
+    import av
+
+    from ringdit.media.decode import decode_samples
+
+    def rate(path):
+        with av.open(str(path)) as container:
+            return container.streams.video[0].average_rate
+
+    latents = np.random.default_rng(0).standard_normal((1, 16, 2, 2, 3)).astype(np.float32)
+    np.savez(tmp_path / "samples.npz", latents=latents, fps=np.asarray(24))
+    decode_samples(tmp_path / "samples.npz", models["wan"])
+    assert rate(tmp_path / "sample-000.mp4") == 24
+    decode_samples(tmp_path / "samples.npz", models["wan"], tmp_path / "given", fps=12)
+    assert rate(tmp_path / "given" / "sample-000.mp4") == 12
+    np.savez(tmp_path / "samples.npz", latents=latents, fps=np.asarray(-3))
+    with pytest.raises(ConfigError, match=r"its 'fps' is array\(-3\), not a positive integer; pass fps=16"):
+        decode_samples(tmp_path / "samples.npz", models["wan"], tmp_path / "bad")
+    decode_samples(tmp_path / "samples.npz", models["wan"], tmp_path / "bad", fps=16)  # the advice
+    assert rate(tmp_path / "bad" / "sample-000.mp4") == 16
+
+
 COMMANDS = {  # module: (required settings, one of them misspelt, what it should be)
     "ringdit.export": (["ckpt_path=last.ckpt"], "ckpt_pth=last.ckpt", "ckpt_path"),
     "ringdit.prepare": (["input=in", "out=out", "vae=vae", "text_encoder=te"], "text_encodr=te", "text_encoder"),

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from ringdit.cli import CONF_DIR, register_resolvers
-from tests.helpers import REPO, fail_fast, in_process
+from tests.helpers import REPO, TEXT_LEN, architecture, fail_fast, in_process, read_mp4, run, write_video
 
 # recipe -> its tiny twin: the family's tiny architecture and synthetic latents it reads (one process, CPU)
 IMAGES = ["data.frames=0", "data.channels=1"]
@@ -47,6 +47,13 @@ TWINS = {
 PAGES = sorted(page for page in (REPO / "docs" / "recipes").glob("*.md") if page.name not in ("index.md", "dit.md"))
 # what a page's train command may add to experiment=<preset>: where the model, the data and the run are
 PLACES = {"model.pretrained", "data.path", "hydra.run.dir"}
+
+
+def twin_sizes(name: str) -> list[str]:
+    """The synthetic latents' sizes in place of the preset's clips' (``data.size`` / ``data.frames``: pixels of the
+    real clips): 8 x 8 latents, 3 frames for a video model, unless the twin says otherwise."""
+    return [word for word in ("data.size=8", "data.frames=3")
+            if not any(w.startswith(word.split("=")[0] + "=") for w in TWINS[name])]
 
 
 def page_commands(script: str) -> list[tuple[str, list[str]]]:
@@ -136,18 +143,37 @@ def test_every_settings_table_holds_what_its_presets_compose():
                 assert value == expected, f"{page}: {name} composes {setting}={value!r}, its table says {ours}"
 
 
+def index_row(name: str) -> list[str]:
+    """The cells of preset ``name``'s row in docs/recipes/index.md's table of recipes."""
+    (row,) = [line for line in (REPO / "docs" / "recipes" / "index.md").read_text().splitlines()
+              if line.startswith(f"| `{name}` |")]
+    return [cell.strip() for cell in row.strip("|").split("|")]
+
+
 @pytest.mark.parametrize("name", sorted(TWINS))
 def test_a_recipe_is_laid_out_as_the_planner_recommends(name, capsys):
-    """The header's planner command recommends the layout the recipe sets, and the model builds at real shapes."""
+    """The header's planner command (``experiment=<name>``: the preset itself, at its clips' size) recommends the
+    layout the recipe sets, with the memory and the previews' cost the header and the recipe index say."""
     from ringdit.plan import main as plan
 
     arguments, quoted = recipe_header(name)
+    assert arguments == [f"experiment={name}"]
     assert plan(arguments) == 0
     printed = capsys.readouterr().out
-    recommended = re.search(r"^Recommended: dp=(\d+) ring=(\d+) ulysses=(\d+) (\w+)", printed, re.M)
+    recommended = re.search(r"^Recommended: dp=(\d+) ring=(\d+) ulysses=(\d+) (\w+).*? -- ([\d.]+) of", printed,
+                            re.M)
     assert recommended, printed[-2000:]
-    dp, ring, ulysses, strategy = recommended.groups()
+    dp, ring, ulysses, strategy, peak = recommended.groups()
     assert {"dp": dp, "ring": ring, "ulysses": ulysses, "strategy": strategy} == quoted
+    assert "(the preset's own layout is the recommendation)" in printed
+    assert f"-- {peak} of" in (CONF_DIR / "experiment" / f"{name}.yaml").read_text()
+    preview = re.search(r"^Previews \(callbacks.sample_grid: (\d+) samples.*?about ([\d.]+) GiB per rank with the "
+                        r"training state, fits; ~(\d+) s each", printed, re.M)
+    assert preview, printed[-1000:]
+    row = index_row(name)
+    layout = " x ".join([f"dp {dp}", *([f"ring {ring}"] if ring != "1" else []),
+                         *([f"ulysses {ulysses}"] if ulysses != "1" else [])]) + f", {strategy.upper()}"
+    assert row[2:5] == [layout, f"{peak} GiB", "{} samples, {} GiB, ~{} s".format(*preview.groups())], row
     cfg = compose_preset(name)
     assert (cfg.dp_degree, cfg.ring_degree, cfg.ulysses_degree) == (int(dp), int(ring), int(ulysses))
     assert cfg.trainer.strategy._target_.lower().endswith(f"{strategy}strategy")
@@ -166,7 +192,8 @@ def test_a_recipes_tiny_twin_trains(name, tmp_path):
     callbacks = ["~callbacks.sample_grid", *([] if exports else ["~callbacks.model_checkpoint"])]
     with contextlib.redirect_stdout(io.StringIO()):
         proc, _ = fail_fast("train.py", *[w for w in train if w.split("=", 1)[0] not in PLACES],
-                            "data=synthetic_text_latents", *TWINS[name], "data.num_samples=8", "trainer=cpu",
+                            "data=synthetic_text_latents", *twin_sizes(name), *TWINS[name], "data.num_samples=8",
+                            "trainer=cpu",
                             "dp_degree=1", "ring_degree=1", "ulysses_degree=1", "trainer.max_steps=2", "logger=csv",
                             *callbacks, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -178,3 +205,80 @@ def test_a_recipes_tiny_twin_trains(name, tmp_path):
         proc, _ = in_process("-m ringdit.export", *words)
         assert proc.returncode == 0, f"ringdit.export {' '.join(words)}:\n{proc.stderr[-3000:]}"
         assert list(out.rglob("*.safetensors")), f"{out} holds no weights"
+
+
+def test_every_prepare_and_sample_line_on_the_recipe_pages_composes():
+    """Every ``ringdit.prepare`` and ``infer.py`` line of the recipe pages takes only settings its command has, with
+    values that parse (no shell variables left to define)."""
+    import ringdit
+
+    lines = [("prepare", words) for words in (w for _, w in page_commands("ringdit.prepare"))]
+    lines += [("infer", words) for words in (w for _, w in page_commands("infer.py"))]
+    assert len(lines) >= 20
+    for command, words in lines:
+        assert not any("$" in word for word in words), f"{command} {' '.join(words)}: a shell variable"
+        ringdit.config(command, words)  # a ConfigError names the setting
+
+
+def with_values(words: list[str], **values: str) -> list[str]:
+    """``words`` (key=value) with the values of ``values`` put in (a key's dots as __), the others kept."""
+    values = {key.replace("__", "."): value for key, value in values.items()}
+    kept = [word for word in words if word.split("=", 1)[0] not in values]
+    return [*kept, *(f"{key}={value}" for key, value in values.items())]
+
+
+@pytest.mark.timeout(600)
+def test_the_wan21_page_prepare_train_sample_on_its_tiny_twin(models, tmp_path):
+    """docs/recipes/wan21.md's own lines, in order, on tiny random models (nothing downloaded): prepare captioned
+    clips with the page's settings (the model folders, sizes and frames made tiny), train its preset on the tiny Wan,
+    sample its prompts from the checkpoint with the data's text encoder and VAE (found from the checkpoint), written
+    at Wan 2.1's 16 fps."""
+    import shutil
+
+    import av
+    import numpy as np
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    captions = ["a red fox running", "a blue cat", "green field", "a red sky"]
+    for i in range(8):
+        write_video(clips / f"{i}.mp4", 5, seed=i, size=(40, 32))
+        (clips / f"{i}.txt").write_text(captions[i % 4])
+    # the model folder: a tiny Wan 2.1 pipeline (its transformer of wan_tiny's architecture, 16 latent channels
+    # as the tiny VAE's z_dim, text width 16 as the tiny T5's)
+    folder = tmp_path / "Wan2.1-tiny"
+    for part in ("vae", "text_encoder", "tokenizer"):
+        shutil.copytree(models["wan"] / part, folder / part)
+    torch.manual_seed(0)
+    WanTransformer3DModel.from_config({**architecture("wan_tiny"), "in_channels": 16, "out_channels": 16}
+                                      ).save_pretrained(folder / "transformer")
+    (prepare,) = [w for page, w in page_commands("ringdit.prepare") if page == "wan21.md"]
+    data = tmp_path / "data"
+    env = {"HF_HUB_OFFLINE": "1"}
+    proc, _ = in_process("-m ringdit.prepare", *with_values(
+        prepare, input=str(clips), out=str(data), vae=str(folder), text_encoder=str(folder), size="32", frames="5",
+        max_text_len=str(TEXT_LEN), shard_size="4"), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(data.glob("*.safetensors"))) == 2
+
+    train = page_train_command("wan21_14b_lora")  # the page's line, its places here and one CPU process
+    run("train.py", tmp_path / "run", *with_values(train, model__pretrained=str(folder), data__path=str(data),
+                                                  hydra__run__dir=str(tmp_path / "run")),
+        "trainer=cpu", "dp_degree=1", "ring_degree=1", "ulysses_degree=1", "trainer.max_steps=2", "logger=csv",
+        "data.batch_size=4", "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.sample_grid.steps=2",
+        env=env)
+    (infer,) = [w for page, w in page_commands("infer.py") if page == "wan21.md"]
+    out = tmp_path / "infer"
+    proc, _ = in_process("infer.py", *with_values(
+        infer, hydra__run__dir=str(out), ckpt_path=str(tmp_path / "run" / "checkpoints" / "last.ckpt"),
+        size="[32,32]", frames="5", diffusion__sampling__steps="2", ring_degree="1"), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = np.load(out / "samples.npz")
+    assert samples["latents"].shape == (2, 16, 2, 4, 4)  # (N, C, 1 + (5 - 1) / 4, 32 / 8, 32 / 8)
+    assert list(samples["captions"]) == ["a red fox running through fresh snow", "a paper boat on a rainy street"]
+    assert int(samples["fps"]) == 16  # Wan 2.1's rate, kept for python -m ringdit.media.decode
+    assert read_mp4(out / "sample-001.mp4").shape == (5, 32, 32, 3)
+    with av.open(str(out / "sample-001.mp4")) as container:
+        assert container.streams.video[0].average_rate == 16

@@ -56,6 +56,7 @@ import bisect
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -141,8 +142,8 @@ class Shard:
         where = f"data.path: {path}"
         self.captions = parse_captions(where, self.metadata["captions"], self.size) \
             if "captions" in self.metadata else None
-        for key in ("vae", "text_encoder", "image_encoder"):  # what describe() hands on: decoding, prompt encoding
-            if key in self.metadata:
+        for key in ("vae", "text_encoder", "image_encoder", "bucket"):  # what describe() hands on: decoding,
+            if key in self.metadata:  # prompt encoding; prepare's bucket (its pixel size)
                 parse_json_object(where, key, self.metadata[key])
 
     @property
@@ -314,10 +315,13 @@ class TextLatentsDataModule(ImageDataModule):
     """``data=text_latents``: shards at ``path`` (see the module docstring)."""
 
     def __init__(self, path: str, batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05,
-                 val_batches: int = 4, seed: int = 0, check_values: bool = True, tokens_per_batch: int | None = None):
+                 val_batches: int = 4, seed: int = 0, check_values: bool = True, tokens_per_batch: int | None = None,
+                 size: list | int | None = None, frames: int | None = None):
         """``check_values``: read every value once now (train.py: in the launching process, before any rank
         starts; not again in the ranks Lightning spawns) and refuse NaN / Inf; False skips that scan (a reader that
-        only wants a few prompts, such as infer.py's held-out prompts)."""
+        only wants a few prompts, such as infer.py's held-out prompts). ``size`` / ``frames``: the clips' size the
+        run was planned for (a recipe's prepare size; ``python -m ringdit.plan experiment=...`` lays it out): a
+        prepared bucket with more pixels is refused, since the layout and memory were chosen for this size."""
         super().__init__(batch_size, num_workers, val_fraction, val_batches, seed, tokens_per_batch)
         self.path = _text_latents_path(path)
         files = sorted(self.path.glob("*.safetensors")) if self.path.is_dir() else [self.path]
@@ -325,6 +329,7 @@ class TextLatentsDataModule(ImageDataModule):
             raise ValueError(f"data.path={path} holds no .safetensors files; expected {LAYOUT}")
         self.shards = [Shard(f) for f in files]
         _check_mixable(path, self.shards)
+        _check_planned_size(path, self.shards, size, frames)
         if check_values and not spawned_by_launcher():
             for shard in self.shards:
                 shard.check_values()
@@ -403,6 +408,31 @@ def _check_mixable(path, shards: list[Shard]) -> None:
             raise ConfigError(f"data.path={path}: {shard.path.name} has {what[0]} {what[2]} but {first.path.name} has "
                               f"{what[1]}; shards of different latent shapes are buckets of one set, but these cannot "
                               f"be mixed: {fix}")
+
+
+def _check_planned_size(path, shards: list[Shard], size, frames) -> None:
+    """No prepared bucket (prepare's ``bucket`` metadata: pixels) larger than ``data.size`` x ``data.frames``."""
+    if size is None and frames is None:
+        return
+    given = size
+    size = [size, size] if isinstance(size, int) and not isinstance(size, bool) else \
+        list(size) if isinstance(size, Sequence) and not isinstance(size, str) else [] if size is None else None
+    if size is None or size and (len(size) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0
+                                                              for s in size)):
+        raise ConfigError(f"data.size={given!r}: H, W in pixels (or one integer), e.g. data.size=[480,832], or null")
+    require_count("data.frames", frames, optional=True, hint="the clips' frames as prepared, e.g. 81, or null")
+    for shard in shards:
+        if "bucket" not in shard.metadata:  # not written by prepare: its pixel size is not known
+            continue
+        bucket = json.loads(shard.metadata["bucket"])  # a JSON object: checked on opening
+        clip = [bucket.get("height"), bucket.get("width"), bucket.get("frames") or 1]
+        planned = [*(size or clip[:2]), frames or clip[2]]
+        if all(isinstance(v, int) for v in clip) and math.prod(clip) > math.prod(planned):
+            raise ConfigError(
+                f"data.path={path}: {shard.path.name} holds {clip[0]}x{clip[1]} x {clip[2]} frame clips, more pixels "
+                f"than data.size={planned[:2]} x data.frames={planned[2]} the run was planned for; prepare at that "
+                f"size, or set data.size=[{clip[0]},{clip[1]}]" + (f" data.frames={clip[2]}" if frames else "")
+                + " and plan again (python -m ringdit.plan experiment=... data.size=...)")
 
 
 def parse_captions(where: str, text: str, count: int) -> list[str]:

@@ -59,7 +59,7 @@ def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True, gro
 
 
 def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None = None, *,
-                   vae_subfolder: str | None = "vae", fps: int = 16, tiling: bool = True, tile: int | None = None,
+                   vae_subfolder: str | None = "vae", fps: int | None = None, tiling: bool = True, tile: int | None = None,
                    device: str = "cpu", normalised: bool = True, group=None, tile_setting: str = "tile"
                    ) -> list[Path]:
     """samples.npz (its ``latents``) -> media files in ``out`` (default: samples.npz's folder). ``normalised``:
@@ -69,7 +69,7 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
     decoded over every rank (``ringdit.media.parallel_vae``), and rank 0 writes the files (the others return [])."""
     from ringdit.errors import ConfigError, require_count
 
-    require_count("fps", fps, optional=True)  # None: an image model's samples (infer.py's), which have no rate
+    require_count("fps", fps, optional=True)  # None: the rate samples.npz holds (videos), none for images
     for name, value in (("tiling", tiling), ("normalised", normalised)):
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")
@@ -86,7 +86,27 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
         raise ConfigError(str(error)) from None
     if pixels is None:  # a rank other than the group's first: its tiles are decoded, rank 0 writes
         return []
+    if fps is None and pixels.ndim == 5:  # videos: the rate infer.py wrote beside them (the model's), else 16
+        fps = stored_fps(samples) or DEFAULT_FPS
     return write_media(pixels, target or Path(str(samples)).expanduser().parent, fps=fps)
+
+
+DEFAULT_FPS = 16  # samples.npz files without their rate (written before infer.py stored it): Wan 2.1's
+
+
+def stored_fps(samples: str | Path) -> int | None:
+    """The frames per second infer.py stored in samples.npz (``fps``: its model's rate, or the run's fps=); None
+    where it stored none (images, older files). A value that is not a positive integer is a ``ConfigError``."""
+    from ringdit.errors import ConfigError
+
+    with np.load(Path(str(samples)).expanduser(), allow_pickle=False) as stored:
+        if "fps" not in stored.files:
+            return None
+        value = stored["fps"]
+    if value.shape != () or value.dtype.kind not in "iu" or int(value) < 1:
+        raise ConfigError(f"samples={samples}: its 'fps' is {value!r}, not a positive integer; pass fps=16 (the "
+                          f"rate to write the videos at)")
+    return int(value)
 
 
 def shared_latents(samples: str | Path, group=None, index: bool = False) -> tuple[torch.Tensor, list[int] | None]:

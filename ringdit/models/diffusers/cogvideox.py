@@ -128,6 +128,7 @@ COGVIDEOX15 = Family(
     frame_pad=2,  # 1 + 8k frames give an odd count of latent frames; prepare pads them to pairs
     condition_keys=("text",),
     text_dim="text_embed_dim",
+    text_len=lambda config: config["max_text_seq_length"],  # the pipeline pads every prompt to 226 T5 tokens
     patch_shape=_patch_shape,
     # RoPE's "slice" grid has sample_height / sample_width // patch_size rows / columns: a larger grid fails in it
     max_grid=lambda config: (10**9, config["sample_height"] // config["patch_size"],

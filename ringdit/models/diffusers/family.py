@@ -61,6 +61,9 @@ class Family:
     # the frame rate its videos play at, as its published pipeline writes them (infer.py, the previews and the server
     # write MP4 / GIF at it unless fps= says otherwise); None: an image model
     fps: int | None = None
+    # the text tokens its pipeline always pads the prompt to, from the config (CogVideoX: max_text_seq_length, 226);
+    # None: the data's own length (the planner's data.text_len)
+    text_len: Callable[[dict], int | None] = lambda config: None
     # latent frames padded at the front (copies of the first) to a multiple of this, as its data are prepared and its
     # fine-tuning pads them (CogVideoX 1.5: 2, its temporal patch; ringdit.media.vae); 1: none
     frame_pad: int = 1

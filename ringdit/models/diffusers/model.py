@@ -284,10 +284,14 @@ class DiffusersTransformer(nn.Module):
         else:
             raise ConfigError("model: give model.pretrained=<local diffusers folder> or pick a preset with an "
                               "architecture (model=wan_14b, model=flux_dev, ...)")
+        text_len, fixed = data.get("text_len"), family.text_len(arch)
+        if fixed and text_len not in (None, fixed):
+            raise ConfigError(f"data.text_len={text_len}: {family.name}'s pipeline pads every prompt to {fixed} "
+                              f"tokens; leave data.text_len null")
         return {"patch": family.patch_shape(arch), "video": family.video, "vae_factors": family.vae_factors,
                 "frame_pad": family.frame_pad,
                 "data": {"conditioning": "text", "channels": family.latent_channels(arch),
-                         "text_len": data.get("text_len"), "text_dim": arch[family.text_dim],
+                         "text_len": fixed or text_len or 512, "text_dim": arch[family.text_dim],
                          "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None,
                          "image_keys": ["image_latents", "image_condition", "image_embeds"]
                          if family.image_condition else []}}
