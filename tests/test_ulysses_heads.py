@@ -273,3 +273,33 @@ def test_ulysses_2_and_4_with_heads_they_do_not_divide_are_exact():
 
 def test_ulysses_3_with_8_heads_is_exact():
     run_ranks(check_three_ranks, 3)
+
+
+# ---- train.py: a layout that was refused before ---------------------------------------------------------------
+
+
+def test_train_pys_checks_take_a_degree_that_does_not_divide_the_heads_and_the_advice_for_one_above_them(tmp_path):
+    """Before any rank: ``ulysses_degree=3`` over the tiny DiT's 4 heads (refused before) passes train.py's checks, and
+    so does the advice of the refusal of ``ulysses_degree=8`` (tests/test_reliability.py's "more Ulysses ranks than
+    heads": use ulysses_degree=4 ring_degree=2)."""
+    from tests.helpers import TINY, prepare_train
+
+    prepare_train([*TINY, "logger=none", "ulysses_degree=3"], tmp_path / "three")
+    prepare_train([*TINY, "logger=none", "ulysses_degree=4", "ring_degree=2"], tmp_path / "advised")
+
+
+@pytest.mark.slow  # 20 s; test_ulysses_3_with_8_heads_is_exact proves the DiT's forward and backward in-process
+def test_train_py_with_ulysses_3_over_4_heads_takes_the_steps_of_one_process(tmp_path):
+    """``ulysses_degree=3`` with the tiny DiT's 4 heads (refused before: 3 does not divide 4) trains on 3 ranks
+    (heads 2 + 1 + 1) and takes the same SGD steps as one process. fp32, as training runs: a layout reorders sums
+    only (tests/test_training.py::test_sgd_steps_equal_one_device reasons rel 1e-5 and atol 1e-6)."""
+    from tests.helpers import SGD, TINY, logged_losses, model_weights, run
+
+    for name, layout in (("one", []), ("ulysses3", ["ulysses_degree=3"])):
+        run("train.py", tmp_path / name, *TINY, *SGD, *layout)
+    reference, parallel = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "ulysses3")
+    assert sorted(reference) == sorted(parallel) == [0, 1, 2]
+    for step in reference:
+        assert parallel[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
+    assert_same_numbers(model_weights(tmp_path / "ulysses3"), model_weights(tmp_path / "one"), rtol=1e-5, atol=1e-6,
+                        where="ulysses 3 over 4 heads")
