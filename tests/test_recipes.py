@@ -282,3 +282,22 @@ def test_the_wan21_page_prepare_train_sample_on_its_tiny_twin(models, tmp_path):
     assert read_mp4(out / "sample-001.mp4").shape == (5, 32, 32, 3)
     with av.open(str(out / "sample-001.mp4")) as container:
         assert container.streams.video[0].average_rate == 16
+
+
+def test_the_planner_takes_a_preset_the_command_line_wins_and_mistakes_are_one_line(capsys):
+    """``experiment=`` on the planner: settings given beside it win (larger clips: the preset's own layout is no longer
+    the best, and the run line says which degrees to change; the previews' own ``+`` settings are taken); an unknown
+    preset and a demo preset (no prepared clips to plan) are one line each, exit code 2."""
+    from ringdit.plan import main as plan
+
+    assert plan(["experiment=wan21_14b_lora", "data.size=[720,1280]", "+callbacks.sample_grid.batch_size=2"]) == 0
+    printed = capsys.readouterr().out
+    assert "Run it: python train.py experiment=wan21_14b_lora dp_degree=2 ring_degree=4 model.pretrained=..." in printed
+    assert "(the preset sets dp=4 ring=2 ulysses=1 ddp; the recommendation differs)" in printed
+    assert "Previews (callbacks.sample_grid: 2 samples, 2 a forward x2 (guidance), 50 steps)" in printed
+    for preset, message in (("nope", "experiment=nope: no such option (options: "),
+                            ("moving_digits", "experiment=moving_digits trains on data=moving_digits, not on "
+                                              "prepared clips; the planner lays out the real-model presets")):
+        assert plan([f"experiment={preset}"]) == 2
+        assert message in capsys.readouterr().err
+    assert plan(["model=wan_14b", "data.size=[480,832]", "data.frames=81"]) == 0  # the advice: the model and sizes
