@@ -260,6 +260,13 @@ def check_three_ranks(rank, world):
     check_dit(dims, world, heads=8)
 
 
+def check_five_ranks(rank, world):
+    dims = init_sequence_parallel(1, 5)
+    for heads in (24, 7):  # 5 + 5 + 5 + 5 + 4; 2 + 2 + 1 + 1 + 1
+        check_sequence(dims, heads, "math")
+        check_joint(dims, heads)
+
+
 def test_all_to_all_moves_unequal_head_shares():
     run_ranks(check_all_to_all_uneven, 4)
 
@@ -273,6 +280,10 @@ def test_ulysses_2_and_4_with_heads_they_do_not_divide_are_exact():
 
 def test_ulysses_3_with_8_heads_is_exact():
     run_ranks(check_three_ranks, 3)
+
+
+def test_ulysses_5_with_24_heads_is_exact():
+    run_ranks(check_five_ranks, 5)
 
 
 # ---- train.py: a layout that was refused before ---------------------------------------------------------------
