@@ -13,11 +13,20 @@
     python infer.py ckpt_path=/models/Wan2.1-T2V-1.3B-Diffusers prompts='[a red fox running]'   # as published
     python infer.py ckpt_path=<LoRA run>/checkpoints/last.ckpt                 # on the run's init_from / pretrained
     python infer.py ckpt_path=<LoRA run>/checkpoints/last.ckpt base=weights.safetensors   # or on another copy of it
+    python infer.py ckpt_path=weights.safetensors 'lora=[{path: style.safetensors, strength: 0.8}]'   # LoRA files
 
 A LoRA run's checkpoint holds only the adapters: the base model comes from ``base=`` (a ringdit .ckpt or .safetensors
 export, or a diffusers folder) or else from what the run recorded (its ``init_from``, else its ``model.pretrained``);
 it is checked against the adapter before anything starts, and the adapters (EMA or raw, ``weights=``) are loaded
 onto it once it is built.
+
+LoRA files from elsewhere: ``lora=[{path: style.safetensors, strength: 0.8}, {path: other/, strength: 0.5}]`` stacks
+adapter files on whatever model is sampled (a checkpoint, an export, a pipeline folder, a LoRA checkpoint on its
+base): diffusers' and peft's files, ComfyUI's (the model's original layer names; a fused original layer is split into
+its parts) and ``python -m ringdit.export lora=true`` folders (a two-expert model's ``transformer_2/`` too, or
+``path_2=``). Each adapted layer computes as its base plus the sum of ``strength x alpha / r x B A`` over the files,
+added to its output (``ringdit.lora.stack_adapters``: the base weights are left as they are, in any dtype or
+sharding). Every file is read and checked against the model before anything starts.
 
 Sizes: ``size=[H, W]`` and ``frames=N`` (videos) sample at any shape the model patches, default the data's
 image_size (its most frequent bucket). When the checkpoint's data records its VAE (data=text_latents from
@@ -97,6 +106,8 @@ def prepare(cfg: DictConfig):
     writer = SampleWriter(spec.output_dir, captions=captions, fps=spec.output.fps, shapes=shapes,
                           shape_names={shape: spec.sizes.name(shape) for shape in shapes})
     callbacks = [writer, *(hydra.utils.instantiate(c) for c in spec.trainer.callbacks)]
+    if spec.lora_files:  # after the checkpoint's own adapters are loaded: these go on top
+        callbacks.insert(0, StackLoraFiles(spec.lora_files))
     if spec.lora is not None:
         callbacks.insert(0, LoadLoraAdapter(spec.ckpt_path, spec.weights))
     trainer: L.Trainer = hydra.utils.instantiate(spec.trainer.config, callbacks=callbacks, logger=False)
@@ -107,6 +118,24 @@ def prepare(cfg: DictConfig):
     requests = DataLoader(requests, batch_sampler=requests.batches(spec.batch_size))
     claim_run_folder(spec.output_dir, "infer")  # last: every check has passed
     return trainer, module, requests, spec
+
+
+class StackLoraFiles(L.Callback):
+    """``lora=[{path, strength}, ...]``: the adapter files stacked on the model when prediction starts (the model is
+    built, loaded and sharded by then): each adapted layer computes as the base merged with every file's update at
+    its strength (``ringdit.lora.stack_adapters``); every rank reads the same files onto its device."""
+
+    def __init__(self, files):
+        self.files = files
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module) -> None:
+        from ringdit.checkpoints.lora_formats import read_lora_stack
+        from ringdit.lora import adapted_modules, stack_adapters
+
+        model = pl_module.model
+        stack_adapters(adapted_modules(model), read_lora_stack(self.files, model), device=trainer.strategy.root_device)
+        if trainer.is_global_zero:
+            log.info("stacked %s", ", ".join(f"{file.paths[0]} at strength {file.strength:g}" for file in self.files))
 
 
 def sample(cfg: DictConfig) -> Path:

@@ -393,3 +393,54 @@ def _write_lora(adapters: dict[str, Tensor], lora: dict, out_dir: Path) -> Path:
         save_file(tensors, str(tmp), metadata={"format": "pt",
                                                "lora_adapter_metadata": json.dumps(metadata, sort_keys=True)})
     return path
+
+
+# ---- adapters fused into the base, or stacked on it ---------------------------------------------------------------
+
+
+@torch.no_grad()
+def merged_state(model: nn.Module, strength: float = 1.0) -> dict[str, Tensor]:
+    """The weights of the adapted ``model`` with its adapters fused at ``strength``, by the plain model's names (no
+    ``base_layer``, no adapter weights): what the model without adapters loads, and computes as the adapted one did
+    (``python -m ringdit.export ... lora=true merge=true``). peft's own ``merge`` fuses each layer (``W + strength *
+    alpha / r * B A`` for LoRA), so every adapter kind peft merges is fused as peft computes it. ``model`` is changed
+    (its layers hold the fused weights)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for layer in model.modules():
+        if isinstance(layer, BaseTunerLayer) and ADAPTER_NAME in getattr(layer, "scaling", {ADAPTER_NAME: 1}):
+            if strength != 1:
+                layer.set_scale(ADAPTER_NAME, strength)  # alpha / r times strength
+            layer.merge(adapter_names=[ADAPTER_NAME])
+    return {key.replace(".base_layer.", "."): value for key, value in model.state_dict().items()
+            if not is_adapter_key(key)}
+
+
+LowRank = tuple[Tensor, Tensor, float]  # one layer's adapter: down A (r, in), up B (out, r), its scale alpha / r
+
+
+def stack_adapters(roots: tuple[nn.Module, ...], adapters, device=None) -> list:
+    """Make ``roots`` (``adapted_modules(model)``: one transformer per expert) compute as their base merged with
+    every adapter of ``adapters`` at its strength: each adapted layer's output gets ``sum_i s_i scale_i (x A_i^T)
+    B_i^T`` added by one forward hook, which is ``x (W + sum_i s_i scale_i B_i A_i)^T`` up to the order of the sums.
+    ``adapters``: ``(layers, strength)`` pairs, ``layers`` one ``{module name: LowRank}`` per expert (the first
+    expert's first; fewer than the experts: the rest get none). The base weights are left alone -- any dtype (an
+    fp8 or bf16 base), sharded by FSDP or not -- and a layer that already carries a trained peft adapter gets these
+    on top. Returns the hooks' handles (``handle.remove()`` takes an adapter stack off again).
+    ``infer.py lora=[...]`` calls it; a server applying several adapters to one request can too."""
+    terms: dict[tuple[int, str], list[LowRank]] = {}
+    for experts, strength in adapters:
+        for index, layers in enumerate(experts):
+            for name, (down, up, scale) in layers.items():
+                terms.setdefault((index, name), []).append((down.to(device), up.to(device), float(strength) * scale))
+    return [roots[index].get_submodule(name).register_forward_hook(_adding(layer_terms))
+            for (index, name), layer_terms in terms.items()]
+
+
+def _adding(terms: list[LowRank]):
+    def hook(module: nn.Module, args, output: Tensor) -> Tensor:
+        x = args[0]  # (..., in)
+        for down, up, scale in terms:
+            output = output + scale * nn.functional.linear(nn.functional.linear(x, down.to(x.dtype)), up.to(x.dtype))
+        return output  # (..., out)
+    return hook

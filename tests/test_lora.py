@@ -428,12 +428,18 @@ def test_a_base_that_does_not_fit_the_adapter_is_refused(lora_run, tmp_path):
         assert_refused(proc, re.escape(fit) + problem, seconds=seconds)
 
 
-def test_a_plain_export_of_a_lora_checkpoint_is_refused(lora_run, tmp_path, capsys):
+def test_a_plain_export_of_a_lora_checkpoint_is_refused_and_merge_exports_it(lora_run, tmp_path, capsys):
+    """The plain export is refused; its advice, lora=true merge=true, writes the base with the adapter fused in,
+    which samples the LoRA checkpoint's images (at most one grey level apart: fp32 sums in another order)."""
     from ringdit.export import main
 
     assert main([f"ckpt_path={lora_run.ckpt}", f"out={tmp_path / 'w.safetensors'}"]) == 2
-    assert "holds only the adapters, not a model; export them with lora=true" in capsys.readouterr().err
+    assert "holds only the adapters, not a model; export the model with its adapter fused in with lora=true " \
+           "merge=true" in capsys.readouterr().err
     assert not (tmp_path / "w.safetensors").exists()
+    assert main([f"ckpt_path={lora_run.ckpt}", f"out={tmp_path / 'w.safetensors'}", "lora=true", "merge=true"]) == 0
+    difference = np.abs(sample(tmp_path / "merged", tmp_path / "w.safetensors") - lora_run.samples)
+    assert difference.max() <= 1 and (difference > 0).mean() < 0.01, (difference.max(), (difference > 0).mean())
 
 
 def test_a_diffusers_lora_samples_on_its_pretrained_folder_or_on_base(tmp_path):

@@ -76,16 +76,19 @@ def pipeline_components(base: str | Path, subfolders: list[str], model_class: st
 
 
 def export_diffusers(ckpt_path: str | Path, out: str | Path, prefer: str = "ema", base: str | None = None,
-                     max_shard_size=MAX_SHARD_SIZE) -> tuple[Path, str | None]:
+                     max_shard_size=MAX_SHARD_SIZE, weights: tuple[dict, dict] | None = None
+                     ) -> tuple[Path, str | None]:
     """Write the checkpoint's transformer(s) (EMA weights by default) under the folder ``out`` with the base
     pipeline's other components, replacing ``out`` whole (a kill while writing leaves the previous one as it was).
-    Returns ``out`` and, for a transformer-only export, a note saying why there is no pipeline."""
+    Returns ``out`` and, for a transformer-only export, a note saying why there is no pipeline. ``weights``: the
+    ``(state, info)`` to write instead of the checkpoint's (a LoRA run's base with its adapter fused)."""
     from ringdit.spec.checkpoint import recorded_hparams
     from ringdit.spec.model import ModelSpec, model_class
 
     out = checked_output(out, folder=True, what="format=diffusers (a pipeline folder)")
     shard_bytes(max_shard_size)
-    _, info = read_weights(ckpt_path, prefer, load_tensors=False)  # the configs: the base is checked before the weights
+    _, info = weights or read_weights(ckpt_path, prefer, load_tensors=False)  # the configs: the base is checked
+    # before the weights
     model_cfg = info.get("model") or {}
     if not model_cfg or not model_class(model_cfg).diffusers_folders:
         raise CheckpointError(f"{ckpt_path} holds ringdit's DiT, not a diffusers transformer: export it with "
@@ -109,7 +112,7 @@ def export_diffusers(ckpt_path: str | Path, out: str | Path, prefer: str = "ema"
     if Path(out).resolve() == (Path(base).expanduser().resolve() if base else None):
         raise ConfigError(f"out={out} is the base pipeline folder itself: exporting would replace it; choose another "
                           f"out")
-    state, _ = read_weights(ckpt_path, prefer)
+    state, _ = weights or read_weights(ckpt_path, prefer)
     tmp = Path(temporary_folder(out))
     try:
         if base is not None:

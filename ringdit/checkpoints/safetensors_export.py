@@ -16,14 +16,20 @@ from ringdit.errors import CheckpointError
 def export_safetensors(ckpt_path: str | Path, out: str | Path, prefer: str = "ema") -> Path:
     """Write a checkpoint's weights (EMA by default) and its configs (as metadata) to a safetensors file that
     ``infer.py ckpt_path=`` and ``train.py init_from=`` read without Lightning."""
-    from safetensors.torch import save_file
-
     if Path(out).expanduser().resolve() == Path(ckpt_path).expanduser().resolve():
         raise CheckpointError(f"out={out} is the checkpoint itself: exporting would replace it; choose another out")
     state, info = read_weights(ckpt_path, prefer)
     if "model" not in info:
         raise CheckpointError(f"{ckpt_path} carries no model config: only ringdit checkpoints can be exported")
-    out = checked_output(out, folder=False, what="format=ringdit")
+    return write_safetensors(state, info, out)
+
+
+def write_safetensors(state: dict, info: dict, out: str | Path, what: str = "format=ringdit") -> Path:
+    """Write the weights ``state`` with the configs ``info`` (as JSON metadata) to the ``.safetensors`` file
+    ``out``, atomically (a kill leaves no half-written file)."""
+    from safetensors.torch import save_file
+
+    out = checked_output(out, folder=False, what=what)
     if out.suffix != ".safetensors":
         raise CheckpointError(f"out={out} must end in .safetensors (infer.py and init_from recognise exports by it)")
     metadata = {key: json.dumps(value) for key, value in info.items()}

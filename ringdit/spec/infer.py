@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from ringdit.caching import CacheSettings, teacache_coefficients
 from ringdit.caching import check_model as check_cache_model
 from ringdit.checkpoints.weights import WEIGHT_CHOICES
+from ringdit.checkpoints.lora_formats import LoraFile, lora_file_entries
 from ringdit.diffusion.samplers import is_guided
 from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
@@ -264,6 +265,7 @@ class InferSpec:
     image: ImageInput | None = None  # image=: an image-to-video model's first frames (None: text-to-video, or the
     # training data's held-out first frames)
     pipeline: bool = False  # ckpt_path is a diffusers pipeline folder, sampled as published (ringdit.spec.pipeline)
+    lora_files: tuple[LoraFile, ...] = ()  # lora=[...]: adapter files stacked on the model (ringdit.lora)
 
     def sample_shapes(self) -> list[tuple[int, ...]]:
         """Each sample's shape: a prompt file's per prompt (cycled, as the prompts are), else ``shape``."""
@@ -325,6 +327,7 @@ class InferSpec:
 
         sizes = SampleSizes.of(info["data"], patch_shape(meta_model), meta_model.max_grid)
         check_cache_model(cache, meta_model)  # blocks the step cache cannot wrap: refused here, not on the ranks
+        lora_files = lora_file_entries(cfg.get("lora"), meta_model)  # lora=[...]: read and checked, not yet applied
         if cache.kind == "teacache":  # the polynomial this model needs, found (or refused) before anything starts
             cache = replace(cache, coefficients=teacache_coefficients(cache, meta_model, ckpt_path))
         del state, meta_model
@@ -353,7 +356,7 @@ class InferSpec:
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, ckpt_path=ckpt_path,
                    weights=cfg.weights, model=model, data=info["data"], objective=info["objective"],
                    sampling=sampling, conditioning=conditioning, output=output, sizes=sizes, shape=shape, lora=lora,
-                   cache=cache, image=image, loggers=loggers, pipeline=pipeline)
+                   cache=cache, image=image, loggers=loggers, pipeline=pipeline, lora_files=lora_files)
 
 
 def sampling_overrides(cfg: DictConfig) -> dict:
