@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from ringdit.data.datasets import data_source
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.errors import ConfigError
 from ringdit.spec import InferSpec
@@ -81,8 +82,8 @@ def text_prompts(spec: InferSpec) -> tuple[dict, list[str]]:
     else:
         source = data_info["source"]
         try:
-            data = TextLatentsDataModule(source["path"], val_fraction=source["val_fraction"], seed=source["seed"],
-                                         check_values=False)  # only its held-out prompts are read (and checked)
+            # only its held-out prompts are read (and checked)
+            data = TextLatentsDataModule(**data_source(source), check_values=False)
         except ValueError as error:
             raise ConfigError(f"text_embeds is not set and the training data's held-out prompts cannot be read "
                               f"({error}); give prompt embeddings with text_embeds=<file>") from None

@@ -24,6 +24,7 @@ from ringdit.errors import ConfigError, require_count
 from ringdit.parallel import check_degrees
 
 
+FORWARD_AD_METHODS = ("scm", "rcm")  # distill= methods whose loss takes a JVP through the model
 STRATEGIES = ("ddp", "fsdp")  # what a strategy class declares as its ``layout_strategy``
 
 
@@ -117,8 +118,11 @@ class Layout:
         if not isinstance(cpu_offload, bool):
             raise ConfigError(f"trainer.strategy.cpu_offload must be true or false, got {cpu_offload!r}")
         kind = device_type(cfg.trainer)
+        # consistency distillation (distill=scm / rcm) takes a JVP through the student: its attention needs a
+        # forward-mode rule, checked here, before any rank starts
+        forward_ad = training and OmegaConf.select(cfg, "distill.method", default="none") in FORWARD_AD_METHODS
         backend = validate_attention_config(cfg.attention_backend, ring_degree=ring, training=training,
-                                            device_type=kind)
+                                            forward_ad=forward_ad, device_type=kind)
         nodes = cfg.trainer.get("num_nodes", 1)
         return cls(dp_degree=dp, ring_degree=ring, ulysses_degree=ulysses, devices=world // nodes, num_nodes=nodes,
                    device_type=kind, attention_backend=backend, strategy=strategy,

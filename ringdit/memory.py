@@ -93,7 +93,7 @@ GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 STATE_BLOCK = 256  # values per fp32 scale of an 8-bit optimizer state (conf/optimizer/adamw8bit.yaml)
-DISTILL_METHODS = ("none", "dmd2")  # conf/distill/
+DISTILL_METHODS = ("none", "dmd2", "scm", "rcm")  # conf/distill/
 
 
 # ---- what the estimate reads: the model's sizes and the run's setup --------------------------------------------
@@ -178,12 +178,12 @@ class Setup:
     def trained_models(self) -> int:
         """Models whose weights train, each with its gradients and optimizer state: the model; under DMD2 the student
         and the critic."""
-        return 2 if self.training and self.distill == "dmd2" else 1
+        return 2 if self.training and self.distill in ("dmd2", "rcm") else 1  # sCM trains no critic
 
     @property
     def frozen_models(self) -> int:
         """Whole models held beside them without gradients: DMD2's teacher."""
-        return 1 if self.training and self.distill == "dmd2" else 0
+        return 1 if self.training and self.distill != "none" else 0
 
 
 @dataclass(frozen=True)

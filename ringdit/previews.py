@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from ringdit.errors import ConfigError
 from ringdit.layout import Layout
 from ringdit.memory import GiB, ModelSize, Setup, available_memory, estimate_memory, model_size, setup_from_config
+from ringdit.models.conditioning import text_conditioned
 
 log = logging.getLogger("ringdit.previews")
 SETTING = "callbacks.sample_grid"
@@ -140,7 +141,7 @@ def check_run_previews(cfg, layout: Layout, callbacks: tuple[dict, ...], data_in
         grid = hydra.utils.instantiate(config)
         grid.check_shape(data_info, tuple(meta_model.patch_shape))
         rows = len(grid.lines[:grid.max_classes]) if grid.lines is not None else grid.max_classes \
-            if data_info.get("conditioning") == "text" else min(data_info.get("num_classes") or 1, grid.max_classes)
+            if text_conditioned(data_info) else min(data_info.get("num_classes") or 1, grid.max_classes)
         shapes = [shape for shape in (grid.shape, *grid.line_shapes) if shape]
         tokens = max((math.prod(s // p for s, p in zip(shape, meta_model.patch_shape)) for shape in shapes),
                      default=default_tokens)

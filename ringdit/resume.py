@@ -81,6 +81,9 @@ def check_resumed_models(ckpt_path: str, hparams: dict, distill: dict | None) ->
         raise ConfigError(f"ckpt_path={ckpt_path} is a plain training checkpoint (one model, no critic), but this run "
                           f"has distill={run_method}; distil it as the teacher: init_from={ckpt_path} instead of "
                           f"ckpt_path, or resume its training with distill=none")
+    if "none" != method != run_method:  # another method's models (sCM: no critic) and optimizers
+        raise ConfigError(f"ckpt_path={ckpt_path} is a distill={method} checkpoint, but this run has "
+                          f"distill={run_method} (other models and optimizers); resume it with distill={method}")
     if method != "none" and bool(recorded.get("gan_loss")) != bool(run.get("gan_loss")):
         had = bool(recorded.get("gan_loss"))
         raise ConfigError(f"ckpt_path={ckpt_path} was distilled {'with' if had else 'without'} the GAN head (its "

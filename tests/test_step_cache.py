@@ -147,6 +147,23 @@ def test_teacache_without_coefficients_says_how_to_fit_them(tmp_path):
     assert teacache_coefficients(CacheSettings("teacache", 0.1), model, str(tmp_path / "last.ckpt")) == (2.0, 0.5)
 
 
+@pytest.mark.parametrize("preset, family, size", [("wan_14b", "wan", (5120, 40)), ("wan_1_3b", "wan", (1536, 30)),
+                                                   ("flux_dev", "flux", (3072, 19))])
+def test_the_published_coefficients_are_the_model_kinds(preset, family, size):
+    """TeaCache's published polynomials belong to their family (Family.teacache_coefficients), at its published
+    sizes; the model built from the preset (on the meta device) finds its own."""
+    from ringdit.cli import model_preset
+    from ringdit.models.diffusers.families import get_family
+    from ringdit.spec.model import build_on_meta, model_config
+
+    shape = [8, 8] if family == "flux" else [3, 8, 8]
+    config = model_config(model_preset(preset), {"conditioning": "text", "channels": 16, "image_size": shape,
+                                                 "text_len": 8, "text_dim": 4096, "pooled_dim": 768})
+    model = build_on_meta(config)
+    assert teacache_coefficients(CacheSettings("teacache", 0.1), model, None) == \
+        get_family(family).teacache_coefficients[size]
+
+
 def test_calibration_fits_a_polynomial():
     model = dit()
     recorder = StepCache(CacheSettings("teacache", 0.0), calibrate=True)

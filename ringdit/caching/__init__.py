@@ -39,7 +39,6 @@ from ringdit.caching.cache import CacheCounts, StepCache
 from ringdit.caching.settings import (
     COEFFICIENTS_FILE,
     KINDS,
-    PUBLISHED_COEFFICIENTS,
     SCOPES,
     CacheSettings,
     model_fingerprint,
@@ -50,7 +49,6 @@ from ringdit.caching.settings import (
 __all__ = [
     "COEFFICIENTS_FILE",
     "KINDS",
-    "PUBLISHED_COEFFICIENTS",
     "SCOPES",
     "BlockIO",
     "CacheCounts",

@@ -17,16 +17,6 @@ KINDS = ("none", "fbcache", "teacache")
 SCOPES = ("sample", "batch")
 COEFFICIENTS_FILE = "teacache.json"  # beside a checkpoint: what ``calibrate`` writes and ``teacache`` reads
 
-# Published TeaCache rescaling polynomials (numpy.polyfit order, highest degree first), keyed by (family, a config
-# fingerprint: the transformer's width and depth). Wan's are TeaCache4Wan2.1's "use_ret_steps" ones, whose input is
-# the timestep projection (``temb`` of the blocks) and which want the first evaluations computed (warmup).
-PUBLISHED_COEFFICIENTS: dict[tuple[str, int, int], tuple[float, ...]] = {
-    ("wan", 1536, 30): (-5.21862437e+04, 9.23041404e+03, -5.28275948e+02, 1.36987616e+01, -4.99875664e-02),  # 1.3B
-    ("wan", 5120, 40): (-3.03318725e+05, 4.90537029e+04, -2.65530556e+03, 5.87365115e+01, -3.15583525e-01),  # 14B
-    ("flux", 3072, 19): (4.98651651e+02, -2.83781631e+02, 5.58554382e+01, -3.82021401e+00, 2.64230861e-01),
-}
-
-
 # ---- settings ------------------------------------------------------------------------------------------------------
 
 
@@ -136,8 +126,9 @@ def teacache_coefficients(settings: CacheSettings, model: nn.Module, ckpt_path: 
             return read_coefficients(f"the {COEFFICIENTS_FILE} beside ckpt_path", str(beside),
                                      fingerprint=model_fingerprint(model))
     fingerprint = model_fingerprint(model)
-    if fingerprint in PUBLISHED_COEFFICIENTS:
-        return PUBLISHED_COEFFICIENTS[fingerprint]
+    published = getattr(model, "published_teacache_coefficients", None)  # the model kind's, at its size
+    if published is not None:
+        return published
     raise ConfigError(f"cache=teacache: no TeaCache coefficients for this model ({fingerprint[0]}, width "
                       f"{fingerprint[1]}, depth {fingerprint[2]}; ckpt_path={ckpt_path}); fit them with `python -m "
                       f"ringdit.caching calibrate ckpt_path={ckpt_path}` (writes {COEFFICIENTS_FILE} beside it), or "

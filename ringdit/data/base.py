@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from ringdit.data.datasets import DEFAULT_VAL_FRACTION, DatasetList
 from ringdit.data.steps import StepBatches, ValidationBatches
 from ringdit.errors import ConfigError, require_count
 from ringdit.seeding import Stream, generator
@@ -33,8 +34,8 @@ class ImageDataModule(L.LightningDataModule):
     bucket_shapes: list[tuple[int, ...]] | None = None  # None: one bucket, image_size
     sample_buckets: np.ndarray | None = None
 
-    def __init__(self, batch_size: int = 64, num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4,
-                 seed: int = 0, tokens_per_batch: int | None = None):
+    def __init__(self, batch_size: int = 64, num_workers: int = 0, val_fraction: float | None = 0.05,
+                 val_batches: int = 4, seed: int = 0, tokens_per_batch: int | None = None):
         super().__init__()
         require_count("data.batch_size", batch_size)
         require_count("data.tokens_per_batch", tokens_per_batch, optional=True,
@@ -43,12 +44,15 @@ class ImageDataModule(L.LightningDataModule):
         self.patch_shape: tuple[int, ...] | None = None
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**32 - 1:
             raise ValueError(f"data.seed must be an integer from 0 to 2**32 - 1 (it defaults to seed), got {seed!r}")
+        if val_fraction is None:  # data.val_fraction: null, the default of data modules without an evaluation set
+            val_fraction = DEFAULT_VAL_FRACTION
         if not 0 <= val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
         self.batch_size, self.num_workers = batch_size, num_workers
         self.val_fraction, self.val_batches, self.seed = val_fraction, val_batches, seed
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self.dataset_list: DatasetList | None = None  # several folders (data.datasets) or an evaluation set
 
     def build_dataset(self) -> Dataset:
         raise NotImplementedError
@@ -60,9 +64,12 @@ class ImageDataModule(L.LightningDataModule):
         return {**info, "buckets": self.describe_buckets()} if self.bucket_shapes is not None else info
 
     def describe_buckets(self) -> list[dict]:
-        """``[{"shape": [..], "samples": n}, ...]``, the most frequent bucket first (then by shape)."""
-        counts = np.bincount(self.sample_buckets, minlength=len(self.bucket_shapes))
-        order = sorted(range(len(counts)), key=lambda b: (-counts[b], self.bucket_shapes[b]))
+        """``[{"shape": [..], "samples": n}, ...]`` of the training folders, the most frequent bucket first (then by
+        shape)."""
+        rows = self.sample_buckets if self.dataset_list is None else \
+            self.sample_buckets[:self.dataset_list.training_rows]  # an evaluation set's shapes do not train
+        counts = np.bincount(rows, minlength=len(self.bucket_shapes))
+        order = sorted((b for b in range(len(counts)) if counts[b]), key=lambda b: (-counts[b], self.bucket_shapes[b]))
         return [{"shape": list(self.bucket_shapes[b]), "samples": int(counts[b])} for b in order]
 
     def shapes(self) -> list[tuple[int, ...]]:
@@ -110,6 +117,10 @@ class ImageDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return
         dataset = self.build_dataset()
+        if self.dataset_list is not None:  # repeats: a training row appears that many times; eval rows validate
+            train, val = self.dataset_list.split(self.seed, self.val_fraction)
+            self.val_set, self.train_set = Subset(dataset, val), Subset(dataset, train)
+            return
         order = torch.randperm(len(dataset), generator=generator(Stream.DATA_SPLIT, self.seed)).tolist()
         n_val = int(len(dataset) * self.val_fraction)
         self.val_set, self.train_set = Subset(dataset, order[:n_val]), Subset(dataset, order[n_val:])
@@ -123,16 +134,23 @@ class ImageDataModule(L.LightningDataModule):
         batches_per_step = trainer.accumulate_grad_batches
         require_count("trainer.max_steps", trainer.max_steps, hint="training is counted in steps")
         dp_rank, dp_size = self._dp()
-        members = self._members(self.train_set)
+        members, sizes, chances = self._training_buckets()
         kept = [b for b, m in enumerate(members) if m]  # a bucket whose samples are all held out trains nothing
-        sizes = self.batch_sizes()
         batches = StepBatches(
             self.train_set, [sizes[b] for b in kept], buckets=[members[b] for b in kept], dp_rank=dp_rank,
+            chances=None if chances is None else [chances[b] for b in kept],
             dp_size=dp_size, seed=self.seed, start_step=trainer.global_step * batches_per_step,
             total_steps=trainer.max_steps * batches_per_step, batches_per_step=batches_per_step,
         )
         return DataLoader(batches, batch_size=None, num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
+
+    def _training_buckets(self) -> tuple[list[list[int]], list[int], list[float] | None]:
+        """The training set's buckets (positions in ``train_set``), their batch sizes and chances per step (None:
+        in proportion to their batches). Weighted dataset lists: one bucket per (folder, shape), drawn by weight."""
+        if self.dataset_list is not None and self.dataset_list.weighted:
+            return self.dataset_list.weighted_groups(self.train_set.indices, self.sample_buckets, self.batch_sizes())
+        return self._members(self.train_set), self.batch_sizes(), None
 
     def val_dataloader(self) -> DataLoader:
         # batches of one bucket each, this data-parallel rank's slice of every global batch (not Lightning's

@@ -40,7 +40,7 @@ class StepBatches(IterableDataset):
 
     def __init__(self, dataset: Dataset, batch_size: int | Sequence[int], *, total_steps: int, start_step: int = 0,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, buckets: Sequence[Sequence[int]] | None = None,
-                 batches_per_step: int = 1):
+                 batches_per_step: int = 1, chances: Sequence[float] | None = None):
         if len(dataset) == 0:
             raise ValueError("the training dataset is empty")
         self.dataset = dataset
@@ -56,7 +56,11 @@ class StepBatches(IterableDataset):
         self.batches_per_step = batches_per_step  # gradient accumulation: an optimizer step's micro-batches share a bucket
         # a bucket's chance per step: the batches it holds, so samples are read in the data's proportions (the dp
         # size, a common factor, is left out: the draws depend on the data and the batch sizes only)
-        self.weights = torch.tensor([len(b) / s for b, s in zip(self.buckets, sizes)], dtype=torch.float64)
+        # ``chances``: each bucket's chance given instead (data.datasets' weights: a folder's share, whatever its size)
+        self.weights = torch.tensor([len(b) / s for b, s in zip(self.buckets, sizes)] if chances is None else
+                                    list(chances), dtype=torch.float64)
+        if len(self.weights) != len(self.buckets) or not (self.weights > 0).all():
+            raise ValueError(f"{len(self.weights)} chances for {len(self.buckets)} buckets, each must be > 0")
         self._permutations: dict[tuple[int, int], torch.Tensor] = {}
         self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (its draws, counts before it)
 

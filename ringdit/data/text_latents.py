@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -65,10 +66,13 @@ from torch.utils.data import Dataset
 
 from ringdit.atomic import atomic_write
 from ringdit.data.base import ImageDataModule
+from ringdit.data.datasets import DatasetList, parse_datasets, parse_eval, resolve_val_fraction
 from ringdit.data.latents import checked_data_path, count_nonfinite
 from ringdit.errors import ConfigError, require_count
 from ringdit.launcher import spawned_by_launcher
 from ringdit.safe_json import parse_json
+
+log = logging.getLogger(__name__)
 
 FORMAT = "ringdit.text_latents/1"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -314,22 +318,36 @@ def condition_of(values: dict[str, Tensor], row: int) -> dict[str, Tensor]:
 class TextLatentsDataModule(ImageDataModule):
     """``data=text_latents``: shards at ``path`` (see the module docstring)."""
 
-    def __init__(self, path: str, batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05,
-                 val_batches: int = 4, seed: int = 0, check_values: bool = True, tokens_per_batch: int | None = None,
-                 size: list | int | None = None, frames: int | None = None):
+    def __init__(self, path: str | None = None, batch_size: int = 8, num_workers: int = 0,
+                 val_fraction: float | None = None, val_batches: int = 4, seed: int = 0, check_values: bool = True,
+                 tokens_per_batch: int | None = None, size: list | int | None = None, frames: int | None = None,
+                 datasets: list | None = None, eval: str | list | None = None):  # noqa: A002 - the setting's name
         """``check_values``: read every value once now (train.py: in the launching process, before any rank
         starts; not again in the ranks Lightning spawns) and refuse NaN / Inf; False skips that scan (a reader that
         only wants a few prompts, such as infer.py's held-out prompts). ``size`` / ``frames``: the clips' size the
         run was planned for (a recipe's prepare size; ``python -m ringdit.plan experiment=...`` lays it out): a
-        prepared bucket with more pixels is refused, since the layout and memory were chosen for this size."""
-        super().__init__(batch_size, num_workers, val_fraction, val_batches, seed, tokens_per_batch)
-        self.path = _text_latents_path(path)
-        files = sorted(self.path.glob("*.safetensors")) if self.path.is_dir() else [self.path]
-        if not files:
-            raise ValueError(f"data.path={path} holds no .safetensors files; expected {LAYOUT}")
-        self.shards = [Shard(f) for f in files]
-        _check_mixable(path, self.shards)
+        prepared bucket with more pixels is refused, since the layout and memory were chosen for this size.
+        ``datasets`` / ``eval``: several folders with repeats or weights, an evaluation set (ringdit/data/datasets.py);
+        ``val_fraction`` None: 0 with an evaluation set, else 0.05."""
+        entries, eval_paths = parse_datasets(path, datasets), parse_eval(eval)
+        super().__init__(batch_size, num_workers, resolve_val_fraction(val_fraction, eval_paths), val_batches, seed,
+                         tokens_per_batch)
+        self.path = _text_latents_path(entries[0].path)
+        folders = [_open_folder(entry.path) for entry in entries] + [_open_folder(p) for p in eval_paths]
+        _check_folders_mix([entry.setting for entry in entries] + ["data.eval"] * len(eval_paths),
+                           [entry.path for entry in entries] + eval_paths, folders)
+        self.shards = [shard for folder in folders for shard in folder]  # rows: the training folders', then eval's
         _check_planned_size(path, self.shards, size, frames)
+        if datasets is not None or eval_paths:  # one data.path without an evaluation set: as before dataset lists
+            self.dataset_list = DatasetList(entries, [sum(s.size for s in f) for f in folders[:len(entries)]],
+                                            sum(s.size for f in folders[len(entries):] for s in f), eval_paths)
+            if not spawned_by_launcher():  # what an epoch holds, once, before any rank starts
+                buckets = [{shard.bucket: 0 for shard in f} for f in folders]
+                for f, counts in zip(folders, buckets):
+                    for shard in f:
+                        counts[shard.bucket] += shard.size
+                for line in self.dataset_list.report(*self.dataset_list.split(seed, self.val_fraction), buckets):
+                    log.info(line)
         if check_values and not spawned_by_launcher():
             for shard in self.shards:
                 shard.check_values()
@@ -357,6 +375,8 @@ class TextLatentsDataModule(ImageDataModule):
         for key in ("vae", "text_encoder", "image_encoder"):  # by prepare: how to decode and encode prompts, images
             if key in self.shards[0].metadata:
                 info[key] = json.loads(self.shards[0].metadata[key])
+        if self.dataset_list is not None:  # infer.py's held-out prompts come from the same folders (data_source)
+            info["source"].update(self.dataset_list.source())
         return info
 
     def build_dataset(self) -> TextLatentRows:
@@ -433,6 +453,38 @@ def _check_planned_size(path, shards: list[Shard], size, frames) -> None:
                 f"than data.size={planned[:2]} x data.frames={planned[2]} the run was planned for; prepare at that "
                 f"size, or set data.size=[{clip[0]},{clip[1]}]" + (f" data.frames={clip[2]}" if frames else "")
                 + " and plan again (python -m ringdit.plan experiment=... data.size=...)")
+
+
+def _open_folder(path) -> list[Shard]:
+    """One folder's (or file's) shards, checked and mixable with each other."""
+    resolved = _text_latents_path(path)
+    files = sorted(resolved.glob("*.safetensors")) if resolved.is_dir() else [resolved]
+    if not files:
+        raise ValueError(f"data.path={path} holds no .safetensors files; expected {LAYOUT}")
+    shards = [Shard(f) for f in files]
+    _check_mixable(path, shards)
+    return shards
+
+
+def _check_folders_mix(settings: list[str], paths: list[str], folders: list[list[Shard]]) -> None:
+    """Every folder of a dataset list (and the evaluation set) against the first: one model trains on them all, so
+    their latent channels and dims, text, pooled and glyph widths and per-sample keys must agree."""
+    first = folders[0][0]
+    optional = {key for folder in folders for key in folder[0].shapes} - {"latents", "text", "text_mask"}
+    for setting, path, folder in zip(settings[1:], paths[1:], folders[1:]):
+        shard = folder[0]
+        ((channels0, dims0), *widths0), ((channels, dims), *widths) = first.layout(), shard.layout()
+        keys0, keys = (sorted(k for k in optional if k in s.shapes) for s in (first, shard))
+        what = ("latent channels", channels0, channels) if channels != channels0 else \
+            ("latent dims (image vs video)", dims0, dims) if dims != dims0 else \
+            ("text, pooled and glyph widths ((L, D), (P,), (G, D_g))", widths0, widths) if widths != widths0 else \
+            ("the optional tensors", keys0, keys) if keys != keys0 else None
+        if what is not None:
+            fix = "store images as 1-frame videos (N, C, 1, H, W) for a video model (prepare does)" \
+                if what[0].startswith("latent dims") else "prepare every folder with the same VAE, text encoder(s), " \
+                "max_text_len and options (task, mask_path, image_encoder)"
+            raise ConfigError(f"{setting}={path} has {what[0]} {what[2]} but {settings[0]}={paths[0]} has {what[1]}; "
+                              f"the folders of one run must agree: {fix}")
 
 
 def parse_captions(where: str, text: str, count: int) -> list[str]:

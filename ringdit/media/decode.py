@@ -29,6 +29,7 @@ from ringdit.cli import hydra_main, user_errors
 from ringdit.images import to_uint8
 from ringdit.media.vae import VAE
 from ringdit.media.writing import write_media
+from ringdit.models.conditioning import text_conditioned
 
 log = logging.getLogger("ringdit.media.decode")
 
@@ -238,7 +239,7 @@ def sampling_vae(vae: str | None, subfolder: str | None, data_info: dict) -> str
 def latents_normalised(data_info: dict) -> bool:
     """Whether a model's sampled latents are VAE-normalised (data=text_latents, as prepare stores them) rather than
     raw VAE latents (data=latents: infer.py divides by data.scale)."""
-    return "vae" in data_info or data_info.get("conditioning") == "text"
+    return "vae" in data_info or text_conditioned(data_info)
 
 
 if __name__ == "__main__":

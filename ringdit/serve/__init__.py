@@ -26,6 +26,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ringdit.models.conditioning import text_conditioned
+
 log = logging.getLogger("ringdit.serve")
 
 FAILED_EXIT_CODE = 1
@@ -85,7 +87,7 @@ class Server:
         spec = self.spec
         device = "cuda" if torch.cuda.is_available() else "cpu"
         text_encoder = vae = None
-        if spec.data.get("conditioning") == "text":
+        if text_conditioned(spec.data):
             from ringdit.media.text import TextEncoder, encoder_settings
 
             text_encoder = TextEncoder(spec.conditioning.text_encoder, spec.conditioning.tokenizer,
@@ -194,7 +196,7 @@ def check_servable(spec) -> None:
     if "latent_scale" in spec.data and not spec.output.vae:
         raise ConfigError(f"ckpt_path={spec.ckpt_path} samples latents, and no VAE folder is known to decode them "
                           f"into images and videos; give vae=<the VAE folder the data was prepared with>")
-    if spec.data.get("conditioning") == "text" and not spec.conditioning.text_encoder:
+    if text_conditioned(spec.data) and not spec.conditioning.text_encoder:
         raise ConfigError(f"ckpt_path={spec.ckpt_path} is text-conditioned and no text encoder is known to encode "
                           f"the requests' prompts; give text_encoder=<the folder the data was encoded with>")
 

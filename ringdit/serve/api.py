@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringdit.errors import ConfigError
+from ringdit.models.conditioning import text_conditioned
 from ringdit.serve.adapters import AdapterError
 from ringdit.serve.engine import AdapterInUse
 from ringdit.serve.jobs import COMPLETED, FINISHED, Job, QueueFull, SampleRequest, ShuttingDown
@@ -568,7 +569,7 @@ def sample_request(body: ImageBody, kind: str, server, reference: tuple[str, byt
         text = str(problem)
         raise BadRequest("frames" if text.startswith("frames") else "size", text) from None
     prompt = body.prompt
-    if spec.data.get("conditioning") != "text":
+    if not text_conditioned(spec.data):
         from ringdit.sampling import resolve_labels
 
         names = [str(name) for name in spec.data.get("class_names") or []]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from ringdit.images import to_image, to_uint8
+from ringdit.models.conditioning import text_conditioned
 from ringdit.seeding import Stream, seed_of
 from ringdit.serve.adapters import Adapter, Adapters
 from ringdit.serve.jobs import CANCELLED, COMPLETED, FAILED, Job, JobQueue
@@ -296,7 +297,7 @@ class Rank0:
         spec, data = self.spec, self.spec.data
         seeds = [seed_of(Stream.INFERENCE, job.request.seed, i) for job in jobs for i in range(job.request.n)]
         negative = None
-        if data.get("conditioning") == "text":
+        if text_conditioned(data):
             prompts = [job.request.prompt for job in jobs for _ in range(job.request.n)]
             condition = self.text_encoder(prompts)  # (N, L, D) ...
             # the others: the empty prompt, as trained (a pipeline folder's has no stored encoding: always encoded)

@@ -28,6 +28,7 @@ from ringdit.errors import CheckpointError, ConfigError, require_choice
 from ringdit.lora import (adapter_state, add_lora, check_adapter_fits, check_lora_settings, is_adapter_key,
                           is_null_condition_key, lora_enabled)
 from ringdit.resume import check_resume, check_resumed_models
+from ringdit.spec.distill import CRITIC_METHODS
 from ringdit.spec.layout import device_type
 from ringdit.spec.model import ModelSpec, model_class
 
@@ -74,7 +75,7 @@ class CheckpointPlan:
             check_weights_file("ckpt_path", ckpt_path, meta_model, prefer="model")
             check_resume(ckpt_path, max_steps=max_steps, optimizer=optimizer.optimizer_factory(),
                          optimizer_name=optimizer.name, resume_optimizer=cfg.resume_optimizer, expert=expert,
-                         optimizers=1 if (distill or {}).get("method", "none") == "none" else 2)
+                         optimizers=2 if (distill or {}).get("method", "none") in CRITIC_METHODS else 1)
         elif cfg.init_from:  # a resumed run takes its weights from ckpt_path
             check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights,
                                resize_labels=cfg.init_resize_labels)

@@ -1,4 +1,4 @@
-"""``DistillSpec``: a distillation run's settings (``distill=dmd2``), checked before any process is spawned: the
+"""``DistillSpec``: a distillation run's settings (``distill=dmd2``, ``scm``, ``rcm``), checked before any process is spawned: the
 method, the student's steps and time grid, the critic's updates per student update, the teacher (``init_from`` or
 ``model.pretrained``, checked against the model like any weights file) and the objective it was trained with."""
 
@@ -12,7 +12,9 @@ from torch import nn
 
 from ringdit.errors import ConfigError, require_count, require_number
 
-METHODS = ("none", "dmd2")
+METHODS = ("none", "dmd2", "scm", "rcm")
+CRITIC_METHODS = ("dmd2", "rcm")  # those that train a critic (fake score) beside the student
+CONSISTENCY_METHODS = ("scm", "rcm")  # sCM's continuous-time consistency loss (a JVP through the student)
 # A distilled student samples in a few steps (DMD2: 1 to 4; the teachers' own samplers take 25 to 50). Every update
 # simulates up to distill.steps student steps to reach the one it trains, so a long grid costs that many forwards per
 # update (distill.steps=100000 never finished its first).
@@ -21,7 +23,7 @@ MAX_STUDENT_STEPS = 100
 
 @dataclass(frozen=True)
 class DistillSpec:
-    method: str              # dmd2
+    method: str              # dmd2 | scm | rcm
     steps: int               # the student's sampling steps
     times: tuple[float, ...]  # its input times, 1 first, decreasing in (0, 1]
     critic_steps: int        # critic updates per student update (the two time-scale rule)
@@ -40,6 +42,14 @@ class DistillSpec:
     regression_pairs: int = 64  # the pairs, sampled by the teacher once
     regression_distance: str = "mse"  # mse | pseudo_huber
     teacher_sampling: dict | None = None  # how the teacher samples the pairs: the run's sampler, steps, cfg_scale
+    # scm / rcm (ringdit.training.consistency): TrigFlow's data scale, the logit-normal training times, the tangent
+    # warm-up and normalisation; rcm: the weight of its DMD term
+    sigma_data: float = 1.0
+    p_mean: float = -0.8
+    p_std: float = 1.6
+    warmup_steps: int = 1000
+    tangent_c: float = 0.1
+    dmd_weight: float = 0.01
 
     @property
     def settings(self) -> dict:
@@ -51,7 +61,9 @@ class DistillSpec:
                 "gan_generator_weight": self.gan_generator_weight, "gan_critic_weight": self.gan_critic_weight,
                 "regression_loss": self.regression_loss, "regression_weight": self.regression_weight,
                 "regression_pairs": self.regression_pairs, "regression_distance": self.regression_distance,
-                "teacher_sampling": self.teacher_sampling}
+                "teacher_sampling": self.teacher_sampling, "sigma_data": self.sigma_data, "p_mean": self.p_mean,
+                "p_std": self.p_std, "warmup_steps": self.warmup_steps, "tangent_c": self.tangent_c,
+                "dmd_weight": self.dmd_weight}
 
     def student_sampling(self, sampling: dict) -> dict:
         """The run's sampling settings for the student: its own few-step sampler and grid, no guidance (previews
@@ -73,12 +85,15 @@ class DistillSpec:
             raise ConfigError(f"distill.steps={distill.steps} is not a few-step student: each student and critic update "
                               f"runs up to that many student forwards (backward simulation); distil at most "
                               f"{MAX_STUDENT_STEPS} steps (DMD2: 1 to 4), e.g. distill.steps=4")
-        require_count("distill.critic_steps", distill.get("critic_steps"),
-                      hint="critic updates per student update (DMD2's two time-scale rule: 5)")
+        if method in CRITIC_METHODS:
+            require_count("distill.critic_steps", distill.get("critic_steps"),
+                          hint="critic updates per student update (DMD2's two time-scale rule: 5)")
+        if method in CONSISTENCY_METHODS:
+            check_consistency_settings(distill, method)
         student_times(distill.get("steps"), distill.get("times"))
-        for key in ("t_min", "t_max"):
+        for key in ("t_min", "t_max") if method in CRITIC_METHODS else ():
             require_number(f"distill.{key}", distill.get(key), low=0, high=1, low_open=True)
-        if not distill.t_min < distill.t_max < 1:
+        if method in CRITIC_METHODS and not distill.t_min < distill.t_max < 1:
             raise ConfigError(f"distill.t_min={distill.t_min} and distill.t_max={distill.t_max} bound the noise "
                               f"levels of the distribution-matching loss: 0 < t_min < t_max < 1 (DMD2: 0.02, 0.98)")
         if distill.get("cfg_scale") is not None:
@@ -86,14 +101,21 @@ class DistillSpec:
         for key in ("gan_loss", "regression_loss"):
             if not isinstance(distill.get(key, False), bool):
                 raise ConfigError(f"distill.{key} must be true or false, got {distill.get(key)!r}")
+        if distill.get("gan_loss") and method not in CRITIC_METHODS:
+            raise ConfigError(f"distill.gan_loss=true with distill={method}: the GAN head reads the critic, and "
+                              f"distill={method} trains none; use distill=rcm (sCM with a critic) or "
+                              f"distill.gan_loss=false")
         if distill.get("gan_loss"):
             check_gan_settings(distill)
         if distill.get("regression_loss"):
             check_regression_settings(distill)
         precision = str(cfg.trainer.get("precision"))
         if precision.startswith("16"):
-            raise ConfigError(f"trainer.precision={precision} with distill={method}: the critic's updates do not go "
-                              f"through the fp16 gradient scaler; use 32-true, or bf16-mixed on GPUs")
+            why = ("the critic's updates do not go through the fp16 gradient scaler" if method == "dmd2" else
+                   "the JVP's tangent dF/dt leaves fp16's range (sCM trains in fp32 / bf16) and the updates do not go "
+                   "through the fp16 gradient scaler")
+            raise ConfigError(f"trainer.precision={precision} with distill={method}: {why}; use 32-true, or "
+                              f"bf16-mixed on GPUs")
         if cfg.trainer.get("accumulate_grad_batches", 1) != 1:
             raise ConfigError(f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches} with "
                               f"distill={method}: each student and critic update takes one batch; raise "
@@ -113,8 +135,9 @@ class DistillSpec:
             return None
         name = str(objective["_target_"]).rsplit(".", 1)[-1]
         if name != "FlowMatching":
-            raise ConfigError(f"distill={method} distils flow-matching models, but diffusion.objective is {name}; "
-                              f"distil a teacher trained with diffusion=flow")
+            how = "" if method == "dmd2" else " (converted to TrigFlow through the flow's straight path)"
+            raise ConfigError(f"distill={method} distils flow-matching models{how}, but diffusion.objective is "
+                              f"{name}; distil a teacher trained with diffusion=flow")
         if expert is not None or model_config.get("boundary_ratio") is not None:
             # Why not one student per expert (docs/distillation.md, "Two-expert teachers"): the matching loss scores
             # each student step's clean sample at noise levels on both sides of the boundary, and the low expert's
@@ -154,9 +177,15 @@ class DistillSpec:
                            regression_pairs=distill.regression_pairs, regression_distance=distill.regression_distance,
                            teacher_sampling={"sampler": sampling.get("sampler"), "steps": sampling.get("steps"),
                                              "cfg_scale": cfg_scale, "cfg_scale_2": None, "times": None})
+        if method in CONSISTENCY_METHODS:
+            options.update(sigma_data=float(distill.sigma_data), p_mean=float(distill.p_mean),
+                           p_std=float(distill.p_std), warmup_steps=int(distill.warmup_steps),
+                           tangent_c=float(distill.tangent_c))
+            if method == "rcm":
+                options.update(dmd_weight=float(distill.dmd_weight))
         return cls(method=method, steps=distill.steps, times=tuple(student_times(distill.steps, distill.get("times"))),
-                   critic_steps=distill.critic_steps, cfg_scale=cfg_scale, t_min=float(distill.t_min),
-                   t_max=float(distill.t_max), teacher=teacher or None, teacher_weights=cfg.init_weights,
+                   critic_steps=distill.critic_steps if method in CRITIC_METHODS else 0, cfg_scale=cfg_scale,
+                   t_min=float(distill.get("t_min", 0.02)), t_max=float(distill.get("t_max", 0.98)), teacher=teacher or None, teacher_weights=cfg.init_weights,
                    gradient_clip_val=float(clip) if clip else None, **options)
 
 
@@ -221,3 +250,27 @@ def check_regression_settings(distill) -> None:
     if distill.get("regression_distance") not in ("mse", "pseudo_huber"):
         raise ConfigError(f"distill.regression_distance={distill.get('regression_distance')!r} must be mse or "
                           f"pseudo_huber (LPIPS is not available offline)")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_consistency_settings(distill, method: str) -> None:
+    """sCM's (and rCM's) settings: TrigFlow's data scale, the training times' logit-normal, the tangent warm-up and
+    normalisation constant, rCM's DMD weight; each with the paper's value in its message."""
+    checks = (
+        ("sigma_data", lambda v: _finite(v) and v > 0, "a finite number > 0 (TrigFlow's data scale; rCM: 1.0)"),
+        ("p_mean", _finite, "a finite number (the logit-normal's mean; sCM / rCM: -0.8)"),
+        ("p_std", lambda v: _finite(v) and v > 0, "a finite number > 0 (the logit-normal's spread; sCM / rCM: 1.6)"),
+        ("warmup_steps", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+         "an integer >= 0 (student updates over which the tangent's weight r rises from 0 to 1; 0: r = 1 from the "
+         "start; rCM: 1000)"),
+        ("tangent_c", lambda v: _finite(v) and v > 0,
+         "a finite number > 0 (the tangent normalisation g / (||g|| + c); sCM: 0.1)"),
+    ) + ((("dmd_weight", lambda v: _finite(v) and v > 0, "a finite number > 0 (the DMD term's weight; rCM: 0.01); "
+           "for no DMD term use distill=scm"),) if method == "rcm" else ())
+    for key, valid, what in checks:
+        value = distill.get(key)
+        if not valid(value):
+            raise ConfigError(f"distill.{key}={value!r} must be {what}, with distill={method}")

@@ -23,6 +23,7 @@ from ringdit.checkpoints.weights import WEIGHT_CHOICES
 from ringdit.checkpoints.lora_formats import LoraFile, lora_file_entries
 from ringdit.diffusion.samplers import is_guided
 from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
+from ringdit.models.conditioning import text_conditioned
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
 from ringdit.spec.diffusion import (check_sampling, check_shift, check_shift_terminal, resolve_scheduler,
                                     resolve_shift_terminal)
@@ -90,7 +91,7 @@ class Conditioning:
     @classmethod
     def from_config(cls, cfg: DictConfig, data_info: dict, *, ckpt_path: str, num_samples: int,
                     sizes: SampleSizes | None = None) -> Conditioning:
-        if data_info.get("conditioning") != "text":
+        if not text_conditioned(data_info):
             given = [key for key in TEXT_SETTINGS if cfg.get(key)]
             if given:  # a class-conditional model has no text input: prompts would be ignored, not followed
                 raise ConfigError(f"{', '.join(f'{key}={cfg[key]}' for key in given)}: ckpt_path={ckpt_path} is a "

@@ -22,6 +22,7 @@ import inspect
 from pathlib import Path
 
 from ringdit.errors import ConfigError
+from ringdit.models.conditioning import TEXT
 
 INDEX = "model_index.json"
 
@@ -63,7 +64,7 @@ def pipeline_checkpoint(folder: str) -> dict:
     image_size = [height // spatial, width // spatial]
     if family.video:
         image_size = [(int(defaults["num_frames"]) - 1) // temporal + 1, *image_size]
-    data = {"channels": vae["latent_channels"], "image_size": image_size, "conditioning": "text",
+    data = {"channels": vae["latent_channels"], "image_size": image_size, "conditioning": TEXT,
             "text_len": text_len, "text_dim": encoder["dim"], "num_classes": 0, "class_names": [],
             "latent_scale": 1.0, "vae": vae, "text_encoder": encoder, "pipeline": str(root.resolve())}
     boundary = index.get("boundary_ratio")

@@ -47,7 +47,7 @@ class DataSpec:
                       hint="model tokens per rank and step; each bucket's batch is as many samples as fit")
         require_count("data.num_workers", data_cfg.get("num_workers", 0), minimum=0)
         if "val_fraction" in data_cfg:
-            require_number("data.val_fraction", data_cfg.val_fraction, low=0, high=1)
+            require_number("data.val_fraction", data_cfg.val_fraction, low=0, high=1, optional=True)  # null: default
 
     @classmethod
     def from_config(cls, data_cfg: DictConfig) -> DataSpec:

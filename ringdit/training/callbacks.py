@@ -17,6 +17,7 @@ from ringdit.lora import adapter_state, load_adapter, load_null_condition
 from ringdit.media.writing import write_mp4
 from ringdit.diffusion.pipeline import in_micro_batches
 from ringdit.errors import ConfigError, require_count, require_number, require_seed
+from ringdit.models.conditioning import text_conditioned
 from ringdit.sampling import FPS_HINT, PromptLine, SampleSizes, frame_rate, patch_shape, read_prompt_file, size_pair
 from ringdit.seeding import Stream, seed_of
 
@@ -151,7 +152,7 @@ class SampleGrid(L.Callback):
         """The prompt file against the run: a text model whose data name the text encoder that encodes its prompts
         (and that folder is here); each line's size / frames (default the grid's) one the model samples."""
         setting = f"{SETTING}.prompt_file={self.prompt_file}"
-        if data_info.get("conditioning") != "text":
+        if not text_conditioned(data_info):
             raise ConfigError(f"{setting}: this run's model is class-conditional and takes no prompts; drop it (the "
                               f"previews show {SETTING}.max_classes classes)")
         encoder = (data_info.get("text_encoder") or {}).get("path")

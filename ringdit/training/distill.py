@@ -50,6 +50,8 @@ from ringdit.diffusion.samplers import fewstep_step
 from ringdit.diffusion.pipeline import condition_to
 from ringdit.lora import lora_enabled
 from ringdit.seeding import Stream, generator, seed_of
+from ringdit.spec.distill import CRITIC_METHODS, CONSISTENCY_METHODS
+from ringdit.training import consistency
 from ringdit.training.gan_head import FeatureTap, GANHead, critic_gan_loss, generator_gan_loss
 from ringdit.training.module import DiffusionModule, total_grad_norm
 
@@ -59,7 +61,7 @@ Tensor = torch.Tensor
 warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
 
 # the DISTILL stream's roles: which draw of a phase a generator is for
-STUDENT_NOISE, CRITIC_LOSS, MATCHING, TRAINED_STEP, GAN, GAN_HEAD_INIT, REGRESSION = 0, 1, 2, 3, 4, 5, 6
+STUDENT_NOISE, CRITIC_LOSS, MATCHING, TRAINED_STEP, GAN, GAN_HEAD_INIT, REGRESSION, CONSISTENCY = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 class DistillationModule(DiffusionModule):
@@ -96,9 +98,10 @@ class DistillationModule(DiffusionModule):
             compile=self.hparams.compile, seed=self.hparams.seed,
         )
         lora = self.hparams.lora if lora_enabled(self.hparams.lora) else None
-        # the critic starts from the teacher too (a resumed run then loads its own weights from the checkpoint)
-        self.critic, _ = build_model(self.hparams.model, init_from=self.hparams.init_from,
-                                     init_weights=self.hparams.init_weights, lora=lora, **common)
+        if self.distill["method"] in CRITIC_METHODS:  # sCM trains none
+            # the critic starts from the teacher too (a resumed run then loads its own weights from the checkpoint)
+            self.critic, _ = build_model(self.hparams.model, init_from=self.hparams.init_from,
+                                         init_weights=self.hparams.init_weights, lora=lora, **common)
         teacher, _ = build_model(self.hparams.model, init_from=self.distill["teacher"],
                                  init_weights=self.distill["teacher_weights"], **common)
         teacher.requires_grad_(False)
@@ -121,10 +124,12 @@ class DistillationModule(DiffusionModule):
     def configure_optimizers(self):
         if self.optimizer_factory is None:
             raise ValueError("DistillationModule needs an optimizer (a partial, e.g. torch.optim.AdamW) to train")
-        critic = [self.critic] + ([self.gan_head] if self.gan_head is not None else [])
+        trained = [[self.model]]
+        if self.critic is not None:
+            trained.append([self.critic] + ([self.gan_head] if self.gan_head is not None else []))
         optimizers = [self.optimizer_factory(params=[p for model in models for p in model.parameters()
                                                      if p.requires_grad])
-                      for models in ([self.model], critic)]
+                      for models in trained]
         if self.scheduler_factory is None:
             return optimizers
         return optimizers, [{"scheduler": self.scheduler_factory(optimizer=o), "interval": "step"} for o in optimizers]
@@ -269,11 +274,17 @@ class DistillationModule(DiffusionModule):
 
     # ---- training -----------------------------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx: int) -> None:
-        x0, condition = batch  # the conditions and the shape; the images only for the GAN head (real data)
-        student_optimizer, critic_optimizer = self.optimizers()
+        x0, condition = batch  # the conditions and the shape; the images for the GAN head and the consistency loss
+        optimizers = self.optimizers()
+        student_optimizer, critic_optimizer = optimizers if isinstance(optimizers, list) else (optimizers, None)
         schedulers = self.lr_schedulers()
         step, shape = self.trainer.global_step, tuple(x0.shape)
-        critic_steps = self.distill["critic_steps"]
+        method = self.distill["method"]
+        # rCM's DMD term and its critic start once the tangent warm-up is over (rCM's schedule); DMD2's always run
+        matching = method == "dmd2" or (method == "rcm" and consistency.tangent_weight(
+            step, self.distill["warmup_steps"]) == 1.0)
+        critic_steps = self.distill["critic_steps"] if matching else 0
+        critic_value = None
         for phase in range(critic_steps):
             with torch.no_grad():
                 fake = self.student_samples(shape, condition, step, phase, grad=False, dtype=x0.dtype)
@@ -290,11 +301,24 @@ class DistillationModule(DiffusionModule):
             self._update(critic_optimizer.optimizer, critic_loss, self.critic, "train/critic_grad_norm")
         if critic_value is not None:
             self.log("train/critic_loss", critic_value, prog_bar=True)
-        fake = self.student_samples(shape, condition, step, critic_steps, grad=True, dtype=x0.dtype)
-        loss, gan_loss = self.matching_loss(fake, condition, step, critic_steps)
-        if gan_loss is not None:
-            self.log("train/gan_loss", self.trainer.strategy.reduce(gan_loss.detach(), reduce_op="mean"))
-            loss = loss + self.distill["gan_generator_weight"] * gan_loss
+        loss = 0.0
+        if method in CONSISTENCY_METHODS:
+            scm = self.consistency_loss(x0, condition, step, critic_steps)
+            self.log("train/scm_loss", self.trainer.strategy.reduce(scm.detach(), reduce_op="mean"))
+            loss = scm
+        if matching:
+            fake = self.student_samples(shape, condition, step, critic_steps, grad=True, dtype=x0.dtype)
+            dmd, gan_loss = self.matching_loss(fake, condition, step, critic_steps)
+            if gan_loss is not None:
+                self.log("train/gan_loss", self.trainer.strategy.reduce(gan_loss.detach(), reduce_op="mean"))
+                dmd = dmd + self.distill["gan_generator_weight"] * gan_loss
+            if method == "rcm":
+                # rCM sums its DMD term over each sample's elements (it is 0.5 mse here: x 2 numel) beside the sCM
+                # loss, weighted by dmd_weight (rCM: loss scales 100 and 1, i.e. 0.01)
+                dmd = 2 * consistency.per_sample_size(fake) * dmd
+                self.log("train/dmd_loss", self.trainer.strategy.reduce(dmd.detach(), reduce_op="mean"))
+                dmd = self.distill["dmd_weight"] * dmd
+            loss = loss + dmd
         if self.teacher_pairs is not None:
             regression = self.regression_loss()
             self.log("train/regression_loss", self.trainer.strategy.reduce(regression.detach(), reduce_op="mean"))
@@ -306,8 +330,36 @@ class DistillationModule(DiffusionModule):
             if self.ema is not None:
                 self.ema.update_parameters(self.model)
         for scheduler in (schedulers if isinstance(schedulers, list) else [schedulers] if schedulers else []):
-            scheduler.step()  # once per student step, both: their schedules follow trainer.max_steps
+            scheduler.step()  # once per student step, all: their schedules follow trainer.max_steps
         return None
+
+    def consistency_loss(self, x0: Tensor, condition, step: int, phase: int) -> Tensor:
+        """sCM's consistency loss (``ringdit.training.consistency``) on the batch's images ``x0`` noised to one
+        TrigFlow time per sample: the teacher's (guided) F gives the ODE's direction, forward mode the student's
+        tangent along it, and the student trains towards its normalised consistency direction."""
+        d = self.distill
+        sigma_d, channels = d["sigma_data"], x0.shape[1]
+        dtype = torch.promote_types(x0.dtype, torch.float32)  # float32 at least (bf16 models), float64 in fp64 runs
+        generators = self.draws(step, phase, CONSISTENCY, x0.shape[0])
+        s = consistency.training_times(generators, d["p_mean"], d["p_std"], sigma_d).to(self.device, dtype)
+        noise = draw_noise(x0.shape[1:], generators, self.device, dtype)
+        x_s = consistency.column(torch.cos(s), noise) * x0.to(dtype) \
+            + consistency.column(torch.sin(s), noise) * sigma_d * noise
+
+        def student(x: Tensor, t: Tensor) -> Tensor:
+            return self.model(x.to(x0.dtype), self.objective.model_time(t.to(x0.dtype)), condition)[:, :channels]
+
+        with torch.no_grad():
+            teacher = self.guided_teacher(condition, x0.shape[0])
+            F_teacher = consistency.trigflow_F(
+                lambda x, t: teacher(x.to(x0.dtype), self.objective.model_time(t.to(x0.dtype)))[:, :channels],
+                x_s, s, sigma_d).to(dtype)
+        F_minus, dF = consistency.trigflow_F_and_tangent(student, x_s, s, sigma_d * F_teacher, sigma_d)
+        r = consistency.tangent_weight(step, d["warmup_steps"])
+        g = consistency.consistency_direction(F_minus.to(dtype), dF.to(dtype), F_teacher, x_s, s, r, sigma_d,
+                                              d["tangent_c"])
+        F_theta = consistency.trigflow_F(student, x_s, s, sigma_d).to(dtype)
+        return consistency.consistency_loss(F_theta, F_minus.to(dtype), g)
 
     def _checked(self, name: str, loss: Tensor) -> Tensor | None:
         """The batch's mean ``loss`` over all ranks (the same on every rank); None when it is not finite and

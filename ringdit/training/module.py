@@ -36,6 +36,7 @@ from ringdit.ema import ModelAverage
 from ringdit.errors import NonFiniteLossError
 from ringdit.images import to_uint8
 from ringdit.lora import is_adapter_key, lora_enabled, null_condition_names
+from ringdit.models.conditioning import text_conditioned
 from ringdit.parallel import ParallelDims
 from ringdit.safe_config import check_file_configs
 from ringdit.seeding import Stream, generator
@@ -141,7 +142,7 @@ class DiffusionModule(L.LightningModule):
     @property
     def text_conditioned(self) -> bool:
         """Text embeddings condition the model (data=text_latents), rather than class labels."""
-        return self.hparams.data.get("conditioning") == "text"
+        return text_conditioned(self.hparams.data)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if lora_enabled(self.hparams.lora):  # the frozen base is init_from's: keep the adapters (and EMA count), and

@@ -4,7 +4,8 @@ onto ringdit's ``(latents, model time, conditioning)``, and its latent geometry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -102,6 +103,10 @@ class Family:
     # TeaCache's probe: (first block, its BlockIO, args, kwargs) -> (its timestep-modulated input, whether that is a
     # (B, S_local, ...) token shard); None: cache=teacache is refused for the family
     teacache_input: Callable | None = None
+    # TeaCache's published rescaling polynomials (numpy.polyfit order, highest degree first) for the family's
+    # published sizes, keyed by the transformer's (width, depth); cache=teacache on another size fits its own
+    # (python -m ringdit.caching calibrate)
+    teacache_coefficients: Mapping[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
     # its pipeline's chat template around the prompt (prompt_template=<family>), its constants read from diffusers'
     # own code when called, so that they cannot drift; None: the text encoder takes the prompt as it is (T5, UMT5)
     chat_template: Callable[[], ChatTemplate] | None = None

@@ -23,6 +23,7 @@ from ringdit.models.diffusers.image_condition import (CONDITION_KEY, channel_inp
                                                     first_frame_mask, replace_first_frame, require_image,
                                                     token_timesteps)
 from ringdit.models.checkpointing import checkpoint_model_blocks
+from ringdit.models.conditioning import GLYPH_KEYS, NULL_KEYS, TEXT
 from ringdit.models.materialize import building_on_meta
 from ringdit.models.plan import ParallelPlan
 from ringdit.safe_json import read_json
@@ -227,8 +228,9 @@ class DiffusersTransformer(nn.Module):
     # ---- conditioning --------------------------------------------------------------------------------------------
     def null_buffers(self) -> dict[str, Tensor]:
         """The empty prompt's conditioning (1, ...) by key: its text and mask, and its pooled embedding and glyph
-        text where the model reads them (``NULL_BUFFERS``)."""
-        return {key: getattr(self, name) for key, name in NULL_BUFFERS.items() if hasattr(self, name)}
+        text where the model reads them (``NULL_KEYS``: the buffers of pooled and glyph text only where the model has
+        them)."""
+        return {key: getattr(self, name) for key, name in NULL_KEYS.items() if hasattr(self, name)}
 
     def null_condition(self, batch: int) -> dict[str, Tensor]:
         """The empty prompt's conditioning, expanded to ``batch``."""
@@ -268,6 +270,14 @@ class DiffusersTransformer(nn.Module):
     def patch_shape(self) -> tuple[int, ...]:
         return self.patch_size
 
+    @property
+    def published_teacache_coefficients(self) -> tuple[float, ...] | None:
+        """TeaCache's published polynomial for this transformer's size (``Family.teacache_coefficients``); None:
+        none was published for it (``python -m ringdit.caching calibrate`` fits one)."""
+        config = self.transformer.config
+        width = config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)
+        return self.family.teacache_coefficients.get((int(width), int(config.get("num_layers", 0))))
+
     # ---- what a diffusers model declares as a model kind (ringdit.models.protocol.DiffusionModel): its family's ----
 
     @staticmethod
@@ -290,7 +300,7 @@ class DiffusersTransformer(nn.Module):
                               f"tokens; leave data.text_len null")
         return {"patch": family.patch_shape(arch), "video": family.video, "vae_factors": family.vae_factors,
                 "frame_pad": family.frame_pad,
-                "data": {"conditioning": "text", "channels": family.latent_channels(arch),
+                "data": {"conditioning": TEXT, "channels": family.latent_channels(arch),
                          "text_len": fixed or text_len or 512, "text_dim": arch[family.text_dim],
                          "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None,
                          "image_keys": ["image_latents", "image_condition", "image_embeds"]
@@ -387,10 +397,6 @@ class DiffusersTransformer(nn.Module):
 
 
 EXPERTS = ("high", "low")  # a two-expert model's transformer and transformer_2, in WanPipeline's order
-GLYPH_KEYS = ("glyph_text", "glyph_text_mask")  # HunyuanVideo 1.5's glyph text (data=text_latents' keys)
-# condition key -> the buffer of the empty prompt's value (those of pooled and glyph text only where the model has them)
-NULL_BUFFERS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled",
-                "glyph_text": "null_glyph_text", "glyph_text_mask": "null_glyph_text_mask"}
 
 
 def _second(subfolder: str | None) -> str:

@@ -1,0 +1,21 @@
+"""The conditioning vocabulary, one for the data that store it and the models that read it: what a data set says it
+conditions on (its ``describe()``'s ``conditioning``), and the names of the text-conditioning tensors a shard of
+``data=text_latents`` holds and a model takes (with their empty-prompt values, the null condition)."""
+
+from __future__ import annotations
+
+TEXT = "text"  # describe()["conditioning"] of data carrying prompts' text states; absent: class labels (or none)
+
+# HunyuanVideo 1.5's glyph text, optional, per sample: the ByT5 states of the prompt's quoted text and their mask
+GLYPH_KEYS = ("glyph_text", "glyph_text_mask")
+# image-to-video conditioning, optional, per sample (ringdit.models.diffusers.image_condition reads them)
+IMAGE_KEYS = ("image_latents", "image_condition", "image_embeds")
+# a text condition key -> the name of the empty prompt's value (a shard's tensor, a model's buffer)
+NULL_KEYS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled",
+             "glyph_text": "null_glyph_text", "glyph_text_mask": "null_glyph_text_mask"}
+
+
+def text_conditioned(data: dict) -> bool:
+    """Whether a model trained on ``data`` (a data module's ``describe()``, as a checkpoint records it) is prompted
+    with text -- its prompts are encoded, its samples are named by captions -- rather than given class labels."""
+    return data.get("conditioning") == TEXT
