@@ -70,6 +70,7 @@ from ringdit.data.datasets import DatasetList, parse_datasets, parse_eval, resol
 from ringdit.data.latents import checked_data_path, count_nonfinite
 from ringdit.errors import ConfigError, require_count
 from ringdit.launcher import spawned_by_launcher
+from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS, TEXT
 from ringdit.safe_json import parse_json
 
 log = logging.getLogger(__name__)
@@ -78,14 +79,8 @@ FORMAT = "ringdit.text_latents/1"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 LAYOUT = ("a .safetensors file, or a folder of them, holding 'latents' (N, C, [T,] H, W) and 'text' (N, L, D) "
           "(see ringdit/data/text_latents.py)")
-NULL_KEYS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled",
-             "glyph_text": "null_glyph_text", "glyph_text_mask": "null_glyph_text_mask"}
 NULL_OF = {"null_text": "text (1, L, D)", "null_text_mask": "text_mask (1, L)", "null_pooled": "pooled (1, P)",
            "null_glyph_text": "glyph_text (1, G, D_g)", "null_glyph_text_mask": "glyph_text_mask (1, G)"}
-# HunyuanVideo 1.5's glyph text, optional, per sample: the ByT5 states of the prompt's quoted text and their mask
-GLYPH_KEYS = ("glyph_text", "glyph_text_mask")
-# image-to-video conditioning, optional, per sample (ringdit.models.diffusers.image_condition reads them)
-IMAGE_KEYS = ("image_latents", "image_condition", "image_embeds")
 IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (Wan 2.2 TI2V, HunyuanVideo 1.5 I2V)",
             "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)",
             "image_embeds": "the image encoder's states (Wan 2.1 I2V with image_dim: CLIP's penultimate; "
@@ -361,7 +356,7 @@ class TextLatentsDataModule(ImageDataModule):
         self.image_size = tuple(self.describe_buckets()[0]["shape"])  # the most frequent: previews, the default
 
     def describe(self) -> dict:
-        info = {"channels": self.channels, "image_size": list(self.image_size), "conditioning": "text",
+        info = {"channels": self.channels, "image_size": list(self.image_size), "conditioning": TEXT,
                 "buckets": self.describe_buckets(),
                 "text_len": self.text_len, "text_dim": self.text_dim, "num_classes": 0, "class_names": [],
                 "latent_scale": 1.0, "source": {"path": str(self.path.resolve()), "seed": self.seed,
