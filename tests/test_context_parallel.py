@@ -210,7 +210,7 @@ def check_layout_errors(rank, world):
     dims = init_sequence_parallel(1, 4)
     USPAttention(6, 16, dims=dims)  # a degree that does not divide the heads splits them 2 + 2 + 1 + 1
     with pytest.raises(ValueError, match=r"ulysses_degree=4 is more than the model's num_heads=3: .* use "
-                                         r"ulysses_degree=2 ring_degree=2 \(the same ranks\)"):
+                                         r"ulysses_degree=2 with ring_degree multiplied by 2 \(the same ranks\)"):
         USPAttention(3, 16, dims=dims)  # built with the mesh
 
 

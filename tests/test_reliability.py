@@ -42,7 +42,7 @@ BAD_TRAIN_INPUTS = {
                                      r"= 1 x 2 x 1 = 2 ranks, but trainer.devices x trainer.num_nodes = 4 x 1 = 4 "
                                      r"processes; set dp_degree=2, or leave trainer.devices unset"),
     "more Ulysses ranks than heads": (["ulysses_degree=8"], r"ulysses_degree=8 is more than the model's "
-                                      r"num_heads=4: .*use ulysses_degree=4 ring_degree=2 \(the same ranks\)"),
+                                      r"num_heads=4: .*use ulysses_degree=4 with ring_degree multiplied by 2"),
     "strategy cfg_parallel not a bool": (["trainer/strategy=fsdp", "trainer.strategy.cfg_parallel=maybe"],
                                          r"trainer.strategy.cfg_parallel must be true or false, got 'maybe'"),
     "strategy cfg_parallel on one replica": (["trainer.strategy.cfg_parallel=true"],

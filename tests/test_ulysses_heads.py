@@ -52,9 +52,12 @@ def test_a_degree_above_the_heads_is_refused_with_degrees_that_work(heads, ulyss
     """More Ulysses ranks than heads would leave ranks with none: one line naming both values; its advice (same
     ranks, the rest of the degree on the ring) builds the layer."""
     with pytest.raises(ValueError, match=rf"^ulysses_degree={ulysses} is more than the model's num_heads={heads}: "
-                                         rf".* use ulysses_degree=(\d+) ring_degree=(\d+) \(the same ranks\)") as error:
+                                         rf".* use ulysses_degree=\d+ with ring_degree multiplied by \d+ \(the same "
+                                         rf"ranks\)") as error:
         USPAttention(heads, HEAD_SIZE, dims=ParallelDims(ring_degree=ring, ulysses_degree=ulysses))
-    fit, new_ring = map(int, re.search(r"use ulysses_degree=(\d+) ring_degree=(\d+)", str(error.value)).groups())
+    fit, factor = map(int, re.search(r"use ulysses_degree=(\d+) with ring_degree multiplied by (\d+)",
+                                     str(error.value)).groups())
+    new_ring = ring * factor
     assert (fit, new_ring) == advice and fit * new_ring == ulysses * ring
     USPAttention(heads, HEAD_SIZE, dims=ParallelDims(ring_degree=new_ring, ulysses_degree=fit))
     check_heads_placeable(heads, heads)  # the other way out: any degree up to the heads
@@ -292,7 +295,7 @@ def test_ulysses_5_with_24_heads_is_exact():
 def test_train_pys_checks_take_a_degree_that_does_not_divide_the_heads_and_the_advice_for_one_above_them(tmp_path):
     """Before any rank: ``ulysses_degree=3`` over the tiny DiT's 4 heads (refused before) passes train.py's checks, and
     so does the advice of the refusal of ``ulysses_degree=8`` (tests/test_reliability.py's "more Ulysses ranks than
-    heads": use ulysses_degree=4 ring_degree=2)."""
+    heads": ulysses_degree=4 with ring_degree multiplied by 2)."""
     from tests.helpers import TINY, prepare_train
 
     prepare_train([*TINY, "logger=none", "ulysses_degree=3"], tmp_path / "three")

@@ -105,7 +105,7 @@ class USPAttention(nn.Module):
         dims = dims or ParallelDims()
         if dims.ring_degree > 1:
             check_ring_capable(self.backend)
-        check_heads_placeable(self.num_heads, dims.ulysses_degree, dims.ring_degree)
+        check_heads_placeable(self.num_heads, dims.ulysses_degree)
         self.dims = dims
         self.head_counts = head_counts(num_heads, dims.ulysses_degree)  # each Ulysses rank's heads
 

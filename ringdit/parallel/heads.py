@@ -31,17 +31,19 @@ def head_imbalance(num_heads: int, ulysses_degree: int) -> float:
     return max(head_counts(num_heads, ulysses_degree)) * ulysses_degree / num_heads
 
 
-def check_heads_placeable(num_heads: int, ulysses_degree: int, ring_degree: int = 1) -> None:
+def check_heads_placeable(num_heads: int, ulysses_degree: int) -> None:
     """Raise a ValueError, one line with the values and a fix, when ``ulysses_degree`` ranks cannot all hold a
     head (more ranks than heads). Any degree up to the head count is placed (unevenly where it does not divide).
 
     The fix keeps the same ranks: the largest divisor ``d`` of the degree that is at most the head count, the rest
-    of the degree moved to the ring (``ring_degree x ulysses_degree`` unchanged, so the world size still fits)."""
+    of the degree moved to the ring (``ring_degree x ulysses_degree`` unchanged, so the world size still fits). It
+    says by how much to multiply the ring degree rather than a value: the model is checked where only the Ulysses
+    degree is known (``ringdit.spec.model.build_on_meta``)."""
     if ulysses_degree <= num_heads:
         return
     fit = max(d for d in range(1, num_heads + 1) if ulysses_degree % d == 0)
     raise ValueError(
         f"ulysses_degree={ulysses_degree} is more than the model's num_heads={num_heads}: Ulysses gives each rank "
-        f"whole heads, so {ulysses_degree - num_heads} of its ranks would hold none; use ulysses_degree={fit} "
-        f"ring_degree={ring_degree * ulysses_degree // fit} (the same ranks), or any ulysses_degree up to {num_heads}"
+        f"whole heads, so {ulysses_degree - num_heads} of its ranks would hold none; use ulysses_degree={fit} with "
+        f"ring_degree multiplied by {ulysses_degree // fit} (the same ranks), or any ulysses_degree up to {num_heads}"
     )
