@@ -33,6 +33,11 @@ ringdit/media/image_condition.py, which ``infer.py image=`` uses too; the condit
                             CLIP's penultimate hidden states for Wan 2.1 I2V, SigLIP's last hidden state for
                             HunyuanVideo 1.5 I2V; only when prepare is given image_encoder=)
 
+and, for a masked loss (optional; ``python -m ringdit.prepare mask_path=`` writes it, by ringdit/media/masks.py):
+
+    loss_mask   float  (N, 1, [T,] H, W)  each latent cell's weight in the loss, in [0, 1] (0: ignored), on the
+                       latents' grid; every shard of a set has one, or none
+
 and the metadata keys ``format`` (``ringdit.text_latents/1``) and, optionally, ``captions`` (a JSON list of N
 strings) and ``vae`` (JSON: the VAE class, folder and per-channel ``shift`` / ``scale`` with latents =
 (z - shift) * scale -- ``patch`` 2 (Flux.2): per channel of the 2x2-patchified z, C x 4 values --, written by
@@ -44,7 +49,8 @@ from captioned media, and ``SyntheticTextLatentsDataModule`` makes a small proce
 download).
 
 A sample is ``(latents (C, [T,] H, W), {"text": (L, D), "text_mask": (L,)[, "pooled": (P,)][, "glyph_text": (G, D_g),
-"glyph_text_mask": (G,)][, the image keys]})``.
+"glyph_text_mask": (G,)][, the image keys][, "loss_mask": (1, [T,] H, W)]})``: the model reads the keys of its
+family; the training loss reads ``loss_mask``.
 
 (Over 300 lines: the format, its reader with every check of a user's shard, its writer and the synthetic data module
 are one contract, kept in one file so that they cannot drift apart.)
@@ -85,6 +91,7 @@ IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (
             "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)",
             "image_embeds": "the image encoder's states (Wan 2.1 I2V with image_dim: CLIP's penultimate; "
                             "HunyuanVideo 1.5 I2V: SigLIP's last)"}
+MASK_KEY = "loss_mask"  # a masked loss's weights, optional, per sample (ringdit.media.masks writes them)
 
 Tensor = torch.Tensor
 
@@ -92,11 +99,12 @@ Tensor = torch.Tensor
 def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mask: Tensor | None = None,
                        pooled: Tensor | None = None, null: dict[str, Tensor] | None = None,
                        captions: list[str] | None = None, metadata: dict[str, str] | None = None,
-                       image: dict[str, Tensor] | None = None, glyph: dict[str, Tensor] | None = None) -> Path:
+                       image: dict[str, Tensor] | None = None, glyph: dict[str, Tensor] | None = None,
+                       loss_mask: Tensor | None = None) -> Path:
     """Write one shard (see the module docstring); ``null`` holds the empty prompt's ``text`` (L, D) [, mask, pooled,
     glyph_text (G, D_g), glyph_text_mask (G,)]; ``metadata`` adds string keys (prepare records ``vae``: the VAE's class
     and normalisation, as JSON); ``image`` the image-to-video conditioning, ``IMAGE_KEYS`` (N, ...) each; ``glyph``
-    the glyph text, ``GLYPH_KEYS`` (N, ...) both."""
+    the glyph text, ``GLYPH_KEYS`` (N, ...) both; ``loss_mask`` the loss's weights (N, 1, [T,] H, W)."""
     from safetensors.torch import save_file
 
     tensors = {"latents": latents, "text": text}
@@ -111,6 +119,8 @@ def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mas
     if glyph and sorted(glyph) != sorted(GLYPH_KEYS):  # one without the other could not be read
         raise ValueError(f"write_text_latents: glyph holds {sorted(glyph)}; give both {', '.join(GLYPH_KEYS)}")
     tensors.update({key: value.bool() if key.endswith("mask") else value for key, value in (glyph or {}).items()})
+    if loss_mask is not None:
+        tensors[MASK_KEY] = loss_mask.float()
     for key, value in (null or {}).items():
         states = key in ("text", "glyph_text")  # (L, D) rows; the others (L,) or (P,)
         value = value.bool() if key.endswith("mask") else value
@@ -180,6 +190,15 @@ class Shard:
                                   f"write_text_latents(..., null=...))")
         self.check_glyph()
         self.check_images()
+        self.check_loss_mask()
+
+    def check_loss_mask(self) -> None:
+        """The loss mask, where present: float (N, 1, [T,] H, W), one weight per latent cell."""
+        shape, latents = self.shapes.get(MASK_KEY), self.shapes["latents"]
+        wanted = (latents[0], 1, *latents[2:])
+        if shape is not None and (shape != wanted or self.dtypes[MASK_KEY] not in FLOAT_DTYPES):
+            raise ConfigError(f"data.path: {self.path}: {MASK_KEY} is {self.dtypes[MASK_KEY]} {shape}; expected float "
+                              f"{wanted}, one weight in [0, 1] per latent cell (prepare's mask_path= writes it)")
 
     def check_glyph(self) -> None:
         """The glyph text, where present: ``glyph_text`` float (N, G, D_g) and ``glyph_text_mask`` (N, G), both or
@@ -246,6 +265,13 @@ class Shard:
                     several = shape and shape[0] > 1  # not the empty prompt's (1, ...) tensors: one row
                     where = f" in {bad_rows} of its {shape[0]} rows (the first: row {first})" if several else ""
                     bad.append(f"{key} {shape} holds {values} NaN or Inf values{where}")
+        if MASK_KEY in self.shapes and not found:  # weights outside [0, 1] (a 0-255 mask) would rescale the loss
+            with safe_open(str(self.path), framework="pt") as f:
+                weights = f.get_tensor(MASK_KEY)
+            if weights.numel() and (weights.min() < 0 or weights.max() > 1):
+                raise ConfigError(f"data.path: {self.path}: {MASK_KEY} holds weights from {weights.min().item()} to "
+                                  f"{weights.max().item()}; a loss mask's are in [0, 1] (0: ignored, 1: trained): "
+                                  f"divide 0-255 masks by 255, or prepare them with mask_path=")
         if found:
             empty = [key for key in found if key.startswith("null_")]
             fixes = (["re-encode those samples or drop them"] if len(empty) < len(found) else []) \
@@ -289,7 +315,8 @@ class TextLatentRows(Dataset):
             raise IndexError(index)
         shard_index = bisect.bisect_right(self.starts, index) - 1
         shard, row = self.shards[shard_index], index - self.starts[shard_index]
-        values = shard.read(("latents", "text", "text_mask", "pooled", *GLYPH_KEYS, *IMAGE_KEYS), row, row + 1)
+        values = shard.read(("latents", "text", "text_mask", "pooled", *GLYPH_KEYS, *IMAGE_KEYS, MASK_KEY), row,
+                            row + 1)
         return values["latents"][0].float(), condition_of(values, 0)
 
 
@@ -304,7 +331,7 @@ def condition_of(values: dict[str, Tensor], row: int) -> dict[str, Tensor]:
     if "glyph_text" in values:
         cond["glyph_text"] = values["glyph_text"][row].float()
         cond["glyph_text_mask"] = values["glyph_text_mask"][row].bool()
-    for key in IMAGE_KEYS:
+    for key in (*IMAGE_KEYS, MASK_KEY):
         if key in values:
             cond[key] = values[key][row].float()
     return cond
@@ -415,10 +442,14 @@ def _check_mixable(path, shards: list[Shard]) -> None:
             ("pooled (P,)", pooled0, pooled) if pooled != pooled0 else \
             ("glyph text (G, D_g)", glyph0, glyph) if glyph != glyph0 else \
             ("image conditioning", list(first.image_keys), list(shard.image_keys)) \
-            if shard.image_keys != first.image_keys else None
+            if shard.image_keys != first.image_keys else \
+            ("a loss mask", MASK_KEY in first.shapes, MASK_KEY in shard.shapes) \
+            if (MASK_KEY in shard.shapes) != (MASK_KEY in first.shapes) else None
         if what is not None:
             fix = ("store images as 1-frame videos (N, C, 1, H, W) for a video model (prepare does)"
                    if what[0].startswith("latent dims") else
+                   "prepare every folder with mask_path= (a clip without a mask trains everywhere), or none"
+                   if what[0] == "a loss mask" else
                    "encode every shard with the same VAE and text encoder(s) and max_text_len")
             raise ConfigError(f"data.path={path}: {shard.path.name} has {what[0]} {what[2]} but {first.path.name} has "
                               f"{what[1]}; shards of different latent shapes are buckets of one set, but these cannot "

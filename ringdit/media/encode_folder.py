@@ -51,6 +51,10 @@ Image-to-video (``task=i2v``): each clip's shard rows also hold its first frame'
     metadata. Images, and clips placed in a 1-frame bucket (``frame_buckets`` with 1), have no video to condition:
     with buckets they are left out, counted and named in the summary (and in ``buckets.json``); a folder without
     videos is refused.
+Loss masks (``mask_path``, diffusion-pipe's): each clip's mask -- an image or video with its file name stem in that
+    folder, of its size -- read as the clip is (the same bucket, crop and frames) and averaged onto its latents' grid
+    (ringdit/media/masks.py), stored as ``loss_mask`` (N, 1, [T',] H', W'); a clip without one trains everywhere (all
+    ones). A resume with masks of shards prepared without them (or the other way round) is refused.
 """
 
 from __future__ import annotations
@@ -68,13 +72,14 @@ import torch
 import torch.distributed as dist
 
 from ringdit.atomic import atomic_write
-from ringdit.data.text_latents import GLYPH_KEYS, IMAGE_KEYS, write_text_latents
+from ringdit.data.text_latents import GLYPH_KEYS, IMAGE_KEYS, MASK_KEY, write_text_latents
 from ringdit.dtypes import dtype_named
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.folder import MediaItem, list_media
 from ringdit.media.buckets import Bucket, Buckets, make_buckets, parse_buckets, size_pair
 from ringdit.media.frames import TooShort, probe, read_image, read_video, to_image
 from ringdit.media.image_condition import ImageEncoder, first_frame_condition, image_encoder_folders
+from ringdit.media.masks import find_masks, latent_mask
 from ringdit.media.text import TextEncoder, chat_template, check_glyph_settings, check_pooled_settings
 from ringdit.media.vae import VAE, usable_device
 
@@ -149,7 +154,7 @@ def check_task(task, image_encoder, image_processor) -> None:
         image_encoder_folders(image_encoder, image_processor)
 
 
-def check_resumed_task(out_dir: Path, task: str, glyph_encoder: str | None = None) -> None:
+def check_resumed_task(out_dir: Path, task: str, glyph_encoder: str | None = None, masked: bool = False) -> None:
     """Shards already in ``out_dir`` were prepared for the same task and with a glyph encoder alike (else resuming
     would mix shards with and without the image-to-video or the glyph keys): a ``ConfigError`` if not."""
     from safetensors import safe_open
@@ -161,6 +166,7 @@ def check_resumed_task(out_dir: Path, task: str, glyph_encoder: str | None = Non
         with safe_open(str(done), framework="pt") as f:
             before = (f.metadata() or {}).get("task", "t2v")  # shards from before task= are text-to-video
             glyph = "glyph_text" in f.keys()  # noqa: SIM118 - a safetensors handle lists its tensors with keys()
+            had_masks = MASK_KEY in f.keys()  # noqa: SIM118
     except Exception:  # noqa: BLE001 - an unreadable shard is the reader's to report; it says nothing of the task
         return
     if before != task:
@@ -169,6 +175,10 @@ def check_resumed_task(out_dir: Path, task: str, glyph_encoder: str | None = Non
     if glyph != (glyph_encoder is not None):
         raise ConfigError(f"out={out_dir} holds shards prepared {'with' if glyph else 'without'} a glyph_encoder "
                           f"({done.name}), but glyph_encoder={glyph_encoder or 'null'}; resume them as they were "
+                          f"prepared, or prepare into a new out= folder")
+    if had_masks != masked:
+        raise ConfigError(f"out={out_dir} holds shards prepared {'with' if had_masks else 'without'} loss masks "
+                          f"({done.name}), but mask_path is {'set' if masked else 'null'}; resume them as they were "
                           f"prepared, or prepare into a new out= folder")
 
 
@@ -192,8 +202,8 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             task: str = "t2v", image_encoder: str | None = None, image_processor: str | None = None,
             pooled_encoder: str | None = None, pooled_tokenizer: str | None = None, max_pooled_len: int = 77,
             masked_text: bool | None = None, prompt_template: str | None = None, glyph_encoder: str | None = None,
-            glyph_tokenizer: str | None = None, rank: int | None = None, world_size: int | None = None,
-            progress: bool = True) -> EncodeReport:
+            glyph_tokenizer: str | None = None, mask_path: str | None = None, rank: int | None = None,
+            world_size: int | None = None, progress: bool = True) -> EncodeReport:
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
     check_task(task, image_encoder, image_processor)  # before any work, on every rank alike
     device = str(usable_device(device or default_device()))  # meta, or a GPU this machine lacks: one line
@@ -225,14 +235,14 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
                               task=task, image_encoder=image_encoder, image_processor=image_processor,
                               pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
                               max_pooled_len=max_pooled_len, masked_text=masked_text, prompt_template=prompt_template,
-                              glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer,
+                              glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer, mask_path=mask_path,
                               tiles=tiles, rank=rank, world_size=world_size, progress=progress)
 
 
 def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, caption_column, size, frames,
                    frame_stride, buckets, bucket_step, frame_buckets, max_text_len, shard_size, batch_size, device,
                    dtype, tiling, tile, task, image_encoder, image_processor, pooled_encoder, pooled_tokenizer,
-                   max_pooled_len, masked_text, prompt_template, glyph_encoder, glyph_tokenizer,
+                   max_pooled_len, masked_text, prompt_template, glyph_encoder, glyph_tokenizer, mask_path,
                    tiles: TileGroup | None, rank, world_size, progress) -> EncodeReport:
     """``encode_folder``'s work, given its ``TileGroup`` (parallel_vae=true on several ranks, else None)."""
     from tqdm.auto import tqdm
@@ -258,9 +268,13 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     if not bucketed and (out_dir / PLAN).is_file() and any(out_dir.glob("shard-*.safetensors")):
         raise ConfigError(f"out={out} holds shards prepared with buckets ({PLAN}); pass the buckets= setting they "
                           f"were made with to resume, or prepare into a new out= folder")
-    check_resumed_task(out_dir, task, glyph_encoder)  # before any work: no resume that mixes shards' keys
+    check_resumed_task(out_dir, task, glyph_encoder, mask_path is not None)  # no resume that mixes shards' keys
     missing: list[str] = []  # the metadata's rows without their file: named in the summary (by rank 0: all see them)
     items = list_media(input, caption_column, missing=missing)
+    masks = find_masks(mask_path, items) if mask_path is not None else None  # headers only: before any model loads
+    if masks is not None and len(masks) < len(items):
+        log.warning("mask_path=%s: %d of %d files have no mask (first: %s); they train everywhere", mask_path,
+                    len(items) - len(masks), len(items), next(i.path.name for i in items if i.path not in masks))
     videos = [item for item in items if item.is_video]
     if videos and len(videos) < len(items) and not bucketed:
         image = next(item for item in items if not item.is_video)
@@ -366,12 +380,20 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
             batch = files[batch_start:batch_start + batch_size]
             loaded = [(item, load(item, bucket)) for item in batch]
             loaded = [(item, pixels) for item, pixels in loaded if pixels is not None]
+            if masks is not None:  # each clip's mask read as the clip (an unreadable one skips its clip, counted)
+                read = [(item, pixels, load(MediaItem(masks[item.path], item.caption), bucket)
+                         if item.path in masks else torch.ones_like(pixels)) for item, pixels in loaded]
+                loaded = [(item, pixels) for item, pixels, mask in read if mask is not None]
+                mask_pixels = [mask for _, _, mask in read if mask is not None]
             bar.update(len(batch))
             if not loaded:
                 continue
             pixels = torch.stack([pixels for _, pixels in loaded])  # (B, 3, [T,] H, W)
             latents = encode(pixels)  # (B, C, [T',] H', W')
             cond = encoder([item.caption for item, _ in loaded])
+            if masks is not None:
+                cond[MASK_KEY] = torch.stack([latent_mask(mask, tuple(latents.shape[2:]), codec.temporal)
+                                              for mask in mask_pixels])
             if task == "i2v":  # the first frame's conditioning, its encodes by the same VAE path as the clips'
                 cond.update(first_frame_condition(encode, pixels[:, :, 0], bucket.frames))
                 if clip is not None:  # CLIP sees the first frame as the bucket shows it (the same 8-bit RGB)
@@ -394,7 +416,8 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
                                captions=captions, metadata=metadata,
                                image={key: tensors[key].to(store) for key in IMAGE_KEYS if key in tensors},
                                glyph={key: tensors[key] if key.endswith("mask") else tensors[key].to(store)
-                                      for key in GLYPH_KEYS if key in tensors})
+                                      for key in GLYPH_KEYS if key in tensors},
+                               loss_mask=tensors.get(MASK_KEY))
             report.shards_written += 1
             report.samples += len(captions)
             report.buckets[bucket.name] = report.buckets.get(bucket.name, 0) + len(captions)

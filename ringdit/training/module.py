@@ -167,10 +167,12 @@ class DiffusionModule(L.LightningModule):
         return step_expert(self.hparams.get("expert") or "both", model.boundary_ratio, self.objective, tokens, draw)
 
     def diffusion_loss(self, model: nn.Module, x0: Tensor, condition, generators: list[torch.Generator],
-                       expert: str | None = None) -> Tensor:
+                       expert: str | None = None, mask: Tensor | None = None) -> Tensor:
         """This rank's loss for the batch: the mean squared error (+ the variational bound for a learned variance under
         DDPM) over the whole prediction; ``generators[i]`` draws sample i's time, noise and condition drop;
-        ``expert``: the expert of a two-expert model that runs, on times from its own range (``batch_expert``).
+        ``expert``: the expert of a two-expert model that runs, on times from its own range (``batch_expert``);
+        ``mask``: (B, 1, [T,] H, W) weights of the latent cells (the data's ``loss_mask``), each cell's squared error
+        times its weight before the mean (diffusion-pipe's masked loss: a masked-out cell counts as a zero error).
 
         Every model gathers its prediction, so every rank of a sequence-parallel group holds the whole sample's loss.
         The gather's backward hands each rank the gradient of its own tokens summed over the group's sp copies of
@@ -197,6 +199,8 @@ class DiffusionModule(L.LightningModule):
         time_weights = getattr(self.objective, "loss_weight", lambda t, tokens: None)(t, tokens)
         if time_weights is not None:  # diffusion.objective.loss_weighting: each sample's loss times its time's weight
             error = error * time_weights.to(error.dtype).reshape(-1, *[1] * (error.dim() - 1))
+        if mask is not None:
+            error = error * mask.to(error)
         weights = model.loss_weights(x0) if hasattr(model, "loss_weights") else None
         if weights is not None:  # image-to-video with a given first frame: the mean over the frames that were noised
             return (error * weights).sum() / weights.expand_as(error).sum()
@@ -214,7 +218,7 @@ class DiffusionModule(L.LightningModule):
         key = (self.trainer.global_step, micro_batch)
         generators = self.sample_generators(Stream.TRAIN, key, x0.shape[0])
         expert = self.batch_expert(self.model, x0, generator(Stream.EXPERT, self.hparams.seed, *key))
-        loss = self.diffusion_loss(self.model, x0, condition, generators, expert)
+        loss = self.diffusion_loss(self.model, x0, condition, generators, expert, loss_mask(condition))
         # The mean over all ranks is the batch loss (averaged over replicas), and every rank sees the same value, so
         # they all take the same decision about a non-finite loss.
         batch_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
@@ -245,7 +249,7 @@ class DiffusionModule(L.LightningModule):
         generators = self.sample_generators(Stream.VALIDATION, (batch_idx,), x0.shape[0])
         with self.sampling_weights() as model:
             expert = self.batch_expert(model, x0, generator(Stream.EXPERT, self.hparams.seed, batch_idx))
-            loss = self.diffusion_loss(model, x0, condition, generators, expert)
+            loss = self.diffusion_loss(model, x0, condition, generators, expert, loss_mask(condition))
         self.log("val/loss", loss, sync_dist=True, batch_size=x0.shape[0])
         if len(self.hparams.data.get("buckets", ())) > 1:  # and per bucket: a shape the model fits worse shows
             self.log(f"val/loss_{'x'.join(map(str, x0.shape[2:]))}", loss, sync_dist=True, batch_size=x0.shape[0])
@@ -398,6 +402,13 @@ class DiffusionModule(L.LightningModule):
                 value = torch.where(where, value, fallback[key].to(value).expand_as(value))
             mixed[key] = value
         return mixed
+
+
+def loss_mask(condition) -> Tensor | None:
+    """The batch's loss mask (B, 1, [T,] H, W): the data's ``loss_mask`` (prepare's mask_path=), None without."""
+    from ringdit.data.text_latents import MASK_KEY
+
+    return condition.get(MASK_KEY) if isinstance(condition, dict) else None
 
 
 def __getattr__(name: str):
