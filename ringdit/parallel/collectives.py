@@ -38,7 +38,7 @@ def _all_to_all(x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: in
     rank = dist.get_rank(group)
     pieces = x.split(list(scatter_sizes), dim=scatter_dim)
     send, offset = x.new_empty(x.numel()), 0
-    for piece in pieces:  # narrow, not split: a view of one view-making call may be written in place (forward AD)
+    for piece in pieces:  # narrow, not split: split's views refuse in-place writes in grad mode (forward AD)
         send.narrow(0, offset, piece.numel()).view(piece.shape).copy_(piece)
         offset += piece.numel()
     shapes = []
