@@ -8,6 +8,7 @@ one line naming the setting (train.py: exit code 2 before any rank starts), and 
 
 from __future__ import annotations
 
+import csv
 import logging
 from collections import Counter
 from types import SimpleNamespace
@@ -230,5 +231,29 @@ def test_train_py_trains_on_a_list_and_logs_the_evaluation_loss(root, tmp_path):
     output = proc.stdout + proc.stderr
     assert f"data.datasets[0] {root / 'a'}: 4 samples, x 2 repeats = 8 of an epoch's 12 samples (66.7 %)" in output
     assert f"data.datasets[1] {root / 'b'}: 4 samples, x 1 repeats = 4 of an epoch's 12 samples (33.3 %)" in output
-    metrics = (tmp_path / "csv" / "metrics.csv").read_text()
-    assert "val/loss" in metrics.splitlines()[0]
+    with open(tmp_path / "csv" / "metrics.csv") as f:
+        assert [float(row["val/loss"]) for row in csv.DictReader(f) if row.get("val/loss")]  # the eval set's loss
+
+
+@pytest.mark.slow  # the data-level test above shows the same samples per rank; this trains them under ring 2
+def test_train_py_on_a_list_under_ring_2_equals_one_process(tmp_path):
+    """Two folders of two shapes with repeats: the same bucket (token count) every step, the same losses, under
+    ring 2 as in one process (fp32: a layout reorders sums only, the bounds of tests/test_buckets.py)."""
+    a = folder(tmp_path / "a", 1, {(3, 6, 10): 6, (5, 6, 10): 4})  # 45 and 75 tokens
+    b = folder(tmp_path / "b", 2, {(3, 6, 10): 4})
+    common = [*TRAIN, "trainer.max_steps=4", "trainer.val_check_interval=4", "optimizer=sgd", "optimizer.lr=0.5",
+              "scheduler=constant", f"data.datasets=[{{path: {a}, repeats: 2}}, {{path: {b}}}]", f"data.eval={b}"]
+    run("train.py", tmp_path / "one", *common, env={"HF_HUB_OFFLINE": "1"})
+    run("train.py", tmp_path / "ring2", *common, "ring_degree=2", env={"HF_HUB_OFFLINE": "1"})
+    metrics = {}
+    for name in ("one", "ring2"):
+        with open(tmp_path / name / "csv" / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        metrics[name] = {key: {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
+                         for key in ("train/loss", "train/sample_tokens", "val/loss")}
+    assert set(metrics["one"]["train/sample_tokens"].values()) == {45.0, 75.0}  # the steps did change bucket
+    assert metrics["ring2"]["train/sample_tokens"] == metrics["one"]["train/sample_tokens"]
+    for key in ("train/loss", "val/loss"):
+        assert sorted(metrics["ring2"][key]) == sorted(metrics["one"][key])
+        for step, value in metrics["one"][key].items():
+            assert metrics["ring2"][key][step] == pytest.approx(value, rel=1e-5), (key, step)
