@@ -24,13 +24,13 @@ from tests.helpers import assert_refused, fail_fast, run
 
 
 def folder(path, folder_id: int, shapes: dict[tuple[int, ...], int], channels: int = 4, text=(8, 16)) -> str:
-    """A prepared folder: one shard per latent shape ``(T, H, W)`` with that many samples, each sample's latents
+    """A prepared folder: one shard per latent shape ``(T, H, W)`` (``(H, W)``: images) with that many samples, each sample's latents
     filled with its id ``1000 * folder_id + row`` (rows numbered across the folder's shards)."""
     path.mkdir(parents=True, exist_ok=True)
     row = 0
     for index, (shape, count) in enumerate(shapes.items()):
         ids = torch.arange(row, row + count, dtype=torch.float64) + 1000 * folder_id
-        write_text_latents(path / f"shard-{index:05d}.safetensors", ids.reshape(-1, 1, 1, 1, 1).expand(
+        write_text_latents(path / f"shard-{index:05d}.safetensors", ids.reshape(-1, *[1] * (len(shape) + 1)).expand(
             count, channels, *shape).clone(), torch.randn(count, *text, dtype=torch.float64))
         row += count
     return str(path)
@@ -159,6 +159,9 @@ BAD = {  # entry -> (the refusal, the entry following its advice)
     "different channels": ({"path": "{root}/c8"}, r"data.datasets\[1\]=.*/c8 has latent channels 8 but "
                            r"data.datasets\[0\]=.*/a has 4; the folders of one run must agree: prepare every folder "
                            r"with the same VAE", {"path": "{root}/b"}),
+    "image and video latents": ({"path": "{root}/img"}, r"data.datasets\[1\]=.*/img has latent dims \(image vs "
+                                r"video\) 2 but data.datasets\[0\]=.*/a has 3; .*store images as 1-frame videos",
+                                {"path": "{root}/b"}),
     "different text widths": ({"path": "{root}/t32"}, r"data.datasets\[1\]=.*/t32 has text, pooled and glyph widths "
                               r".*\(8, 32\).* but data.datasets\[0\]=.*/a has .*\(8, 16\)", {"path": "{root}/b"}),
 }
@@ -179,6 +182,7 @@ def root(tmp_path_factory):
     folder(root / "b", 2, {SHAPE: 4})
     folder(root / "c8", 3, {SHAPE: 4}, channels=8)
     folder(root / "t32", 4, {SHAPE: 4}, text=(8, 32))
+    folder(root / "img", 5, {SHAPE[1:]: 4})  # (N, C, H, W): images for an image model
     return root
 
 

@@ -359,7 +359,8 @@ class TextLatentsDataModule(ImageDataModule):
         _check_folders_mix([entry.setting for entry in entries] + ["data.eval"] * len(eval_paths),
                            [entry.path for entry in entries] + eval_paths, folders)
         self.shards = [shard for folder in folders for shard in folder]  # rows: the training folders', then eval's
-        _check_planned_size(path, self.shards, size, frames)
+        for folder_path, folder in zip([entry.path for entry in entries] + eval_paths, folders):
+            _check_planned_size(folder_path, folder, size, frames)
         if datasets is not None or eval_paths:  # one data.path without an evaluation set: as before dataset lists
             self.dataset_list = DatasetList(entries, [sum(s.size for s in f) for f in folders[:len(entries)]],
                                             sum(s.size for f in folders[len(entries):] for s in f), eval_paths)
