@@ -47,6 +47,7 @@ from ringdit.cli import hydra_main, user_errors
 from ringdit.errors import ConfigError, require_count, require_number
 from ringdit.layout import Layout, check_strategy_degrees, strategy_kind
 from ringdit.memory import DISTILL_METHODS, FLOAT8, GiB, MemoryEstimate, ModelSize, Setup, estimate_memory, model_size
+from ringdit.models.frames import FrameRule
 from ringdit.step_time import Machine, step_time
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
@@ -343,14 +344,10 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None
     temporal, spatial = vae_factors if cfg.data.latent else (1, 1)
     family = model_cfg.get("family", "dit")
     if video:
-        # CogVideoX (frame_pad 2): an odd count of latent frames, the pad in front making it even, as prepare takes
-        step = temporal * frame_pad if temporal and cfg.data.latent else temporal
-        require_count("data.frames", frames, hint="the frames of a video sample" +
-                      (f", {step} x k + 1 for {family}'s VAE, e.g. 81" if step and step > 1 else ""))
-        if step and step > 1 and (frames - 1) % step:
-            below = (frames - 1) // step * step + 1
-            raise ConfigError(f"data.frames={frames}: {family}'s VAE takes {step} x k + 1 frames; use "
-                              f"{below} or {below + step}")
+        require_count("data.frames", frames, hint="the frames of a video sample, e.g. 81")
+        if temporal and temporal > 1:  # the VAE's rule (CogVideoX's latents padded to pairs: 1 + 8k); the patch's
+            FrameRule(temporal, frame_pad if cfg.data.latent else 1).check("data.frames", frames,  # is checked below
+                                                                          who=f"{family}'s VAE")
     elif frames is not None:
         raise ConfigError(f"data.frames={frames} but {_preset_name(model_cfg)} is an image model; leave "
                           f"data.frames null")

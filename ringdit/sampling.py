@@ -4,7 +4,6 @@ the samples from every rank into files (``SampleWriter``: one set of files per s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from ringdit.atomic import atomic_write
 from ringdit.errors import ConfigError
 from ringdit.images import save_samples, to_image, write_gif
 from ringdit.media.writing import write_media, write_mp4
+from ringdit.models.frames import FrameRule
 from ringdit.preemption import Preempted
 from ringdit.safe_json import parse_json
 from ringdit.seeding import Stream, seed_of
@@ -196,39 +196,9 @@ class SampleSizes:
         return cells
 
     def _latent_frames(self, frames, where: str, setting: str) -> int:
-        patch, temporal = self.patch[0], self.temporal
-        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
-            unit = "video frames" if self.pixels else "frames (the data's cells)"
-            raise ConfigError(f"{where}{setting} must be a positive whole number of {unit}, got {frames!r}")
-        latent = (frames - 1) / temporal + 1  # latent frames: the first alone, then ``temporal`` frames each
-        if self.frame_pad > 1:  # copies of the first in front, up to a multiple of frame_pad, which decoding drops
-            return self._padded_frames(frames, latent, where, setting)
-        if latent.is_integer() and latent % patch == 0:
-            return int(latent)
-        multiple = f"a multiple of the model's temporal patch {patch}"
-        rule = f"1 + k x {temporal} (the VAE's temporal compression {temporal})" if temporal > 1 else multiple
-        if temporal > 1 and patch > 1:
-            rule += f" with 1 + k {multiple}"
-        low, high = math.floor(latent / patch) * patch, math.ceil(latent / patch) * patch
-        valid = [(t - 1) * temporal + 1 for t in dict.fromkeys((low, high)) if t >= patch]
-        nearest = f"the nearest valid counts are {valid[0]} and {valid[1]}" if len(valid) == 2 else \
-            f"the nearest valid count is {valid[0]}"
-        raise ConfigError(f"{where}{setting}={frames} is not a frame count the model takes: {rule}; {nearest}")
-
-    def _padded_frames(self, frames: int, latent: float, where: str, setting: str) -> int:
-        """The stored latent frames for ``frames`` video frames where the data's VAE pads (CogVideoX: an odd count
-        of latent frames, then one copy of the first in front); a ConfigError for a count that would not decode
-        back to ``frames``."""
-        pad, temporal = self.frame_pad, self.temporal
-        padded = int(latent) + pad - 1
-        if latent.is_integer() and int(latent) % pad == 1 and padded % self.patch[0] == 0:
-            return padded
-        step = pad * temporal
-        low = max(1, (frames - 1) // step * step + 1)
-        raise ConfigError(f"{where}{setting}={frames} is not a frame count the model takes: its VAE's latents are "
-                          f"padded to a multiple of {pad} frames that decoding drops again, so it takes 1 + k x "
-                          f"{step} frames ({1 + step}, {1 + 10 * step}, {1 + 20 * step}, ...); the nearest valid counts are {low} "
-                          f"and {low + step}")
+        """The stored latent frames for ``frames`` (video frames; the cells without a VAE): the model's frame rule
+        (``ringdit.models.frames``) for the data's VAE and the model's temporal patch."""
+        return FrameRule(self.temporal, max(self.frame_pad, 1), self.patch[0]).check(f"{where}{setting}", frames)
 
 
 FPS_HINT = "the frames per second videos are written at; null: the model's own (its pipeline's rate)"

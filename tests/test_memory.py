@@ -340,10 +340,11 @@ def test_plan_of_a_tiny_model(capsys):
     (["gpus=0"], "gpus must be a positive integer, got 0; the GPUs to lay out, e.g. gpus=16"),
     (["gpus=-3"], "gpus must be a positive integer, got -3"),
     (["gpu_memory_gb=abc"], "gpu_memory_gb must be a number above 0, got 'abc'; e.g. gpu_memory_gb=80"),
-    (["data.frames=0"], "data.frames must be a positive integer, got 0; the frames of a video sample, 4 x k + 1"),
-    (["data.frames=80"], "data.frames=80: wan's VAE takes 4 x k + 1 frames; use 77 or 81"),
+    (["data.frames=0"], "data.frames must be a positive integer, got 0; the frames of a video sample, e.g. 81"),
+    (["data.frames=80"], "data.frames=80 is not a frame count wan's VAE takes: 1 + k x 4 (the VAE's temporal "
+                         "compression 4); the nearest valid counts are 77 and 81"),
     # 85 frames are 22 latent frames, which CogVideoX's VAE would decode to 88; prepare refuses them too
-    (["model=cogvideox15", "data.frames=85"], "data.frames=85: cogvideox15's VAE takes 8 x k + 1 frames; use 81 or 89"),
+    (["model=cogvideox15", "data.frames=85"], "data.frames=85 is not a frame count cogvideox15's VAE takes: 1 + k x 8"),
     (["model=wan_15b"], "model=wan_15b: no such option; did you mean model=wan_14b?"),
     (["model=dit_xl", "data.frames=16"], "data.frames=16 but model=dit_xl is an image model; leave data.frames null"),
     (["gpus=8", "trainer.strategy.replicate_degree=3"], "trainer.strategy.replicate_degree=3 does not divide gpus=8"),

@@ -83,7 +83,7 @@ def test_cogvideox_vae_normalises_pads_and_decodes_as_cogvideox(cogvideox):
 def test_cogvideox_frame_counts_and_tiles(cogvideox):
     """1 + 8k frames are taken; another 1 + 4k count (an even latent count, which CogVideoX's VAE decodes to more
     frames than it encoded: 13 -> 16) is one ConfigError line naming the setting and the counts either side, from
-    frames_ok (prepare's check before any encoding) and from encode; a tile that does not overlap by whole latent
+    check_frames (prepare's check before any encoding) and from encode; a tile that does not overlap by whole latent
     cells is refused; tile=32 tiles as diffusers does, with stride 3/4 of the tile."""
     from ringdit.media.vae import VAE
 
@@ -91,11 +91,15 @@ def test_cogvideox_frame_counts_and_tiles(cogvideox):
     with torch.no_grad():
         assert model.decode(torch.zeros(1, CHANNELS, 4, 2, 2)).sample.shape[2] == 16  # why 13 frames are refused
     codec = VAE(root)
-    assert codec.frames_ok(1) and codec.frames_ok(9) and codec.frames_ok(81) and not codec.frames_ok(10)
-    with pytest.raises(ConfigError, match=r"^frames=85: AutoencoderKLCogVideoX decodes 22 latent frames \(an even "
-                                          r"count\) to 88 frames, not 85, .* pass frames=81 or frames=89$"):
-        codec.frames_ok(85)
-    with pytest.raises(ConfigError, match=r"^frames=5: .* pass frames=1 or frames=9$"):
+    rule = codec.frame_rule
+    assert [f for f in range(1, 90) if rule.latent_frames(f) is not None] == [1, 9, 17, 25, 33, 41, 49, 57, 65, 73,
+                                                                               81, 89]
+    assert rule.latent_frames(81) == 22  # 21 latent frames, one copy of the first in front
+    with pytest.raises(ConfigError, match=r"^frames=85 is not a frame count AutoencoderKLCogVideoX takes: 1 \+ k x 8 "
+                                          r"\(.*padded to a multiple of 2 frames that decoding drops\); the nearest "
+                                          r"valid counts are 81 and 89$"):
+        codec.check_frames(85)
+    with pytest.raises(ConfigError, match=r"^frames=5 is not a frame count .* the nearest valid counts are 1 and 9$"):
         codec.encode(torch.zeros(1, 3, 5, 16, 16))
     with pytest.raises(ConfigError, match=r"^tile=24: AutoencoderKLCogVideoX's tiles overlap by a quarter of a "
                                           r"tile, .* use a multiple of 32"):
@@ -126,7 +130,7 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
     write_video(clips / "clip0.mp4", 9, seed=1)
     (clips / "clip0.txt").write_text(captions[0])
     out = tmp_path / "out"
-    with pytest.raises(ConfigError, match=r"^frames=13: AutoencoderKLCogVideoX decodes 4 latent frames"):
+    with pytest.raises(ConfigError, match=r"^frames=13 is not a frame count AutoencoderKLCogVideoX takes"):
         encode_folder(str(clips), str(out), str(root), str(models["wan"]), size=16, frames=13,
                       max_text_len=TEXT_LEN, masked_text=False, progress=False)
     assert not out.exists()  # refused before the text encoder was loaded or a shard begun
@@ -182,6 +186,6 @@ def test_sample_sizes_count_the_frames_the_padded_latents_decode_to():
     assert sizes.name((4, 8, 8)) == "64x64x9" and sizes.shape(frames=9) == (4, 8, 8)
     assert sizes.shape(frames=1) == (2, 8, 8) and sizes.shape(frames=81) == (22, 8, 8)
     for frames, nearest in ((13, "9 and 17"), (85, "81 and 89"), (5, "1 and 9")):
-        with pytest.raises(ConfigError, match=rf"^frames={frames} is not a frame count .* 1 \+ k x 8 frames "
-                                              rf"\(9, 81, 161, ...\); the nearest valid counts are {nearest}$"):
+        with pytest.raises(ConfigError, match=rf"^frames={frames} is not a frame count the model takes: 1 \+ k x 8 "
+                                              rf"\(.*\); the nearest valid counts are {nearest}$"):
             sizes.shape(frames=frames)

@@ -299,9 +299,8 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     if videos and not codec.is_video:
         raise ConfigError(f"vae={vae} is an image VAE ({codec.class_name}) but input={input} holds videos (first: "
                           f"{videos[0].path.name}); pass a video VAE folder (AutoencoderKLWan)")
-    if videos and not codec.frames_ok(frames):
-        raise ConfigError(f"frames={frames}: {codec.class_name} encodes 1 + k * {codec.temporal} frames; pass e.g. "
-                          f"frames={1 + max(0, frames - 1) // codec.temporal * codec.temporal}")
+    if videos:
+        codec.check_frames(frames)
     report = EncodeReport(missing=missing if rank == 0 else [])
     if bucketed:
         if bucket_step is None and codec.patch > 1:  # Flux.2: one token's 16 px (as 2 x 8 px for Flux's 2x2 packing)

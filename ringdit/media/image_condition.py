@@ -154,9 +154,7 @@ def encode_image_condition(images, *, vae_folder, frames: int, size: tuple[int, 
     if not codec.is_video:
         raise ConfigError(f"image-to-video needs a video VAE, but {vae_folder} is {codec.class_name}; pass the "
                           f"video VAE the clips were prepared with")
-    if not codec.frames_ok(frames):
-        raise ConfigError(f"frames={frames}: {codec.class_name} encodes 1 + k * {codec.temporal} frames; pass e.g. "
-                          f"frames={1 + max(0, frames - 1) // codec.temporal * codec.temporal}")
+    codec.check_frames(frames)
     if height % codec.spatial or width % codec.spatial or height < 1 or width < 1:
         raise ConfigError(f"size {height}x{width}: height and width must be positive multiples of {codec.class_name}"
                           f"'s downsampling factor {codec.spatial}")

@@ -55,6 +55,7 @@ import torch
 
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.folders import check_weights_folder
+from ringdit.models.frames import FrameRule
 
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo",
               "AutoencoderKLHunyuanVideo15", "AutoencoderKLCogVideoX")  # (B, 3, T, H, W) in, (B, C, T', H', W') out
@@ -164,26 +165,16 @@ class VAE:
         self.model.tile_latent_min_size = tile // self.spatial
         return {}
 
-    def frames_ok(self, frames: int) -> bool:
-        """A causal video VAE takes 1 + k * temporal frames (1, 5, 9, ... for Wan). CogVideoX's takes every other
-        of those, 1 + 8k: for another 1 + 4k this raises ``check_frames``'s ConfigError, which names its rule."""
-        if frames < 1 or (frames - 1) % self.temporal:
-            return False
-        self.check_frames(frames)
-        return True
+    @property
+    def frame_rule(self) -> FrameRule:
+        """The frame counts this VAE's clips come back from: 1 + k x temporal (1, 5, 9, ... for Wan); CogVideoX's
+        (its latents padded to pairs) every other of those, 1 + 8k."""
+        return FrameRule(self.temporal, self.frame_pad or 1)
 
     def check_frames(self, frames: int, setting: str = "frames") -> None:
-        """A ``ConfigError`` (one line: ``setting``, the value, the nearest good counts) where clips of ``frames``
-        frames (1 + k * temporal) would not come back from this VAE: CogVideoX's, for an even latent count."""
-        latent = (frames - 1) // self.temporal + 1
-        if not self.frame_pad or latent % 2:
-            return
-        step = 2 * self.temporal
-        low, high = frames - self.temporal, frames + self.temporal
-        raise ConfigError(f"{setting}={frames}: {self.class_name} decodes {latent} latent frames (an even count) "
-                          f"to {latent * self.temporal} frames, not {frames}, so it takes 1 + k * {step} frames (as "
-                          f"CogVideoX 1.5's fine-tuning: 9, 81, 161, ...; the latents padded to an even count); "
-                          f"pass {setting}={low} or {setting}={high}")
+        """A ``ConfigError`` (one line: ``setting``, the value, the rule, the nearest good counts) where clips of
+        ``frames`` frames would not come back from this VAE as they went in."""
+        self.frame_rule.check(setting, frames, who=self.class_name)
 
     @torch.no_grad()
     def encode(self, pixels: torch.Tensor, group=None, dst: int | None = None) -> torch.Tensor | None:
