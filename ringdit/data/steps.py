@@ -6,7 +6,8 @@ replicas and the ranks of a sequence-parallel group -- draws the same bucket for
 
 - the bucket of step ``s`` is drawn from the seeded stream ``DATA_BUCKET`` (keyed by the block of ``BLOCK`` steps
   ``s`` falls in), with probability proportional to the number of batches the bucket holds, so over a run each
-  bucket's share of the samples read is its share of the data;
+  bucket's share of the samples read is its share of the data (or with the ``chances`` given: a dataset list's
+  weights, ringdit/data/datasets.py);
 - bucket ``b``'s data order is a stream of seeded per-epoch permutations of its samples. The ``k``-th step that
   draws ``b`` takes the next ``batch_size[b] x dp_size`` samples of that stream, and data-parallel rank ``r`` its
   ``r``-th slice.
