@@ -86,6 +86,7 @@ from torch import nn
 
 from ringdit.layout import Layout
 from ringdit.models.checkpointing import checkpoint_fraction, checkpointed_blocks
+from ringdit.parallel.heads import head_counts
 
 log = logging.getLogger("ringdit.memory")
 
@@ -284,9 +285,10 @@ def estimate_memory(model: ModelSize, layout: Layout, setup: Setup = Setup()) ->
         activations += model.largest_parameter * w
     # one ring hop, after the Ulysses exchange: S / ring tokens of H / ulysses heads (D / ulysses values per token)
     ring_tokens = math.ceil(model.tokens / layout.ring_degree) + math.ceil(model.text_tokens / layout.ring_degree)
-    attention = 6 * B * ring_tokens * (model.hidden_size // layout.ulysses_degree) * a  # q k v out, K/V in flight
+    heads = max(head_counts(model.num_heads, layout.ulysses_degree))  # the busiest Ulysses rank's (uneven: one more)
+    attention = 6 * B * ring_tokens * (model.hidden_size * heads // model.num_heads) * a  # q k v out, K/V in flight
     if layout.attention_backend == "math":
-        scores = B * (model.num_heads // layout.ulysses_degree) * ring_tokens**2 * 4  # fp32 scores, probabilities
+        scores = B * heads * ring_tokens**2 * 4  # fp32 scores, probabilities
         attention += 2 * scores * (2 if training else 1)  # and their gradients
     # start-up: what is materialised before the first step, plus one full tensor being initialised or loaded
     in_flight = model.largest_parameter * 4

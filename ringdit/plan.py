@@ -6,7 +6,7 @@ fit the GPUs, and which of those costs least.
     python -m ringdit.plan model=flux_dev data.size=1024 gpus=8 lora.rank=64
     python -m ringdit.plan model=dit_xl data.size=512 gpus=4 trainer/strategy=ddp ema_decay=null
 
-For every layout of ``gpus`` ranks (dp x ring x ulysses = gpus, Ulysses dividing the heads, ring x ulysses no more
+For every layout of ``gpus`` ranks (dp x ring x ulysses = gpus, Ulysses up to the heads, ring x ulysses no more
 than the tokens) it prints the estimated peak memory per rank at start-up and during a step (``ringdit.memory``: what
 it models is in its docstring), the attention TFLOPs per rank and step, the GB each rank sends per step for ring,
 Ulysses and the parameter / gradient sync, and an estimated time per sample relative to the best layout that fits;
@@ -141,15 +141,17 @@ DEGREES = ("dp_degree", "ring_degree", "ulysses_degree")
 
 
 def degree_triples(model: ModelSize, gpus: int, fixed: dict[str, int] | None = None) -> list[tuple[int, int, int]]:
-    """Every (dp, ring, ulysses) of ``gpus`` ranks the model can run: dp x ring x ulysses = gpus, Ulysses dividing
-    the heads, ring x ulysses no more than the tokens; ``fixed`` (``DEGREES`` -> value): only those with it."""
+    """Every (dp, ring, ulysses) of ``gpus`` ranks the model can run: dp x ring x ulysses = gpus, Ulysses no more
+    than the heads (a degree that does not divide them splits them unevenly: ``ringdit.parallel.head_counts``, the
+    step time counts the busiest rank), ring x ulysses no more than the tokens; ``fixed`` (``DEGREES`` -> value):
+    only those with it."""
     fixed = fixed or {}
     found = []
     for dp in divisors(gpus):
         sp = gpus // dp
         for ulysses in divisors(sp):
             triple = (dp, sp // ulysses, ulysses)
-            if model.num_heads % ulysses or sp > model.tokens \
+            if ulysses > model.num_heads or sp > model.tokens \
                     or any(fixed.get(name, value) != value for name, value in zip(DEGREES, triple)):
                 continue
             found.append(triple)
@@ -175,8 +177,9 @@ def check_fixed_degrees(model: ModelSize, gpus: int, fixed: dict[str, int]) -> N
             continue
         if gpus % value:
             why = f"{name}={value} does not divide gpus={gpus}"
-        elif name == "ulysses_degree" and model.num_heads % value:
-            why = f"ulysses_degree={value} does not divide the model's {model.num_heads} heads (Ulysses splits them)"
+        elif name == "ulysses_degree" and value > model.num_heads:
+            why = (f"ulysses_degree={value} is more than the model's {model.num_heads} heads (Ulysses gives each rank "
+                   f"whole heads)")
         elif value > model.tokens:
             why = f"{name}={value} is more ranks than the model's {model.tokens} tokens per sample"
         else:
@@ -184,7 +187,7 @@ def check_fixed_degrees(model: ModelSize, gpus: int, fixed: dict[str, int]) -> N
         raise ConfigError(f"{why}; with {' '.join(f'{k}={v}' for k, v in others.items()) or 'the others free'}, "
                           f"use {name}={_either(options)}")
     raise ConfigError(f"{given}: no layout of gpus={gpus} ranks has these degrees (dp x ring x ulysses = gpus, "
-                      f"Ulysses dividing the model's {model.num_heads} heads); leave them null to lay out every one")
+                      f"Ulysses at most the model's {model.num_heads} heads); leave them null to lay out every one")
 
 
 def candidates(model: ModelSize, layout: Layout, base: Setup, hardware: Hardware, strategies: tuple[str, ...],

@@ -8,7 +8,8 @@ and the run (``ringdit.memory.Setup``); nothing runs. Per block and per forward,
 
 - matmuls: 2 x B x t x (4 D^2 + 2 D F) FLOPs (attention's q, k, v, out and the MLP: the weights every token meets) at
   ``Machine.matmul_flops``; backward 2x (under LoRA the frozen base computes only its input gradients: 1x);
-- attention: 4 x B x q x (S + L) x D / ulysses FLOPs at the rate the kernel reaches on chunks of q tokens
+- attention: 4 x B x q x (S + L) x D x h / H FLOPs (h: the busiest Ulysses rank's heads, H / ulysses when it
+  divides) at the rate the kernel reaches on chunks of q tokens
   (``attention_tflops``: the FlashAttention-3 paper's H100 measurements, head dim 128, 512-16k tokens; a chunk too
   small to fill the GPU's 132 SMs with 128-row tiles runs at the share it fills); backward 2.5x the FLOPs at the
   kernel's backward rate;
@@ -45,6 +46,7 @@ from dataclasses import dataclass, replace
 
 from ringdit.layout import Layout
 from ringdit.memory import ModelSize, Setup, estimate_memory, gathered_bytes_per_parameter
+from ringdit.parallel.heads import head_counts
 
 # ---- the kernel curves ---------------------------------------------------------------------------------------------
 
@@ -160,16 +162,17 @@ def step_time(model: ModelSize, layout: Layout, setup: Setup, machine: Machine =
     kernel = kernel or kernel_of(layout)
     tokens = math.ceil(S / sp) + math.ceil(L / sp)           # this rank's, between the attentions
     chunk = math.ceil(S / ring) + math.ceil(L / ring)        # one attention call's queries (and keys) per ring hop
-    heads = B * H // ulysses                                 # Ulysses leaves this rank H / ulysses heads, whole
+    busiest = max(head_counts(H, ulysses))                   # Ulysses' whole heads: the first H mod ulysses
+    heads = B * busiest                                      # ranks hold one more, and the step waits for them
     # one block's forward
     matmul = 2 * B * tokens * (4 * D * D + 2 * D * F)        # q, k, v, out and the MLP's two layers
-    attention = 4 * B * chunk * (S + L) * D / ulysses         # scores and values over the whole sequence
+    attention = 4 * B * chunk * (S + L) * D * busiest / H     # scores and values over the whole sequence
     matmul_s = matmul / machine.matmul_flops
     attention_fwd_s = attention / (attention_tflops(kernel, chunk, heads) * 1e12)
     attention_bwd_s = 2.5 * attention / (attention_tflops(kernel, chunk, heads, backward=True) * 1e12)
     elementwise_s = ELEMENTWISE_PASSES * B * tokens * D * 2 / machine.memory
     ring_bw, ring_latency = machine.link(sp)                 # ring groups are strided by ulysses (parallel.mesh)
-    hop_bytes = 2 * B * chunk * (D / ulysses) * a            # K and V of one chunk
+    hop_bytes = 2 * B * chunk * (D * busiest / H) * a        # K and V of one chunk, the busiest rank's heads
     hop_s = ring_latency + hop_bytes / ring_bw
     uly_bw, uly_latency = machine.link(ulysses)              # Ulysses groups are contiguous
     exchange_bytes = 4 * B * tokens * D * a * (ulysses - 1) / ulysses  # q, k, v, out

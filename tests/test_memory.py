@@ -314,9 +314,9 @@ def test_plan_lays_out_wan_14b_on_16_gpus(capsys):
     rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+) (ddp|fsdp)\s+(\S.*?)\s+\|", out, flags=re.M)
     assert len(rows) == len(set(rows)) == 2 * 12  # the 12 best that fit, the 12 nearest that do not
     assert all(int(dp) * int(ring) * int(ulysses) == 16 and 40 % int(ulysses) == 0 for dp, ring, ulysses, *_ in rows)
-    # (dp, ring, ulysses): 14 with ulysses dividing 40 heads, x 2 strategies x 5 checkpointing / offload x 2 optimizers
+    # (dp, ring, ulysses): all 15 (ulysses up to the 40 heads), x 2 strategies x 5 checkpointing / offload x 2 optimizers
     fit, short = re.search(r"\.\.\. and (\d+) more that fit", out), re.search(r"\(12 nearest of (\d+)\)", out)
-    assert int(fit.group(1)) + 12 + int(short.group(1)) == 14 * 2 * 5 * 2
+    assert int(fit.group(1)) + 12 + int(short.group(1)) == 15 * 2 * 5 * 2
     recommended = re.search(r"^Recommended: dp=(\d+) ring=(\d+) ulysses=(\d+) fsdp", out, flags=re.M)
     assert recommended and re.search(r"^Why: FSDP, as replicated \(DDP\) state would need", out, flags=re.M)
 

@@ -102,8 +102,8 @@ def test_the_planner_takes_back_every_setting_its_run_it_line_prints(shape, hard
 
 
 def test_the_planner_takes_train_pys_degrees_and_refuses_one_no_layout_has(capsys):
-    """ulysses_degree=3 divides neither 8 GPUs nor Wan's 40 heads: refused with the values that work, and one of
-    them plans only layouts with it."""
+    """ulysses_degree=3 does not divide 8 GPUs: refused with the values that work, and one of them plans only
+    layouts with it; on 12 GPUs it splits Wan's 40 heads unevenly; a degree above the heads is refused."""
     import re
 
     wan = ["model=wan_14b", "data.frames=81", "show=3"]
@@ -116,8 +116,10 @@ def test_the_planner_takes_train_pys_degrees_and_refuses_one_no_layout_has(capsy
     assert code == 0 and rows and all(ulysses == "4" for *_, ulysses in rows), out
     assert "ulysses=4" in recommended(out) and "ulysses_degree=4" in run_it(out)
     code, out, err = plan(capsys, *wan, "gpus=12", "gpus_per_node=12", "ulysses_degree=3")
-    assert code == 2 and "ulysses_degree=3 does not divide the model's 40 heads (Ulysses splits them); with the " \
-                         "others free, use ulysses_degree=1, 2 or 4" in err, err  # 6 and 12 do not divide 40 either
+    assert code == 0 and "ulysses=3" in recommended(out), err  # 40 heads over 3 ranks: 14, 13, 13
+    code, out, err = plan(capsys, *wan, "gpus=48", "ulysses_degree=48")
+    assert code == 2 and "ulysses_degree=48 is more than the model's 40 heads (Ulysses gives each rank whole heads); " \
+                         "with the others free, use ulysses_degree=1, 2, 3, 4, 6, 8, 12, 16 or 24" in err, err
     code, out, err = plan(capsys, *wan, "gpus=8", "dp_degree=2", "ring_degree=2", "ulysses_degree=1")
     assert code == 2 and "dp_degree=2 ring_degree=2 ulysses_degree=1: dp_degree x ring_degree x ulysses_degree " \
                          "must be gpus=8; with ring_degree=2 ulysses_degree=1, use dp_degree=4" in err, err
