@@ -173,7 +173,8 @@ def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp
     (no_weights / "config.json").write_text((models["wan"] / "vae" / "config.json").read_text())
     with pytest.raises(ConfigError, match="cannot load AutoencoderKLWan weights from .*safetensors"):
         VAE(no_weights)
-    with pytest.raises(ConfigError, match=r"frames=6: AutoencoderKLWan encodes 1 \+ k \* 4 frames; pass e.g. frames=5"):
+    with pytest.raises(ConfigError, match=r"frames=6 is not a frame count AutoencoderKLWan takes: 1 \+ k x 4 .*; the "
+                                          r"nearest valid counts are 5 and 9"):
         run(video_folder, models["wan"], caption_column="caption", frames=6)
     with pytest.raises(ConfigError, match="size=12x12: .* multiples of the VAE's downsampling factor 8"):
         encode_folder(str(video_folder), str(tmp_path / "o"), str(models["wan"]), str(models["wan"]), size=12,
