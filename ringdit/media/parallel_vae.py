@@ -36,8 +36,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-VIDEO = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
-IMAGE = ("AutoencoderKL", "AutoencoderKLFlux2")  # Flux.2's tiled encode / decode are AutoencoderKL's, line for line
+from ringdit.models.vaes import tile_parallel
+
+VIDEO = tile_parallel("video")  # the VAE classes whose tiled encode / decode this reproduces (ringdit.models.vaes)
+IMAGE = tile_parallel("image")
 
 
 @dataclass(frozen=True)

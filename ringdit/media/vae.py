@@ -56,12 +56,8 @@ import torch
 from ringdit.errors import ConfigError
 from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.models.frames import FrameRule
+from ringdit.models.vaes import VAE_KINDS
 
-VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLLTXVideo",
-              "AutoencoderKLHunyuanVideo15", "AutoencoderKLCogVideoX")  # (B, 3, T, H, W) in, (B, C, T', H', W') out
-IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")  # (B, 3, H, W) in, (B, C, H', W') out
-# latent frames padded at the front, with copies of the first, to a multiple of this (see the module doc)
-FRAME_PAD = {"AutoencoderKLCogVideoX": 2}  # CogVideoX 1.5's temporal patch
 
 
 def vae_folder(path: str | Path, subfolder: str | None = "vae", setting: str = "vae") -> Path:
@@ -80,15 +76,15 @@ def vae_folder(path: str | Path, subfolder: str | None = "vae", setting: str = "
 
 
 def vae_class(folder: Path, path, setting: str = "vae") -> str:
-    """The VAE class ``folder/config.json`` names, one of ``VIDEO_VAES + IMAGE_VAES``."""
+    """The VAE class ``folder/config.json`` names, one of ``VAE_KINDS``."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"{setting}={path}: {folder / 'config.json'} is not valid JSON ({error})") from None
     class_name = str(config.get("_class_name")) if isinstance(config, dict) else "None"
-    if class_name not in VIDEO_VAES + IMAGE_VAES:
+    if class_name not in VAE_KINDS:
         raise ConfigError(f"{setting}={path}: {folder / 'config.json'} describes {class_name!r}, not a VAE "
-                          f"this can use ({', '.join(VIDEO_VAES + IMAGE_VAES)})")
+                          f"this can use ({', '.join(VAE_KINDS)})")
     import diffusers
 
     from ringdit.models.diffusers.folders import check_config_values
@@ -109,7 +105,8 @@ class VAE:
         folder = vae_folder(path, subfolder, setting)  # the class and the weights' headers checked
         self.class_name = vae_class(folder, path, setting)
         self.folder = folder
-        self.is_video = self.class_name in VIDEO_VAES
+        kind = VAE_KINDS[self.class_name]
+        self.is_video = kind.video
         self.patch = latent_patch(self.class_name, folder, path, setting)  # its config checked before the weights
         try:  # safetensors only: a pickled .bin can run code, and infer.py may take this folder from a checkpoint
             self.model = getattr(diffusers, self.class_name).from_pretrained(str(folder), torch_dtype=dtype,
@@ -131,10 +128,10 @@ class VAE:
         self.size_step = self.spatial * self.patch  # a pixel size's multiple: whole latent patches (Flux.2: 16)
         # Wan: scale_factor_temporal (4); LTX-Video: temporal_compression_ratio (8); HunyuanVideo 1.5: 4; CogVideoX:
         # its config's temporal_compression_ratio (4; read there: diffusers warns when the model is asked)
-        self.temporal = int(self.model.config.get("temporal_compression_ratio") if self.class_name in FRAME_PAD
+        self.temporal = int(self.model.config.get("temporal_compression_ratio") if kind.frame_pad > 1
                             else getattr(self.model, "temporal_compression_ratio", None)
                             or self.model.config.get("scale_factor_temporal") or 4) if self.is_video else 1
-        self.frame_pad = FRAME_PAD.get(self.class_name)  # None: the latents are the VAE's frames as they are
+        self.frame_pad = kind.frame_pad if kind.frame_pad > 1 else None  # None: the latents are the VAE's frames
         if tile is not None and self.frame_pad and tile % (4 * self.spatial):  # CogVideoX: stride 3/4 of the tile
             # and a quarter blended, each whole latent cells, else its tiled encode / decode misplace the tiles
             raise ConfigError(f"{tile_setting}={tile}: {self.class_name}'s tiles overlap by a quarter of a tile, "

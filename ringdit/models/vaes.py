@@ -1,0 +1,33 @@
+"""The VAE kinds ringdit encodes with (prepare) and decodes with (infer, previews, the server): one record per
+diffusers VAE class, the facts the code outside this module asks for instead of keeping its own table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VaeKind:
+    class_name: str        # the diffusers class its folder's config.json names
+    video: bool            # (B, 3, T, H, W) in, (B, C, T', H', W') out; else (B, 3, H, W) in, (B, C, H', W') out
+    frame_pad: int = 1     # latent frames padded at the front (copies of the first) to a multiple of this, which
+    #                        decoding drops again (CogVideoX 1.5: 2, its transformer's temporal patch); 1: none
+    tiles: str | None = None  # the tiled encode / decode of diffusers that ringdit.media.parallel_vae spreads over
+    #                           ranks: "video" (Wan's, frame by frame with its cache) or "image" (AutoencoderKL's);
+    #                           None: this VAE tiles on one process only
+
+
+VAE_KINDS = {kind.class_name: kind for kind in (
+    VaeKind("AutoencoderKLWan", video=True, tiles="video"),
+    VaeKind("AutoencoderKLQwenImage", video=True, tiles="video"),  # Wan's code, Qwen-Image's weights
+    VaeKind("AutoencoderKLLTXVideo", video=True),
+    VaeKind("AutoencoderKLHunyuanVideo15", video=True),
+    VaeKind("AutoencoderKLCogVideoX", video=True, frame_pad=2),
+    VaeKind("AutoencoderKL", video=False, tiles="image"),
+    VaeKind("AutoencoderKLFlux2", video=False, tiles="image"),  # its tiled encode / decode are AutoencoderKL's
+)}
+
+
+def tile_parallel(tiles: str) -> tuple[str, ...]:
+    """The VAE classes whose ``tiles`` ("video" or "image") ringdit.media.parallel_vae reproduces."""
+    return tuple(name for name, kind in VAE_KINDS.items() if kind.tiles == tiles)
