@@ -16,6 +16,11 @@
         max_text_len=1000 glyph_encoder=HunyuanVideo-1.5  # + its ByT5 over the captions' quoted text (glyph_text)
     python -m ringdit.prepare ... (HunyuanVideo-1.5-480p_i2v as above) task=i2v image_encoder=HunyuanVideo-1.5-480p_i2v
                                          # + each clip's first-frame latents and SigLIP embedding (its I2V)
+    python -m ringdit.prepare ... frame_extraction=slide window_stride=16 source_fps=30
+                                         # several windows a clip, each resampled by time from 30 fps to the model's
+    python -m ringdit.prepare ... vae=Qwen-Image text_encoder=Qwen-Image prompt_template=qwenimage max_text_len=512
+                                         # Qwen-Image: its Qwen2.5-VL as QwenImagePipeline.encode_prompt
+    (the same command again after editing captions: only their text is re-encoded, the latents kept)
 
 Settings: conf/prepare.yaml (``--help`` lists them with their defaults, ``--cfg job`` shows what a command line
 composes to); the work itself is ``ringdit.media.encode_folder``.
@@ -60,9 +65,17 @@ def main(cfg: DictConfig) -> None:
         from ringdit.media.encode_folder import encode_folder
 
         report = encode_folder(**settings)  # a wrong setting or input: one line, exit code 2
-        if report.tile_batches is None and not report.samples and not report.shards_skipped and world_of() == 1:
+        if (report.tile_batches is None and not report.samples and not report.shards_skipped
+                and not report.texts_encoded and world_of() == 1):
             from ringdit.errors import ConfigError  # every file unreadable, too short or missing: not a success
 
+            if report.too_short and not report.unreadable and not report.missing:  # the window is what is wrong
+                raise ConfigError(f"frames={settings['frames']}: the window is longer than every clip of input="
+                                  f"{settings['input']} ({len(report.too_short)} clips, e.g. "
+                                  f"{Path(report.too_short[0]).name}, at frame_stride={settings['frame_stride']}"
+                                  f"{', source_fps=' + str(settings['source_fps']) if settings.get('source_fps') else ''}"
+                                  f"); pass a smaller frames= (1 + k * the VAE's temporal factor, e.g. frames=1), or "
+                                  f"longer clips")
             raise ConfigError(f"input={settings['input']}: nothing was prepared -- {report.summary()}; fix or "
                               f"replace those files, or lower frames= / the buckets for short clips")
     print(report.summary(), flush=True)

@@ -162,7 +162,13 @@ class Buckets:
             return Bucket(bucket_h, bucket_w)
         if frames is None:  # an image: a one-frame video
             return Bucket(bucket_h, bucket_w, 1)
-        count = frame_count(usable_frames(frames, self.frame_stride), list(self.frame_counts))
+        return self.place(height, width, usable_frames(frames, self.frame_stride))
+
+    def place(self, height: int, width: int, usable: int) -> Bucket | None:
+        """The bucket of a clip of ``usable`` frames as encoded (after its stride or resampling: its timeline,
+        ringdit/media/windows.py); None when it is too short for every frame count."""
+        bucket_h, bucket_w = nearest_size(height, width, list(self.sizes))
+        count = frame_count(usable, list(self.frame_counts))
         return None if count is None else Bucket(bucket_h, bucket_w, count)
 
     def describe(self) -> dict:

@@ -60,6 +60,7 @@ Loss masks (``mask_path``, diffusion-pipe's): each clip's mask -- an image or vi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -77,11 +78,13 @@ from ringdit.dtypes import dtype_named
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.folder import MediaItem, list_media
 from ringdit.media.buckets import Bucket, Buckets, make_buckets, parse_buckets, size_pair
-from ringdit.media.frames import TooShort, probe, read_image, read_video, to_image
+from ringdit.media.frames import TooShort, probe, read_frames, read_image, to_image
 from ringdit.media.image_condition import ImageEncoder, first_frame_condition, image_encoder_folders
 from ringdit.media.masks import find_masks, latent_mask
 from ringdit.media.text import TextEncoder, chat_template, check_glyph_settings, check_pooled_settings
 from ringdit.media.vae import VAE, usable_device
+from ringdit.media.retext import rewrite_text, sample_name, stale_captions
+from ringdit.media.windows import Extraction, Timeline, extraction, pipeline_fps, timeline
 
 log = logging.getLogger("ringdit.prepare")
 
@@ -94,6 +97,7 @@ TASKS = ("t2v", "i2v")  # text-conditioned latents; + each clip's first-frame co
 class EncodeReport:
     shards_written: int = 0
     shards_skipped: int = 0  # already present (resume)
+    texts_encoded: int = 0  # already present, their text re-encoded (new captions or text encoder; ringdit.media.retext)
     samples: int = 0
     unreadable: list[str] = field(default_factory=list)
     too_short: list[str] = field(default_factory=list)
@@ -109,7 +113,7 @@ class EncodeReport:
                     f"{self.seconds:.1f} s; rank 0 wrote the shards and reports them")
         rate = self.samples / self.seconds if self.seconds > 0 else 0.0
         return (f"prepared {self.samples} samples into {self.shards_written} new shards "
-                f"({self.shards_skipped} already done) in {self.seconds:.1f} s ({rate:.2f} samples/s); skipped "
+                f"({self.shards_skipped} already done{self._retexted()}) in {self.seconds:.1f} s ({rate:.2f} samples/s); skipped "
                 f"{len(self.unreadable)} unreadable files{_named(self.unreadable)}, {len(self.too_short)} clips too "
                 f"short for the bucket{_named(self.too_short)} and {len(self.missing)} files the metadata lists that "
                 f"are missing or not images / videos{_named(self.missing)}" + (
@@ -117,6 +121,11 @@ class EncodeReport:
                     f"condition on their first frame{_named(self.stills)}" if self.stills else "") + (
                     "; by bucket: " + ", ".join(f"{name}: {count} samples" for name, count in self.buckets.items())
                     if self.buckets else ""))
+
+
+    def _retexted(self) -> str:
+        return f", {self.texts_encoded} re-encoded for new captions or a new text encoder, their latents kept" \
+            if self.texts_encoded else ""
 
 
 def _named(paths: list[str], shown: int = 5) -> str:
@@ -202,8 +211,10 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             task: str = "t2v", image_encoder: str | None = None, image_processor: str | None = None,
             pooled_encoder: str | None = None, pooled_tokenizer: str | None = None, max_pooled_len: int = 77,
             masked_text: bool | None = None, prompt_template: str | None = None, glyph_encoder: str | None = None,
-            glyph_tokenizer: str | None = None, mask_path: str | None = None, rank: int | None = None,
-            world_size: int | None = None, progress: bool = True) -> EncodeReport:
+            glyph_tokenizer: str | None = None, mask_path: str | None = None, frame_extraction: str = "head",
+            window_stride: int | None = None, frame_sample: int | None = None, source_fps=None,
+            fps: int | None = None, rank: int | None = None, world_size: int | None = None,
+            progress: bool = True) -> EncodeReport:
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
     check_task(task, image_encoder, image_processor)  # before any work, on every rank alike
     device = str(usable_device(device or default_device()))  # meta, or a GPU this machine lacks: one line
@@ -236,13 +247,15 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
                               pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
                               max_pooled_len=max_pooled_len, masked_text=masked_text, prompt_template=prompt_template,
                               glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer, mask_path=mask_path,
-                              tiles=tiles, rank=rank, world_size=world_size, progress=progress)
+                              frame_extraction=frame_extraction, window_stride=window_stride,
+                              frame_sample=frame_sample, source_fps=source_fps, fps=fps, tiles=tiles, rank=rank, world_size=world_size, progress=progress)
 
 
 def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, caption_column, size, frames,
                    frame_stride, buckets, bucket_step, frame_buckets, max_text_len, shard_size, batch_size, device,
                    dtype, tiling, tile, task, image_encoder, image_processor, pooled_encoder, pooled_tokenizer,
                    max_pooled_len, masked_text, prompt_template, glyph_encoder, glyph_tokenizer, mask_path,
+                   frame_extraction, window_stride, frame_sample, source_fps, fps,
                    tiles: TileGroup | None, rank, world_size, progress) -> EncodeReport:
     """``encode_folder``'s work, given its ``TileGroup`` (parallel_vae=true on several ranks, else None)."""
     from tqdm.auto import tqdm
@@ -257,6 +270,9 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
         raise ConfigError(f"tiling must be true or false, got {tiling!r}")
     require_count("tile", tile, optional=True, hint="the VAE's spatial tile size in pixels, e.g. tile=256")
     bucketed = parse_buckets(buckets) is not None  # its form checked before any model is loaded
+    windows = extraction(frame_extraction, window_stride, frame_sample, bucketed)  # which frames: before any work
+    clock = timeline(frame_stride, source_fps, fps, pipeline_fps(vae, vae_subfolder) if fps is None and
+                     source_fps is not None else None, vae)
     if not bucketed and frame_buckets is not None:
         raise ConfigError(f"frame_buckets={frame_buckets!r} needs buckets=auto or a list of [H, W] (with "
                           f"buckets=null every clip is cut to frames={frames}); pass buckets=auto, or drop "
@@ -309,7 +325,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
                                temporal=codec.temporal if codec.is_video else None, frames=frames,
                                frame_stride=frame_stride, frame_buckets=frame_buckets, bucket_step=bucket_step,
                                class_name=codec.class_name)
-        placed, unreadable, too_short = place_files(items, chooser, progress=progress)
+        placed, unreadable, too_short = place_files(items, chooser, progress=progress, clock=clock, windows=windows)
         stills = []
         if task == "i2v":  # an image (or a 1-frame clip) has no video to condition on its first frame: left out
             stills = [str(item.path) for item, bucket in placed if bucket.frames == 1]
@@ -333,6 +349,11 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
                                     else f"{codec.class_name}'s {codec.spatial}x downsampling x its {codec.patch}x"
                                          f"{codec.patch} latent patches,")
         bucket = Bucket(height, width, frames if videos else None)
+        if videos and (windows.mode != "head" or clock.source_fps is not None):  # the windows need each length
+            items, unreadable, too_short = clip_windows(items, frames, clock, windows, progress=progress)
+            if rank == 0:
+                report.unreadable += unreadable
+                report.too_short += too_short
         shards = [(bucket, items[start:start + shard_size]) for start in range(0, len(items), shard_size)]
     encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=store,
                           pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
@@ -342,10 +363,19 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
 
     out_dir.mkdir(parents=True, exist_ok=True)
     mine = range(rank, len(shards), world_size)
-    report.shards_skipped = sum(shard_path(out_dir, i).exists() for i in mine)
     pending = [i for i in mine if not shard_path(out_dir, i).exists()]
     null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,), ...]
     described = {"vae": json.dumps(codec.describe()), "text_encoder": json.dumps(encoder.describe())}
+    root = Path(str(input)).expanduser()
+    for index in (i for i in mine if i not in pending):  # finished: new captions or text encoder re-encode the text
+        path = shard_path(out_dir, index)
+        captions = stale_captions(path, shards[index][1], root, described["text_encoder"])
+        if captions is None:
+            report.shards_skipped += 1
+            continue
+        with sigterm_waits():
+            rewrite_text(path, captions, encoder, null, described["text_encoder"], store, batch_size)
+        report.texts_encoded += 1
     if task == "i2v":
         described["task"] = "i2v"  # what a resumed run checks (check_resumed_task); no key: t2v, as before
     if clip is not None:
@@ -357,7 +387,9 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     def load(item: MediaItem, bucket: Bucket) -> torch.Tensor | None:
         try:
             if item.is_video:
-                pixels = read_video(item.path, bucket.height, bucket.width, bucket.frames, frame_stride)
+                pixels = read_frames(item.path, bucket.height, bucket.width, clock.indices(item.start, bucket.frames),
+                                     f"{bucket.frames} frames from frame {item.start} of its timeline "
+                                     f"({json.dumps(clock.describe())})")
             else:
                 pixels = read_image(item.path, bucket.height, bucket.width)
             # with buckets, an image in a video VAE's set is a one-frame video, stacked with any 1-frame clips
@@ -375,12 +407,13 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
         bucket, files = shards[index]
         rows: dict[str, list[torch.Tensor]] = {}
         captions: list[str] = []
+        names: list[str] = []  # each sample's file (and window): what a re-run matches new captions to
         for batch_start in range(0, len(files), batch_size):
             batch = files[batch_start:batch_start + batch_size]
             loaded = [(item, load(item, bucket)) for item in batch]
             loaded = [(item, pixels) for item, pixels in loaded if pixels is not None]
             if masks is not None:  # each clip's mask read as the clip (an unreadable one skips its clip, counted)
-                read = [(item, pixels, load(MediaItem(masks[item.path], item.caption), bucket)
+                read = [(item, pixels, load(dataclasses.replace(item, path=masks[item.path]), bucket)
                          if item.path in masks else torch.ones_like(pixels)) for item, pixels in loaded]
                 loaded = [(item, pixels) for item, pixels, mask in read if mask is not None]
                 mask_pixels = [mask for _, _, mask in read if mask is not None]
@@ -400,14 +433,18 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
             for key, value in {"latents": latents, **cond}.items():
                 rows.setdefault(key, []).append(value)
             captions += [item.caption for item, _ in loaded]
+            names += [sample_name(item, root) for item, _ in loaded]
         if not captions:
             log.warning("shard %d: every file was skipped; no shard written", index)
             continue
         tensors = {key: torch.cat(values) for key, values in rows.items()}
         clips = any(item.is_video for item in files)
-        metadata = {**described, "bucket": json.dumps({
+        metadata = {**described, "files": json.dumps(names), "bucket": json.dumps({
             "height": bucket.height, "width": bucket.width, "frames": bucket.frames,
-            "frame_stride": frame_stride if clips else None, "source": str(input)})}
+            "frame_stride": frame_stride if clips else None, "source": str(input),
+            **({**clock.describe(), **windows.describe(), "starts": [int(n.rpartition("@")[2]) if "@" in n else 0
+                                                                     for n in names]}
+               if clips and (windows.mode != "head" or clock.source_fps is not None) else {})})}
         with sigterm_waits():  # under ringdit.prepare's SIGTERM handling: a shard being written is finished first
             write_text_latents(shard_path(out_dir, index), tensors["latents"].to(store), tensors["text"].to(store),
                                tensors["text_mask"], tensors["pooled"].to(store) if "pooled" in tensors else None,
@@ -519,9 +556,10 @@ class TileGroup:
         return report
 
 
-def place_files(items: list[MediaItem], chooser: Buckets, progress: bool = False
-                ) -> tuple[list[tuple[MediaItem, Bucket]], list[str], list[str]]:
-    """Each file's bucket from its probed size and length: (placed files, unreadable paths, too-short paths)."""
+def place_files(items: list[MediaItem], chooser: Buckets, progress: bool = False, clock: Timeline = Timeline(),
+                windows: Extraction = Extraction()) -> tuple[list[tuple[MediaItem, Bucket]], list[str], list[str]]:
+    """Each file's bucket from its probed size and length (a clip's length on its ``clock``), a clip once per window
+    (``windows``): (placed files, unreadable paths, too-short paths)."""
     from tqdm.auto import tqdm
 
     placed, unreadable, too_short = [], [], []
@@ -532,15 +570,42 @@ def place_files(items: list[MediaItem], chooser: Buckets, progress: bool = False
             unreadable.append(str(item.path))
             log.warning("skipping unreadable %s (%s: %s)", item.path, type(error).__name__, error)
             continue
-        bucket = chooser.choose(height, width, length)
+        if length is None or chooser.frame_counts is None:
+            placed.append((item, chooser.choose(height, width, length)))
+            continue
+        usable = clock.length(length)
+        bucket = chooser.place(height, width, usable)
         if bucket is None:
             too_short.append(str(item.path))
-            log.warning("skipping a clip too short for every frame bucket (%s at frame_stride=%d): %s has %d frames",
-                        ", ".join(map(str, chooser.frame_counts or ())), chooser.frame_stride, item.path.name,
-                        length)
+            log.warning("skipping a clip too short for every frame bucket (%s on its timeline %s): %s has %d frames "
+                        "there", ", ".join(map(str, chooser.frame_counts or ())), json.dumps(clock.describe()),
+                        item.path.name, usable)
             continue
-        placed.append((item, bucket))
+        placed += [(dataclasses.replace(item, start=start), bucket) for start in windows.starts(usable, bucket.frames)]
     return placed, unreadable, too_short
+
+
+def clip_windows(items: list[MediaItem], frames: int, clock: Timeline, windows: Extraction, progress: bool = False
+                 ) -> tuple[list[MediaItem], list[str], list[str]]:
+    """buckets=null: each clip once per window of ``frames`` frames on its ``clock`` (probed: its length from the
+    headers), in the files' order: (the windows, unreadable paths, too-short paths)."""
+    from tqdm.auto import tqdm
+
+    kept, unreadable, too_short = [], [], []
+    for item in tqdm(items, unit="file", desc="probe", disable=not progress):
+        try:
+            length = probe(item.path, True)[2]
+        except Exception as error:  # noqa: BLE001 - a file that cannot be opened is skipped, as when decoding
+            unreadable.append(str(item.path))
+            log.warning("skipping unreadable %s (%s: %s)", item.path, type(error).__name__, error)
+            continue
+        starts = windows.starts(clock.length(length), frames)
+        if not starts:
+            too_short.append(str(item.path))
+            log.warning("skipping a clip too short for frames=%d on its timeline %s: %s has %d frames there", frames,
+                        json.dumps(clock.describe()), item.path.name, clock.length(length))
+        kept += [dataclasses.replace(item, start=start) for start in starts]
+    return kept, unreadable, too_short
 
 
 def plan_shards(placed: list[tuple[MediaItem, Bucket]], shard_size: int) -> list[tuple[Bucket, list[MediaItem]]]:
@@ -566,7 +631,8 @@ def check_plan(out_dir: Path, root: Path, shards: list[tuple[Bucket, list[MediaI
             return str(path)
 
     planned = [{"shard": shard_path(out_dir, i).name, "bucket": bucket.name,
-                "files": [relative(item.path) for item in files]} for i, (bucket, files) in enumerate(shards)]
+                "files": [sample_name(item, root) for item in files]}
+               for i, (bucket, files) in enumerate(shards)]
     path = out_dir / PLAN
     done = any(out_dir.glob("shard-*.safetensors"))
     if path.is_file():

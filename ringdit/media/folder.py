@@ -29,6 +29,7 @@ VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
 class MediaItem:
     path: Path
     caption: str
+    start: int = 0  # a clip's window: its first frame on the clip's timeline (ringdit/media/windows.py)
 
     @property
     def is_video(self) -> bool:

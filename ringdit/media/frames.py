@@ -6,8 +6,9 @@ bucket per prepared folder, ``size`` x ``frames``; with ``buckets=auto`` or a li
 nearest aspect ratio, chosen by ringdit/media/buckets.py):
     space  scale to cover (H, W) and centre-crop the excess: crop to the bucket's aspect ratio (keep the largest
            middle region), then resize to (H, W) with Lanczos filtering, so nothing is stretched;
-    time   frames 0, stride, 2 * stride, ... until T are taken, read lazily (a long clip is not decoded beyond what
-           is used); a clip with fewer is skipped as too short (``TooShort``).
+    time   the window's frames (ringdit/media/windows.py: frames 0, stride, 2 * stride, ... by default; another start,
+           or frames resampled from source_fps), read lazily (a long clip is not decoded beyond what is used); a
+           clip with fewer is skipped as too short (``TooShort``).
 """
 
 from __future__ import annotations
@@ -123,18 +124,28 @@ def read_image(path: Path, height: int, width: int) -> torch.Tensor:
 
 def read_video(path: Path, height: int, width: int, frames: int, stride: int = 1) -> torch.Tensor:
     """(3, frames, H, W) in [-1, 1] from frames 0, stride, 2 * stride, ...; ``TooShort`` when the clip ends first."""
+    return read_frames(path, height, width, [index * stride for index in range(frames)],
+                       f"{frames} frames at stride {stride}")
+
+
+def read_frames(path: Path, height: int, width: int, indices: list[int], wanted: str | None = None) -> torch.Tensor:
+    """(3, len(indices), H, W) in [-1, 1]: the clip's frames ``indices`` (ascending; one may repeat, where a slower
+    clip is resampled to a faster rate), decoded up to the last of them only; ``TooShort`` when the clip ends first."""
     import av
 
     picked: list[Image.Image] = []
+    last, seen = max(indices), 0
     # PyAV directly, not imageio's plugin: that one ends every file with a full garbage collection (gc.collect), which
     # with a model loaded costs ~0.25 s a clip -- more than decoding a short clip
     with av.open(str(path)) as container:
         for index, frame in enumerate(container.decode(video=0)):  # decodes lazily, frame by frame
-            if index % stride == 0:
-                picked.append(fit(frame.to_image(), height, width))  # RGB, as frame.to_ndarray(format="rgb24")
-                if len(picked) == frames:
-                    return to_pixels(picked)
-    raise TooShort(f"{path.name}: {len(picked)} frames at stride {stride}, the bucket needs {frames}")
+            seen, repeats = index + 1, indices.count(index)
+            if repeats:
+                fitted = fit(frame.to_image(), height, width)  # RGB, as frame.to_ndarray(format="rgb24")
+                picked += [fitted] * repeats
+            if index == last:
+                return to_pixels(picked)
+    raise TooShort(f"{path.name}: the clip ends after {seen} frames, but {wanted or f'frame {last}'} is needed")
 
 
 def probe(path: Path, is_video: bool) -> tuple[int, int, int | None]:
