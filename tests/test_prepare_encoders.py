@@ -194,8 +194,8 @@ def test_hunyuan_video15_prompt_template_matches_the_pipeline(tmp_path):
     assert torch.equal(cond["text_mask"], mask.bool())
     torch.testing.assert_close(cond["text"], states * mask[..., None], rtol=1e-6, atol=1e-6)  # same model, fp32
     assert encoder.describe()["prompt_template"] == "hunyuan_video15"
-    with pytest.raises(ConfigError, match=r"prompt_template='qwenimage' is not one of hunyuan_video15, flux2"):
-        TextEncoder(folder, max_len=TEXT_LEN, prompt_template="qwenimage")
+    with pytest.raises(ConfigError, match=r"prompt_template='qwen3' is not one of qwenimage, hunyuan_video15, flux2"):
+        TextEncoder(folder, max_len=TEXT_LEN, prompt_template="qwen3")
     with pytest.raises(ConfigError, match=r"max_text_len=200 is longer than Qwen2_5_VLTextModel takes \(148 "
                                           r"positions after the template\); pass max_text_len=148 or less"):
         TextEncoder(folder, max_len=200, prompt_template="hunyuan_video15")

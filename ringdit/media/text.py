@@ -20,6 +20,9 @@ A chat model (``prompt_template``, ``ChatTemplate``): the prompt goes into its p
 attends to the real tokens, and ``text`` is the hidden states of the template's layers joined per token:
     hunyuan_video15   Qwen2.5-VL, HunyuanVideo15Pipeline._get_mllm_prompt_embeds: the third-last layer's states, the
                       template's 108 leading tokens cut off, zero after the real tokens (masked)
+    qwenimage         Qwen2_5_VLForConditionalGeneration, QwenImagePipeline._get_qwen_prompt_embeds: its prompt string
+                      (prompt_template_encode, tokenized as it is), the last hidden states, the template's 34 leading
+                      tokens dropped, zero after the real tokens (masked)
     flux2             Mistral3ForConditionalGeneration, Flux2Pipeline._get_mistral_3_small_prompt_embeds: layers 10,
                       20 and 30 joined (D = 3 x hidden size; 15360 for FLUX.2-dev), nothing cut off, every state
                       kept and ``text_mask`` all True, since Flux2Pipeline hands its transformer all ``max_len``
@@ -156,7 +159,8 @@ class TextEncoder:
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ConfigError(f"{tokenizer_setting}={tokenizer_folder}: cannot load its tokenizer ({first}); pass the "
                               f"folder the pipeline's tokenizer save_pretrained wrote") from None
-        if self.template is not None and not getattr(self.tokenizer, "chat_template", None):
+        if self.template is not None and self.template.text is None and not getattr(self.tokenizer, "chat_template",
+                                                                                     None):
             raise ConfigError(f"{tokenizer_setting}={tokenizer_folder} has no chat template (chat_template.jinja or "
                               f"in tokenizer_config.json), which prompt_template={self.template.name} puts the prompt "
                               f"in; pass the pipeline's own tokenizer/ folder")
@@ -245,11 +249,13 @@ class TextEncoder:
         encoder attending to the real tokens, the template's layers joined per token, its leading tokens cut off;
         then zero after the real tokens if ``masked``, else every state kept and the mask all True."""
         template = self.template
-        tokens = self.tokenizer.apply_chat_template(template.messages(prompts),
-                                                    add_generation_prompt=template.generation_prompt, tokenize=True,
-                                                    return_dict=True, padding="max_length",
-                                                    max_length=self.max_len + template.crop, truncation=True,
-                                                    return_tensors="pt")
+        length = {"padding": "max_length", "max_length": self.max_len + template.crop, "truncation": True,
+                  "return_tensors": "pt"}
+        if template.text is not None:  # the pipeline's own prompt string, tokenized as it does (Qwen-Image's)
+            tokens = self.tokenizer([template.text.format(prompt) for prompt in prompts], **length)
+        else:
+            tokens = self.tokenizer.apply_chat_template(template.messages(prompts), tokenize=True, return_dict=True,
+                                                        add_generation_prompt=template.generation_prompt, **length)
         ids, mask = tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
         # a chat model with a language head: its logits for one token only, not L x its vocabulary (131k for Mistral)
         head = {"logits_to_keep": 1} if hasattr(self.model, "lm_head") else {}

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ringdit.models.diffusers.cogvideox import COGVIDEOX15
-from ringdit.models.diffusers.family import Family, PipelineTimesteps
+from ringdit.models.diffusers.family import ChatTemplate, Family, PipelineTimesteps
 from ringdit.models.diffusers.flux2 import FLUX2
 from ringdit.models.diffusers.hunyuan_video import HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V
 from ringdit.models.diffusers.packing import pack_latents, unpack_latents
@@ -170,6 +170,27 @@ def _qwenimage_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict)
     return unpack_latents(out, height, width)
 
 
+def _qwenimage_chat_template() -> ChatTemplate:
+    """QwenImagePipeline._get_qwen_prompt_embeds': its prompt string (prompt_template_encode) around the prompt,
+    tokenized to its length + the template's tokens, Qwen2.5-VL's last hidden states, the template's leading tokens
+    (prompt_template_encode_start_idx, 34) dropped, zero after the real tokens. The pipeline sets both in its
+    __init__, so they are read from that code (its literal assignments), not copied here."""
+    import ast
+    import inspect
+    import textwrap
+
+    from diffusers import QwenImagePipeline
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(QwenImagePipeline.__init__)))
+    constants = {node.targets[0].attr: node.value.value for node in ast.walk(tree)
+                 if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute)
+                 and isinstance(node.value, ast.Constant)}
+    text, crop = constants["prompt_template_encode"], int(constants["prompt_template_encode_start_idx"])
+    system = text.split("<|im_start|>system\n", 1)[-1].split("<|im_end|>", 1)[0]
+    return ChatTemplate("qwenimage", system, crop, (-1,), masked=True, generation_prompt=True,
+                        model_types=("qwen2_5_vl",), text=text)
+
+
 QWENIMAGE = Family(
     name="qwenimage",
     model_class="QwenImageTransformer2DModel",
@@ -198,6 +219,7 @@ QWENIMAGE = Family(
     # shift=resolution: Qwen-Image's scheduler_config.json (a pipeline folder's own config is read instead)
     resolution_shift={"base_tokens": 256, "max_tokens": 8192, "base_shift": 0.5, "max_shift": 0.9},
     teacache_input=_qwenimage_modulated,
+    chat_template=_qwenimage_chat_template,  # prompt_template=qwenimage: its Qwen2.5-VL as QwenImagePipeline encodes
 )
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, WAN22_TI2V, WAN_I2V, FLUX, QWENIMAGE,

@@ -34,6 +34,9 @@ class ChatTemplate:
     # (prompts, system message) -> the chats the pipeline tokenizes, where it formats them its own way (Flux.2's
     # content parts); None: a system and a user message each, an empty prompt as " " (HunyuanVideo 1.5's)
     format: Callable[[list[str], str], list[list[dict]]] | None = None
+    # the pipeline's own prompt string around the prompt ("...{}...", the system message in it), tokenized as it is
+    # rather than through the tokenizer's chat template (Qwen-Image's prompt_template_encode); None: the chat template
+    text: str | None = None
 
     def messages(self, prompts: list[str]) -> list[list[dict]]:
         """The chats the pipeline tokenizes, one a prompt."""
