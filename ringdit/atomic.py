@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
+import socket
 import tempfile
 import time
 from pathlib import Path
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-STALE_TEMPORARY_SECONDS = 600  # a write in progress touches its file far more often than this
+STALE_TEMPORARY_SECONDS = 600  # a write in progress (on another host) touches its file far more often than this
 NEARLY_FULL_BYTES = 2**20  # a write that failed with less than this left failed for lack of space: torch.save's own
 # writer reports that as "enforce fail at inline_container.cc ... unexpected pos", without an errno
 
@@ -90,7 +92,7 @@ def atomic_write(path: str | Path):
                                             f"refusing to replace it: write to a file path", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner()}.", suffix=".tmp", dir=path.parent)
     try:
         os.close(fd)
         yield Path(tmp)
@@ -110,14 +112,36 @@ def atomic_write(path: str | Path):
     _fsync_folder(path.parent)
 
 
+def _owner() -> str:
+    """What a temporary file's name says of its writer: this process's id and (a digest of) its host name."""
+    return f"{os.getpid()}-{hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]}"
+
+
+def _writer_gone(temporary: Path, name: str) -> bool:
+    """Whether the writer of ``temporary`` (``.<name>.<pid>-<host>.<random>.tmp``) is a process of this host that
+    no longer runs; False where that cannot be told (another host, a name without its owner)."""
+    owner = temporary.name[len(name) + 2:].split(".", 1)[0]
+    pid, _, host = owner.partition("-")
+    if not pid.isdigit() or host != _owner().partition("-")[2]:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it runs (as another user)
+        return False
+    return False
+
+
 def remove_stale_temporaries(path: Path) -> None:
-    """Remove the temporary files of writes of ``path`` that were killed: those untouched for
-    ``STALE_TEMPORARY_SECONDS``. A fresh one may be another process's write in progress (two runs, or two test
-    workers, writing the same cached shard at once): removing it would fail that write's rename."""
+    """Remove the temporary files of writes of ``path`` that were killed: those whose writer (named in the file's
+    name) no longer runs on this host, or untouched for ``STALE_TEMPORARY_SECONDS`` (a writer on another host). One
+    being written (another run, or another test worker, writing the same cached shard at once) is kept: removing it
+    would fail that write's rename."""
     now = time.time()
     for stale in path.parent.glob(f".{path.name}.*.tmp"):
         with contextlib.suppress(OSError):  # gone already: its writer renamed or removed it
-            if now - stale.stat().st_mtime > STALE_TEMPORARY_SECONDS:
+            if _writer_gone(stale, path.name) or now - stale.stat().st_mtime > STALE_TEMPORARY_SECONDS:
                 stale.unlink()
 
 

@@ -273,15 +273,24 @@ def test_a_write_removes_a_killed_writes_temporary_but_not_one_in_progress(tmp_p
 
     from ringdit import atomic
 
+    import subprocess
+    import sys
+
     target = tmp_path / "shard.safetensors"
-    killed, live = tmp_path / ".shard.safetensors.killed.tmp", tmp_path / ".shard.safetensors.live.tmp"
-    killed.write_bytes(b"torn")
-    live.write_bytes(b"being written")
-    old = killed.stat().st_mtime - atomic.STALE_TEMPORARY_SECONDS - 1
-    os.utime(killed, (old, old))
+    host = atomic._owner().partition("-")[2]
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".shard.safetensors.{int(ended.stdout)}-{host}.abc.tmp"  # its writer was killed just now
+    old = tmp_path / ".shard.safetensors.other-host.abc.tmp"  # untouched for long: a writer elsewhere, killed
+    live = tmp_path / f".shard.safetensors.{os.getpid()}-{host}.abc.tmp"  # a writer that runs
+    fresh = tmp_path / ".shard.safetensors.1-otherhost.abc.tmp"  # another host's write in progress
+    for temporary in (dead, old, live, fresh):
+        temporary.write_bytes(b"partial")
+    then = old.stat().st_mtime - atomic.STALE_TEMPORARY_SECONDS - 1
+    os.utime(old, (then, then))
     with atomic.atomic_write(target) as tmp:
         tmp.write_bytes(b"new")
-    assert target.read_bytes() == b"new" and not killed.exists() and live.read_bytes() == b"being written"
+    assert target.read_bytes() == b"new" and not dead.exists() and not old.exists()
+    assert live.read_bytes() == fresh.read_bytes() == b"partial"
 
 
 def test_a_real_full_file_system(tmp_path):
