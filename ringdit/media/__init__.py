@@ -8,6 +8,9 @@ embeddings only). Needs diffusers, transformers, imageio (+ imageio-ffmpeg / av)
     glyph.py          GlyphEncoder: HunyuanVideo 1.5's ByT5, a prompt's quoted text -> (glyph_text, glyph_text_mask)
     folder.py         list_media: a captioned folder -> (path, caption) items
     frames.py         read_image / read_video: one file -> bucket pixels
+    windows.py        which frames of a clip: frame_extraction windows, source_fps -> the model's fps
+    retext.py         re-captioning: a finished shard's text re-encoded, its latents kept
+    compare.py        python -m ringdit.media.compare: two prepared folders' tensors, max / mean |a - b|
     encode_folder.py  encode_folder: a folder -> text_latents shards (ranks, resume, skips)
     image_condition.py  encode_image_condition: first frames -> image-to-video conditioning (prepare and infer)
     writing.py        write_media: decoded samples -> PNG grid + PNGs, MP4 + GIF (ringdit.images writes PNG / GIF)
