@@ -216,6 +216,10 @@ def export_comfyui(state: dict, info: dict, out_dir: Path, name: str) -> Path:
     adapters = adapter_state(state)
     if not adapters or not lora.get("rank"):
         raise ConfigError("the checkpoint holds no LoRA adapter weights (trained without lora.rank > 0?)")
+    if (lora.get("type") or "lora") != "lora":
+        raise ConfigError(f"format=comfyui writes a plain LoRA (lora_down / lora_up / alpha), but this run trained "
+                          f"lora.type={lora['type']}; export it with lora=true (diffusers' format carries DoRA's "
+                          f"magnitudes) or fuse it into its base with lora=true merge=true")
     scale = (lora.get("alpha") or lora["rank"]) / lora["rank"]  # peft's alpha / rank
     _, model = ModelSpec.from_config(model_cfg, 1)  # on meta: the layers' sizes
     parts = [prefix for prefix, _ in model.subfolders()]

@@ -51,6 +51,9 @@ ADAPTER_NAME = "default"
 BASE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 FLOAT8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 BASE_DTYPES = ("float32", "bfloat16", "float16", *FLOAT8)  # what lora.base_dtype takes
+# what lora.type takes: peft's LoRA, or DoRA (peft's use_dora: each adapted weight's direction from W + B A, its
+# per-output-row magnitude trained apart, lora_magnitude_vector)
+LORA_TYPES = ("lora", "dora")
 
 
 def lora_enabled(lora: dict | None) -> bool:
@@ -79,6 +82,14 @@ def check_lora_settings(lora: dict | None) -> None:
         raise ConfigError("lora.dropout=1 drops every input of the adapters, so nothing is learned; use a "
                           "probability below 1 (0 is usual)")
     resolve_base_dtype(lora.get("base_dtype"))
+    kind = lora.get("type") or "lora"
+    if kind not in LORA_TYPES:
+        raise ConfigError(f"lora.type={kind!r} is not one of {', '.join(LORA_TYPES)}: lora is peft's LoRA, dora its "
+                          f"DoRA (use_dora: a trained magnitude per output row of each adapted weight)")
+    if kind == "dora" and str(lora.get("base_dtype")) in FLOAT8:
+        raise ConfigError(f"lora.type=dora divides each adapted weight by its row norms, which an fp8 base "
+                          f"(lora.base_dtype={lora['base_dtype']}) does not hold (its rows are scaled apart); use "
+                          f"lora.base_dtype=bfloat16, or lora.type=lora on the fp8 base")
     targets = lora.get("targets")
     names = [targets] if isinstance(targets, str) else targets
     if targets is not None and (not isinstance(names, (list, tuple)) or not names
@@ -101,10 +112,11 @@ def resolve_base_dtype(name) -> torch.dtype | None:
                           f"{', '.join(BASE_DTYPES)} (null: bfloat16 on GPUs, float32 on CPUs)") from None
 
 
-def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0):
+def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0,
+                type: str | None = "lora"):
     from peft import LoraConfig
 
-    check_lora_settings({"rank": rank, "alpha": alpha, "targets": targets, "dropout": dropout})
+    check_lora_settings({"rank": rank, "alpha": alpha, "targets": targets, "dropout": dropout, "type": type})
     if targets is None:
         targets = getattr(model, "lora_targets", None)  # each model kind's default projections
         if targets is None:
@@ -112,7 +124,7 @@ def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets
                               f"(suffixes) to adapt, e.g. lora.targets=[to_q,to_v]")
     targets = [targets] if isinstance(targets, str) else list(targets)
     return LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, target_modules=targets,
-                      lora_dropout=dropout, init_lora_weights=True)
+                      lora_dropout=dropout, init_lora_weights=True, use_dora=type == "dora")
 
 
 def adapted_modules(model: nn.Module) -> tuple[nn.Module, ...]:
@@ -122,14 +134,16 @@ def adapted_modules(model: nn.Module) -> tuple[nn.Module, ...]:
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=None, dropout: float = 0.0,
-             base_dtype: str | torch.dtype | None = None) -> nn.Module:
+             base_dtype: str | torch.dtype | None = None, type: str | None = "lora") -> nn.Module:
     """Inject LoRA adapters into ``model`` in place and freeze everything else; returns ``model``.
 
     ``base_dtype``: the dtype the frozen projections are held in (see ``hold_base_in``); None keeps them as built.
-    Works on a model whose parameters are on the meta device (only the dtype they will have changes).
+    ``type``: ``lora`` or ``dora`` (``LORA_TYPES``). Works on a model whose parameters are on the meta device (only
+    the dtype they will have changes; a DoRA magnitude gets its value once the base is loaded:
+    ``ringdit.models.materialize``).
     """
 
-    config = lora_config(model, rank, alpha, targets, dropout)
+    config = lora_config(model, rank, alpha, targets, dropout, type)
     model.requires_grad_(False)
     for root in adapted_modules(model):
         _inject(root, config, model)
@@ -295,7 +309,24 @@ def keep_float8_out_of_ddp(module: nn.Module) -> None:
 
 
 def is_adapter_key(key: str) -> bool:
-    return ".lora_A." in key or ".lora_B." in key
+    return ".lora_A." in key or ".lora_B." in key or ".lora_magnitude_vector." in key
+
+
+@torch.no_grad()
+def init_dora_magnitudes(model: nn.Module) -> None:
+    """Each DoRA layer's magnitude as peft initialises it: the row norms of its base weight (with B zero the
+    adapted weight is W, so the adapted model starts as the base). For a model adapted on the meta device and filled
+    afterwards; each rank computes its own rows (FSDP shards the weight's rows and the magnitude alike)."""
+    from ringdit.checkpoints.sources import local_part
+
+    for layer in model.modules():
+        magnitudes = getattr(layer, "lora_magnitude_vector", None)
+        if not magnitudes:
+            continue
+        weight = local_part(layer.get_base_layer().weight)  # (out rows of this rank, in)
+        for magnitude in magnitudes.values():
+            rows = weight.flatten(1).to(torch.promote_types(weight.dtype, torch.float32))  # a bf16 base: fp32 norms
+            local_part(magnitude.weight).copy_(torch.linalg.norm(rows, dim=1))
 
 
 def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -360,6 +391,8 @@ def diffusers_lora_state(state: dict[str, Tensor], prefix: str = "transformer.")
     out = {}
     for key, value in adapter_state(state).items():
         key = key.replace(f".{ADAPTER_NAME}.", ".")
+        if key.endswith(".lora_magnitude_vector.weight"):  # DoRA's, as peft and diffusers name it
+            key = key.removesuffix(".weight")
         out[key if key.startswith(prefix) else prefix + key] = value.detach().contiguous().clone()
     return out
 
@@ -386,7 +419,7 @@ def _write_lora(adapters: dict[str, Tensor], lora: dict, out_dir: Path) -> Path:
     modules = sorted({key[len("transformer."):].rsplit(".lora_", 1)[0] for key in tensors})
     rank = int(next(v for k, v in tensors.items() if ".lora_A." in k).shape[0])
     config = {"r": rank, "lora_alpha": lora.get("alpha") or rank, "target_modules": modules, "lora_dropout": 0.0,
-              "bias": "none", "use_dora": False}
+              "bias": "none", "use_dora": any(key.endswith(".lora_magnitude_vector") for key in tensors)}
     metadata = {f"transformer.{key}": value for key, value in config.items()}  # diffusers keys it by component
     path = out_dir / "pytorch_lora_weights.safetensors"
     with atomic_write(path) as tmp:

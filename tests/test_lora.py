@@ -442,6 +442,34 @@ def test_a_plain_export_of_a_lora_checkpoint_is_refused_and_merge_exports_it(lor
     assert difference.max() <= 1 and (difference > 0).mean() < 0.01, (difference.max(), (difference > 0).mean())
 
 
+def test_a_dora_run_trains_its_magnitudes_and_samples_as_its_merged_export(lora_run, tmp_path, capsys):
+    """lora.type=dora on the LoRA run's base: the magnitudes train (they leave the base's row norms), the checkpoint
+    samples on its base as its merged export (lora=true merge=true) does, at most one grey level apart."""
+    from ringdit.export import main
+
+    run("train.py", tmp_path / "dora", *TINY, *SGD, *LORA, "lora.type=dora", "trainer.max_steps=2",
+        f"init_from={lora_run.base}")
+    ckpt = tmp_path / "dora" / "checkpoints" / "last.ckpt"
+    adapters, info = read_weights(ckpt, prefer="model")
+    assert info["lora"]["type"] == "dora"
+    base, _ = read_weights(lora_run.base)
+    magnitudes = {key: value for key, value in adapters.items() if ".lora_magnitude_vector." in key}
+    assert magnitudes
+    moved = max((value - torch.linalg.norm(base[key.split(".lora_magnitude_vector.")[0] + ".weight"], dim=1)).abs()
+                .max().item() for key, value in magnitudes.items())
+    assert moved > 1e-6, moved  # trained, from the base's row norms
+    checkpoint = torch.load(ckpt, weights_only=True)  # trained-looking adapters, as lora_run's (two steps move little)
+    g = torch.Generator().manual_seed(1)
+    for key, value in checkpoint["state_dict"].items():
+        if ".lora_A." in key or ".lora_B." in key:
+            checkpoint["state_dict"][key] = 0.3 * torch.randn(value.shape, generator=g)
+    torch.save(checkpoint, ckpt)
+    assert main([f"ckpt_path={ckpt}", f"out={tmp_path / 'merged.safetensors'}", "lora=true", "merge=true"]) == 0
+    merged = sample(tmp_path / "merged", tmp_path / "merged.safetensors")
+    difference = np.abs(sample(tmp_path / "sampled", ckpt) - merged)
+    assert difference.max() <= 1 and (difference > 0).mean() < 0.01, (difference.max(), (difference > 0).mean())
+
+
 def test_a_diffusers_lora_samples_on_its_pretrained_folder_or_on_base(tmp_path):
     """A Wan LoRA run on model.pretrained: sampled on that folder (recorded), or on a diffusers folder given as base=
     when the recorded one is gone -- the same latents; a folder of another architecture is refused naming the first

@@ -48,8 +48,10 @@ def lightning_checkpoint(path, hparams: dict, weights: dict):
 
 
 def random_adapters(adapted, seed: int) -> dict[str, torch.Tensor]:
+    """Trained-looking adapters: random A and B, and DoRA's magnitudes each row's own times 1 +- 0.2."""
     g = torch.Generator().manual_seed(seed)
-    return {key: 0.2 * torch.randn(param.shape, generator=g, dtype=param.dtype)
+    return {key: param.detach() * (1 + 0.2 * torch.randn(param.shape, generator=g, dtype=param.dtype))
+            if ".lora_magnitude_vector." in key else 0.2 * torch.randn(param.shape, generator=g, dtype=param.dtype)
             for key, param in adapted.named_parameters() if is_adapter_key(key)}
 
 
@@ -64,10 +66,12 @@ def export(capsys, *overrides) -> tuple[int, str, str]:
 DIT = {"input_size": 8, "in_channels": 3, "hidden_size": 32, "depth": 2, "num_heads": 4, "num_classes": 10}
 
 
-@pytest.fixture(scope="module")
-def dit_run(tmp_path_factory):
-    """A DiT LoRA run's checkpoint (adapters only) on its base (init_from, a ringdit export), fp64."""
-    root = tmp_path_factory.mktemp("dit_merge")
+@pytest.fixture(scope="module", params=["lora", "dora"])
+def dit_run(request, tmp_path_factory):
+    """A DiT LoRA run's checkpoint (adapters only; lora.type=lora or dora: DoRA's magnitudes too) on its base
+    (init_from, a ringdit export), fp64."""
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"dit_merge_{kind}")
     config = {**model_preset("dit"), **DIT}
     with float64():
         torch.manual_seed(0)
@@ -77,9 +81,9 @@ def dit_run(tmp_path_factory):
                 param.add_(0.05 * torch.randn_like(param))
         save_file({key: value.contiguous() for key, value in base.state_dict().items()},
                   str(root / "base.safetensors"), metadata={"model": json.dumps(config)})
-        adapted = add_lora(copy.deepcopy(base), rank=RANK, alpha=ALPHA)
+        adapted = add_lora(copy.deepcopy(base), rank=RANK, alpha=ALPHA, type=kind)
         adapters = random_adapters(adapted, seed=1)
-    lora = {"rank": RANK, "alpha": ALPHA, "base_dtype": "float32"}  # as a CPU run records it
+    lora = {"rank": RANK, "alpha": ALPHA, "base_dtype": "float32", "type": kind}  # as a CPU run records it
     ckpt = lightning_checkpoint(root / "lora.ckpt", {"model": config, "lora": lora,
                                                      "init_from": str(root / "base.safetensors")}, adapters)
     load_adapter(adapted, adapters)
@@ -185,3 +189,52 @@ def test_bad_merges_are_refused_in_one_line_and_their_advice_exports(dit_run, tm
         assert code == 2 and "is no LoRA run's checkpoint" in err and "drop lora=true merge=true" in err, err
         code, _, err = export(capsys, f"ckpt_path={whole}", f"out={tmp_path / 'whole.safetensors'}")
         assert code == 0, err
+
+
+def test_a_dora_model_built_on_the_meta_device_starts_as_its_base(dit_run):
+    """build -> LoRA on meta -> materialize from the base file: DoRA's magnitudes are the base weight's row norms (as
+    peft initialises them on a built model), so with B zero the adapted model computes as the base."""
+    from ringdit.build import build_model
+
+    root, ckpt, base, adapted = dit_run
+    settings = read_weights(ckpt)[1]["lora"]
+    with float64():
+        model, _ = build_model({**model_preset("dit"), **DIT}, init_from=str(root / "base.safetensors"),
+                               lora={**settings, "base_dtype": None})
+    magnitudes = {key: value for key, value in model.state_dict().items() if ".lora_magnitude_vector." in key}
+    assert bool(magnitudes) == (settings["type"] == "dora")
+    for key, magnitude in magnitudes.items():
+        weight = base.get_parameter(key.split(".lora_magnitude_vector.")[0] + ".weight")
+        assert_same_numbers(magnitude, torch.linalg.norm(weight, dim=1), of_max=1e-15, where=key)
+    assert_same_numbers(dit_output(model.eval()), dit_output(base), of_max=1e-13, where="DoRA at init vs its base")
+
+
+def test_a_dora_adapter_exported_for_diffusers_computes_there_as_in_ringdit(tmp_path):
+    """lora.type=dora exported with lora=true: diffusers' load_lora_adapter reads the magnitudes (use_dora) and its
+    Wan computes as ringdit's adapted one, in fp64."""
+    import diffusers
+
+    from ringdit.lora import adapter_state, export_lora
+    from ringdit.models.diffusers import DiffusersTransformer
+    from tests.helpers import architecture
+
+    torch.manual_seed(0)
+    with float64():
+        model = DiffusersTransformer("wan", config=architecture("wan_tiny"), input_size=(2, 8, 8), in_channels=4,
+                                     text_len=7, text_dim=16)
+        reference = diffusers.WanTransformer3DModel.from_config(architecture("wan_tiny"))
+    reference.load_state_dict(model.transformer.state_dict())
+    add_lora(model, rank=RANK, alpha=ALPHA, type="dora")
+    load_adapter(model, random_adapters(model, seed=5))
+    path = export_lora(adapter_state(model.state_dict()), {"alpha": ALPHA}, tmp_path)
+    assert any(key.endswith(".lora_magnitude_vector") for key in load_file(path))
+    reference.load_lora_adapter(str(tmp_path), prefix="transformer", weight_name=path.name)
+    g = torch.Generator().manual_seed(4)
+    x, t, text = torch.randn(2, 4, 2, 8, 8, generator=g, dtype=torch.float64), torch.tensor([30.0, 810.0]), \
+        torch.randn(2, 7, 16, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model.eval()(x, t, {"text": text})
+        assert_same_numbers(reference(x, t, text, return_dict=False)[0], expected, of_max=1e-12,
+                            where="diffusers with the DoRA export vs ringdit")
+        reference.disable_lora()
+        assert (reference(x, t, text, return_dict=False)[0] - expected).abs().max() > 1e-3

@@ -130,6 +130,36 @@ def test_stacked_wan_adapters_diffusers_and_comfyui_compute_as_the_merged_sum(tm
                             where="stacked on a peft-adapted model")
 
 
+def test_a_two_expert_export_folder_stacks_each_experts_file_on_its_expert(tmp_path):
+    """Wan 2.2 A14B: a ringdit LoRA export folder (the high-noise expert's file, transformer_2/ the low-noise one's)
+    adapts each expert with its own file; path_2 gives the second expert's file apart."""
+    from ringdit.build import build_model
+    from ringdit.cli import model_preset
+
+    config = {**model_preset("wan22_a14b_tiny"), "input_size": [2, 8, 8], "in_channels": 4, "text_len": 7,
+              "text_dim": 16}
+    config["in_channels"] = config["config"].get("in_channels") or 4
+    model, _ = build_model(config)
+    model.double()
+    high = random_lowrank(model.transformer, 2, ["attn1.to_q"], seed=1)
+    low = random_lowrank(model.transformer_2, 2, ["attn1.to_v"], seed=2)
+    (tmp_path / "adapter" / "transformer_2").mkdir(parents=True)
+    diffusers_file(high, 4, tmp_path / "adapter" / "pytorch_lora_weights.safetensors")
+    diffusers_file(low, 2, tmp_path / "adapter" / "transformer_2" / "pytorch_lora_weights.safetensors")
+    g = torch.Generator().manual_seed(3)
+    x, t, text = torch.randn(2, config["in_channels"], 2, 8, 8, generator=g, dtype=torch.float64), \
+        torch.tensor([30.0, 810.0]), torch.randn(2, 7, 16, generator=g, dtype=torch.float64)
+    expected = [merged_copy(model.transformer, [(high, 0.5 * 4 / 2)]), merged_copy(model.transformer_2, [(low, 0.5)])]
+    for entry in ({"path": str(tmp_path / "adapter"), "strength": 0.5},
+                  {"path": str(tmp_path / "adapter" / "pytorch_lora_weights.safetensors"), "strength": 0.5,
+                   "path_2": str(tmp_path / "adapter" / "transformer_2" / "pytorch_lora_weights.safetensors")}):
+        ours = stacked(model, [entry])
+        with torch.no_grad():
+            for expert, reference in zip((ours.transformer, ours.transformer_2), expected):
+                assert_same_numbers(expert(x, t, text, return_dict=False)[0],
+                                    reference(x, t, text, return_dict=False)[0], of_max=1e-12, where=str(entry))
+
+
 @pytest.mark.parametrize("family, preset", [("flux", "flux_tiny"), ("hunyuan_video15", "hunyuan_video15_tiny")])
 def test_a_comfyui_file_with_fused_layers_reads_back_as_each_parts_update(family, preset, tmp_path):
     """Flux's img_attn.qkv / single blocks' linear1 and HunyuanVideo 1.5's token refiner qkv are one layer in the

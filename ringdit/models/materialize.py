@@ -12,7 +12,8 @@ it, never on the rank layout: each rank draws one module's full tensors at a tim
 any world size, DDP and one process start from the same weights, and no rank ever holds the whole model.
 
 Initial values, in this order:
-- LoRA adapters: ``lora_A`` as peft initialises it (a Linear's Kaiming-uniform), ``lora_B`` zero;
+- LoRA adapters: ``lora_A`` as peft initialises it (a Linear's Kaiming-uniform), ``lora_B`` zero; DoRA's magnitude
+  the base weight's row norms, once the base is filled;
 - the model's own rule, ``model.initial_value(name, shape, generator)`` (the DiT's is the original's init);
 - the owning module's ``reset_parameters`` (Linear, Conv, LayerNorm, RMSNorm, ...), run on a CPU twin.
 """
@@ -102,6 +103,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int, source: Weigh
                  float8, seed, None)
     initialize(model, initial, seed)
     _fill_float8(model, staged, float8, seed, source)
+    if any(".lora_magnitude_vector." in name for name in params):  # DoRA: from the base weights, now filled
+        from ringdit.lora import init_dora_magnitudes
+
+        init_dora_magnitudes(model)
 
 
 def _float8_weights(model: nn.Module, params: dict[str, Tensor]) -> dict:
@@ -149,7 +154,7 @@ def check_source(targets: dict[str, Tensor], source: WeightSource, transformed: 
 
 
 def _is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
+    return ".lora_A." in name or ".lora_B." in name or ".lora_magnitude_vector." in name
 
 
 def _persistent_buffers(model: nn.Module) -> set[str]:
@@ -178,6 +183,8 @@ def initial_values(model: nn.Module, owner_name: str, names: list[str], generato
     shapes = {name: owner.get_parameter(name.rpartition(".")[2]).shape for name in names}
     if owner_name.rsplit(".", 2)[-2:-1] == ["lora_B"]:  # peft: B starts at zero, so the adapted model is the base
         return {name: torch.zeros(shape) for name, shape in shapes.items()}
+    if owner_name.rsplit(".", 2)[-2:-1] == ["lora_magnitude_vector"]:  # DoRA: the base's row norms, set once the
+        return {name: torch.zeros(shape) for name, shape in shapes.items()}  # base is filled (materialize)
     rule = getattr(model, "initial_value", None)
     if rule is not None and not _is_adapter(owner_name + "."):
         values = {name: rule(name, shape, generator) for name, shape in shapes.items()}

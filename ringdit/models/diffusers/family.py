@@ -117,3 +117,8 @@ class Family:
     # processors call PyTorch attention directly (ringdit routes diffusers' dispatch_attention_fn only): they must
     # compute what the model's own do (CogVideoX's); None: the model's processors already dispatch
     attention_processors: Callable[[nn.Module], None] | None = None
+
+    def __deepcopy__(self, memo) -> Family:
+        # a shared immutable record: a deep copy of a model (LoRA's meta checks copy one) keeps it, and need not copy
+        # its read-only tables (a MappingProxyType cannot be copied)
+        return self
