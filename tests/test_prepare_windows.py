@@ -122,6 +122,10 @@ def test_chunk_windows_and_source_fps_encode_those_frames(models, clips, tmp_pat
     torch.testing.assert_close(tensors["latents"][0], encoded(list(range(5))), rtol=0, atol=0)
     torch.testing.assert_close(tensors["latents"][1], encoded(list(range(5, 10))), rtol=0, atol=0)
 
+    with pytest.raises(ConfigError, match=r"shard-00000.safetensors was prepared with frame_extraction=chunk, but now "
+                                          r"frame_extraction=head: its latents are other frames; resume with the "):
+        encode_folder(str(clips), str(tmp_path / "chunk"), str(models["wan"]), str(models["wan"]), **settings)
+
     report = encode_folder(str(clips), str(tmp_path / "fps"), str(models["wan"]), str(models["wan"]),
                            frame_extraction="uniform", frame_sample=2, source_fps=16, fps=8, **settings)
     tensors, metadata = shard(tmp_path / "fps" / "shard-00000.safetensors")

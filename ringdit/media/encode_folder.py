@@ -369,7 +369,8 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     root = Path(str(input)).expanduser()
     for index in (i for i in mine if i not in pending):  # finished: new captions or text encoder re-encode the text
         path = shard_path(out_dir, index)
-        captions = stale_captions(path, shards[index][1], root, described["text_encoder"])
+        captions = stale_captions(path, shards[index][1], root, described["text_encoder"],
+                                  {**clock.describe(), **windows.describe()})
         if captions is None:
             report.shards_skipped += 1
             continue

@@ -39,13 +39,25 @@ def sample_name(item: MediaItem, root: Path) -> str:
     return name + (f"@{item.start}" if item.start else "")
 
 
-def stale_captions(path: Path, planned: list[MediaItem], root: Path, described: str) -> list[str] | None:
+def stale_captions(path: Path, planned: list[MediaItem], root: Path, described: str,
+                   frames: dict | None = None) -> list[str] | None:
     """The captions the samples of the finished shard ``path`` have now, when they or the text encoder (its
-    ``describe()`` JSON, ``described``) differ from what the shard was encoded with; None when its text is current."""
+    ``describe()`` JSON, ``described``) differ from what the shard was encoded with; None when its text is current.
+    ``frames``: how clips are read now (the timeline and extraction, ringdit/media/windows.py), which a shard of
+    clips must have been read with too -- else its latents are other frames: one line."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
+    bucket = json.loads(metadata.get("bucket", "{}"))
+    if frames is not None and bucket.get("frame_stride") is not None:  # a shard of clips
+        defaults = {"source_fps": None, "fps": None, "frame_extraction": "head"}  # shards record them when set
+        then = {key: bucket.get(key, defaults.get(key)) for key in frames}
+        changed = [key for key in frames if then[key] != frames[key]]
+        if changed:
+            raise ConfigError(f"{path} was prepared with {', '.join(f'{k}={then[k]}' for k in changed)}, but now "
+                              f"{', '.join(f'{k}={frames[k]}' for k in changed)}: its latents are other frames; "
+                              f"resume with the settings it was prepared with, or prepare into a new out= folder")
     before = json.loads(metadata.get("captions", "null"))
     names = json.loads(metadata.get("files", "null"))
     captions = {sample_name(item, root): item.caption for item in planned}
