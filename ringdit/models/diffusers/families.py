@@ -19,7 +19,6 @@ To add a family (its own module, like ``hunyuan_video.py``):
 from __future__ import annotations
 
 from dataclasses import replace
-from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -76,10 +75,10 @@ WAN = Family(
     teacache_input=lambda block, io, args, kwargs: (io.argument(block, "temb", args, kwargs), False),  # (B, 6, D)
     # timestep projection, the same on every rank, as TeaCache4Wan2.1 reads it; its "use_ret_steps" polynomials,
     # whose input is that projection and which want the first evaluations computed (warmup)
-    teacache_coefficients=MappingProxyType({
+    teacache_coefficients={
         (1536, 30): (-5.21862437e+04, 9.23041404e+03, -5.28275948e+02, 1.36987616e+01, -4.99875664e-02),  # 1.3B
         (5120, 40): (-3.03318725e+05, 4.90537029e+04, -2.65530556e+03, 5.87365115e+01, -3.15583525e-01),  # 14B
-    }),
+    },
 )
 
 # Wan 2.2 TI2V (image and text to video, the 5B): the same transformer, in_channels == out_channels; the image is the
@@ -144,8 +143,8 @@ FLUX = Family(
     teacache_input=lambda block, io, args, kwargs: (  # (B, S_local, D), as TeaCache4FLUX reads it
         block.norm1(io.argument(block, "hidden_states", args, kwargs),
                     emb=io.argument(block, "temb", args, kwargs))[0], True),
-    teacache_coefficients=MappingProxyType({  # TeaCache4FLUX's, FLUX.1-dev's size
-        (3072, 19): (4.98651651e+02, -2.83781631e+02, 5.58554382e+01, -3.82021401e+00, 2.64230861e-01)}),
+    teacache_coefficients={  # TeaCache4FLUX's, FLUX.1-dev's size
+        (3072, 19): (4.98651651e+02, -2.83781631e+02, 5.58554382e+01, -3.82021401e+00, 2.64230861e-01)},
 )
 
 # ---- QwenImage: joint attention in dual-stream blocks, text padded to a fixed length with a mask -----------------

@@ -109,7 +109,7 @@ class Family:
     # TeaCache's published rescaling polynomials (numpy.polyfit order, highest degree first) for the family's
     # published sizes, keyed by the transformer's (width, depth); cache=teacache on another size fits its own
     # (python -m ringdit.caching calibrate)
-    teacache_coefficients: Mapping[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
+    teacache_coefficients: Mapping[tuple[int, int], tuple[float, ...]] = field(default_factory=dict, hash=False)
     # its pipeline's chat template around the prompt (prompt_template=<family>), its constants read from diffusers'
     # own code when called, so that they cannot drift; None: the text encoder takes the prompt as it is (T5, UMT5)
     chat_template: Callable[[], ChatTemplate] | None = None
