@@ -38,7 +38,8 @@ def preset_overrides(name: str) -> tuple[list[str], dict]:
 
     cfg = command_config("train", [f"experiment={name}"])
     choices = HydraConfig.get().runtime.choices
-    if choices.get("data") != "text_latents":  # the demos (digits, moving digits) train at their own tiny sizes
+    if choices.get("data") not in ("text_latents", "datasets"):  # prepared clips; the demos (digits, moving
+        # digits) train at their own tiny sizes
         raise ConfigError(f"experiment={name} trains on data={choices.get('data')}, not on prepared clips; the planner "
                           f"lays out the real-model presets (experiment=wan21_14b_lora, flux_dev_lora, ...): give "
                           f"model=... data.size=... instead")
