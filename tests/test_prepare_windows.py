@@ -159,3 +159,19 @@ def test_a_window_longer_than_every_clip_is_one_line(models, clips, tmp_path):
     assert result.returncode == 0, result.stderr
     result, _ = fail_fast("-m ringdit.prepare", *common, f"out={tmp_path / 'c'}", "source_fps=0")
     assert result.returncode == 2 and "source_fps=0 must be the clips' frame rate" in result.stderr
+
+
+def test_the_models_fps_from_the_vaes_pipeline_folder(tmp_path):
+    """fps=null: the rate of the family whose transformer model_index.json names (Wan 2.1 16; Wan 2.2 TI2V-5B, the
+    same class with expand_timesteps, 24; HunyuanVideo 1.5 24), from the pipeline folder or its vae/; an image
+    model's folder tells none."""
+    from ringdit.media.windows import pipeline_fps
+
+    (tmp_path / "vae").mkdir()
+    for index, rate in (({"transformer": ["diffusers", "WanTransformer3DModel"]}, 16),
+                        ({"transformer": ["diffusers", "WanTransformer3DModel"], "expand_timesteps": True}, 24),
+                        ({"transformer": ["diffusers", "HunyuanVideo15Transformer3DModel"]}, 24),
+                        ({"transformer": ["diffusers", "FluxTransformer2DModel"]}, None)):
+        (tmp_path / "model_index.json").write_text(json.dumps(index))
+        assert pipeline_fps(str(tmp_path), "vae") == pipeline_fps(str(tmp_path / "vae"), None) == rate
+    assert timeline(1, 30, None, pipeline_fps(str(tmp_path / "vae"), None) or 16, "vae").fps == 16

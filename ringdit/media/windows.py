@@ -149,15 +149,16 @@ def timeline(frame_stride: int, source_fps, fps, model_fps: int | None, vae: str
         fps = model_fps
         if fps is None:
             raise ConfigError(f"source_fps={source_fps} resamples the clips to the model's frame rate, which vae={vae} "
-                              f"does not tell (no video pipeline around it); pass fps=<the model's rate>, e.g. fps=16 "
-                              f"for Wan, 24 for HunyuanVideo")
+                              f"does not tell (no video pipeline around it, or a transformer class of models at "
+                              f"several rates); pass fps=<the model's rate>, e.g. fps=16 for Wan 2.1, 24 for Wan 2.2 "
+                              f"TI2V and HunyuanVideo")
     _positive_int("fps", fps, "16 (Wan's frame rate)")
     return Timeline(frame_stride, rate, fps)
 
 
 def pipeline_fps(vae: str, vae_subfolder: str | None) -> int | None:
     """The frame rate of the model whose pipeline folder holds the VAE: model_index.json's transformer class ->
-    its family's ``Family.fps``; None for a bare VAE folder or an image model."""
+    its family's ``Family.fps``; None for a bare VAE folder, an image model, or a class whose families differ."""
     from pathlib import Path
 
     from ringdit.safe_json import read_json
@@ -171,5 +172,11 @@ def pipeline_fps(vae: str, vae_subfolder: str | None) -> int | None:
             class_name = transformer[1] if isinstance(transformer, list) and len(transformer) == 2 else None
             from ringdit.models.diffusers.families import FAMILIES
 
-            return next((f.fps for f in FAMILIES.values() if f.model_class == class_name), None)
+            # one transformer class can be several families: Wan 2.1 (16 fps) and Wan 2.2 TI2V-5B (24 fps), whose
+            # pipeline sets expand_timesteps (its first-frame conditioning); any other doubt: no rate
+            families = [f for f in FAMILIES.values() if f.model_class == class_name]
+            ti2v = bool(config.get("expand_timesteps"))
+            families = [f for f in families if (f.image_condition == "first_frame") == ti2v] or families
+            rates = {f.fps for f in families}
+            return rates.pop() if len(rates) == 1 else None
     return None
