@@ -70,11 +70,11 @@ def main(cfg: DictConfig) -> None:
             from ringdit.errors import ConfigError  # every file unreadable, too short or missing: not a success
 
             if report.too_short and not report.unreadable and not report.missing:  # the window is what is wrong
+                resampled = f", source_fps={settings['source_fps']}" if settings.get("source_fps") else ""
                 raise ConfigError(f"frames={settings['frames']}: the window is longer than every clip of input="
                                   f"{settings['input']} ({len(report.too_short)} clips, e.g. "
                                   f"{Path(report.too_short[0]).name}, at frame_stride={settings['frame_stride']}"
-                                  f"{', source_fps=' + str(settings['source_fps']) if settings.get('source_fps') else ''}"
-                                  f"); pass a smaller frames= (1 + k * the VAE's temporal factor, e.g. frames=1), or "
+                                  f"{resampled}); pass a smaller frames= (1 + k * the VAE's temporal factor, e.g. frames=1), or "
                                   f"longer clips")
             raise ConfigError(f"input={settings['input']}: nothing was prepared -- {report.summary()}; fix or "
                               f"replace those files, or lower frames= / the buckets for short clips")

@@ -143,7 +143,8 @@ def test_slide_with_buckets_and_the_plan(models, clips, tmp_path):
                            window_stride=2, max_text_len=TEXT_LEN, progress=False)
     assert report.buckets == {"16x16x1": 2, "16x16x9": 3}  # the 4-frame clip: two 1-frame windows
     plan = json.loads((tmp_path / "out" / "buckets.json").read_text())
-    assert [s["files"] for s in plan["shards"]] == [["short.mp4", "short.mp4@2"], ["long.mp4", "long.mp4@2", "long.mp4@4"]]
+    assert [s["files"] for s in plan["shards"]] == [["short.mp4", "short.mp4@2"],
+                                                   ["long.mp4", "long.mp4@2", "long.mp4@4"]]
 
 
 def test_a_window_longer_than_every_clip_is_one_line(models, clips, tmp_path):

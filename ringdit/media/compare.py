@@ -13,8 +13,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 from ringdit.errors import ConfigError
 
 

@@ -97,7 +97,7 @@ TASKS = ("t2v", "i2v")  # text-conditioned latents; + each clip's first-frame co
 class EncodeReport:
     shards_written: int = 0
     shards_skipped: int = 0  # already present (resume)
-    texts_encoded: int = 0  # already present, their text re-encoded (new captions or text encoder; ringdit.media.retext)
+    texts_encoded: int = 0  # already present, their text re-encoded: new captions or text encoder (media/retext.py)
     samples: int = 0
     unreadable: list[str] = field(default_factory=list)
     too_short: list[str] = field(default_factory=list)
@@ -113,7 +113,8 @@ class EncodeReport:
                     f"{self.seconds:.1f} s; rank 0 wrote the shards and reports them")
         rate = self.samples / self.seconds if self.seconds > 0 else 0.0
         return (f"prepared {self.samples} samples into {self.shards_written} new shards "
-                f"({self.shards_skipped} already done{self._retexted()}) in {self.seconds:.1f} s ({rate:.2f} samples/s); skipped "
+                f"({self.shards_skipped} already done{self._retexted()}) in {self.seconds:.1f} s "
+                f"({rate:.2f} samples/s); skipped "
                 f"{len(self.unreadable)} unreadable files{_named(self.unreadable)}, {len(self.too_short)} clips too "
                 f"short for the bucket{_named(self.too_short)} and {len(self.missing)} files the metadata lists that "
                 f"are missing or not images / videos{_named(self.missing)}" + (
@@ -248,7 +249,8 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
                               max_pooled_len=max_pooled_len, masked_text=masked_text, prompt_template=prompt_template,
                               glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer, mask_path=mask_path,
                               frame_extraction=frame_extraction, window_stride=window_stride,
-                              frame_sample=frame_sample, source_fps=source_fps, fps=fps, tiles=tiles, rank=rank, world_size=world_size, progress=progress)
+                              frame_sample=frame_sample, source_fps=source_fps, fps=fps, tiles=tiles, rank=rank,
+                              world_size=world_size, progress=progress)
 
 
 def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, caption_column, size, frames,
