@@ -58,11 +58,12 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [f"data.cache_dir={tmp_path}", "data.num_videos=8", "model=wan_tiny", "model.config.in_channels=1",
                 "model.config.out_channels=1", "model.config.text_dim=32"]
     synthetic = ["data=synthetic_text_latents", f"data.cache_dir={tmp_path}", "data.num_samples=4"]
-    if (group, option) == ("data", "text_latents"):
+    if (group, option) in (("data", "text_latents"), ("data", "datasets")):
         from ringdit.data.text_latents import synthetic_text_latents, write_text_latents
 
         shard = write_text_latents(tmp_path / "shard.safetensors", **synthetic_text_latents(4))
-        return [f"data.path={shard}", "model=wan_tiny"]
+        where = f"data.path={shard}" if option == "text_latents" else f"data.datasets=[{{path: {shard}, repeats: 2}}]"
+        return [where, "model=wan_tiny"]
     if (group, option) in (("data", "synthetic_text_latents"), ("model", "wan_tiny")):
         return [*synthetic, "model=wan_tiny"]
     if (group, option) == ("model", "wan22_a14b_tiny"):  # two experts
