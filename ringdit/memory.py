@@ -84,6 +84,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from ringdit.diffusion.distillation import DISTILL_METHODS  # re-exported: the planner checks distill= with it
 from ringdit.layout import Layout
 from ringdit.models.checkpointing import checkpoint_fraction, checkpointed_blocks
 from ringdit.parallel.heads import head_counts
@@ -94,7 +95,6 @@ GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 STATE_BLOCK = 256  # values per fp32 scale of an 8-bit optimizer state (conf/optimizer/adamw8bit.yaml)
-DISTILL_METHODS = ("none", "dmd2", "scm", "rcm")  # conf/distill/
 
 
 # ---- what the estimate reads: the model's sizes and the run's setup --------------------------------------------

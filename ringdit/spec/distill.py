@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from ringdit.diffusion.distillation import CONSISTENCY_METHODS, CRITIC_METHODS
 from ringdit.errors import ConfigError, require_count, require_number
 
 METHODS = ("none", "dmd2", "scm", "rcm")
-CRITIC_METHODS = ("dmd2", "rcm")  # those that train a critic (fake score) beside the student
-CONSISTENCY_METHODS = ("scm", "rcm")  # sCM's continuous-time consistency loss (a JVP through the student)
 # A distilled student samples in a few steps (DMD2: 1 to 4; the teachers' own samplers take 25 to 50). Every update
 # simulates up to distill.steps student steps to reach the one it trains, so a long grid costs that many forwards per
 # update (distill.steps=100000 never finished its first).

@@ -49,11 +49,11 @@ from torch import nn
 
 from ringdit.build import build_model
 from ringdit.diffusion import classifier_free_guidance, draw_noise, noise_generators
+from ringdit.diffusion.distillation import CONSISTENCY_METHODS, CRITIC_METHODS
 from ringdit.diffusion.samplers import fewstep_step
 from ringdit.diffusion.pipeline import condition_to
 from ringdit.lora import lora_enabled
 from ringdit.seeding import Stream, generator, seed_of
-from ringdit.spec.distill import CRITIC_METHODS, CONSISTENCY_METHODS
 from ringdit.training import consistency
 from ringdit.training.gan_head import FeatureTap, GANHead, critic_gan_loss, generator_gan_loss
 from ringdit.training.module import DiffusionModule, total_grad_norm
