@@ -232,3 +232,27 @@ def test_the_refusals_advice_trains(case, tiny_checkpoint, tmp_path):
     run("train.py", tmp_path, *TINY, "trainer.max_steps=1", f"init_from={tiny_checkpoint}", *ADVICE[case],
         "distill.warmup_steps=0", "distill.critic_steps=1" if "distill=rcm" in ADVICE[case] else "distill.steps=1")
     assert distill_losses_of(tmp_path, ("train/scm_loss",))[0][1] > 0
+
+
+def test_the_memory_estimate_counts_the_models_each_method_holds():
+    """sCM: the student trains, the teacher is frozen (no critic); rCM: the student and the critic train, as DMD2's."""
+    from ringdit.memory import Setup
+
+    counts = {method: (Setup(distill=method).trained_models, Setup(distill=method).frozen_models)
+              for method in ("none", "dmd2", "scm", "rcm")}
+    assert counts == {"none": (1, 0), "dmd2": (2, 1), "scm": (1, 1), "rcm": (2, 1)}
+
+
+def test_a_checkpoint_of_one_method_resumed_with_another_is_refused(runs, tiny_checkpoint, tmp_path):
+    """sCM's checkpoint holds no critic and one optimizer: resumed as rCM (or back) is refused in one line, and its
+    advice (the method it was trained with) resumes."""
+    checkpoint = runs.trained("scm_one") / "checkpoints" / "step_0000002.ckpt"
+    proc, seconds = fail_fast("train.py", *TINY, f"init_from={tiny_checkpoint}", "distill=rcm",
+                              f"ckpt_path={checkpoint}", f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_refused(proc, text=f"ckpt_path={checkpoint} is a distill=scm checkpoint, but this run has distill=rcm "
+                   f"(other models and optimizers); resume it with distill=scm", seconds=seconds,
+                   run_dir=tmp_path / "refused")
+    run("train.py", tmp_path / "resumed", *TINY, *MOMENTUM, *LAYOUTS["scm_one"], f"init_from={tiny_checkpoint}",
+        f"ckpt_path={checkpoint}")
+    names = ("train/scm_loss",)
+    assert distill_losses_of(tmp_path / "resumed", names)[2] == distill_losses_of(runs.trained("scm_one"), names)[2]
