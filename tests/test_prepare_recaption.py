@@ -93,3 +93,19 @@ def test_a_shard_whose_files_moved_is_one_line(models, clips, tmp_path):
                                           r"puts in this shard .* prepare into a new out= folder"):
         encode_folder(str(clips), str(tmp_path / "out"), wan, wan, **settings)
     assert encode_folder(str(clips), str(tmp_path / "new"), wan, wan, **settings).samples == 4
+
+
+def test_recaptioning_from_the_command_line(models, clips, tmp_path):
+    """python -m ringdit.prepare run again after a caption is edited: exit code 0, its summary says which shard's text
+    was re-encoded and that the latents were kept."""
+    from tests.helpers import fail_fast
+
+    words = [f"input={clips}", f"out={tmp_path / 'out'}", f"vae={models['wan']}", f"text_encoder={models['wan']}",
+             "size=16", "frames=5", f"max_text_len={TEXT_LEN}", "shard_size=2"]
+    first, _ = fail_fast("-m ringdit.prepare", *words)
+    assert first.returncode == 0, first.stderr
+    (clips / "c0.txt").write_text("a blue fox")
+    again, _ = fail_fast("-m ringdit.prepare", *words)
+    assert again.returncode == 0, again.stderr
+    assert ("prepared 0 samples into 0 new shards (1 already done, 1 re-encoded for new captions or a new text "
+            "encoder, their latents kept)") in again.stdout
