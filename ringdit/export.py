@@ -96,7 +96,13 @@ def export(cfg: DictConfig) -> None:
         from ringdit.lora import lora_enabled
         from ringdit.spec.checkpoint import recorded_hparams
 
-        trained_lora = lora_enabled(recorded_hparams(str(ckpt)).get("lora"))
+        recorded = recorded_hparams(str(ckpt)).get("lora")
+        trained_lora = lora_enabled(recorded)
+        trained_type = (recorded or {}).get("type") or "lora"
+        if lora and not merge and fmt == "diffusers" and trained_type in ("loha", "lokr"):
+            raise ConfigError(f"ckpt_path={ckpt} trained lora.type={trained_type}, which diffusers' LoRA format does "
+                              f"not hold (it holds LoRA and DoRA adapters); fuse it into its base with lora=true "
+                              f"merge=true")
         if not lora and trained_lora:
             raise ConfigError(f"ckpt_path={ckpt} is a LoRA run's checkpoint: it holds only the adapters, not a model; "
                               f"export the model with its adapter fused in with lora=true merge=true, the adapter "

@@ -51,9 +51,11 @@ ADAPTER_NAME = "default"
 BASE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 FLOAT8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 BASE_DTYPES = ("float32", "bfloat16", "float16", *FLOAT8)  # what lora.base_dtype takes
-# what lora.type takes: peft's LoRA, or DoRA (peft's use_dora: each adapted weight's direction from W + B A, its
-# per-output-row magnitude trained apart, lora_magnitude_vector)
-LORA_TYPES = ("lora", "dora")
+# what lora.type takes: peft's LoRA; DoRA (peft's use_dora: each adapted weight's direction from W + B A, its
+# per-output-row magnitude trained apart, lora_magnitude_vector); LoHa (the update a Hadamard product of two low-rank
+# products, hada_*) and LoKr (a Kronecker product, lokr_*), peft's LyCORIS tuners
+LORA_TYPES = ("lora", "dora", "loha", "lokr")
+ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector.", ".hada_", ".lokr_")  # in adapter weights' names
 
 
 def lora_enabled(lora: dict | None) -> bool:
@@ -84,8 +86,8 @@ def check_lora_settings(lora: dict | None) -> None:
     resolve_base_dtype(lora.get("base_dtype"))
     kind = lora.get("type") or "lora"
     if kind not in LORA_TYPES:
-        raise ConfigError(f"lora.type={kind!r} is not one of {', '.join(LORA_TYPES)}: lora is peft's LoRA, dora its "
-                          f"DoRA (use_dora: a trained magnitude per output row of each adapted weight)")
+        raise ConfigError(f"lora.type={kind!r} is not one of {', '.join(LORA_TYPES)}: peft's LoRA, DoRA (use_dora: "
+                          f"a trained magnitude per output row of each adapted weight), LoHa, LoKr")
     if kind == "dora" and str(lora.get("base_dtype")) in FLOAT8:
         raise ConfigError(f"lora.type=dora divides each adapted weight by its row norms, which an fp8 base "
                           f"(lora.base_dtype={lora['base_dtype']}) does not hold (its rows are scaled apart); use "
@@ -123,6 +125,12 @@ def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets
             raise ConfigError(f"lora.targets: no default targets for {type(model).__name__}; list the module names "
                               f"(suffixes) to adapt, e.g. lora.targets=[to_q,to_v]")
     targets = [targets] if isinstance(targets, str) else list(targets)
+    if type in ("loha", "lokr"):  # peft's LyCORIS tuners: one factor starts at zero, so the model starts as the base
+        from peft import LoHaConfig, LoKrConfig
+
+        kind = LoHaConfig if type == "loha" else LoKrConfig
+        return kind(r=rank, alpha=alpha if alpha is not None else rank, target_modules=targets, rank_dropout=dropout,
+                    init_weights=True)
     return LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, target_modules=targets,
                       lora_dropout=dropout, init_lora_weights=True, use_dora=type == "dora")
 
@@ -309,7 +317,7 @@ def keep_float8_out_of_ddp(module: nn.Module) -> None:
 
 
 def is_adapter_key(key: str) -> bool:
-    return ".lora_A." in key or ".lora_B." in key or ".lora_magnitude_vector." in key
+    return any(part in key for part in ADAPTER_PARTS)
 
 
 @torch.no_grad()

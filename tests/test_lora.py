@@ -567,21 +567,23 @@ def test_a_lora_checkpoint_guides_away_from_the_empty_prompt_it_trained_with(mod
 
 
 @pytest.mark.slow
-def test_dora_trains_alike_under_ddp_and_fsdp(tmp_path):
-    """lora.type=dora at ring 2 under DDP and under FSDP (each rank its rows of the weights and the magnitudes, the
-    magnitudes started from its own rows' norms): the same losses and the same trained adapters and magnitudes."""
+@pytest.mark.parametrize("kind", ["dora", "loha", "lokr"])
+def test_lora_types_train_alike_under_ddp_and_fsdp(kind, tmp_path):
+    """lora.type=dora / loha / lokr at ring 2 under DDP and under FSDP (each rank its rows of the weights and of the
+    adapters' factors; DoRA's magnitudes started from its own rows' norms): the same losses and trained adapters."""
     run("train.py", tmp_path / "base", *TINY, *SGD)
     base = tmp_path / "base" / "checkpoints" / "last.ckpt"
     for name, strategy in {"ddp": [], "fsdp": ["trainer/strategy=fsdp"]}.items():
-        run("train.py", tmp_path / name, *TINY, *SGD, *LORA, "lora.type=dora", "ring_degree=2", f"init_from={base}",
-            *strategy)
+        run("train.py", tmp_path / name, *TINY, *SGD, *LORA, f"lora.type={kind}", "ring_degree=2",
+            f"init_from={base}", *strategy)
     ddp, fsdp = logged_losses(tmp_path / "ddp"), logged_losses(tmp_path / "fsdp")
     assert sorted(ddp) == sorted(fsdp) == [0, 1, 2]
     for step in ddp:
         assert fsdp[step] == pytest.approx(ddp[step], rel=1e-5), f"step {step}"
     adapters = {name: read_weights(tmp_path / name / "checkpoints" / "last.ckpt", prefer="model")[0]
                 for name in ("ddp", "fsdp")}
-    assert any(".lora_magnitude_vector." in key for key in adapters["ddp"])
+    assert any({"dora": ".lora_magnitude_vector.", "loha": ".hada_", "lokr": ".lokr_"}[kind] in key
+               for key in adapters["ddp"])
     assert adapters["ddp"].keys() == adapters["fsdp"].keys()
     for key, value in adapters["ddp"].items():
         assert_same_numbers(adapters["fsdp"][key], value, rtol=1e-5, atol=1e-7, where=key)

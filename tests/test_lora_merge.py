@@ -48,10 +48,12 @@ def lightning_checkpoint(path, hparams: dict, weights: dict):
 
 
 def random_adapters(adapted, seed: int) -> dict[str, torch.Tensor]:
-    """Trained-looking adapters: random A and B, and DoRA's magnitudes each row's own times 1 +- 0.2."""
+    """Trained-looking adapters: random A and B (LoHa's and LoKr's factors larger: their update is a product of
+    four, or of two Kronecker factors), and DoRA's magnitudes each row's own times 1 +- 0.2."""
     g = torch.Generator().manual_seed(seed)
     return {key: param.detach() * (1 + 0.2 * torch.randn(param.shape, generator=g, dtype=param.dtype))
-            if ".lora_magnitude_vector." in key else 0.2 * torch.randn(param.shape, generator=g, dtype=param.dtype)
+            if ".lora_magnitude_vector." in key else (0.2 if ".lora_" in key else 0.7) *
+            torch.randn(param.shape, generator=g, dtype=param.dtype)
             for key, param in adapted.named_parameters() if is_adapter_key(key)}
 
 
@@ -66,10 +68,10 @@ def export(capsys, *overrides) -> tuple[int, str, str]:
 DIT = {"input_size": 8, "in_channels": 3, "hidden_size": 32, "depth": 2, "num_heads": 4, "num_classes": 10}
 
 
-@pytest.fixture(scope="module", params=["lora", "dora"])
+@pytest.fixture(scope="module", params=["lora", "dora", "loha", "lokr"])
 def dit_run(request, tmp_path_factory):
-    """A DiT LoRA run's checkpoint (adapters only; lora.type=lora or dora: DoRA's magnitudes too) on its base
-    (init_from, a ringdit export), fp64."""
+    """A DiT LoRA run's checkpoint (adapters only; lora.type=lora, dora: DoRA's magnitudes too, loha or lokr: peft's
+    LyCORIS factors) on its base (init_from, a ringdit export), fp64."""
     kind = request.param
     root = tmp_path_factory.mktemp(f"dit_merge_{kind}")
     config = {**model_preset("dit"), **DIT}
@@ -181,6 +183,11 @@ def test_bad_merges_are_refused_in_one_line_and_their_advice_exports(dit_run, tm
         assert not out.exists() and not list(tmp_path.glob("*.tmp*"))
         code, stdout, err = export(capsys, *common, "merge_strength=0.5", f"base={root / 'base.safetensors'}")
         assert code == 0 and "fused at strength 0.5" in stdout, err
+        kind = read_weights(ckpt)[1]["lora"]["type"]
+        if kind in ("loha", "lokr"):  # diffusers' LoRA file holds no LyCORIS factors: the merge is the advice
+            code, _, err = export(capsys, f"ckpt_path={ckpt}", f"out={tmp_path / 'adapter'}", "lora=true")
+            assert code == 2 and f"trained lora.type={kind}, which diffusers' LoRA format does not hold" in err, err
+            assert "lora=true merge=true" in err and not (tmp_path / "adapter").exists()
 
         whole = lightning_checkpoint(tmp_path / "whole.ckpt", {"model": {**model_preset("dit"), **DIT}},
                                      base.state_dict())
@@ -193,7 +200,8 @@ def test_bad_merges_are_refused_in_one_line_and_their_advice_exports(dit_run, tm
 
 def test_a_dora_model_built_on_the_meta_device_starts_as_its_base(dit_run):
     """build -> LoRA on meta -> materialize from the base file: DoRA's magnitudes are the base weight's row norms (as
-    peft initialises them on a built model), so with B zero the adapted model computes as the base."""
+    peft initialises them on a built model), LoHa / LoKr start with one factor zero, so the adapted model computes as
+    the base."""
     from ringdit.build import build_model
 
     root, ckpt, base, adapted = dit_run

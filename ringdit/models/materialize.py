@@ -13,7 +13,7 @@ any world size, DDP and one process start from the same weights, and no rank eve
 
 Initial values, in this order:
 - LoRA adapters: ``lora_A`` as peft initialises it (a Linear's Kaiming-uniform), ``lora_B`` zero; DoRA's magnitude
-  the base weight's row norms, once the base is filled;
+  the base weight's row norms, once the base is filled; LoHa / LoKr as peft initialises them (one factor zero);
 - the model's own rule, ``model.initial_value(name, shape, generator)`` (the DiT's is the original's init);
 - the owning module's ``reset_parameters`` (Linear, Conv, LayerNorm, RMSNorm, ...), run on a CPU twin.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import threading
 import zlib
 from collections import defaultdict
@@ -154,7 +155,14 @@ def check_source(targets: dict[str, Tensor], source: WeightSource, transformed: 
 
 
 def _is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name or ".lora_magnitude_vector." in name
+    from ringdit.lora import is_adapter_key
+
+    return is_adapter_key(name)
+
+
+# peft's LoHa / LoKr factors that start at zero (reset_adapter_parameters), so that the adapted model is the base;
+# the other factors start Kaiming-uniform as peft draws them
+ZERO_FACTORS = ("hada_w2_b", "lokr_w1", "lokr_w1_a")
 
 
 def _persistent_buffers(model: nn.Module) -> set[str]:
@@ -185,6 +193,12 @@ def initial_values(model: nn.Module, owner_name: str, names: list[str], generato
         return {name: torch.zeros(shape) for name, shape in shapes.items()}
     if owner_name.rsplit(".", 2)[-2:-1] == ["lora_magnitude_vector"]:  # DoRA: the base's row norms, set once the
         return {name: torch.zeros(shape) for name, shape in shapes.items()}  # base is filled (materialize)
+    factor = owner_name.rsplit(".", 1)[-1]
+    if factor.startswith(("hada_", "lokr_")):  # LoHa / LoKr: a ParameterDict of the adapters' factors
+        if factor in ZERO_FACTORS:
+            return {name: torch.zeros(shape) for name, shape in shapes.items()}
+        return {name: nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=generator)
+                for name, shape in shapes.items()}
     rule = getattr(model, "initial_value", None)
     if rule is not None and not _is_adapter(owner_name + "."):
         values = {name: rule(name, shape, generator) for name, shape in shapes.items()}
