@@ -184,12 +184,14 @@ def test_a_recipes_tiny_twin_trains(name, tmp_path):
     """The recipe page's train command on its tiny architecture (the model, data and run folder replaced): the
     preset's optimizer, schedule, time sampling, LoRA and sampler settings, two optimizer steps on one CPU process
     (activation checkpointing kept where the recipe sets it); then the page's export commands of that run on its
-    checkpoint."""
+    checkpoint, and its sample line (the twin's size, 2 steps, one process; a LoRA twin's random base given as its
+    refusal advises, base=<a diffusers folder>)."""
     train = page_train_command(name)
     run_dir = dict(word.split("=", 1) for word in train)["hydra.run.dir"]
     exports = page_exports(run_dir)
-    # previews off (the twin's data have no VAE to decode with); a checkpoint when the page exports this run
-    callbacks = ["~callbacks.sample_grid", *([] if exports else ["~callbacks.model_checkpoint"])]
+    samples = [w for _, w in page_commands("infer.py") if any(x.startswith(f"ckpt_path={run_dir}/") for x in w)]
+    # previews off (the twin's data have no VAE to decode with); a checkpoint when the page exports or samples it
+    callbacks = ["~callbacks.sample_grid", *([] if exports or samples else ["~callbacks.model_checkpoint"])]
     with contextlib.redirect_stdout(io.StringIO()):
         proc, _ = fail_fast("train.py", *[w for w in train if w.split("=", 1)[0] not in PLACES],
                             "data=synthetic_text_latents", *twin_sizes(name), *TWINS[name], "data.num_samples=8",
@@ -205,6 +207,46 @@ def test_a_recipes_tiny_twin_trains(name, tmp_path):
         proc, _ = in_process("-m ringdit.export", *words)
         assert proc.returncode == 0, f"ringdit.export {' '.join(words)}:\n{proc.stderr[-3000:]}"
         assert list(out.rglob("*.safetensors")), f"{out} holds no weights"
+    for number, words in enumerate(samples):  # the page's sample line on the twin: its guidance, steps, experts
+        # and degrees' settings, at the twin's size, 2 steps, one process; the data's own prompts (no text encoder)
+        out = tmp_path / f"infer-{number}"
+        size = dict(w.split("=", 1) for w in twin_sizes(name) + TWINS[name] if w.startswith("data."))
+        frames = int(size.get("data.frames", 3)) if size.get("data.frames") != "0" else None
+        words = with_values([w for w in words if w.split("=", 1)[0] not in ("prompts", "image", "text_embeds",
+                                                                             "frames")],
+                            hydra__run__dir=str(out), ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"),
+                            num_samples="2", size="[8,8]", diffusion__sampling__steps="2", dp_degree="1",
+                            ring_degree="1", **({"frames": str(frames)} if frames else {}))
+        proc, _ = in_process("infer.py", *words)
+        if "holds only LoRA adapters, and its run recorded no base model" in proc.stderr:  # the twin's random
+            # base: its refusal's advice, base=<a diffusers folder of the weights they were trained on>
+            words.append(f"base={random_base(tmp_path / 'checkpoints' / 'last.ckpt', tmp_path / 'base')}")
+            proc, _ = in_process("infer.py", *words)
+        assert proc.returncode == 0, f"infer.py {' '.join(words)}:\n{proc.stderr[-3000:]}"
+        assert (out / "samples.npz").is_file()
+
+
+def random_base(ckpt, folder):
+    """A diffusers folder holding the random init a LoRA twin trained on (its transformer(s), as materialized from
+    the run's seed): what the checkpoint's adapters go on."""
+    import diffusers
+    import torch
+
+    from ringdit.checkpoints.loading import safe_torch_load
+    from ringdit.models.diffusers.families import get_family
+    from ringdit.spec.model import model_class
+
+    hparams = safe_torch_load(ckpt)["hyper_parameters"]
+    config = hparams["model"]
+    torch.manual_seed(hparams["seed"])
+    model = model_class(config)(**{k: v for k, v in config.items() if k != "_target_"})
+    transformer_class = getattr(diffusers, get_family(config["family"]).model_class)
+    for name in ("transformer", "transformer_2"):
+        if hasattr(model, name):
+            transformer = transformer_class.from_config(getattr(model, name).config)
+            transformer.load_state_dict(getattr(model, name).state_dict())
+            transformer.save_pretrained(folder / name)
+    return folder
 
 
 def test_every_prepare_and_sample_line_on_the_recipe_pages_composes():
