@@ -16,8 +16,6 @@ layer it adapts before the adapter is accepted.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +23,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ringdit.checkpoints.lora_formats import read_lora_file
+from ringdit.errors import ConfigError
 from ringdit.lora import adapted_modules
 
 Tensor = torch.Tensor
-PREFIX = "transformer."
 
 
 class AdapterError(ValueError):
@@ -72,60 +71,15 @@ def resolve_file(lora_dir: Path | None, given: str, field: str) -> Path:
     return path
 
 
-def read_adapter(path: Path, field: str, root: nn.Module) -> dict[str, tuple[Tensor, Tensor, float]]:
-    """The file's adapter for ``root`` (one transformer), each layer's (A (r, in), B (out, r), alpha / r)."""
-    from safetensors import SafetensorError, safe_open
-
+def read_adapter(path: Path, field: str, root: nn.Module, family: str | None) -> dict[str, tuple[Tensor, Tensor, float]]:
+    """The file's adapter for ``root`` (one transformer of a model of ``family``), each layer's (A (r, in),
+    B (out, r), alpha / r): any LoRA file infer.py's ``lora=`` reads (diffusers, peft, ComfyUI, ringdit exports:
+    ``ringdit.checkpoints.lora_formats``), checked against the layers it adapts; a mistake is an ``AdapterError``
+    (a 400 naming ``field``)."""
     try:
-        with safe_open(str(path), framework="pt") as opened:
-            metadata = opened.metadata() or {}
-            tensors = {key: opened.get_tensor(key) for key in opened.keys()}
-    except (SafetensorError, OSError, ValueError) as error:
-        raise AdapterError(f"{field}: {path.name} is not a readable safetensors file ({error})") from None
-    alpha = _alpha(metadata, field)
-    modules = dict(root.named_modules())
-    layers = {}
-    for key, down in tensors.items():
-        if ".lora_A." not in key:
-            if ".lora_B." not in key:
-                raise AdapterError(f"{field}: {path.name} holds {key!r}, not a LoRA weight (lora_A / lora_B)")
-            continue
-        name = key.removeprefix(PREFIX).split(".lora_A.")[0]
-        up = tensors.get(key.replace(".lora_A.", ".lora_B."))
-        layer = modules.get(name)
-        linear = getattr(layer, "base_layer", layer)  # a layer already carrying a trained adapter
-        if not isinstance(linear, nn.Linear):
-            raise AdapterError(f"{field}: {path.name} adapts {name!r}, which is not a linear layer of the model")
-        if up is None or down.dim() != 2 or up.dim() != 2 or down.shape != (down.shape[0], linear.in_features) \
-                or up.shape != (linear.out_features, down.shape[0]):
-            raise AdapterError(f"{field}: {path.name}'s {name!r} has lora_A {tuple(down.shape)} and lora_B "
-                               f"{tuple(up.shape) if up is not None else 'missing'}; the layer needs (r, "
-                               f"{linear.in_features}) and ({linear.out_features}, r)")
-        if not (down.is_floating_point() and up.is_floating_point()) or not bool(
-                torch.isfinite(down).all() and torch.isfinite(up).all()):
-            raise AdapterError(f"{field}: {path.name}'s {name!r} holds values that are not finite numbers")
-        rank = down.shape[0]
-        layers[name] = (down, up, (alpha if alpha is not None else rank) / rank)
-    if not layers:
-        raise AdapterError(f"{field}: {path.name} holds no LoRA weights (transformer.<module>.lora_A.weight)")
-    return layers
-
-
-def _alpha(metadata: dict, field: str) -> float | None:
-    """diffusers' ``lora_adapter_metadata`` alpha (None: alpha = rank, diffusers' default)."""
-    raw = metadata.get("lora_adapter_metadata")
-    if raw is None:
-        return None
-    try:
-        config = json.loads(raw)
-    except ValueError:
-        raise AdapterError(f"{field}: the file's lora_adapter_metadata is not JSON") from None
-    alpha = config.get(f"{PREFIX}lora_alpha", config.get("lora_alpha")) if isinstance(config, dict) else None
-    if alpha is None:
-        return None
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-        raise AdapterError(f"{field}: lora_alpha={alpha!r} in the file's metadata is not a positive number")
-    return float(alpha)
+        return read_lora_file(path, root, family, field)
+    except ConfigError as error:
+        raise AdapterError(str(error)) from None
 
 
 class Adapters:
@@ -133,6 +87,7 @@ class Adapters:
 
     def __init__(self, model: nn.Module, device: torch.device | str):
         self.roots = adapted_modules(model)
+        self.family = getattr(getattr(model, "family", None), "name", None)  # a diffusers family (ComfyUI names)
         self.device = device
         self.loaded: dict[str, Adapter] = {}
 
@@ -146,7 +101,7 @@ class Adapters:
         layers = []
         for i, given in enumerate(paths):
             field = "path" if i == 0 else f"path_{i + 1}"
-            layers.append(read_adapter(resolve_file(lora_dir, given, field), field, self.roots[i]))
+            layers.append(read_adapter(resolve_file(lora_dir, given, field), field, self.roots[i], self.family))
         return Adapter(name, tuple(paths), layers)
 
     def add(self, adapter: Adapter) -> None:
