@@ -9,7 +9,6 @@ tested is the merge, not training."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -21,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from ringdit.checkpoints.weights import read_weights
 from ringdit.cli import model_preset
+from ringdit.dtypes import default_dtype
 from ringdit.lora import add_lora, is_adapter_key, load_adapter
 from tests.helpers import assert_same_numbers, save_tiny_wan
 
@@ -29,15 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RANK, ALPHA = 4, 6.0  # alpha / rank = 1.5
 
 
-@contextlib.contextmanager
 def float64():
     """Models built and exported in fp64 (the export keeps the dtype the model holds its weights in)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
+    return default_dtype(torch.float64)
 
 
 def lightning_checkpoint(path, hparams: dict, weights: dict):

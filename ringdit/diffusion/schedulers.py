@@ -17,12 +17,13 @@ guidance, CFG parallel, step caching and a two-expert model's choice of expert a
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ringdit.dtypes import default_dtype
 
 Tensor = torch.Tensor
 
@@ -248,17 +249,11 @@ def sample_with_scheduler(denoiser, noise: Tensor, steps: int, sampler: str, con
     return x
 
 
-@contextlib.contextmanager
 def float32_default():
     """The scheduler's arithmetic under float32 as the default dtype, as the pipelines run it: diffusers' schedulers
     make their tables (sigmas, UniPC's ``rks``) in the default dtype, which Lightning's ``trainer.precision=64-true``
     turns to float64 while sampling -- UniPC's solve then mixes float64 with the float32 latents and fails."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(default)
+    return default_dtype(torch.float32)
 
 
 __all__ = ["SCHEDULERS", "PipelineTimesteps", "build_scheduler", "check_flow_scheduler", "dynamic_mu",
