@@ -343,3 +343,36 @@ def test_the_planner_takes_a_preset_the_command_line_wins_and_mistakes_are_one_l
         assert plan([f"experiment={preset}"]) == 2
         assert message in capsys.readouterr().err
     assert plan(["model=wan_14b", "data.size=[480,832]", "data.frames=81"]) == 0  # the advice: the model and sizes
+
+
+# recipe page -> the tiny stack its prepare lines run on (the model folders' paths replaced): the Wan VAE and T5 of
+# the `models` fixture, or LTX-Video's VAE with that T5 (wan21.md's line runs in its end-to-end test above)
+PREPARE_STACKS = {"wan22.md": "wan", "skyreels_v2.md": "wan", "ltx_video.md": "ltx"}
+
+
+@pytest.mark.parametrize("page, words", [(page, words) for page, words in page_commands("ringdit.prepare")
+                                         if page in PREPARE_STACKS])
+def test_a_recipe_pages_prepare_line_runs_on_tiny_encoders(page, words, models, tmp_path):
+    """The page's own prepare line (its task, text length and settings) on captioned clips, with tiny random model
+    folders in place of the real ones and a small size: it writes its shards."""
+    import shutil
+
+    from tests.helpers import tiny_video_vae
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    for i, caption in enumerate(["a red fox running", "a blue cat"]):
+        write_video(clips / f"{i}.mp4", 9, seed=i, size=(40, 32))
+        (clips / f"{i}.txt").write_text(caption)
+    folder = models["wan"]
+    if PREPARE_STACKS[page] == "ltx":
+        folder = tmp_path / "LTX-tiny"
+        tiny_video_vae("ltx", folder / "vae")
+        for part in ("text_encoder", "tokenizer"):
+            shutil.copytree(models["wan"] / part, folder / part)
+    out = tmp_path / "data"
+    proc, _ = in_process("-m ringdit.prepare", *with_values(
+        words, input=str(clips), out=str(out), vae=str(folder), text_encoder=str(folder), size="32", frames="9",
+        max_text_len=str(TEXT_LEN)), env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(out.glob("*.safetensors"))
