@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from ringdit.cli import CONF_DIR, register_resolvers
-from tests.helpers import REPO, TEXT_LEN, architecture, fail_fast, in_process, read_mp4, run, write_video
+from tests.helpers import REPO, TEXT_LEN, architecture, fail_fast, in_process, read_mp4, run, solid, write_video
 
 # recipe -> its tiny twin: the family's tiny architecture and synthetic latents it reads (one process, CPU)
 IMAGES = ["data.frames=0", "data.channels=1"]
@@ -346,8 +346,9 @@ def test_the_planner_takes_a_preset_the_command_line_wins_and_mistakes_are_one_l
 
 
 # recipe page -> the tiny stack its prepare lines run on (the model folders' paths replaced): the Wan VAE and T5 of
-# the `models` fixture, or LTX-Video's VAE with that T5 (wan21.md's line runs in its end-to-end test above)
-PREPARE_STACKS = {"wan22.md": "wan", "skyreels_v2.md": "wan", "ltx_video.md": "ltx"}
+# the `models` fixture, LTX-Video's VAE with that T5, or Flux's (its VAE, that T5 and a CLIP for the pooled prompt);
+# wan21.md's line runs in its end-to-end test above
+PREPARE_STACKS = {"wan22.md": "wan", "skyreels_v2.md": "wan", "ltx_video.md": "ltx", "flux.md": "flux"}
 
 
 @pytest.mark.parametrize("page, words", [(page, words) for page, words in page_commands("ringdit.prepare")
@@ -361,10 +362,17 @@ def test_a_recipe_pages_prepare_line_runs_on_tiny_encoders(page, words, models, 
 
     clips = tmp_path / "clips"
     clips.mkdir()
+    stack = PREPARE_STACKS[page]
     for i, caption in enumerate(["a red fox running", "a blue cat"]):
-        write_video(clips / f"{i}.mp4", 9, seed=i, size=(40, 32))
+        if stack == "flux":
+            solid((40 * i, 80, 160), size=(40, 32)).save(clips / f"{i}.png")
+        else:
+            write_video(clips / f"{i}.mp4", 9, seed=i, size=(40, 32))
         (clips / f"{i}.txt").write_text(caption)
-    folder = models["wan"]
+    folder, extra = models["wan"], {"frames": "9"}
+    if stack == "flux":
+        folder, extra = models["flux"], {"text_encoder": str(models["wan"]), "pooled_encoder": str(models["flux"]),
+                                         "max_pooled_len": "8"}  # the tiny CLIP has 16 positions, not 77
     if PREPARE_STACKS[page] == "ltx":
         folder = tmp_path / "LTX-tiny"
         tiny_video_vae("ltx", folder / "vae")
@@ -372,7 +380,7 @@ def test_a_recipe_pages_prepare_line_runs_on_tiny_encoders(page, words, models, 
             shutil.copytree(models["wan"] / part, folder / part)
     out = tmp_path / "data"
     proc, _ = in_process("-m ringdit.prepare", *with_values(
-        words, input=str(clips), out=str(out), vae=str(folder), text_encoder=str(folder), size="32", frames="9",
-        max_text_len=str(TEXT_LEN)), env={"HF_HUB_OFFLINE": "1"})
+        words, **{"input": str(clips), "out": str(out), "vae": str(folder), "text_encoder": str(folder), "size": "32",
+                  "max_text_len": str(TEXT_LEN), **extra}), env={"HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list(out.glob("*.safetensors"))
