@@ -390,11 +390,15 @@ def first_frame(path: Path) -> Image.Image:
 
 def tiny_video_vae(name: str, folder: Path):
     """A tiny random VAE of each family, saved to ``folder``; LTX's latents_mean / latents_std (buffers, in its
-    weights) and scaling factor set away from 0 / 1 / 1 so that the normalisation is seen."""
-    from diffusers import AutoencoderKLHunyuanVideo15, AutoencoderKLLTXVideo
+    weights) and scaling factor set away from 0 / 1 / 1 so that the normalisation is seen; CogVideoX's with 4 blocks
+    (8x spatial, 4x temporal, as the real one), 4 latent channels and CogVideoX 1.5's scaling factor 0.7."""
+    from diffusers import AutoencoderKLCogVideoX, AutoencoderKLHunyuanVideo15, AutoencoderKLLTXVideo
 
     torch.manual_seed(0)
-    if name == "ltx":
+    if name == "cogvideox":
+        model = AutoencoderKLCogVideoX(block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1,
+                                       norm_num_groups=4, temporal_compression_ratio=4, scaling_factor=0.7)
+    elif name == "ltx":
         model = AutoencoderKLLTXVideo(
             latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
             layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),

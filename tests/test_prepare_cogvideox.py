@@ -18,29 +18,17 @@ from safetensors import safe_open  # noqa: E402
 
 from ringdit.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
-from tests.helpers import TEXT_LEN, write_video  # noqa: E402
+from tests.helpers import TEXT_LEN, tiny_video_vae, write_video  # noqa: E402
 
 SCALING = 0.7  # CogVideoX 1.5's scaling_factor (CogVideoX 1.0's: 1.15258426)
 CHANNELS = 4
-
-
-def tiny_cogvideox_vae(folder: Path):
-    """A tiny random AutoencoderKLCogVideoX (4 blocks: 8x spatial, 4x temporal, as the real one), saved to
-    ``folder``."""
-    from diffusers import AutoencoderKLCogVideoX
-
-    torch.manual_seed(0)
-    model = AutoencoderKLCogVideoX(block_out_channels=(8, 8, 8, 8), latent_channels=CHANNELS, layers_per_block=1,
-                                   norm_num_groups=4, temporal_compression_ratio=4, scaling_factor=SCALING)
-    model.save_pretrained(folder)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
 def cogvideox(tmp_path_factory) -> tuple[Path, object]:
     """A pipeline-shaped folder (vae/) and the VAE in it."""
     root = tmp_path_factory.mktemp("cogvideox") / "CogVideoX1.5"
-    return root, tiny_cogvideox_vae(root / "vae")
+    return root, tiny_video_vae("cogvideox", root / "vae")  # SCALING and CHANNELS as above
 
 
 def pipeline(vae, text_encoder=None, tokenizer=None):

@@ -346,9 +346,10 @@ def test_the_planner_takes_a_preset_the_command_line_wins_and_mistakes_are_one_l
 
 
 # recipe page -> the tiny stack its prepare lines run on (the model folders' paths replaced): the Wan VAE and T5 of
-# the `models` fixture, LTX-Video's VAE with that T5, or Flux's (its VAE, that T5 and a CLIP for the pooled prompt);
+# the `models` fixture, LTX-Video's or CogVideoX's VAE with that T5, or Flux's (its VAE, that T5 and a CLIP for the pooled prompt);
 # wan21.md's line runs in its end-to-end test above
-PREPARE_STACKS = {"wan22.md": "wan", "skyreels_v2.md": "wan", "ltx_video.md": "ltx", "flux.md": "flux"}
+PREPARE_STACKS = {"wan22.md": "wan", "skyreels_v2.md": "wan", "ltx_video.md": "ltx", "flux.md": "flux",
+                  "cogvideox15.md": "cogvideox"}
 
 
 @pytest.mark.parametrize("page, words", [(page, words) for page, words in page_commands("ringdit.prepare")
@@ -373,9 +374,9 @@ def test_a_recipe_pages_prepare_line_runs_on_tiny_encoders(page, words, models, 
     if stack == "flux":
         folder, extra = models["flux"], {"text_encoder": str(models["wan"]), "pooled_encoder": str(models["flux"]),
                                          "max_pooled_len": "8"}  # the tiny CLIP has 16 positions, not 77
-    if PREPARE_STACKS[page] == "ltx":
-        folder = tmp_path / "LTX-tiny"
-        tiny_video_vae("ltx", folder / "vae")
+    if stack in ("ltx", "cogvideox"):
+        folder = tmp_path / f"{stack}-tiny"
+        tiny_video_vae(stack, folder / "vae")
         for part in ("text_encoder", "tokenizer"):
             shutil.copytree(models["wan"] / part, folder / part)
     out = tmp_path / "data"
