@@ -437,6 +437,45 @@ def save_tiny_qwen(folder: Path) -> None:
     tokenizer.save_pretrained(folder / "tokenizer")
 
 
+def qwen_tokenizer(template: str):
+    """A word-level fast tokenizer that splits Qwen-Image's prompt string as Qwen's BPE does at the template: the
+    special tokens whole, each word, punctuation mark and newline one token -- so the template's tokens before the
+    prompt are its 34 (checked in the test) -- and adds no special tokens, as Qwen2Tokenizer."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    pieces = sorted(set(re.findall(r"\w+|[^\w\s]|\n", re.sub(r"<\|\w+\|>", " ", template))) - set(WORDS))
+    vocab = {word: i for i, word in enumerate([*special, *WORDS, *pieces])}
+    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]|\n"), behavior="removed", invert=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", unk_token="<unk>",
+                                   additional_special_tokens=special[1:])
+    return fast, len(vocab)
+
+
+def save_tiny_qwenimage_encoder(root: Path) -> Path:
+    """A Qwen-Image-shaped folder: text_encoder/ (a tiny random Qwen2_5_VLForConditionalGeneration, built from a tiny
+    Qwen2.5-VL config as transformers' own tests build theirs) and tokenizer/ (``qwen_tokenizer``)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from ringdit.media.text import chat_template
+
+    tokenizer, vocab = qwen_tokenizer(chat_template("qwenimage").text)
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config={"vocab_size": vocab, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 128,
+                     "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 16,
+                       "fullatt_block_indexes": [0]},
+        image_token_id=vocab + 1, video_token_id=vocab + 2, vision_start_token_id=vocab + 3)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(root / "text_encoder")
+    tokenizer.save_pretrained(root / "tokenizer")
+    return root
+
+
 # the VAE tile of the tile-parallel prepare tests (tests/test_prepare_parallel_vae.py, tests/test_prepare_i2v.py)
 TILE = 32  # pixels, stride 24: a 48 x 64 frame is 2 x 3 = 6 tiles, 3 per rank
 

@@ -18,52 +18,17 @@ from PIL import Image  # noqa: E402
 
 from ringdit.errors import ConfigError  # noqa: E402
 from ringdit.media.text import TextEncoder, chat_template, encode_prompts, encoder_settings  # noqa: E402
-from tests.helpers import WORDS  # noqa: E402
+from tests.helpers import save_tiny_qwenimage_encoder  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 TEXT_LEN = 8
 PROMPTS = ["a red fox", "a blue cat running sky green field a red fox", ""]  # one longer than TEXT_LEN: cut
 
 
-def qwen_tokenizer(template: str):
-    """A word-level fast tokenizer that splits Qwen-Image's prompt string as Qwen's BPE does at the template: the
-    special tokens whole, each word, punctuation mark and newline one token -- so the template's tokens before the
-    prompt are its 34 (checked in the test) -- and adds no special tokens, as Qwen2Tokenizer."""
-    import re
-
-    from tokenizers import Regex, Tokenizer, pre_tokenizers
-    from tokenizers import models as tokenizer_models
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    pieces = sorted(set(re.findall(r"\w+|[^\w\s]|\n", re.sub(r"<\|\w+\|>", " ", template))) - set(WORDS))
-    vocab = {word: i for i, word in enumerate([*special, *WORDS, *pieces])}
-    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]|\n"), behavior="removed", invert=True)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", unk_token="<unk>",
-                                   additional_special_tokens=special[1:])
-    return fast, len(vocab)
-
-
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory) -> Path:
-    """A Qwen-Image-shaped folder: text_encoder/ (a tiny random Qwen2_5_VLForConditionalGeneration, built from a tiny
-    Qwen2.5-VL config as transformers' own tests build theirs) and tokenizer/."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    root = tmp_path_factory.mktemp("qwenimage")
-    tokenizer, vocab = qwen_tokenizer(chat_template("qwenimage").text)
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        text_config={"vocab_size": vocab, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 128,
-                     "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 16,
-                       "fullatt_block_indexes": [0]},
-        image_token_id=vocab + 1, video_token_id=vocab + 2, vision_start_token_id=vocab + 3)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(root / "text_encoder")
-    tokenizer.save_pretrained(root / "tokenizer")
-    return root
+    """A Qwen-Image-shaped folder: text_encoder/ and tokenizer/ (``tests.helpers.save_tiny_qwenimage_encoder``)."""
+    return save_tiny_qwenimage_encoder(tmp_path_factory.mktemp("qwenimage"))
 
 
 def pipeline_encode(encoder: TextEncoder, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

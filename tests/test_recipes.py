@@ -346,10 +346,11 @@ def test_the_planner_takes_a_preset_the_command_line_wins_and_mistakes_are_one_l
 
 
 # recipe page -> the tiny stack its prepare lines run on (the model folders' paths replaced): the Wan VAE and T5 of
-# the `models` fixture, LTX-Video's or CogVideoX's VAE with that T5, or Flux's (its VAE, that T5 and a CLIP for the pooled prompt);
+# the `models` fixture, LTX-Video's or CogVideoX's VAE with that T5, Qwen-Image's (the Wan VAE's code, a tiny
+# Qwen2.5-VL with its template), or Flux's (its VAE, that T5 and a CLIP for the pooled prompt);
 # wan21.md's line runs in its end-to-end test above
 PREPARE_STACKS = {"wan22.md": "wan", "skyreels_v2.md": "wan", "ltx_video.md": "ltx", "flux.md": "flux",
-                  "cogvideox15.md": "cogvideox"}
+                  "cogvideox15.md": "cogvideox", "qwenimage.md": "qwenimage"}
 
 
 @pytest.mark.parametrize("page, words", [(page, words) for page, words in page_commands("ringdit.prepare")
@@ -359,13 +360,13 @@ def test_a_recipe_pages_prepare_line_runs_on_tiny_encoders(page, words, models, 
     folders in place of the real ones and a small size: it writes its shards."""
     import shutil
 
-    from tests.helpers import tiny_video_vae
+    from tests.helpers import save_tiny_qwenimage_encoder, tiny_video_vae
 
     clips = tmp_path / "clips"
     clips.mkdir()
     stack = PREPARE_STACKS[page]
     for i, caption in enumerate(["a red fox running", "a blue cat"]):
-        if stack == "flux":
+        if stack in ("flux", "qwenimage"):
             solid((40 * i, 80, 160), size=(40, 32)).save(clips / f"{i}.png")
         else:
             write_video(clips / f"{i}.mp4", 9, seed=i, size=(40, 32))
@@ -374,6 +375,8 @@ def test_a_recipe_pages_prepare_line_runs_on_tiny_encoders(page, words, models, 
     if stack == "flux":
         folder, extra = models["flux"], {"text_encoder": str(models["wan"]), "pooled_encoder": str(models["flux"]),
                                          "max_pooled_len": "8"}  # the tiny CLIP has 16 positions, not 77
+    if stack == "qwenimage":
+        folder, extra = save_tiny_qwenimage_encoder(tmp_path / "Qwen-Image-tiny"), {"vae": str(models["wan"])}
     if stack in ("ltx", "cogvideox"):
         folder = tmp_path / f"{stack}-tiny"
         tiny_video_vae(stack, folder / "vae")
