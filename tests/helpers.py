@@ -476,6 +476,33 @@ def save_tiny_qwenimage_encoder(root: Path) -> Path:
     return root
 
 
+def save_tiny_hunyuan_video15(root: Path, *, glyph: bool = False, image: bool = False) -> Path:
+    """A HunyuanVideo 1.5 pipeline folder of tiny random models: vae/ (4 latent channels, 4x spatial, 2x temporal),
+    text_encoder/ + tokenizer/ (Qwen2.5-VL, hidden 16, in the pipeline's template); ``glyph``: text_encoder_2/ +
+    tokenizer_2/ (a T5EncoderModel of width 8 over ByT5Tokenizer's 384 byte ids, built without a download);
+    ``image``: image_encoder/ (a SiglipVisionModel of width 12, 2 layers: its last hidden state, after the final
+    norm, is not the penultimate one) and feature_extractor/ (its SiglipImageProcessor, 32 px), as the published
+    folders name them."""
+    from transformers import (ByT5Tokenizer, SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel, T5Config,
+                              T5EncoderModel)
+
+    tiny_video_vae("hunyuan_video15", root / "vae")
+    save_tiny_qwen(root)
+    if glyph:
+        tokenizer = ByT5Tokenizer()
+        torch.manual_seed(1)
+        T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=8, d_ff=16, d_kv=4, num_layers=2,
+                                num_heads=2)).save_pretrained(root / "text_encoder_2")
+        tokenizer.save_pretrained(root / "tokenizer_2")
+    if image:
+        torch.manual_seed(2)
+        SiglipVisionModel(SiglipVisionConfig(hidden_size=12, intermediate_size=24, num_hidden_layers=2,
+                                             num_attention_heads=2, image_size=32, patch_size=8)
+                          ).save_pretrained(root / "image_encoder")
+        SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(root / "feature_extractor")
+    return root
+
+
 # the VAE tile of the tile-parallel prepare tests (tests/test_prepare_parallel_vae.py, tests/test_prepare_i2v.py)
 TILE = 32  # pixels, stride 24: a 48 x 64 frame is 2 x 3 = 6 tiles, 3 per rank
 

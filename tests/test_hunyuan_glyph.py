@@ -21,9 +21,9 @@ from safetensors import safe_open
 from ringdit.errors import ConfigError
 from ringdit.media.encode_folder import encode_folder
 from ringdit.media.text import TextEncoder, encode_prompts, encoder_settings
-from tests.helpers import TEXT_LEN, architecture, save_tiny_qwen, tiny_video_vae, write_video
+from tests.helpers import TEXT_LEN, architecture, save_tiny_hunyuan_video15, write_video
 
-GLYPH_DIM = 8  # the tiny ByT5's width: hunyuan_video15_tiny's text_embed_2_dim
+GLYPH_DIM = 8  # the tiny ByT5's width (tests.helpers.save_tiny_hunyuan_video15): hunyuan_video15_tiny's text_embed_2_dim
 GLYPH_LEN = 256  # the pipeline's glyph tokens
 # straight and curly quotes, a repeated text (taken once), and captions that quote nothing
 CAPTIONS = ['a red fox "running"', "a blue cat", 'a sky \u201cgreen field\u201d "red" "red"', "green field"]
@@ -34,20 +34,9 @@ VIDEO = {"size": 16, "frames": 5, "max_text_len": TEXT_LEN, "prompt_template": "
 
 @pytest.fixture(scope="module")
 def hunyuan(tmp_path_factory) -> Path:
-    """A HunyuanVideo 1.5 pipeline folder of tiny random models: vae/ (4 latent channels, 4x spatial, 2x temporal),
-    text_encoder/ + tokenizer/ (Qwen2.5-VL, hidden 16, in the pipeline's template), text_encoder_2/ + tokenizer_2/
-    (a T5EncoderModel of width 8 over ByT5Tokenizer's 384 byte ids, built without a download)."""
-    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
-
-    root = tmp_path_factory.mktemp("hunyuan") / "HunyuanVideo-1.5"
-    tiny_video_vae("hunyuan_video15", root / "vae")
-    save_tiny_qwen(root)
-    tokenizer = ByT5Tokenizer()
-    torch.manual_seed(1)
-    T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=GLYPH_DIM, d_ff=16, d_kv=4, num_layers=2,
-                            num_heads=2)).save_pretrained(root / "text_encoder_2")
-    tokenizer.save_pretrained(root / "tokenizer_2")
-    return root
+    """A HunyuanVideo 1.5 pipeline folder of tiny random models with its glyph encoder (width ``GLYPH_DIM``):
+    ``tests.helpers.save_tiny_hunyuan_video15``."""
+    return save_tiny_hunyuan_video15(tmp_path_factory.mktemp("hunyuan") / "HunyuanVideo-1.5", glyph=True)
 
 
 @pytest.fixture(scope="module")

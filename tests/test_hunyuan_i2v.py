@@ -25,7 +25,7 @@ from tests.diffusers_helpers import forward_backward  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 from tests.families import assert_refused_before_spawning  # noqa: E402
 from tests.helpers import (TEXT_LEN, architecture, assert_refused, assert_same_numbers, fail_fast,  # noqa: E402
-                           first_frame, run, save_tiny_qwen, tiny_video_vae, write_video)
+                           first_frame, run, save_tiny_hunyuan_video15, write_video)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -124,21 +124,9 @@ VIDEO = {"size": 16, "frames": 5, "max_text_len": TEXT_LEN, "prompt_template": "
 
 @pytest.fixture(scope="module")
 def hunyuan_i2v(tmp_path_factory) -> Path:
-    """A HunyuanVideo 1.5 I2V pipeline folder of tiny random models: vae/ (4 latent channels, 4x spatial, 2x
-    temporal), text_encoder/ + tokenizer/ (Qwen2.5-VL, hidden 16), image_encoder/ (a SiglipVisionModel of width 12,
-    2 layers: its last hidden state, after the final norm, is not the penultimate one) and feature_extractor/ (its
-    SiglipImageProcessor, 32 px), as the published folder names them."""
-    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
-
-    root = tmp_path_factory.mktemp("hunyuan_i2v") / "HunyuanVideo-1.5-480p_i2v"
-    tiny_video_vae("hunyuan_video15", root / "vae")
-    save_tiny_qwen(root)
-    torch.manual_seed(2)
-    SiglipVisionModel(SiglipVisionConfig(hidden_size=12, intermediate_size=24, num_hidden_layers=2,
-                                         num_attention_heads=2, image_size=32, patch_size=8)
-                      ).save_pretrained(root / "image_encoder")
-    SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(root / "feature_extractor")
-    return root
+    """A HunyuanVideo 1.5 I2V pipeline folder of tiny random models, its SigLIP image encoder included
+    (``tests.helpers.save_tiny_hunyuan_video15``)."""
+    return save_tiny_hunyuan_video15(tmp_path_factory.mktemp("hunyuan_i2v") / "HunyuanVideo-1.5-480p_i2v", image=True)
 
 
 def test_prepare_train_and_sample_with_an_image(hunyuan_i2v, tmp_path):

@@ -347,10 +347,11 @@ def test_the_planner_takes_a_preset_the_command_line_wins_and_mistakes_are_one_l
 
 # recipe page -> the tiny stack its prepare lines run on (the model folders' paths replaced): the Wan VAE and T5 of
 # the `models` fixture, LTX-Video's or CogVideoX's VAE with that T5, Qwen-Image's (the Wan VAE's code, a tiny
-# Qwen2.5-VL with its template), or Flux's (its VAE, that T5 and a CLIP for the pooled prompt);
+# Qwen2.5-VL with its template), HunyuanVideo 1.5's (its VAE, Qwen2.5-VL, ByT5 glyph and SigLIP image encoders), or
+# Flux's (its VAE, that T5 and a CLIP for the pooled prompt);
 # wan21.md's line runs in its end-to-end test above
 PREPARE_STACKS = {"wan22.md": "wan", "skyreels_v2.md": "wan", "ltx_video.md": "ltx", "flux.md": "flux",
-                  "cogvideox15.md": "cogvideox", "qwenimage.md": "qwenimage"}
+                  "cogvideox15.md": "cogvideox", "qwenimage.md": "qwenimage", "hunyuan_video15.md": "hunyuan"}
 
 
 @pytest.mark.parametrize("page, words", [(page, words) for page, words in page_commands("ringdit.prepare")
@@ -360,7 +361,7 @@ def test_a_recipe_pages_prepare_line_runs_on_tiny_encoders(page, words, models, 
     folders in place of the real ones and a small size: it writes its shards."""
     import shutil
 
-    from tests.helpers import save_tiny_qwenimage_encoder, tiny_video_vae
+    from tests.helpers import save_tiny_hunyuan_video15, save_tiny_qwenimage_encoder, tiny_video_vae
 
     clips = tmp_path / "clips"
     clips.mkdir()
@@ -375,6 +376,10 @@ def test_a_recipe_pages_prepare_line_runs_on_tiny_encoders(page, words, models, 
     if stack == "flux":
         folder, extra = models["flux"], {"text_encoder": str(models["wan"]), "pooled_encoder": str(models["flux"]),
                                          "max_pooled_len": "8"}  # the tiny CLIP has 16 positions, not 77
+    if stack == "hunyuan":
+        folder = save_tiny_hunyuan_video15(tmp_path / "HunyuanVideo-1.5-tiny", glyph=True, image=True)
+        extra = {"frames": "9", "glyph_encoder": str(folder),
+                 **({"image_encoder": str(folder)} if any(w.startswith("image_encoder=") for w in words) else {})}
     if stack == "qwenimage":
         folder, extra = save_tiny_qwenimage_encoder(tmp_path / "Qwen-Image-tiny"), {"vae": str(models["wan"])}
     if stack in ("ltx", "cogvideox"):
