@@ -503,6 +503,37 @@ def save_tiny_hunyuan_video15(root: Path, *, glyph: bool = False, image: bool = 
     return root
 
 
+def save_tiny_flux2(root: Path) -> Path:
+    """A Flux.2-shaped pipeline folder: vae/ (a tiny random AutoencoderKLFlux2 of 2 latent channels, batch-norm
+    statistics set away from 0 / 1 so the normalisation is seen), text_encoder/ (a tiny random
+    Mistral3ForConditionalGeneration with the 30 layers Flux2Pipeline reads) and tokenizer/ (the word-level tokenizer
+    with a chat template over the pipeline's content parts: the system message, then the prompt)."""
+    from diffusers import AutoencoderKLFlux2
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    from ringdit.media.text import word_level_tokenizer
+
+    channels = 2
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=channels,
+                             norm_num_groups=4, layers_per_block=1)
+    vae.bn.running_mean.copy_(torch.randn(4 * channels) * 0.1)
+    vae.bn.running_var.copy_(torch.rand(4 * channels) + 0.5)
+    vae.save_pretrained(root / "vae")
+    Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=MistralConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=30,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                  max_position_embeddings=64),
+        vision_config=PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, head_dim=8, image_size=32, patch_size=8),
+        image_token_index=2)).save_pretrained(root / "text_encoder")
+    tokenizer = word_level_tokenizer(WORDS)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'][0]['text'] }} {% endfor %}"
+    tokenizer.save_pretrained(root / "tokenizer")
+    return root
+
+
 # the VAE tile of the tile-parallel prepare tests (tests/test_prepare_parallel_vae.py, tests/test_prepare_i2v.py)
 TILE = 32  # pixels, stride 24: a 48 x 64 frame is 2 x 3 = 6 tiles, 3 per rank
 

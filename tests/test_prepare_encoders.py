@@ -204,40 +204,16 @@ def test_hunyuan_video15_prompt_template_matches_the_pipeline(tmp_path):
 # ---- Flux.2: its VAE (batch-norm statistics over 2x2 patches) and its Mistral3 chat encoder (prompt_template=flux2) --
 
 FLUX2_LEN = 40  # Flux.2's template keeps its system message (about 25 words here) before the prompt: room for both
-FLUX2_CHANNELS = 2  # the tiny VAE's latent channels: 8 batch-norm statistics over its 2x2 patches
+FLUX2_CHANNELS = 2  # the tiny VAE's latent channels (tests.helpers.save_tiny_flux2): 8 batch-norm statistics over
+# its 2x2 patches
 
 
 @pytest.fixture(scope="module")
 def flux2(tmp_path_factory) -> Path:
-    """A Flux.2-shaped pipeline folder: vae/ (a tiny random AutoencoderKLFlux2, batch-norm statistics set away from
-    0 / 1 so the normalisation is seen), text_encoder/ (a tiny random Mistral3ForConditionalGeneration with the 30
-    layers Flux2Pipeline reads) and tokenizer/ (the word-level tokenizer with a chat template over the pipeline's
-    content parts: the system message, then the prompt)."""
-    from diffusers import AutoencoderKLFlux2
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+    """A Flux.2-shaped pipeline folder (``tests.helpers.save_tiny_flux2``: ``FLUX2_CHANNELS`` latent channels)."""
+    from tests.helpers import save_tiny_flux2
 
-    from ringdit.media.text import word_level_tokenizer
-    from tests.helpers import WORDS
-
-    root = tmp_path_factory.mktemp("flux2") / "FLUX.2"
-    torch.manual_seed(0)
-    vae = AutoencoderKLFlux2(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
-                             up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=FLUX2_CHANNELS,
-                             norm_num_groups=4, layers_per_block=1)
-    vae.bn.running_mean.copy_(torch.randn(4 * FLUX2_CHANNELS) * 0.1)
-    vae.bn.running_var.copy_(torch.rand(4 * FLUX2_CHANNELS) + 0.5)
-    vae.save_pretrained(root / "vae")
-    Mistral3ForConditionalGeneration(Mistral3Config(
-        text_config=MistralConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=30,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                  max_position_embeddings=64),
-        vision_config=PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                          num_attention_heads=2, head_dim=8, image_size=32, patch_size=8),
-        image_token_index=2)).save_pretrained(root / "text_encoder")
-    tokenizer = word_level_tokenizer(WORDS)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'][0]['text'] }} {% endfor %}"
-    tokenizer.save_pretrained(root / "tokenizer")
-    return root
+    return save_tiny_flux2(tmp_path_factory.mktemp("flux2") / "FLUX.2")
 
 
 def flux2_pipeline(root: Path, transformer=None):

@@ -348,10 +348,11 @@ def test_the_planner_takes_a_preset_the_command_line_wins_and_mistakes_are_one_l
 # recipe page -> the tiny stack its prepare lines run on (the model folders' paths replaced): the Wan VAE and T5 of
 # the `models` fixture, LTX-Video's or CogVideoX's VAE with that T5, Qwen-Image's (the Wan VAE's code, a tiny
 # Qwen2.5-VL with its template), HunyuanVideo 1.5's (its VAE, Qwen2.5-VL, ByT5 glyph and SigLIP image encoders), or
-# Flux's (its VAE, that T5 and a CLIP for the pooled prompt);
+# Flux's and Flux.2's (its VAE, that T5 and a CLIP for the pooled prompt);
 # wan21.md's line runs in its end-to-end test above
 PREPARE_STACKS = {"wan22.md": "wan", "skyreels_v2.md": "wan", "ltx_video.md": "ltx", "flux.md": "flux",
-                  "cogvideox15.md": "cogvideox", "qwenimage.md": "qwenimage", "hunyuan_video15.md": "hunyuan"}
+                  "cogvideox15.md": "cogvideox", "qwenimage.md": "qwenimage", "hunyuan_video15.md": "hunyuan",
+                  "flux2.md": "flux2"}
 
 
 @pytest.mark.parametrize("page, words", [(page, words) for page, words in page_commands("ringdit.prepare")
@@ -361,13 +362,13 @@ def test_a_recipe_pages_prepare_line_runs_on_tiny_encoders(page, words, models, 
     folders in place of the real ones and a small size: it writes its shards."""
     import shutil
 
-    from tests.helpers import save_tiny_hunyuan_video15, save_tiny_qwenimage_encoder, tiny_video_vae
+    from tests.helpers import save_tiny_flux2, save_tiny_hunyuan_video15, save_tiny_qwenimage_encoder, tiny_video_vae
 
     clips = tmp_path / "clips"
     clips.mkdir()
     stack = PREPARE_STACKS[page]
     for i, caption in enumerate(["a red fox running", "a blue cat"]):
-        if stack in ("flux", "qwenimage"):
+        if stack in ("flux", "flux2", "qwenimage"):
             solid((40 * i, 80, 160), size=(40, 32)).save(clips / f"{i}.png")
         else:
             write_video(clips / f"{i}.mp4", 9, seed=i, size=(40, 32))
@@ -380,6 +381,8 @@ def test_a_recipe_pages_prepare_line_runs_on_tiny_encoders(page, words, models, 
         folder = save_tiny_hunyuan_video15(tmp_path / "HunyuanVideo-1.5-tiny", glyph=True, image=True)
         extra = {"frames": "9", "glyph_encoder": str(folder),
                  **({"image_encoder": str(folder)} if any(w.startswith("image_encoder=") for w in words) else {})}
+    if stack == "flux2":  # its template keeps the system message: room for it and the prompt
+        folder, extra = save_tiny_flux2(tmp_path / "FLUX.2-tiny"), {"max_text_len": "40"}
     if stack == "qwenimage":
         folder, extra = save_tiny_qwenimage_encoder(tmp_path / "Qwen-Image-tiny"), {"vae": str(models["wan"])}
     if stack in ("ltx", "cogvideox"):
