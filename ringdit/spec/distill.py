@@ -1,6 +1,7 @@
-"""``DistillSpec``: a distillation run's settings (``distill=dmd2``, ``scm``, ``rcm``), checked before any process is spawned: the
-method, the student's steps and time grid, the critic's updates per student update, the teacher (``init_from`` or
-``model.pretrained``, checked against the model like any weights file) and the objective it was trained with."""
+"""``DistillSpec``: a distillation run's settings (``distill=dmd2``, ``scm``, ``rcm``), checked before any process
+is spawned: the method, the student's steps and time grid, the critic's updates per student update, sCM's tangent
+settings, the teacher (``init_from`` or ``model.pretrained``, checked against the model like any weights file) and
+the objective it was trained with."""
 
 from __future__ import annotations
 
@@ -184,7 +185,8 @@ class DistillSpec:
                 options.update(dmd_weight=float(distill.dmd_weight))
         return cls(method=method, steps=distill.steps, times=tuple(student_times(distill.steps, distill.get("times"))),
                    critic_steps=distill.critic_steps if method in CRITIC_METHODS else 0, cfg_scale=cfg_scale,
-                   t_min=float(distill.get("t_min", 0.02)), t_max=float(distill.get("t_max", 0.98)), teacher=teacher or None, teacher_weights=cfg.init_weights,
+                   t_min=float(distill.get("t_min", 0.02)),
+                   t_max=float(distill.get("t_max", 0.98)), teacher=teacher or None, teacher_weights=cfg.init_weights,
                    gradient_clip_val=float(clip) if clip else None, **options)
 
 

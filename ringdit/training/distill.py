@@ -4,7 +4,8 @@ and the continuous-time consistency methods: ``scm`` (Lu and Song, 2024: ``ringd
 the batch's images, no critic) and ``rcm`` (Zheng et al., 2025: sCM's loss plus DMD2's matching term below, weighted
 by ``dmd_weight``, with its critic; both start once the tangent warm-up is over).
 
-Three models (sCM: no critic), all built by ``ringdit.build.build_model`` over the same mesh (ring, Ulysses, DDP or FSDP, LoRA):
+Three models (sCM: no critic), all built by ``ringdit.build.build_model`` over the same mesh (ring, Ulysses, DDP
+or FSDP, LoRA):
 
 - the **student** (generator, ``self.model``, with its EMA): starts from the teacher; the one infer.py samples;
 - the **critic** (fake score, ``self.critic``): starts from the teacher; learns the student's distribution with the
