@@ -327,6 +327,11 @@ def check_shards(out: Path) -> dict[str, int]:
     return stamps
 
 
+# slow: its parts are held by faster tests -- SIGTERM stopping prepare after its shard and a rerun resuming
+# (test_sigterm_while_a_shard_is_written_keeps_it, test_sigterm_while_models_load_stops_at_once), torchrun passing
+# SIGTERM to every rank (tests/test_launch.py::test_sigterm_to_a_launch_stops_every_rank_together) and two prepare
+# ranks resuming to a straight run's shards (test_a_rank_killed_while_preparing_leaves_whole_shards_and_the_other_finishes)
+@pytest.mark.slow
 def test_sigterm_stops_prepare_under_torchrun_and_a_rerun_resumes(models, many_images, tmp_path):
     """SIGTERM to torchrun, which passes it to both ranks: each stops after its shard with one line and 143, and the
     same command again resumes. (SIGTERM to one rank alone is that rank's half of this, plus torchrun stopping the
