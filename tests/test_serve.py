@@ -200,7 +200,7 @@ def test_every_refusal_is_in_the_api_shape(dit):
     a RecursionError inside it), no such endpoint, a method not allowed --, a body too large (by its Content-Length,
     or streamed without one), and names that no file system takes: all in ``{"error": {"message", "param", "type"}}``,
     none a 500."""
-    from ringdit.serve.api import MAX_BODY_BYTES
+    from ringdit.serve.bodies import MAX_BODY_BYTES
 
     url, json_type = dit[0].url, {**AUTH, "Content-Type": "application/json"}
     deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -361,8 +361,9 @@ def test_unloading_an_adapter_that_queued_jobs_name_is_refused(dit):
     (and so is replacing the adapter under its name); the request is served with the adapter; once it is done the unload succeeds. A job that still names an adapter
     unloaded before its turn (accepted in the moment between the check and the unload) fails alone with a 409 job
     error, and the server serves on."""
-    from ringdit.serve.api import ImageBody, sample_request
+    from ringdit.serve.bodies import ImageBody
     from ringdit.serve.jobs import Job
+    from ringdit.serve.validate import sample_request
 
     server, _, loras, _ = dit
     write_adapter(loras / "busy.safetensors", server.module.model, seed=3)

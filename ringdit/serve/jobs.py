@@ -30,7 +30,7 @@ class ShuttingDown(Exception):
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """A validated request (``ringdit.serve.api``): what to sample and how."""
+    """A validated request (``ringdit.serve.validate``): what to sample and how."""
 
     kind: str                        # "image" | "video"
     prompt: str                      # text, or a class name / id for a class-conditional model
