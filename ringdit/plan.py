@@ -331,10 +331,11 @@ def _option_reasons(s: Setup, variant) -> list[str]:
 
 
 def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None, int], video: bool,
-                 frame_pad: int = 1, patch: tuple[int, ...] = (1, 1)) -> list[int]:
+                 frame_pad: int = 1, patch: tuple[int, ...] = (1, 1), clip_frames: int | None = None) -> list[int]:
     """The model's input shape ((T,) H, W) for ``data.size`` / ``data.frames`` (pixels; latents when
     ``data.latent`` is true: ``vae_factors``, (temporal, spatial) of the model kind's VAE, and the latent frames
-    padded to a multiple of ``frame_pad`` as prepare pads them: CogVideoX's); H and W whole tokens of ``patch``."""
+    padded to a multiple of ``frame_pad`` as prepare pads them: CogVideoX's); H and W whole tokens of ``patch``.
+    ``data.frames`` null lays out ``clip_frames``, the frames of the model's published pipeline, where it has one."""
     from ringdit.media.buckets import MAX_SIDE
 
     size = cfg.data.size
@@ -343,11 +344,11 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None
     if len(size) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and 0 < s <= MAX_SIDE for s in size):
         raise ConfigError(f"data.size must be H, W in pixels (or one integer for a square), each from 1 to "
                           f"{MAX_SIDE}, got {cfg.data.size!r}; e.g. data.size=[480,832]")
-    frames = cfg.data.frames
+    frames = cfg.data.frames if cfg.data.frames is not None or not video else clip_frames
     temporal, spatial = vae_factors if cfg.data.latent else (1, 1)
     family = model_cfg.get("family", "dit")
     if video:
-        require_count("data.frames", frames, hint="the frames of a video sample, e.g. 81")
+        require_count("data.frames", frames, hint="the frames of a video sample, e.g. 81")  # a DiT has no default
         if temporal and temporal > 1:  # the VAE's rule (CogVideoX's latents padded to pairs: 1 + 8k); the patch's
             FrameRule(temporal, frame_pad if cfg.data.latent else 1).check("data.frames", frames,  # is checked below
                                                                           who=f"{family}'s VAE")
@@ -381,10 +382,11 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     # data description but the shape, which the sizes give
     plan = model_class(model_cfg).planned_data(model_cfg, OmegaConf.to_container(cfg.data, resolve=True))
     patch = plan["patch"]
-    shape = latent_shape(cfg, model_cfg, plan["vae_factors"], plan["video"], plan.get("frame_pad", 1), patch)
+    shape = latent_shape(cfg, model_cfg, plan["vae_factors"], plan["video"], plan.get("frame_pad", 1), patch,
+                         plan.get("clip_frames"))
     data = {**plan["data"], "image_size": shape}
     if any(s % p for s, p in zip(shape, patch)):
-        raise ConfigError(f"data.frames={cfg.data.frames} gives {shape[0]} latent frames, which the model's temporal "
+        raise ConfigError(f"data.frames={cfg.data.frames or plan.get('clip_frames')} gives {shape[0]} latent frames, which the model's temporal "
                           f"patch {patch[0]} does not divide; choose frames whose latent count is a multiple of it")
     config = model_config(model_cfg, data)
     meta_model = build_on_meta(config)
@@ -397,10 +399,12 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     size = model_size(config, meta_model, lora)
     grid = " x ".join(str(s // p) for s, p in zip(shape, patch))
     text = f" + {size.text_tokens} text tokens (sharded with the image)" if size.text_tokens else ""
+    clip = (f", {plan['clip_frames']} frames: the pipeline's clip; data.frames= to change it"
+            if plan["video"] and cfg.data.frames is None else "")
     line = (f"{_preset_name(model_cfg)}: {_count(size.parameters)} parameters"
             + (f" ({_count(size.lora_parameters)} of LoRA rank {lora['rank']})" if size.lora else "")
             + f", {size.depth} blocks, hidden {size.hidden_size}, {size.num_heads} heads, MLP {size.mlp_hidden}; "
-              f"{size.tokens} tokens per sample ({grid} of the input {list(shape)}){text}")
+              f"{size.tokens} tokens per sample ({grid} of the input {list(shape)}{clip}){text}")
     return size, line
 
 

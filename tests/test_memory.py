@@ -321,6 +321,15 @@ def test_plan_lays_out_wan_14b_on_16_gpus(capsys):
     assert recommended and re.search(r"^Why: FSDP, as replicated \(DDP\) state would need", out, flags=re.M)
 
 
+@pytest.mark.parametrize("model, frames, tokens", [([], 81, "32760 tokens per sample (21 x 30 x 52"),
+                                                   (["model=hunyuan_video15"], 121, "tokens per sample (31 x ")])
+def test_plan_without_frames_lays_out_the_pipelines_clip(model, frames, tokens, capsys):
+    """The bare command (the README's) plans Wan 14B's 81 frames, WanPipeline's num_frames, and says so."""
+    code, out, err = plan(capsys, *model, "show=1")
+    assert code == 0, err
+    assert tokens in out and f"{frames} frames: the pipeline's clip; data.frames= to change it" in out
+
+
 def test_plan_counts_the_latent_frame_cogvideox_pads_in_front(capsys):
     """81 frames are 21 latent frames, padded to 22 as prepare pads them (CogVideoX 1.5's temporal patch of 2)."""
     code, out, err = plan(capsys, "model=cogvideox15", "data.frames=81", "data.size=[768,1360]", "show=1")
@@ -341,6 +350,7 @@ def test_plan_of_a_tiny_model(capsys):
     (["gpus=-3"], "gpus must be a positive integer, got -3"),
     (["gpu_memory_gb=abc"], "gpu_memory_gb must be a number above 0, got 'abc'; e.g. gpu_memory_gb=80"),
     (["data.frames=0"], "data.frames must be a positive integer, got 0; the frames of a video sample, e.g. 81"),
+    (["model=dit_video", "data.latent=false", "data.size=16"], "data.frames must be a positive integer, got None"),
     (["data.frames=80"], "data.frames=80 is not a frame count wan's VAE takes: 1 + k x 4 (the VAE's temporal "
                          "compression 4); the nearest valid counts are 77 and 81"),
     # 85 frames are 22 latent frames, which CogVideoX's VAE would decode to 88; prepare refuses them too

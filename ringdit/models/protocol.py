@@ -40,7 +40,8 @@ class DiffusionModel(Protocol):
     @classmethod
     def planned_data(cls, config: dict, data: dict) -> dict:
         """What ``python -m ringdit.plan`` needs of the kind on the planner's ``data`` settings: ``patch``,
-        ``video``, ``vae_factors`` and the ``data`` description ``config_for_data`` takes, but the shape."""
+        ``video``, ``vae_factors``, ``clip_frames`` where the kind has a default clip length, and the ``data``
+        description ``config_for_data`` takes, but the shape."""
 
     @staticmethod
     def sampling_defaults(config: dict) -> dict:

@@ -125,6 +125,7 @@ COGVIDEOX15 = Family(
     video=True,
     vae_factors=(4, 8),  # AutoencoderKLCogVideoX: 4 frames, 8 pixels per latent cell
     fps=16,  # CogVideoX 1.5's model card: 16 fps (CogVideoX 1.0 made 8: its pipeline's example)
+    clip_frames=81,  # CogVideoXPipeline's num_frames: the config's sample_frames (81 for CogVideoX 1.5)
     frame_pad=2,  # 1 + 8k frames give an odd count of latent frames; prepare pads them to pairs
     condition_keys=("text",),
     text_dim="text_embed_dim",

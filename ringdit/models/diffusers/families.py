@@ -67,6 +67,7 @@ WAN = Family(
     video=True,
     vae_factors=(4, 8),
     fps=16,  # Wan 2.1 and Wan 2.2 A14B (T2V, I2V): WanPipeline's example export_to_video(..., fps=16)
+    clip_frames=81,  # WanPipeline's (and WanImageToVideoPipeline's) num_frames
     condition_keys=("text",),
     text_dim="text_dim",
     image_embeds="image_dim",  # CLIP states as extra cross-attention keys, where the config sets image_dim (I2V-14B)
@@ -87,7 +88,8 @@ WAN = Family(
 # text-to-video), so the preset says which conditioning its checkpoints were trained with.
 WAN22_TI2V = replace(WAN, name="wan22_ti2v", condition_keys=("text", "image_latents"), image_condition="first_frame",
                      vae_factors=(4, 16), pipelines=(),  # Wan 2.2's VAE: 16x spatial
-                     fps=24)  # Wan2.2-TI2V-5B makes 24 fps video (its model card: 720P at 24fps)
+                     fps=24,  # Wan2.2-TI2V-5B makes 24 fps video (its model card: 720P at 24fps)
+                     clip_frames=121)  # 5 s at its 24 fps (Wan2.2 generate.py's frame_num for ti2v-5B)
 
 # Wan 2.1 I2V (the 14B 480p / 720p): in_channels = 2 * out_channels + 4 (video ; mask ; first-frame latents), and
 # CLIP image embeddings as extra cross-attention keys where the config has image_dim. ringdit's latents have

@@ -65,6 +65,9 @@ class Family:
     # the frame rate its videos play at, as its published pipeline writes them (infer.py, the previews and the server
     # write MP4 / GIF at it unless fps= says otherwise); None: an image model
     fps: int | None = None
+    # the frames a sample of its published pipeline has by default (its num_frames): what the planner lays out
+    # when data.frames is not given; None: an image model
+    clip_frames: int | None = None
     # the text tokens its pipeline always pads the prompt to, from the config (CogVideoX: max_text_seq_length, 226);
     # None: the data's own length (the planner's data.text_len)
     text_len: Callable[[dict], int | None] = lambda config: None

@@ -134,6 +134,7 @@ HUNYUAN_VIDEO15 = Family(
     video=True,
     vae_factors=(4, 16),
     fps=24,  # HunyuanVideo 1.5's own generate.py writes 24 fps (121 frames: 5 s)
+    clip_frames=121,  # HunyuanVideo15Pipeline's num_frames
     condition_keys=("text", "text_mask"),
     text_dim="text_embed_dim",
     glyph_dim="text_embed_2_dim",

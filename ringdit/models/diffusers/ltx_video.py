@@ -73,6 +73,7 @@ LTX_VIDEO = Family(
     video=True,
     vae_factors=(8, 32),
     fps=FPS,
+    clip_frames=161,  # LTXPipeline's num_frames
     condition_keys=("text", "text_mask"),
     text_dim="caption_channels",
     latent_channels=lambda config: config["in_channels"] // (config["patch_size_t"] * config["patch_size"] ** 2),

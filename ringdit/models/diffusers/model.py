@@ -299,7 +299,7 @@ class DiffusersTransformer(nn.Module):
             raise ConfigError(f"data.text_len={text_len}: {family.name}'s pipeline pads every prompt to {fixed} "
                               f"tokens; leave data.text_len null")
         return {"patch": family.patch_shape(arch), "video": family.video, "vae_factors": family.vae_factors,
-                "frame_pad": family.frame_pad,
+                "frame_pad": family.frame_pad, "clip_frames": family.clip_frames,
                 "data": {"conditioning": TEXT, "channels": family.latent_channels(arch),
                          "text_len": fixed or text_len or 512, "text_dim": arch[family.text_dim],
                          "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None,

@@ -65,6 +65,7 @@ SKYREELS_V2 = Family(
     video=True,
     vae_factors=(4, 8),
     fps=FPS,
+    clip_frames=97,  # SkyReelsV2Pipeline's num_frames
     condition_keys=("text",),
     text_dim="text_dim",
     max_grid=lambda config: (config.get("rope_max_seq_len", 1024),) * 3,  # its RoPE table (Wan's), per axis
