@@ -127,16 +127,17 @@ def test_the_planner_takes_train_pys_degrees_and_refuses_one_no_layout_has(capsy
     assert code == 0 and recommended(out).startswith("dp=4 ring=2 ulysses=1"), err
 
 
+@pytest.mark.parametrize("strategy", [[], ["trainer/strategy=fsdp"]])  # none: both strategies laid out
 @pytest.mark.parametrize("override, fix", [("trainer.strategy.ulysses_degree=2", "ulysses_degree=2"),
                                            ("trainer.strategy.ring_degree=4", "ring_degree=4")])
-def test_a_degree_set_on_the_strategy_is_pointed_to_train_pys_name(override, fix, capsys):
+def test_a_degree_set_on_the_strategy_is_pointed_to_train_pys_name(override, fix, strategy, capsys):
     """conf/trainer/strategy/*.yaml take the degrees from the top-level settings, and the strategy is built from the
     layout: a degree set there would be overruled, in train.py and the planner alike, so it is refused."""
     import ringdit
     from ringdit.errors import ConfigError
     from ringdit.layout import Layout
 
-    wan = ["model=wan_14b", "data.frames=81", "show=1", "trainer/strategy=fsdp"]
+    wan = ["model=wan_14b", "data.frames=81", "show=1", *strategy]
     code, out, err = plan(capsys, *wan, override)
     assert code == 2 and f"; use {fix}" in err, err
     code, out, err = plan(capsys, *wan, fix)
