@@ -5,12 +5,15 @@ refused in one line before any rank starts."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from ringdit.checkpoints.weights import read_weights
+from ringdit.diffusion.samplers import consistency_times, fewstep_start, student_times
+from ringdit.spec.distill import student_times as spec_student_times
 from ringdit.training import consistency
 from tests.helpers import SGD, TINY, LazyRuns, assert_refused, assert_same_numbers, fail_fast, run
 
@@ -96,6 +99,46 @@ def test_training_times_are_the_flow_logit_normal():
     assert consistency.tangent_weight(0, 0) == 1.0
 
 
+def test_the_warmup_blends_the_teacher_term_as_rcm_does():
+    """rCM's g during the warm-up, written out in float64: -cos(s) sqrt(1 - r^2 sin^2(s)) (F^- - F_teacher) - r (sin
+    cos x_s + sin cos dF/ds) (sigma_d = 1), normalised; at r = 0 only the teacher term, at r = 1 sCM's cos^2(s)."""
+    torch.manual_seed(1)
+    x_s, F_minus, F_teacher, dF = torch.randn(4, 4, 1, 3, 3, dtype=torch.float64).unbind(0)
+    s = torch.tensor([0.1, 0.7, 1.2, 1.55], dtype=torch.float64)
+    for r in (0.0, 0.3, 1.0):
+        g = consistency.consistency_direction(F_minus, dF, F_teacher, x_s, s, r, 1.0, c=0.1)
+        rows = []
+        for i, si in enumerate(s.tolist()):
+            c, n = math.cos(si), math.sin(si)
+            raw = -c * math.sqrt(1 - r * r * n * n) * (F_minus[i] - F_teacher[i]) - r * (n * c * x_s[i] + dF[i])
+            rows.append(raw / (raw.norm() + 0.1))
+        assert torch.allclose(g, torch.stack(rows), rtol=0, atol=1e-15), r
+        if r == 1.0:  # the paper's cos^2(s)
+            cos = consistency.column(torch.cos(s), x_s)
+            paper = -cos * cos * (F_minus - F_teacher) - (consistency.column(torch.sin(s), x_s) * cos * x_s + dF)
+            assert torch.allclose(g, paper / consistency.column(paper.flatten(1).norm(dim=1) + 0.1, paper),
+                                  rtol=0, atol=1e-15)
+
+
+def test_a_consistency_student_samples_on_rcms_grid():
+    """distill.times=null under scm / rcm is rCM's TrigFlow grid (s = arctan(80), 1.3, 1.0, 0.6) as flow times; a
+    recorded consistency grid sampled with another step count keeps to it; the first input is TrigFlow's x_s = noise
+    on the flow's path (the noise itself at t = 1, DMD2's start)."""
+    for steps in (1, 2, 3, 4):
+        s = [math.atan(80.0), 1.3, 1.0, 0.6][:steps]
+        expected = [math.tan(si) / (1 + math.tan(si)) for si in s]  # t = sigma_d tan(s) / (1 + sigma_d tan(s))
+        assert consistency_times(steps) == pytest.approx(expected, rel=0, abs=1e-15)
+        assert spec_student_times(steps, None, "rcm") == consistency_times(steps)
+        assert student_times(steps, consistency_times(2)) == consistency_times(steps)
+    assert spec_student_times(2, None, "dmd2") == [1.0, 0.5] and student_times(2, [1.0, 0.75, 0.5, 0.25]) == [1.0, 0.5]
+    noise = torch.randn(3, 1, 2, 2, dtype=torch.float64)
+    assert torch.equal(fewstep_start(noise, 1.0), noise)
+    t0 = consistency_times(1)[0]
+    x_s_scale = torch.tensor(math.atan(80.0), dtype=torch.float64)
+    D = torch.cos(x_s_scale) + torch.sin(x_s_scale)  # x_t = x_s / D with x_s = noise
+    assert torch.allclose(fewstep_start(noise, t0), noise / D, rtol=1e-15, atol=0)
+
+
 FP64 = ["trainer.precision=64-true"]
 MOMENTUM = [*SGD, "optimizer.momentum=0.9"]  # SGD shows a wrongly scaled gradient; momentum makes resume need state
 # sCM: the teacher guided at CFG 2 (so the first update, at r = 0, already moves the student, which starts as the
@@ -166,7 +209,8 @@ def test_the_checkpoints_hold_the_models_each_method_trains(runs, tiny_checkpoin
         assert {key.split(".")[0] for key in checkpoint["state_dict"]} == models
         assert len(checkpoint["optimizer_states"]) == optimizers and checkpoint["global_step"] == 3
         sampling = checkpoint["hyper_parameters"]["sampling"]
-        assert sampling["sampler"] == "fewstep" and sampling["cfg_scale"] == 1.0 and sampling["times"] == [1.0, 0.5]
+        assert sampling["sampler"] == "fewstep" and sampling["cfg_scale"] == 1.0
+        assert sampling["times"] == consistency_times(2)  # rCM's grid
         start = read_weights(tiny_checkpoint, prefer="ema")[0]
         moved = max((checkpoint["state_dict"][f"model.{k}"].double() - v.double()).abs().max().item()
                     for k, v in start.items())
@@ -256,3 +300,4 @@ def test_a_checkpoint_of_one_method_resumed_with_another_is_refused(runs, tiny_c
         f"ckpt_path={checkpoint}")
     names = ("train/scm_loss",)
     assert distill_losses_of(tmp_path / "resumed", names)[2] == distill_losses_of(runs.trained("scm_one"), names)[2]
+

@@ -9,6 +9,7 @@ deterministic given the initial noise and, for the ``ddpm`` sampler, the per-sam
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -206,13 +207,40 @@ def sample_ddpm(denoiser, noise: Tensor, steps: int, schedule: DDPM, generators:
         x = mean + torch.exp(0.5 * log_variance) * draw_noise(x.shape[1:], generators, x.device, x.dtype)
 
 
+# rCM's few-step grid (NVlabs/rcm's inference): TrigFlow times s = arctan(80) (sigma_max 80: where a consistency
+# student starts, below s = pi/2, where sCM's consistency gradient vanishes), then 1.3, 1.0, 0.6 for 2 to 4 steps
+CONSISTENCY_START_S = math.atan(80.0)
+CONSISTENCY_MID_S = (1.3, 1.0, 0.6)
+
+
+def consistency_times(steps: int) -> list[float]:
+    """A consistency (sCM / rCM) student's flow times, rCM's TrigFlow grid through ``t = sin(s) / (cos(s) + sin(s))``
+    (sigma_d = 1): 1 step 0.9877; 2: 0.9877, 0.7827; 4: 0.9877, 0.7827, 0.6090, 0.4062. More than 4 steps: s even
+    from arctan(80) down."""
+    if steps <= 1 + len(CONSISTENCY_MID_S):
+        grid = [CONSISTENCY_START_S, *CONSISTENCY_MID_S[:steps - 1]]
+    else:
+        grid = [CONSISTENCY_START_S * (1 - i / steps) for i in range(steps)]
+    return [math.sin(s) / (math.cos(s) + math.sin(s)) for s in grid]
+
+
 def student_times(steps: int, times: list[float] | None = None) -> list[float]:
     """A few-step student's input times, 1 first: ``times`` when it holds ``steps`` of them (the grid a distilled
-    student was trained on, recorded in its checkpoint), else ``steps`` even ones, 1, 1 - 1/steps, ... (DMD2's 4-step
-    999, 749, 499, 249)."""
+    student was trained on, recorded in its checkpoint); else, for a consistency student's grid (``times`` starting at
+    ``consistency_times``' first), ``consistency_times(steps)``; else ``steps`` even ones, 1, 1 - 1/steps, ...
+    (DMD2's 4-step 999, 749, 499, 249)."""
     if times is not None and len(times) == steps:
         return [float(t) for t in times]
+    if times and math.isclose(times[0], consistency_times(1)[0], rel_tol=0, abs_tol=1e-12):
+        return consistency_times(steps)
     return [1.0 - i / steps for i in range(steps)]
+
+
+def fewstep_start(noise: Tensor, t: float) -> Tensor:
+    """A few-step student's first input at time ``t`` (1: pure noise): the noise at the flow's scale there for data of
+    unit scale, ``sqrt((1 - t)^2 + t^2) noise`` (TrigFlow's ``x_s = noise`` at the same point of the straight path,
+    where rCM starts; exactly the noise at t = 1)."""
+    return noise * math.sqrt((1 - t) ** 2 + t * t)
 
 
 def fewstep_step(x: Tensor, t: Tensor | float, velocity: Tensor) -> Tensor:
@@ -226,10 +254,11 @@ def _as_column(t: Tensor | float, like: Tensor) -> Tensor | float:
 
 @torch.no_grad()
 def sample_fewstep(denoiser, noise: Tensor, times: list[float], generators: list[torch.Generator]) -> Tensor:
-    """A distilled few-step student's sampler (DMD2's): at each time of ``times`` (1 first) the model's clean sample
-    ``x - t v``; before the next time it is noised again with fresh noise, sample i's from ``generators[i]``:
-    ``(1 - t') x0 + t' noise``. The last step's clean sample is the result. ``denoiser(x, model_time) -> velocity``."""
-    x, batch = noise, noise.shape[0]
+    """A distilled few-step student's sampler (DMD2's): from ``fewstep_start`` (the noise itself at t = 1), at each
+    time of ``times`` the model's clean sample ``x - t v``; before the next time it is noised again with fresh noise,
+    sample i's from ``generators[i]``: ``(1 - t') x0 + t' noise``. The last step's clean sample is the result.
+    ``denoiser(x, model_time) -> velocity``."""
+    x, batch = fewstep_start(noise, times[0]), noise.shape[0]
     for i, t in enumerate(times):
         x0 = fewstep_step(x, t, denoiser(x, torch.full((batch,), t * 1000.0, device=x.device)))
         if i + 1 == len(times):

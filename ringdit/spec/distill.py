@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ringdit.diffusion.distillation import CONSISTENCY_METHODS, CRITIC_METHODS
+from ringdit.diffusion.samplers import consistency_times
 from ringdit.errors import ConfigError, require_count, require_number
 
 METHODS = ("none", "dmd2", "scm", "rcm")
@@ -90,7 +91,7 @@ class DistillSpec:
                           hint="critic updates per student update (DMD2's two time-scale rule: 5)")
         if method in CONSISTENCY_METHODS:
             check_consistency_settings(distill, method)
-        student_times(distill.get("steps"), distill.get("times"))
+        student_times(distill.get("steps"), distill.get("times"), method)
         for key in ("t_min", "t_max") if method in CRITIC_METHODS else ():
             require_number(f"distill.{key}", distill.get(key), low=0, high=1, low_open=True)
         if method in CRITIC_METHODS and not distill.t_min < distill.t_max < 1:
@@ -183,7 +184,8 @@ class DistillSpec:
                            tangent_c=float(distill.tangent_c))
             if method == "rcm":
                 options.update(dmd_weight=float(distill.dmd_weight))
-        return cls(method=method, steps=distill.steps, times=tuple(student_times(distill.steps, distill.get("times"))),
+        times = tuple(student_times(distill.steps, distill.get("times"), method))
+        return cls(method=method, steps=distill.steps, times=times,
                    critic_steps=distill.critic_steps if method in CRITIC_METHODS else 0, cfg_scale=cfg_scale,
                    t_min=float(distill.get("t_min", 0.02)),
                    t_max=float(distill.get("t_max", 0.98)), teacher=teacher or None, teacher_weights=cfg.init_weights,
@@ -225,10 +227,11 @@ def check_gan_settings(distill) -> None:
                           f"block, got {block!r}")
 
 
-def student_times(steps: int, times) -> list[float]:
-    """``distill.times``, checked: ``steps`` times, decreasing, in (0, 1]; null: ``steps`` even ones from 1."""
+def student_times(steps: int, times, method: str = "dmd2") -> list[float]:
+    """``distill.times``, checked: ``steps`` times, decreasing, in (0, 1]; null: ``steps`` even ones from 1, or for
+    sCM / rCM rCM's grid (``consistency_times``: from t = 0.9877, TrigFlow's arctan(80))."""
     if times is None:
-        return [1.0 - i / steps for i in range(steps)]
+        return consistency_times(steps) if method in CONSISTENCY_METHODS else [1.0 - i / steps for i in range(steps)]
     times = OmegaConf.to_container(times) if OmegaConf.is_config(times) else times
     if not isinstance(times, (list, tuple)) or len(times) != steps \
             or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):

@@ -27,11 +27,13 @@ teacher's (guided) F, the tangent of F_student along the ODE (its total derivati
 the model, the tangents scaled by sin(s) cos(s) as the paper's "JVP rearrangement" does), and the warm-up weight r
 rising from 0 to 1 over ``warmup_steps`` student updates::
 
-    g = -cos^2(s) sigma_d (F^- - F_teacher) - r (sin(s) cos(s) x_s + sigma_d sin(s) cos(s) dF^-/ds)
+    g = -w(s) sigma_d (F^- - F_teacher) - r (sin(s) cos(s) x_s + sigma_d sin(s) cos(s) dF^-/ds)
     g = g / (||g|| + c)                                        (per sample: tangent normalisation)
     loss = mean over samples of ||F_theta - F^- - g||^2       (F^-, g: no gradient)
 
-whose gradient at theta = theta^- is -2 g dF/dtheta: the consistency gradient, normalised.
+with ``w(s) = cos(s) sqrt(1 - r^2 sin^2(s))``: the paper's cos^2(s) at r = 1, blended from cos(s) at r = 0 during the
+warm-up as rCM's code does (NVlabs/rcm, ``training_step_generator``). The loss's gradient at theta = theta^- is
+-2 g dF/dtheta: the consistency gradient, normalised.
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ def consistency_direction(F_minus: Tensor, dF: Tensor, F_teacher: Tensor, x_s: T
                           sigma_d: float, c: float) -> Tensor:
     """sCM's normalised direction g (module docstring) per sample; ``dF``: sin(s) cos(s) dF^-/ds."""
     cos, sin = column(torch.cos(s), x_s), column(torch.sin(s), x_s)
-    g = -cos * cos * sigma_d * (F_minus - F_teacher) - r * (sin * cos * x_s + sigma_d * dF)
+    # the warm-up blends the teacher term's weight from cos(s) (r = 0) to cos^2(s) (r = 1), as rCM's code does
+    blend = cos * torch.sqrt((1 - r * r * sin * sin).clamp_min(0))
+    g = -blend * sigma_d * (F_minus - F_teacher) - r * (sin * cos * x_s + sigma_d * dF)
     norm = g.flatten(1).norm(dim=1)
     return g / column(norm + c, g)
 

@@ -51,7 +51,7 @@ from torch import nn
 from ringdit.build import build_model
 from ringdit.diffusion import classifier_free_guidance, draw_noise, noise_generators
 from ringdit.diffusion.distillation import CONSISTENCY_METHODS, CRITIC_METHODS
-from ringdit.diffusion.samplers import fewstep_step
+from ringdit.diffusion.samplers import fewstep_start, fewstep_step
 from ringdit.diffusion.pipeline import condition_to
 from ringdit.lora import lora_enabled
 from ringdit.seeding import Stream, generator, seed_of
@@ -153,7 +153,7 @@ class DistillationModule(DiffusionModule):
         trained = int(torch.randint(len(times), (1,), generator=generator(Stream.DISTILL, self.hparams.seed, step,
                                                                           phase, TRAINED_STEP)))
         generators = self.draws(step, phase, STUDENT_NOISE, shape[0])
-        x = draw_noise(shape[1:], generators, self.device, dtype)
+        x = fewstep_start(draw_noise(shape[1:], generators, self.device, dtype), times[0])
         for i in range(trained + 1):
             t = torch.full((shape[0],), times[i], device=self.device)
             with torch.set_grad_enabled(grad and i == trained):
@@ -257,9 +257,10 @@ class DistillationModule(DiffusionModule):
         """The distance of the student's 1-step outputs from the pairs' noises to the teacher's samples (mse, or
         pseudo-Huber on each sample's L2 distance, c = 0.00054 sqrt(numel) as improved consistency training's)."""
         noise, condition, samples = self.teacher_pairs
-        t = torch.ones(noise.shape[0], device=self.device)
-        velocity = self.model(noise, self.objective.model_time(t), condition)[:, :noise.shape[1]]
-        output = fewstep_step(noise, t, velocity.to(noise.dtype))  # (K, C, [T,] H, W)
+        t = torch.full((noise.shape[0],), self.distill["times"][0], device=self.device)
+        x = fewstep_start(noise, self.distill["times"][0])  # as the student's first step samples
+        velocity = self.model(x, self.objective.model_time(t), condition)[:, :noise.shape[1]]
+        output = fewstep_step(x, t, velocity.to(noise.dtype))  # (K, C, [T,] H, W)
         if hasattr(self.model, "with_condition_frames"):  # a given first frame: the teacher's samples hold it too
             output = self.model.with_condition_frames(output, condition)
         dtype = torch.promote_types(samples.dtype, torch.float32)
