@@ -1,7 +1,7 @@
 """What a training run's previews (``callbacks.sample_grid``) cost on its layout, counted before the run starts: the
 memory of one micro-batch's sampling beside the training state that stays on the device, and the seconds a preview
-takes by the planner's step-time model (``ringdit.plan.step_cost``). train.py refuses a preview that cannot fit, naming
-the setting, and says what one costs."""
+takes by the planner's step-time model (``ringdit.plan.search.step_cost``). train.py refuses a preview that cannot
+fit, naming the setting, and says what one costs."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import functools
 
 from omegaconf import DictConfig, OmegaConf
 
+from ringdit.cli import command_config, model_preset
 from ringdit.errors import ConfigError
 
 # the preset's layout, compared with the recommendation (not pinned: the planner lays out every one)
@@ -33,8 +34,6 @@ def preset_overrides(name: str) -> tuple[list[str], dict]:
     """The planner's overrides for train.py's ``experiment=<name>``, and the preset's own layout (its degrees and
     strategy: what the recommendation is compared with)."""
     from hydra.core.hydra_config import HydraConfig
-
-    from ringdit.cli import command_config
 
     cfg = command_config("train", [f"experiment={name}"])
     choices = HydraConfig.get().runtime.choices
@@ -82,8 +81,6 @@ def preset_overrides(name: str) -> tuple[list[str], dict]:
 def _model_differences(cfg: DictConfig, model: str) -> list[str]:
     """``model.<key>=value`` for what the preset changes in ``model=<model>`` (the architecture, e.g. a config
     value; its memory options are given apart)."""
-    from ringdit.cli import model_preset
-
     base = OmegaConf.to_container(OmegaConf.create(model_preset(model)), resolve=True)
     ours = OmegaConf.to_container(cfg.model, resolve=True)
     skip = {"activation_checkpointing", "activation_offload", "pretrained"}

@@ -1,0 +1,7 @@
+"""``python -m ringdit.plan``."""
+
+import sys
+
+from ringdit.plan import main
+
+sys.exit(main())
