@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from ringdit.data import latents as latents_module
+from ringdit.data.synthetic_text_latents import synthetic_text_latents
 from ringdit.data.text_latents import (
     TextLatentsDataModule,
     read_prompts,
-    synthetic_text_latents,
     write_text_latents,
 )
 from ringdit.errors import ConfigError
@@ -117,7 +117,7 @@ def test_the_scan_streams_in_chunks(tmp_path, monkeypatch):
         return original(Recording(rows), count, row_shape)
 
     monkeypatch.setattr(latents_module, "CHUNK_BYTES", 6 * 8)  # one row of the smallest tensor (pooled, 6 values)
-    monkeypatch.setattr("ringdit.data.text_latents.count_nonfinite", spy)
+    monkeypatch.setattr("ringdit.data.text_latent_shards.count_nonfinite", spy)
     path = write_text_latents(tmp_path / "s.safetensors", **poisoned("text"))
     with pytest.raises(ConfigError, match=r"text \(4, 8, 16\) holds 3 NaN or Inf values in 2 of its 4 rows \(the "
                                           r"first: row 1\)"):

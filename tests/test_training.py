@@ -59,7 +59,8 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
                 "model.config.out_channels=1", "model.config.text_dim=32"]
     synthetic = ["data=synthetic_text_latents", f"data.cache_dir={tmp_path}", "data.num_samples=4"]
     if (group, option) in (("data", "text_latents"), ("data", "datasets")):
-        from ringdit.data.text_latents import synthetic_text_latents, write_text_latents
+        from ringdit.data.synthetic_text_latents import synthetic_text_latents
+        from ringdit.data.text_latents import write_text_latents
 
         shard = write_text_latents(tmp_path / "shard.safetensors", **synthetic_text_latents(4))
         where = f"data.path={shard}" if option == "text_latents" else f"data.datasets=[{{path: {shard}, repeats: 2}}]"

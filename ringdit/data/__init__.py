@@ -7,7 +7,8 @@ from ringdit.data.image_folder import ImageFolderDataModule
 from ringdit.data.latents import LatentsDataModule
 from ringdit.data.moving_digits import MovingDigits, MovingDigitsDataModule
 from ringdit.data.steps import StepBatches
-from ringdit.data.text_latents import SyntheticTextLatentsDataModule, TextLatentsDataModule, write_text_latents
+from ringdit.data.synthetic_text_latents import SyntheticTextLatentsDataModule
+from ringdit.data.text_latents import TextLatentsDataModule, write_text_latents
 
 __all__ = [
     "CaptionedMovingDigitsDataModule", "DigitsDataModule", "ImageDataModule", "ImageFolderDataModule", "LatentsDataModule", "MovingDigits",
