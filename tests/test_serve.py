@@ -331,6 +331,79 @@ def test_lora_load_swap_unload_equal_the_merged_base(dit):
     np.testing.assert_array_equal(image(), base)
 
 
+def test_stacked_adapters_equal_infer_and_every_one_is_held(dit):
+    """A request with two adapters at strengths (0.5, -0.8) (``loras=[{name, scale}, ...]``) samples exactly what
+    infer.py's ``lora=[{path, strength}, ...]`` stacks on the model (``read_lora_stack`` + ``stack_adapters``, its
+    code, on the same files); the hooks are gone after the batch; one adapter in the list equals the ``lora`` form;
+    bad lists name the entry's field; unloading either adapter while a waiting job names both is refused (409)."""
+    from ringdit.checkpoints.lora_formats import LoraFile, read_lora_stack
+    from ringdit.images import to_uint8
+    from ringdit.lora import adapted_modules, stack_adapters
+    from ringdit.seeding import Stream, seed_of
+
+    server, _, loras, _ = dit
+    model = server.module.model
+    for i, name in enumerate(("s1", "s2")):
+        write_adapter(loras / f"{name}.safetensors", model, seed=5 + i)
+        assert post(server, "/v1/loras", {"name": name, "path": f"{name}.safetensors"}).status_code == 200
+    layers = [model.get_submodule(name) for name in LAYERS]
+    hooks = [len(layer._forward_hooks) for layer in layers]
+
+    def image(**extra):
+        answer = post(server, "/v1/images/generations", {"prompt": "4", "seed": 7, **extra})
+        assert answer.status_code == 200, answer.text[:500]
+        return pixels_of(answer.json()["data"][0])
+
+    both = image(loras=[{"name": "s1", "scale": 0.5}, {"name": "s2", "scale": -0.8}])
+    assert [len(layer._forward_hooks) for layer in layers] == hooks
+    files = tuple(LoraFile(f"lora[{i}]", (loras / f"{name}.safetensors",), strength)
+                  for i, (name, strength) in enumerate((("s1", 0.5), ("s2", -0.8))))
+    handles = stack_adapters(adapted_modules(model), read_lora_stack(files, model), device=server.module.device)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # as Lightning's trainer.precision=64-true samples
+    try:
+        with torch.no_grad():
+            stacked = server.module.generate(torch.tensor([4]), [seed_of(Stream.INFERENCE, 7, 0)], steps=4)
+    finally:
+        torch.set_default_dtype(default)
+        for handle in handles:
+            handle.remove()
+    np.testing.assert_array_equal(both, to_uint8(stacked).numpy()[0, ..., 0])
+    alone = image(lora="s1", lora_scale=0.5)
+    np.testing.assert_array_equal(image(loras=[{"name": "s1", "scale": 0.5}]), alone)
+    assert not np.array_equal(both, alone)
+
+    for loras_given, param in (([{"name": "s1"}, {"name": "s1"}], "loras.1.name"), ([{"name": "nope"}], "loras.0.name"),
+                               ([{"name": "s1", "scale": 11}], "loras.0.scale"),
+                               ([{"name": "s1", "scale": float("nan")}], "loras.0.scale"),
+                               ([{"name": "s1", "scale": "1"}], "loras.0.scale"), ([], "loras"),
+                               ([{"name": "s1", "strength": 1}], "loras.0.strength"),
+                               ([{"name": f"a{i}"} for i in range(9)], "loras")):
+        answer = httpx.post(server.url + "/v1/images/generations", headers={**AUTH, "Content-Type": "application/json"},
+                            content=json.dumps({"prompt": "4", "loras": loras_given}).encode())
+        assert api_error(answer, 400)["param"] == param, answer.text
+    assert api_error(post(server, "/v1/images/generations", {"prompt": "4", "lora": "s1", "loras": [{"name": "s2"}]}),
+                     400)["param"] == "loras"
+
+    answers = []
+    with batches_held(server):
+        waiting = threading.Thread(target=lambda: answers.append(post(
+            server, "/v1/images/generations", {"prompt": "4", "loras": [{"name": "s1"}, {"name": "s2"}]})))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while not server.queue.naming("s2"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        job_id = server.queue.naming("s2")[0].id
+        for name in ("s1", "s2"):
+            error = api_error(httpx.delete(f"{server.url}/v1/loras/{name}", headers=AUTH), 409)
+            assert job_id in error["message"], error
+    waiting.join(timeout=60)
+    assert answers[0].status_code == 200, answers[0].text[:500]
+    for name in ("s1", "s2"):
+        assert httpx.delete(f"{server.url}/v1/loras/{name}", headers=AUTH).status_code == 200
+
+
 @contextlib.contextmanager
 def batches_held(server):
     """Inside, the sampling loop takes no job from the queue (it still ticks and carries out LoRA commands): requests
@@ -347,8 +420,9 @@ def batches_held(server):
         return original(timeout)
 
     queue.next_batch = next_batch
+    queue.wake()  # out of the original, which may be waiting for a job
     try:
-        assert entered.wait(timeout=30)  # the loop has left the original, which may have been waiting for a job
+        assert entered.wait(timeout=30)
         yield
     finally:
         held.clear()
@@ -458,7 +532,7 @@ def test_two_expert_adapters_equal_each_expert_merged(tmp_path):
     x = torch.randn(1, 4, 2, 16, 16, dtype=torch.float64)
     cond = {"text": torch.randn(1, 8, model.transformer.config.text_dim, dtype=torch.float64)}
     times = [torch.tensor([t], dtype=torch.float64) for t in (900.0, 100.0)]  # one on each expert's side
-    with adapters.applied("pair", 0.7):
+    with adapters.applied([("pair", 0.7)]):
         hooked = [model(x, t, cond) for t in times]
     with torch.no_grad():
         for layer, delta in deltas:
@@ -805,6 +879,8 @@ FIRST = base64.b64encode(png_bytes((16, 48))).decode()
     ("/v1/videos", {"second": 4}, None, "second"),              # a typo: refused, not ignored
     ("/v1/videos", {"seconds": "-2"}, "input_reference", "seconds"),   # multipart: the same checks
     ("/v1/videos", {"frames": "nine"}, "input_reference", "frames"),
+    ("/v1/videos", {"loras": "fox"}, "input_reference", "loras"),  # a form's loras is JSON text
+    ("/v1/videos", {"loras": '[{"name": "nope", "scale": 0.5}]'}, "input_reference", "loras.0.name"),
     ("/v1/videos", {"input_reference": "https://example.com/a.png"}, None, "input_reference"),  # nothing fetched
     ("/v1/videos", {}, "not an image", "input_reference"),
     ("/v1/images/edits", {}, "not an image", "image"),

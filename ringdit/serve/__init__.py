@@ -72,7 +72,7 @@ class Server:
         self.metrics = Metrics(self)
         self.queue = JobQueue(settings.queue_size, settings.max_batch, settings.batch_wait_s, keep=settings.keep_files,
                               metrics=self.metrics)
-        self.control = Control()
+        self.control = Control(wake=self.queue.wake)
         if self.trainer.global_rank == 0:
             self.rank0 = self._rank0()
         self.engine = Engine(spec, self.queue, self.control, self.rank0)

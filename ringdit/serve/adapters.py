@@ -5,7 +5,9 @@ writes: ``transformer.<module>.lora_A.weight`` (r, in) and ``lora_B.weight`` (ou
 ``lora_adapter_metadata``; a two-expert model's low-noise expert from a second file). While a batch samples with
 adapter A at strength s, each adapted layer's output gets ``s * alpha / r * B(A(x))`` added by a forward hook: the
 layer computes ``x W^T + s alpha / r (x A^T) B^T``, which is what the base merged with the adapter at that strength,
-``W + s alpha / r B A``, computes, up to the order of the floating-point sums. Hooks leave the base weights alone, so
+``W + s alpha / r B A``, computes, up to the order of the floating-point sums. A request may stack several adapters,
+each at its strength: each adapted layer then adds every adapter's term (``ringdit.lora.stack_adapters``, the code
+infer.py's ``lora=[...]`` stacks with), the base merged with their sum. Hooks leave the base weights alone, so
 switching adapters between batches costs nothing and any number can stay resident; a layer that already carries a
 trained adapter (an adapter-only LoRA checkpoint being served) gets the request's on top.
 
@@ -21,11 +23,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ringdit.checkpoints.lora_formats import read_lora_file
 from ringdit.errors import ConfigError
-from ringdit.lora import adapted_modules
+from ringdit.lora import adapted_modules, stack_adapters
 
 Tensor = torch.Tensor
 
@@ -114,27 +115,14 @@ class Adapters:
         return self.loaded.pop(name, None) is not None
 
     @contextlib.contextmanager
-    def applied(self, name: str | None, strength: float):
-        """Inside, the model computes as if merged with adapter ``name`` at ``strength`` (nothing when None)."""
-        if name is None:
-            yield
-            return
-        adapter = self.loaded[name]
-        handles = []
+    def applied(self, loras):
+        """Inside, the model computes as if merged with every adapter of ``loras`` (``(name, strength)`` pairs, stacked
+        in that order: ``ringdit.lora.stack_adapters``, as infer.py's ``lora=[...]``) at its strength; nothing when
+        empty. The hooks are taken off on leaving, whatever happened inside."""
+        handles = stack_adapters(self.roots, [(self.loaded[name].layers, strength) for name, strength in loras],
+                                 self.device)
         try:
-            for root, expert in zip(self.roots, adapter.layers):
-                modules = dict(root.named_modules())
-                for layer_name, (down, up, scale) in expert.items():
-                    handles.append(modules[layer_name].register_forward_hook(
-                        _adding(down, up, strength * scale)))
             yield
         finally:
             for handle in handles:
                 handle.remove()
-
-
-def _adding(down: Tensor, up: Tensor, scale: float):
-    def hook(module: nn.Module, args, output: Tensor) -> Tensor:
-        x = args[0]  # (..., in)
-        return output + scale * F.linear(F.linear(x, down.to(x.dtype)), up.to(x.dtype))  # (..., out)
-    return hook

@@ -1,7 +1,8 @@
 """The HTTP API (FastAPI), on rank 0: OpenAI-style endpoints in front of the job queue.
 
     POST   /v1/images/generations   {prompt, n, size "WxH", seed, steps, guidance_scale, negative_prompt,
-                                     response_format b64_json | url, lora, lora_scale, cache, cache_threshold}
+                                     response_format b64_json | url, lora, lora_scale | loras [{name, scale}],
+                                     cache, cache_threshold}
     POST   /v1/videos               the same + frames or seconds, image (base64) -> a job; JSON, or multipart/form-data
                                     with the first frame as the file input_reference (OpenAI's SDK sends that)
     GET    /v1/videos               the video jobs still known, OpenAI's paged list (after, limit, order)

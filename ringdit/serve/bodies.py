@@ -17,6 +17,7 @@ edit's ``mask``) are refused.
 
 from __future__ import annotations
 
+import json
 import re
 import typing
 from typing import Any, Literal
@@ -32,6 +33,7 @@ MAX_PROMPT = 4096  # characters: the text encoders cut far sooner
 MAX_BODY_BYTES = 32 * 2**20  # a request's body: the largest first frame in base64 (4/3 of MAX_IMAGE_BYTES) fits
 INTEGER = re.compile(r"-?[0-9]{1,19}")  # a multipart field read as an integer
 DECIMAL = re.compile(r"[-+]?([0-9]{1,30}(\.[0-9]{0,30})?|\.[0-9]{1,30})([eE][-+]?[0-9]{1,3})?")  # ... as a number
+MAX_ADAPTERS = 8  # adapters stacked on one request (each adds a low-rank term to every layer it adapts)
 
 # OpenAI's parameters of each endpoint that ringdit has no use for: ignored, named in the answer's headers. Anything
 # else unknown is refused, as OpenAI refuses it (``stream`` is ignored only while it is false; see ``REFUSED``).
@@ -71,6 +73,13 @@ class Strict(BaseModel):
         return value
 
 
+class LoraChoice(Strict):
+    """One adapter of a request's ``loras``: a resident adapter's name and its strength."""
+
+    name: str = Field(min_length=1, max_length=128)
+    scale: float = 1.0
+
+
 class ImageBody(Strict):
     """Unknown fields are kept aside (``model_extra``) for ``unknown_fields`` to ignore or refuse by name."""
 
@@ -87,6 +96,7 @@ class ImageBody(Strict):
     response_format: Literal["b64_json", "url"] = "b64_json"
     lora: str | None = Field(default=None, max_length=128)
     lora_scale: float = 1.0
+    loras: list[LoraChoice] | None = Field(default=None, min_length=1, max_length=MAX_ADAPTERS)  # several, stacked
     cache: Literal["none", "fbcache", "teacache"] | None = None
     cache_threshold: float | None = None
 
@@ -164,6 +174,12 @@ def form_value(name: str, text: str, model: type[ImageBody]):
     """A multipart field's text as its JSON field's type: ASCII digits for an integer, a decimal for a number."""
     field = model.model_fields.get(name)
     types = typing.get_args(field.annotation) or (field.annotation,) if field is not None else (str,)
+    if any(typing.get_origin(kind) is list for kind in types):  # loras: a form field holds it as JSON text
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise BadRequest(name, f"{name}={text[:100]!r} is not JSON; in a form give it as JSON text, e.g. "
+                                   f"[{{\"name\": \"fox\", \"scale\": 0.8}}]") from None
     if float in types:
         if DECIMAL.fullmatch(text) is None:
             raise BadRequest(name, f"{name}={text[:100]!r} is not a number")

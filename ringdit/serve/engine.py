@@ -11,7 +11,8 @@ the models stay resident between requests.
   exits non-zero).
 - Before every model forward the ranks agree (one all-reduce of one number) whether every job of the batch was
   cancelled; if so they drop the batch together at that step.
-- Run-time LoRA adapters (``ringdit.serve.adapters``) are loaded by a command too, so every rank holds the same ones.
+- Run-time LoRA adapters (``ringdit.serve.adapters``) are loaded by a command too, so every rank holds the same ones;
+  a batch samples with its requests' adapters stacked at their strengths, taken off again when it ends.
 """
 
 from __future__ import annotations
@@ -58,16 +59,18 @@ class AdapterInUse(Exception):
 class Control:
     """What rank 0 asks of the sampling loop besides jobs: run-time LoRA commands and the stop."""
 
-    def __init__(self):
+    def __init__(self, wake=lambda: None):
         self._lock = threading.Lock()
         self._commands: list[tuple[dict, threading.Event, list]] = []
         self.stop_requested = False
+        self.wake = wake  # the job queue's: the sampling loop takes the command now, not after its wait for a job
 
     def ask(self, command: dict, timeout: float) -> object:
         """Run ``command`` on every rank at the loop's next turn; its answer (or the error it raised)."""
         done, answer = threading.Event(), []
         with self._lock:
             self._commands.append((command, done, answer))
+        self.wake()
         if not done.wait(timeout):
             raise TimeoutError("the sampling ranks did not take the command in time")
         if isinstance(answer[0], BaseException):
@@ -180,9 +183,11 @@ class Engine:
     def unloaded(self, jobs: list[Job]) -> bool:
         """Whether the batch names an adapter no longer resident (unloaded between the request's check and its turn):
         its jobs fail alone (409) -- sampling it would fail on every rank, and with them the server."""
-        name = jobs[0].request.lora  # one key: one adapter for the batch
-        if name is None or name in self.adapters.loaded:
+        # one key: one adapter stack for the whole batch
+        gone = [name for name in jobs[0].request.adapter_names if name not in self.adapters.loaded]
+        if not gone:
             return False
+        name = gone[0]
         for job in jobs:
             job.finish(FAILED, f"lora={name!r} was unloaded before this job ran; load it again (POST /v1/loras) and "
                                f"resend the request", code=409)
@@ -224,7 +229,7 @@ class Engine:
         samples = None
         began = time.monotonic()
         try:
-            with self.adapters.applied(command["lora"], command["lora_scale"]), self._watching(module):
+            with self.adapters.applied(command["loras"]), self._watching(module):
                 samples = module.generate(command["condition"], command["seeds"], negative=command["negative"],
                                           shape=command["shape"], **command["overrides"])
         except Cancelled:
@@ -315,7 +320,7 @@ class Rank0:
         return {"op": "sample", "jobs": [job.id for job in jobs], "seeds": seeds, "condition": condition,
                 "negative": negative, "shape": first.shape,
                 "overrides": {"steps": first.steps, "cfg_scale": first.cfg_scale},
-                "lora": first.lora, "lora_scale": first.lora_scale, "evaluations": evaluations,
+                "loras": [list(pair) for pair in first.loras], "evaluations": evaluations,
                 "cache": self.cache_for(*first.cache) if first.cache else None}
 
     def cache_for(self, kind: str, threshold: float):

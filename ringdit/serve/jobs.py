@@ -2,8 +2,9 @@
 
 A ``Job`` is one request: its samples, its state and, when done, its files. ``JobQueue.next_batch`` hands the sampling
 loop the oldest waiting job together with the later ones it can share a model forward with -- the same ``Job.key``
-(shape, steps, guidance, sampler, LoRA and strength, step cache) -- up to ``max_batch`` samples, waiting at most
-``batch_wait_s`` for them to arrive. Each sample keeps its own seed, so its result does not depend on its batch.
+(shape, steps, guidance, sampler, LoRA adapters and strengths in order, step cache) -- up to ``max_batch`` samples,
+waiting at most ``batch_wait_s`` for them to arrive. Each sample keeps its own seed, so its result does not depend on
+its batch.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ class SampleRequest:
     steps: int
     cfg_scale: float
     negative_prompt: str | None = None
-    lora: str | None = None
-    lora_scale: float = 1.0
+    loras: tuple[tuple[str, float], ...] = ()  # (resident adapter, strength), stacked in this order
     cache: tuple[str, float] | None = None  # (kind, threshold)
     image: Any = None                # image-to-video: the first frame, a PIL image
     last_frame: bool = False         # POST /v1/images/edits: a video whose last frame is written, as a PNG
@@ -53,8 +53,11 @@ class SampleRequest:
     @property
     def key(self) -> tuple:
         """Requests of one key share a model forward."""
-        return (self.kind, self.shape, self.steps, self.cfg_scale, self.lora, self.lora_scale if self.lora else None,
-                self.cache, self.image is not None)
+        return (self.kind, self.shape, self.steps, self.cfg_scale, self.loras, self.cache, self.image is not None)
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.loras)
 
 
 @dataclass
@@ -111,6 +114,8 @@ class Job:
             described["frames"] = request.frames
             if request.fps:  # the MP4's length (OpenAI's seconds is a string: "4")
                 described["seconds"] = f"{request.frames / request.fps:.4g}"
+        if request.loras:
+            described["loras"] = [{"name": name, "scale": scale} for name, scale in request.loras]
         if self.error:
             described["error"] = {"message": self.error}
         return described
@@ -126,6 +131,7 @@ class JobQueue:
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._lock = threading.Condition()
         self.closed = False
+        self._woken = False  # wake(): the sampling loop is wanted for something else
 
     def submit(self, job: Job) -> Job:
         with self._lock:
@@ -151,9 +157,10 @@ class JobQueue:
             return list(self._jobs.values())
 
     def naming(self, lora: str) -> list[Job]:
-        """The unfinished (waiting or running) jobs that sample with adapter ``lora``."""
+        """The unfinished (waiting or running) jobs that sample with adapter ``lora`` (among any others)."""
         with self._lock:
-            return [job for job in self._jobs.values() if job.status not in FINISHED and job.request.lora == lora]
+            return [job for job in self._jobs.values()
+                    if job.status not in FINISHED and lora in job.request.adapter_names]
 
     def cancel(self, job_id: str) -> Job | None:
         """A waiting job leaves the queue at once; a running one stops at its batch's next model forward (when every
@@ -175,7 +182,8 @@ class JobQueue:
         with self._lock:
             while not self._waiting:
                 left = deadline - time.monotonic()
-                if left <= 0 or self.closed:
+                if left <= 0 or self.closed or self._woken:
+                    self._woken = False
                     return []
                 self._lock.wait(left)
             fill_until = self._waiting[0].created + self.batch_wait_s
@@ -194,6 +202,13 @@ class JobQueue:
                 if self.metrics is not None:
                     self.metrics.job_started(job)
             return batch
+
+    def wake(self) -> None:
+        """The sampling loop, if it waits for a job, returns from ``next_batch`` at once (a LoRA command waits for its
+        turn: without this, up to a tick)."""
+        with self._lock:
+            self._woken = True
+            self._lock.notify_all()
 
     def _fits(self) -> int:
         """Samples of the first waiting job's key."""

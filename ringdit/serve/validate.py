@@ -17,6 +17,7 @@ from ringdit.serve.jobs import SampleRequest
 
 SIZE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")  # ASCII digits only: "\uff18x\uff18" is not a size
 CLASS_ID = re.compile(r"[0-9]{1,9}")  # a class-conditional prompt that is not a class name: ASCII digits only
+MAX_STRENGTH = 10.0  # an adapter's strength: past it a sample is noise, and float16 activations overflow
 
 
 def sample_request(body: ImageBody, kind: str, server, reference: tuple[str, bytes | None] = ("image", None),
@@ -74,17 +75,7 @@ def sample_request(body: ImageBody, kind: str, server, reference: tuple[str, byt
                                        f"{problem}") from None
         if body.negative_prompt:
             raise BadRequest("negative_prompt", "a class-conditional model takes no negative prompt")
-    if not -10 <= body.lora_scale <= 10:
-        raise BadRequest("lora_scale", f"lora_scale={body.lora_scale} must be in [-10, 10]")
-    if body.lora is None and "lora_scale" in body.model_fields_set:
-        raise BadRequest("lora_scale", "lora_scale is the strength of the adapter named by lora; give lora too")
-    lora = None
-    if body.lora is not None:
-        adapters = server.engine.adapters
-        if adapters is None or body.lora not in adapters.loaded:
-            raise BadRequest("lora", f"lora={body.lora!r} is not loaded (POST /v1/loras first; GET /v1/loras lists "
-                                     f"them)")
-        lora = body.lora
+    loras = adapter_choices(body, server)
     cache = None
     if body.cache_threshold is not None and (body.cache == "none" or body.cache is None and not spec.cache.enabled):
         raise BadRequest("cache_threshold", "cache_threshold applies to a step cache; give cache=fbcache (or teacache) "
@@ -107,9 +98,39 @@ def sample_request(body: ImageBody, kind: str, server, reference: tuple[str, byt
     image = first_frame(upload, server, size, field) if upload is not None else first_frame(given, server, size)
     return SampleRequest(kind=kind, prompt=prompt, n=body.n, seed=seed, shape=tuple(shape), size=size,
                          frames=frames, steps=steps, cfg_scale=float(cfg_scale),
-                         negative_prompt=body.negative_prompt or None, lora=lora,
-                         lora_scale=float(body.lora_scale), cache=cache, image=image, last_frame=last_frame,
+                         negative_prompt=body.negative_prompt or None, loras=loras,
+                         cache=cache, image=image, last_frame=last_frame,
                          fps=fps if kind == "video" else None, model=server.model_name)
+
+
+def adapter_choices(body: ImageBody, server) -> tuple[tuple[str, float], ...]:
+    """The request's run-time adapters as (name, strength) pairs, stacked in the order given: ``lora`` with
+    ``lora_scale`` (one), or ``loras`` ([{name, scale}, ...]: several); each resident, named once, its strength a
+    finite number in [-MAX_STRENGTH, MAX_STRENGTH]."""
+    if body.loras is not None and (body.lora is not None or "lora_scale" in body.model_fields_set):
+        raise BadRequest("loras", "give the adapters either as lora (one, with lora_scale) or as loras (several: "
+                                  "[{\"name\": ..., \"scale\": ...}, ...]), not both")
+    if body.lora is None and body.loras is None and "lora_scale" in body.model_fields_set:
+        raise BadRequest("lora_scale", "lora_scale is the strength of the adapter named by lora; give lora too")
+    if body.loras is None:
+        given = [(body.lora, body.lora_scale, "lora", "lora_scale")] if body.lora is not None else []
+    else:
+        given = [(choice.name, choice.scale, f"loras.{i}.name", f"loras.{i}.scale")
+                 for i, choice in enumerate(body.loras)]
+    loaded = server.engine.adapters.loaded if server.engine.adapters is not None else {}
+    seen = set()
+    for name, scale, name_field, scale_field in given:
+        if not (math.isfinite(scale) and -MAX_STRENGTH <= scale <= MAX_STRENGTH):
+            raise BadRequest(scale_field, f"{scale_field}={scale} must be a finite number in [-{MAX_STRENGTH:g}, "
+                                          f"{MAX_STRENGTH:g}]")
+        if name in seen:
+            raise BadRequest(name_field, f"{name_field}={name!r}: the adapter is named twice; name each once, at the "
+                                         f"sum of the strengths you meant")
+        seen.add(name)
+        if name not in loaded:
+            raise BadRequest(name_field, f"{name_field}={name!r} is not loaded (POST /v1/loras first; GET /v1/loras "
+                                         f"lists them)")
+    return tuple((name, float(scale)) for name, scale, _, _ in given)
 
 
 def parse_seconds(value) -> float:
