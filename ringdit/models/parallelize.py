@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ringdit.attention import AttentionBackend, LocalAttention, Stream, TokenLayout, USPAttention, get_attn_backend
-from ringdit.models.plan import Key, ParallelPlan
+from ringdit.models.plan import TEXT, TOKENS, Key, ParallelPlan
 from ringdit.parallel import ParallelDims, gather_sequence, shard_sequence
 from ringdit.parallel.collectives import chunk_length
 
@@ -36,24 +36,21 @@ Tensor = torch.Tensor
 _active_module: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar("ringdit_attention", default=None)
 
 
-TOKENS, TEXT = "tokens", "text"  # the streams: the (image / video) tokens, and joint attention's text
-
-
 class SequenceState:
     """The mesh the split and gather run over (``dims``), and what one forward's sequence is: the global length of
-    each stream, fixed by its first split (``TOKENS``, and ``TEXT`` for joint attention) and the text's key mask.
-    From them ``layout`` tells attention which tokens of every rank's chunk are real. All of it is reset when the
-    model's forward starts and kept after it, because activation checkpointing recomputes blocks during backward."""
+    each stream (``TOKENS``, ``TEXT``, a plan's further streams), fixed by its first split, and each stream's key mask
+    where the plan records one. From them ``layout`` tells attention which tokens of every rank's chunk are real. All
+    of it is reset when the model's forward starts and kept after it, because activation checkpointing recomputes
+    blocks during backward."""
 
-    def __init__(self, dims: ParallelDims, text_first: bool = True):
-        self.dims, self.text_first = dims, text_first
+    def __init__(self, dims: ParallelDims):
+        self.dims = dims
         self.reset()
 
     def reset(self) -> None:
         self.lengths: dict[str, int] = {}
-        self.text_mask: Tensor | None = None  # (B, L) bool, True on real text tokens
-        self.text_mask_seen = False
-        self._layouts: dict[bool, TokenLayout | None] = {}
+        self.masks: dict[str, Tensor | None] = {}  # (B, L) bool, True on real keys; None: recorded, none given
+        self._layouts: dict[tuple[str, ...], TokenLayout | None] = {}
 
     @property
     def length(self) -> int | None:
@@ -68,29 +65,36 @@ class SequenceState:
             raise ValueError(f"a planned {stream} split saw {length} tokens after another saw {self.lengths[stream]}: "
                              f"the plan's {stream} split points must carry the same sequence")
 
-    def layout(self, joint: bool) -> TokenLayout | None:
-        """Which tokens of every rank's chunk are real: the tokens (self-attention), or text and tokens in the
-        chunk's order (joint attention). None when every token is here and real."""
-        if joint not in self._layouts:
-            self._layouts[joint] = self._build_layout(joint)
-        return self._layouts[joint]
+    def record_mask(self, stream: str, mask: Tensor | None) -> None:
+        """Keep a stream's whole key mask, the first time this forward sees it: attention reads every rank's part."""
+        if stream not in self.masks:
+            self.masks[stream] = None if mask is None else mask.bool()
+            self._layouts.clear()
 
-    def _build_layout(self, joint: bool) -> TokenLayout | None:
+    def layout(self, streams: tuple[str, ...]) -> TokenLayout | None:
+        """Which tokens of every rank's chunk are real, for a sequence of ``streams`` in chunk order (the tokens for
+        self-attention; text and tokens for joint attention). None when every token is here and real."""
+        if streams not in self._layouts:
+            self._layouts[streams] = self._build_layout(streams)
+        return self._layouts[streams]
+
+    def _build_layout(self, streams: tuple[str, ...]) -> TokenLayout | None:
         ranks = self.dims.sp_degree
-        if TOKENS not in self.lengths or (ranks == 1 and (not joint or self.text_mask is None)):
+        if not any(stream in self.lengths for stream in streams):
+            return None  # no split ran: every token is here
+        for stream in streams:
+            if stream not in self.lengths:
+                raise ValueError(f"an attention over the streams {list(streams)} ran before any {stream} split: the "
+                                 f"plan must cut the {stream} stream before its first attention module runs")
+        masks = [self.masks.get(stream) for stream in streams]
+        if ranks == 1 and all(mask is None for mask in masks):
             return None  # every token here and real: plain attention (no mask reading inside compiled graphs)
-        tokens = Stream(self.lengths[TOKENS], chunk_length(self.lengths[TOKENS], ranks))
-        if not joint:
-            return TokenLayout([tokens])
-        if TEXT not in self.lengths:
-            raise ValueError("joint attention ran before any text split: the plan's text_inputs must cut the text "
-                             "before the first joint attention module runs")
-        text = Stream(self.lengths[TEXT], chunk_length(self.lengths[TEXT], ranks), self.text_mask)
-        return TokenLayout([text, tokens] if self.text_first else [tokens, text])
+        return TokenLayout([Stream(self.lengths[stream], chunk_length(self.lengths[stream], ranks), mask)
+                            for stream, mask in zip(streams, masks)])
 
     def __deepcopy__(self, memo) -> SequenceState:
         # A copy of the model (the EMA) runs its own forwards: its own counts, over the same mesh (never copied).
-        copy = SequenceState(self.dims, self.text_first)
+        copy = SequenceState(self.dims)
         memo[id(self)] = copy
         return copy
 
@@ -108,38 +112,65 @@ def parallelize(model: nn.Module, plan: ParallelPlan | None = None, dims: Parall
         raise ValueError(f"{type(model).__name__} is parallelized already; parallelize a freshly built model")
     plan = model.parallel_plan if plan is None else plan
     backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
-    state = SequenceState(dims or ParallelDims(), plan.text_first)
+    state = SequenceState(dims or ParallelDims())
     model._ringdit_sequence = state
     model.register_forward_pre_hook(_start_sequence)
+    streams = plan.stream_plans()
 
     self_attention = _matching(model, plan.self_attention, "self_attention")
     joint_attention = _matching(model, plan.joint_attention, "joint_attention")
     cross_attention = _matching(model, plan.cross_attention, "cross_attention")
-    for name in (self_attention.keys() | joint_attention.keys()) & cross_attention.keys():
+    stream_cross = _matching(model, plan.stream_cross_attention, "stream_cross_attention")
+    for name in (self_attention.keys() | joint_attention.keys()) & (cross_attention.keys() | stream_cross.keys()):
         raise ValueError(f"the parallel plan names {name} as both sharded and cross-attention")
     for name, module in {**self_attention, **joint_attention}.items():
         heads, head_dim = _attention_shape(module)
         usp = USPAttention(heads, head_dim, backend=backend, dims=state.dims)
-        _route(module, PlannedAttention(usp, state, joint=name in joint_attention))
-    for module in cross_attention.values():
-        _route(module, PlannedAttention(LocalAttention(backend), state, joint=False))
-    if joint_attention and not plan.text_inputs:
+        _route(module, PlannedAttention(usp, state, streams=_streams_of(plan, name, name in joint_attention,
+                                                                        streams)))
+    for name, module in {**cross_attention, **stream_cross}.items():  # keys replicated, or a sharded stream's
+        key_stream = _stream_of(plan.stream_cross_attention, name, streams)
+        _route(module, PlannedAttention(LocalAttention(backend), state, key_stream=key_stream))
+    if joint_attention and not plan.text_inputs and any(
+            TEXT in _streams_of(plan, name, True, streams) for name in joint_attention):
         raise ValueError("a plan with joint_attention must name the inputs that carry its text (text_inputs)")
-    if plan.text_mask is not None:  # registered first: it reads the mask whole, before the split cuts it
-        name, key = plan.text_mask
-        for module in _matching(model, (name,), "text_mask").values():
+    for stream, stream_plan in streams.items():  # registered first: a mask is read whole, before a split cuts it
+        if stream_plan.mask is not None:
+            name, key = stream_plan.mask
+            for module in _matching(model, (name,), f"{stream} mask").values():
+                module._ringdit_sequence = state
+                module.register_forward_pre_hook(partial(_record_mask, stream, key), with_kwargs=True)
+    for stream, stream_plan in streams.items():
+        for name, module in _matching(model, stream_plan.inputs, "inputs").items():
             module._ringdit_sequence = state
-            module.register_forward_pre_hook(partial(_record_text_mask, key), with_kwargs=True)
-    for table, stream in ((plan.split_inputs, TOKENS), (plan.text_inputs, TEXT)):
-        for name, module in _matching(model, table, "inputs").items():
-            module._ringdit_sequence = state
-            module.register_forward_pre_hook(partial(_split_inputs, _keys_of(name, table), stream), with_kwargs=True)
-    for table, transform in ((plan.split_outputs, partial(_shard, stream=TOKENS)),
-                             (plan.text_outputs, partial(_shard, stream=TEXT)), (plan.gather_outputs, _gather)):
+            module.register_forward_pre_hook(partial(_split_inputs, _keys_of(name, stream_plan.inputs), stream),
+                                             with_kwargs=True)
+    for table, transform in ([(plan.outputs, partial(_shard, stream=stream)) for stream, plan in streams.items()]
+                             + [(plan.gather, partial(_gather, stream=stream)) for stream, plan in streams.items()]):
         for name, module in _matching(model, table, "outputs").items():
             module._ringdit_sequence = state
             module.register_forward_hook(partial(_transform_outputs, _keys_of(name, table), transform))
     return model
+
+
+def _streams_of(plan: ParallelPlan, name: str, joint: bool, streams: dict) -> tuple[str, ...]:
+    """The streams of the sequence the attention module ``name`` attends over (``plan.attention_streams``)."""
+    order = next((tuple(names) for pattern, names in plan.attention_streams.items() if name_matches(name, pattern)),
+                 plan.default_streams(joint))
+    for stream in order:
+        if stream not in streams:
+            raise ValueError(f"the parallel plan's attention_streams name the stream {stream!r} for {name}, which "
+                             f"it does not describe; its streams: {sorted(streams)}")
+    return order
+
+
+def _stream_of(table: dict[str, str], name: str, streams: dict) -> str | None:
+    """The sharded stream whose keys the cross-attention module ``name`` attends to; None: replicated keys."""
+    stream = next((stream for pattern, stream in table.items() if name_matches(name, pattern)), None)
+    if stream is not None and stream not in streams:
+        raise ValueError(f"the parallel plan's stream_cross_attention names the stream {stream!r} for {name}, which "
+                         f"it does not describe; its streams: {sorted(streams)}")
+    return stream
 
 
 def repeated_blocks(model: nn.Module, plan: ParallelPlan | None = None) -> list[nn.Module]:
@@ -160,33 +191,55 @@ def _start_sequence(model: nn.Module, args) -> None:
 
 
 class PlannedAttention(nn.Module):
-    """A planned module's attention of ``(B, S, H, D)`` tensors, the sequence dim sharded for self- and joint
-    attention: ``USPAttention`` with the forward's global length (and the joint text prefix), or local attention."""
+    """A planned module's attention of ``(B, S, H, D)`` tensors, the sequence dim sharded: ``USPAttention`` over the
+    sequence of ``streams`` (self- and joint attention: their global lengths, padding and masks), or local attention
+    to keys every rank holds whole (cross-attention to text) or gathers (``key_stream``: a sharded stream's keys)."""
 
-    def __init__(self, attention: USPAttention | LocalAttention, state: SequenceState, *, joint: bool):
+    def __init__(self, attention: USPAttention | LocalAttention, state: SequenceState, *,
+                 streams: tuple[str, ...] = (), key_stream: str | None = None):
         super().__init__()
-        self.attention, self.joint = attention, joint
+        self.attention, self.streams, self.key_stream = attention, tuple(streams), key_stream
         self._ringdit_sequence = state
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, *, softmax_scale: float | None = None,
                 attn_mask: Tensor | None = None) -> Tensor:
         attention, state = self.attention, self._ringdit_sequence
-        if isinstance(attention, LocalAttention):  # cross-attention: keys every rank holds whole
+        if isinstance(attention, LocalAttention):
+            if self.key_stream is not None:
+                return self._attend_stream(query, key, value, softmax_scale, attn_mask)
             key_mask = None if attn_mask is None else cross_attention_key_mask(attn_mask, key.shape[1])
             return attention(query, key, value, softmax_scale=softmax_scale, key_mask=key_mask)
-        if attn_mask is not None and not self.joint:
+        if attn_mask is not None and len(self.streams) == 1:
             raise NotImplementedError("this attention passes an attention mask; ringdit takes masks only on the text "
                                       "keys of joint attention (plan it as joint_attention)")
         _check_scale(softmax_scale, attention.softmax_scale)
-        layout = state.layout(self.joint)
+        layout = state.layout(self.streams)
         if attn_mask is not None:
-            _check_key_mask(attn_mask, state, layout, query.shape[1])
+            _check_key_mask(attn_mask, self.streams, layout, query.shape[1])
         return attention(query, key, value, layout=layout)
 
+    def _attend_stream(self, query: Tensor, key: Tensor, value: Tensor, softmax_scale: float | None,
+                       attn_mask: Tensor | None) -> Tensor:
+        """Cross-attention from this rank's queries to every rank's keys of ``key_stream`` (B, L_local, H, D): the
+        keys and values are gathered (their gradients reduce-scattered back), the stream's padding dropped and its
+        recorded mask applied."""
+        if attn_mask is not None:
+            raise NotImplementedError(f"this cross-attention to the sharded {self.key_stream} stream passes an "
+                                      f"attention mask; name the stream's mask in the plan (StreamPlan.mask) instead")
+        state = self._ringdit_sequence
+        length = state.lengths.get(self.key_stream)
+        if length is None:
+            raise ValueError(f"a cross-attention to the {self.key_stream} stream ran before any {self.key_stream} "
+                             f"split: the plan must cut that stream before the attention runs")
+        key, value = (gather_sequence(x, dim=1, length=length, dims=state.dims) for x in (key, value))
+        return self.attention(query, key, value, softmax_scale=softmax_scale,
+                              key_mask=state.masks.get(self.key_stream))
 
-def _check_key_mask(attn_mask: Tensor, state: SequenceState, layout: TokenLayout | None, length: int) -> None:
-    """A joint attention's own key mask ``(B, 1, 1, keys)`` (QwenImage builds one from its text mask) must mask text
-    keys only, and only those the plan's ``text_mask`` records: the ring reads every rank's text mask from there.
+
+def _check_key_mask(attn_mask: Tensor, streams: tuple[str, ...], layout: TokenLayout | None, length: int) -> None:
+    """A joint attention's own key mask ``(B, 1, 1, keys)`` (QwenImage builds one from its text mask) must mask only
+    keys of streams whose mask the plan records (the text's ``text_mask``): the ring reads every rank's mask from
+    there.
 
     A full ``(B, 1, S, S)`` mask (HunyuanVideo 1.5's) is taken when it is the key mask's outer product with itself:
     a masked token is then a masked key that also attends to nothing, and such a (text) query row's output reaches
@@ -199,13 +252,13 @@ def _check_key_mask(attn_mask: Tensor, state: SequenceState, layout: TokenLayout
                                   f"{attn_mask.dtype} {tuple(attn_mask.shape)}")
     if layout is None:
         return
-    text = layout.streams[0 if state.text_first else 1].chunk
-    image = keys[:, text:] if state.text_first else keys[:, : keys.shape[1] - text]
-    if not bool(image.all()):
-        raise NotImplementedError("ringdit takes masks on the text keys only; this model masks image keys")
-    if state.text_mask is None and not bool(keys.all()):
-        raise NotImplementedError("this model masks text keys; name the input that carries its text mask in the "
-                                  "plan's text_mask")
+    start = 0
+    for name, stream in zip(streams, layout.streams):
+        part, start = keys[:, start : start + stream.chunk], start + stream.chunk
+        if stream.mask is None and not bool(part.all()):
+            fix = "text_mask" if name == TEXT else f"the {name} stream's mask"
+            raise NotImplementedError(f"this model masks {name} keys, whose mask the parallel plan does not record; "
+                                      f"name the input that carries it in the plan's {fix}")
 
 
 def _square_key_mask(square: Tensor) -> Tensor:
@@ -317,10 +370,10 @@ def _shard(value: Tensor, dim: int, state: SequenceState, stream: str = TOKENS) 
     return shard_sequence(value, dim=dim, dims=state.dims)
 
 
-def _gather(value: Tensor, dim: int, state: SequenceState) -> Tensor:
+def _gather(value: Tensor, dim: int, state: SequenceState, stream: str = TOKENS) -> Tensor:
     if state.dims.sp_degree == 1:
         return value
-    return gather_sequence(value, dim=dim, length=state.length, dims=state.dims)
+    return gather_sequence(value, dim=dim, length=state.lengths.get(stream), dims=state.dims)
 
 
 def _input(args: tuple, kwargs: dict, key: Key):
@@ -329,14 +382,9 @@ def _input(args: tuple, kwargs: dict, key: Key):
     return kwargs.get(key)
 
 
-def _record_text_mask(key: Key, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Keep the whole text mask of this forward (the first time it is seen): attention reads every rank's part."""
-    state = module._ringdit_sequence
-    mask = _input(args, kwargs, key)
-    if not state.text_mask_seen:
-        state.text_mask_seen = True
-        state.text_mask = None if mask is None else mask.bool()
-        state._layouts.clear()
+def _record_mask(stream: str, key: Key, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Keep the whole key mask of ``stream`` in this forward (the first time it is seen)."""
+    module._ringdit_sequence.record_mask(stream, _input(args, kwargs, key))
 
 
 def _split_inputs(keys: dict[Key, int], stream: str, module: nn.Module, args: tuple, kwargs: dict):

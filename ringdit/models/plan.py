@@ -20,6 +20,16 @@ places only:
   ids or rotations, its mask), in text chunks; the text is never gathered (the models predict image tokens only).
   Where several patterns match one module, their keys are merged.
 
+**Streams.** The fields above describe the two streams most models have: ``tokens`` (the patch tokens, predicted)
+and ``text`` (joint attention's). A model whose attention sees more -- a control video (Wan VACE), audio beside the
+video (LTX-2), a reference image -- names each further stream in ``streams``: a ``StreamPlan`` says where the stream
+is cut over the ranks (``inputs``, ``outputs``), where it is gathered (``gather``: where it is predicted), and its
+key mask (``mask``). Each stream has its own length, its own tail padding and its own mask. An attention module's
+sequence is then named by ``attention_streams`` (the streams of every rank's chunk, in order: ``("control",)`` for
+self-attention over a control video, ``("text", "tokens", "audio")`` for a joint attention over three), and
+``stream_cross_attention`` names cross-attention modules whose keys are a sharded stream (video queries attending to
+audio keys): every rank's keys of that stream are gathered, its queries stay local.
+
 ``blocks`` names the ``ModuleList`` s of repeated transformer blocks: each block is a unit FSDP shards on its own and
 a region ``compile=true`` compiles (one graph, reused by every block).
 
@@ -37,6 +47,23 @@ from dataclasses import dataclass, field, replace
 
 Key = int | str | None
 
+TOKENS, TEXT = "tokens", "text"  # the streams every plan has: the (image / video) tokens, and joint attention's text
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Where one named stream of tokens meets sequence parallelism (tables as ``ParallelPlan``'s)."""
+
+    inputs: dict[str, dict[Key, int]] = field(default_factory=dict)  # module inputs cut where the stream enters
+    outputs: dict[str, dict[Key, int]] = field(default_factory=dict)  # module outputs cut like it (its positions)
+    gather: dict[str, dict[Key, int]] = field(default_factory=dict)  # module outputs gathered (where it is predicted)
+    mask: tuple[str, Key] | None = None  # (module, input): (B, L) True on its real tokens, read whole
+
+    def under(self, name) -> StreamPlan:
+        return StreamPlan(inputs=_table(self.inputs, name), outputs=_table(self.outputs, name),
+                          gather=_table(self.gather, name),
+                          mask=None if self.mask is None else (name(self.mask[0]), self.mask[1]))
+
 
 @dataclass(frozen=True)
 class ParallelPlan:
@@ -51,6 +78,26 @@ class ParallelPlan:
     text_outputs: dict[str, dict[Key, int]] = field(default_factory=dict)
     text_mask: tuple[str, Key] | None = None  # (module, input): (B, L) True on real text tokens, read whole
     text_first: bool = True  # joint chunks are [text ; image] (False: [image ; text])
+    streams: dict[str, StreamPlan] = field(default_factory=dict)  # further named streams (control, audio, ...)
+    # self- / joint attention module pattern -> the streams of its sequence, in chunk order (default: the tokens for
+    # self-attention, text and tokens in text_first's order for joint attention)
+    attention_streams: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # cross-attention module pattern -> the sharded stream its keys come from (gathered from every rank)
+    stream_cross_attention: dict[str, str] = field(default_factory=dict)
+
+    def stream_plans(self) -> dict[str, StreamPlan]:
+        """Every stream's plan: ``tokens`` and ``text`` from the fields that describe them, then ``streams``."""
+        plans = {TOKENS: StreamPlan(self.split_inputs, self.split_outputs, self.gather_outputs),
+                 TEXT: StreamPlan(self.text_inputs, self.text_outputs, mask=self.text_mask)}
+        for name in self.streams.keys() & plans.keys():
+            raise ValueError(f"the parallel plan's streams name {name!r}, which its split_* / text_* fields describe")
+        return {**plans, **self.streams}
+
+    def default_streams(self, joint: bool) -> tuple[str, ...]:
+        """The streams of an attention module's sequence, in chunk order, where ``attention_streams`` names none."""
+        if not joint:
+            return (TOKENS,)
+        return (TEXT, TOKENS) if self.text_first else (TOKENS, TEXT)
 
     def under(self, prefix: str) -> ParallelPlan:
         """The same plan for a model that holds this plan's model as its submodule ``prefix``."""
@@ -58,19 +105,23 @@ class ParallelPlan:
         def name(pattern: str) -> str:
             return f"{prefix}.{pattern}" if pattern else prefix
 
-        def table(entries: dict) -> dict:
-            return {name(pattern): keys for pattern, keys in entries.items()}
-
         return replace(
             self,
             blocks=tuple(map(name, self.blocks)),
             self_attention=tuple(map(name, self.self_attention)),
             cross_attention=tuple(map(name, self.cross_attention)),
             joint_attention=tuple(map(name, self.joint_attention)),
-            split_inputs=table(self.split_inputs),
-            split_outputs=table(self.split_outputs),
-            gather_outputs=table(self.gather_outputs),
-            text_inputs=table(self.text_inputs),
-            text_outputs=table(self.text_outputs),
+            split_inputs=_table(self.split_inputs, name),
+            split_outputs=_table(self.split_outputs, name),
+            gather_outputs=_table(self.gather_outputs, name),
+            text_inputs=_table(self.text_inputs, name),
+            text_outputs=_table(self.text_outputs, name),
             text_mask=None if self.text_mask is None else (name(self.text_mask[0]), self.text_mask[1]),
+            streams={stream: plan.under(name) for stream, plan in self.streams.items()},
+            attention_streams=_table(self.attention_streams, name),
+            stream_cross_attention=_table(self.stream_cross_attention, name),
         )
+
+
+def _table(entries: dict, name) -> dict:
+    return {name(pattern): value for pattern, value in entries.items()}

@@ -149,8 +149,10 @@ class _GatherSequence(torch.autograd.Function):
         world = dist.get_world_size(ctx.group)
         padded = _pad_dim(grad, ctx.dim, ctx.local * world)
         # reduce-scatter as an all-to-all plus a sum: works on gloo, which has no reduce_scatter.
-        send = torch.stack(padded.chunk(world, dim=ctx.dim))  # (world, *local)
-        recv = torch.empty_like(send)
+        # (world, *local), contiguous: a gradient in a 4-D channels-last layout (an attention's key gradient) would
+        # stack into one, which the exchange refuses
+        send = torch.stack(padded.chunk(world, dim=ctx.dim)).contiguous()
+        recv = torch.empty_like(send, memory_format=torch.contiguous_format)
         dist.all_to_all_single(recv, send, group=ctx.group)
         return recv.sum(dim=0), None, None, None
 
