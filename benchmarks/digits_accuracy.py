@@ -52,10 +52,14 @@ def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
     return float(((mean_a - mean_b) ** 2).sum() + np.trace(cov_a + cov_b - 2 * root))
 
 
-def diversity(images: np.ndarray, components: int = 16) -> tuple[float, float]:
-    """(samples vs real, real half vs real half): Frechet distances on the real digits' top PCA components."""
-    real = load_digits().data  # (1797, 64) on the 0..16 scale
+def diversity(images: np.ndarray, components: int = 16, classes: np.ndarray | None = None) -> tuple[float, float]:
+    """(samples vs real, real half vs real half): Frechet distances on the real digits' top PCA components; with
+    ``classes``, against the real digits of those classes only (samples of some of the digits)."""
+    digits = load_digits()
+    real = digits.data  # (1797, 64) on the 0..16 scale
     pca = PCA(components, random_state=0).fit(real)
+    if classes is not None:
+        real = real[np.isin(digits.target, classes)]
     order = np.random.default_rng(0).permutation(len(real))
     halves = real[order[: len(real) // 2]], real[order[len(real) // 2:]]
     baseline = frechet_distance(pca.transform(halves[0]), pca.transform(halves[1]))
@@ -186,8 +190,11 @@ def main() -> None:
             raise SystemExit(f"expected 8x8 digits, got images of shape {images.shape[1:]}")
         predicted = image_classifier().predict(images.reshape(len(images), -1))
         print(f"{len(labels)} samples: {(predicted == labels).mean():.1%} classified as the requested digit")
-        distance, baseline = diversity(images)
-        print(f"  Frechet distance to the real digits (PCA features): {distance:.2f} (real half vs half: "
+        sampled = np.unique(labels)
+        subset = sampled if len(sampled) < 10 else None  # samples of some digits: against those digits' images
+        distance, baseline = diversity(images, classes=subset)
+        which = "" if subset is None else f" of the sampled digits {','.join(map(str, sampled))}"
+        print(f"  Frechet distance to the real digits{which} (PCA features): {distance:.2f} (real half vs half: "
               f"{baseline:.2f}; ratio {distance / baseline:.1f}x)")
         for digit in range(10):
             if (mask := labels == digit).any():

@@ -71,8 +71,11 @@ def check_resumed_models(ckpt_path: str, hparams: dict, distill: dict | None) ->
     recorded = hparams.get("distill") or {}
     method = recorded.get("method", "none")
     if method != "none" and run_method == "none":
-        teacher = recorded.get("teacher")
-        resume = f"distill={method}" + (f" init_from={teacher}" if teacher else " (its teacher: model.pretrained)")
+        teacher, start = recorded.get("teacher"), hparams.get("init_from")
+        resume = f"distill={method}" + (f" init_from={start or teacher}" if start or teacher else
+                                        " (its teacher: model.pretrained)")
+        if teacher and start and teacher != start:  # a distilled student fine-tuned under its own teacher
+            resume += f" distill.teacher={teacher}"
         raise ConfigError(f"ckpt_path={ckpt_path} is a distillation checkpoint (distill={method}: a student, its critic "
                           f"and their two optimizers), but this run has distill=none; resume the distillation with "
                           f"{resume}, or train its student on as a plain model, from its weights: init_from={ckpt_path} "

@@ -301,3 +301,41 @@ def test_a_checkpoint_of_one_method_resumed_with_another_is_refused(runs, tiny_c
     names = ("train/scm_loss",)
     assert distill_losses_of(tmp_path / "resumed", names)[2] == distill_losses_of(runs.trained("scm_one"), names)[2]
 
+
+@pytest.mark.parametrize("method", ["dmd2", "rcm"])
+def test_a_distilled_student_fine_tuned_starts_from_itself_under_its_new_teacher(runs, tiny_checkpoint, tmp_path,
+                                                                                 method):
+    """Fine-tuning a distilled student on new data (init_from=<the student>, distill.teacher=<a teacher fine-tuned on
+    it>): the student (and its EMA) start from the student's weights, the critic and the frozen teacher from the
+    teacher's, bit for bit."""
+    from tests.helpers import prepare_train
+
+    student = runs.trained("scm_one") / "checkpoints" / "last.ckpt"
+    module = prepare_train([*TINY, f"distill={method}", f"init_from={student}",
+                            f"distill.teacher={tiny_checkpoint}", "data.classes=[0,1]", "logger=none"], tmp_path)[1]
+    module.configure_model()
+    expected = {"student": read_weights(student, prefer="ema")[0], "teacher": read_weights(tiny_checkpoint,
+                                                                                         prefer="ema")[0]}
+    assert any(not torch.equal(expected["student"][k], v) for k, v in expected["teacher"].items())
+    for name, model, source in (("student", module.model, "student"), ("ema", module.ema.module, "student"),
+                                ("critic", module.critic, "teacher"), ("teacher", module.teacher, "teacher")):
+        weights = model.state_dict()
+        # (the student's file is float64, the model float32 until Lightning's precision converts it, as it loads)
+        assert all(torch.equal(weights[k], v.to(weights[k].dtype)) for k, v in expected[source].items()), name
+
+
+@pytest.mark.parametrize("case", ["no student", "not a path", "bad classes"])
+def test_bad_fine_tuning_settings_are_refused_before_spawning(case, tiny_checkpoint, tmp_path):
+    """distill.teacher without init_from (the student to fine-tune), a teacher that is no file name, and data.classes
+    that are not digits: one line each, before any rank starts (the advices' run: the test above)."""
+    overrides, text = {
+        "no student": ([f"distill.teacher={tiny_checkpoint}"],
+                       f"distill.teacher={tiny_checkpoint} is the teacher, and the student starts from init_from, "
+                       f"which is not given: init_from=<the student to fine-tune>"),
+        "not a path": ([f"init_from={tiny_checkpoint}", "distill.teacher=3"],
+                       "distill.teacher=3 must be the teacher's weights file"),
+        "bad classes": ([f"init_from={tiny_checkpoint}", "data.classes=[0,10]"],
+                        "data.classes=[0, 10] must be distinct digits from 0 to 9"),
+    }[case]
+    proc, seconds = fail_fast("train.py", *TINY, "distill=dmd2", *overrides, f"hydra.run.dir={tmp_path}")
+    assert_refused(proc, text=text, seconds=seconds, run_dir=tmp_path)

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from ringdit.data.base import ImageDataModule
+from ringdit.errors import ConfigError
 
 
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,8 +21,25 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DigitsDataModule(ImageDataModule):
+    """``classes``: train on the images of these digits only (null: all ten), e.g. new data to fine-tune on; the
+    model keeps its 10 classes."""
+
     channels, image_size, num_classes = 1, (8, 8), 10
     class_names = [str(i) for i in range(10)]
 
+    def __init__(self, *args, classes: list[int] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if classes is not None:
+            classes = list(classes)
+            if not classes or len(set(classes)) != len(classes) or not all(
+                    isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= 9 for c in classes):
+                raise ConfigError(f"data.classes={classes!r} must be distinct digits from 0 to 9 (the images to "
+                                  f"train on), e.g. data.classes=[0,1,2,3,4], or null for all ten")
+        self.classes = classes
+
     def build_dataset(self) -> TensorDataset:
-        return TensorDataset(*load_digits_tensors())
+        images, labels = load_digits_tensors()  # (N, 1, 8, 8), (N,)
+        if self.classes is not None:
+            kept = torch.isin(labels, torch.tensor(self.classes))
+            images, labels = images[kept], labels[kept]
+        return TensorDataset(images, labels)

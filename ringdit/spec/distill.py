@@ -151,13 +151,23 @@ class DistillSpec:
                 f"expert's student (backward simulation) -- and a run distilling both is not built; distil a "
                 f"one-transformer model instead (Wan 2.2 TI2V-5B: model=wan22_ti2v, or Wan 2.1); docs/distillation.md, "
                 f"two-expert teachers")
-        teacher = cfg.get("init_from")
+        teacher = distill.get("teacher")
+        if teacher is not None:  # a distilled student fine-tuned: init_from is the student, this its teacher
+            if not isinstance(teacher, str) or not teacher:
+                raise ConfigError(f"distill.teacher={teacher!r} must be the teacher's weights file (or null: "
+                                  f"init_from's), e.g. distill.teacher=outputs/train/runs/<run>/checkpoints/last.ckpt")
+            if not cfg.get("init_from"):
+                raise ConfigError(f"distill.teacher={teacher} is the teacher, and the student starts from init_from, "
+                                  f"which is not given: init_from=<the student to fine-tune> (a distilled checkpoint), "
+                                  f"or distill.teacher=null init_from={teacher} to distil the teacher itself")
+            check_weights_file("distill.teacher", teacher, meta_model, prefer=cfg.init_weights)
+        if cfg.get("init_from"):  # checked here too: a resumed run reads its student from ckpt_path, not init_from
+            check_weights_file("init_from", cfg.init_from, meta_model, prefer=cfg.init_weights)
+        teacher = teacher or cfg.get("init_from")
         if not teacher and not model_config.get("pretrained"):
             raise ConfigError(f"distill={method} needs a teacher: init_from=<the teacher's checkpoint> (or, for a "
                               f"diffusers model, model.pretrained=<its folder>); the student and the critic start "
                               f"from it")
-        if teacher:  # checked here too: a resumed run reads its student from ckpt_path, its teacher still from here
-            check_weights_file("init_from", teacher, meta_model, prefer=cfg.init_weights)
         cfg_scale = distill.get("cfg_scale")
         if cfg_scale is None:  # the run's own guidance, checked as the teacher's
             cfg_scale = sampling.get("cfg_scale", 1.0)

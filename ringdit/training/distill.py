@@ -7,11 +7,12 @@ by ``dmd_weight``, with its critic; both start once the tangent warm-up is over)
 Three models (sCM: no critic), all built by ``ringdit.build.build_model`` over the same mesh (ring, Ulysses, DDP
 or FSDP, LoRA):
 
-- the **student** (generator, ``self.model``, with its EMA): starts from the teacher; the one infer.py samples;
+- the **student** (generator, ``self.model``, with its EMA): starts from ``init_from`` (the teacher, or a distilled
+  student fine-tuned on new data under a teacher fine-tuned on it); the one infer.py samples;
 - the **critic** (fake score, ``self.critic``): starts from the teacher; learns the student's distribution with the
   ordinary denoising loss on the student's (detached) samples;
-- the **teacher** (real score): frozen, no gradient, no optimizer state, not in the checkpoints (it is ``init_from``,
-  read again on resume), guided with its classifier-free guidance scale.
+- the **teacher** (real score): frozen, no gradient, no optimizer state, not in the checkpoints (it is
+  ``distill.teacher``, default ``init_from``, read again on resume), guided with its classifier-free guidance scale.
 
 One training step is ``critic_steps`` critic updates (the two time-scale rule), then one student update; Lightning's
 step count (``trainer.max_steps``, checkpoints, previews) counts the student's updates. The student's loss is the
@@ -103,9 +104,10 @@ class DistillationModule(DiffusionModule):
         )
         lora = self.hparams.lora if lora_enabled(self.hparams.lora) else None
         if self.distill["method"] in CRITIC_METHODS:  # sCM trains none
-            # the critic starts from the teacher too (a resumed run then loads its own weights from the checkpoint)
-            self.critic, _ = build_model(self.hparams.model, init_from=self.hparams.init_from,
-                                         init_weights=self.hparams.init_weights, lora=lora, **common)
+            # the critic starts from the teacher too (a resumed run then loads its own weights from the checkpoint):
+            # a score model, also when the student is a distilled one fine-tuned (init_from, distill.teacher)
+            self.critic, _ = build_model(self.hparams.model, init_from=self.distill["teacher"],
+                                         init_weights=self.distill["teacher_weights"], lora=lora, **common)
         teacher, _ = build_model(self.hparams.model, init_from=self.distill["teacher"],
                                  init_weights=self.distill["teacher_weights"], **common)
         teacher.requires_grad_(False)
