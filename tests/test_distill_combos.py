@@ -36,20 +36,25 @@ TOLERANCE = {"ring2": ("one", 1e-10, 1e-10, 1e-13), "fsdp_ring2": ("one_fp32", 1
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """2 DMD2 iterations of one critic update and a student update each, plain SGD, per layout (run when read)."""
-    root = tmp_path_factory.mktemp("dmd2_lora")
+    """2 rCM iterations (sCM's loss through a JVP of the LoRA-adapted, checkpointed student, and DMD2's term with one
+    critic update: no warm-up) of plain SGD, per layout (run when read)."""
+    root = tmp_path_factory.mktemp("rcm_lora")
     run("train.py", root / "teacher", *TINY)  # 3 steps: the blocks' adaLN-Zero gates leave zero (LoRA needs them)
     teacher = root / "teacher" / "checkpoints" / "last.ckpt"
-    common = [*TINY, *SGD, "trainer.max_steps=2", "distill=dmd2", f"init_from={teacher}", "distill.critic_steps=1"]
+    common = [*TINY, *SGD, "trainer.max_steps=2", "distill=rcm", f"init_from={teacher}", "distill.critic_steps=1",
+              "distill.warmup_steps=0", "distill.dmd_weight=0.5"]
     return LazyRuns(root, LAYOUTS, *common)
 
 
 @pytest.mark.parametrize("layout", ["ring2", "fsdp_ring2"])
 def test_a_lora_distillation_with_checkpointing_equals_one_process(runs, layout):
-    """The student's and the critic's adapters train, their bases and the teacher stay as they started: the losses
-    and the student's weights (its EMA too) equal one process's; under DDP the critic's weights as well."""
+    """rCM (DMD2's critic and matching term, and sCM's JVP through the adapters and, under FSDP, the sharded weights):
+    the student's and the critic's adapters train, their bases and the teacher stay as they started; the losses (the
+    sCM loss too) and the student's weights (its EMA too) equal one process's; under DDP the critic's weights as
+    well."""
     name, loss_tolerance, rtol, atol = TOLERANCE[layout]
-    reference, parallel = distill_losses(runs.trained(name)), distill_losses(runs.trained(layout))
+    reference = distill_losses(runs.trained(name), "train/scm_loss")
+    parallel = distill_losses(runs.trained(layout), "train/scm_loss")
     assert sorted(reference) == sorted(parallel) == [0, 1]
     for step, values in reference.items():
         assert parallel[step] == pytest.approx(values, rel=loss_tolerance), f"step {step}"
