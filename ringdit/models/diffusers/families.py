@@ -1,6 +1,6 @@
 """The diffusers model families ringdit runs sequence-parallel: one ``Family`` each, holding its ``ParallelPlan``
 (Wan -- text-to-video, Wan 2.2 TI2V and Wan 2.1 I2V --, Flux and QwenImage here; HunyuanVideo 1.5 -- text- and
-image-to-video --, SkyReels-V2, LTX-Video, Flux.2 and CogVideoX 1.5 in their own modules).
+image-to-video --, SkyReels-V2, LTX-Video, Flux.2, CogVideoX 1.5 and Wan VACE in their own modules).
 
 To add a family (its own module, like ``hunyuan_video.py``):
 
@@ -27,9 +27,11 @@ from ringdit.models.diffusers.cogvideox import COGVIDEOX15
 from ringdit.models.diffusers.family import ChatTemplate, Family, PipelineTimesteps
 from ringdit.models.diffusers.flux2 import FLUX2
 from ringdit.models.diffusers.hunyuan_video import HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V
+from ringdit.models.diffusers.original_names import FLUX_NAMES, QWENIMAGE_NAMES, WAN_NAMES
 from ringdit.models.diffusers.packing import pack_latents, unpack_latents
 from ringdit.models.diffusers.ltx_video import LTX_VIDEO
 from ringdit.models.diffusers.skyreels import SKYREELS_V2
+from ringdit.models.diffusers.wan_vace import WAN_VACE
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -80,6 +82,7 @@ WAN = Family(
         (1536, 30): (-5.21862437e+04, 9.23041404e+03, -5.28275948e+02, 1.36987616e+01, -4.99875664e-02),  # 1.3B
         (5120, 40): (-3.03318725e+05, 4.90537029e+04, -2.65530556e+03, 5.87365115e+01, -3.15583525e-01),  # 14B
     },
+    original_lora_names=WAN_NAMES,
 )
 
 # Wan 2.2 TI2V (image and text to video, the 5B): the same transformer, in_channels == out_channels; the image is the
@@ -147,6 +150,7 @@ FLUX = Family(
                     emb=io.argument(block, "temb", args, kwargs))[0], True),
     teacache_coefficients={  # TeaCache4FLUX's, FLUX.1-dev's size
         (3072, 19): (4.98651651e+02, -2.83781631e+02, 5.58554382e+01, -3.82021401e+00, 2.64230861e-01)},
+    original_lora_names=FLUX_NAMES,
 )
 
 # ---- QwenImage: joint attention in dual-stream blocks, text padded to a fixed length with a mask -----------------
@@ -221,11 +225,12 @@ QWENIMAGE = Family(
     resolution_shift={"base_tokens": 256, "max_tokens": 8192, "base_shift": 0.5, "max_shift": 0.9},
     teacache_input=_qwenimage_modulated,
     chat_template=_qwenimage_chat_template,  # prompt_template=qwenimage: its Qwen2.5-VL as QwenImagePipeline encodes
+    original_lora_names=QWENIMAGE_NAMES,
 )
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, WAN22_TI2V, WAN_I2V, FLUX, QWENIMAGE,
                                                                    HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V, SKYREELS_V2,
-                                                                   LTX_VIDEO, FLUX2, COGVIDEOX15)}
+                                                                   LTX_VIDEO, FLUX2, COGVIDEOX15, WAN_VACE)}
 
 
 def get_family(name: str) -> Family:

@@ -1,0 +1,113 @@
+"""Wan VACE (diffusers' WanVACETransformer3DModel, unmodified: VACE blocks over the control video, hints added into
+the main blocks) under ringdit's plan, in float64: the same numbers as the model called directly on one process --
+forward and every parameter gradient -- on one process and on 4 gloo CPU ranks under ring 2, ring 4, Ulysses 2 and
+2 x 2, the video and control tokens (3 x 3 x 3 = 27) tail-padded on every layout; a control video of another grid is
+refused."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringdit.models import parallelize
+from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import LAYOUTS, forward_backward
+from tests.distributed import run_ranks
+from tests.helpers import architecture, assert_same_numbers
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SHAPE = (3, 6, 6)  # (T, H, W) latents: 27 tokens of Wan's 1x2x2 patches, padded on every layout
+TEXT_LEN, CONTROL_CHANNELS = 7, 72  # wan_vace_tiny's vace_in_channels
+# float64 on both sides: what is left is the order of sums (other GEMM shapes, the ring's merges)
+OUT_ATOL, GRAD_OF_LARGEST = 1e-13, 1e-12
+
+
+@contextlib.contextmanager
+def float64_kept():
+    """Wan's blocks compute their norms and modulation in float32 (``.float()``, FP32LayerNorm): in a float64 model
+    a gradient is rounded to float32 there, and a sum that a layout reorders by 1e-16 lands on another float32 value
+    now and then (3e-8 of the largest gradient, measured at ring 2). To compare the plan at float64 precision, both
+    sides run with ``.float()`` keeping float64 tensors as they are (the model's code otherwise unchanged)."""
+    original = torch.Tensor.float
+
+    def keep_float64(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else original(self, *args, **kwargs)
+
+    torch.Tensor.float = keep_float64
+    try:
+        yield
+    finally:
+        torch.Tensor.float = original
+SCALE = torch.tensor([1.0, 0.5], dtype=torch.float64)  # the pipeline's conditioning_scale, one per VACE layer
+
+
+def vace_case(seed=0, dims=None):
+    """The same weights and inputs on every rank: the unmodified reference, a ringdit model (float64), inputs, dout."""
+    import diffusers
+
+    from ringdit.models.diffusers import DiffusersTransformer
+
+    torch.manual_seed(seed)
+    reference = diffusers.WanVACETransformer3DModel.from_config(architecture("wan_vace_tiny")).double()
+    model = DiffusersTransformer("wan_vace", config=architecture("wan_vace_tiny"), input_size=SHAPE, in_channels=4,
+                                 text_len=TEXT_LEN, text_dim=16)
+    model.transformer.load_state_dict(reference.state_dict())
+    parallelize(model.double(), dims=dims)  # dims None: one process, attention still routed to ringdit
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(2, 4, *SHAPE, generator=g, dtype=torch.float64)
+    text = torch.randn(2, TEXT_LEN, 16, generator=g, dtype=torch.float64)
+    control = torch.randn(2, CONTROL_CHANNELS, *SHAPE, generator=g, dtype=torch.float64)
+    dout = torch.randn(2, 4, *SHAPE, generator=g, dtype=torch.float64)
+    return reference, model, (x, text, control), dout
+
+
+T = torch.tensor([30.0, 810.0], dtype=torch.float64)
+
+
+def run_both(reference, model, x, text, control, dout):
+    expected = forward_backward(lambda: reference(x, T, text, control_hidden_states=control,
+                                                  control_hidden_states_scale=SCALE, return_dict=False)[0],
+                                reference, dout)
+    got = forward_backward(lambda: model(x, T, {"text": text, "control": control, "control_scale": SCALE}),
+                           model.transformer, dout)
+    return got, expected
+
+
+def assert_matches(got, expected, where=""):
+    (out, grads), (ref_out, ref_grads) = got, expected
+    assert_same_numbers(out, ref_out, atol=OUT_ATOL, where=f"{where} output")
+    largest = max(grad.abs().max() for grad in ref_grads.values() if grad is not None)
+    assert_same_numbers(grads, ref_grads, atol=GRAD_OF_LARGEST * largest, where=f"{where} gradient")
+
+
+def check_layouts(rank, world):
+    for ring, ulysses in LAYOUTS:
+        reference, model, inputs, dout = vace_case(dims=init_sequence_parallel(ring, ulysses))
+        with float64_kept():
+            (out, grads), expected = run_both(reference, model, *inputs, dout)
+        for grad in (g for g in grads.values() if g is not None):  # DDP's average over the ranks
+            dist.all_reduce(grad)
+            grad /= world
+        assert_matches((out, grads), expected, f"ring {ring} x ulysses {ulysses}")
+
+
+def test_wan_vace_matches_unmodified_diffusers_under_every_layout():
+    run_ranks(check_layouts, 4)
+
+
+def test_wan_vace_one_process_equals_diffusers():
+    reference, model, inputs, dout = vace_case()
+    assert_matches(*run_both(reference, model, *inputs, dout), "one process")
+
+
+@pytest.mark.parametrize("grid", [(2, 6, 6), (3, 4, 6)], ids=["fewer frames", "smaller"])
+def test_a_control_video_of_another_grid_is_refused(grid):
+    _, model, (x, text, _), _ = vace_case()
+    control = torch.zeros(2, CONTROL_CHANNELS, *grid, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"the control latents \(2, 72, .*\) do not fit the latents \(2, 4, 3, 6, 6\)"):
+        model(x, T, {"text": text, "control": control})
