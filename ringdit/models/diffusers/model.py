@@ -8,7 +8,6 @@ embedding -- is a buffer of this module, so it travels with checkpoints and expo
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -17,16 +16,19 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ringdit.errors import ConfigError
+from ringdit.models.diffusers.building import (EXPERTS, build_transformer, check_boundary_ratio, check_folder_experts,
+                                              check_same_architecture, guidance_embedding, plain_value,
+                                              pretrained_folder, read_config, second_expert_subfolder)
+from ringdit.models.diffusers.data_checks import (check_image_architecture, check_image_data, check_latent_shape,
+                                                 check_width, glyph_shape, image_embeds_width)
 from ringdit.models.diffusers.families import Family, get_family
 from ringdit.models.diffusers.folders import check_weights_folder
-from ringdit.models.diffusers.image_condition import (CONDITION_KEY, channel_input, first_frame_channel_input,
+from ringdit.models.diffusers.image_condition import (channel_input, first_frame_channel_input,
                                                     first_frame_mask, replace_first_frame, require_image,
                                                     token_timesteps)
 from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.conditioning import GLYPH_KEYS, NULL_KEYS, TEXT
-from ringdit.models.materialize import building_on_meta
 from ringdit.models.plan import ParallelPlan
-from ringdit.safe_json import read_json
 
 Tensor = torch.Tensor
 
@@ -82,18 +84,18 @@ class DiffusersTransformer(nn.Module):
         self.family: Family = get_family(family)
         if OmegaConf.is_config(config):  # Hydra passes nested settings as DictConfig; diffusers wants plain values
             config = OmegaConf.to_container(config, resolve=True)
-        self.boundary_ratio = _check_boundary(boundary_ratio, pretrained, subfolder)
+        self.boundary_ratio = check_boundary_ratio(boundary_ratio, pretrained, subfolder)
         if pretrained is not None and subfolder:
-            _check_folder_experts(pretrained, subfolder, self.boundary_ratio)
+            check_folder_experts(pretrained, subfolder, self.boundary_ratio)
         self.transformer = build_transformer(self.family, config, pretrained, subfolder)
         if self.boundary_ratio is not None:  # the low-noise expert: the same architecture, its own weights
-            self.transformer_2 = build_transformer(self.family, config, pretrained, _second(subfolder))
-            _check_same_architecture(self.transformer, self.transformer_2, pretrained)
+            self.transformer_2 = build_transformer(self.family, config, pretrained, second_expert_subfolder(subfolder))
+            check_same_architecture(self.transformer, self.transformer_2, pretrained)
         self.pretrained = (pretrained, subfolder) if pretrained is not None else None  # the weights to load
         arch = dict(self.transformer.config)
         self.in_channels = self.family.latent_channels(arch)  # of the latents ringdit sees
         self.image_condition = self.family.image_condition  # image-to-video: how the first frame enters
-        _check_image_architecture(self.family, arch)
+        check_image_architecture(self.family, arch)
         # the conditioning the model reads: image embeddings too where the architecture takes them (Wan's image_dim,
         # HunyuanVideo 1.5 I2V's image_embed_dim)
         self.condition_keys = self.family.condition_keys + (("image_embeds",) if image_embeds_width(self.family, arch)
@@ -112,16 +114,16 @@ class DiffusersTransformer(nn.Module):
             check_latent_shape(self.input_size, self.patch_size, in_channels, self.in_channels)
             self.default_grid = tuple(s // p for s, p in zip(self.input_size, self.patch_size))
         text_len, text_dim = text_len or 1, text_dim or arch[self.family.text_dim]
-        _check_width("text embeddings", text_dim, self.family.text_dim, arch)
+        check_width("text embeddings", text_dim, self.family.text_dim, arch)
         self.register_buffer("null_text", torch.zeros(1, text_len, text_dim))  # (1, L, D_text)
         self.register_buffer("null_text_mask", torch.zeros(1, text_len, dtype=torch.bool))  # (1, L)
         if self.family.pooled_dim is not None:
             pooled_dim = pooled_dim or arch[self.family.pooled_dim]
-            _check_width("pooled text embeddings", pooled_dim, self.family.pooled_dim, arch)
+            check_width("pooled text embeddings", pooled_dim, self.family.pooled_dim, arch)
             self.register_buffer("null_pooled", torch.zeros(1, pooled_dim))  # (1, P)
         if glyph_len:  # the empty prompt's glyph text: zero and all masked (no quoted text) unless the data say
-            _glyph_shape(self.family, {"glyph_len": glyph_len, "glyph_dim": glyph_dim})  # a family that reads it
-            _check_width("glyph text embeddings", glyph_dim, self.family.glyph_dim, arch)
+            glyph_shape(self.family, {"glyph_len": glyph_len, "glyph_dim": glyph_dim})  # a family that reads it
+            check_width("glyph text embeddings", glyph_dim, self.family.glyph_dim, arch)
             self.register_buffer("null_glyph_text", torch.zeros(1, glyph_len, glyph_dim))  # (1, G, D_glyph)
             self.register_buffer("null_glyph_text_mask", torch.zeros(1, glyph_len, dtype=torch.bool))  # (1, G)
             self.condition_keys += GLYPH_KEYS
@@ -148,8 +150,8 @@ class DiffusersTransformer(nn.Module):
         if family.pooled_dim is not None and not data.get("pooled_dim"):
             raise ConfigError(f"model.family={family.name} takes a pooled text embedding, but the data has none; "
                               f"encode the captions with the model's pooled text encoder too (text_latents 'pooled')")
-        _check_image_data(config, family, data)
-        glyph = _glyph_shape(family, data)
+        check_image_data(config, family, data)
+        glyph = glyph_shape(family, data)
         if config.get("pretrained"):  # the run records the architecture it trains: the folder's, not a preset's
             folder = pretrained_folder(family, config["pretrained"], config.get("subfolder", "transformer"))
             config = {**config, "config": read_config(family, folder, config["pretrained"])}
@@ -365,7 +367,7 @@ class DiffusersTransformer(nn.Module):
         """(key prefix in this module, subfolder of a diffusers folder) of each transformer this model holds."""
         parts = [("transformer.", subfolder)]
         if self.experts:
-            parts.append(("transformer_2.", _second(subfolder)))
+            parts.append(("transformer_2.", second_expert_subfolder(subfolder)))
         return parts
 
     def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> Tensor | None:
@@ -383,242 +385,15 @@ class DiffusersTransformer(nn.Module):
     def check_pretrained(self, pretrained: str, subfolder: str | None = "transformer") -> None:
         """Raise a ConfigError unless ``pretrained`` holds this family's model with the same architecture (each
         expert's, for a two-expert model)."""
-        _check_boundary(self.boundary_ratio, pretrained, subfolder, setting="init_from")
+        check_boundary_ratio(self.boundary_ratio, pretrained, subfolder, setting="init_from")
         ours = {key: value for key, value in self.transformer.config.items() if not key.startswith("_")}
         for _, part in self.subfolders(subfolder):
             folder = pretrained_folder(self.family, pretrained, part, setting="init_from")
             config = read_config(self.family, folder, pretrained, setting="init_from")
-            differing = sorted(key for key in config if key in ours and _plain(config[key]) != _plain(ours[key]))
+            differing = sorted(key for key in config
+                               if key in ours and plain_value(config[key]) != plain_value(ours[key]))
             if differing:
                 details = ", ".join(f"{key}={config[key]!r} vs {ours[key]!r}" for key in differing[:6])
                 raise ConfigError(f"init_from={pretrained} is another {self.family.model_class} architecture than "
                                   f"the model ({details}); pick the model preset that matches it, or model.pretrained")
             check_weights_folder(folder, setting="init_from", value=pretrained, class_name=self.family.model_class)
-
-
-EXPERTS = ("high", "low")  # a two-expert model's transformer and transformer_2, in WanPipeline's order
-
-
-def _second(subfolder: str | None) -> str:
-    """The low-noise expert's subfolder (diffusers' ``transformer_2``)."""
-    return f"{subfolder}_2"
-
-
-def _check_boundary(boundary_ratio, pretrained: str | None, subfolder: str | None,
-                    setting: str = "model.pretrained") -> float | None:
-    if boundary_ratio is None:
-        return None
-    if isinstance(boundary_ratio, bool) or not isinstance(boundary_ratio, (int, float)) \
-            or not 0 < boundary_ratio < 1:
-        raise ConfigError(f"model.boundary_ratio={boundary_ratio!r} is not in (0, 1): it is the fraction of the "
-                          f"1000 training timesteps where a two-expert model switches from its high-noise to its "
-                          f"low-noise expert (Wan 2.2 A14B: 0.875 text-to-video, 0.9 image-to-video); null for one "
-                          f"transformer")
-    if pretrained is not None and not subfolder:
-        raise ConfigError(f"{setting}={pretrained} with model.subfolder=null: a two-expert model "
-                          f"(model.boundary_ratio) reads its experts from <folder>/transformer and "
-                          f"<folder>/transformer_2; set model.subfolder=transformer")
-    return float(boundary_ratio)
-
-
-def _check_folder_experts(pretrained: str, subfolder: str, boundary_ratio: float | None) -> None:
-    """A pipeline folder with two experts (``transformer_2/``; its ``model_index.json`` says where they switch) for a
-    model configured with one, or with another boundary: a ConfigError, not half a model or experts switched where
-    they were not trained to."""
-    root = Path(pretrained).expanduser()
-    try:  # plain JSON data, nothing in it is run
-        index = json.loads((root / "model_index.json").read_text())
-    except (OSError, ValueError):
-        index = {}
-    folder_ratio = index.get("boundary_ratio") if isinstance(index, dict) else None
-    if boundary_ratio is None and (folder_ratio is not None or (root / _second(subfolder)).is_dir()):
-        raise ConfigError(f"model.pretrained={pretrained} holds two experts ({_second(subfolder)}/, boundary_ratio="
-                          f"{folder_ratio}): use model=wan22_a14b (or set model.boundary_ratio={folder_ratio}), so "
-                          f"that both load and each denoises its own times")
-    if boundary_ratio is not None and isinstance(folder_ratio, (int, float)) and folder_ratio != boundary_ratio:
-        raise ConfigError(f"model.boundary_ratio={boundary_ratio} but model.pretrained={pretrained} switches its "
-                          f"experts at {folder_ratio} (model_index.json), where they were trained to; set "
-                          f"model.boundary_ratio={folder_ratio}")
-
-
-def _check_same_architecture(high: nn.Module, low: nn.Module, pretrained: str | None) -> None:
-    """WanPipeline runs the experts on the same latents: they must be one architecture."""
-    ours, theirs = (dict(expert.config) for expert in (high, low))
-    differing = sorted(key for key in ours if not key.startswith("_") and _plain(ours[key]) != _plain(theirs.get(key)))
-    if differing:
-        details = ", ".join(f"{key}={ours[key]!r} vs {theirs.get(key)!r}" for key in differing[:6])
-        raise ConfigError(f"model.pretrained={pretrained}: transformer/ and transformer_2/ are different "
-                          f"architectures ({details}); a two-expert model's experts share one")
-
-
-def _check_width(what: str, width: int, key: str, arch: dict) -> None:
-    if width != arch[key]:
-        raise ConfigError(f"the data's {what} have width {width} but the model's {key} is {arch[key]}: encode the "
-                          f"captions with the model's own text encoder(s)")
-
-
-def _glyph_shape(family: Family, data: dict) -> dict:
-    """``glyph_len`` / ``glyph_dim`` of the data's glyph text for a family that reads it, {} for data without it; a
-    ConfigError for glyph text that the model would not read."""
-    if not data.get("glyph_len"):
-        return {}
-    if family.glyph_dim is None:
-        raise ConfigError(f"the data hold glyph text (glyph_text {data['glyph_len']} x {data['glyph_dim']}: "
-                          f"HunyuanVideo 1.5's ByT5 states of the captions' quoted text), which "
-                          f"model.family={family.name} does not read; prepare the data without glyph_encoder, or "
-                          f"train model=hunyuan_video15")
-    return {"glyph_len": data["glyph_len"], "glyph_dim": data["glyph_dim"]}
-
-
-def image_embeds_width(family: Family, arch: dict) -> int | None:
-    """The width of the image embeddings (the data's ``image_embeds``) a model of ``arch`` reads; None: none."""
-    return arch.get(family.image_embeds) if family.image_embeds else None
-
-
-def _check_image_architecture(family: Family, arch: dict) -> None:
-    """Wan 2.1 I2V takes [video ; mask (4) ; image latents] on its input channels, HunyuanVideo 1.5 I2V [video ;
-    image latents ; mask (1)]; Wan 2.2 TI2V the video alone."""
-    if family.image_condition == "first_frame_channels" and arch["in_channels"] != 2 * arch["out_channels"] + 1:
-        raise ConfigError(f"model.family={family.name} takes [video ; first-frame latents ; mask] on its channels: "
-                          f"in_channels must be 2 * out_channels + 1 = {2 * arch['out_channels'] + 1}, got "
-                          f"{arch['in_channels']}; use model=hunyuan_video15_i2v*")
-    if family.image_condition == "channels" and arch["in_channels"] != 2 * arch["out_channels"] + 4:
-        raise ConfigError(f"model.family={family.name} takes [video ; mask ; first-frame latents] on its channels: "
-                          f"in_channels must be 2 * out_channels + 4 = {2 * arch['out_channels'] + 4}, got "
-                          f"{arch['in_channels']}; use model=wan_i2v* (or model.family=wan for a text-to-video model)")
-    if family.image_condition == "first_frame" and arch["in_channels"] != arch["out_channels"]:
-        raise ConfigError(f"model.family={family.name} replaces the first latent frame: in_channels "
-                          f"({arch['in_channels']}) must equal out_channels ({arch['out_channels']}); for "
-                          f"[video ; mask ; image] inputs use model.family=wan_i2v")
-
-
-# Wan's attention processor cuts the image keys off the front of [image ; text] as "all but the last 512"
-WAN_IMAGE_TEXT_LEN = 512
-
-
-def _check_image_data(config: dict, family: Family, data: dict) -> None:
-    """An image-to-video model needs the data's first-frame conditioning (``data["image_keys"]``: the image keys its
-    samples hold, text_latents' describe())."""
-    if family.image_condition is None:
-        return
-    keys = set(data.get("image_keys", ()))
-    needed = CONDITION_KEY[family.image_condition]
-    what = {"image_latents": "the first frame's latents, encoded alone (Wan 2.2 TI2V, HunyuanVideo 1.5 I2V)",
-            "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)"}[needed]
-    if needed not in keys:
-        raise ConfigError(f"model.family={family.name} is image-to-video but the data has no {needed!r} ({what}); "
-                          f"prepare it with `python -m ringdit.prepare task=i2v`, or use a text-to-video model")
-    arch = config.get("config") or {}
-    width = image_embeds_width(family, arch)
-    if width and "image_embeds" not in keys:
-        optional = family.image_condition == "channels"  # Wan 2.1 I2V trains without CLIP too (no image_dim)
-        raise ConfigError(f"model.config.{family.image_embeds}={width}: the model takes image embeddings but the data "
-                          f"has no 'image_embeds'; prepare with image_encoder=<the pipeline folder (its "
-                          f"image_encoder/)>" + (f", or set model.config.{family.image_embeds}=null" if optional
-                                                 else ""))
-    if arch.get("image_dim"):
-        if data["text_len"] != WAN_IMAGE_TEXT_LEN:
-            raise ConfigError(f"model.config.image_dim is set, so Wan's attention takes the last 512 keys as text, "
-                              f"but the data's captions are {data['text_len']} tokens; encode them padded to 512 "
-                              f"(prepare max_text_len=512)")
-
-
-def _plain(value):
-    return list(value) if isinstance(value, tuple) else value
-
-
-# ---- building ----------------------------------------------------------------------------------------------------
-
-
-def diffusers_class(family: Family) -> type[nn.Module]:
-    import diffusers
-
-    return getattr(diffusers, family.model_class)
-
-
-def build_transformer(family: Family, config: dict | None, pretrained: str | None, subfolder: str | None,
-                      setting: str = "model.pretrained") -> nn.Module:
-    transformer = _load_transformer(family, config, pretrained, subfolder, setting)
-    if family.attention_processors is not None:  # processors that dispatch, in place of ones that call PyTorch's
-        family.attention_processors(transformer)
-    return transformer
-
-
-def _load_transformer(family: Family, config: dict | None, pretrained: str | None, subfolder: str | None,
-                      setting: str) -> nn.Module:
-    cls = diffusers_class(family)
-    if pretrained is None:
-        if not config:
-            raise ConfigError("model: give model.pretrained=<local diffusers folder> or an architecture model.config "
-                              "(e.g. model=wan_tiny)")
-        return cls.from_config(dict(config))
-    folder = pretrained_folder(family, pretrained, subfolder, setting)
-    arch = read_config(family, folder, pretrained, setting)
-    # the weights' headers, before any rank starts (train.py builds on meta first); safetensors only: a .bin can
-    # run code when unpickled, and diffusers would fall back to it when a folder has no safetensors
-    check_weights_folder(folder, setting=setting, value=pretrained, class_name=family.model_class)
-    if torch.empty(0).device.type == "meta" or building_on_meta():  # shapes only: the weights load per rank later
-        return cls.from_config(arch)
-    try:
-        return cls.from_pretrained(str(folder), local_files_only=True, torch_dtype=torch.float32, use_safetensors=True)
-    except (OSError, ValueError, RuntimeError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ConfigError(f"{setting}={pretrained}: could not load the weights in {folder}: {first}") from None
-
-
-def pretrained_folder(family: Family, pretrained: str, subfolder: str | None, setting: str = "model.pretrained"
-                      ) -> Path:
-    root = Path(pretrained).expanduser()
-    if not root.is_dir():
-        raise ConfigError(f"{setting}={pretrained} is not a folder; give a local diffusers folder (as saved by "
-                          f"save_pretrained or downloaded with huggingface-cli; nothing is downloaded here)")
-    folder = root / subfolder if subfolder else root
-    if not (folder / "config.json").is_file():
-        where = f"{subfolder}/config.json" if subfolder else "config.json"
-        raise ConfigError(f"{setting}={pretrained} has no {where}: not a diffusers {family.model_class} folder"
-                          + (" (if the folder is the transformer itself, set model.subfolder=null)" if subfolder else ""))
-    return folder
-
-
-def read_config(family: Family, folder: Path, pretrained: str, setting: str = "model.pretrained") -> dict:
-    """The architecture in ``folder/config.json`` (plain JSON data: nothing in it is imported or run)."""
-    config = read_json(folder / "config.json", f"{setting}={pretrained}: {folder / 'config.json'}", kind=dict,
-                       fix=f"give a diffusers {family.model_class} folder (as save_pretrained writes it)")
-    kind = config.get("_class_name", family.model_class)
-    if kind != family.model_class:
-        raise ConfigError(f"{setting}={pretrained} holds a {kind}, not a {family.model_class} "
-                          f"(model.family={family.name}); pick the model preset that matches the folder")
-    import diffusers
-
-    from ringdit.models.diffusers.folders import check_config_values
-
-    check_config_values(config, getattr(diffusers, family.model_class), folder / "config.json",
-                        f"{setting}={pretrained}")
-    return {key: value for key, value in config.items() if not key.startswith("_")}
-
-
-def check_latent_shape(size: tuple[int, ...], patch: tuple[int, ...], data_channels: int | None, channels: int) -> None:
-    if len(size) != len(patch):
-        raise ConfigError(f"the data's latents have shape {list(size)} but the model patches {len(patch)}-D "
-                          f"{'videos (T, H, W)' if len(patch) == 3 else 'images (H, W)'}")
-    if any(s % p for s, p in zip(size, patch)):
-        raise ConfigError(f"the data's latent shape {list(size)} is not divisible by the model's patch size "
-                          f"{list(patch)}; crop or pad the latents to a multiple of it")
-    if data_channels is not None and data_channels != channels:
-        raise ConfigError(f"the data's latents have {data_channels} channels but the model takes {channels}: "
-                          f"encode with the model's own VAE")
-
-
-def guidance_embedding(config: dict) -> bool | None:
-    """Whether a diffusers model is guidance-distilled (``guidance_embeds``, as its class defaults it: FLUX.2 yes,
-    FLUX.1 and QwenImage no, Wan none); None while its architecture is a pretrained folder not read yet."""
-    import inspect
-
-    import diffusers
-
-    architecture = config.get("config")
-    if not architecture:
-        return None
-    parameter = inspect.signature(getattr(diffusers, get_family(config["family"]).model_class).__init__
-                                  ).parameters.get("guidance_embeds")
-    return bool(architecture.get("guidance_embeds", parameter.default if parameter is not None else False))

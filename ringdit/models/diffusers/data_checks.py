@@ -1,0 +1,92 @@
+"""Whether the data fit a diffusers model of a family: the latents' shape and channels, the text, pooled and glyph
+embeddings' widths, and an image-to-video family's first-frame conditioning and its input channels."""
+
+from __future__ import annotations
+
+from ringdit.errors import ConfigError
+from ringdit.models.diffusers.families import Family
+from ringdit.models.diffusers.image_condition import CONDITION_KEY
+
+
+def check_width(what: str, width: int, key: str, arch: dict) -> None:
+    if width != arch[key]:
+        raise ConfigError(f"the data's {what} have width {width} but the model's {key} is {arch[key]}: encode the "
+                          f"captions with the model's own text encoder(s)")
+
+
+def glyph_shape(family: Family, data: dict) -> dict:
+    """``glyph_len`` / ``glyph_dim`` of the data's glyph text for a family that reads it, {} for data without it; a
+    ConfigError for glyph text that the model would not read."""
+    if not data.get("glyph_len"):
+        return {}
+    if family.glyph_dim is None:
+        raise ConfigError(f"the data hold glyph text (glyph_text {data['glyph_len']} x {data['glyph_dim']}: "
+                          f"HunyuanVideo 1.5's ByT5 states of the captions' quoted text), which "
+                          f"model.family={family.name} does not read; prepare the data without glyph_encoder, or "
+                          f"train model=hunyuan_video15")
+    return {"glyph_len": data["glyph_len"], "glyph_dim": data["glyph_dim"]}
+
+
+def image_embeds_width(family: Family, arch: dict) -> int | None:
+    """The width of the image embeddings (the data's ``image_embeds``) a model of ``arch`` reads; None: none."""
+    return arch.get(family.image_embeds) if family.image_embeds else None
+
+
+def check_image_architecture(family: Family, arch: dict) -> None:
+    """Wan 2.1 I2V takes [video ; mask (4) ; image latents] on its input channels, HunyuanVideo 1.5 I2V [video ;
+    image latents ; mask (1)]; Wan 2.2 TI2V the video alone."""
+    if family.image_condition == "first_frame_channels" and arch["in_channels"] != 2 * arch["out_channels"] + 1:
+        raise ConfigError(f"model.family={family.name} takes [video ; first-frame latents ; mask] on its channels: "
+                          f"in_channels must be 2 * out_channels + 1 = {2 * arch['out_channels'] + 1}, got "
+                          f"{arch['in_channels']}; use model=hunyuan_video15_i2v*")
+    if family.image_condition == "channels" and arch["in_channels"] != 2 * arch["out_channels"] + 4:
+        raise ConfigError(f"model.family={family.name} takes [video ; mask ; first-frame latents] on its channels: "
+                          f"in_channels must be 2 * out_channels + 4 = {2 * arch['out_channels'] + 4}, got "
+                          f"{arch['in_channels']}; use model=wan_i2v* (or model.family=wan for a text-to-video model)")
+    if family.image_condition == "first_frame" and arch["in_channels"] != arch["out_channels"]:
+        raise ConfigError(f"model.family={family.name} replaces the first latent frame: in_channels "
+                          f"({arch['in_channels']}) must equal out_channels ({arch['out_channels']}); for "
+                          f"[video ; mask ; image] inputs use model.family=wan_i2v")
+
+
+# Wan's attention processor cuts the image keys off the front of [image ; text] as "all but the last 512"
+WAN_IMAGE_TEXT_LEN = 512
+
+
+def check_image_data(config: dict, family: Family, data: dict) -> None:
+    """An image-to-video model needs the data's first-frame conditioning (``data["image_keys"]``: the image keys its
+    samples hold, text_latents' describe())."""
+    if family.image_condition is None:
+        return
+    keys = set(data.get("image_keys", ()))
+    needed = CONDITION_KEY[family.image_condition]
+    what = {"image_latents": "the first frame's latents, encoded alone (Wan 2.2 TI2V, HunyuanVideo 1.5 I2V)",
+            "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)"}[needed]
+    if needed not in keys:
+        raise ConfigError(f"model.family={family.name} is image-to-video but the data has no {needed!r} ({what}); "
+                          f"prepare it with `python -m ringdit.prepare task=i2v`, or use a text-to-video model")
+    arch = config.get("config") or {}
+    width = image_embeds_width(family, arch)
+    if width and "image_embeds" not in keys:
+        optional = family.image_condition == "channels"  # Wan 2.1 I2V trains without CLIP too (no image_dim)
+        raise ConfigError(f"model.config.{family.image_embeds}={width}: the model takes image embeddings but the data "
+                          f"has no 'image_embeds'; prepare with image_encoder=<the pipeline folder (its "
+                          f"image_encoder/)>" + (f", or set model.config.{family.image_embeds}=null" if optional
+                                                 else ""))
+    if arch.get("image_dim"):
+        if data["text_len"] != WAN_IMAGE_TEXT_LEN:
+            raise ConfigError(f"model.config.image_dim is set, so Wan's attention takes the last 512 keys as text, "
+                              f"but the data's captions are {data['text_len']} tokens; encode them padded to 512 "
+                              f"(prepare max_text_len=512)")
+
+
+def check_latent_shape(size: tuple[int, ...], patch: tuple[int, ...], data_channels: int | None, channels: int) -> None:
+    if len(size) != len(patch):
+        raise ConfigError(f"the data's latents have shape {list(size)} but the model patches {len(patch)}-D "
+                          f"{'videos (T, H, W)' if len(patch) == 3 else 'images (H, W)'}")
+    if any(s % p for s, p in zip(size, patch)):
+        raise ConfigError(f"the data's latent shape {list(size)} is not divisible by the model's patch size "
+                          f"{list(patch)}; crop or pad the latents to a multiple of it")
+    if data_channels is not None and data_channels != channels:
+        raise ConfigError(f"the data's latents have {data_channels} channels but the model takes {channels}: "
+                          f"encode with the model's own VAE")
