@@ -13,6 +13,7 @@ from torch import nn
 
 from ringdit.diffusion.schedulers import PipelineTimesteps
 from ringdit.models.block_io import BlockIO
+from ringdit.models.diffusers.original_names import Rule
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -100,6 +101,11 @@ class Family:
     pipeline_timesteps: PipelineTimesteps = PipelineTimesteps()
     # LoRA's default targets (module-name suffixes, peft's rule): every attention projection
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    # LoRA files by the model's original layer names (ComfyUI's, format=comfyui, read both ways): the rules from
+    # diffusers' layer names to them (ringdit.models.diffusers.original_names) and the (down, up) key names; ():
+    # the family's adapters have diffusers' names only
+    original_lora_names: tuple[Rule, ...] = ()
+    original_lora_keys: tuple[str, str] = ("lora_down", "lora_up")
     # the diffusers pipeline classes whose folders ringdit samples as published (ckpt_path=<pipeline folder>: their
     # defaults and scheduler, ringdit.spec.pipeline); () for a family sampled only from ringdit runs
     pipelines: tuple[str, ...] = ()

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from ringdit.models.diffusers.family import ChatTemplate, Family, PipelineTimesteps
+from ringdit.models.diffusers.original_names import HUNYUAN_VIDEO15_NAMES
 from ringdit.models.block_io import BlockIO
 from ringdit.models.plan import ParallelPlan
 
@@ -144,6 +145,7 @@ HUNYUAN_VIDEO15 = Family(
     # the step cache's token streams: (video, text) in and out (not in diffusers' block registry)
     cache_blocks=BlockIO("hidden_states", "encoder_hidden_states", 0, 1),
     chat_template=_chat_template,
+    original_lora_names=HUNYUAN_VIDEO15_NAMES,  # Tencent's checkpoint's
 )
 
 # HunyuanVideo 1.5 I2V (the 480p / 720p i2v transformers): the same model, its input channels [video ; first-frame

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ringdit.models.diffusers.family import Family, PipelineTimesteps
+from ringdit.models.diffusers.original_names import LTX_VIDEO_NAMES
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -83,4 +84,6 @@ LTX_VIDEO = Family(
     shift_terminal=0.1,  # the same scheduler_config.json's: its sigmas are stretched to end at 0.1
     # LTXPipeline: sigmas linspace(1, 1 / steps, steps); it steps the scheduler on noise_pred.float()
     pipeline_timesteps=PipelineTimesteps(sigmas="to_last", float32_prediction=True),
+    original_lora_names=LTX_VIDEO_NAMES,
+    original_lora_keys=("lora_A", "lora_B"),  # as LTX-Video-Trainer writes them (ComfyUI reads those too)
 )

@@ -21,6 +21,7 @@ from torch import nn
 
 from ringdit.models.block_io import BlockIO
 from ringdit.models.diffusers.family import Family
+from ringdit.models.diffusers.original_names import WAN_NAMES
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -70,4 +71,5 @@ SKYREELS_V2 = Family(
     text_dim="text_dim",
     max_grid=lambda config: (config.get("rope_max_seq_len", 1024),) * 3,  # its RoPE table (Wan's), per axis
     cache_blocks=BlockIO("hidden_states"),  # the step cache's token stream (not in diffusers' block registry)
+    original_lora_names=WAN_NAMES,  # Wan's layer names
 )
