@@ -294,15 +294,20 @@ def normalisation(config, model=None) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def latent_patch(class_name: str, folder: Path, path, setting: str = "vae") -> int:
-    """The side of the latent patches the normalisation applies to: 2 for AutoencoderKLFlux2 (its batch norm is
-    over the 2x2-patchified channels), 1 for every other VAE. ``folder``: the VAE's (its config.json is read)."""
-    if class_name != "AutoencoderKLFlux2":
+    """The side of the latent patches the normalisation applies to: the VAE kind's ``latent_patch``
+    (``ringdit.models.vaes``: 2 for AutoencoderKLFlux2, whose batch norm is over the 2x2-patchified channels; 1 for
+    every other VAE). ``folder``: the VAE's (its config.json is read where the kind patchifies)."""
+    kind = VAE_KINDS[class_name]
+    patch = kind.latent_patch
+    if patch == 1:
         return 1
     config = json.loads((folder / "config.json").read_text())  # valid JSON: vae_class read it
-    if tuple(config.get("patch_size") or (2, 2)) != (2, 2):  # Flux2Pipeline patchifies 2x2, whatever it says
-        raise ConfigError(f"{setting}={path}: AutoencoderKLFlux2 with patch_size={config.get('patch_size')}; "
-                          f"Flux2Pipeline normalises 2x2 patches (patch_size [2, 2]), so only those can be used")
-    return 2
+    # its pipeline patchifies p x p whatever the config says: a config that says otherwise would be read wrongly
+    if tuple(config.get("patch_size") or (patch, patch)) != (patch, patch):
+        raise ConfigError(f"{setting}={path}: {class_name} with patch_size={config.get('patch_size')}; "
+                          f"{kind.pipeline} normalises {patch}x{patch} patches (patch_size [{patch}, {patch}]), so "
+                          f"only those can be used")
+    return patch
 
 
 def patchify(latents: torch.Tensor, patch: int) -> torch.Tensor:

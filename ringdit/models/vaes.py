@@ -15,6 +15,9 @@ class VaeKind:
     tiles: str | None = None  # the tiled encode / decode of diffusers that ringdit.media.parallel_vae spreads over
     #                           ranks: "video" (Wan's, frame by frame with its cache) or "image" (AutoencoderKL's);
     #                           None: this VAE tiles on one process only
+    latent_patch: int = 1  # the side of the latent patches its normalisation (latents_mean / std, batch norm) is
+    #                        per: AutoencoderKLFlux2's batch norm is over 2x2-patchified channels; 1: per latent cell
+    pipeline: str = ""     # the diffusers pipeline whose latent handling this follows, where messages name it
 
 
 VAE_KINDS = {kind.class_name: kind for kind in (
@@ -24,7 +27,8 @@ VAE_KINDS = {kind.class_name: kind for kind in (
     VaeKind("AutoencoderKLHunyuanVideo15", video=True),
     VaeKind("AutoencoderKLCogVideoX", video=True, frame_pad=2),
     VaeKind("AutoencoderKL", video=False, tiles="image"),
-    VaeKind("AutoencoderKLFlux2", video=False, tiles="image"),  # its tiled encode / decode are AutoencoderKL's
+    VaeKind("AutoencoderKLFlux2", video=False, tiles="image", latent_patch=2,  # tiles: AutoencoderKL's code
+            pipeline="Flux2Pipeline"),
 )}
 
 
