@@ -45,8 +45,9 @@ TWINS = {
 }
 # the recipe pages of the presets (dit.md: the original class-conditional checkpoints, no preset; index.md: the list)
 PAGES = sorted(page for page in (REPO / "docs" / "recipes").glob("*.md") if page.name not in ("index.md", "dit.md"))
-# what a page's train command may add to experiment=<preset>: where the model, the data and the run are
-PLACES = {"model.pretrained", "data.path", "hydra.run.dir"}
+# what a page's train command may add to experiment=<preset>: where the model, the data (one folder, or several with
+# their repeats) and the run are
+PLACES = {"model.pretrained", "data.path", "data.datasets", "hydra.run.dir"}
 
 
 def twin_sizes(name: str) -> list[str]:
@@ -122,7 +123,8 @@ def test_every_command_on_the_recipe_pages_is_a_preset():
         assert preset in TWINS, f"{page}: train.py {' '.join(words)} is not experiment=<a real preset>"
         extra = {w.split("=", 1)[0] for w in words} - PLACES - {"experiment"}
         assert not extra, f"{page}: the {preset} command sets {sorted(extra)} beside the preset: put them in it"
-        header = (CONF_DIR / "experiment" / f"{preset}.yaml").read_text().replace("\\\n#", " ")
+        # the header's shell line as its words (a quoted override, data.datasets=[...], without its quotes)
+        header = (CONF_DIR / "experiment" / f"{preset}.yaml").read_text().replace("\\\n#", " ").replace("'", "")
         assert " ".join(["train.py", *words]) in " ".join(header.split()), f"{preset}.yaml's header quotes another command"
         shown.append(preset)
     assert sorted(shown) == sorted(TWINS), "each preset has exactly one train command on the recipe pages"
