@@ -33,7 +33,7 @@ from ringdit.checkpoints.sources import SafetensorsSource, WeightSource, weights
 from ringdit.ema import ModelAverage
 from ringdit.lora import add_lora, lora_enabled
 from ringdit.models.materialize import materialize, parameters_on_meta
-from ringdit.models.parallelize import parallelize, repeated_blocks
+from ringdit.models.parallelize import PlannedAttention, parallelize, repeated_blocks
 from ringdit.parallel import ParallelDims
 
 Tensor = torch.Tensor
@@ -106,8 +106,8 @@ def compile_blocks(model: nn.Module, **options) -> None:
 
     Buckets (a token count that changes from step to step) need nothing here: the first new length recompiles each
     graph once with the length symbolic (PyTorch's automatic dynamic shapes), and every later length reuses it."""
-    for layer in model.modules():
-        if isinstance(layer, USPAttention):
+    for layer in model.modules():  # USPAttention's exchanges, and the gathered keys of a sharded stream
+        if isinstance(layer, (USPAttention, PlannedAttention)):
             layer.keep_communication_eager()
     for block in repeated_blocks(model):
         block.compile(**options)

@@ -218,6 +218,11 @@ class PlannedAttention(nn.Module):
             _check_key_mask(attn_mask, self.streams, layout, query.shape[1])
         return attention(query, key, value, layout=layout)
 
+    def keep_communication_eager(self) -> None:
+        """Before ``torch.compile``: the gather of a sharded stream's keys runs eagerly, outside compiled graphs, as
+        ``USPAttention.keep_communication_eager`` keeps its transfers."""
+        self._attend_stream = torch.compiler.disable(self._attend_stream)
+
     def _attend_stream(self, query: Tensor, key: Tensor, value: Tensor, softmax_scale: float | None,
                        attn_mask: Tensor | None) -> Tensor:
         """Cross-attention from this rank's queries to every rank's keys of ``key_stream`` (B, L_local, H, D): the
