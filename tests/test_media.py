@@ -16,7 +16,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("imageio")
 
 from PIL import Image  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 
 from ringdit.data.text_latents import TextLatentsDataModule  # noqa: E402
 from ringdit.errors import ConfigError  # noqa: E402
@@ -64,8 +63,9 @@ def video_folder(tmp_path) -> Path:
 
 
 def read_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with safe_open(str(path), framework="pt") as f:
-        return {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
+    from tests.helpers import read_prepared
+
+    return read_prepared(path)
 
 
 def test_prepare_images_with_sidecar_captions(models, image_folder, tmp_path):
@@ -76,7 +76,8 @@ def test_prepare_images_with_sidecar_captions(models, image_folder, tmp_path):
                            max_text_len=TEXT_LEN, shard_size=2, batch_size=2, progress=False)
     assert report.unreadable == [str(image_folder / "img9.png")] and report.too_short == []
     assert report.samples == 4 and report.shards_written == 2  # shard 2 held only img9: not written
-    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert sorted(p.name for p in (out / "text").iterdir()) == ["shard-00000.safetensors", "shard-00001.safetensors"]
 
     tensors, metadata = read_shard(out / "shard-00000.safetensors")
     assert json.loads(metadata["captions"]) == ["a red fox", "a blue cat running"]
@@ -146,10 +147,10 @@ def test_ranks_split_the_shards(models, image_folder, tmp_path):
     common = dict(size=16, max_text_len=TEXT_LEN, shard_size=1, progress=False)
     first = encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=0, world_size=2,
                           **common)
-    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors", "shard-00002.safetensors"]
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["shard-00000.safetensors", "shard-00002.safetensors"]
     assert first.unreadable == [str(image_folder / "img9.png")]  # img9 is shard 4: rank 0's
     encode_folder(str(image_folder), str(out), str(models["flux"]), str(models["flux"]), rank=1, world_size=2, **common)
-    assert len(list(out.iterdir())) == 4
+    assert len(list(out.glob("*.safetensors"))) == 4
 
 
 def test_prepare_errors_name_the_setting(models, image_folder, video_folder, tmp_path):
@@ -253,7 +254,8 @@ def test_prepare_buckets_auto_mixes_images_and_videos(models, mixed_folder, tmp_
     assert report.samples == 5 and report.shards_written == 4
     assert "; by bucket: 16x48x1: 2 samples, 48x16x1: 1 samples, 32x32x5: 1 samples, 32x32x9: 1 samples" in \
         report.summary()
-    assert sorted(p.name for p in out.iterdir()) == ["buckets.json"] + [f"shard-0000{i}.safetensors" for i in range(4)]
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["buckets.json"] + [f"shard-0000{i}.safetensors"
+                                                                                      for i in range(4)]
     expected = [  # (captions' files, latents shape (N, C, T', H', W'), bucket)
         (["wide0.png", "wide1.png"], (2, 16, 1, 2, 6), (16, 48, 1)),
         (["tall.png"], (1, 16, 1, 6, 2), (48, 16, 1)),
@@ -473,3 +475,19 @@ def test_encode_prompts_for_sampling(models):
     assert negative["text_mask"].sum() == 1  # "" -> </s>
     with pytest.raises(ConfigError, match="gives 16-dim states but the model was trained on 32-dim text"):
         encode_prompts(["a"], None, models["wan"], text_len=TEXT_LEN, text_dim=32)
+
+
+def test_the_same_frames_are_written_to_the_same_mp4_bytes(tmp_path):
+    """A sample's MP4 is a function of its pixels (the server's and infer.py's files of one seed compare byte for
+    byte): 40 encodes of a 5-frame 32 x 32 clip, with memory churned between them, give one file. With x264's
+    macroblock tree on they gave 4 to 10 distinct files."""
+    from ringdit.media.writing import write_mp4
+
+    rng = np.random.default_rng(2)  # a decoded sample's look: smooth 4 x 4 blotches around grey, a little grain
+    blotches = np.repeat(np.repeat(rng.normal(0, 12, (5, 8, 8, 3)), 4, axis=1), 4, axis=2)
+    frames = (119 + blotches + rng.normal(0, 2, blotches.shape)).clip(0, 255).astype(np.uint8)
+    written, churn = set(), []
+    for i in range(40):
+        churn = [*churn[-30:], os.urandom(int(np.random.default_rng(i).integers(1, 200_000)))]
+        written.add(write_mp4(frames, tmp_path / f"{i}.mp4").read_bytes())
+    assert len(written) == 1
