@@ -9,6 +9,8 @@ the last rank's audio chunk is all padding."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -176,11 +178,14 @@ def test_streams_on_one_process_match_the_unsharded_model():
 
 
 def test_a_plan_naming_a_stream_it_does_not_describe_is_refused():
-    from dataclasses import replace
-
     plan = replace(StreamsModel.parallel_plan, attention_streams={"blocks.*.audio_attn": ("sound",)})
-    with pytest.raises(ValueError, match="attention_streams name the stream 'sound' for blocks.0.audio_attn, which it does not "
-                                         "describe; its streams: \\['audio', 'control', 'text', 'tokens'\\]"):
+    with pytest.raises(ValueError, match="attention_streams name the stream 'sound' for blocks.0.audio_attn, which "
+                                         "it does not describe; its streams: \\['audio', 'control', 'text', "
+                                         "'tokens'\\]"):
+        parallelize(StreamsModel(), plan)
+    plan = replace(StreamsModel.parallel_plan, stream_cross_attention={"blocks.*.video_to_audio": "sound"})
+    with pytest.raises(ValueError, match="stream_cross_attention names the stream 'sound' for "
+                                         "blocks.0.video_to_audio"):
         parallelize(StreamsModel(), plan)
     plan = replace(StreamsModel.parallel_plan, streams={"text": StreamPlan()})
     with pytest.raises(ValueError, match="streams name 'text', which its split_\\* / text_\\* fields describe"):
