@@ -766,3 +766,21 @@ def served_video(ckpt, run_dir, prompt: str, *, seed: int, steps: int, size: int
         thread.join(timeout=60)
         os.environ.clear()
         os.environ.update(saved)
+
+
+def read_prepared(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A prepared shard's tensors and metadata, its text file's (``text/<its name>`` beside it) in place of any text
+    inside it, as ``data=text_latents`` reads them."""
+    from safetensors import safe_open
+
+    from ringdit.data.text_latent_shards import TEXT_KEYS, text_file
+
+    with safe_open(str(path), framework="pt") as f:
+        tensors, metadata = {key: f.get_tensor(key) for key in f.keys()}, dict(f.metadata() or {})  # noqa: SIM118
+    if text_file(Path(path)).is_file():
+        with safe_open(str(text_file(Path(path))), framework="pt") as f:
+            tensors = {**{k: v for k, v in tensors.items() if k not in TEXT_KEYS},
+                       **{key: f.get_tensor(key) for key in f.keys()}}  # noqa: SIM118
+            text_metadata = f.metadata() or {}
+        metadata.update({key: text_metadata[key] for key in ("captions", "text_encoder") if key in text_metadata})
+    return tensors, metadata

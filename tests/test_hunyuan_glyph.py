@@ -16,7 +16,6 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from safetensors import safe_open
 
 from ringdit.errors import ConfigError
 from ringdit.media.encode_folder import encode_folder
@@ -78,8 +77,9 @@ def hunyuan_pipeline(root: Path, transformer=None):
 
 
 def read_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with safe_open(str(path), framework="pt") as f:
-        return {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
+    from tests.helpers import read_prepared
+
+    return read_prepared(path)
 
 
 def test_glyph_text_is_the_pipelines(hunyuan, glyph_data):
@@ -210,8 +210,8 @@ def test_prepare_train_on_a_ring_and_sample_with_glyph_text(hunyuan, glyph_data,
 
 def test_glyph_settings_and_data_are_refused_in_one_line(hunyuan, glyph_data, tmp_path, capsys):
     """Prepare: a glyph encoder without HunyuanVideo 1.5's template or with another, another part of the pipeline as
-    the glyph encoder, a folder that is not there, a tokenizer that is not ByT5's, a tokenizer alone, a resume across
-    a changed glyph_encoder; train.py: glyph data for a family that reads none, glyph text of another width; the
+    the glyph encoder, a folder that is not there, a tokenizer that is not ByT5's, a tokenizer alone (a re-run that
+    adds a glyph_encoder re-encodes only the text); train.py: glyph data for a family that reads none, glyph text of another width; the
     reader: glyph text without its mask, shards with and without it. Each one ConfigError line, before any work."""
     from ringdit.models.diffusers import DiffusersTransformer
     from ringdit.prepare import main
@@ -247,10 +247,10 @@ def test_glyph_settings_and_data_are_refused_in_one_line(hunyuan, glyph_data, tm
         with pytest.raises(ConfigError, match=message):
             prepare(**kwargs)
         assert not any(out.glob("shard-*")), kwargs
-    prepare(glyph_encoder=None)  # shards without glyph text, then a resume with it
-    with pytest.raises(ConfigError, match=r"out=.* holds shards prepared without a glyph_encoder \(shard-00000"
-                                          r".safetensors\), but glyph_encoder=.*; resume them as they were prepared"):
-        prepare()
+    prepare(glyph_encoder=None)  # shards without glyph text, then a re-run with it: another text encoder, whose
+    latents = (out / "shard-00000.safetensors").read_bytes()  # text files are encoded again, the latents kept
+    assert prepare().texts_encoded == 1 and (out / "shard-00000.safetensors").read_bytes() == latents
+    assert read_shard(out / "shard-00000.safetensors")[0]["glyph_text"].shape[1] == 256
     capsys.readouterr()  # the loading bars so far
     with pytest.raises(SystemExit) as exit_info:  # the command line: one line, exit code 2
         main([f"input={clips}", f"out={tmp_path / 'cli'}", f"vae={hunyuan}", f"text_encoder={hunyuan}",

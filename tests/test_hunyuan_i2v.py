@@ -25,7 +25,7 @@ from tests.diffusers_helpers import forward_backward  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 from tests.families import assert_refused_before_spawning  # noqa: E402
 from tests.helpers import (TEXT_LEN, architecture, assert_refused, assert_same_numbers, fail_fast,  # noqa: E402
-                           first_frame, run, save_tiny_hunyuan_video15, write_video)
+                           first_frame, read_prepared, run, save_tiny_hunyuan_video15, write_video)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -135,7 +135,6 @@ def test_prepare_train_and_sample_with_an_image(hunyuan_i2v, tmp_path):
     image=) gives the same rows; train.py takes 2 steps on them; infer.py samples from an image, and without one
     refuses prompts in one line."""
     from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15ImageToVideoPipeline
-    from safetensors import safe_open
     from transformers import SiglipImageProcessor, SiglipVisionModel
 
     from ringdit.media.encode_folder import encode_folder
@@ -152,8 +151,7 @@ def test_prepare_train_and_sample_with_an_image(hunyuan_i2v, tmp_path):
     report = encode_folder(str(clips), str(data), str(hunyuan_i2v), str(hunyuan_i2v), task="i2v",
                            image_encoder=str(hunyuan_i2v), progress=False, **VIDEO)
     assert report.samples == 4
-    with safe_open(str(data / "shard-00000.safetensors"), framework="pt") as f:
-        tensors, metadata = {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
+    tensors, metadata = read_prepared(data / "shard-00000.safetensors")
     assert tensors["image_latents"].shape == (4, 4, 1, 4, 4) and tensors["image_embeds"].shape == (4, 16, 12)
     assert json.loads(metadata["image_encoder"])["class"] == "SiglipVisionModel"
 

@@ -14,7 +14,6 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 from PIL import Image  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 
 from ringdit.data.text_latents import MASK_KEY, TextLatentsDataModule, write_text_latents  # noqa: E402
 from ringdit.errors import ConfigError  # noqa: E402
@@ -37,8 +36,9 @@ def left_white(height: int, width: int, columns: int) -> np.ndarray:
 
 
 def shard_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as f:
-        return {key: f.get_tensor(key) for key in f.keys()}
+    from tests.helpers import read_prepared
+
+    return read_prepared(path)[0]
 
 
 def test_latent_mask_averages_each_latent_cell():

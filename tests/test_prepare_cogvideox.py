@@ -14,11 +14,10 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from safetensors import safe_open  # noqa: E402
 
 from ringdit.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
-from tests.helpers import TEXT_LEN, tiny_video_vae, write_video  # noqa: E402
+from tests.helpers import TEXT_LEN, read_prepared, tiny_video_vae, write_video  # noqa: E402
 
 SCALING = 0.7  # CogVideoX 1.5's scaling_factor (CogVideoX 1.0's: 1.15258426)
 CHANNELS = 4
@@ -125,8 +124,7 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
     report = encode_folder(str(clips), str(out), str(root), str(models["wan"]), size=16, frames=9,
                            max_text_len=TEXT_LEN, masked_text=False, progress=False)
     assert report.samples == 1
-    with safe_open(str(out / "shard-00000.safetensors"), framework="pt") as f:
-        tensors, metadata = {key: f.get_tensor(key) for key in f.keys()}, f.metadata()  # noqa: SIM118
+    tensors, metadata = read_prepared(out / "shard-00000.safetensors")
     described = json.loads(metadata["text_encoder"])
     assert described["masked"] is False and json.loads(metadata["vae"])["frame_pad"] == 2
 

@@ -13,12 +13,11 @@ from omegaconf import OmegaConf
 pytest.importorskip("diffusers")
 pytest.importorskip("av")
 
-from safetensors import safe_open  # noqa: E402
 
 from ringdit.cli import CONF_DIR  # noqa: E402
 from ringdit.media.compare import compare_folders, main  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
-from tests.helpers import TEXT_LEN, write_video  # noqa: E402
+from tests.helpers import TEXT_LEN, read_prepared, write_video  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -38,8 +37,8 @@ def test_bfloat16_encoders_against_float32(models, tmp_path, capsys):
     for dtype in ("float32", "bfloat16"):
         encode_folder(str(clips), str(tmp_path / dtype), wan, wan, size=16, frames=9, max_text_len=TEXT_LEN,
                       dtype=dtype, progress=False)
-    with safe_open(str(tmp_path / "bfloat16" / "shard-00000.safetensors"), framework="pt") as f:
-        assert f.get_tensor("latents").dtype == f.get_tensor("text").dtype == torch.bfloat16
+    tensors = read_prepared(tmp_path / "bfloat16" / "shard-00000.safetensors")[0]
+    assert tensors["latents"].dtype == tensors["text"].dtype == torch.bfloat16
     result = compare_folders(tmp_path / "float32", tmp_path / "bfloat16")
     for key in ("latents", "text"):
         stats = result[key]

@@ -20,7 +20,7 @@ from safetensors import safe_open  # noqa: E402
 from ringdit.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.text import TextEncoder, encode_prompts, encoder_settings  # noqa: E402
-from tests.helpers import TEXT_LEN, save_tiny_qwen, tiny_video_vae  # noqa: E402
+from tests.helpers import TEXT_LEN, read_prepared, save_tiny_qwen, tiny_video_vae  # noqa: E402
 
 CLIP_LEN = 16  # the tiny CLIP's positions (Flux's is 77)
 CAPTIONS = ["a red fox", "a blue cat running", "green field"]
@@ -63,8 +63,7 @@ def test_flux_pair_matches_flux_pipeline(flux, images, tmp_path):
     report = encode_folder(str(images), str(out), str(flux), str(flux / "text_encoder_2"), size=16,
                            max_text_len=TEXT_LEN, pooled_encoder=str(flux), max_pooled_len=CLIP_LEN, progress=False)
     assert report.samples == 3
-    with safe_open(str(out / "shard-00000.safetensors"), framework="pt") as f:
-        tensors, metadata = {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
+    tensors, metadata = read_prepared(out / "shard-00000.safetensors")
     described = json.loads(metadata["text_encoder"])
     assert described["class"] == "T5EncoderModel" and described["masked"] is False and described["pooled"] is True
     assert described["tokenizer"] == str((flux / "tokenizer_2").resolve())  # beside text_encoder_2/, not CLIP's
@@ -282,8 +281,7 @@ def test_flux2_prepare_matches_flux2_pipeline(flux2, images, tmp_path):
     report = encode_folder(str(images), str(out), str(flux2), str(flux2), size=16, max_text_len=FLUX2_LEN,
                            prompt_template="flux2", progress=False)
     assert report.samples == 3
-    with safe_open(str(out / "shard-00000.safetensors"), framework="pt") as f:
-        tensors, metadata = {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
+    tensors, metadata = read_prepared(out / "shard-00000.safetensors")
     described = json.loads(metadata["text_encoder"])
     assert described["class"] == "Mistral3ForConditionalGeneration" and described["dim"] == 48
     assert described["prompt_template"] == "flux2" and described["masked"] is False

@@ -17,7 +17,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("imageio")
 
 from PIL import Image  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 
 from ringdit.data.text_latents import IMAGE_KEYS, TextLatentsDataModule  # noqa: E402
 from ringdit.errors import ConfigError  # noqa: E402
@@ -44,8 +43,9 @@ def clips(tmp_path) -> Path:
 
 
 def read_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with safe_open(str(path), framework="pt") as f:
-        return {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
+    from tests.helpers import read_prepared
+
+    return read_prepared(path)
 
 
 def test_i2v_shards_match_the_pipeline(models, clip_folder, clips, tmp_path):

@@ -72,6 +72,7 @@ def test_two_ranks_write_the_one_process_shards(models, clips, tmp_path):
     one_process(models, clips, reference)
     out.mkdir()
     shutil.copy(reference / "shard-00001.safetensors", out)  # a shard done before: skipped, not rewritten
+    shutil.copytree(reference / "text", out / "text", ignore=lambda _, names: [n for n in names if "00001" not in n])
     overrides = [f"{key}={value}".replace(" ", "") for key, value in settings(models, clips, out).items()]
     done = run_command_ranks("-m ringdit.prepare", (*overrides, "parallel_vae=true"), 2,
                              {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=300)
@@ -80,8 +81,8 @@ def test_two_ranks_write_the_one_process_shards(models, clips, tmp_path):
     assert "skipped 1 unreadable files" in done.stdout
     assert "parallel_vae=true: encoded a share of the VAE tiles of 2 batches" in done.stdout  # rank 1 took part
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
-    for shard in sorted(reference.glob("shard-*.safetensors")):
-        assert split(out / shard.name) == split(shard), shard.name
+    for shard in sorted([*reference.glob("shard-*.safetensors"), *reference.glob("text/shard-*.safetensors")]):
+        assert split(out / shard.relative_to(reference)) == split(shard), shard.name
 
 
 def test_bad_parallel_vae_settings(models, clips, tmp_path, caplog, capsys):

@@ -67,9 +67,8 @@ def test_qwenimage_prompt_template_matches_the_pipeline(qwen):
 def test_infer_and_the_server_encode_as_prepare_did(qwen, models, tmp_path):
     """prepare records prompt_template=qwenimage in every shard; infer.py (encode_prompts) and the server
     (TextEncoder with encoder_settings) read it from that record and encode prompts exactly as prepare did."""
-    from safetensors import safe_open
-
     from ringdit.media.encode_folder import encode_folder
+    from tests.helpers import read_prepared
 
     images = tmp_path / "images"
     images.mkdir()
@@ -78,8 +77,8 @@ def test_infer_and_the_server_encode_as_prepare_did(qwen, models, tmp_path):
         (images / f"{i}.txt").write_text(caption)
     encode_folder(str(images), str(tmp_path / "out"), str(models["flux"]), str(qwen), size=16,
                   max_text_len=TEXT_LEN, prompt_template="qwenimage", progress=False)
-    with safe_open(str(tmp_path / "out" / "shard-00000.safetensors"), framework="pt") as f:
-        described, stored = json.loads(f.metadata()["text_encoder"]), f.get_tensor("text")
+    tensors, metadata = read_prepared(tmp_path / "out" / "shard-00000.safetensors")
+    described, stored = json.loads(metadata["text_encoder"]), tensors["text"]
     assert described["prompt_template"] == "qwenimage"
     cond, negative = encode_prompts(PROMPTS[:2], None, described["path"], described["tokenizer"], text_len=TEXT_LEN,
                                     text_dim=described["dim"], **encoder_settings(described))

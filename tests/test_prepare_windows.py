@@ -14,7 +14,6 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("av")
 
-from safetensors import safe_open  # noqa: E402
 
 from ringdit.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
@@ -98,8 +97,9 @@ def clips(tmp_path):
 
 
 def shard(path):
-    with safe_open(str(path), framework="pt") as f:
-        return {key: f.get_tensor(key) for key in f.keys()}, f.metadata()  # noqa: SIM118
+    from tests.helpers import read_prepared
+
+    return read_prepared(path)
 
 
 def test_chunk_windows_and_source_fps_encode_those_frames(models, clips, tmp_path):

@@ -38,6 +38,12 @@ and, for a masked loss (optional; ``python -m ringdit.prepare mask_path=`` write
     loss_mask   float  (N, 1, [T,] H, W)  each latent cell's weight in the loss, in [0, 1] (0: ignored), on the
                        latents' grid; every shard of a set has one, or none
 
+Text kept apart (what ``python -m ringdit.prepare`` writes): the shard holds the latents, the image keys and the loss
+mask, and ``text/<its name>`` beside it the text keys (``text``, ``text_mask``, ``pooled``, the glyph text, the empty
+prompt's ``null_*``) with the ``captions``, ``files`` and ``text_encoder`` metadata, so new captions or another text
+encoder rewrite only the text file (ringdit/media/retext.py). A shard with a text file reads every text key from it;
+one without reads them from itself.
+
 and the metadata keys ``format`` (``ringdit.text_latents/1``) and, optionally, ``captions`` (a JSON list of N
 strings) and ``vae`` (JSON: the VAE class, folder and per-channel ``shift`` / ``scale`` with latents =
 (z - shift) * scale -- ``patch`` 2 (Flux.2): per channel of the 2x2-patchified z, C x 4 values --, written by
@@ -72,8 +78,9 @@ from ringdit.safe_json import parse_json
 
 FORMAT = "ringdit.text_latents/1"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-LAYOUT = ("a .safetensors file, or a folder of them, holding 'latents' (N, C, [T,] H, W) and 'text' (N, L, D) "
-          "(see ringdit/data/text_latent_shards.py)")
+LAYOUT = ("a .safetensors file, or a folder of them, holding 'latents' (N, C, [T,] H, W) and 'text' (N, L, D), "
+          "or the text in text/<the shard's name> beside it as prepare writes it (see "
+          "ringdit/data/text_latent_shards.py)")
 NULL_OF = {"null_text": "text (1, L, D)", "null_text_mask": "text_mask (1, L)", "null_pooled": "pooled (1, P)",
            "null_glyph_text": "glyph_text (1, G, D_g)", "null_glyph_text_mask": "glyph_text_mask (1, G)"}
 IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (Wan 2.2 TI2V, HunyuanVideo 1.5 I2V)",
@@ -81,6 +88,8 @@ IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (
             "image_embeds": "the image encoder's states (Wan 2.1 I2V with image_dim: CLIP's penultimate; "
                             "HunyuanVideo 1.5 I2V: SigLIP's last)"}
 MASK_KEY = "loss_mask"  # a masked loss's weights, optional, per sample (ringdit.media.masks writes them)
+TEXT_DIR = "text"  # prepare's text cache: the text of shard-i.safetensors in text/shard-i.safetensors beside it
+TEXT_KEYS = ("text", "text_mask", "pooled", *GLYPH_KEYS, *NULL_KEYS.values())  # what a text file holds
 
 Tensor = torch.Tensor
 
@@ -94,8 +103,6 @@ def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mas
     glyph_text (G, D_g), glyph_text_mask (G,)]; ``metadata`` adds string keys (prepare records ``vae``: the VAE's class
     and normalisation, as JSON); ``image`` the image-to-video conditioning, ``IMAGE_KEYS`` (N, ...) each; ``glyph``
     the glyph text, ``GLYPH_KEYS`` (N, ...) both; ``loss_mask`` the loss's weights (N, 1, [T,] H, W)."""
-    from safetensors.torch import save_file
-
     tensors = {"latents": latents, "text": text}
     if text_mask is not None:
         tensors["text_mask"] = text_mask.bool()
@@ -114,28 +121,52 @@ def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mas
         states = key in ("text", "glyph_text")  # (L, D) rows; the others (L,) or (P,)
         value = value.bool() if key.endswith("mask") else value
         tensors[NULL_KEYS[key]] = value.reshape(1, *value.shape[-(2 if states else 1):])
-    metadata = {**(metadata or {}), "format": FORMAT}
+    metadata = dict(metadata or {})
     if captions is not None:
         metadata["captions"] = json.dumps(list(captions))
+    return save_tensors(path, tensors, metadata)
+
+
+def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> Path:
+    """``tensors`` to the .safetensors file ``path`` (its folder made), whole or not at all, marked as this format."""
+    from safetensors.torch import save_file
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(path) as tmp:
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={**metadata, "format": FORMAT})
     return Path(path)
 
 
+def text_file(path: Path) -> Path:
+    """Where prepare keeps the text of the latent shard ``path``: ``text/<its name>`` beside it."""
+    return path.parent / TEXT_DIR / path.name
+
+
 class Shard:
-    """One file's header: shapes and dtypes, read without loading the tensors."""
+    """One shard's headers: shapes and dtypes, read without loading the tensors. Its text comes from its text file
+    (``text_file``) when there is one -- every text key from there, none from the latent file --, else from the latent
+    file itself (shards written whole: ``write_text_latents``, and folders prepared before the text was kept apart)."""
 
     def __init__(self, path: Path):
-        from safetensors import SafetensorError, safe_open
-
         self.path = path
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                self.shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-                self.dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
-                self.metadata = f.metadata() or {}
-        except (SafetensorError, OSError) as error:
-            raise ValueError(f"data.path: {path} is not a readable .safetensors file ({error})") from None
+        self.file_of: dict[str, Path] = {}  # tensor -> the file that holds it
+        self.shapes, self.dtypes, self.metadata = _header(path)
+        self.file_of = dict.fromkeys(self.shapes, path)
+        self.text_path = text_file(path) if text_file(path).is_file() else None
+        if self.text_path is not None:
+            shapes, dtypes, metadata = _header(self.text_path)
+            for key in [key for key in self.shapes if key in TEXT_KEYS]:  # stale text of a re-captioned old shard
+                del self.shapes[key], self.dtypes[key], self.file_of[key]
+            texts = [key for key in shapes if key in TEXT_KEYS]
+            self.shapes.update({key: shapes[key] for key in texts})
+            self.dtypes.update({key: dtypes[key] for key in texts})
+            self.file_of.update(dict.fromkeys(texts, self.text_path))
+            if "files" in metadata and "files" in self.metadata and metadata["files"] != self.metadata["files"]:
+                raise ConfigError(f"data.path: {self.text_path} holds the text of other samples than {path.name}; "
+                                  f"run python -m ringdit.prepare over the folder again (it re-encodes only the "
+                                  f"text), or delete {self.text_path}")
+            self.metadata.update({key: metadata[key] for key in ("captions", "text_encoder") if key in metadata})
         self.check()
         where = f"data.path: {path}"
         self.captions = parse_captions(where, self.metadata["captions"], self.size) \
@@ -242,11 +273,11 @@ class Shard:
         from safetensors import safe_open
 
         found, bad = [], []
-        with safe_open(str(self.path), framework="pt") as f:
-            for key in sorted(self.shapes, key=lambda k: (k not in ("latents", "text"), k)):
-                dtype, shape = self.dtypes[key], self.shapes[key]
-                if not (dtype in FLOAT_DTYPES or dtype.startswith("F8")):
-                    continue
+        for key in sorted(self.shapes, key=lambda k: (k not in ("latents", "text"), k)):
+            dtype, shape = self.dtypes[key], self.shapes[key]
+            if not (dtype in FLOAT_DTYPES or dtype.startswith("F8")):
+                continue
+            with safe_open(str(self.file_of[key]), framework="pt") as f:
                 rows = f.get_slice(key) if shape else f.get_tensor(key).reshape(1)  # a 0-d tensor: one row
                 values, bad_rows, first = count_nonfinite(rows, shape[0] if shape else 1, tuple(shape[1:]))
                 if values:
@@ -284,8 +315,24 @@ class Shard:
     def read(self, keys: tuple[str, ...], start: int, stop: int) -> dict[str, Tensor]:
         from safetensors import safe_open
 
-        with safe_open(str(self.path), framework="pt") as f:
-            return {key: f.get_slice(key)[start:stop] for key in keys if key in self.shapes}
+        values = {}
+        for file in dict.fromkeys(self.file_of[key] for key in keys if key in self.shapes):
+            with safe_open(str(file), framework="pt") as f:
+                values.update({key: f.get_slice(key)[start:stop] for key in keys if self.file_of.get(key) == file})
+        return values
+
+
+def _header(path: Path) -> tuple[dict, dict, dict]:
+    """A .safetensors file's shapes, dtypes and metadata, without its tensors."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+            dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}  # noqa: SIM118
+            return shapes, dtypes, f.metadata() or {}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"data.path: {path} is not a readable .safetensors file ({error})") from None
 
 
 def condition_of(values: dict[str, Tensor], row: int) -> dict[str, Tensor]:
@@ -333,12 +380,14 @@ def _json_metadata(where: str, key: str, text: str, kind: type, fix: str):
 
 
 def read_prompts(path: str, setting: str = "text_embeds") -> tuple[dict[str, Tensor], list[str] | None]:
-    """Prompt embeddings from a file in this format (``latents`` not needed): ``text`` (N, L, D) [+ ``text_mask``,
-    ``pooled``, ``glyph_text`` and ``glyph_text_mask``] and the ``captions`` metadata if present. Returns the
-    conditioning batch and the captions."""
+    """Prompt embeddings from a file in this format (``latents`` not needed; a prepared shard's from its text file):
+    ``text`` (N, L, D) [+ ``text_mask``, ``pooled``, ``glyph_text`` and ``glyph_text_mask``] and the ``captions``
+    metadata if present. Returns the conditioning batch and the captions."""
     from safetensors import SafetensorError, safe_open
 
     file = Path(os.path.expanduser(str(path)))
+    if file.is_file() and text_file(file).is_file():  # a prepared shard: its text is in its text file
+        file = text_file(file)
     if not file.is_file() or file.suffix != ".safetensors":
         raise ValueError(f"{setting}={path} is not a .safetensors file; give one holding text (N, L, D) embeddings "
                          f"(and optionally text_mask (N, L), pooled (N, P)): a text_latents shard works")

@@ -17,8 +17,9 @@ from ringdit.errors import ConfigError
 
 
 def compare_folders(a: str | Path, b: str | Path, keys: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
-    """{key: {"max": max |a - b|, "mean": mean |a - b|, "scale": max |a|, "count": values}} over every shard."""
-    from safetensors import safe_open
+    """{key: {"max": max |a - b|, "mean": mean |a - b|, "scale": max |a|, "count": values}} over every shard (its
+    text file's keys too)."""
+    from ringdit.data.text_latent_shards import Shard
 
     a, b = Path(a).expanduser(), Path(b).expanduser()
     shards = sorted(p.name for p in a.glob("shard-*.safetensors"))
@@ -30,22 +31,22 @@ def compare_folders(a: str | Path, b: str | Path, keys: tuple[str, ...] | None =
                           f"with the same settings but the one compared")
     totals: dict[str, list[float]] = {}
     for name in shards:
-        with safe_open(str(a / name), framework="pt") as fa, safe_open(str(b / name), framework="pt") as fb:
-            for key in sorted(set(fa.keys()) & set(fb.keys())):  # noqa: SIM118
-                if keys is not None and key not in keys:
-                    continue
-                x, y = fa.get_tensor(key), fb.get_tensor(key)
-                if not x.is_floating_point():
-                    continue
-                if x.shape != y.shape:
-                    raise ConfigError(f"{name}: {key} is {tuple(x.shape)} in {a} but {tuple(y.shape)} in {b}; compare "
-                                      f"folders prepared with the same sizes")
-                diff = (x.double() - y.double()).abs()
-                total = totals.setdefault(key, [0.0, 0.0, 0.0, 0])
-                total[0] = max(total[0], float(diff.max()) if diff.numel() else 0.0)
-                total[1] += float(diff.sum())
-                total[2] = max(total[2], float(x.double().abs().max()) if x.numel() else 0.0)
-                total[3] += diff.numel()
+        sa, sb = Shard(a / name), Shard(b / name)
+        common = tuple(key for key in sorted(set(sa.shapes) & set(sb.shapes)) if keys is None or key in keys)
+        values_a, values_b = sa.read(common, 0, sa.size), sb.read(common, 0, sb.size)
+        for key in common:
+            x, y = values_a[key], values_b[key]
+            if not x.is_floating_point():
+                continue
+            if x.shape != y.shape:
+                raise ConfigError(f"{name}: {key} is {tuple(x.shape)} in {a} but {tuple(y.shape)} in {b}; compare "
+                                  f"folders prepared with the same sizes")
+            diff = (x.double() - y.double()).abs()
+            total = totals.setdefault(key, [0.0, 0.0, 0.0, 0])
+            total[0] = max(total[0], float(diff.max()) if diff.numel() else 0.0)
+            total[1] += float(diff.sum())
+            total[2] = max(total[2], float(x.double().abs().max()) if x.numel() else 0.0)
+            total[3] += diff.numel()
     return {key: {"max": t[0], "mean": t[1] / max(t[3], 1), "scale": t[2], "count": t[3]} for key, t in totals.items()}
 
 

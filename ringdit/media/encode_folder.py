@@ -33,8 +33,10 @@ Skips: a file that cannot be decoded, or a clip shorter than the bucket, is left
     shard whose files are all skipped is not written), as is a file metadata.jsonl / .csv lists that is not there.
     The skipped files are returned, and counted and named in the summary printed at the end, with the samples
     written per bucket.
-Every shard stores the empty prompt's embedding (``null_*``), the captions, the VAE's class, folder and
-normalisation (``vae``) and the text encoder's folders (``text_encoder``), all JSON metadata.
+Every shard stores the VAE's class, folder and normalisation (``vae``) and its samples' files as JSON metadata; its
+    text encodings, the empty prompt's (``null_*``), the captions and the text encoder's folders (``text_encoder``)
+    are in its text file, ``text/<the shard's name>`` (ringdit/media/retext.py): new captions or another text encoder
+    re-encode only those on a re-run, never the latents.
 Two text encoders (``pooled_encoder``, Flux's CLIP + T5): ``text`` from ``text_encoder`` (T5) and ``pooled`` from
     the CLIP, both in every shard, as FluxPipeline.encode_prompt gives them (ringdit/media/text.py).
 Chat text encoders (``prompt_template``: HunyuanVideo 1.5's Qwen2.5-VL, Flux.2's Mistral3): the prompt in the
@@ -73,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 from ringdit.atomic import atomic_write
-from ringdit.data.text_latents import GLYPH_KEYS, IMAGE_KEYS, MASK_KEY, write_text_latents
+from ringdit.data.text_latent_shards import IMAGE_KEYS, MASK_KEY, TEXT_KEYS, save_tensors
 from ringdit.dtypes import dtype_named
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.folder import MediaItem, list_media
@@ -83,7 +85,7 @@ from ringdit.media.image_condition import ImageEncoder, first_frame_condition, i
 from ringdit.media.masks import find_masks, latent_mask
 from ringdit.media.text import TextEncoder, chat_template, check_glyph_settings, check_pooled_settings
 from ringdit.media.vae import VAE, usable_device
-from ringdit.media.retext import rewrite_text, sample_name, stale_captions
+from ringdit.media.retext import rewrite_text, sample_name, stale_captions, write_text
 from ringdit.media.windows import Extraction, Timeline, extraction, pipeline_fps, timeline
 
 log = logging.getLogger("ringdit.prepare")
@@ -164,9 +166,10 @@ def check_task(task, image_encoder, image_processor) -> None:
         image_encoder_folders(image_encoder, image_processor)
 
 
-def check_resumed_task(out_dir: Path, task: str, glyph_encoder: str | None = None, masked: bool = False) -> None:
-    """Shards already in ``out_dir`` were prepared for the same task and with a glyph encoder alike (else resuming
-    would mix shards with and without the image-to-video or the glyph keys): a ``ConfigError`` if not."""
+def check_resumed_task(out_dir: Path, task: str, masked: bool = False) -> None:
+    """Shards already in ``out_dir`` were prepared for the same task and with loss masks alike (else resuming would
+    mix shards with and without the image-to-video or the mask keys): a ``ConfigError`` if not. (A glyph encoder added
+    or dropped is another text encoder: the text files are encoded again.)"""
     from safetensors import safe_open
 
     done = next(iter(sorted(out_dir.glob("shard-*.safetensors"))), None)
@@ -175,17 +178,12 @@ def check_resumed_task(out_dir: Path, task: str, glyph_encoder: str | None = Non
     try:
         with safe_open(str(done), framework="pt") as f:
             before = (f.metadata() or {}).get("task", "t2v")  # shards from before task= are text-to-video
-            glyph = "glyph_text" in f.keys()  # noqa: SIM118 - a safetensors handle lists its tensors with keys()
-            had_masks = MASK_KEY in f.keys()  # noqa: SIM118
+            had_masks = MASK_KEY in f.keys()  # noqa: SIM118 - a safetensors handle lists its tensors with keys()
     except Exception:  # noqa: BLE001 - an unreadable shard is the reader's to report; it says nothing of the task
         return
     if before != task:
         raise ConfigError(f"out={out_dir} holds shards prepared with task={before} ({done.name}), but task={task}; "
                           f"pass task={before} to resume them, or prepare into a new out= folder")
-    if glyph != (glyph_encoder is not None):
-        raise ConfigError(f"out={out_dir} holds shards prepared {'with' if glyph else 'without'} a glyph_encoder "
-                          f"({done.name}), but glyph_encoder={glyph_encoder or 'null'}; resume them as they were "
-                          f"prepared, or prepare into a new out= folder")
     if had_masks != masked:
         raise ConfigError(f"out={out_dir} holds shards prepared {'with' if had_masks else 'without'} loss masks "
                           f"({done.name}), but mask_path is {'set' if masked else 'null'}; resume them as they were "
@@ -286,7 +284,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     if not bucketed and (out_dir / PLAN).is_file() and any(out_dir.glob("shard-*.safetensors")):
         raise ConfigError(f"out={out} holds shards prepared with buckets ({PLAN}); pass the buckets= setting they "
                           f"were made with to resume, or prepare into a new out= folder")
-    check_resumed_task(out_dir, task, glyph_encoder, mask_path is not None)  # no resume that mixes shards' keys
+    check_resumed_task(out_dir, task, mask_path is not None)  # no resume that mixes shards' keys
     missing: list[str] = []  # the metadata's rows without their file: named in the summary (by rank 0: all see them)
     items = list_media(input, caption_column, missing=missing)
     masks = find_masks(mask_path, items) if mask_path is not None else None  # headers only: before any model loads
@@ -442,21 +440,22 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
             continue
         tensors = {key: torch.cat(values) for key, values in rows.items()}
         clips = any(item.is_video for item in files)
-        metadata = {**described, "files": json.dumps(names), "bucket": json.dumps({
+        metadata = {**{k: v for k, v in described.items() if k != "text_encoder"}, "files": json.dumps(names),
+                    "bucket": json.dumps({
             "height": bucket.height, "width": bucket.width, "frames": bucket.frames,
             "frame_stride": frame_stride if clips else None, "source": str(input),
             **({**clock.describe(), **windows.describe(), "starts": [int(n.rpartition("@")[2]) if "@" in n else 0
                                                                      for n in names]}
                if clips and (windows.mode != "head" or clock.source_fps is not None) else {})})}
-        with sigterm_waits():  # under ringdit.prepare's SIGTERM handling: a shard being written is finished first
-            write_text_latents(shard_path(out_dir, index), tensors["latents"].to(store), tensors["text"].to(store),
-                               tensors["text_mask"], tensors["pooled"].to(store) if "pooled" in tensors else None,
-                               null={k: (v.to(store) if v.is_floating_point() else v) for k, v in null.items()},
-                               captions=captions, metadata=metadata,
-                               image={key: tensors[key].to(store) for key in IMAGE_KEYS if key in tensors},
-                               glyph={key: tensors[key] if key.endswith("mask") else tensors[key].to(store)
-                                      for key in GLYPH_KEYS if key in tensors},
-                               loss_mask=tensors.get(MASK_KEY))
+        latents = {"latents": tensors["latents"].to(store),
+                   **{key: tensors[key].to(store) for key in IMAGE_KEYS if key in tensors},
+                   **({MASK_KEY: tensors[MASK_KEY].float()} if MASK_KEY in tensors else {})}
+        # under ringdit.prepare's SIGTERM handling: a shard being written is finished first. The latents first, then
+        # the text: a shard stopped before its text file has stale text, which a re-run encodes (media/retext.py)
+        with sigterm_waits():
+            save_tensors(shard_path(out_dir, index), latents, metadata)
+            write_text(shard_path(out_dir, index), {key: tensors[key] for key in TEXT_KEYS if key in tensors},
+                       null, captions, names, described["text_encoder"], store)
             report.shards_written += 1
             report.samples += len(captions)
             report.buckets[bucket.name] = report.buckets.get(bucket.name, 0) + len(captions)
