@@ -4,7 +4,7 @@ forward and every parameter gradient -- on one process and on 4 gloo CPU ranks u
 2 x 2, the video and control tokens (3 x 3 x 3 = 27) tail-padded on every layout; SGD steps through
 DiffusionModule's loss (flow matching, the condition drop keeping the control video) at ring 2 under DDP, at Ulysses 2
 under FSDP and with LoRA at ring 2 equal one process (in the ranks: no train.py launch); a control video of another
-grid, or none, is refused."""
+grid, or none, is refused; sampling with the control latents equals WanVACEPipeline's loop."""
 
 from __future__ import annotations
 
@@ -189,3 +189,57 @@ def test_a_control_video_of_another_grid_is_refused(grid):
     control = torch.zeros(2, CONTROL_CHANNELS, *grid, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"the control latents \(2, 72, .*\) do not fit the latents \(2, 4, 3, 6, 6\)"):
         model(x, T, {"text": text, "control": control})
+
+
+# ---- sampling: DiffusionModule.generate against WanVACEPipeline -----------------------------------------------------
+
+
+def test_sampling_with_control_latents_equals_wan_vace_pipeline():
+    """For the same noise, prompt embeddings, UniPC scheduler and control video, ``DiffusionModule.generate``
+    (infer.py's and the previews' path) with the control latents in the conditioning gives WanVACEPipeline's latents,
+    guided at 5 with the control in both halves, as the pipeline passes it; the control latents are the pipeline's own
+    (``prepare_video_latents`` + ``prepare_masks`` over a tiny random Wan VAE: 4 + 4 + 64 = 72 channels). float64:
+    measured equal to the bit. The pipeline takes one video, so one sample."""
+    import diffusers
+    from PIL import Image
+
+    from ringdit.diffusion import initial_noise
+    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.training import DiffusionModule
+
+    steps, seeds, shape = 3, [3], (2, 4, 4)
+    torch.manual_seed(0)
+    reference = diffusers.WanVACETransformer3DModel.from_config(architecture("wan_vace_tiny")).double()
+    model = DiffusersTransformer("wan_vace", config=architecture("wan_vace_tiny"), input_size=shape, in_channels=4,
+                                 text_len=TEXT_LEN, text_dim=16)
+    model.transformer.load_state_dict(reference.state_dict())
+    g = torch.Generator().manual_seed(5)
+    text, negative = (torch.randn(1, TEXT_LEN, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    torch.manual_seed(7)
+    vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                     temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
+                                     latents_std=[1.5, 0.8, 1.2, 1.0])
+    scheduler = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                  flow_shift=3.0, solver_order=2)
+    pipe = diffusers.WanVACEPipeline(tokenizer=None, text_encoder=None, transformer=reference, vae=vae,
+                                     scheduler=scheduler)
+    frames, height, width = (shape[0] - 1) * 4 + 1, shape[1] * 8, shape[2] * 8
+    pixels = (torch.rand(frames, height, width, 3, generator=torch.Generator().manual_seed(8)) * 255).to(torch.uint8)
+    video = [Image.fromarray(frame.numpy()) for frame in pixels]
+    noise = initial_noise((4, *shape), seeds)
+    with torch.no_grad():
+        cpu = torch.device("cpu")
+        video_, mask, references = pipe.preprocess_conditions(video, None, None, 1, height, width, frames,
+                                                              torch.float32, cpu)
+        control = torch.cat([pipe.prepare_video_latents(video_, mask, references, None, cpu),
+                             pipe.prepare_masks(mask, references, None)], dim=1).double()  # (1, 72, T, H, W)
+        expected = pipe(video=video, prompt_embeds=text, negative_prompt_embeds=negative, latents=noise,
+                        height=height, width=width, num_frames=frames, num_inference_steps=steps, guidance_scale=5.0,
+                        output_type="latent").frames
+    module = DiffusionModule(model={}, objective={"_target_": "ringdit.diffusion.FlowMatching", "shift": 3.0},
+                             data={"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"},
+                             sampling={"sampler": "unipc", "steps": steps, "shift": 3.0, "cfg_scale": 5.0,
+                                       "scheduler_config": dict(scheduler.config)})
+    module.model = parallelize(model.double())
+    samples = module.generate({"text": text, "control": control}, seeds, negative={"text": negative}, shape=shape)
+    assert_same_numbers(samples.double(), expected.double(), of_max=1e-10, where="WanVACEPipeline's latents")
