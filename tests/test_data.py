@@ -396,3 +396,14 @@ def test_infer_writes_video_samples(video_run, tmp_path):
     assert samples["labels"].tolist() == [2, 5, 2]
     with Image.open(tmp_path / "samples.gif") as gif:
         assert gif.n_frames == 4
+
+
+def test_data_classes_keeps_those_digits_images_only():
+    """data.classes=[3,7]: exactly scikit-learn's images of the digits 3 and 7, in their order, with their labels."""
+    from ringdit.data import DigitsDataModule
+
+    digits = load_digits()
+    images, labels = DigitsDataModule(classes=[3, 7]).build_dataset().tensors
+    kept = np.isin(digits.target, [3, 7])
+    assert labels.tolist() == digits.target[kept].tolist()
+    assert torch.equal(images[:, 0], torch.from_numpy(digits.images[kept].astype(np.float32) / 8.0 - 1.0))
