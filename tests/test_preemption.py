@@ -315,15 +315,21 @@ def prepare_settings(images: Path, out: Path, models: dict, **more) -> dict:
 
 
 def check_shards(out: Path) -> dict[str, int]:
-    """Every shard in ``out`` is whole (one sample, readable); no temp file is left; name -> mtime."""
+    """Every shard in ``out`` and every text file beside them (text/) is whole (one sample, readable); no temp file
+    is left; name -> mtime. (A shard killed before its text file has stale text: a re-run encodes it.)"""
     from safetensors import safe_open
 
-    assert not [p.name for p in out.iterdir() if not p.name.startswith("shard-")]  # no .shard-*.tmp
+    assert not [p.name for p in out.iterdir() if not p.name.startswith("shard-") and p.name != "text"]  # no .tmp
     stamps = {}
     for path in sorted(out.glob("shard-*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             assert f.get_slice("latents").get_shape()[0] == 1, path
         stamps[path.name] = path.stat().st_mtime_ns
+    if (out / "text").is_dir():
+        assert all(p.name.startswith("shard-") and p.name in stamps for p in (out / "text").iterdir())
+        for path in (out / "text").iterdir():
+            with safe_open(str(path), framework="pt") as f:
+                assert f.get_slice("text").get_shape()[0] == 1, path
     return stamps
 
 
@@ -417,7 +423,7 @@ def assert_same_shards(got: Path, expected: Path) -> None:
 
     names = sorted(p.name for p in expected.glob("shard-*.safetensors"))  # a share of the shards: ``got`` has more
     assert names and set(names) <= {p.name for p in got.glob("shard-*.safetensors")}
-    for name in names:
+    for name in [*names, *(f"text/{name}" for name in names)]:  # the latents, and the text files beside them
         with safe_open(str(got / name), framework="pt") as a, safe_open(str(expected / name), framework="pt") as b:
             assert a.metadata() == b.metadata(), name
             assert sorted(a.keys()) == sorted(b.keys()), name
@@ -430,13 +436,13 @@ def test_sigterm_while_a_shard_is_written_keeps_it(models, many_images, tmp_path
     import ringdit.media.encode_folder as media
     from ringdit.prepare import main
 
-    write = media.write_text_latents
+    write = media.save_tensors
 
-    def signal_while_writing(*args, **kwargs):
+    def signal_while_writing(*args, **kwargs):  # its latents; its text file follows, both before the stop
         raise_sigterm()
-        write(*args, **kwargs)
+        return write(*args, **kwargs)
 
-    monkeypatch.setattr(media, "write_text_latents", signal_while_writing)
+    monkeypatch.setattr(media, "save_tensors", signal_while_writing)
     out = tmp_path / "out"
     settings = prepare_settings(many_images, out, models, size=16)
     with pytest.raises(SystemExit) as stop:

@@ -61,8 +61,8 @@ def assert_same_rows(a, b) -> None:
 def test_recaptioning_reencodes_only_the_text(models, clips, tmp_path):
     """Prepare 3 clips (2 shards: the latents in shard-*, the text in text/shard-*), change one caption: the re-run
     calls the VAE 0 times and leaves every latent shard byte-identical; only that shard's text file is rewritten, its
-    text the new caption's encoding. Another text encoder (max_text_len, then another folder) re-encodes every
-    text file, again without the VAE and with the latents' bytes kept; a re-run with nothing changed skips
+    text the new caption's encoding. Another text encoder (max_text_len, another folder, another dtype) re-encodes
+    every text file, again without the VAE and with the latents' bytes kept; a re-run with nothing changed skips
     everything; what training reads equals a fresh prepare with the final captions and encoder. A folder whose
     shards hold their text inside (as ringdit wrote them before the text was kept apart) loads as before, and goes
     through the same re-runs the same way: its shards' bytes kept, text files written beside them."""
@@ -115,7 +115,12 @@ def test_recaptioning_reencodes_only_the_text(models, clips, tmp_path):
         described = json.loads(metadata["text_encoder"])
         assert tensors["text"].shape[1] == TEXT_LEN + 2 and described["max_len"] == TEXT_LEN + 2
         assert described["path"].startswith(str(Path(text_encoder).resolve()))
-    final = settings | {"max_text_len": TEXT_LEN + 2}
+    with pytest.raises(ConfigError, match=r"text_dtype='fp8' is not a dtype ringdit takes; use one of .*bfloat16"):
+        encode_folder(str(clips), str(out), wan, wan, **settings | {"text_dtype": "fp8"})  # before any model loads
+    for folder in (out, old):  # the text encoder in another dtype (the advice's bfloat16)
+        assert rerun(folder, str(models["flux"]), max_text_len=TEXT_LEN + 2, text_dtype="bfloat16").texts_encoded == 2
+    assert read_prepared(out / "shard-00000.safetensors")[0]["text"].dtype == torch.bfloat16
+    final = settings | {"max_text_len": TEXT_LEN + 2, "text_dtype": "bfloat16"}
     fourth = encode_folder(str(clips), str(out), wan, str(models["flux"]), **final)
     assert (fourth.texts_encoded, fourth.shards_skipped) == (0, 2)
     fresh = tmp_path / "fresh"
@@ -124,11 +129,12 @@ def test_recaptioning_reencodes_only_the_text(models, clips, tmp_path):
     assert_same_rows(rows(old), rows(fresh))
 
     (out / "text" / "shard-00001.safetensors").replace(out / "text" / "shard-00000.safetensors")  # other samples'
+    # text; the advice (prepare's re-run) encodes both shards' text again
     with pytest.raises(ConfigError, match=r"text/shard-00000.safetensors holds the text of other samples than "
                                           r"shard-00000.safetensors; run python -m ringdit.prepare over the folder "
                                           r"again \(it re-encodes only the text\)"):
         rows(out)
-    assert rerun(out, str(models["flux"]), max_text_len=TEXT_LEN + 2).texts_encoded == 2  # the advice
+    assert rerun(out, str(models["flux"]), max_text_len=TEXT_LEN + 2, text_dtype="bfloat16").texts_encoded == 2
     assert_same_rows(rows(out), rows(fresh))
 
 

@@ -206,7 +206,8 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             vae_subfolder: str | None = "vae", caption_column: str = "text", size=256, frames: int = 17,
             frame_stride: int = 1, buckets=None, bucket_step: int | None = None, frame_buckets=None,
             max_text_len: int = 512, shard_size: int = 64, batch_size: int = 4, device: str | None = None,
-            dtype: str = "float32", tiling: bool = True, tile: int | None = None, parallel_vae: bool = False,
+            dtype: str = "float32", text_dtype: str | None = None, tiling: bool = True, tile: int | None = None,
+            parallel_vae: bool = False,
             task: str = "t2v", image_encoder: str | None = None, image_processor: str | None = None,
             pooled_encoder: str | None = None, pooled_tokenizer: str | None = None, max_pooled_len: int = 77,
             masked_text: bool | None = None, prompt_template: str | None = None, glyph_encoder: str | None = None,
@@ -241,7 +242,8 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
                               caption_column=caption_column, size=size, frames=frames,
                               frame_stride=frame_stride, buckets=buckets, bucket_step=bucket_step,
                               frame_buckets=frame_buckets, max_text_len=max_text_len, shard_size=shard_size,
-                              batch_size=batch_size, device=device, dtype=dtype, tiling=tiling, tile=tile,
+                              batch_size=batch_size, device=device, dtype=dtype, text_dtype=text_dtype,
+                              tiling=tiling, tile=tile,
                               task=task, image_encoder=image_encoder, image_processor=image_processor,
                               pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
                               max_pooled_len=max_pooled_len, masked_text=masked_text, prompt_template=prompt_template,
@@ -253,8 +255,9 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
 
 def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, caption_column, size, frames,
                    frame_stride, buckets, bucket_step, frame_buckets, max_text_len, shard_size, batch_size, device,
-                   dtype, tiling, tile, task, image_encoder, image_processor, pooled_encoder, pooled_tokenizer,
-                   max_pooled_len, masked_text, prompt_template, glyph_encoder, glyph_tokenizer, mask_path,
+                   dtype, text_dtype, tiling, tile, task, image_encoder, image_processor, pooled_encoder,
+                   pooled_tokenizer, max_pooled_len, masked_text, prompt_template, glyph_encoder, glyph_tokenizer,
+                   mask_path,
                    frame_extraction, window_stride, frame_sample, source_fps, fps,
                    tiles: TileGroup | None, rank, world_size, progress) -> EncodeReport:
     """``encode_folder``'s work, given its ``TileGroup`` (parallel_vae=true on several ranks, else None)."""
@@ -266,6 +269,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
                         ("batch_size", batch_size)):
         require_count(name, value)
     store = dtype_named("dtype", dtype)
+    text_store = store if text_dtype is None else dtype_named("text_dtype", text_dtype)  # the text encoder's
     if not isinstance(tiling, bool):
         raise ConfigError(f"tiling must be true or false, got {tiling!r}")
     require_count("tile", tile, optional=True, hint="the VAE's spatial tile size in pixels, e.g. tile=256")
@@ -355,7 +359,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
                 report.unreadable += unreadable
                 report.too_short += too_short
         shards = [(bucket, items[start:start + shard_size]) for start in range(0, len(items), shard_size)]
-    encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=store,
+    encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=text_store,
                           pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
                           max_pooled_len=max_pooled_len, masked=masked_text, prompt_template=prompt_template,
                           glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer)
@@ -365,7 +369,8 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
     mine = range(rank, len(shards), world_size)
     pending = [i for i in mine if not shard_path(out_dir, i).exists()]
     null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,), ...]
-    described = {"vae": json.dumps(codec.describe()), "text_encoder": json.dumps(encoder.describe())}
+    described = {"vae": json.dumps(codec.describe()),  # the text's dtype too: another re-encodes only the text
+                 "text_encoder": json.dumps({**encoder.describe(), "dtype": str(text_store).removeprefix("torch.")})}
     root = Path(str(input)).expanduser()
     for index in (i for i in mine if i not in pending):  # finished: new captions or text encoder re-encode the text
         path = shard_path(out_dir, index)
@@ -375,7 +380,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
             report.shards_skipped += 1
             continue
         with sigterm_waits():
-            rewrite_text(path, captions, encoder, null, described["text_encoder"], store, batch_size)
+            rewrite_text(path, captions, encoder, null, described["text_encoder"], text_store, batch_size)
         report.texts_encoded += 1
     if task == "i2v":
         described["task"] = "i2v"  # what a resumed run checks (check_resumed_task); no key: t2v, as before
@@ -455,7 +460,7 @@ def _encode_folder(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, c
         with sigterm_waits():
             save_tensors(shard_path(out_dir, index), latents, metadata)
             write_text(shard_path(out_dir, index), {key: tensors[key] for key in TEXT_KEYS if key in tensors},
-                       null, captions, names, described["text_encoder"], store)
+                       null, captions, names, described["text_encoder"], text_store)
             report.shards_written += 1
             report.samples += len(captions)
             report.buckets[bucket.name] = report.buckets.get(bucket.name, 0) + len(captions)
