@@ -176,11 +176,14 @@ def test_wan_vace_sgd_steps_equal_one_process_under_ddp_fsdp_and_lora():
     run_ranks(check_training, 2)
 
 
-def test_conditioning_without_control_latents_is_refused():
-    _, model, (x, text, _), _ = vace_case()
+def test_conditioning_without_control_latents_or_with_other_channels_is_refused():
+    _, model, (x, text, control), _ = vace_case()
     with pytest.raises(ValueError, match="model.family=wan_vace denoises under a control video, but the conditioning "
                                          "has no 'control' latents"):
         model(x, T, {"text": text})
+    with pytest.raises(ValueError, match="the control latents have 16 channels but model.config.vace_in_channels is "
+                                         "72"):
+        model(x, T, {"text": text, "control": control[:, :16]})
 
 
 @pytest.mark.parametrize("grid", [(2, 6, 6), (3, 4, 6)], ids=["fewer frames", "smaller"])
@@ -243,3 +246,24 @@ def test_sampling_with_control_latents_equals_wan_vace_pipeline():
     module.model = parallelize(model.double())
     samples = module.generate({"text": text, "control": control}, seeds, negative={"text": negative}, shape=shape)
     assert_same_numbers(samples.double(), expected.double(), of_max=1e-10, where="WanVACEPipeline's latents")
+
+
+# ---- train.py on control data ---------------------------------------------------------------------------------------
+
+
+def test_train_py_refuses_data_without_control_latents_and_its_advice_trains(tmp_path):
+    """Data without control latents: one line before any rank starts, naming the data a VACE model needs; the advice
+    (synthetic data with control latents of vace_in_channels) trains through train.py."""
+    from tests.helpers import assert_refused, fail_fast, in_process
+
+    common = ["model=wan_vace_tiny", "data=synthetic_text_latents", "data.num_samples=16", "data.batch_size=4",
+              "trainer.max_steps=2", "logger=csv", "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5",
+              "trainer.val_check_interval=2", "callbacks.sample_grid.steps=2", f"paths.log_dir={tmp_path}"]
+    proc, seconds = fail_fast("train.py", *common)
+    line = assert_refused(proc, text="model.family=wan_vace denoises under a control video, but the data has no "
+                                     "'control' latents", seconds=seconds)
+    advice = line.rsplit("e.g. ", 1)[1].split()
+    assert advice == ["data=synthetic_text_latents", "data.control=72"], line
+    proc, _ = in_process("train.py", *common, *advice)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached" in proc.stdout + proc.stderr

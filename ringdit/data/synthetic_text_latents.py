@@ -16,11 +16,14 @@ Tensor = torch.Tensor
 
 def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int = 3, size: int | tuple[int, int] = 8,
                            text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
-                           seed: int = 0, first_sample: int = 0, image: bool = False, image_dim: int = 0) -> dict:
+                           seed: int = 0, first_sample: int = 0, image: bool = False, image_dim: int = 0,
+                           control: int = 0) -> dict:
     """``num_samples`` latent videos (``frames=0``: images) of ``size`` (H = W, or (H, W)) of a soft blob whose start
     and direction depend on the prompt; ``pooled_dim`` > 0 adds a pooled prompt embedding (Flux); ``image`` adds the
     first-frame conditioning of image-to-video (``image_latents``: the first latent frame, ``image_condition``: it
-    followed by zero frames) and ``image_dim`` > 0 a random stand-in for CLIP image embeddings (N, 4, image_dim).
+    followed by zero frames) and ``image_dim`` > 0 a random stand-in for CLIP image embeddings (N, 4, image_dim);
+    ``control`` > 0 a control video of that many channels (Wan VACE's ``control``: the clip's own latents repeated
+    over the channels, a control the model can learn to follow).
 
     Prompt p has a fixed random text embedding (its first ``3 + p % (text_len - 2)`` tokens real, the rest zero, as
     padded encoder states are) and caption ``"blob p"``; each video is drawn from (seed, sample index), the samples
@@ -59,6 +62,12 @@ def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int =
         result["pooled"], null["pooled"] = prompt_pooled[prompts], torch.zeros(pooled_dim)
     if image or image_dim:
         result["image"] = synthetic_image_condition(result["latents"], image, image_dim, draws)
+    if control:
+        latents = result["latents"]  # (N, C, T, H, W)
+        if latents.dim() != 5:
+            raise ConfigError("data.control needs videos: set data.frames >= 1 (a control video has the clip's frames)")
+        copies = -(-control // latents.shape[1])
+        result.setdefault("image", {})["control"] = latents.repeat(1, copies, 1, 1, 1)[:, :control]  # (N, control, ...)
     return result
 
 
@@ -85,20 +94,22 @@ class SyntheticTextLatentsDataModule(TextLatentsDataModule):
     ``buckets``: a list of latent shapes ``[T, H, W]`` (videos) or ``[H, W]`` (images; ``frames`` is then unused):
     a mixed-bucket set, one shard per bucket, ``num_samples`` split between them as ``bucket_samples`` says (default
     evenly). None: one bucket of ``frames`` x ``size`` x ``size``. ``image`` / ``image_dim``: the image-to-video keys
-    (``synthetic_image_condition``)."""
+    (``synthetic_image_condition``); ``control``: a control video's channels (Wan VACE)."""
 
     def __init__(self, cache_dir: str, num_samples: int = 512, channels: int = 4, frames: int = 3, size: int = 8,
                  text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
                  batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4,
                  seed: int = 0, buckets: list | None = None, bucket_samples: list[int] | None = None,
-                 tokens_per_batch: int | None = None, image: bool = False, image_dim: int = 0):
+                 tokens_per_batch: int | None = None, image: bool = False, image_dim: int = 0, control: int = 0):
         settings = dict(num_samples=num_samples, channels=channels, frames=frames, size=size, text_len=text_len,
                         text_dim=text_dim, num_prompts=num_prompts, pooled_dim=pooled_dim, seed=seed)
         for key, value in settings.items():
             require_count(f"data.{key}", value, minimum=0 if key in ("seed", "frames", "pooled_dim") else 1)
         require_count("data.image_dim", image_dim, minimum=0)
+        require_count("data.control", control, minimum=0)
         # image-to-video keys (named in the file only when asked for: the text-to-video sets keep their names)
-        settings.update({"image": True} if image else {}, **({"image_dim": image_dim} if image_dim else {}))
+        settings.update({"image": True} if image else {}, **({"image_dim": image_dim} if image_dim else {}),
+                        **({"control": control} if control else {}))
         common = {key: value for key, value in settings.items() if key not in ("num_samples", "frames", "size")}
         if buckets is None:  # one file, as before buckets existed
             path = Path(cache_dir).expanduser() / ("synthetic-" + "-".join(f"{k}{v}" for k, v in settings.items())

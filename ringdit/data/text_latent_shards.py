@@ -33,6 +33,12 @@ ringdit/media/image_condition.py, which ``infer.py image=`` uses too; the condit
                             CLIP's penultimate hidden states for Wan 2.1 I2V, SigLIP's last hidden state for
                             HunyuanVideo 1.5 I2V; only when prepare is given image_encoder=)
 
+and, for a control video (optional, video latents only; Wan VACE reads it; ``data=synthetic_text_latents
+data.control=`` writes one, prepare does not; the condition drop keeps it):
+
+    control          float  (N, C_ctrl, T, H, W)  the control video's latents at the clip's frames and size (Wan
+                            VACE: WanVACEPipeline's [inactive ; reactive] latents and packed mask, vace_in_channels)
+
 and, for a masked loss (optional; ``python -m ringdit.prepare mask_path=`` writes it, by ringdit/media/masks.py):
 
     loss_mask   float  (N, 1, [T,] H, W)  each latent cell's weight in the loss, in [0, 1] (0: ignored), on the
@@ -73,7 +79,7 @@ import torch
 from ringdit.atomic import atomic_write
 from ringdit.data.latents import count_nonfinite
 from ringdit.errors import ConfigError
-from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS
+from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS, SAMPLE_KEYS
 from ringdit.safe_json import parse_json
 
 FORMAT = "ringdit.text_latents/1"
@@ -86,7 +92,8 @@ NULL_OF = {"null_text": "text (1, L, D)", "null_text_mask": "text_mask (1, L)", 
 IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (Wan 2.2 TI2V, HunyuanVideo 1.5 I2V)",
             "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)",
             "image_embeds": "the image encoder's states (Wan 2.1 I2V with image_dim: CLIP's penultimate; "
-                            "HunyuanVideo 1.5 I2V: SigLIP's last)"}
+                            "HunyuanVideo 1.5 I2V: SigLIP's last)",
+            "control": "a control video's latents at the clip's frames and size (Wan VACE: vace_in_channels)"}
 MASK_KEY = "loss_mask"  # a masked loss's weights, optional, per sample (ringdit.media.masks writes them)
 TEXT_DIR = "text"  # prepare's text cache: the text of shard-i.safetensors in text/shard-i.safetensors beside it
 TEXT_KEYS = ("text", "text_mask", "pooled", *GLYPH_KEYS, *NULL_KEYS.values())  # what a text file holds
@@ -101,16 +108,16 @@ def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mas
                        loss_mask: Tensor | None = None) -> Path:
     """Write one shard (see the module docstring); ``null`` holds the empty prompt's ``text`` (L, D) [, mask, pooled,
     glyph_text (G, D_g), glyph_text_mask (G,)]; ``metadata`` adds string keys (prepare records ``vae``: the VAE's class
-    and normalisation, as JSON); ``image`` the image-to-video conditioning, ``IMAGE_KEYS`` (N, ...) each; ``glyph``
-    the glyph text, ``GLYPH_KEYS`` (N, ...) both; ``loss_mask`` the loss's weights (N, 1, [T,] H, W)."""
+    and normalisation, as JSON); ``image`` the image-to-video and control conditioning, ``SAMPLE_KEYS`` (N, ...)
+    each; ``glyph`` the glyph text, ``GLYPH_KEYS`` (N, ...) both; ``loss_mask`` the loss's weights (N, 1, [T,] H, W)."""
     tensors = {"latents": latents, "text": text}
     if text_mask is not None:
         tensors["text_mask"] = text_mask.bool()
     if pooled is not None:
         tensors["pooled"] = pooled
-    unknown = sorted(set(image or {}) - set(IMAGE_KEYS))
+    unknown = sorted(set(image or {}) - set(SAMPLE_KEYS))
     if unknown:  # a misspelt key would be written and never read
-        raise ValueError(f"write_text_latents: image holds {unknown}; its keys are {', '.join(IMAGE_KEYS)}")
+        raise ValueError(f"write_text_latents: image holds {unknown}; its keys are {', '.join(SAMPLE_KEYS)}")
     tensors.update(image or {})
     if glyph and sorted(glyph) != sorted(GLYPH_KEYS):  # one without the other could not be read
         raise ValueError(f"write_text_latents: glyph holds {sorted(glyph)}; give both {', '.join(GLYPH_KEYS)}")
@@ -249,15 +256,16 @@ class Shard:
 
     @property
     def image_keys(self) -> tuple[str, ...]:
-        """The image-to-video conditioning this shard holds (``IMAGE_KEYS``), in that order."""
-        return tuple(key for key in IMAGE_KEYS if key in self.shapes)
+        """The per-sample conditioning this shard holds (``SAMPLE_KEYS``: image-to-video's, a control video's), in
+        that order."""
+        return tuple(key for key in SAMPLE_KEYS if key in self.shapes)
 
     def check_images(self) -> None:
         """The first-frame conditioning, where present, fits the latents (N, C, T, H, W): ``image_latents``
         (N, C, 1, H, W), ``image_condition`` (N, C, T, H, W), ``image_embeds`` (N, N_img, D_img)."""
         latents = self.shapes["latents"]
         expected = {"image_latents": (*latents[:2], 1, *latents[3:]), "image_condition": latents,
-                    "image_embeds": (latents[0], None, None)}
+                    "image_embeds": (latents[0], None, None), "control": (latents[0], None, *latents[2:])}
         for key in self.image_keys:
             shape, wanted = self.shapes[key], expected[key]
             fits = len(latents) == 5 and len(shape) == len(wanted) and self.dtypes[key] in FLOAT_DTYPES and \
@@ -337,7 +345,7 @@ def _header(path: Path) -> tuple[dict, dict, dict]:
 
 def condition_of(values: dict[str, Tensor], row: int) -> dict[str, Tensor]:
     """The conditioning dict of one row: text (L, D) float32, text_mask (L,) bool [, pooled (P,)] [, glyph_text
-    (G, D_g) float32, glyph_text_mask (G,) bool] [, the image keys (IMAGE_KEYS) float32]."""
+    (G, D_g) float32, glyph_text_mask (G,) bool] [, the image and control keys (SAMPLE_KEYS) float32]."""
     text = values["text"][row].float()
     mask = values["text_mask"][row].bool() if "text_mask" in values else torch.ones(text.shape[0], dtype=torch.bool)
     cond = {"text": text, "text_mask": mask}
@@ -346,7 +354,7 @@ def condition_of(values: dict[str, Tensor], row: int) -> dict[str, Tensor]:
     if "glyph_text" in values:
         cond["glyph_text"] = values["glyph_text"][row].float()
         cond["glyph_text_mask"] = values["glyph_text_mask"][row].bool()
-    for key in (*IMAGE_KEYS, MASK_KEY):
+    for key in (*SAMPLE_KEYS, MASK_KEY):
         if key in values:
             cond[key] = values[key][row].float()
     return cond

@@ -32,6 +32,7 @@ from ringdit.data.text_latent_shards import read_prompts, write_text_latents  # 
 from ringdit.errors import ConfigError, require_count
 from ringdit.launcher import spawned_by_launcher
 from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS, TEXT  # noqa: F401 - importable from here too
+from ringdit.models.conditioning import SAMPLE_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class TextLatentRows(Dataset):
             raise IndexError(index)
         shard_index = bisect.bisect_right(self.starts, index) - 1
         shard, row = self.shards[shard_index], index - self.starts[shard_index]
-        values = shard.read(("latents", "text", "text_mask", "pooled", *GLYPH_KEYS, *IMAGE_KEYS, MASK_KEY), row,
+        values = shard.read(("latents", "text", "text_mask", "pooled", *GLYPH_KEYS, *SAMPLE_KEYS, MASK_KEY), row,
                             row + 1)
         return values["latents"][0].float(), condition_of(values, 0)
 

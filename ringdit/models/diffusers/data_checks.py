@@ -1,9 +1,11 @@
 """Whether the data fit a diffusers model of a family: the latents' shape and channels, the text, pooled and glyph
-embeddings' widths, and an image-to-video family's first-frame conditioning and its input channels."""
+embeddings' widths, an image-to-video family's first-frame conditioning and its input channels, and a control-video
+family's control latents."""
 
 from __future__ import annotations
 
 from ringdit.errors import ConfigError
+from ringdit.models.conditioning import CONTROL_KEY
 from ringdit.models.diffusers.families import Family
 from ringdit.models.diffusers.image_condition import CONDITION_KEY
 
@@ -55,7 +57,12 @@ WAN_IMAGE_TEXT_LEN = 512
 
 def check_image_data(config: dict, family: Family, data: dict) -> None:
     """An image-to-video model needs the data's first-frame conditioning (``data["image_keys"]``: the image keys its
-    samples hold, text_latents' describe())."""
+    samples hold, text_latents' describe()); a control-video model its control latents."""
+    if CONTROL_KEY in family.condition_keys and CONTROL_KEY not in data.get("image_keys", ()):
+        width = (config.get("config") or {}).get("vace_in_channels", "<model.config.vace_in_channels>")
+        raise ConfigError(f"model.family={family.name} denoises under a control video, but the data has no 'control' "
+                          f"latents (N, vace_in_channels, T, H, W) beside the clips'; give data that hold them, e.g. "
+                          f"data=synthetic_text_latents data.control={width}")
     if family.image_condition is None:
         return
     keys = set(data.get("image_keys", ()))

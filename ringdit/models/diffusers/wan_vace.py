@@ -29,17 +29,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringdit.models.conditioning import CONTROL_KEY as CONTROL  # the control latents' key, the stream's name
 from ringdit.models.diffusers.family import Family
 from ringdit.models.plan import ParallelPlan, StreamPlan
 
 Tensor = torch.Tensor
 
-CONTROL = "control"  # the conditioning key of the control latents, and the plan's stream of their tokens
 
-
-def control_latents(cond: dict, latents: Tensor) -> Tensor:
-    """``cond["control"]`` (B, C_vace, T, H, W), checked against the latents ``(B, C, T, H, W)``: the model pads a
-    shorter control video with zeros and fails on a longer one, so another grid is refused here."""
+def control_latents(cond: dict, latents: Tensor, channels: int) -> Tensor:
+    """``cond["control"]`` (B, C_vace, T, H, W), checked against the latents ``(B, C, T, H, W)`` and the model's
+    ``channels`` (vace_in_channels): the model pads a shorter control video with zeros and fails on a longer one, so
+    another grid is refused here."""
     control = cond.get(CONTROL)
     if control is None:
         raise ValueError("model.family=wan_vace denoises under a control video, but the conditioning has no "
@@ -47,6 +47,9 @@ def control_latents(cond: dict, latents: Tensor) -> Tensor:
     if control.dim() != 5 or control.shape[0] != latents.shape[0] or control.shape[2:] != latents.shape[2:]:
         raise ValueError(f"the control latents {tuple(control.shape)} do not fit the latents {tuple(latents.shape)}: "
                          f"a control video has the clip's frames and size (the latents' T, H, W)")
+    if control.shape[1] != channels:
+        raise ValueError(f"the control latents have {control.shape[1]} channels but model.config.vace_in_channels is "
+                         f"{channels}: encode the control video as the model's pipeline does")
     return control
 
 
@@ -54,7 +57,7 @@ def _wan_vace_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) 
     """x (B, C, T, H, W) latents, t (B,) in 0..1000 (Wan's sigma x 1000), cond: text (B, L, D_text) UMT5 states
     zero-padded to L (no mask), control (B, vace_in_channels, T, H, W) [, control_scale (len(vace_layers),) the
     pipeline's conditioning_scale per VACE layer, default ones] -> (B, C, T, H, W)."""
-    control = control_latents(cond, x).to(x.dtype)
+    control = control_latents(cond, x, transformer.config.vace_in_channels).to(x.dtype)
     return transformer(hidden_states=x, timestep=t, encoder_hidden_states=cond["text"], control_hidden_states=control,
                        control_hidden_states_scale=cond.get("control_scale"), return_dict=False)[0]
 
