@@ -433,7 +433,7 @@ def assert_same_shards(got: Path, expected: Path) -> None:
 
 def test_sigterm_while_a_shard_is_written_keeps_it(models, many_images, tmp_path, monkeypatch, caplog):
     """In this process: SIGTERM in the middle of writing the first shard; the shard is finished, then the run stops."""
-    import ringdit.media.encode_folder as media
+    import ringdit.media.encode_shards as media  # the module whose shard loop writes and loads the VAE
     from ringdit.prepare import main
 
     write = media.save_tensors
@@ -455,7 +455,7 @@ def test_sigterm_while_a_shard_is_written_keeps_it(models, many_images, tmp_path
 
 def test_sigterm_while_models_load_stops_at_once(models, many_images, tmp_path, monkeypatch, caplog):
     """In this process: SIGTERM while the VAE loads stops there (nothing to finish first); nothing is written."""
-    import ringdit.media.encode_folder as media
+    import ringdit.media.encode_shards as media  # the module whose shard loop writes and loads the VAE
     from ringdit.prepare import main
 
     vae = media.VAE
