@@ -2,10 +2,9 @@
 per expert, CFG parallel, the negative prompt, a guidance-distilled model's embedding), the step cache, the shift for
 the sample's size, a diffusers scheduler's set-up, and image-to-video's given frames.
 
-``DiffusionModule`` holds one (``module.pipeline``) and calls it with the weights worth sampling (infer.py's
-``predict_step``, the preview grids, validation); serving and TeaCache's calibration set its ``step_cache`` and
-``negative`` per request. It holds no model and no process state: every call gets the model, the ranks'
-``ParallelDims`` and the device.
+A ``ringdit.sampling.Sampler`` holds one with the model, the ranks' ``ParallelDims``, the device, its step cache and
+its negative prompt, and calls it with the weights worth sampling (infer.py, the preview grids, the server,
+TeaCache's calibration, distillation's teacher). It holds no model and no process state: every call gets them.
 """
 
 from __future__ import annotations
@@ -37,16 +36,18 @@ class SamplingPipeline:
     settings: dict                   # the run's sampling settings (DEFAULT_SETTINGS' keys, cfg_scale_2, times, ...)
     image_size: tuple[int, ...] | None  # the data's sample shape ([T,] H, W): every call's default (None: none)
     pixels: bool                     # samples are pixels in [-1, 1] (clamped), else latents kept as numbers
-    step_cache: Any = None           # a ringdit.caching.StepCache wrapped around each call (infer.py's cache=)
-    negative: dict | None = None     # infer.py's negative prompt's conditioning (text models), what its requests
-    #                                  guide away from unless they give their own; None: the empty prompt
+    latent_scale: float | None = None  # the data's latent_scale (latents): samples / it are on the VAE's own scale
+    # a DiffusionModule's sampler's step cache and negative prompt (``DiffusionModule.sampler``), until every caller
+    # makes its own ``Sampler``
+    step_cache: Any = None
+    negative: dict | None = None
 
     @classmethod
     def for_run(cls, objective, sampling: dict | None, data: dict) -> SamplingPipeline:
         """The pipeline of a run's objective, ``diffusion.sampling`` settings and data description."""
         size = data.get("image_size")
         return cls(objective, {**DEFAULT_SETTINGS, **(sampling or {})}, None if size is None else tuple(size),
-                   pixels="latent_scale" not in data)
+                   pixels="latent_scale" not in data, latent_scale=data.get("latent_scale"))
 
     def tokens(self, model: nn.Module, shape: tuple[int, ...] | None = None) -> int:
         """Model tokens of one sample of ``shape`` (default the data's)."""
@@ -56,10 +57,11 @@ class SamplingPipeline:
     @torch.no_grad()
     def generate(self, model: nn.Module, condition, seeds: list[int], *, dims: ParallelDims, device,
                  negative: dict | None = None, shape: tuple[int, ...] | None = None,
-                 overrides: dict | None = None) -> Tensor:
+                 overrides: dict | None = None, step_cache: Any = None) -> Tensor:
         """Samples ``(N, C, [T,] H, W)`` of ``model`` for ``condition`` (labels ``(N,)`` or a dict of text tensors),
         sample i from noise seeded by seeds[i]; ``negative``: the negative prompt's conditioning for guidance (None:
-        the model's null condition, the empty prompt); ``overrides``: sampling settings of this call (None: the run's).
+        the model's null condition, the empty prompt); ``overrides``: sampling settings of this call (None: the run's);
+        ``step_cache``: a ``ringdit.caching.StepCache`` wrapped around this call (None: every block runs).
 
         Collective under sequence parallelism: every rank of the group must call it with the same arguments."""
         settings = {**self.settings, **{k: v for k, v in (overrides or {}).items() if v is not None}}
@@ -75,7 +77,7 @@ class SamplingPipeline:
             condition["guidance"] = torch.full((len(seeds),), float(settings["guidance"]), device=device)
         split = guided and dims.cfg_group is not None  # CFG parallel: the halves on two data-parallel replicas
         # a step cache lives for this one call (this batch); its decisions are per sample, both halves together
-        cache = self.step_cache.attached(model, dims, pairs=guided and not split) if self.step_cache is not None \
+        cache = step_cache.attached(model, dims, pairs=guided and not split) if step_cache is not None \
             else contextlib.nullcontext()
         with cache:
             samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use

@@ -42,6 +42,7 @@ outputs from the same noises to the teacher's samples.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 
@@ -55,6 +56,7 @@ from ringdit.diffusion.distillation import CONSISTENCY_METHODS, CRITIC_METHODS
 from ringdit.diffusion.samplers import fewstep_start, fewstep_step
 from ringdit.diffusion.pipeline import condition_to
 from ringdit.lora import lora_enabled
+from ringdit.sampling.sampler import Sampler
 from ringdit.seeding import Stream, generator, seed_of
 from ringdit.training import consistency
 from ringdit.training.gan_head import FeatureTap, GANHead, critic_gan_loss, generator_gan_loss
@@ -226,15 +228,17 @@ class DistillationModule(DiffusionModule):
         else:
             condition = torch.arange(count, device=self.device) % self.hparams.data["num_classes"]  # (K,)
         seeds = [seed_of(Stream.DISTILL, self.hparams.seed, 0, 0, REGRESSION, i) for i in range(count)]
-        student_sampling = self.sampling
-        self.sampling = {**student_sampling, **self.distill["teacher_sampling"]}
-        try:
-            samples = self._generate(self.teacher, condition, seeds, None, None, {})
-        finally:
-            self.sampling = student_sampling
+        samples = self.teacher_sampler().generate(condition, seeds)
         noise = draw_noise((self.teacher.in_channels, *self.hparams.data["image_size"]), noise_generators(seeds),
-                           self.device, samples.dtype)  # what _generate started from
+                           self.device, samples.dtype)  # what the teacher's sampling started from
         return noise, condition, samples
+
+    def teacher_sampler(self) -> Sampler:
+        """The teacher's own sampler: the run's sampling settings with ``teacher_sampling`` laid over them, its
+        weights as they are (no step cache, the empty prompt as the negative)."""
+        settings = {**self.pipeline.settings, **self.distill["teacher_sampling"]}
+        pipeline = dataclasses.replace(self.pipeline, settings=settings)
+        return Sampler(self.teacher, self.parallel_dims, pipeline, self.device)
 
     def pair_prompts(self, count: int) -> dict[str, Tensor]:
         """The conditions (text embeddings, ...) of the first ``count`` training samples of the sampled shape (the

@@ -1,5 +1,5 @@
 """``DiffusionModule``: the LightningModule that fine-tunes a (sequence-parallel) diffusion transformer, and samples it
-through its ``SamplingPipeline`` (``ringdit.diffusion.pipeline``: the sampling policy, apart from training):
+through a ``ringdit.sampling.Sampler`` (``DiffusionModule.sampler``: its model, ranks and ``SamplingPipeline``):
 ringdit's class-conditional DiT, or a text-conditioned diffusers transformer (``DiffusersTransformer``: Wan, ...).
 Every model kind is built by ``ringdit.build.build_model`` and trained and sampled by the same code: the models share
 one conditioning interface (``drop_condition``, ``null_condition``, ``model_condition``) and all return their whole
@@ -34,11 +34,11 @@ from ringdit.diffusion.experts import step_expert, time_range
 from ringdit.diffusion.pipeline import SamplingPipeline
 from ringdit.ema import ModelAverage
 from ringdit.errors import NonFiniteLossError
-from ringdit.images import to_uint8
 from ringdit.lora import is_adapter_key, lora_enabled, null_condition_names
 from ringdit.models.conditioning import text_conditioned
 from ringdit.parallel import ParallelDims
 from ringdit.safe_config import check_file_configs
+from ringdit.sampling.sampler import Sampler
 from ringdit.seeding import Stream, generator
 
 Tensor = torch.Tensor
@@ -355,53 +355,23 @@ class DiffusionModule(L.LightningModule):
         finally:
             self._ema_applied = False
 
-    @torch.no_grad()
-    def generate(self, condition, seeds: list[int], *, use_ema: bool = True, negative: dict | None = None,
-                 shape: tuple[int, ...] | None = None, **overrides: Any) -> Tensor:
-        """Samples ``(N, C, [T,] H, W)`` for ``condition`` -- labels ``(N,)``, or a dict of text tensors ``(N, ...)``
-        -- sample i from noise seeded by seeds[i] (a ``ringdit.seeding.seed_of`` value); pixels come in [-1, 1].
-        ``negative``: the negative prompt's conditioning for guidance (text models; default the empty prompt's).
-        ``shape``: the sample's ``([T,] H, W)`` in the data's units (latent cells, or pixels), any bucket the model
-        takes; default the data's ``image_size`` (its most frequent bucket).
+    @property
+    def sampler(self) -> Sampler:
+        """A ``ringdit.sampling.Sampler`` of this module's built model on its device and ranks, sampling with the EMA's
+        weights (``sampling_weights``); made when asked for (training makes none)."""
+        return Sampler(self.model, self.parallel_dims, self.pipeline, self.device, weights=self.sampling_weights,
+                       step_cache=self.pipeline.step_cache, negative=self.pipeline.negative)
 
-        Collective under sequence parallelism: every rank of the group must call it with the same arguments.
-        """
-        with self.sampling_weights(use_ema) as model:
-            return self._generate(model, condition, seeds, negative, shape, overrides)
-
-    def _generate(self, model: nn.Module, condition, seeds: list[int], negative: dict | None,
-                  shape: tuple[int, ...] | None, overrides: dict) -> Tensor:
-        return self.pipeline.generate(model, condition, seeds, dims=self.parallel_dims, device=self.device,
-                                      negative=negative, shape=shape, overrides=overrides)
+    def generate(self, condition, seeds: list[int], **keywords: Any) -> Tensor:
+        """``self.sampler.generate`` (``ringdit.sampling.Sampler.generate``: its keywords)."""
+        return self.sampler.generate(condition, seeds, **keywords)
 
     def predict_step(self, batch, batch_idx: int) -> dict:
-        """``(indices, condition, seeds[, extra])`` (``ringdit.sampling.SampleRequests``): ``extra`` holds the batch's
-        sample ``shape`` (one per batch: ``ShapeBatches``) and, from a prompt file, each sample's ``negative``
-        prompt where ``negative_given``."""
+        """``(indices, condition, seeds[, extra])`` (``ringdit.sampling.SampleRequests``), sampled by ``self.sampler``
+        (``Sampler.sample_batch``: ``extra``'s shape and negative prompts)."""
         indices, condition, seeds, *rest = batch
-        extra = rest[0] if rest else {}
-        negative = self.pipeline.negative
-        if "negative" in extra:
-            negative = self._negatives(extra["negative"], extra["negative_given"])
-        shape = tuple(int(s) for s in extra["shape"][0].tolist()) if "shape" in extra else None
-        samples = self.generate(condition, seeds.tolist(), negative=negative, shape=shape)
         described = {"index": indices} if self.text_conditioned else {"index": indices, "labels": condition}
-        if self.samples_are_pixels:
-            return {**described, "images": to_uint8(samples)}
-        # back to the VAE's own scale (data.scale multiplied it in): ready to decode
-        return {**described, "latents": samples.float() / self.hparams.data["latent_scale"]}
-
-    def _negatives(self, rows: dict[str, Tensor], given: Tensor) -> dict[str, Tensor]:
-        """Each sample's negative prompt: its own where ``given``, else the run's (negative_prompt=), else the empty
-        prompt's (the model's null condition, as trained)."""
-        fallback = self.pipeline.negative or self.model.null_condition(len(given))
-        mixed = {}
-        for key, value in rows.items():
-            if key in fallback:
-                where = given.view(-1, *[1] * (value.dim() - 1))
-                value = torch.where(where, value, fallback[key].to(value).expand_as(value))
-            mixed[key] = value
-        return mixed
+        return {**described, **self.sampler.sample_batch(condition, seeds.tolist(), rest[0] if rest else {})}
 
 
 def loss_mask(condition) -> Tensor | None:

@@ -1,0 +1,95 @@
+"""``Sampler``: what generating needs, apart from training -- the model, the ranks' ``ParallelDims``, the run's
+``SamplingPipeline`` (sampler, settings, guidance), the device, and this sampler's step cache and negative prompt.
+
+infer.py, the preview grids, the server, TeaCache's calibration and distillation's teacher each hold one; none sets
+the pipeline's fields. The step cache and the negative prompt are fixed when the sampler is made, or for a block
+(``with sampler.using(step_cache=...) as sampler:``), never written from outside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from ringdit.diffusion.pipeline import SamplingPipeline
+from ringdit.images import to_uint8
+from ringdit.parallel import ParallelDims
+
+Tensor = torch.Tensor
+_KEEP = object()  # ``using``'s "as it is"
+
+
+class Sampler:
+    """Samples ``model`` with ``pipeline`` on ``device`` over the ranks of ``dims``.
+
+    ``step_cache``: a ``ringdit.caching.StepCache`` wrapped around each call (None: every block runs); ``negative``:
+    the negative prompt's conditioning (text models) that calls guide away from unless they give their own (None:
+    the empty prompt, the model's null condition); ``weights``: ``weights(use_ema)``, a context manager yielding the
+    model with the weights worth sampling (a training module's EMA swapped in; None: ``model`` as it is)."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, pipeline: SamplingPipeline, device, *,
+                 step_cache: Any = None, negative: dict | None = None,
+                 weights: Callable[[bool], ContextManager[nn.Module]] | None = None):
+        self.model, self.dims, self.pipeline, self.device = model, dims, pipeline, device
+        self.step_cache, self.negative = step_cache, negative
+        self._weights = weights
+
+    @property
+    def pixels(self) -> bool:
+        """Samples are pixels in [-1, 1] (they become images); else latents kept as numbers for a VAE."""
+        return self.pipeline.pixels
+
+    @contextlib.contextmanager
+    def using(self, *, step_cache: Any = _KEEP, negative: dict | None = _KEEP):
+        """This sampler with another step cache and / or negative prompt inside the block (None: none)."""
+        yield Sampler(self.model, self.dims, self.pipeline, self.device,
+                      step_cache=self.step_cache if step_cache is _KEEP else step_cache,
+                      negative=self.negative if negative is _KEEP else negative, weights=self._weights)
+
+    def weights(self, use_ema: bool = True) -> ContextManager[nn.Module]:
+        """The model that samples, with the weights worth sampling inside the block."""
+        return self._weights(use_ema) if self._weights is not None else contextlib.nullcontext(self.model)
+
+    @torch.no_grad()
+    def generate(self, condition, seeds: list[int], *, use_ema: bool = True, negative: dict | None = None,
+                 shape: tuple[int, ...] | None = None, **overrides: Any) -> Tensor:
+        """Samples ``(N, C, [T,] H, W)`` for ``condition`` -- labels ``(N,)``, or a dict of text tensors ``(N, ...)``
+        -- sample i from noise seeded by seeds[i] (a ``ringdit.seeding.seed_of`` value); pixels come in [-1, 1].
+        ``negative``: the negative prompt's conditioning for guidance (text models; default this sampler's, else the
+        empty prompt's). ``shape``: the sample's ``([T,] H, W)`` in the data's units (latent cells, or pixels), any
+        bucket the model takes; default the data's ``image_size`` (its most frequent bucket). ``overrides``: sampling
+        settings of this call (``steps=``, ``cfg_scale=``, ...; None: the run's).
+
+        Collective under sequence parallelism: every rank of the group must call it with the same arguments.
+        """
+        with self.weights(use_ema) as model:
+            return self.pipeline.generate(model, condition, seeds, dims=self.dims, device=self.device,
+                                          negative=self.negative if negative is None else negative, shape=shape,
+                                          overrides=overrides, step_cache=self.step_cache)
+
+    def sample_batch(self, condition, seeds: list[int], extra: dict) -> dict[str, Tensor]:
+        """One batch of ``ringdit.sampling.SampleRequests``: ``extra`` holds its sample ``shape`` (one per batch:
+        ``ShapeBatches``) and, from a prompt file, each sample's ``negative`` prompt where ``negative_given``.
+        Returns ``images`` (uint8) for pixels, else ``latents`` (float32) on the VAE's own scale."""
+        negative = self.negatives(extra["negative"], extra["negative_given"]) if "negative" in extra else None
+        shape = tuple(int(s) for s in extra["shape"][0].tolist()) if "shape" in extra else None
+        samples = self.generate(condition, seeds, negative=negative, shape=shape)
+        if self.pixels:
+            return {"images": to_uint8(samples)}
+        # back to the VAE's own scale (data.scale multiplied it in): ready to decode
+        return {"latents": samples.float() / self.pipeline.latent_scale}
+
+    def negatives(self, rows: dict[str, Tensor], given: Tensor) -> dict[str, Tensor]:
+        """Each sample's negative prompt: its own where ``given``, else this sampler's (negative_prompt=), else the
+        empty prompt's (the model's null condition, as trained)."""
+        fallback = self.negative or self.model.null_condition(len(given))
+        mixed = {}
+        for key, value in rows.items():
+            if key in fallback:
+                where = given.view(-1, *[1] * (value.dim() - 1))
+                value = torch.where(where, value, fallback[key].to(value).expand_as(value))
+            mixed[key] = value
+        return mixed
