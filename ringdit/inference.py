@@ -95,10 +95,9 @@ def prepare(cfg: DictConfig):
     from the spec; returns them and the spec."""
     spec = InferSpec.from_config(cfg)
     conditions, captions, negative, per_sample = sample_conditions(spec)
-    module = DiffusionModule.for_sampling(spec)
-    module.pipeline.negative = negative
-    if spec.cache.enabled:  # cache=fbcache / teacache: wrapped around each batch's sampling (ringdit.caching)
-        module.pipeline.step_cache = StepCache(spec.cache, spec.cache.coefficients)
+    # cache=fbcache / teacache: wrapped around each batch's sampling (ringdit.caching)
+    cache = StepCache(spec.cache, spec.cache.coefficients) if spec.cache.enabled else None
+    module = DiffusionModule.for_sampling(spec, step_cache=cache, negative=negative)
     negatives, negative_given = per_sample or (None, None)
     requests = SampleRequests(conditions, spec.seed, shapes=spec.sample_shapes(), negatives=negatives,
                               negative_given=negative_given)
@@ -158,8 +157,9 @@ def run(trainer, module, requests, spec: InferSpec) -> Path:
     # SIGTERM: every rank stops at the next sampler step, the finished batches are written, exit code 143
     with stop_on_sigterm(trainer, logger=log):
         trainer.predict(module, dataloaders=requests, return_predictions=False)
-        if module.pipeline.step_cache is not None and trainer.is_global_zero:
-            counts = module.pipeline.step_cache.counts
+        cache = module.sampler.step_cache
+        if cache is not None and trainer.is_global_zero:
+            counts = cache.counts
             log.info("cache=%s threshold=%g: %d of %d model evaluations ran every block (%d reused the cache)",
                      spec.cache.kind, spec.cache.threshold, counts.full, counts.evaluations, counts.reused)
         writer = next(c for c in trainer.callbacks if isinstance(c, SampleWriter))

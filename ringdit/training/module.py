@@ -17,6 +17,7 @@ EMA, resume, predict -- whose hooks share state; each part is a few short method
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from typing import Any, Callable
@@ -305,10 +306,12 @@ class DiffusionModule(L.LightningModule):
 
     # ---- sampling ---------------------------------------------------------------------------------------------------
     @classmethod
-    def for_sampling(cls, spec) -> DiffusionModule:
+    def for_sampling(cls, spec, *, step_cache=None, negative: dict | None = None) -> DiffusionModule:
         """The module of a sampling run (a ``ringdit.spec.InferSpec``): the checkpoint's whole model, or an
         adapter-only LoRA checkpoint's base adapted as the run was (the adapters are loaded onto it once it is built,
-        by ``ringdit.training.callbacks.LoadLoraAdapter``)."""
+        by ``ringdit.training.callbacks.LoadLoraAdapter``). Its ``sampler`` samples with ``step_cache`` (a
+        ``ringdit.caching.StepCache``; None: every block runs) and guides away from ``negative`` (a text model's
+        negative prompt's conditioning; None: the empty prompt) unless a request gives its own."""
         if spec.pipeline:  # model.pretrained (the folder) holds the weights
             weights = {}
         elif spec.lora is None:
@@ -316,8 +319,10 @@ class DiffusionModule(L.LightningModule):
         else:
             weights = {"init_from": spec.lora.init_from, "init_weights": spec.lora.init_weights,
                        "lora": spec.lora.settings}
-        return cls(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
-                   attention_backend=spec.layout.attention_backend, **weights)
+        module = cls(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
+                     attention_backend=spec.layout.attention_backend, **weights)
+        module.pipeline = dataclasses.replace(module.pipeline, step_cache=step_cache, negative=negative)
+        return module
 
     @property
     def sampling(self) -> dict:
