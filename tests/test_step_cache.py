@@ -84,15 +84,16 @@ def test_threshold_zero_is_bit_identical_to_no_cache(kind):
 
 
 def test_module_generate_with_threshold_zero_equals_cache_off(tiny_checkpoint):
-    """Through DiffusionModule.generate (infer.py's path): cache off and threshold 0 give the same bits."""
+    """Through a checkpoint's Sampler (infer.py's path): cache off and threshold 0 give the same bits."""
     from ringdit.caching.calibrate import load_for_sampling
 
-    module = load_for_sampling(str(tiny_checkpoint))
+    sampler = load_for_sampling(str(tiny_checkpoint))
     labels, seeds = torch.tensor([1, 2, 3]), [4, 5, 6]
-    off = module.generate(labels, seeds, steps=4, cfg_scale=2.0)
-    module.pipeline.step_cache = StepCache(CacheSettings("fbcache", 0.0))
-    assert torch.equal(module.generate(labels, seeds, steps=4, cfg_scale=2.0), off)
-    assert module.pipeline.step_cache.counts.full == module.pipeline.step_cache.counts.evaluations == 7  # heun: 3 x 2 + 1
+    off = sampler.generate(labels, seeds, steps=4, cfg_scale=2.0)
+    cache = StepCache(CacheSettings("fbcache", 0.0))
+    with sampler.using(step_cache=cache) as cached:
+        assert torch.equal(cached.generate(labels, seeds, steps=4, cfg_scale=2.0), off)
+    assert cache.counts.full == cache.counts.evaluations == 7  # heun: 3 x 2 + 1
 
 
 @pytest.mark.parametrize("kind, first_block_runs", [("fbcache", STEPS), ("teacache", 1)])

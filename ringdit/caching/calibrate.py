@@ -11,15 +11,22 @@ import math
 import sys
 from pathlib import Path
 
+import hydra
 import torch
 from omegaconf import DictConfig
 
 from ringdit.atomic import atomic_write
+from ringdit.build import build_model
 from ringdit.caching.cache import StepCache
 from ringdit.caching.settings import COEFFICIENTS_FILE, CacheSettings, model_fingerprint
 from ringdit.checkpoints.layout import checked_output
+from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.cli import hydra_main, user_errors
+from ringdit.diffusion.pipeline import SamplingPipeline
 from ringdit.errors import ConfigError, require_choice, require_count, require_number
+from ringdit.models.conditioning import text_conditioned
+from ringdit.parallel import ParallelDims
+from ringdit.sampling.sampler import Sampler
 
 
 def fit_coefficients(records: list[tuple[float, float]], degree: int = 4) -> tuple[float, ...]:
@@ -33,28 +40,25 @@ def fit_coefficients(records: list[tuple[float, float]], degree: int = 4) -> tup
     return tuple(float(c) for c in np.polyfit(points[:, 0], points[:, 1], degree))
 
 
-def calibrate(module, condition, seeds: list[int], degree: int = 4, **overrides) -> tuple[float, ...]:
+def calibrate(sampler: Sampler, condition, seeds: list[int], degree: int = 4, **overrides) -> tuple[float, ...]:
     """Sample ``condition`` with every block running, record (modulated input change, residual change) per sample and
-    evaluation, and fit TeaCache's polynomial to them. ``module``: a ``DiffusionModule`` with its model built."""
+    evaluation, and fit TeaCache's polynomial to them. ``sampler``: a ``ringdit.sampling.Sampler`` (or a
+    ``DiffusionModule`` with its model built: its ``sampler``)."""
+    sampler = getattr(sampler, "sampler", sampler)
     recorder = StepCache(CacheSettings("teacache", 0.0), calibrate=True)
-    previous, module.pipeline.step_cache = module.pipeline.step_cache, recorder
-    try:
-        module.generate(condition, seeds, **overrides)
-    finally:
-        module.pipeline.step_cache = previous
+    with sampler.using(step_cache=recorder) as recording:
+        recording.generate(condition, seeds, **overrides)
     return fit_coefficients(recorder.records, degree)
 
 
-def load_for_sampling(ckpt_path: str, weights: str = "ema"):
-    """A ``DiffusionModule`` with the checkpoint's model and weights, on one process, in eval mode."""
-    from ringdit.checkpoints.loading import safe_torch_load
-    from ringdit.training import DiffusionModule
-
-    hparams = safe_torch_load(ckpt_path, mmap=True)["hyper_parameters"]
-    module = DiffusionModule(model=hparams["model"], objective=hparams["objective"], data=hparams["data"],
-                             sampling=hparams.get("sampling"), init_from=ckpt_path, init_weights=weights)
-    module.configure_model()
-    return module.eval()
+def load_for_sampling(ckpt_path: str, weights: str = "ema", hparams: dict | None = None) -> Sampler:
+    """A ``Sampler`` of the checkpoint's model with its ``weights`` (``ema`` or ``model``), on one process, in eval
+    mode, on the CPU. ``hparams``: the checkpoint's, where they were read already."""
+    hparams = safe_torch_load(ckpt_path, mmap=True)["hyper_parameters"] if hparams is None else hparams
+    model, _ = build_model(hparams["model"], dims=ParallelDims(), init_from=ckpt_path, init_weights=weights)
+    pipeline = SamplingPipeline.for_run(hydra.utils.instantiate(hparams["objective"]), hparams.get("sampling"),
+                                        hparams["data"])
+    return Sampler(model.eval(), ParallelDims(), pipeline, torch.device("cpu"))
 
 
 @hydra_main("calibrate")  # conf/calibrate.yaml
@@ -76,14 +80,15 @@ def calibrate_command(cfg: DictConfig) -> None:
         if not isinstance(cfg.overwrite, bool):
             raise ConfigError(f"overwrite must be true or false, got {cfg.overwrite!r}")
         checked_output(out, folder=False, what="calibrate", overwrite=cfg.overwrite, source=ckpt)
-        module = load_for_sampling(str(ckpt), weights=cfg.weights)
+        hparams = safe_torch_load(str(ckpt), mmap=True)["hyper_parameters"]
+        sampler = load_for_sampling(str(ckpt), weights=cfg.weights, hparams=hparams)
         seeds = list(range(cfg.num_samples))
-        if module.text_conditioned:  # no prompts at hand: the empty prompt's trajectories (a fit of the dynamics)
-            condition = module.model.null_condition(cfg.num_samples)
+        if text_conditioned(hparams["data"]):  # no prompts at hand: the empty prompt's trajectories (a fit of the
+            condition = sampler.model.null_condition(cfg.num_samples)  # dynamics)
         else:
-            condition = torch.arange(cfg.num_samples) % module.hparams.data["num_classes"]
-        coefficients = calibrate(module, condition, seeds, steps=sampling.steps, cfg_scale=sampling.cfg_scale)
-    record = {"coefficients": coefficients, "model": list(model_fingerprint(module.model)), "ckpt_path": str(ckpt),
+            condition = torch.arange(cfg.num_samples) % hparams["data"]["num_classes"]
+        coefficients = calibrate(sampler, condition, seeds, steps=sampling.steps, cfg_scale=sampling.cfg_scale)
+    record = {"coefficients": coefficients, "model": list(model_fingerprint(sampler.model)), "ckpt_path": str(ckpt),
               "num_samples": cfg.num_samples}
     with atomic_write(out) as tmp:
         tmp.write_text(json.dumps(record, indent=1))
