@@ -223,13 +223,13 @@ def test_preview_grids_at_a_chosen_size():
     grid = SampleGrid("unused", size=[6, 12], per_class=1)
     trainer = SimpleNamespace(global_step=0, is_global_zero=False, loggers=[], datamodule=None)
     grid.on_fit_start(trainer, module)
-    seen, generate = [], module.generate
+    seen, generate = [], module.pipeline.generate  # what the preview's Sampler calls
 
     def spy(*args, **kwargs):
         samples = generate(*args, **kwargs)
         seen.append(tuple(samples.shape))
         return samples
 
-    module.generate = spy
+    module.pipeline.generate = spy
     grid.make_grid(trainer, module)
     assert grid.shape == (6, 12) and seen == [(2, 1, 6, 12)]  # a row per class, at the chosen size

@@ -18,7 +18,8 @@ from ringdit.media.writing import write_mp4
 from ringdit.diffusion.pipeline import in_micro_batches
 from ringdit.errors import ConfigError, require_count, require_number, require_seed
 from ringdit.models.conditioning import text_conditioned
-from ringdit.sampling import FPS_HINT, PromptLine, SampleSizes, frame_rate, patch_shape, read_prompt_file, size_pair
+from ringdit.sampling import (FPS_HINT, PromptLine, Sampler, SampleSizes, frame_rate, patch_shape, read_prompt_file,
+                              size_pair)
 from ringdit.seeding import Stream, seed_of
 
 SETTING = "callbacks.sample_grid"
@@ -181,15 +182,16 @@ class SampleGrid(L.Callback):
 
     def make_grid(self, trainer: L.Trainer, pl_module) -> Path | None:
         self._last_step = step = trainer.global_step
-        if not pl_module.samples_are_pixels and self.preview_vae(pl_module.hparams.data) is None:
+        sampler = preview_sampler(pl_module)
+        if not sampler.pixels and self.preview_vae(pl_module.hparams.data) is None:
             return None  # latents without their VAE cannot be looked at (said once, by preview_vae)
         rows = self.rows(trainer, pl_module)
         shapes = {row["shape"] for row in rows}
         images, captions = [], []
         for row in rows:
-            samples = in_micro_batches(pl_module.generate, row["condition"], row["seeds"], self.batch_size,
+            samples = in_micro_batches(sampler.generate, row["condition"], row["seeds"], self.batch_size,
                                        negative=row["negative"], shape=row["shape"], **row["overrides"])
-            if pl_module.samples_are_pixels:
+            if sampler.pixels:
                 images.append(to_uint8(samples).numpy() if trainer.is_global_zero else None)
             else:  # every rank decodes its share of each sample's tiles; rank 0 gets the pixels
                 images.append(self.decode(samples, pl_module.hparams.data, trainer))
@@ -305,6 +307,14 @@ class SampleGrid(L.Callback):
         group = dist.group.WORLD if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 else None
         return decode_latents(latents.float().cpu(), self.preview_vae(data_info), latents_normalised(data_info),
                               group=group)
+
+
+def preview_sampler(pl_module) -> Sampler:
+    """The previews' own sampler: the training module's model with its EMA weights swapped in while it samples
+    (``DiffusionModule.sampling_weights``), the run's sampling settings, no step cache, the empty prompt as the
+    negative unless a row gives its own."""
+    return Sampler(pl_module.model, pl_module.parallel_dims, pl_module.pipeline, pl_module.device,
+                   weights=pl_module.sampling_weights)
 
 
 def log_samples(loggers, images, captions: list[str], step: int | None, *, videos: list[Path] = (),
