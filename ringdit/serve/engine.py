@@ -220,24 +220,23 @@ class Engine:
         rank0 = self._is_rank0
         jobs = [self.queue.get(job_id) for job_id in command["jobs"]] if rank0 else []
         self._running = [job for job in jobs if job is not None]
-        cache = CacheSettings(**command["cache"]) if command.get("cache") else None
-        module.pipeline.step_cache = StepCache(cache, cache.coefficients) if cache is not None else None
-        module.pipeline.negative = None
+        settings = CacheSettings(**command["cache"]) if command.get("cache") else None
+        cache = StepCache(settings, settings.coefficients) if settings is not None else None
         total = command["evaluations"]
         for job in self._running:
             job.total_evaluations = total
         samples = None
         began = time.monotonic()
         try:
-            with self.adapters.applied(command["loras"]), self._watching(module):
-                samples = module.generate(command["condition"], command["seeds"], negative=command["negative"],
-                                          shape=command["shape"], **command["overrides"])
+            with self.adapters.applied(command["loras"]), self._watching(module), \
+                    module.sampler.using(step_cache=cache) as sampler:  # this batch's step cache
+                samples = sampler.generate(command["condition"], command["seeds"], negative=command["negative"],
+                                           shape=command["shape"], **command["overrides"])
         except Cancelled:
             pass
         finally:
-            if module.pipeline.step_cache is not None:
-                self.cache_reused += module.pipeline.step_cache.counts.reused
-            module.pipeline.step_cache = None
+            if cache is not None:
+                self.cache_reused += cache.counts.reused
         self.batches += 1
         if rank0:
             self.samples += len(command["seeds"])
