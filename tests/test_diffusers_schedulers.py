@@ -270,7 +270,7 @@ class Module:
     """``DiffusionModule`` on a given mesh (the strategy's ``parallel_dims`` without a trainer)."""
 
     @staticmethod
-    def make(name: str, sampler: str, dims=None, scheduler_config=None, cache=None):
+    def make(name: str, sampler: str, dims=None, scheduler_config=None):
         from ringdit.models import parallelize
         from ringdit.training import DiffusionModule
 
@@ -284,13 +284,13 @@ class Module:
                         data={"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"},
                         sampling=sampling)
         module.model = parallelize(copy.deepcopy(model), dims=dims if dims is not None and dims.sp_degree > 1 else None)
-        module.pipeline.step_cache = cache
         return module, condition, negative, shape
 
 
 def ringdit_samples(name: str, sampler: str, dims=None, scheduler_config=None, cache=None) -> torch.Tensor:
-    module, condition, negative, shape = Module.make(name, sampler, dims, scheduler_config, cache)
-    return module.generate(condition, SEEDS, negative=negative, shape=shape)
+    module, condition, negative, shape = Module.make(name, sampler, dims, scheduler_config)
+    with module.sampler.using(step_cache=cache) as cached:
+        return cached.generate(condition, SEEDS, negative=negative, shape=shape)
 
 
 def assert_equal_to_pipeline(samples, expected, where):

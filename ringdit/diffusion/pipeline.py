@@ -37,10 +37,6 @@ class SamplingPipeline:
     image_size: tuple[int, ...] | None  # the data's sample shape ([T,] H, W): every call's default (None: none)
     pixels: bool                     # samples are pixels in [-1, 1] (clamped), else latents kept as numbers
     latent_scale: float | None = None  # the data's latent_scale (latents): samples / it are on the VAE's own scale
-    # a DiffusionModule's sampler's step cache and negative prompt (``DiffusionModule.sampler``), until every caller
-    # makes its own ``Sampler``
-    step_cache: Any = None
-    negative: dict | None = None
 
     @classmethod
     def for_run(cls, objective, sampling: dict | None, data: dict) -> SamplingPipeline:

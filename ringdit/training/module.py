@@ -17,7 +17,6 @@ EMA, resume, predict -- whose hooks share state; each part is a few short method
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
 from typing import Any, Callable
@@ -92,6 +91,7 @@ class DiffusionModule(L.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.objective = hydra.utils.instantiate(objective)
         self.pipeline = SamplingPipeline.for_run(self.objective, sampling, data)  # how it samples
+        self._sampler_keywords: dict = {}  # a sampling run's step cache and negative prompt (for_sampling)
         self.model: nn.Module | None = None  # built in configure_model
         self.ema: ModelAverage | None = None
         self._step_start: float | None = None
@@ -321,7 +321,7 @@ class DiffusionModule(L.LightningModule):
                        "lora": spec.lora.settings}
         module = cls(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
                      attention_backend=spec.layout.attention_backend, **weights)
-        module.pipeline = dataclasses.replace(module.pipeline, step_cache=step_cache, negative=negative)
+        module._sampler_keywords = {"step_cache": step_cache, "negative": negative}
         return module
 
     @property
@@ -365,7 +365,7 @@ class DiffusionModule(L.LightningModule):
         """A ``ringdit.sampling.Sampler`` of this module's built model on its device and ranks, sampling with the EMA's
         weights (``sampling_weights``); made when asked for (training makes none)."""
         return Sampler(self.model, self.parallel_dims, self.pipeline, self.device, weights=self.sampling_weights,
-                       step_cache=self.pipeline.step_cache, negative=self.pipeline.negative)
+                       **self._sampler_keywords)
 
     def generate(self, condition, seeds: list[int], **keywords: Any) -> Tensor:
         """``self.sampler.generate`` (``ringdit.sampling.Sampler.generate``: its keywords)."""
