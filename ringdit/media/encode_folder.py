@@ -61,6 +61,7 @@ Loss masks (``mask_path``, diffusion-pipe's): each clip's mask -- an image or vi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch.distributed as dist
@@ -68,7 +69,7 @@ import torch.distributed as dist
 from ringdit.errors import ConfigError
 from ringdit.media.clip_placement import bucket_size, clip_windows, place_files, plan_shards
 from ringdit.media.encode_report import EncodeReport
-from ringdit.media.encode_shards import encode_shards
+from ringdit.media.encode_shards import FolderSettings, encode_shards
 from ringdit.media.image_condition import image_encoder_folders
 from ringdit.media.prepare_ranks import TileGroup, default_device, rank_and_world
 from ringdit.media.shard_plan import PLAN, PLAN_FORMAT, check_plan, check_resumed_task, shard_path
@@ -78,7 +79,7 @@ from ringdit.media.vae import usable_device
 # the command's entry and its checks live here; the work is split by job (each name importable from here as before):
 # clip_placement.py (probing, buckets, windows, shards), encode_shards.py (the encoding), shard_plan.py (the shards on
 # disk, resume checks), prepare_ranks.py (ranks, TileGroup), encode_report.py (the report)
-__all__ = ["PLAN", "PLAN_FORMAT", "TASKS", "EncodeReport", "TileGroup", "bucket_size", "check_plan",
+__all__ = ["PLAN", "PLAN_FORMAT", "TASKS", "EncodeReport", "FolderSettings", "TileGroup", "bucket_size", "check_plan",
            "check_resumed_task", "check_task", "clip_windows", "default_device", "encode_folder", "place_files",
            "plan_shards", "rank_and_world", "shard_path"]
 
@@ -104,7 +105,6 @@ def check_task(task, image_encoder, image_processor) -> None:
         image_encoder_folders(image_encoder, image_processor)
 
 
-
 def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: str | None = None, *,
             vae_subfolder: str | None = "vae", caption_column: str = "text", size=256, frames: int = 17,
             frame_stride: int = 1, buckets=None, bucket_step: int | None = None, frame_buckets=None,
@@ -119,6 +119,7 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             fps: int | None = None, rank: int | None = None, world_size: int | None = None,
             progress: bool = True) -> EncodeReport:
     """Encode ``input`` into shards under ``out`` (see the module docstring); settings errors are ``ConfigError``."""
+    settings = FolderSettings(**locals())  # every parameter, as called: the first line, before any other local
     check_task(task, image_encoder, image_processor)  # before any work, on every rank alike
     device = str(usable_device(device or default_device()))  # meta, or a GPU this machine lacks: one line
     check_pooled_settings(pooled_encoder, pooled_tokenizer, masked_text)
@@ -141,16 +142,5 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
         log.warning("parallel_vae=true in one process: there are no other ranks to share the tiles with, so this "
                     "is the plain prepare; launch with torchrun --nproc-per-node N to split them over N ranks")
     with TileGroup.joined(parallel_vae and world_size > 1, rank, world_size, device) as tiles:
-        return encode_shards(input, out, vae, text_encoder, tokenizer, vae_subfolder=vae_subfolder,
-                             caption_column=caption_column, size=size, frames=frames,
-                             frame_stride=frame_stride, buckets=buckets, bucket_step=bucket_step,
-                             frame_buckets=frame_buckets, max_text_len=max_text_len, shard_size=shard_size,
-                             batch_size=batch_size, device=device, dtype=dtype, text_dtype=text_dtype,
-                             tiling=tiling, tile=tile,
-                             task=task, image_encoder=image_encoder, image_processor=image_processor,
-                             pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
-                             max_pooled_len=max_pooled_len, masked_text=masked_text, prompt_template=prompt_template,
-                             glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer, mask_path=mask_path,
-                             frame_extraction=frame_extraction, window_stride=window_stride,
-                             frame_sample=frame_sample, source_fps=source_fps, fps=fps, tiles=tiles, rank=rank,
-                             world_size=world_size, progress=progress)
+        return encode_shards(dataclasses.replace(settings, device=device, rank=rank, world_size=world_size),
+                             tiles)

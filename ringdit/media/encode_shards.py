@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,92 +33,144 @@ from ringdit.media.windows import extraction, pipeline_fps, timeline
 log = logging.getLogger("ringdit.prepare")
 
 
-def encode_shards(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, caption_column, size, frames,
-                  frame_stride, buckets, bucket_step, frame_buckets, max_text_len, shard_size, batch_size, device,
-                  dtype, text_dtype, tiling, tile, task, image_encoder, image_processor, pooled_encoder,
-                  pooled_tokenizer, max_pooled_len, masked_text, prompt_template, glyph_encoder, glyph_tokenizer,
-                  mask_path,
-                  frame_extraction, window_stride, frame_sample, source_fps, fps,
-                  tiles: TileGroup | None, rank, world_size, progress) -> EncodeReport:
-    """``encode_folder``'s work, given its ``TileGroup`` (parallel_vae=true on several ranks, else None)."""
+@dataclass(frozen=True)
+class FolderSettings:
+    """``encode_folder``'s settings as one record, its work's input (``encode_folder``'s signature holds their defaults;
+    the module docstring of ``ringdit.media.encode_folder`` says what each does)."""
+
+    input: str
+    out: str
+    vae: str
+    text_encoder: str
+    tokenizer: str | None
+    vae_subfolder: str | None
+    caption_column: str
+    size: int | str | list[int]  # an int, [H, W] or "HxW"
+    frames: int
+    frame_stride: int
+    buckets: str | list | None  # null, "auto" or a list of [H, W]
+    bucket_step: int | None
+    frame_buckets: int | list[int] | None
+    max_text_len: int
+    shard_size: int
+    batch_size: int
+    device: str | None  # encode_folder resolves it before making the record
+    dtype: str
+    text_dtype: str | None
+    tiling: bool
+    tile: int | None
+    parallel_vae: bool
+    task: str
+    image_encoder: str | None
+    image_processor: str | None
+    pooled_encoder: str | None
+    pooled_tokenizer: str | None
+    max_pooled_len: int
+    masked_text: bool | None
+    prompt_template: str | None
+    glyph_encoder: str | None
+    glyph_tokenizer: str | None
+    mask_path: str | None
+    frame_extraction: str
+    window_stride: int | None
+    frame_sample: int | None
+    source_fps: float | str | None  # the clips' frame rate, e.g. 30 or "29.97"
+    fps: int | None
+    rank: int | None  # resolved too (torchrun's RANK, a caller's process group)
+    world_size: int | None
+    progress: bool
+
+
+def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeReport:
+    """``encode_folder``'s work with its ``settings``, given its ``TileGroup`` (parallel_vae=true on several ranks,
+    else None)."""
+    device, bucket_step = settings.device, settings.bucket_step  # these four may change below
+    rank, world_size = settings.rank, settings.world_size
     from tqdm.auto import tqdm
 
     from ringdit.preemption import sigterm_waits
 
-    for name, value in (("frames", frames), ("frame_stride", frame_stride), ("shard_size", shard_size),
-                        ("batch_size", batch_size)):
+    for name, value in (("frames", settings.frames), ("frame_stride", settings.frame_stride),
+                        ("shard_size", settings.shard_size), ("batch_size", settings.batch_size)):
         require_count(name, value)
-    store = dtype_named("dtype", dtype)
-    text_store = store if text_dtype is None else dtype_named("text_dtype", text_dtype)  # the text encoder's
-    if not isinstance(tiling, bool):
-        raise ConfigError(f"tiling must be true or false, got {tiling!r}")
-    require_count("tile", tile, optional=True, hint="the VAE's spatial tile size in pixels, e.g. tile=256")
-    bucketed = parse_buckets(buckets) is not None  # its form checked before any model is loaded
-    windows = extraction(frame_extraction, window_stride, frame_sample, bucketed)  # which frames: before any work
-    clock = timeline(frame_stride, source_fps, fps, pipeline_fps(vae, vae_subfolder) if fps is None and
-                     source_fps is not None else None, vae)
-    if not bucketed and frame_buckets is not None:
-        raise ConfigError(f"frame_buckets={frame_buckets!r} needs buckets=auto or a list of [H, W] (with "
-                          f"buckets=null every clip is cut to frames={frames}); pass buckets=auto, or drop "
+    store = dtype_named("dtype", settings.dtype)
+    text_store = (store if settings.text_dtype is None  # the text encoder's
+                  else dtype_named("text_dtype", settings.text_dtype))
+    if not isinstance(settings.tiling, bool):
+        raise ConfigError(f"tiling must be true or false, got {settings.tiling!r}")
+    require_count("tile", settings.tile, optional=True, hint="the VAE's spatial tile size in pixels, e.g. tile=256")
+    bucketed = parse_buckets(settings.buckets) is not None  # its form checked before any model is loaded
+    windows = extraction(settings.frame_extraction, settings.window_stride, settings.frame_sample,
+                         bucketed)  # which frames: before any work
+    clock = timeline(settings.frame_stride, settings.source_fps, settings.fps,
+                     pipeline_fps(settings.vae, settings.vae_subfolder) if settings.fps is None and
+                     settings.source_fps is not None else None, settings.vae)
+    if not bucketed and settings.frame_buckets is not None:
+        raise ConfigError(f"frame_buckets={settings.frame_buckets!r} needs buckets=auto or a list of [H, W] (with "
+                          f"buckets=null every clip is cut to frames={settings.frames}); pass buckets=auto, or drop "
                           f"frame_buckets")
-    if bucket_step is not None and parse_buckets(buckets) != "auto":
+    if bucket_step is not None and parse_buckets(settings.buckets) != "auto":
         raise ConfigError(f"bucket_step={bucket_step!r} is the size step of buckets=auto, but buckets="
-                          f"{'null' if buckets is None else repr(buckets)}; pass buckets=auto, or drop bucket_step")
-    out_dir = Path(str(out)).expanduser()
+                          f"{'null' if settings.buckets is None else repr(settings.buckets)}; pass buckets=auto, or "
+                          f"drop bucket_step")
+    out_dir = Path(str(settings.out)).expanduser()
     if not bucketed and (out_dir / PLAN).is_file() and any(out_dir.glob("shard-*.safetensors")):
-        raise ConfigError(f"out={out} holds shards prepared with buckets ({PLAN}); pass the buckets= setting they "
-                          f"were made with to resume, or prepare into a new out= folder")
-    check_resumed_task(out_dir, task, mask_path is not None)  # no resume that mixes shards' keys
+        raise ConfigError(f"out={settings.out} holds shards prepared with buckets ({PLAN}); pass the buckets= setting "
+                          f"they were made with to resume, or prepare into a new out= folder")
+    check_resumed_task(out_dir, settings.task, settings.mask_path is not None)  # no resume that mixes shards' keys
     missing: list[str] = []  # the metadata's rows without their file: named in the summary (by rank 0: all see them)
-    items = list_media(input, caption_column, missing=missing)
-    masks = find_masks(mask_path, items) if mask_path is not None else None  # headers only: before any model loads
+    items = list_media(settings.input, settings.caption_column, missing=missing)
+    masks = (find_masks(settings.mask_path, items)  # headers only: before any model loads
+             if settings.mask_path is not None else None)
     if masks is not None and len(masks) < len(items):
-        log.warning("mask_path=%s: %d of %d files have no mask (first: %s); they train everywhere", mask_path,
+        log.warning("mask_path=%s: %d of %d files have no mask (first: %s); they train everywhere", settings.mask_path,
                     len(items) - len(masks), len(items), next(i.path.name for i in items if i.path not in masks))
     videos = [item for item in items if item.is_video]
     if videos and len(videos) < len(items) and not bucketed:
         image = next(item for item in items if not item.is_video)
-        raise ConfigError(f"input={input} mixes videos ({videos[0].path.name}) and images ({image.path.name}); with "
-                          f"buckets=null a prepared set has one shape, so pass buckets=auto (images become "
-                          f"one-frame buckets) or prepare them into separate out= folders")
-    if task == "i2v" and not videos:
-        raise ConfigError(f"task=i2v conditions each clip on its first frame, but input={input} holds no videos"
-                          f"{' (only images)' if items else ''}; pass a folder of clips, or task=t2v")
-    if task == "i2v" and not bucketed and frames == 1:
+        raise ConfigError(f"input={settings.input} mixes videos ({videos[0].path.name}) and images "
+                          f"({image.path.name}); with buckets=null a prepared set has one shape, so pass buckets=auto "
+                          f"(images become one-frame buckets) or prepare them into separate out= folders")
+    if settings.task == "i2v" and not videos:
+        raise ConfigError(f"task=i2v conditions each clip on its first frame, but input={settings.input} holds no "
+                          f"videos{' (only images)' if items else ''}; pass a folder of clips, or task=t2v")
+    if settings.task == "i2v" and not bucketed and settings.frames == 1:
         raise ConfigError("task=i2v with frames=1: a 1-frame clip is its own first frame, with nothing to generate; "
                           "pass frames=1 + k * the VAE's temporal factor (e.g. frames=17), or task=t2v")
     device = device or default_device()
-    codec = VAE(vae, vae_subfolder, device=device, dtype=store, tiling=tiling, tile=tile)
+    codec = VAE(settings.vae, settings.vae_subfolder, device=device, dtype=store, tiling=settings.tiling,
+                tile=settings.tile)
     encode = codec.encode
     if tiles is not None:
-        tiles.check(codec, vae)
+        tiles.check(codec, settings.vae)
         if rank != 0:  # a helper: its share of every batch's tiles, until rank 0 is done
             return tiles.serve(codec)
         encode = tiles.leader(codec)  # the pixels to the helpers, then the tile-parallel encode
         rank, world_size = 0, 1  # from here rank 0 prepares every shard, as one process would
     if videos and not codec.is_video:
-        raise ConfigError(f"vae={vae} is an image VAE ({codec.class_name}) but input={input} holds videos (first: "
-                          f"{videos[0].path.name}); pass a video VAE folder (AutoencoderKLWan)")
+        raise ConfigError(f"vae={settings.vae} is an image VAE ({codec.class_name}) but input={settings.input} holds "
+                          f"videos (first: {videos[0].path.name}); pass a video VAE folder (AutoencoderKLWan)")
     if videos:
-        codec.check_frames(frames)
+        codec.check_frames(settings.frames)
     report = EncodeReport(missing=missing if rank == 0 else [])
     if bucketed:
         if bucket_step is None and codec.patch > 1:  # Flux.2: one token's 16 px (as 2 x 8 px for Flux's 2x2 packing)
             bucket_step = codec.size_step
-        chooser = make_buckets(buckets, size, spatial=codec.size_step,
-                               temporal=codec.temporal if codec.is_video else None, frames=frames,
-                               frame_stride=frame_stride, frame_buckets=frame_buckets, bucket_step=bucket_step,
-                               class_name=codec.class_name)
-        placed, unreadable, too_short = place_files(items, chooser, progress=progress, clock=clock, windows=windows)
+        chooser = make_buckets(settings.buckets, settings.size, spatial=codec.size_step,
+                               temporal=codec.temporal if codec.is_video else None, frames=settings.frames,
+                               frame_stride=settings.frame_stride, frame_buckets=settings.frame_buckets,
+                               bucket_step=bucket_step, class_name=codec.class_name)
+        placed, unreadable, too_short = place_files(items, chooser, progress=settings.progress, clock=clock,
+                                                    windows=windows)
         stills = []
-        if task == "i2v":  # an image (or a 1-frame clip) has no video to condition on its first frame: left out
+        if settings.task == "i2v":  # an image (or a 1-frame clip) has no video to condition on its first frame: out
             stills = [str(item.path) for item, bucket in placed if bucket.frames == 1]
             placed = [(item, bucket) for item, bucket in placed if bucket.frames != 1]
             if stills and not placed:  # nothing would be prepared: say why instead of "prepared 0 samples"
-                raise ConfigError(f"task=i2v: every file of input={input} falls in a 1-frame bucket (buckets="
-                                  f"{buckets}, frames={frames}), and a 1-frame clip is its own first frame, with "
-                                  f"nothing to generate; give frame buckets of 1 + k * {codec.temporal} frames (e.g. "
-                                  f"frames={1 + codec.temporal * 4}), or task=t2v")
+                raise ConfigError(f"task=i2v: every file of input={settings.input} falls in a 1-frame bucket (buckets="
+                                  f"{settings.buckets}, frames={settings.frames}), and a 1-frame clip is its own "
+                                  f"first frame, with nothing to generate; give frame buckets of 1 + k * "
+                                  f"{codec.temporal} frames (e.g. frames={1 + codec.temporal * 4}), or task=t2v")
             if stills:
                 log.warning("task=i2v: leaving out %d images or 1-frame clips (first: %s); image-to-video trains on "
                             "clips", len(stills), Path(stills[0]).name)
@@ -125,24 +178,29 @@ def encode_shards(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, ca
             report.unreadable += unreadable
             report.too_short += too_short
             report.stills += stills
-        shards = plan_shards(placed, shard_size)
-        check_plan(out_dir, Path(str(input)).expanduser(), shards, rank, unreadable, too_short, chooser, stills)
+        shards = plan_shards(placed, settings.shard_size)
+        check_plan(out_dir, Path(str(settings.input)).expanduser(), shards, rank, unreadable, too_short, chooser,
+                   stills)
     else:
-        height, width = bucket_size(size, codec.size_step, "the VAE's downsampling factor" if codec.patch == 1
+        height, width = bucket_size(settings.size, codec.size_step, "the VAE's downsampling factor" if codec.patch == 1
                                     else f"{codec.class_name}'s {codec.spatial}x downsampling x its {codec.patch}x"
                                          f"{codec.patch} latent patches,")
-        bucket = Bucket(height, width, frames if videos else None)
+        bucket = Bucket(height, width, settings.frames if videos else None)
         if videos and (windows.mode != "head" or clock.source_fps is not None):  # the windows need each length
-            items, unreadable, too_short = clip_windows(items, frames, clock, windows, progress=progress)
+            items, unreadable, too_short = clip_windows(items, settings.frames, clock, windows,
+                                                        progress=settings.progress)
             if rank == 0:
                 report.unreadable += unreadable
                 report.too_short += too_short
-        shards = [(bucket, items[start:start + shard_size]) for start in range(0, len(items), shard_size)]
-    encoder = TextEncoder(text_encoder, tokenizer, max_len=max_text_len, device=device, dtype=text_store,
-                          pooled_encoder=pooled_encoder, pooled_tokenizer=pooled_tokenizer,
-                          max_pooled_len=max_pooled_len, masked=masked_text, prompt_template=prompt_template,
-                          glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer)
-    clip = ImageEncoder(image_encoder, image_processor, device=device, dtype=store) if image_encoder else None
+        shards = [(bucket, items[start:start + settings.shard_size])
+                  for start in range(0, len(items), settings.shard_size)]
+    encoder = TextEncoder(settings.text_encoder, settings.tokenizer, max_len=settings.max_text_len, device=device,
+                          dtype=text_store, pooled_encoder=settings.pooled_encoder,
+                          pooled_tokenizer=settings.pooled_tokenizer, max_pooled_len=settings.max_pooled_len,
+                          masked=settings.masked_text, prompt_template=settings.prompt_template,
+                          glyph_encoder=settings.glyph_encoder, glyph_tokenizer=settings.glyph_tokenizer)
+    clip = (ImageEncoder(settings.image_encoder, settings.image_processor, device=device, dtype=store)
+            if settings.image_encoder else None)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     mine = range(rank, len(shards), world_size)
@@ -150,7 +208,7 @@ def encode_shards(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, ca
     null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,), ...]
     described = {"vae": json.dumps(codec.describe()),  # the text's dtype too: another re-encodes only the text
                  "text_encoder": json.dumps({**encoder.describe(), "dtype": str(text_store).removeprefix("torch.")})}
-    root = Path(str(input)).expanduser()
+    root = Path(str(settings.input)).expanduser()
     for index in (i for i in mine if i not in pending):  # finished: new captions or text encoder re-encode the text
         path = shard_path(out_dir, index)
         captions = stale_captions(path, shards[index][1], root, described["text_encoder"],
@@ -159,14 +217,14 @@ def encode_shards(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, ca
             report.shards_skipped += 1
             continue
         with sigterm_waits():
-            rewrite_text(path, captions, encoder, null, described["text_encoder"], text_store, batch_size)
+            rewrite_text(path, captions, encoder, null, described["text_encoder"], text_store, settings.batch_size)
         report.texts_encoded += 1
-    if task == "i2v":
+    if settings.task == "i2v":
         described["task"] = "i2v"  # what a resumed run checks (check_resumed_task); no key: t2v, as before
     if clip is not None:
         described["image_encoder"] = json.dumps(clip.describe())
     start = time.perf_counter()
-    bar = tqdm(total=sum(len(shards[i][1]) for i in pending), unit="file", disable=not progress,
+    bar = tqdm(total=sum(len(shards[i][1]) for i in pending), unit="file", disable=not settings.progress,
                desc=f"prepare (rank {rank}/{world_size})" if world_size > 1 else "prepare")
 
     def load(item: MediaItem, bucket: Bucket) -> torch.Tensor | None:
@@ -181,8 +239,8 @@ def encode_shards(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, ca
             return pixels[:, None] if bucketed and bucket.frames is not None and pixels.ndim == 3 else pixels
         except TooShort as error:
             report.too_short.append(str(item.path))
-            log.warning("skipping a clip too short for frames=%d frame_stride=%d: %s", bucket.frames, frame_stride,
-                        error)
+            log.warning("skipping a clip too short for frames=%d frame_stride=%d: %s", bucket.frames,
+                        settings.frame_stride, error)
         except Exception as error:  # noqa: BLE001 - any decoder failure means this one file is unusable
             report.unreadable.append(str(item.path))
             log.warning("skipping unreadable %s (%s: %s)", item.path, type(error).__name__, error)
@@ -193,8 +251,8 @@ def encode_shards(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, ca
         rows: dict[str, list[torch.Tensor]] = {}
         captions: list[str] = []
         names: list[str] = []  # each sample's file (and window): what a re-run matches new captions to
-        for batch_start in range(0, len(files), batch_size):
-            batch = files[batch_start:batch_start + batch_size]
+        for batch_start in range(0, len(files), settings.batch_size):
+            batch = files[batch_start:batch_start + settings.batch_size]
             loaded = [(item, load(item, bucket)) for item in batch]
             loaded = [(item, pixels) for item, pixels in loaded if pixels is not None]
             if masks is not None:  # each clip's mask read as the clip (an unreadable one skips its clip, counted)
@@ -211,7 +269,7 @@ def encode_shards(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, ca
             if masks is not None:
                 cond[MASK_KEY] = torch.stack([latent_mask(mask, tuple(latents.shape[2:]), codec.temporal)
                                               for mask in mask_pixels])
-            if task == "i2v":  # the first frame's conditioning, its encodes by the same VAE path as the clips'
+            if settings.task == "i2v":  # the first frame's conditioning, its encodes by the same VAE path as the clips'
                 cond.update(first_frame_condition(encode, pixels[:, :, 0], bucket.frames))
                 if clip is not None:  # CLIP sees the first frame as the bucket shows it (the same 8-bit RGB)
                     cond["image_embeds"] = clip([to_image(frame) for frame in pixels[:, :, 0]])
@@ -227,7 +285,7 @@ def encode_shards(input, out, vae, text_encoder, tokenizer, *, vae_subfolder, ca
         metadata = {**{k: v for k, v in described.items() if k != "text_encoder"}, "files": json.dumps(names),
                     "bucket": json.dumps({
             "height": bucket.height, "width": bucket.width, "frames": bucket.frames,
-            "frame_stride": frame_stride if clips else None, "source": str(input),
+            "frame_stride": settings.frame_stride if clips else None, "source": str(settings.input),
             **({**clock.describe(), **windows.describe(), "starts": [int(n.rpartition("@")[2]) if "@" in n else 0
                                                                      for n in names]}
                if clips and (windows.mode != "head" or clock.source_fps is not None) else {})})}
