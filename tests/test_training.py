@@ -124,6 +124,16 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [*synthetic, "data.channels=16", "data.text_dim=4096", "data.size=4"]
     if (group, option) == ("model", "ltx_video"):
         return [*synthetic, "data.channels=128", "data.text_dim=4096", "data.size=4"]
+    if (group, option) == ("model", "wan_vace_tiny"):  # + the control video's latents (vace_in_channels)
+        return [*synthetic, "data.control=72"]
+    if (group, option) in (("model", "wan_vace_1_3b"), ("model", "wan_vace_14b")):
+        return [*synthetic, "data.control=96", "data.channels=16", "data.text_dim=4096", "data.size=4"]
+    if (group, option) == ("model", "wan_vace"):  # the bare family needs a folder: a tiny VACE saved by diffusers
+        from diffusers import WanVACETransformer3DModel
+
+        config = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "wan_vace_tiny.yaml").config)
+        WanVACETransformer3DModel(**config).save_pretrained(tmp_path / "wan_vace" / "transformer")
+        return [*synthetic, "data.control=72", f"model.pretrained={tmp_path / 'wan_vace'}"]
     if (group, option) == ("model", "cogvideox15_tiny"):  # latent frames: a multiple of its temporal patch
         return [*synthetic, "data.frames=4"]
     if (group, option) == ("model", "cogvideox15"):
