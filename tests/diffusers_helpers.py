@@ -26,6 +26,43 @@ def assert_matches_diffusers(out, grads, ref_out, ref_grads, where=""):
     assert_same_numbers(grads, ref_grads, of_max=1e-4, where=f"{where} gradient")
 
 
+def ddp_average(grads: dict) -> dict:
+    """Each rank's gradients averaged over every rank in place, as DDP does (the sequence-parallel ranks included):
+    what must equal the one-device gradients. Collective."""
+    import torch.distributed as dist
+
+    for grad in (g for g in grads.values() if g is not None):
+        dist.all_reduce(grad)
+        grad /= dist.get_world_size()
+    return grads
+
+
+def sgd_steps(module, model, x0, cond, steps: int, lr: float, *, average: bool):
+    """(losses, trained weights) of ``steps`` SGD steps of ``model`` on one batch through
+    ``DiffusionModule.diffusion_loss`` (t, noise and the condition drop drawn per sample from fixed seeds); with
+    ``average`` the gradients are averaged over the ranks as DDP does (FSDP reduces its own); the weights gathered
+    whole."""
+    import torch.distributed as dist
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trained, lr=lr)
+    losses = []
+    for step in range(steps):
+        generators = [torch.Generator().manual_seed(100 * step + i) for i in range(len(x0))]
+        optimizer.zero_grad()
+        loss = module.diffusion_loss(model, x0, cond, generators)
+        loss.backward()
+        if average:
+            for p in trained:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        optimizer.step()
+        losses.append(loss.item())
+    weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+               for name, p in model.named_parameters() if p.requires_grad}
+    return losses, weights
+
+
 def per_token_timesteps(shape, t):
     """(B, S) timesteps of the (T, H/2, W/2) tokens of latents ``shape`` (Wan's 1x2x2 patches): 0 on the first
     frame's tokens (the given image), ``t`` elsewhere, as Wan 2.2 TI2V samples."""

@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
-from tests.diffusers_helpers import LAYOUTS, assert_matches_diffusers, forward_backward, per_token_timesteps
+from tests.diffusers_helpers import (
+    LAYOUTS, assert_matches_diffusers, ddp_average, forward_backward, per_token_timesteps)
 from tests.distributed import run_ranks
 from tests.helpers import architecture
 
@@ -62,9 +62,7 @@ def check_wan_layouts(rank, world):
             out, grads = forward_backward(lambda: model(x, t, {"text": text}), model.transformer, dout)
             # every rank computed the full loss of the same batch: DDP's average of the ranks' gradients (over
             # dp x sp ranks) must be the one-device gradient
-            for grad in (g for g in grads.values() if g is not None):
-                dist.all_reduce(grad)
-                grad /= world
+            ddp_average(grads)  # DDP's average over the dp x sp ranks
             where = f"ring {ring} x ulysses {ulysses}, latents {shape}"
             assert_matches_diffusers(out, grads, ref_out, ref_grads, where)
         # Wan 2.2 TI2V: one timestep per token, 0 on the first (clean) latent frame; 27 tokens pad on every layout
@@ -72,9 +70,7 @@ def check_wan_layouts(rank, world):
         t = per_token_timesteps((3, 6, 6), torch.tensor([30.0, 810.0]))
         ref_out, ref_grads = forward_backward(lambda: reference(x, t, text, return_dict=False)[0], reference, dout)
         out, grads = forward_backward(lambda: model(x, t, {"text": text}), model.transformer, dout)
-        for grad in (g for g in grads.values() if g is not None):
-            dist.all_reduce(grad)
-            grad /= world
+        ddp_average(grads)  # DDP's average over the dp x sp ranks
         assert_matches_diffusers(out, grads, ref_out, ref_grads, f"ring {ring} x ulysses {ulysses}, per-token t")
 
 
@@ -136,9 +132,7 @@ def check_flux_layouts(rank, world):
             reference, model, run_reference, run_model, dout = flux_case(shape, guidance=guidance, dims=dims)
             ref_out, ref_grads = forward_backward(run_reference, reference, dout)
             out, grads = forward_backward(run_model, model.transformer, dout)
-            for grad in (g for g in grads.values() if g is not None):  # DDP's average over the dp x sp ranks
-                dist.all_reduce(grad)
-                grad /= world
+            ddp_average(grads)  # DDP's average over the dp x sp ranks
             where = f"ring {ring} x ulysses {ulysses}, latents {shape}, guidance {guidance}"
             assert_matches_diffusers(out, grads, ref_out, ref_grads, where)
 
@@ -196,9 +190,7 @@ def check_qwen_layouts(rank, world):
             reference, model, run_reference, run_model, dout = qwen_case(shape, dims=dims)
             ref_out, ref_grads = forward_backward(run_reference, reference, dout)
             out, grads = forward_backward(run_model, model.transformer, dout)
-            for grad in (g for g in grads.values() if g is not None):
-                dist.all_reduce(grad)
-                grad /= world
+            ddp_average(grads)  # DDP's average over the dp x sp ranks
             where = f"ring {ring} x ulysses {ulysses}, latents {shape}"
             assert_matches_diffusers(out, grads, ref_out, ref_grads, where)
 

@@ -10,11 +10,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
-from tests.diffusers_helpers import LAYOUTS, assert_matches_diffusers, forward_backward
+from tests.diffusers_helpers import LAYOUTS, assert_matches_diffusers, ddp_average, forward_backward
 from tests.distributed import run_ranks
 from tests.families import (
     FLUX2,
@@ -78,9 +77,7 @@ def check_layouts(rank, world):
             reference, model, run_reference, run_model, dout = flux2_case(dims=dims, dtype=dtype)
             ref_out, ref_grads = forward_backward(run_reference, reference, dout)
             out, grads = forward_backward(run_model, model.transformer, dout)
-            for grad in (g for g in grads.values() if g is not None):  # DDP's average over the dp x sp ranks
-                dist.all_reduce(grad)
-                grad /= world
+            ddp_average(grads)  # DDP's average over the dp x sp ranks
             where = f"ring {ring} x ulysses {ulysses}"
             check = assert_matches_diffusers if dtype == torch.float32 else assert_fp64_matches
             check(out, grads, ref_out, ref_grads, where)

@@ -13,12 +13,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ringdit.models import parallelize
 from ringdit.models.plan import ParallelPlan, StreamPlan
 from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import ddp_average
 from tests.distributed import run_ranks
 from tests.helpers import assert_same_numbers
 
@@ -162,9 +162,7 @@ def check_stream_layouts(rank, world):
         reference, model, inputs, douts = streams_case(init_sequence_parallel(ring, ulysses))
         expected = forward_backward(reference, inputs, douts)
         outs, grads = forward_backward(model, inputs, douts)
-        for grad in grads.values():  # every rank computed the whole loss: DDP's average over the ranks
-            dist.all_reduce(grad)
-            grad /= world
+        ddp_average(grads)  # DDP's average over the dp x sp ranks
         assert_matches((outs, grads), expected, f"ring {ring} x ulysses {ulysses}")
 
 

@@ -14,11 +14,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
-from tests.diffusers_helpers import LAYOUTS, forward_backward
+from tests.diffusers_helpers import LAYOUTS, ddp_average, forward_backward, sgd_steps
 from tests.distributed import run_ranks
 from tests.helpers import architecture, assert_same_numbers
 
@@ -93,9 +92,7 @@ def check_layouts(rank, world):
         reference, model, inputs, dout = vace_case(dims=init_sequence_parallel(ring, ulysses))
         with float64_kept():
             (out, grads), expected = run_both(reference, model, *inputs, dout)
-        for grad in (g for g in grads.values() if g is not None):  # DDP's average over the ranks
-            dist.all_reduce(grad)
-            grad /= world
+        ddp_average(grads)  # DDP's average over the dp x sp ranks
         assert_matches((out, grads), expected, f"ring {ring} x ulysses {ulysses}")
 
 
@@ -130,23 +127,7 @@ def sgd_run(dims=None, shard=None, lora=None):
     x0 = torch.randn(2, 4, *SHAPE, generator=g)
     cond = {"text": torch.randn(2, TEXT_LEN, 16, generator=g),
             "control": torch.randn(2, CONTROL_CHANNELS, *SHAPE, generator=g)}
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trained, lr=LR)
-    losses = []
-    for step in range(STEPS):
-        generators = [torch.Generator().manual_seed(100 * step + i) for i in range(2)]
-        optimizer.zero_grad()
-        loss = module.diffusion_loss(model, x0, cond, generators)
-        loss.backward()
-        if shard is None and dist.is_initialized() and dims is not None:
-            for p in trained:
-                dist.all_reduce(p.grad)
-                p.grad /= dist.get_world_size()
-        optimizer.step()
-        losses.append(loss.item())
-    weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-               for name, p in model.named_parameters() if p.requires_grad}
-    return losses, weights
+    return sgd_steps(module, model, x0, cond, STEPS, LR, average=shard is None and dims is not None)
 
 
 def check_training(rank, world):
