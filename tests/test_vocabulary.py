@@ -161,6 +161,9 @@ def test_a_degree_set_on_the_strategy_is_pointed_to_train_pys_name(override, fix
     (["gpus=12"], "gpus=12 do not fill whole nodes of gpus_per_node=8", ["gpus=16"]),
     (["gpus=12"], "or gpus_per_node=6", ["gpus=12", "gpus_per_node=6"]),
     (["trainer=cpu"], "trainer.accelerator=cpu: the planner lays out GPUs; use trainer=gpu", ["trainer=gpu"]),
+    # train.py's distill.* checks, as train.py words them
+    (["distill=dmd2", "distill.cfg_scale=-2"], "distill.cfg_scale=-2 is not a teacher's guidance scale: give a "
+                                               "number in [1, 100]", ["distill=dmd2", "distill.cfg_scale=1.5"]),
 ])
 def test_the_planners_settings_agree_with_train_pys_names(argv, message, fix, capsys):
     wan = ["model=wan_14b", "data.frames=81", "show=1"]

@@ -11,6 +11,7 @@ from ringdit.errors import ConfigError, require_count, require_number
 from ringdit.layout import Layout, check_strategy_degrees, strategy_kind
 from ringdit.memory import DISTILL_METHODS, GiB, Setup
 from ringdit.plan.search import DEGREES, Hardware, divisors
+from ringdit.spec.distill import DistillSpec
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
 
@@ -183,6 +184,7 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     distill_cfg = cfg.get("distill") or {}
     distill = distill_cfg.get("method", "none")
     _choice("distill", distill, DISTILL_METHODS)
+    DistillSpec.check_settings(cfg)  # train.py's own checks of the distill.* settings: one vocabulary, one verdict
     setup = Setup(batch_size=cfg.data.batch_size, param_dtype=strategy.param_dtype, precision=precision,
                   ema=bool(decay), lora_base_dtype=base or "bfloat16", optimizer_states=states,
                   distill=distill, gan_loss=bool(distill_cfg.get("gan_loss", False)),
