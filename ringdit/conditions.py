@@ -12,6 +12,7 @@ import torch
 from ringdit.data.datasets import data_source
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.errors import ConfigError
+from ringdit.models.conditioning import CONTROL_KEY
 from ringdit.spec import InferSpec
 
 log = logging.getLogger("ringdit.infer")
@@ -26,6 +27,8 @@ def sample_conditions(spec: InferSpec) -> tuple[list | dict, list[str] | None, d
     conditions, captions, negative, per_sample = text_conditions(spec)
     if spec.image is not None:  # image-to-video: the given first frames (else the held-out prompts' own)
         conditions = {**conditions, **image_conditions(spec, spec.num_samples)}
+    if spec.control is not None:  # a control-video model: the given control clip, for every sample
+        conditions = {**conditions, CONTROL_KEY: control_conditions(spec, spec.num_samples)}
     return conditions, captions, negative, per_sample
 
 
@@ -63,6 +66,16 @@ def image_conditions(spec: InferSpec, count: int) -> dict[str, torch.Tensor]:
                                  channels=spec.data["channels"], setting=f"image={image.files[0]}")
     picked = [i % len(pictures) for i in range(count)]
     return {key: value[picked] for key, value in encoded.items()}
+
+
+def control_conditions(spec: InferSpec, count: int) -> torch.Tensor:
+    """``control=``'s clip encoded with the data's VAE as the model's control input, (count, C_vace, T', h, w)."""
+    from ringdit.media.control import encode_control
+
+    control = spec.control
+    encoded = encode_control(control.file, vae=spec.output.vae, size=control.size, frames=control.frames,
+                             temporal=control.temporal)  # (1, C_vace, T', h, w)
+    return encoded.expand(count, *encoded.shape[1:]).clone()
 
 
 def text_prompts(spec: InferSpec) -> tuple[dict, list[str]]:

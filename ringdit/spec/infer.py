@@ -24,6 +24,7 @@ from ringdit.checkpoints.lora_formats import LoraFile, lora_file_entries
 from ringdit.diffusion.samplers import is_guided
 from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
 from ringdit.models.conditioning import text_conditioned
+from ringdit.spec.control import ControlInput
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
 from ringdit.spec.diffusion import (check_sampling, check_shift, check_shift_terminal, resolve_scheduler,
                                     resolve_shift_terminal)
@@ -267,6 +268,8 @@ class InferSpec:
     # training data's held-out first frames)
     pipeline: bool = False  # ckpt_path is a diffusers pipeline folder, sampled as published (ringdit.spec.pipeline)
     lora_files: tuple[LoraFile, ...] = ()  # lora=[...]: adapter files stacked on the model (ringdit.lora)
+    control: ControlInput | None = None  # control=: a control-video model's control clip (None: the held-out
+    # prompts' own control latents, or a model without one)
 
     def sample_shapes(self) -> list[tuple[int, ...]]:
         """Each sample's shape: a prompt file's per prompt (cycled, as the prompts are), else ``shape``."""
@@ -348,6 +351,9 @@ class InferSpec:
         image_shape = conditioning.prompt_shapes[0] if conditioning.prompt_shapes else shape  # one size (checked)
         image = ImageInput.from_config(cfg, info["model"], info["data"], ckpt_path=ckpt_path,
                                        user_size=sizes.user_size(image_shape), conditioning=conditioning)
+        control = ControlInput.from_config(cfg, info["model"], info["data"], ckpt_path=ckpt_path, vae=output.vae,
+                                           user_size=sizes.user_size(image_shape),
+                                           given_prompts=bool(conditioning.prompts or conditioning.text_embeds))
         other = sorted(set(cfg.get("logger") or {}) - {"wandb"})  # the entries logger=<option> selected
         if other:  # the samples are pictures: wandb shows them; a metrics file would hold nothing
             raise ConfigError(f"logger={other[0]}: infer.py logs its samples to wandb only; use logger=wandb or "
@@ -357,7 +363,8 @@ class InferSpec:
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, ckpt_path=ckpt_path,
                    weights=cfg.weights, model=model, data=info["data"], objective=info["objective"],
                    sampling=sampling, conditioning=conditioning, output=output, sizes=sizes, shape=shape, lora=lora,
-                   cache=cache, image=image, loggers=loggers, pipeline=pipeline, lora_files=lora_files)
+                   cache=cache, image=image, loggers=loggers, pipeline=pipeline, lora_files=lora_files,
+                   control=control)
 
 
 def sampling_overrides(cfg: DictConfig) -> dict:

@@ -53,6 +53,32 @@ def control_latents(cond: dict, latents: Tensor, channels: int) -> Tensor:
     return control
 
 
+def pack_mask(mask: Tensor, spatial: int, temporal: int) -> Tensor:
+    """mask (B, T, H, W) in {0, 1} -> (B, spatial^2, T', H / spatial, W / spatial): each latent cell's
+    ``spatial x spatial`` pixels on the channels, the T frames resampled to T' = ceil(T / temporal) by nearest-exact
+    (``WanVACEPipeline.prepare_masks`` without reference images)."""
+    batch, frames, height, width = mask.shape
+    cells = mask.view(batch, frames, height // spatial, spatial, width // spatial, spatial)
+    cells = cells.permute(0, 3, 5, 1, 2, 4).flatten(1, 2)  # (B, spatial^2, T, h, w)
+    latent_frames = (frames + temporal - 1) // temporal
+    return nn.functional.interpolate(cells, size=(latent_frames, height // spatial, width // spatial),
+                                     mode="nearest-exact")
+
+
+def control_condition(encode, video: Tensor, spatial: int, temporal: int, mask: Tensor | None = None) -> Tensor:
+    """The model's ``control`` input from a control video, as ``WanVACEPipeline`` builds ``control_hidden_states``
+    (``prepare_video_latents`` + ``prepare_masks``): video (B, 3, T, H, W) in [-1, 1], mask (B, T, H, W) of the
+    pixels to generate (None: all of them, the pipeline's default), ``encode`` the VAE's normalised encode (B, 3, T, H,
+    W) -> (B, C, T', h, w) -> (B, 2 C + spatial^2, T', h, w): [latents of the inactive video ; of the reactive video ;
+    the packed mask]."""
+    if mask is None:
+        mask = video.new_ones(video.shape[0], *video.shape[2:])
+    mask = (mask > 0.5).to(video.dtype)  # the pipeline's torch.where(mask > 0.5, 1, 0)
+    inactive, reactive = encode(video * (1 - mask[:, None])), encode(video * mask[:, None])
+    packed = pack_mask(mask, spatial, temporal).to(reactive)
+    return torch.cat([inactive, reactive, packed], dim=1)
+
+
 def _wan_vace_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
     """x (B, C, T, H, W) latents, t (B,) in 0..1000 (Wan's sigma x 1000), cond: text (B, L, D_text) UMT5 states
     zero-padded to L (no mask), control (B, vace_in_channels, T, H, W) [, control_scale (len(vace_layers),) the

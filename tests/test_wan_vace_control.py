@@ -1,0 +1,111 @@
+"""``infer.py control=`` for Wan VACE (issue 56): the control clip is encoded with the data's VAE into the model's
+``control`` input exactly as diffusers' ``WanVACEPipeline`` builds ``control_hidden_states`` from the same video
+(``preprocess_conditions`` + ``prepare_video_latents`` + ``prepare_masks``, no mask: every pixel generated), and a clip
+of another frame count or size -- or ``control=`` for a model without one -- is refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from ringdit.errors import ConfigError
+from tests.helpers import architecture, read_mp4, write_video
+
+pytest.importorskip("diffusers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SIZE, FRAMES = (16, 16), 5  # pixels (H, W): latents (2, 2, 2) with the tiny Wan VAE (8x spatial, 4x temporal)
+CLOSE = dict(rtol=1e-5, atol=1e-5)  # fp32: the same VAE kernels on the same pixels
+VACE = {"family": "wan_vace", "config": {"vace_in_channels": 2 * 16 + 64}}  # the tiny VAE's 16 latents + 8x8 mask
+DATA = {"channels": 16}
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    path = tmp_path_factory.mktemp("control") / "control.mp4"
+    write_video(path, FRAMES, seed=5, size=SIZE[::-1])
+    return path
+
+
+@pytest.fixture(scope="module")
+def vae_folder(tmp_path_factory):
+    """A tiny random Wan VAE (conftest's ``models``' alone: 16 latent channels, 8x spatial, 4x temporal)."""
+    from diffusers import AutoencoderKLWan
+
+    folder = tmp_path_factory.mktemp("wan_vae")
+    torch.manual_seed(0)
+    AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                     temperal_downsample=[False, True, True]).save_pretrained(folder)
+    return folder
+
+
+def pipeline_control(vae_folder, clip) -> torch.Tensor:
+    """WanVACEPipeline's control_hidden_states for ``clip`` (every frame, as decoded) at the samples' size."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanVACEPipeline, WanVACETransformer3DModel
+    from PIL import Image
+
+    transformer = WanVACETransformer3DModel.from_config({**architecture("wan_vace_tiny"), **VACE["config"]})
+    pipe = WanVACEPipeline(tokenizer=None, text_encoder=None, vae=AutoencoderKLWan.from_pretrained(vae_folder),
+                           scheduler=FlowMatchEulerDiscreteScheduler(), transformer=transformer)
+    frames = [Image.fromarray(frame) for frame in read_mp4(clip)]
+    cpu = torch.device("cpu")
+    with torch.no_grad():  # as its __call__: step 5, "Prepare latent variables"
+        video, mask, references = pipe.preprocess_conditions(frames, None, None, 1, *SIZE, FRAMES, torch.float32, cpu)
+        latents = pipe.prepare_video_latents(video, mask, references, None, cpu)
+        return torch.cat([latents, pipe.prepare_masks(mask, references, None)], dim=1)
+
+
+def control_spec(clip, frames=FRAMES, size=SIZE, model=VACE, vae="vae", control=None):
+    from ringdit.spec.control import ControlInput
+
+    cfg = OmegaConf.create({"control": str(control or clip)})
+    return ControlInput.from_config(cfg, model, DATA, ckpt_path="last.ckpt", vae=vae, user_size=(list(size), frames),
+                                    given_prompts=True)
+
+
+def test_control_clip_is_encoded_as_the_vace_pipeline_does(vae_folder, clip):
+    """infer's conditions of 3 samples: each the pipeline's 96 control channels of the clip ([latents of the
+    inactive (zero) video ; of the video ; the 8x8 packed mask of ones]), (3, 96, 2, 2, 2)."""
+    from ringdit.conditions import control_conditions
+
+    expected = pipeline_control(vae_folder, clip)  # (1, 96, 2, 2, 2)
+    assert expected.shape == (1, 96, 2, *(s // 8 for s in SIZE))
+    spec = SimpleNamespace(control=control_spec(clip), output=SimpleNamespace(vae=str(vae_folder)))
+    found = control_conditions(spec, 3)
+    assert found.shape == (3, *expected.shape[1:])
+    for sample in found:
+        torch.testing.assert_close(sample, expected[0], **CLOSE)
+    assert (found[:, 32:] == 1).all() and found[:, 16:32].abs().sum() > 0  # the mask channels; the video's latents
+
+
+def test_a_control_clip_of_other_frames_or_size_is_refused(clip):
+    """One line naming control=, the clip's frames and size and the samples'; its advice (sample at the clip's frames
+    and size) is accepted."""
+    with pytest.raises(ConfigError, match=r"control=.*has 5 frames of 16x16 .* the samples have 9 frames of 16x16.*"
+                                          r"frames=5 size=\[16,16\]") as error:
+        control_spec(clip, frames=9)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match=r"control=.*has 5 frames of 16x16 .* samples have 5 frames of 64x32"):
+        control_spec(clip, size=(32, 64))
+    assert control_spec(clip).frames == FRAMES  # the advice: the clip's own frames and size
+
+
+def test_control_needs_a_control_video_model_and_a_clip(clip, tmp_path):
+    with pytest.raises(ConfigError, match=r"control=.* is not a control-video model \(model.family=wan:.*wan_vace"):
+        control_spec(clip, model={"family": "wan", "config": {}})
+    with pytest.raises(ConfigError, match=r"control=.*missing.mp4 does not exist"):
+        control_spec(clip, control=tmp_path / "missing.mp4")
+    with pytest.raises(ConfigError, match=r"vace_in_channels is 72"):
+        control_spec(clip, model={"family": "wan_vace", "config": {"vace_in_channels": 72}})
+    with pytest.raises(ConfigError, match=r"control=.*no VAE folder is known; give vae="):
+        control_spec(clip, vae=None)
+    from ringdit.spec.control import ControlInput
+
+    with pytest.raises(ConfigError, match=r"is a control-video model \(model.family=wan_vace\): give the control video "
+                                          r"with control=<video file>"):
+        ControlInput.from_config(OmegaConf.create({"control": None}), VACE, DATA, ckpt_path="last.ckpt", vae="vae",
+                                 user_size=(list(SIZE), FRAMES), given_prompts=True)
