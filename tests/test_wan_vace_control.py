@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SIZE, FRAMES = (16, 16), 5  # pixels (H, W): latents (2, 2, 2) with the tiny Wan VAE (8x spatial, 4x temporal)
 CLOSE = dict(rtol=1e-5, atol=1e-5)  # fp32: the same VAE kernels on the same pixels
 VACE = {"family": "wan_vace", "config": {"vace_in_channels": 2 * 16 + 64}}  # the tiny VAE's 16 latents + 8x8 mask
-DATA = {"channels": 16}
+DATA = {"channels": 16, "vae": {"path": "vae"}}  # data prepared with a VAE (pixel sizes)
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +59,11 @@ def pipeline_control(vae_folder, clip) -> torch.Tensor:
         return torch.cat([latents, pipe.prepare_masks(mask, references, None)], dim=1)
 
 
-def control_spec(clip, frames=FRAMES, size=SIZE, model=VACE, vae="vae", control=None):
+def control_spec(clip, frames=FRAMES, size=SIZE, model=VACE, vae="vae", control=None, data=DATA):
     from ringdit.spec.control import ControlInput
 
     cfg = OmegaConf.create({"control": str(control or clip)})
-    return ControlInput.from_config(cfg, model, DATA, ckpt_path="last.ckpt", vae=vae, user_size=(list(size), frames),
+    return ControlInput.from_config(cfg, model, data, ckpt_path="last.ckpt", vae=vae, user_size=(list(size), frames),
                                     given_prompts=True)
 
 
@@ -101,6 +101,8 @@ def test_control_needs_a_control_video_model_and_a_clip(clip, tmp_path):
         control_spec(clip, control=tmp_path / "missing.mp4")
     with pytest.raises(ConfigError, match=r"vace_in_channels is 72"):
         control_spec(clip, model={"family": "wan_vace", "config": {"vace_in_channels": 72}})
+    with pytest.raises(ConfigError, match=r"control=.*trained on data that record no VAE .*leave control=, prompts "):
+        control_spec(clip, data={"channels": 16})
     with pytest.raises(ConfigError, match=r"control=.*no VAE folder is known; give vae="):
         control_spec(clip, vae=None)
     from ringdit.spec.control import ControlInput

@@ -37,6 +37,11 @@ class ControlInput:
             raise ConfigError(f"control={control}: ckpt_path={ckpt_path} is not a control-video model (model.family="
                               f"{model_config.get('family', 'dit')}: it takes no control video); leave control= unset, "
                               f"or train a control-video model (model=wan_vace*)")
+        if "vae" not in data_info:  # synthetic latents: sizes in latent cells, and no VAE the data were encoded with
+            raise ConfigError(f"control={control}: ckpt_path={ckpt_path} was trained on data that record no VAE "
+                              f"(latents made without one, as data=synthetic_text_latents makes), so a clip cannot be "
+                              f"encoded as its control latents were; leave control=, prompts and text_embeds unset "
+                              f"to sample the held-out prompts with their own control latents")
         (height, width), frames = user_size
         check_control_clip(str(control), height, width, int(frames or 1))
         temporal, spatial = family.vae_factors
