@@ -111,3 +111,53 @@ def test_control_needs_a_control_video_model_and_a_clip(clip, tmp_path):
                                           r"with control=<video file>"):
         ControlInput.from_config(OmegaConf.create({"control": None}), VACE, DATA, ckpt_path="last.ckpt", vae="vae",
                                  user_size=(list(SIZE), FRAMES), given_prompts=True)
+
+
+# ---- python -m ringdit.prepare control=<folder>: the shards' control latents -----------------------------------------
+
+
+def test_prepare_writes_each_clips_control_latents_as_infer_encodes_them(models, tmp_path):
+    """Two clips with a control clip each (same names, in another folder): each shard row's ``control`` is its control
+    clip encoded as infer.py control= encodes it (above: as WanVACEPipeline does), (96, 2, 2, 2)."""
+    from safetensors.torch import load_file
+
+    from ringdit.media.control import encode_control
+    from ringdit.prepare import main as prepare
+
+    clips, controls, out = tmp_path / "clips", tmp_path / "controls", tmp_path / "data"
+    clips.mkdir()
+    controls.mkdir()
+    for i, caption in enumerate(["a red fox", "a blue cat"]):
+        write_video(clips / f"{i}.mp4", FRAMES, seed=i, size=SIZE[::-1])
+        write_video(controls / f"{i}.mp4", FRAMES, seed=10 + i, size=SIZE[::-1])
+        (clips / f"{i}.txt").write_text(caption)
+    prepare([f"input={clips}", f"out={out}", f"vae={models['wan']}", f"text_encoder={models['wan']}",
+             f"size=[{SIZE[0]},{SIZE[1]}]", f"frames={FRAMES}", "max_text_len=8", f"control={controls}"])
+    shard = load_file(next(out.glob("shard-*.safetensors")))
+    assert shard["control"].shape == (2, 96, 2, 2, 2)
+    for i in range(2):
+        expected = encode_control(str(controls / f"{i}.mp4"), vae=str(models["wan"] / "vae"), size=SIZE,
+                                  frames=FRAMES, temporal=4)
+        torch.testing.assert_close(shard["control"][i:i + 1], expected, **CLOSE)
+
+
+def test_prepare_refuses_a_missing_or_mismatched_control_clip(tmp_path):
+    """Before any model loads: one line naming control= and the clip."""
+    from ringdit.media.control import find_controls
+    from ringdit.media.folder import list_media
+
+    clips, controls = tmp_path / "clips", tmp_path / "controls"
+    clips.mkdir()
+    controls.mkdir()
+    write_video(clips / "0.mp4", FRAMES, size=SIZE[::-1])
+    (clips / "0.txt").write_text("a fox")
+    items = list_media(str(clips), "text")
+    with pytest.raises(ConfigError, match=r"control=.* has no control video for 0.mp4"):
+        find_controls(str(controls), items)
+    write_video(controls / "0.mp4", FRAMES + 4, size=SIZE[::-1])
+    with pytest.raises(ConfigError, match=r"control=.*0.mp4 has 9 frames of 16x16 but 0.mp4 has 5 frames of 16x16"):
+        find_controls(str(controls), items)
+    write_video(controls / "0.mp4", FRAMES, size=SIZE[::-1])  # the advice: the clip's frames and size
+    assert find_controls(str(controls), items) == {clips / "0.mp4": controls / "0.mp4"}
+    with pytest.raises(ConfigError, match=r"control=.*missing is not a folder"):
+        find_controls(str(tmp_path / "missing"), items)

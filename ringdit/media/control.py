@@ -46,3 +46,37 @@ def encode_control(file: str, *, vae: str, size: tuple[int, int], frames: int, t
     with torch.no_grad():
         control = control_condition(codec.encode, video.to(device), codec.spatial, temporal)
     return control.float().cpu()
+
+
+def find_controls(control, items: list) -> dict[Path, Path]:
+    """``python -m ringdit.prepare control=<folder>``: each clip's control clip in that folder (the clip's file name
+    stem), checked from the headers to have the clip's size and frame count, so that both are read and cropped alike
+    (prepare reads the control clip's frames at the clip's indices). A ``ConfigError`` naming ``control=`` for a
+    missing folder, an image among the clips, a clip without a control clip, or one of another size or length."""
+    from ringdit.media.folder import VIDEO_SUFFIXES
+
+    folder = Path(str(control)).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"control={control} is not a folder; give the folder of control videos (one per clip, with "
+                          f"its file name stem), or control=null")
+    by_stem = {path.stem: path for path in sorted(folder.iterdir()) if path.suffix.lower() in VIDEO_SUFFIXES}
+    controls = {}
+    for item in items:
+        if not item.is_video:
+            raise ConfigError(f"control={control}: {item.path.name} is an image, but a control video conditions "
+                              f"video clips; prepare the images without control=")
+        found = by_stem.get(item.path.stem)
+        if found is None:
+            raise ConfigError(f"control={control} has no control video for {item.path.name} (a video named "
+                              f"{item.path.stem}.mp4 or another video suffix); give every clip its control video")
+        try:
+            clip, given = probe(item.path, True), probe(found, True)
+        except Exception as error:  # noqa: BLE001 - PyAV raises its own errors for files it cannot read
+            raise ConfigError(f"control={control}: {item.path.name} or its control video {found.name} cannot be read "
+                              f"as a video ({error}); replace the file, or leave the clip out") from None
+        if clip != given:
+            raise ConfigError(f"control={control}: {found.name} has {given[2]} frames of {given[1]}x{given[0]} but "
+                              f"{item.path.name} has {clip[2]} frames of {clip[1]}x{clip[0]} (W x H); give each control "
+                              f"video its clip's frames and size")
+        controls[item.path] = found
+    return controls

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from ringdit.data.text_latent_shards import IMAGE_KEYS, MASK_KEY, TEXT_KEYS, save_tensors
+from ringdit.data.text_latent_shards import MASK_KEY, TEXT_KEYS, save_tensors
 from ringdit.dtypes import dtype_named
 from ringdit.errors import ConfigError, require_count
 from ringdit.media.buckets import Bucket, make_buckets, parse_buckets
+from ringdit.media.control import find_controls
 from ringdit.media.clip_placement import bucket_size, clip_windows, place_files, plan_shards
 from ringdit.media.encode_report import EncodeReport
 from ringdit.media.folder import MediaItem, list_media
@@ -29,6 +30,8 @@ from ringdit.media.shard_plan import PLAN, check_plan, check_resumed_task, shard
 from ringdit.media.text import TextEncoder
 from ringdit.media.vae import VAE
 from ringdit.media.windows import extraction, pipeline_fps, timeline
+from ringdit.models.conditioning import CONTROL_KEY, SAMPLE_KEYS
+from ringdit.models.diffusers.wan_vace import control_condition
 
 log = logging.getLogger("ringdit.prepare")
 
@@ -71,6 +74,7 @@ class FolderSettings:
     glyph_encoder: str | None
     glyph_tokenizer: str | None
     mask_path: str | None
+    control: str | None  # a folder of control videos, one per clip (Wan VACE's control latents)
     frame_extraction: str
     window_stride: int | None
     frame_sample: int | None
@@ -125,6 +129,7 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
     if masks is not None and len(masks) < len(items):
         log.warning("mask_path=%s: %d of %d files have no mask (first: %s); they train everywhere", settings.mask_path,
                     len(items) - len(masks), len(items), next(i.path.name for i in items if i.path not in masks))
+    controls = find_controls(settings.control, items) if settings.control else None  # headers only, as the masks
     videos = [item for item in items if item.is_video]
     if videos and len(videos) < len(items) and not bucketed:
         image = next(item for item in items if not item.is_video)
@@ -260,6 +265,13 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
                          if item.path in masks else torch.ones_like(pixels)) for item, pixels in loaded]
                 loaded = [(item, pixels) for item, pixels, mask in read if mask is not None]
                 mask_pixels = [mask for _, _, mask in read if mask is not None]
+            if controls is not None:  # each clip's control clip read as the clip (an unreadable one skips its clip)
+                read = [(item, pixels, load(dataclasses.replace(item, path=controls[item.path]), bucket))
+                        for item, pixels in loaded]
+                loaded = [(item, pixels) for item, pixels, control in read if control is not None]
+                control_pixels = [control for _, _, control in read if control is not None]
+                if masks is not None:  # the masks of the clips kept (aligned with read)
+                    mask_pixels = [mask for mask, (_, _, control) in zip(mask_pixels, read) if control is not None]
             bar.update(len(batch))
             if not loaded:
                 continue
@@ -269,6 +281,9 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
             if masks is not None:
                 cond[MASK_KEY] = torch.stack([latent_mask(mask, tuple(latents.shape[2:]), codec.temporal)
                                               for mask in mask_pixels])
+            if controls is not None:  # as WanVACEPipeline encodes its video: [inactive ; reactive ; packed mask]
+                cond[CONTROL_KEY] = control_condition(encode, torch.stack(control_pixels), codec.spatial,
+                                                      codec.temporal)
             if settings.task == "i2v":  # the first frame's conditioning, its encodes by the same VAE path as the clips'
                 cond.update(first_frame_condition(encode, pixels[:, :, 0], bucket.frames))
                 if clip is not None:  # CLIP sees the first frame as the bucket shows it (the same 8-bit RGB)
@@ -290,7 +305,7 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
                                                                      for n in names]}
                if clips and (windows.mode != "head" or clock.source_fps is not None) else {})})}
         latents = {"latents": tensors["latents"].to(store),
-                   **{key: tensors[key].to(store) for key in IMAGE_KEYS if key in tensors},
+                   **{key: tensors[key].to(store) for key in SAMPLE_KEYS if key in tensors},
                    **({MASK_KEY: tensors[MASK_KEY].float()} if MASK_KEY in tensors else {})}
         # under ringdit.prepare's SIGTERM handling: a shard being written is finished first. The latents first, then
         # the text: a shard stopped before its text file has stale text, which a re-run encodes (media/retext.py)
