@@ -414,8 +414,10 @@ def test_a_rank_killed_while_preparing_leaves_whole_shards_and_the_other_finishe
 
 
 def both_ranks_wrote_a_shard(out: Path) -> bool:
-    """Whether each of 2 prepare ranks has written a shard in ``out`` (rank r writes the shards i with i % 2 == r)."""
-    return {int(path.name[6:11]) % 2 for path in out.glob("shard-*")} == {0, 1}
+    """Whether each of 2 prepare ranks has written a shard in ``out`` (rank r writes the shards i with i % 2 == r),
+    its text file included (written right after the latents: a kill between the two would catch the text mid-write,
+    its temporary file left for the next write to remove)."""
+    return {int(path.name[6:11]) % 2 for path in (out / "text").glob("shard-*")} == {0, 1}
 
 
 def assert_same_shards(got: Path, expected: Path) -> None:
