@@ -139,6 +139,11 @@ def test_prepare_writes_each_clips_control_latents_as_infer_encodes_them(models,
         expected = encode_control(str(controls / f"{i}.mp4"), vae=str(models["wan"] / "vae"), size=SIZE,
                                   frames=FRAMES, temporal=4)
         torch.testing.assert_close(shard["control"][i:i + 1], expected, **CLOSE)
+    from ringdit.media.shard_plan import check_resumed_task
+
+    with pytest.raises(ConfigError, match=r"out=.* holds shards prepared with control videos .* but control is null"):
+        check_resumed_task(out, "t2v", controlled=False)  # a resume without control= would mix the shards' keys
+    check_resumed_task(out, "t2v", controlled=True)
 
 
 def test_prepare_refuses_a_missing_or_mismatched_control_clip(tmp_path):

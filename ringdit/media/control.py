@@ -27,9 +27,9 @@ def check_control_clip(file: str, height: int, width: int, frames: int) -> None:
         raise ConfigError(f"control={file} cannot be read as a video ({error}); give an MP4 / WebM file") from None
     if (clip_height, clip_width, clip_frames) != (height, width, frames):
         raise ConfigError(f"control={file} has {clip_frames} frames of {clip_width}x{clip_height} (W x H) but the "
-                          f"samples have {frames} frames of {width}x{height}: a control clip is the samples' own frames "
-                          f"and size; sample at frames={clip_frames} size=[{clip_height},{clip_width}], or give a clip "
-                          f"of {frames} frames at {width}x{height}")
+                          f"samples have {frames} frames of {width}x{height}: a control clip is the samples' own "
+                          f"frames and size; sample at frames={clip_frames} size=[{clip_height},{clip_width}], or "
+                          f"give a clip of {frames} frames at {width}x{height}")
 
 
 def encode_control(file: str, *, vae: str, size: tuple[int, int], frames: int, temporal: int,
@@ -76,7 +76,7 @@ def find_controls(control, items: list) -> dict[Path, Path]:
                               f"as a video ({error}); replace the file, or leave the clip out") from None
         if clip != given:
             raise ConfigError(f"control={control}: {found.name} has {given[2]} frames of {given[1]}x{given[0]} but "
-                              f"{item.path.name} has {clip[2]} frames of {clip[1]}x{clip[0]} (W x H); give each control "
-                              f"video its clip's frames and size")
+                              f"{item.path.name} has {clip[2]} frames of {clip[1]}x{clip[0]} (W x H); give each "
+                              f"control video its clip's frames and size")
         controls[item.path] = found
     return controls

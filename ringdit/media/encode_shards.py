@@ -121,7 +121,8 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
     if not bucketed and (out_dir / PLAN).is_file() and any(out_dir.glob("shard-*.safetensors")):
         raise ConfigError(f"out={settings.out} holds shards prepared with buckets ({PLAN}); pass the buckets= setting "
                           f"they were made with to resume, or prepare into a new out= folder")
-    check_resumed_task(out_dir, settings.task, settings.mask_path is not None)  # no resume that mixes shards' keys
+    # no resume that mixes shards' keys
+    check_resumed_task(out_dir, settings.task, settings.mask_path is not None, bool(settings.control))
     missing: list[str] = []  # the metadata's rows without their file: named in the summary (by rank 0: all see them)
     items = list_media(settings.input, settings.caption_column, missing=missing)
     masks = (find_masks(settings.mask_path, items)  # headers only: before any model loads

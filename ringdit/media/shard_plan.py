@@ -12,6 +12,7 @@ from ringdit.errors import ConfigError
 from ringdit.media.buckets import Bucket, Buckets
 from ringdit.media.folder import MediaItem
 from ringdit.media.retext import sample_name
+from ringdit.models.conditioning import CONTROL_KEY
 
 PLAN = "buckets.json"  # with buckets: each shard's bucket and files (see the module docstring)
 PLAN_FORMAT = "ringdit.prepare.buckets/1"
@@ -21,10 +22,10 @@ def shard_path(out: Path, index: int) -> Path:
     return out / f"shard-{index:05d}.safetensors"
 
 
-def check_resumed_task(out_dir: Path, task: str, masked: bool = False) -> None:
-    """Shards already in ``out_dir`` were prepared for the same task and with loss masks alike (else resuming would
-    mix shards with and without the image-to-video or the mask keys): a ``ConfigError`` if not. (A glyph encoder added
-    or dropped is another text encoder: the text files are encoded again.)"""
+def check_resumed_task(out_dir: Path, task: str, masked: bool = False, controlled: bool = False) -> None:
+    """Shards already in ``out_dir`` were prepared for the same task and with loss masks and control videos alike (else
+    resuming would mix shards with and without the image-to-video, the mask or the control keys): a ``ConfigError``
+    if not. (A glyph encoder added or dropped is another text encoder: the text files are encoded again.)"""
     from safetensors import safe_open
 
     done = next(iter(sorted(out_dir.glob("shard-*.safetensors"))), None)
@@ -34,6 +35,7 @@ def check_resumed_task(out_dir: Path, task: str, masked: bool = False) -> None:
         with safe_open(str(done), framework="pt") as f:
             before = (f.metadata() or {}).get("task", "t2v")  # shards from before task= are text-to-video
             had_masks = MASK_KEY in f.keys()  # noqa: SIM118 - a safetensors handle lists its tensors with keys()
+            had_control = CONTROL_KEY in f.keys()  # noqa: SIM118
     except Exception:  # noqa: BLE001 - an unreadable shard is the reader's to report; it says nothing of the task
         return
     if before != task:
@@ -42,6 +44,10 @@ def check_resumed_task(out_dir: Path, task: str, masked: bool = False) -> None:
     if had_masks != masked:
         raise ConfigError(f"out={out_dir} holds shards prepared {'with' if had_masks else 'without'} loss masks "
                           f"({done.name}), but mask_path is {'set' if masked else 'null'}; resume them as they were "
+                          f"prepared, or prepare into a new out= folder")
+    if had_control != controlled:
+        raise ConfigError(f"out={out_dir} holds shards prepared {'with' if had_control else 'without'} control videos "
+                          f"({done.name}), but control is {'set' if controlled else 'null'}; resume them as they were "
                           f"prepared, or prepare into a new out= folder")
 
 
