@@ -111,6 +111,25 @@ def test_control_needs_a_control_video_model_and_a_clip(clip, tmp_path):
                                           r"with control=<video file>"):
         ControlInput.from_config(OmegaConf.create({"control": None}), VACE, DATA, ckpt_path="last.ckpt", vae="vae",
                                  user_size=(list(SIZE), FRAMES), given_prompts=True)
+    with pytest.raises(ConfigError, match=r"control=.* with a prompt_file of several sizes: one control clip fits one "
+                                          r"size"):
+        ControlInput.from_config(OmegaConf.create({"control": str(clip)}), VACE, DATA, ckpt_path="last.ckpt",
+                                 vae="vae", user_size=(list(SIZE), FRAMES), given_prompts=True, prompt_sizes=2)
+
+
+def test_the_server_refuses_a_control_video_model_before_it_starts():
+    """A request has no control video: each would fail in the ranks, so the server refuses the model at once, pointing
+    to infer.py control=."""
+    from types import SimpleNamespace
+
+    from ringdit.serve import check_servable
+
+    spec = SimpleNamespace(ckpt_path="last.ckpt", layout=SimpleNamespace(dp_degree=1, cfg_parallel=False),
+                           data={"conditioning": "text"}, output=SimpleNamespace(vae="vae"),
+                           conditioning=SimpleNamespace(text_encoder="t5"), model=SimpleNamespace(config=VACE))
+    with pytest.raises(ConfigError, match=r"is a control-video model \(model.family=wan_vace\): the server takes no "
+                                          r"control video yet; sample it with infer.py control=<video file>"):
+        check_servable(spec)
 
 
 # ---- python -m ringdit.prepare control=<folder>: the shards' control latents -----------------------------------------

@@ -196,6 +196,12 @@ def check_servable(spec) -> None:
     if "latent_scale" in spec.data and not spec.output.vae:
         raise ConfigError(f"ckpt_path={spec.ckpt_path} samples latents, and no VAE folder is known to decode them "
                           f"into images and videos; give vae=<the VAE folder the data was prepared with>")
+    from ringdit.spec.control import control_family
+
+    family = control_family(spec.model.config)
+    if family is not None:  # a request has no field for a control video; each would fail in the ranks
+        raise ConfigError(f"ckpt_path={spec.ckpt_path} is a control-video model (model.family={family.name}): the "
+                          f"server takes no control video yet; sample it with infer.py control=<video file>")
     if text_conditioned(spec.data) and not spec.conditioning.text_encoder:
         raise ConfigError(f"ckpt_path={spec.ckpt_path} is text-conditioned and no text encoder is known to encode "
                           f"the requests' prompts; give text_encoder=<the folder the data was encoded with>")

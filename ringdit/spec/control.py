@@ -22,7 +22,8 @@ class ControlInput:
 
     @classmethod
     def from_config(cls, cfg: DictConfig, model_config: dict, data_info: dict, *, ckpt_path: str, vae: str | None,
-                    user_size: tuple[list[int], int | None], given_prompts: bool) -> ControlInput | None:
+                    user_size: tuple[list[int], int | None], given_prompts: bool,
+                    prompt_sizes: int = 1) -> ControlInput | None:
         from ringdit.media.control import check_control_clip
 
         family = control_family(model_config)
@@ -37,6 +38,9 @@ class ControlInput:
             raise ConfigError(f"control={control}: ckpt_path={ckpt_path} is not a control-video model (model.family="
                               f"{model_config.get('family', 'dit')}: it takes no control video); leave control= unset, "
                               f"or train a control-video model (model=wan_vace*)")
+        if prompt_sizes > 1:
+            raise ConfigError(f"control={control} with a prompt_file of several sizes: one control clip fits one size; "
+                              f"give the prompts one size (or one prompt file per size)")
         if "vae" not in data_info:  # synthetic latents: sizes in latent cells, and no VAE the data were encoded with
             raise ConfigError(f"control={control}: ckpt_path={ckpt_path} was trained on data that record no VAE "
                               f"(latents made without one, as data=synthetic_text_latents makes), so a clip cannot be "

@@ -353,7 +353,8 @@ class InferSpec:
                                        user_size=sizes.user_size(image_shape), conditioning=conditioning)
         control = ControlInput.from_config(cfg, info["model"], info["data"], ckpt_path=ckpt_path, vae=output.vae,
                                            user_size=sizes.user_size(image_shape),
-                                           given_prompts=bool(conditioning.prompts or conditioning.text_embeds))
+                                           given_prompts=bool(conditioning.prompts or conditioning.text_embeds),
+                                           prompt_sizes=len(set(conditioning.prompt_shapes)))
         other = sorted(set(cfg.get("logger") or {}) - {"wandb"})  # the entries logger=<option> selected
         if other:  # the samples are pictures: wandb shows them; a metrics file would hold nothing
             raise ConfigError(f"logger={other[0]}: infer.py logs its samples to wandb only; use logger=wandb or "
