@@ -351,6 +351,8 @@ def test_plan_of_a_tiny_model(capsys):
     (["gpu_memory_gb=abc"], "gpu_memory_gb must be a number above 0, got 'abc'; e.g. gpu_memory_gb=80"),
     (["data.frames=0"], "data.frames must be a positive integer, got 0; the frames of a video sample, e.g. 81"),
     (["model=dit_video", "data.latent=false", "data.size=16"], "data.frames must be a positive integer, got None"),
+    # the pipeline's clip is counted in pixel frames: no default for sizes that are the model's input already
+    (["model=wan_14b", "data.latent=false", "data.size=[60,104]"], "data.frames must be a positive integer, got None"),
     (["data.frames=80"], "data.frames=80 is not a frame count wan's VAE takes: 1 + k x 4 (the VAE's temporal "
                          "compression 4); the nearest valid counts are 77 and 81"),
     # 85 frames are 22 latent frames, which CogVideoX's VAE would decode to 88; prepare refuses them too

@@ -24,7 +24,8 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None
     if len(size) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and 0 < s <= MAX_SIDE for s in size):
         raise ConfigError(f"data.size must be H, W in pixels (or one integer for a square), each from 1 to "
                           f"{MAX_SIDE}, got {cfg.data.size!r}; e.g. data.size=[480,832]")
-    frames = cfg.data.frames if cfg.data.frames is not None or not video else clip_frames
+    # the pipeline's clip is a count of pixel frames: a default only where the sizes are pixels (data.latent=true)
+    frames = cfg.data.frames if cfg.data.frames is not None or not video or not cfg.data.latent else clip_frames
     temporal, spatial = vae_factors if cfg.data.latent else (1, 1)
     family = model_cfg.get("family", "dit")
     if video:
