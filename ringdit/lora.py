@@ -468,7 +468,7 @@ def stack_adapters(roots: tuple[nn.Module, ...], adapters, device=None) -> list:
     expert's first; fewer than the experts: the rest get none). The base weights are left alone -- any dtype (an
     fp8 or bf16 base), sharded by FSDP or not -- and a layer that already carries a trained peft adapter gets these
     on top. Returns the hooks' handles (``handle.remove()`` takes an adapter stack off again).
-    ``infer.py lora=[...]`` calls it; a server applying several adapters to one request can too."""
+    ``infer.py lora=[...]`` and the server's ``loras=[...]`` requests call it."""
     terms: dict[tuple[int, str], list[LowRank]] = {}
     for experts, strength in adapters:
         for index, layers in enumerate(experts):

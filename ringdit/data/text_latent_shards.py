@@ -79,7 +79,7 @@ import torch
 from ringdit.atomic import atomic_write
 from ringdit.data.latents import count_nonfinite
 from ringdit.errors import ConfigError
-from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS, SAMPLE_KEYS
+from ringdit.models.conditioning import GLYPH_KEYS, NULL_KEYS, SAMPLE_KEYS
 from ringdit.safe_json import parse_json
 
 FORMAT = "ringdit.text_latents/1"
@@ -261,8 +261,9 @@ class Shard:
         return tuple(key for key in SAMPLE_KEYS if key in self.shapes)
 
     def check_images(self) -> None:
-        """The first-frame conditioning, where present, fits the latents (N, C, T, H, W): ``image_latents``
-        (N, C, 1, H, W), ``image_condition`` (N, C, T, H, W), ``image_embeds`` (N, N_img, D_img)."""
+        """The first-frame conditioning and the control video, where present, fit the latents (N, C, T, H, W):
+        ``image_latents`` (N, C, 1, H, W), ``image_condition`` (N, C, T, H, W), ``image_embeds`` (N, N_img, D_img),
+        ``control`` (N, C_control, T, H, W)."""
         latents = self.shapes["latents"]
         expected = {"image_latents": (*latents[:2], 1, *latents[3:]), "image_condition": latents,
                     "image_embeds": (latents[0], None, None), "control": (latents[0], None, *latents[2:])}

@@ -26,7 +26,7 @@ Parallel VAE (``parallel_vae=true``): every rank works on every clip instead, fo
     when each tile is computed with the same kernels and thread count as there). The other ranks load only the VAE
     and write nothing. The process group (gloo on CPU, nccl on GPUs) is made from torchrun's environment, unless
     a default group is initialised already.
-Resume: a shard is written to a temp file and renamed, so a shard that exists is complete and is skipped; re-run
+Resume: a shard is written to a temp file and renamed, so a shard that exists is complete and is skipped (its text file re-encoded where missing or stale); re-run
     the same command after an interruption. With buckets, a re-run whose plan differs from ``out/buckets.json``
     (files added or removed, other settings) while shards exist is refused: prepare into a new out= folder.
 Skips: a file that cannot be decoded, or a clip shorter than the bucket, is left out of its shard and counted (a

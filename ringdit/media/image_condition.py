@@ -1,5 +1,5 @@
 """Image-to-video conditioning from pixels: what ``python -m ringdit.prepare task=i2v`` stores for every clip and what
-``infer.py image=`` encodes for its images, by the same code (the optional keys of ringdit/data/text_latents.py):
+``infer.py image=`` encodes for its images, by the same code (the optional keys of ringdit/data/text_latent_shards.py):
 
     image_latents    (B, C, 1, h, w)   the first frame encoded ALONE as a 1-frame video; Wan's VAE is causal, so this
                                        is what Wan 2.2 TI2V puts in the first latent frame (WanImageToVideoPipeline

@@ -9,7 +9,7 @@ It is read by prepare's own reader with its clip's bucket (the same crop and res
 grid: each latent cell gets the mean of the pixels it encodes -- its spatial block and, for a causal video VAE, its
 frames (the first latent frame is the first frame alone, each next one the following ``temporal`` frames; latent
 frames a VAE pads at the front, CogVideoX's, copy the first). Stored as ``loss_mask`` (N, 1, [T',] H', W') beside
-the latents (ringdit/data/text_latents.py); the training loss multiplies each sample's squared error by it.
+the latents (ringdit/data/text_latent_shards.py); the training loss multiplies each sample's squared error by it.
 """
 
 from __future__ import annotations

@@ -261,6 +261,9 @@ def _check_key_mask(attn_mask: Tensor, streams: tuple[str, ...], layout: TokenLa
     for name, stream in zip(streams, layout.streams):
         part, start = keys[:, start : start + stream.chunk], start + stream.chunk
         if stream.mask is None and not bool(part.all()):
+            if name == TOKENS:  # the patch tokens are never masked in a plan (their padding is the cut's own)
+                raise NotImplementedError("ringdit takes masks on the text keys (and a plan's further streams) only; "
+                                          "this model masks image keys")
             fix = "text_mask" if name == TEXT else f"the {name} stream's mask"
             raise NotImplementedError(f"this model masks {name} keys, whose mask the parallel plan does not record; "
                                       f"name the input that carries it in the plan's {fix}")

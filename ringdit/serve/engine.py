@@ -2,7 +2,7 @@
 
 Rank 0's main thread takes the next batch of jobs from the ``JobQueue``, turns it into a command (prompts encoded,
 first frames encoded, seeds drawn: ``Commands``) and broadcasts it to every rank; each rank's ``ServingModule``
-carries it out with the same ``DiffusionModule.generate`` infer.py samples with, so a request's samples equal
+carries it out with the same ``Sampler`` (``module.sampler``) infer.py samples with, so a request's samples equal
 infer.py's for the same seed. Lightning sets up the ranks, the sequence-parallel layout, FSDP and the precision once;
 the models stay resident between requests.
 

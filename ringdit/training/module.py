@@ -325,15 +325,6 @@ class DiffusionModule(L.LightningModule):
         return module
 
     @property
-    def sampling(self) -> dict:
-        """The run's sampling settings (``self.pipeline``'s)."""
-        return self.pipeline.settings
-
-    @sampling.setter
-    def sampling(self, settings: dict) -> None:
-        self.pipeline.settings = settings
-
-    @property
     def samples_are_pixels(self) -> bool:
         """Pixels live in [-1, 1] and become images; latents (data=latents) are kept as numbers for your VAE."""
         return self.pipeline.pixels
