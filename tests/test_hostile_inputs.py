@@ -128,10 +128,20 @@ def test_calibrate_is_a_hydra_command_with_one_line_errors(tiny_checkpoint, tmp_
         (["calibrate", f"ckpt_path={tiny_checkpoint}", "num_samples=2", "diffusion.sampling.steps=3",
          f"out={tmp_path / 'c.json'}"],
          r"calibration recorded 0 usable evaluations, fewer than degree \+ 1 = 5; sample more steps or samples"),
+        # a Wan VACE checkpoint: its samples need a control video, which calibration has none of
+        (["calibrate", f"ckpt_path={vace_checkpoint(tmp_path)}"], r"ckpt_path=.* is a control-video model "
+                                                                 r"\(model.family=wan_vace\): calibration samples"),
     ):
         code, err = command(main, argv, capsys)
         assert code == 2 and len(err.strip().splitlines()) <= 2 and "Traceback" not in err, err
         assert re.search(message, err.splitlines()[0]), err
+
+
+def vace_checkpoint(tmp_path) -> Path:
+    """A checkpoint file whose hyper-parameters name a Wan VACE model (all calibration reads before refusing)."""
+    path = tmp_path / "vace.ckpt"
+    torch.save({"hyper_parameters": {"model": {"family": "wan_vace"}, "data": {"conditioning": "text"}}}, path)
+    return path
 
 
 def test_export_refuses_an_out_it_cannot_write(tiny_checkpoint, tmp_path, capsys):

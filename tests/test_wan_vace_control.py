@@ -185,3 +185,17 @@ def test_prepare_refuses_a_missing_or_mismatched_control_clip(tmp_path):
     assert find_controls(str(controls), items) == {clips / "0.mp4": controls / "0.mp4"}
     with pytest.raises(ConfigError, match=r"control=.*missing is not a folder"):
         find_controls(str(tmp_path / "missing"), items)
+
+
+@pytest.mark.parametrize("setting", [{"size": [16, 16]}, {"frames": 5}])
+def test_previews_of_a_control_video_model_refuse_their_own_size_and_the_advice_previews(setting, tmp_path):
+    """The previews sample under the held-out clips' own control latents (the data's size): a grid size, frame count
+    or prompt file of its own would hand the model controls of another grid, mid-run; refused at start instead."""
+    from ringdit.training.callbacks import SampleGrid
+
+    data_info = {"image_keys": ["control"], "channels": 16, "image_size": [2, 2, 2]}
+    name, value = next(iter(setting.items()))
+    with pytest.raises(ConfigError, match=rf"callbacks.sample_grid.{name}=.*: this model previews under the held-out "
+                                          rf"clips' own control videos.*leave callbacks.sample_grid.{name} null"):
+        SampleGrid(str(tmp_path), **setting).check_shape(data_info, (1, 2, 2))
+    assert SampleGrid(str(tmp_path)).check_shape(data_info, (1, 2, 2)) is None  # the advice: the data's own size

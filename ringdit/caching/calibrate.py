@@ -27,6 +27,7 @@ from ringdit.errors import ConfigError, require_choice, require_count, require_n
 from ringdit.models.conditioning import text_conditioned
 from ringdit.parallel import ParallelDims
 from ringdit.sampling.sampler import Sampler
+from ringdit.spec.control import control_family
 
 
 def fit_coefficients(records: list[tuple[float, float]], degree: int = 4) -> tuple[float, ...]:
@@ -81,6 +82,11 @@ def calibrate_command(cfg: DictConfig) -> None:
             raise ConfigError(f"overwrite must be true or false, got {cfg.overwrite!r}")
         checked_output(out, folder=False, what="calibrate", overwrite=cfg.overwrite, source=ckpt)
         hparams = safe_torch_load(str(ckpt), mmap=True)["hyper_parameters"]
+        family = control_family(hparams["model"])
+        if family is not None:  # its samples need a control video, and calibration samples the empty prompt alone
+            raise ConfigError(f"ckpt_path={cfg.ckpt_path} is a control-video model (model.family={family.name}): "
+                              f"calibration samples the empty prompt without a control video, which it needs; "
+                              f"calibrating control-video models is not supported yet")
         sampler = load_for_sampling(str(ckpt), weights=cfg.weights, hparams=hparams)
         seeds = list(range(cfg.num_samples))
         if text_conditioned(hparams["data"]):  # no prompts at hand: the empty prompt's trajectories (a fit of the

@@ -118,5 +118,7 @@ class TrainSpec:
 def check_preview_shapes(callbacks: tuple[dict, ...], data_info: dict, patch: tuple[int, ...]) -> None:
     """A preview grid's ``size`` / ``frames`` that the model cannot sample: a ConfigError now, not in the ranks."""
     for config in callbacks:
-        if str(config.get("_target_", "")).endswith("SampleGrid") and (config.get("size") or config.get("frames")):
+        controlled = "control" in (data_info.get("image_keys") or ())  # Wan VACE: previews only as the data are
+        if str(config.get("_target_", "")).endswith("SampleGrid") and (
+                config.get("size") or config.get("frames") or (controlled and config.get("prompt_file"))):
             hydra.utils.instantiate(config).check_shape(data_info, patch)

@@ -17,7 +17,7 @@ from ringdit.lora import adapter_state, load_adapter, load_null_condition
 from ringdit.media.writing import write_mp4
 from ringdit.diffusion.pipeline import in_micro_batches
 from ringdit.errors import ConfigError, require_count, require_number, require_seed
-from ringdit.models.conditioning import text_conditioned
+from ringdit.models.conditioning import CONTROL_KEY, text_conditioned
 from ringdit.sampling import (FPS_HINT, PromptLine, Sampler, SampleSizes, frame_rate, patch_shape, read_prompt_file,
                               size_pair)
 from ringdit.seeding import Stream, seed_of
@@ -140,6 +140,12 @@ class SampleGrid(L.Callback):
     def check_shape(self, data_info: dict, patch: tuple[int, ...]) -> tuple[int, ...] | None:
         """``size`` / ``frames`` as the sample shape of this data (its ``describe()``) for a model of ``patch``, kept
         for the grids; a ``ConfigError`` naming the setting if the model cannot sample it. None: image_size."""
+        own = [name for name, value in (("prompt_file", self.prompt_file), ("size", self.size),
+                                        ("frames", self.frames)) if value is not None]
+        if CONTROL_KEY in (data_info.get("image_keys") or ()) and own:  # Wan VACE: the held-out clips' controls
+            raise ConfigError(f"{SETTING}.{own[0]}={getattr(self, own[0])}: this model previews under the held-out "
+                              f"clips' own control videos, whose latents have the data's size and prompts; leave "
+                              f"{SETTING}.{own[0]} null (infer.py control=<video file> samples other prompts and sizes)")
         if self.size is None and self.frames is None:
             self.shape = None
         else:
