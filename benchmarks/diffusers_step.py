@@ -52,7 +52,7 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, attention_head_dim=128, num_attent
 
 def build(args, dims):
     """(model, latents x, conditioning) of the benchmarked shape, the same on every rank."""
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
 
     torch.manual_seed(0)
     target = {"_target_": "ringdit.models.diffusers.DiffusersTransformer"}

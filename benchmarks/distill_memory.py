@@ -1,5 +1,5 @@
 """``distill=dmd2``'s peak memory per rank, measured on CPU ranks of real ``train.py`` runs, against
-``ringdit.memory``'s estimate (the one train.py warns with and ``python -m ringdit.plan distill=dmd2`` plans with).
+``ringdit.costs``'s estimate (the one train.py warns with and ``python -m ringdit.plan distill=dmd2`` plans with).
 
     python benchmarks/distill_memory.py                       # every case, about 5 min on 2 idle cores
     python benchmarks/distill_memory.py --cases plain dmd2    # some of them
@@ -15,7 +15,7 @@ state, DDP's buckets or FSDP's gathers, and the step's activations -- not the li
 data. glibc's mmap threshold is fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_=131072``, as ``memory_options.py`` does)
 so that freed activations leave the RSS; the tables of ``docs/memory.md`` say why.
 
-The estimate is ``ringdit.memory.check_training_memory`` on the same composed config and ``Layout``, as train.py
+The estimate is ``ringdit.costs.check_training_memory`` on the same composed config and ``Layout``, as train.py
 computes it; its ``peak_bytes`` (start-up or step, whichever is larger) is compared to the measured peak, the largest
 over the ranks. ``plain``, the same model and teacher trained without distillation, is the control: the harness
 measured against the estimate of one model. ``dmd2_gan`` adds DMD2's GAN head (``distill.gan_loss=true``),
@@ -83,7 +83,7 @@ def write_teacher(path: Path) -> None:
     import ringdit
     from safetensors.torch import save_file
 
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
     from ringdit.spec import model_config
 
     cfg = ringdit.config("train", MODEL)
@@ -93,9 +93,9 @@ def write_teacher(path: Path) -> None:
 
 
 def estimate(overrides: list[str], run_dir: Path):
-    """``ringdit.memory``'s estimate for ``overrides``, as train.py computes it (``TrainSpec.from_config``)."""
+    """``ringdit.costs``'s estimate for ``overrides``, as train.py computes it (``TrainSpec.from_config``)."""
     import ringdit
-    from ringdit.memory import check_training_memory
+    from ringdit.costs import check_training_memory
     from ringdit.spec import TrainSpec, build_on_meta
 
     cfg = ringdit.config("train", overrides, run_dir)

@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import ringdit  # noqa: E402
-from ringdit.inference import prepare  # noqa: E402
+from ringdit.commands.sample import prepare  # noqa: E402
 
 
 def seconds_to_sample(checkpoint: str, overrides: list[str], samples: int, prompts: str | None,

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from ringdit.build import build_model
-from ringdit.cli import CONF_DIR, model_preset
+from ringdit.models.build import build_model
+from ringdit.commands.cli import CONF_DIR, model_preset
 
 
 def main() -> None:

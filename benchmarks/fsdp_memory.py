@@ -61,7 +61,7 @@ def measure(rank: int, world: int, port: int, mode: str, layers: int, steps: int
         from torch.distributed.fsdp import fully_shard
         from torch.nn.parallel import DistributedDataParallel
 
-        from ringdit.build import build_model
+        from ringdit.models.build import build_model
         from ringdit.parallel import init_sequence_parallel
         from ringdit.models import repeated_blocks
 

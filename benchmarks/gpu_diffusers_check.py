@@ -43,7 +43,7 @@ def rel(a, b):
 def wan_models(layers, dtype):
     import diffusers
 
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
 
     config = {**WAN_1_3B, "num_layers": layers}
     torch.manual_seed(0)

@@ -50,7 +50,7 @@ def measure(rank: int, world: int, port: int, args, results) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
     try:
-        from ringdit.build import build_model
+        from ringdit.models.build import build_model
         from ringdit.parallel import gather_sequence, init_sequence_parallel, shard_sequence
 
         dims = init_sequence_parallel(ring_degree=args.ring, ulysses_degree=args.ulysses)

@@ -1,4 +1,4 @@
-"""Each memory option of issue 41 measured on a CPU rank against ``ringdit.memory``'s estimate, and its step time as a
+"""Each memory option of issue 41 measured on a CPU rank against ``ringdit.costs``'s estimate, and its step time as a
 ratio to the plain run: a Wan-1.3B-shaped transformer (``fsdp_memory.py``'s), LoRA rank 64 unless a full fine-tune.
 
     python benchmarks/memory_options.py                      # 2 layers, latents (4, 16, 16): 256 tokens, 4 steps
@@ -88,8 +88,8 @@ def compile_8bit_step(cfg: dict, lora: dict | None) -> int:
     """Compile torchao's 8-bit AdamW step (``torch.compile(dynamic=False)``: one graph per shape) for each shape the
     case trains, on throwaway tensors, and return the resident bytes that left behind: torch.compile's graphs and
     generated code, which, like the imported libraries, are the runtime's memory, not the model's."""
-    from ringdit.lora import add_lora
-    from ringdit.optimizers import adamw8bit
+    from ringdit.models.lora import add_lora
+    from ringdit.training.optimizers import adamw8bit
     from ringdit.spec.model import build_on_meta
 
     meta = build_on_meta(cfg, 1)
@@ -109,9 +109,9 @@ def compile_8bit_step(cfg: dict, lora: dict | None) -> int:
 def measure(rank: int, case: str, layers: int, steps: int, latents: tuple, malloc: str, results) -> None:
     if malloc == "mmap" and not ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
         raise RuntimeError("glibc's mallopt refused M_MMAP_THRESHOLD: run with --malloc glibc")
-    from ringdit.build import build_model
-    from ringdit.memory import estimate_model_memory
-    from ringdit.optimizers import adamw8bit
+    from ringdit.models.build import build_model
+    from ringdit.costs import estimate_model_memory
+    from ringdit.training.optimizers import adamw8bit
 
     import diffusers.models.transformers  # noqa: F401  (the libraries' own memory is no case's: imported first)
     import peft  # noqa: F401

@@ -26,7 +26,7 @@ def one_run(batch: int | None) -> None:
     from ringdit.diffusion.objectives import FlowMatching
     from ringdit.diffusion.pipeline import SamplingPipeline, in_micro_batches
     from ringdit.models.diffusers import DiffusersTransformer
-    from ringdit.cli import model_preset
+    from ringdit.commands.cli import model_preset
     from ringdit.parallel import ParallelDims
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """Peak memory per rank at start-up and in a train step, measured on CPU ranks: a Wan-1.3B-width transformer under
-FSDP (with and without EMA, and LoRA on a bf16 base), today's code beside an older commit's, and ``ringdit.memory``'s
+FSDP (with and without EMA, and LoRA on a bf16 base), today's code beside an older commit's, and ``ringdit.costs``'s
 estimate beside the measurement.
 
     python benchmarks/startup_memory.py                  # this checkout; about 15 min on 2 idle cores
@@ -173,8 +173,8 @@ def _measure(rank: int, case: Case, port: int, results) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         import ringdit
-        from ringdit.build import build_model
-        from ringdit.lora import add_lora
+        from ringdit.models.build import build_model
+        from ringdit.models.lora import add_lora
         from ringdit.parallel import build_shard_mesh
 
         diffusers.WanTransformer3DModel  # noqa: B018  (diffusers imports its models lazily)
@@ -310,10 +310,10 @@ def code_at(old: str | None):
 
 
 def estimate(case: Case):
-    """``ringdit.memory``'s estimate for ``case`` (this checkout's), or None where it has none."""
+    """``ringdit.costs``'s estimate for ``case`` (this checkout's), or None where it has none."""
     try:
-        from ringdit.layout import Layout
-        from ringdit.memory import estimate_model_memory
+        from ringdit.parallel.layout import Layout
+        from ringdit.costs import estimate_model_memory
     except ImportError:
         return None
     layout = Layout(dp_degree=case.world, strategy=case.strategy, device_type="cpu")
@@ -497,7 +497,7 @@ def print_tables(startup_cases: list[Case], check_cases: list[Case], results: di
         print("Target: the new peak (larger of start-up and step) per rank <= 0.55 x the old one.\n")
         print(lora)
     comparison, terms = estimate_table(startup_cases + check_cases, results)
-    print("\n### ringdit.memory's estimate vs measured peak RSS minus baseline (GiB per rank)\n")
+    print("\n### ringdit.costs's estimate vs measured peak RSS minus baseline (GiB per rank)\n")
     print(comparison)
     print("\nBy term (estimate / measured tensor bytes; the rest of the step: estimate's buckets + gathered blocks + "
           "activations + attention vs measured step minus those tensors)\n")

@@ -31,7 +31,7 @@ from digits_accuracy import diversity, image_classifier, judge_videos, video_cla
 
 from ringdit.caching import CacheSettings, StepCache, teacache_coefficients  # noqa: E402
 from ringdit.caching.calibrate import calibrate, load_for_sampling  # noqa: E402
-from ringdit.images import to_uint8  # noqa: E402
+from ringdit.media.images import to_uint8  # noqa: E402
 
 
 def draw(module, condition, count: int, batch_size: int, cache: StepCache | None, overrides: dict) -> tuple:

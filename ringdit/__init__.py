@@ -17,9 +17,9 @@ for _noisy in ("torchao", "diffusers.quantizers.torchao.torchao_quantizer", "tor
 
 def config(command: str = "train", overrides=(), run_dir=None):
     """The settings of ``command`` (train, infer, serve, export, prepare, plan ...) with ``overrides`` (a list of
-    strings), as its command line composes them (``ringdit.cli.command_config``). A mistake raises
-    ``ringdit.errors.ConfigError`` with the command line's one line (the setting, the value, the fix)."""
-    from ringdit.cli import command_config
+    strings), as its command line composes them (``ringdit.commands.cli.command_config``). A mistake raises
+    ``ringdit.common.errors.ConfigError`` with the command line's one line (the setting, the value, the fix)."""
+    from ringdit.commands.cli import command_config
 
     return command_config(command, overrides, run_dir)
 
@@ -33,7 +33,7 @@ def train(cfg):
 
 def sample(cfg):
     """``python infer.py``: sample with ``cfg`` (``config("infer", [...])``); returns the run folder."""
-    from ringdit.inference import sample as run
+    from ringdit.commands.sample import sample as run
 
     return run(_settings_of(cfg, "infer"))
 
@@ -50,8 +50,8 @@ def _settings_of(cfg, command: str):
     ``conf/<command>.yaml`` defines itself; else a ``ConfigError`` naming what was passed and what to pass."""
     from omegaconf import DictConfig, OmegaConf
 
-    from ringdit.cli import CONF_DIR
-    from ringdit.errors import ConfigError
+    from ringdit.commands.cli import CONF_DIR
+    from ringdit.common.errors import ConfigError
 
     fix = f"pass ringdit.config({command!r}, [...])"
     if not isinstance(cfg, DictConfig):

@@ -50,8 +50,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ringdit.cli import hydra_main, user_errors
-from ringdit.errors import ConfigError, require_number
+from ringdit.commands.cli import hydra_main, user_errors
+from ringdit.common.errors import ConfigError, require_number
 
 FORMATS = ("ringdit", "diffusers", "comfyui")
 LORA_FORMATS = ("diffusers", "comfyui")  # a LoRA adapter's: diffusers' pytorch_lora_weights, or ComfyUI's
@@ -91,9 +91,9 @@ def export(cfg: DictConfig) -> None:
             ckpt.with_name(f"{ckpt.stem}_lora") if lora and not merge else
             ckpt.with_name(f"{ckpt.stem}{suffix}_diffusers") if fmt == "diffusers" else
             ckpt.with_name(f"{ckpt.stem}{suffix}.safetensors"))
-        from ringdit.checkpoints.layout import checked_output
+        from ringdit.checkpoints.location import checked_output
         from ringdit.checkpoints.safetensors_export import export_safetensors
-        from ringdit.lora import lora_enabled
+        from ringdit.models.lora import lora_enabled
         from ringdit.spec.checkpoint import recorded_hparams
 
         recorded = recorded_hparams(str(ckpt)).get("lora")
@@ -152,7 +152,7 @@ def export_adapter(ckpt: str, out: Path, fmt: str, prefer: str) -> Path:
     whole: an overwrite leaves no file of the previous export behind, and a kill leaves the previous one."""
     import shutil
 
-    from ringdit.checkpoints.layout import replace_folder, temporary_folder
+    from ringdit.checkpoints.location import replace_folder, temporary_folder
     from ringdit.checkpoints.weights import read_weights
 
     state, info = read_weights(ckpt, prefer=prefer)
@@ -161,7 +161,7 @@ def export_adapter(ckpt: str, out: Path, fmt: str, prefer: str) -> Path:
         if fmt == "comfyui":
             written = export_comfyui(state, info, tmp, name=out.name)
         else:
-            from ringdit.lora import export_lora
+            from ringdit.models.lora import export_lora
 
             written = export_lora(state, info.get("lora") or {}, tmp)
         replace_folder(tmp, out)
@@ -175,10 +175,10 @@ def merged_weights(ckpt: str, prefer: str, strength: float, base: str | None) ->
     model it is: ``(state, info)`` as ``read_weights`` gives a model's. The base is found and checked as infer.py
     finds it (``LoraBase``: ``base``, else the run's init_from, else its model.pretrained), built on this process at
     its own precision (not the run's bf16 / fp8 copy of it), the adapter and the run's empty-prompt embedding loaded,
-    and every adapted layer fused by peft (``ringdit.lora.merged_state``)."""
-    from ringdit.build import build_model
+    and every adapted layer fused by peft (``ringdit.models.lora.merged_state``)."""
+    from ringdit.models.build import build_model
     from ringdit.checkpoints.weights import FILE_CONFIGS, read_weights
-    from ringdit.lora import adapter_state, load_adapter, load_null_condition, merged_state
+    from ringdit.models.lora import adapter_state, load_adapter, load_null_condition, merged_state
     from ringdit.spec.checkpoint import LoraBase
 
     state, info = read_weights(ckpt, prefer=prefer)
@@ -210,9 +210,9 @@ def export_comfyui(state: dict, info: dict, out_dir: Path, name: str) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from ringdit.atomic import atomic_write
+    from ringdit.common.atomic import atomic_write
     from ringdit.checkpoints.lora_formats import comfyui_lora
-    from ringdit.lora import ADAPTER_NAME, adapter_state
+    from ringdit.models.lora import ADAPTER_NAME, adapter_state
     from ringdit.spec.model import ModelSpec, model_class
 
     model_cfg, lora = info.get("model") or {}, info.get("lora") or {}

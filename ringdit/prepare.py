@@ -44,12 +44,12 @@ def _stopped_before_start(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
-if __name__ == "__main__":  # until ringdit.preemption (a slow import) takes over in main(): nothing started
+if __name__ == "__main__":  # until ringdit.commands.preemption (a slow import) takes over in main(): nothing started
     signal.signal(signal.SIGTERM, _stopped_before_start)
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from ringdit.cli import hydra_main, user_errors  # noqa: E402
+from ringdit.commands.cli import hydra_main, user_errors  # noqa: E402
 
 log = logging.getLogger("ringdit.prepare")
 
@@ -58,7 +58,7 @@ log = logging.getLogger("ringdit.prepare")
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     settings = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left: one line
-    from ringdit.preemption import sigterm_stops_at_once, stop_on_sigterm
+    from ringdit.commands.preemption import sigterm_stops_at_once, stop_on_sigterm
 
     # SIGTERM: this rank stops where it is, or right after the shard it is writing; exit code 143 (module docstring)
     with user_errors(), stop_on_sigterm(logger=log), sigterm_stops_at_once(*preempted(settings["out"])):
@@ -67,7 +67,7 @@ def main(cfg: DictConfig) -> None:
         report = encode_folder(**settings)  # a wrong setting or input: one line, exit code 2
         if (report.tile_batches is None and not report.samples and not report.shards_skipped
                 and not report.texts_encoded and world_of() == 1):
-            from ringdit.errors import ConfigError  # every file unreadable, too short or missing: not a success
+            from ringdit.common.errors import ConfigError  # every file unreadable, too short or missing: not a success
 
             if report.too_short and not report.unreadable and not report.missing:  # the window is what is wrong
                 resampled = f", source_fps={settings['source_fps']}" if settings.get("source_fps") else ""

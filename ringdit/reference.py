@@ -1,5 +1,5 @@
 """The settings reference, read from ``conf/``: every config group, its options, and every key with the comment its
-yaml file gives it. Two readers: ``--help`` of every command (``ringdit.cli``), and the generated pages of the docs:
+yaml file gives it. Two readers: ``--help`` of every command (``ringdit.commands.cli``), and the generated pages of the docs:
 
     python -m ringdit.reference          # rewrites docs/reference/configuration.md and docs/reference/cli.md
     python -m ringdit.reference --check  # exit 1 if either differs from what conf/ and the commands give now

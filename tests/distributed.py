@@ -51,7 +51,7 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, errors) -> No
 # server runs no torch op, so no thread pool is forked. The last one does in the server what each forked rank would
 # otherwise do again at its start (tests/forkserver_warmup.py).
 PRELOAD = ["torch", "torch.distributed", "diffusers.models.transformers", "ringdit.attention", "ringdit.models",
-           "ringdit.parallel", "lightning", "hydra", "ringdit.training.run", "ringdit.inference", "tests.distributed",
+           "ringdit.parallel", "lightning", "hydra", "ringdit.training.run", "ringdit.commands.sample", "tests.distributed",
            "tests.helpers", "tests.forkserver_warmup"]
 
 

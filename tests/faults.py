@@ -53,7 +53,7 @@ class SignalAtStep(L.Callback):
     """A real signal (``sig``: SIGTERM, as a scheduler's would come, or SIGKILL) to this process on global rank
     ``rank`` once training has finished step ``step`` (after that step's checkpoint, which the checkpoint callback
     writes later in the same hook, for SIGTERM; before it for SIGKILL, whose process ends at once). For runs in the
-    test's own processes: SIGTERM needs ``ringdit.preemption`` handling it (else it would end the test's process)."""
+    test's own processes: SIGTERM needs ``ringdit.commands.preemption`` handling it (else it would end the test's process)."""
 
     def __init__(self, rank: int, step: int, sig: str = "SIGTERM"):
         self.rank, self.step, self.sig = rank, step, getattr(signal, sig)
@@ -61,7 +61,7 @@ class SignalAtStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             if self.sig == signal.SIGTERM:
-                from ringdit import preemption
+                from ringdit.commands import preemption
 
                 assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm, "SIGTERM is not handled here"
             os.kill(os.getpid(), self.sig)

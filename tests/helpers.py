@@ -355,7 +355,7 @@ def architecture(preset: str) -> dict:
 
 @functools.cache
 def _preset_config(preset: str) -> dict:
-    from ringdit.cli import model_preset
+    from ringdit.commands.cli import model_preset
 
     return model_preset(preset)["config"]
 
@@ -577,7 +577,7 @@ def tiny_wan_pipeline(config: dict, z_dim: int, experts: list | None = None):
 
 def compose_config(config_name: str, run_dir: Path, *overrides: str):
     """``conf/<config_name>.yaml`` composed with ``overrides`` as the command would (its run folder ``run_dir``)."""
-    from ringdit.cli import command_config
+    from ringdit.commands.cli import command_config
 
     return command_config(config_name, overrides, run_dir)
 
@@ -588,7 +588,7 @@ def compose_train(overrides: list[str], run_dir: Path):
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    from ringdit.cli import register_resolvers
+    from ringdit.commands.cli import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -24,7 +24,7 @@ from ringdit.data.text_latents import (
     read_prompts,
     write_text_latents,
 )
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from tests.helpers import FAST_FAIL_SECONDS, GOOD, LABELS, REPO, assert_refused, fail_fast, write_latents
 
 
@@ -545,7 +545,7 @@ def test_a_broken_tokenizer_file_is_named(tmp_path):
     """An empty tokenizer.json in a pipeline folder: one line naming the tokenizer folder, not the JSON parser's."""
     from transformers import T5Config, T5EncoderModel
 
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.media.text import TextEncoder, word_level_tokenizer
     from tests.helpers import WORDS
 

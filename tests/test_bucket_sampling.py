@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.sampling import SampleRequests, SampleSizes, read_prompt_file
 from tests.helpers import TEXT_LEN, architecture, assert_refused, fail_fast, read_mp4, run
 

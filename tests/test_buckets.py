@@ -18,8 +18,8 @@ import torch
 from ringdit.data import StepBatches, SyntheticTextLatentsDataModule
 from ringdit.data.steps import BLOCK, ValidationBatches
 from ringdit.data.text_latents import write_text_latents
-from ringdit.errors import ConfigError
-from ringdit.seeding import Stream, generator
+from ringdit.common.errors import ConfigError
+from ringdit.common.seeding import Stream, generator
 from tests.helpers import LazyRuns, assert_refused, assert_same_numbers, fail_fast, logged_losses, model_weights, run
 
 BUCKETS = "data.buckets=[[3,6,10],[3,10,6],[5,6,10]]"  # two aspect ratios, two frame counts: 45, 45, 75 Wan tokens

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from ringdit.data.captioned_moving_digits import (DIRECTIONS, CaptionedMovingDigits, CaptionedMovingDigitsDataModule,
                                                   build_once, parse_caption)
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.text import TextEncoder
 from tests.helpers import REPO, read_mp4, run
 

@@ -67,7 +67,7 @@ def test_compile_on_buckets_recompiles_once_for_a_new_length():
     graphs. aot_eager: Dynamo's graphs and guards (what decides a recompilation) traced through AOT autograd, without
     Inductor's codegen (whose numbers the other tests here check): in fp64, 1e-10 of max as there, measured exact.
     Inductor on buckets: benchmarks/buckets.py."""
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
     from tests.helpers import architecture
 
     torch._dynamo.reset()
@@ -78,7 +78,7 @@ def test_compile_on_buckets_recompiles_once_for_a_new_length():
     eager, _ = build_model(config, backend="math")
     eager = eager.double()
     compiled = copy.deepcopy(eager)
-    from ringdit.build import compile_blocks
+    from ringdit.models.build import compile_blocks
 
     compile_blocks(compiled, backend="aot_eager")  # Dynamo's graphs and guards, which decide recompiles; no codegen
     graphs = []

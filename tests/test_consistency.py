@@ -280,7 +280,7 @@ def test_the_refusals_advice_trains(case, tiny_checkpoint, tmp_path):
 
 def test_the_memory_estimate_counts_the_models_each_method_holds():
     """sCM: the student trains, the teacher is frozen (no critic); rCM: the student and the critic train, as DMD2's."""
-    from ringdit.memory import Setup
+    from ringdit.costs import Setup
 
     counts = {method: (Setup(distill=method).trained_models, Setup(distill=method).frozen_models)
               for method in ("none", "dmd2", "scm", "rcm")}

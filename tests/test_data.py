@@ -15,7 +15,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 
-from ringdit.cli import register_resolvers
+from ringdit.commands.cli import register_resolvers
 from ringdit.spec import build_on_meta, model_config
 from ringdit.data import ImageFolderDataModule, LatentsDataModule, MovingDigits, MovingDigitsDataModule
 from ringdit.data.image_folder import resize_center_crop

@@ -19,7 +19,7 @@ import torch
 from ringdit.data import TextLatentsDataModule
 from ringdit.data.datasets import data_source
 from ringdit.data.text_latents import write_text_latents
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from tests.helpers import assert_refused, fail_fast, run
 
 

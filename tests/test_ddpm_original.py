@@ -331,7 +331,7 @@ def test_ddpm_sampler_and_hybrid_loss_do_not_depend_on_the_layout():
 
 
 def test_guidance_channels_are_checked_at_config_time():
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.spec import check_sampling
 
     model = {"_target_": "ringdit.models.DiT", "in_channels": 4, "class_dropout_prob": 0.1}

@@ -11,7 +11,7 @@ import torch
 
 from ringdit.diffusion import DDPM, sample
 from ringdit.diffusion.samplers import ddim_timesteps, sample_ddim
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 # CogVideoX 1.5 / 5B's scheduler (THUDM/CogVideoX1.5-5B scheduler/scheduler_config.json); CogVideoX-2B's shifts 3.0
 COGVIDEOX = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "prediction_type":

@@ -374,7 +374,7 @@ def test_a_fresh_scheduler_per_call():
 
 
 def test_bad_sampler_settings_are_refused():
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.spec.diffusion import check_sampling
 
     flow, ddpm = {"_target_": "ringdit.diffusion.FlowMatching"}, {"_target_": "ringdit.diffusion.DDPM"}

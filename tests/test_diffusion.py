@@ -152,7 +152,7 @@ def test_bad_sampling_times_are_refused_in_one_line(tmp_path):
     """diffusion.sampling.shift_terminal / infer.py's shift_terminal outside (0, 1) or on DDPM, and a
     diffusion.objective.resolution that resolution_shift cannot take: ConfigErrors naming setting, value and fix
     (train.py reports them as one line before spawning, like every spec check)."""
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.spec.diffusion import check_resolution, check_sampling
     from tests.helpers import assert_refused, fail_fast
 

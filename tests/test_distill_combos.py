@@ -134,10 +134,10 @@ def test_a_compiled_distillation_equals_eager_and_compiles_in_its_first_update(t
     equal eager's. aot_eager (Dynamo's graphs and guards, what decides a recompilation, without Inductor's codegen,
     whose numbers tests/test_compile.py checks): float64, measured exact; rel 1e-10 for safety. The recompile limit is
     raised so that a graph per update would show here instead of falling back to eager."""
-    import ringdit.build
+    import ringdit.models.build
 
-    monkeypatch.setattr(ringdit.build, "compile_blocks",
-                        functools.partial(ringdit.build.compile_blocks, backend="aot_eager"))
+    monkeypatch.setattr(ringdit.models.build, "compile_blocks",
+                        functools.partial(ringdit.models.build.compile_blocks, backend="aot_eager"))
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
     run("train.py", tmp_path / "teacher", *TINY)
     common = [*TINY, *SGD, *FP64, "trainer.max_steps=3", "distill=dmd2", "distill.critic_steps=2",

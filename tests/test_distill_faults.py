@@ -173,7 +173,7 @@ def test_a_setting_of_the_wrong_kind_is_refused_and_the_advice_passes(case, tmp_
 
 def test_a_new_boolean_setting_is_checked_by_its_annotation():
     """The declared kinds come from the code: a new parameter is covered without a list of names to keep."""
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.spec.settings import check_setting_types, declared_types
 
     class Model:

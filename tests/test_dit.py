@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from hydra.utils import instantiate
 
-from ringdit.cli import model_preset
+from ringdit.commands.cli import model_preset
 from ringdit.models import sincos_pos_embed
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel

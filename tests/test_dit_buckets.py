@@ -21,7 +21,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from ringdit.data import ImageFolderDataModule, LatentsDataModule
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.buckets import Buckets, auto_sizes
 from ringdit.models import sincos_pos_embed
 from tests.helpers import (

@@ -28,7 +28,7 @@ TEXT = {"text_len": 7, "text_dim": 16}
 
 def model_config(preset: str, **extra) -> dict:
     """A run's recorded model config for ``preset`` (what a checkpoint's hyper_parameters hold)."""
-    from ringdit.cli import model_preset
+    from ringdit.commands.cli import model_preset
 
     config = {**model_preset(preset), "input_size": list(SHAPE), **TEXT, **extra}
     config["in_channels"] = config["config"].get("out_channels") or 4  # the latents' channels
@@ -179,7 +179,7 @@ RANK, ALPHA = 4, 6.0  # alpha / rank = 1.5: a scale that is not 1, and not a pow
 def lora_checkpoint(path, preset: str, seed: int = 0, **config_changes):
     """A LoRA run's checkpoint for ``preset`` (default targets, random adapters) and its adapters by the model's keys
     (``transformer.blocks.0.attn1.to_q.lora_A.default.weight``); the model is built on meta (shapes only)."""
-    from ringdit.lora import add_lora, is_adapter_key
+    from ringdit.models.lora import add_lora, is_adapter_key
     from ringdit.spec.model import build_on_meta
 
     model_cfg = model_config(preset)
@@ -328,7 +328,7 @@ def test_comfyui_refuses_what_it_cannot_name(tmp_path, capsys):
     code, _, err = export(capsys, f"ckpt_path={ckpt}", f"out={tmp_path / 'a'}", "format=comfyui")
     assert code == 2 and "format=comfyui has no layer names for model.family=flux2" in err, err
     from ringdit.checkpoints.lora_formats import original_layer
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"the adapter on patch_embedding has no ComfyUI name for model.family=wan"):
         original_layer("wan", "patch_embedding")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringdit.checkpoints.layout import is_sharded_checkpoint
+from ringdit.checkpoints.location import is_sharded_checkpoint
 from ringdit.checkpoints.weights import read_weights
 from tests.families import FLUX2, family_runs
 from tests.helpers import SGD, TINY, WAN, LazyRuns, assert_same_numbers, logged_losses, run
@@ -148,7 +148,7 @@ def fake_sharded_checkpoint(folder: Path, step: int) -> Path:
 
 
 def test_a_save_killed_between_its_renames_keeps_the_previous_checkpoint(tmp_path):
-    from ringdit.checkpoints.layout import recover_checkpoint, replace_folder
+    from ringdit.checkpoints.location import recover_checkpoint, replace_folder
 
     last = fake_sharded_checkpoint(tmp_path / "last.ckpt", step=2)
     replace_folder(fake_sharded_checkpoint(tmp_path / ".last.ckpt.abc.tmp", step=4), last)

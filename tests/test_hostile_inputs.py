@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from tests.distributed import run_ranks
 from tests.helpers import (TEXT_LEN, TINY, WAN, architecture, assert_refused, assert_same_numbers, fail_fast, run,
                            write_video)
@@ -258,7 +258,7 @@ def test_folders_that_name_their_own_code_are_refused_before_loading(models, tmp
 def test_a_full_disk_is_said_and_the_previous_file_kept(tmp_path, monkeypatch):
     """torch.save's own writer hides ENOSPC ("unexpected pos"): a write that fails with the disk (nearly) full is
     one DiskFullError naming the file, and the previous file is intact."""
-    from ringdit import atomic
+    from ringdit.common import atomic
 
     target = tmp_path / "last.ckpt"
     target.write_bytes(b"previous")
@@ -281,7 +281,7 @@ def test_a_write_removes_a_killed_writes_temporary_but_not_one_in_progress(tmp_p
     one's rename would fail); a temporary left by a killed write is removed by the next write."""
     import os
 
-    from ringdit import atomic
+    from ringdit.common import atomic
 
     import subprocess
     import sys
@@ -310,7 +310,7 @@ def test_a_real_full_file_system(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
     try:
-        from ringdit.atomic import DiskFullError, atomic_write
+        from ringdit.common.atomic import DiskFullError, atomic_write
 
         (mount / "step_0000002.ckpt").write_bytes(b"good")
         with pytest.raises(DiskFullError, match=r"nothing was written at .*step_0000004.ckpt; the last good one, "
@@ -382,7 +382,7 @@ def test_flux2_takes_the_pipelines_3d_ids_at_ring_2():
 def test_the_ranks_of_a_torchrun_or_srun_job_share_one_run_folder(monkeypatch):
     """Each torchrun / srun rank composes the config itself: the folder's name is the job's, not a time and a random
     id per process (which scattered a run, and an FSDP checkpoint, over one folder per rank)."""
-    from ringdit.cli import run_name
+    from ringdit.commands.cli import run_name
 
     for name in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_ID"):
         monkeypatch.delenv(name, raising=False)
@@ -404,7 +404,7 @@ def test_the_ranks_of_a_torchrun_or_srun_job_share_one_run_folder(monkeypatch):
 
 def test_json_with_a_lone_surrogate_escape_is_refused():
     """``"\\ud800"`` is JSON, but no character: a tokenizer or a file writer would fail on it far from the file."""
-    from ringdit.safe_json import parse_json
+    from ringdit.common.safe_json import parse_json
 
     with pytest.raises(ConfigError, match=r"prompts.jsonl line 1 is not valid JSON \(a lone UTF-16 surrogate escape "
                                           r"'\\ud800' is no character\); give"):
@@ -465,9 +465,9 @@ def test_metadata_lines_go_through_the_json_guard(tmp_path):
 def test_outputs_that_are_not_regular_files_are_never_replaced(tiny_checkpoint, tmp_path, capsys):
     """A FIFO or a device given as out= (as root a rename would replace /dev/null itself), and calibrate's out= that
     holds an earlier fit: refused before any work, the file left as it was."""
-    from ringdit.atomic import atomic_write
+    from ringdit.common.atomic import atomic_write
     from ringdit.caching.calibrate import main
-    from ringdit.checkpoints.layout import CheckpointError, checked_output
+    from ringdit.checkpoints.location import CheckpointError, checked_output
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)

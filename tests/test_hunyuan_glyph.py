@@ -17,7 +17,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.encode_folder import encode_folder
 from ringdit.media.text import TextEncoder, encode_prompts, encoder_settings
 from tests.helpers import TEXT_LEN, architecture, save_tiny_hunyuan_video15, write_video

@@ -166,7 +166,7 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (ring, ulysses): one process, ring 2, Ulys
 def sample_under_layouts(rank, world, checkpoints: dict[str, str], condition: dict[str, torch.Tensor]):
     """infer.py's sampling path (DiffusionModule.generate on the checkpoint's weights, the model built on each
     layout's mesh as configure_model builds it) with classifier-free guidance, under every layout."""
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
     from ringdit.checkpoints.weights import read_weights
     from ringdit.parallel import init_sequence_parallel
     from ringdit.training import DiffusionModule
@@ -211,7 +211,7 @@ def test_image_to_video_samples_do_not_depend_on_the_layout(i2v):
 def test_the_model_kind_says_how_it_takes_a_first_frame(preset, conditioning):
     """``infer.py image=`` asks the model kind (``image_conditioning``) whether and how a checkpoint's model takes a
     first frame, from its config alone: no family names outside the kind."""
-    from ringdit.cli import model_preset
+    from ringdit.commands.cli import model_preset
     from ringdit.spec.model import model_class
 
     config = model_preset(preset)

@@ -45,7 +45,7 @@ def with_packages(name: str) -> list[str]:
 
 def import_graph() -> dict[str, set[str]]:
     """module -> the ringdit modules it imports anywhere in its file, with the packages those imports run first (a
-    package's ``__init__`` is code too: ``ringdit.memory`` importing ``ringdit.spec.model`` runs
+    package's ``__init__`` is code too: ``ringdit.costs`` importing ``ringdit.spec.model`` runs
     ``ringdit/spec/__init__.py`` and everything it imports). Not its own packages, loaded before it."""
     files = module_files()
     graph = {module: set() for module in files}

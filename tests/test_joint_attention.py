@@ -1,6 +1,6 @@
 """Joint text-image attention with the text sharded like the image, against a one-device fp64 reference.
 
-Every rank's chunk is ``[its text shard ; its image shard]`` (``ringdit.attention.layout``), each stream padded at
+Every rank's chunk is ``[its text shard ; its image shard]`` (``ringdit.attention.token_layout``), each stream padded at
 its own tail, text keys optionally masked per sample (QwenImage pads its prompts).
 """
 

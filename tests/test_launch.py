@@ -17,7 +17,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
-from ringdit.cli import register_resolvers, user_errors
+from ringdit.commands.cli import register_resolvers, user_errors
 from tests.helpers import (
     CONF, FAST_FAIL_SECONDS, REPO, TINY, assert_refused, children_of, fail_fast, in_process, launch, logged_losses,
     prepare_train, run,
@@ -145,7 +145,7 @@ HYDRA_MISTAKES = [
 
 @pytest.mark.parametrize(("config_name", "overrides", "message"), HYDRA_MISTAKES)
 def test_hydra_mistakes_in_one_line(config_name, overrides, message, tmp_path):
-    from ringdit.cli import hydra_error_message
+    from ringdit.commands.cli import hydra_error_message
 
     with pytest.raises(Exception) as error:
         compose_run(config_name, overrides, tmp_path)
@@ -238,7 +238,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_its_step(strategy, tmp_path):
     """Ring 2, SIGTERM to rank 1 alone after step 3: every rank stops at that step with its checkpoint (FSDP: each
     rank writes its shards, a sharded folder), exit code 143. (The ranks forked as torchrun starts them; Lightning's
     own launch is the test above.)"""
-    from ringdit.checkpoints.layout import SHARDED_METADATA, is_sharded_checkpoint
+    from ringdit.checkpoints.location import SHARDED_METADATA, is_sharded_checkpoint
     from ringdit.checkpoints.loading import safe_torch_load
     from tests.distributed import run_command_ranks
 

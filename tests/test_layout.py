@@ -1,12 +1,12 @@
-"""``ringdit.layout.Layout``: the one model of a run's layout, read once from the config -- the strategy known by its
+"""``ringdit.parallel.layout.Layout``: the one model of a run's layout, read once from the config -- the strategy known by its
 class, never its name -- and what the strategy set-up, the memory estimate and the planner take."""
 
 from __future__ import annotations
 
 import pytest
 
-from ringdit.errors import ConfigError
-from ringdit.layout import Layout
+from ringdit.common.errors import ConfigError
+from ringdit.parallel.layout import Layout
 from ringdit.training import RingDDPStrategy, RingFSDPStrategy
 from tests.helpers import compose_train
 

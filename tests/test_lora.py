@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringdit.lora import adapter_state, add_lora, export_lora, is_adapter_key, is_null_condition_key
+from ringdit.models.lora import adapter_state, add_lora, export_lora, is_adapter_key, is_null_condition_key
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
 from ringdit.checkpoints.weights import read_weights

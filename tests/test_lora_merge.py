@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ringdit.checkpoints.weights import read_weights
-from ringdit.cli import model_preset
-from ringdit.dtypes import default_dtype
-from ringdit.lora import add_lora, is_adapter_key, load_adapter
+from ringdit.commands.cli import model_preset
+from ringdit.common.dtypes import default_dtype
+from ringdit.models.lora import add_lora, is_adapter_key, load_adapter
 from tests.helpers import assert_same_numbers, save_tiny_wan
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -118,7 +118,7 @@ def test_a_merged_diffusers_export_at_a_strength_computes_as_the_adapted_model(t
     import diffusers
     from peft.tuners.lora import LoraLayer
 
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
 
     preset = model_preset("wan_tiny")
     config = {**preset, "input_size": [2, 8, 8], "in_channels": preset["config"].get("out_channels") or 4,
@@ -196,7 +196,7 @@ def test_a_dora_model_built_on_the_meta_device_starts_as_its_base(dit_run):
     """build -> LoRA on meta -> materialize from the base file: DoRA's magnitudes are the base weight's row norms (as
     peft initialises them on a built model), LoHa / LoKr start with one factor zero, so the adapted model computes as
     the base."""
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
 
     root, ckpt, base, adapted = dit_run
     settings = read_weights(ckpt)[1]["lora"]
@@ -216,7 +216,7 @@ def test_a_dora_adapter_exported_for_diffusers_computes_there_as_in_ringdit(tmp_
     Wan computes as ringdit's adapted one, in fp64."""
     import diffusers
 
-    from ringdit.lora import adapter_state, export_lora
+    from ringdit.models.lora import adapter_state, export_lora
     from ringdit.models.diffusers import DiffusersTransformer
     from tests.helpers import architecture
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from ringdit.checkpoints.lora_formats import comfyui_lora, lora_file_entries, read_lora_file, read_lora_stack
-from ringdit.lora import adapted_modules, add_lora, export_lora, stack_adapters
+from ringdit.models.lora import adapted_modules, add_lora, export_lora, stack_adapters
 from tests.helpers import architecture, assert_refused, assert_same_numbers, fail_fast, run, tiny_dit
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -133,8 +133,8 @@ def test_stacked_wan_adapters_diffusers_and_comfyui_compute_as_the_merged_sum(tm
 def test_a_two_expert_export_folder_stacks_each_experts_file_on_its_expert(tmp_path):
     """Wan 2.2 A14B: a ringdit LoRA export folder (the high-noise expert's file, transformer_2/ the low-noise one's)
     adapts each expert with its own file; path_2 gives the second expert's file apart."""
-    from ringdit.build import build_model
-    from ringdit.cli import model_preset
+    from ringdit.models.build import build_model
+    from ringdit.commands.cli import model_preset
 
     config = {**model_preset("wan22_a14b_tiny"), "input_size": [2, 8, 8], "in_channels": 4, "text_len": 7,
               "text_dim": 16}

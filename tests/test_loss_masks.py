@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from ringdit.data.text_latents import MASK_KEY, TextLatentsDataModule, write_text_latents  # noqa: E402
-from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.masks import latent_mask  # noqa: E402
 from tests.helpers import TEXT_LEN  # noqa: E402

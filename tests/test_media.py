@@ -18,7 +18,7 @@ pytest.importorskip("imageio")
 from PIL import Image  # noqa: E402
 
 from ringdit.data.text_latents import TextLatentsDataModule  # noqa: E402
-from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.frames import fit, read_image, read_video  # noqa: E402
 from ringdit.media.text import TextEncoder  # noqa: E402

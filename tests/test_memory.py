@@ -1,4 +1,4 @@
-"""The memory estimate (``ringdit.memory``): each term moves the way the setting says, train.py's config is read as
+"""The memory estimate (``ringdit.costs``): each term moves the way the setting says, train.py's config is read as
 it runs (strategy, LoRA, EMA, activation checkpointing under either name), diffusers models are estimated, and
 ``python -m ringdit.plan`` lays out GPUs, recommends a layout and refuses bad input in one line."""
 
@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 import ringdit.training  # noqa: F401 - not first imported under capsys by a planner test (test_vocabulary.py)
-from ringdit.layout import Layout
-from ringdit.memory import GiB, ModelSize, Setup, estimate_memory, warn_if_memory_short
+from ringdit.parallel.layout import Layout
+from ringdit.costs import GiB, ModelSize, Setup, estimate_memory, warn_if_memory_short
 from tests.helpers import compose_train
 
 # A DiT-XL-like model: sizes only, nothing is built.
@@ -145,7 +145,7 @@ def test_dmd2_counts_the_student_the_critic_and_the_frozen_teacher():
 
 
 def test_train_config_and_the_planner_count_dmd2(tmp_path, capsys):
-    from ringdit.memory import check_training_memory
+    from ringdit.costs import check_training_memory
     from ringdit.spec import build_on_meta, model_config
 
     data = {"channels": 1, "image_size": [8, 8], "num_classes": 10}
@@ -228,7 +228,7 @@ def test_a_full_fine_tune_keeps_what_its_weight_gradients_need():
 def test_train_config_is_read_as_it_runs(key, tmp_path):
     """model.activation_checkpointing (or its older name) shrinks the activations; the strategy, LoRA and EMA
     settings are the ones train.py runs with."""
-    from ringdit.memory import check_training_memory
+    from ringdit.costs import check_training_memory
     from ringdit.spec import build_on_meta, model_config
 
     data = {"channels": 1, "image_size": [8, 8], "num_classes": 10}
@@ -251,9 +251,9 @@ def test_diffusers_models_are_estimated(tmp_path):
     """Wan's sizes come from its diffusers config; the adapters counted on meta are the ones peft adds."""
     import torch
 
-    from ringdit.build import build_model
-    from ringdit.lora import add_lora
-    from ringdit.memory import check_training_memory, model_size
+    from ringdit.models.build import build_model
+    from ringdit.models.lora import add_lora
+    from ringdit.costs import check_training_memory, model_size
     from ringdit.spec import build_on_meta, model_config
 
     cfg = compose_train(["experiment=wan_tiny", "lora.rank=4"], tmp_path)
@@ -281,7 +281,7 @@ def test_the_warning_names_a_layout_that_fits(caplog):
     video = ModelSize(parameters=34_000_000, trainable_parameters=34_000_000, largest_parameter=1_000_000,
                       root_parameters=1_000_000, block_parameters=8_000_000, hidden_size=128, depth=4, num_heads=4,
                       mlp_hidden=512, tokens=262_144)
-    caplog.set_level(logging.WARNING, logger="ringdit.memory")
+    caplog.set_level(logging.WARNING, logger="ringdit.costs")
     warn_if_memory_short(available=1000 * GiB, model=video, layout=Layout(), setup=Setup(batch_size=32))
     assert "memory:" not in caplog.text
     warn_if_memory_short(available=16 * GiB, model=video, layout=Layout(), setup=Setup(batch_size=32))

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from ringdit.build import build_model
-from ringdit.lora import add_lora, float8_layers, hold_base_in, is_adapter_key
-from ringdit.layout import Layout
-from ringdit.memory import ModelSize, Setup, estimate_memory
+from ringdit.models.build import build_model
+from ringdit.models.lora import add_lora, float8_layers, hold_base_in, is_adapter_key
+from ringdit.parallel.layout import Layout
+from ringdit.costs import ModelSize, Setup, estimate_memory
 from ringdit.models import parallelize
 from tests.distributed import run_ranks
 from tests.helpers import TINY, architecture, assert_refused, fail_fast
@@ -136,7 +136,7 @@ def check_fp8_base_sharded_and_ring(rank: int, world: int) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from ringdit.checkpoints.sources import local_index
-    from ringdit.lora import keep_float8_out_of_ddp
+    from ringdit.models.lora import keep_float8_out_of_ddp
     from ringdit.parallel import build_shard_mesh, init_sequence_parallel
     from ringdit.training.fsdp import shard_model
 
@@ -247,7 +247,7 @@ def test_adamw8bit_keeps_8bit_states_tracks_adamw_and_resumes_from_plain_fp32_st
     run follows the uninterrupted one to within that rounding."""
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    from ringdit.optimizers import adamw8bit
+    from ringdit.training.optimizers import adamw8bit
 
     target = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
 
@@ -298,9 +298,9 @@ def test_bad_memory_settings_are_refused_in_one_line(overrides, message, tmp_pat
 
 
 def test_adamw8bit_without_its_library_is_refused_in_one_line(monkeypatch, tmp_path):
-    import ringdit.optimizers
+    import ringdit.training.optimizers
 
-    monkeypatch.setattr(ringdit.optimizers, "library_installed", lambda name: False)
+    monkeypatch.setattr(ringdit.training.optimizers, "library_installed", lambda name: False)
     proc, seconds = fail_fast("train.py", *TINY, "optimizer=adamw8bit", f"hydra.run.dir={tmp_path}")
     assert_refused(proc, text="optimizer=adamw8bit needs torchao, which is not installed; pip install "
                               "'ringdit[lowbit]' (or torchao), or use optimizer=adamw", seconds=seconds, run_dir=tmp_path)
@@ -313,7 +313,7 @@ def test_adamw8bit_without_its_library_is_refused_in_one_line(monkeypatch, tmp_p
 def test_the_estimate_counts_the_base_bytes_exactly(base):
     """A replicated model's weights as built: fp8 weights (1 byte), their fp32 row scales, bf16 biases and other
     projections, fp32 norms, tables and adapters -- the estimate's bytes are the tensors' bytes."""
-    from ringdit.memory import estimate_model_memory
+    from ringdit.costs import estimate_model_memory
 
     lora = {**FP8, "base_dtype": base}
     model, _ = build_model(DIT, lora=lora, seed=5)
@@ -355,7 +355,7 @@ def test_the_planner_takes_an_fp8_base_only_where_a_bf16_one_does_not_fit(capsys
 def test_an_fp8_layer_never_scales_its_weight_in_place():
     """Under FSDP's param_dtype=bfloat16 the gathered weight already has the compute dtype: the cast-up is a copy
     even then, so scaling it leaves the parameter as it was."""
-    from ringdit.lora import ScaledFloat8Linear
+    from ringdit.models.lora import ScaledFloat8Linear
 
     weight = torch.randn(4, 3).to(torch.bfloat16)
     before = weight.clone()
@@ -371,7 +371,7 @@ def check_adamw8bit_under_fsdp(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ringdit.optimizers import _is_quantized, adamw8bit
+    from ringdit.training.optimizers import _is_quantized, adamw8bit
 
     mesh = init_device_mesh("cpu", (world,))
 

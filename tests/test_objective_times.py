@@ -12,7 +12,7 @@ import torch
 
 from ringdit.diffusion import FlowMatching
 from ringdit.diffusion.objectives import diffsynth_weight
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json (its dynamic-shift keys), which QwenImagePipeline passes to
 # calculate_shift
@@ -145,7 +145,7 @@ def test_the_times_and_weights_of_a_sample_do_not_depend_on_the_rank_layout():
     position in the global batch), so a global batch of 8 split over 1, 2, 4 or 8 data-parallel replicas trains each
     sample at the same time with the same weight."""
     from ringdit.parallel import ParallelDims
-    from ringdit.seeding import Stream
+    from ringdit.common.seeding import Stream
     from ringdit.training.module import DiffusionModule
 
     flow = FlowMatching(shift="resolution", min_time=0.1, max_time=0.95, loss_weighting="diffsynth")

@@ -33,7 +33,7 @@ def test_infer_samples_what_the_pipeline_returns(wan_pipeline_folder, tmp_path):
     import diffusers
 
     from ringdit.diffusion.samplers import initial_noise
-    from ringdit.seeding import Stream, seed_of
+    from ringdit.common.seeding import Stream, seed_of
 
     run("infer.py", tmp_path, f"ckpt_path={wan_pipeline_folder}", f"prompts=[{PROMPT}]", "num_samples=1", *SAMPLE)
     ours = torch.from_numpy(np.load(tmp_path / "samples.npz")["latents"]).double()  # (1, 16, 2, 2, 2)
@@ -84,7 +84,7 @@ def test_float64_sampling_is_the_float64_pipeline_from_the_same_noise(wan_pipeli
     import diffusers
 
     from ringdit.diffusion.samplers import initial_noise
-    from ringdit.seeding import Stream, seed_of
+    from ringdit.common.seeding import Stream, seed_of
 
     chosen = [f"diffusion.sampling.sampler={sampler}"]
     run("infer.py", tmp_path / "fp64", f"ckpt_path={wan_pipeline_folder}", f"prompts=[{PROMPT}]", "num_samples=1",
@@ -111,7 +111,7 @@ def test_prompts_are_cleaned_as_the_pipeline_cleans_them(wan_pipeline_folder, tm
     import diffusers
 
     from ringdit.diffusion.samplers import initial_noise
-    from ringdit.seeding import Stream, seed_of
+    from ringdit.common.seeding import Stream, seed_of
 
     prompt = "a&#32;red   fox running "
     run("infer.py", tmp_path, f"ckpt_path={wan_pipeline_folder}", f"prompts=['{prompt}']", "num_samples=1", *SAMPLE)
@@ -130,7 +130,7 @@ def test_the_shift_given_reaches_the_folders_scheduler(wan_pipeline_folder, tmp_
     import diffusers
 
     from ringdit.diffusion.samplers import initial_noise
-    from ringdit.seeding import Stream, seed_of
+    from ringdit.common.seeding import Stream, seed_of
 
     run("infer.py", tmp_path, f"ckpt_path={wan_pipeline_folder}", f"prompts=[{PROMPT}]", "num_samples=1", *SAMPLE,
         "diffusion.sampling.shift=5")

@@ -68,7 +68,7 @@ class SignalOnRank(L.Callback):
 
 def raise_sigterm() -> None:
     """A real SIGTERM to this process -- only while the preemption handler has it (else it would end pytest)."""
-    from ringdit import preemption
+    from ringdit.commands import preemption
 
     assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm, "SIGTERM is not handled here"
     signal.raise_signal(signal.SIGTERM)

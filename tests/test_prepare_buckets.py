@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.buckets import (Bucket, allowed_frames, auto_sizes, frame_count, make_buckets, nearest_size,
                                    parse_buckets, usable_frames)
 

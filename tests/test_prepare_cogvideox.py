@@ -15,7 +15,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 
-from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from tests.helpers import TEXT_LEN, read_prepared, tiny_video_vae, write_video  # noqa: E402
 
@@ -104,7 +104,7 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
     the 9 frames the pipeline decodes."""
     from transformers import AutoTokenizer, T5EncoderModel
 
-    from ringdit.images import to_uint8
+    from ringdit.media.images import to_uint8
     from ringdit.media.decode import decode_latents, decode_samples
     from ringdit.media.frames import read_video
     from ringdit.media.text import encode_prompts, encoder_settings
@@ -164,7 +164,7 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
 def test_sample_sizes_count_the_frames_the_padded_latents_decode_to():
     """infer.py's frames= of CogVideoX data (frame_pad 2): 9 frames are 2 latent frames + the pad, as prepare stores
     them and the VAE decodes them; a count that would not decode back is refused with the nearest good ones."""
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.sampling import SampleSizes
 
     data = {"image_size": [4, 8, 8], "vae": {"spatial_compression": 8, "temporal_compression": 4, "frame_pad": 2}}

@@ -14,7 +14,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("av")
 
 
-from ringdit.cli import CONF_DIR  # noqa: E402
+from ringdit.commands.cli import CONF_DIR  # noqa: E402
 from ringdit.media.compare import compare_folders, main  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from tests.helpers import TEXT_LEN, read_prepared, write_video  # noqa: E402

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.text import TextEncoder, encode_prompts, encoder_settings  # noqa: E402
 from tests.helpers import TEXT_LEN, read_prepared, save_tiny_qwen, tiny_video_vae  # noqa: E402

@@ -19,7 +19,7 @@ pytest.importorskip("imageio")
 from PIL import Image  # noqa: E402
 
 from ringdit.data.text_latents import IMAGE_KEYS, TextLatentsDataModule  # noqa: E402
-from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.frames import fit, read_video  # noqa: E402
 from ringdit.media.image_condition import encode_image_condition  # noqa: E402

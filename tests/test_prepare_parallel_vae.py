@@ -24,7 +24,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 pytest.importorskip("imageio")
 
-from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import TileGroup, encode_folder  # noqa: E402
 from ringdit.media.vae import VAE  # noqa: E402
 from tests.distributed import run_command_ranks  # noqa: E402

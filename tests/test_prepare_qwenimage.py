@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from PIL import Image  # noqa: E402
 
-from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.text import TextEncoder, chat_template, encode_prompts, encoder_settings  # noqa: E402
 from tests.helpers import save_tiny_qwenimage_encoder  # noqa: E402
 

@@ -18,7 +18,7 @@ pytest.importorskip("av")
 from safetensors import safe_open  # noqa: E402
 
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts  # noqa: E402
-from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.text import TextEncoder  # noqa: E402
 from ringdit.media.vae import VAE  # noqa: E402

@@ -15,7 +15,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("av")
 
 
-from ringdit.errors import ConfigError  # noqa: E402
+from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.frames import read_frames  # noqa: E402
 from ringdit.media.vae import VAE  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ringdit.diffusion.pipeline import SamplingPipeline, in_micro_batches
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.parallel import ParallelDims
 from tests.helpers import architecture, assert_refused, fail_fast
 
@@ -140,7 +140,7 @@ def test_a_preview_prompt_file_needs_the_text_encoder_the_data_was_encoded_with(
     ("cogvideox15_tiny", 16), ("flux_tiny", None), ("qwenimage_tiny", None), ("dit_video", 16), ("dit_digits", None),
 ])
 def test_each_model_kind_has_its_own_frame_rate_and_fps_overrides_it(preset, fps):
-    from ringdit.cli import model_preset
+    from ringdit.commands.cli import model_preset
     from ringdit.sampling import frame_rate
 
     config = model_preset(preset)
@@ -164,7 +164,7 @@ def test_a_preview_that_cannot_fit_is_refused_before_training_and_its_advice_fit
     settings pass, and the run says what a preview costs."""
     import re
 
-    from ringdit.cli import command_config
+    from ringdit.commands.cli import command_config
     from ringdit.spec import TrainSpec
 
     huge = ["experiment=wan_tiny", "callbacks.sample_grid.per_class=1000000", f"hydra.run.dir={tmp_path / 'run'}"]
@@ -173,10 +173,10 @@ def test_a_preview_that_cannot_fit_is_refused_before_training_and_its_advice_fit
                          r"needs about \d+\.\d GiB per rank beside the training state, but \d+\.\d GiB is available; "
                          r"set callbacks.sample_grid.batch_size=\d+", seconds=seconds)
     fits = re.search(r"set callbacks.sample_grid.batch_size=(\d+)", proc.stderr + proc.stdout).group(1)
-    logger = logging.getLogger("ringdit.previews")  # ringdit's loggers may not propagate to pytest's root handler
+    logger = logging.getLogger("ringdit.costs.previews")  # ringdit's loggers may not propagate to pytest's root handler
     logger.addHandler(caplog.handler)
     try:
-        with caplog.at_level("INFO", logger="ringdit.previews"):
+        with caplog.at_level("INFO", logger="ringdit.costs.previews"):
             TrainSpec.from_config(command_config("train", [*huge, f"callbacks.sample_grid.batch_size={fits}"],
                                                  run_dir=tmp_path / "run"))
     finally:
@@ -194,7 +194,7 @@ REAL_PRESETS = ["wan21_14b_lora", "wan21_14b_full", "wan21_1_3b_full", "wan21_1_
 def test_every_real_preset_previews_a_handful_of_samples_one_a_forward():
     """2 prompts x 1 sample every 250 steps, one sample a forward, at the recipe's own sampling settings and the
     model's frame rate."""
-    from ringdit.cli import command_config
+    from ringdit.commands.cli import command_config
 
     for name in REAL_PRESETS:
         grid = command_config("train", [f"experiment={name}"], run_dir="unused").callbacks.sample_grid
@@ -264,7 +264,7 @@ def ltx_checkpoint(tmp_path_factory):
 def test_infer_writes_at_the_models_frame_rate_unless_fps_says_otherwise(ltx_checkpoint, tmp_path):
     """infer.py's (and the server's: the same InferSpec) fps: LTX-Video's 25 by default, fps=30 when given; a bad
     value is refused in one line naming fps."""
-    from ringdit.cli import command_config
+    from ringdit.commands.cli import command_config
     from ringdit.spec import InferSpec
 
     def fps(*overrides):

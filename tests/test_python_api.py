@@ -4,7 +4,7 @@ line's one line, as a ``ConfigError`` a caller can catch; following each refusal
 import pytest
 
 import ringdit
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 
 def test_a_misspelt_setting_is_the_command_lines_one_line(capsys):

@@ -20,7 +20,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from ringdit.cli import CONF_DIR, register_resolvers
+from ringdit.commands.cli import CONF_DIR, register_resolvers
 from tests.helpers import REPO, TEXT_LEN, architecture, fail_fast, in_process, read_mp4, run, solid, write_video
 
 # recipe -> its tiny twin: the family's tiny architecture and synthetic latents it reads (one process, CPU)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ringdit.checkpoints.weights import read_weights
-from ringdit.errors import CheckpointError
+from ringdit.common.errors import CheckpointError
 from tests.helpers import TINY, assert_refused, fail_fast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -177,8 +177,8 @@ def test_a_second_sampling_run_in_the_same_folder_is_refused(tiny_checkpoint, tm
 
 
 def test_the_run_folder_is_claimed_once_every_check_passed(tmp_path, monkeypatch):
-    from ringdit.errors import ConfigError
-    from ringdit.run_folder import claim_run_folder, marker
+    from ringdit.common.errors import ConfigError
+    from ringdit.commands.run_folder import claim_run_folder, marker
 
     proc, _ = fail_fast("train.py", *TINY, "lora.rank=-4", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2 and not marker(tmp_path, "train").exists()  # a corrected launch may use the folder
@@ -206,7 +206,7 @@ def test_the_run_folder_is_claimed_once_every_check_passed(tmp_path, monkeypatch
     ("wan", "wan_tiny", {"image_size": [3, 8, 8]}, ([512, 512], 65), "size=[256, 256] frames=61"),
 ])
 def test_a_size_beyond_the_position_table_is_refused_with_one_that_is_taken(family, preset, data, given, fix):
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.models.diffusers import DiffusersTransformer
     from ringdit.sampling import SampleSizes
     from tests.helpers import architecture

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ringdit.checkpoints.loading import safe_torch_load
-from ringdit.errors import CheckpointError
+from ringdit.common.errors import CheckpointError
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from tests.distributed import PRELOAD, run_command_ranks
 from tests.faults import save_a_big_checkpoint

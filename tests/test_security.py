@@ -22,11 +22,11 @@ from safetensors.torch import save_file
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.checkpoints.safetensors_export import export_safetensors
 from ringdit.checkpoints.weights import read_weights
-from ringdit.cli import register_resolvers
-from ringdit.errors import CheckpointError, ConfigError
+from ringdit.commands.cli import register_resolvers
+from ringdit.common.errors import CheckpointError, ConfigError
 from ringdit.export import main as export_main
-from ringdit.resume import check_resume
-from ringdit.safe_config import ALLOWED_TARGETS, allow_target
+from ringdit.training.resume import check_resume
+from ringdit.common.safe_config import ALLOWED_TARGETS, allow_target
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from tests.distributed import run_commands_side_by_side
 from tests.helpers import CONF, TINY, fail_fast, logged_losses, run, write_classes, write_latents

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ringdit.sampling import SampleRequests
-from ringdit.seeding import Stream, generator, seed_of
+from ringdit.common.seeding import Stream, generator, seed_of
 
 
 def test_a_draw_depends_on_its_stream_seed_and_key_only():

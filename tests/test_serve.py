@@ -286,7 +286,7 @@ def write_adapter(path: Path, model: torch.nn.Module, rank: int = 2, alpha: floa
 def test_lora_load_swap_unload_equal_the_merged_base(dit):
     """A request with an adapter at a strength samples exactly what the base merged with it at that strength samples;
     two adapters resident, swapped per request; unloading brings the base back."""
-    from ringdit.seeding import Stream, seed_of
+    from ringdit.common.seeding import Stream, seed_of
 
     server, _, loras, _ = dit
     model = server.module.model
@@ -323,7 +323,7 @@ def test_lora_load_swap_unload_equal_the_merged_base(dit):
             torch.set_default_dtype(default)
             for name, weight in saved.items():
                 weights[f"{name}.weight"].copy_(weight)
-    from ringdit.images import to_uint8
+    from ringdit.media.images import to_uint8
 
     np.testing.assert_array_equal(with_a, to_uint8(merged).numpy()[0, ..., 0])
     assert httpx.delete(server.url + "/v1/loras/a", headers=AUTH).status_code == 200
@@ -337,9 +337,9 @@ def test_stacked_adapters_equal_infer_and_every_one_is_held(dit):
     code, on the same files); the hooks are gone after the batch; one adapter in the list equals the ``lora`` form;
     bad lists name the entry's field; unloading either adapter while a waiting job names both is refused (409)."""
     from ringdit.checkpoints.lora_formats import LoraFile, read_lora_stack
-    from ringdit.images import to_uint8
-    from ringdit.lora import adapted_modules, stack_adapters
-    from ringdit.seeding import Stream, seed_of
+    from ringdit.media.images import to_uint8
+    from ringdit.models.lora import adapted_modules, stack_adapters
+    from ringdit.common.seeding import Stream, seed_of
 
     server, _, loras, _ = dit
     model = server.module.model
@@ -511,8 +511,8 @@ def test_two_expert_adapters_equal_each_expert_merged(tmp_path):
     transformer computes what it would with its adapter merged into its weights."""
     from safetensors.torch import save_file
 
-    from ringdit.build import build_model
-    from ringdit.cli import model_preset
+    from ringdit.models.build import build_model
+    from ringdit.commands.cli import model_preset
     from ringdit.serve.adapters import AdapterError, Adapters
 
     torch.manual_seed(0)
@@ -558,7 +558,7 @@ def test_the_queue_bounds_batches_and_cancels():
 
 
 def test_refusals_before_anything_starts(dit, tmp_path):
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.serve import Server
 
     ckpt = dit[1]

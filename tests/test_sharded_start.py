@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from ringdit.build import build_model
+from ringdit.models.build import build_model
 from ringdit.parallel import build_shard_mesh
 from ringdit.training.fsdp import shard_model
 from tests.distributed import run_ranks
@@ -124,7 +124,7 @@ def test_sharded_start_equals_one_process(tmp_path):
 def test_the_ema_averages_what_trains_and_shares_the_rest():
     """Under LoRA the EMA copies only the adapters (the frozen base is the model's own tensors, so it costs nothing);
     its updates are the ramped lerp, and sampling with it swaps its weights in and back out exactly."""
-    from ringdit.ema import ema_weight
+    from ringdit.models.ema import ema_weight
 
     model, ema = build_model(DIT, lora=LORA, ema_decay=0.9)
     trained = {name for name, param in model.named_parameters() if param.requires_grad}

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ringdit.caching import CacheSettings, StepCache, teacache_coefficients
 from ringdit.caching.calibrate import fit_coefficients
 from ringdit.diffusion import FlowMatching, initial_noise, sample
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models import parallelize
 from ringdit.parallel import exchange_guidance_halves, init_sequence_parallel
 from tests.distributed import run_ranks
@@ -153,7 +153,7 @@ def test_teacache_without_coefficients_says_how_to_fit_them(tmp_path):
 def test_the_published_coefficients_are_the_model_kinds(preset, family, size):
     """TeaCache's published polynomials belong to their family (Family.teacache_coefficients), at its published
     sizes; the model built from the preset (on the meta device) finds its own."""
-    from ringdit.cli import model_preset
+    from ringdit.commands.cli import model_preset
     from ringdit.models.diffusers.families import get_family
     from ringdit.spec.model import build_on_meta, model_config
 

@@ -1,4 +1,4 @@
-"""The step-time model (``ringdit.step_time``): its kernel curve, its terms, the published wall-clock times it is held
+"""The step-time model (``ringdit.costs.step_time``): its kernel curve, its terms, the published wall-clock times it is held
 against (and docs/benchmarks.md's table of them), and the layouts the planner recommends with it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ringdit.layout import Layout
-from ringdit.memory import ModelSize, Setup
-from ringdit.step_time import (ATTENTION_FORWARD_TFLOPS, CURVE_TOKENS, DDP_BUCKET_BYTES, FLUX_DEV_1024, H100_SMS,
+from ringdit.parallel.layout import Layout
+from ringdit.costs import ModelSize, Setup
+from ringdit.costs.step_time import (ATTENTION_FORWARD_TFLOPS, CURVE_TOKENS, DDP_BUCKET_BYTES, FLUX_DEV_1024, H100_SMS,
                                HOST_SECONDS_PER_BLOCK, INTRA_NODE_LATENCY_S, PUBLISHED, TOLERANCE, Machine,
                                attention_tflops, published_table, step_time)
 
@@ -107,7 +107,7 @@ def test_the_model_holds_at_least_six_independent_published_cases():
 def test_docs_benchmarks_holds_the_models_table():
     page = (DOCS / "benchmarks.md").read_text()
     assert published_table() in page, "docs/benchmarks.md's published cases are out of date: paste " \
-                                      "ringdit.step_time.published_table()"
+                                      "ringdit.costs.step_time.published_table()"
 
 
 # ---- the planner's recommendations ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from ringdit.cli import register_resolvers
+from ringdit.commands.cli import register_resolvers
 from ringdit.spec import build_on_meta, model_config, resolve_shift
 from tests.helpers import (
     LazyRuns,
@@ -289,7 +289,7 @@ def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
 
 def sample_under_layouts(rank, world, ckpt):
     """The sampling path of infer.py (DiffusionModule.generate with the checkpoint's weights) under every layout."""
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
     from ringdit.parallel import init_sequence_parallel
     from ringdit.training import DiffusionModule
     from ringdit.checkpoints.weights import read_weights

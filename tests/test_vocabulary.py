@@ -4,7 +4,7 @@ and a user who types another command's name is pointed to this one's."""
 import pytest
 
 import ringdit.training  # noqa: F401 - imported here, not first under capsys in a planner test: lightning's
-from ringdit.cli import hydra_error_message, known_keys  # loggers would keep capsys's stream, and later in-process
+from ringdit.commands.cli import hydra_error_message, known_keys  # loggers would keep capsys's stream, and later in-process
 #                                                          runs in this worker log a traceback to it
 
 SHARED = ("diffusion.", "model.", "trainer.", "lora.")  # the groups a run's settings live in
@@ -134,8 +134,8 @@ def test_a_degree_set_on_the_strategy_is_pointed_to_train_pys_name(override, fix
     """conf/trainer/strategy/*.yaml take the degrees from the top-level settings, and the strategy is built from the
     layout: a degree set there would be overruled, in train.py and the planner alike, so it is refused."""
     import ringdit
-    from ringdit.errors import ConfigError
-    from ringdit.layout import Layout
+    from ringdit.common.errors import ConfigError
+    from ringdit.parallel.layout import Layout
 
     wan = ["model=wan_14b", "data.frames=81", "show=1", *strategy]
     code, out, err = plan(capsys, *wan, override)

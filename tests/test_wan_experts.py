@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ringdit.diffusion import FlowMatching
 from ringdit.diffusion.experts import step_expert, time_range
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
 from tests.diffusers_helpers import LAYOUTS, assert_matches_diffusers, forward_backward
@@ -98,7 +98,7 @@ def test_each_expert_on_one_process_and_the_boundary_is_wanpipelines():
 def check_only_the_running_expert_is_gathered(rank, world):
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
     from ringdit.parallel import build_shard_mesh
     from ringdit.training.fsdp import shard_model
 
@@ -254,7 +254,7 @@ def test_one_expert_trains_and_the_other_stays_as_loaded(tmp_path):
     times are the low expert's; resuming it with another expert setting is refused."""
     run("train.py", tmp_path / "low", *A14B, "diffusion.expert=low", "trainer.max_steps=2", "ema_decay=null",
         f"data.cache_dir={tmp_path / 'data'}", env={"HF_HUB_OFFLINE": "1"})
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
 
     assert logged_expert_steps(tmp_path / "low") == {"high": [], "low": [0, 1]}
     checkpoint = torch.load(tmp_path / "low" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
@@ -273,8 +273,8 @@ def test_two_experts_load_from_a_diffusers_folder(tmp_path):
     """model.pretrained's transformer/ and transformer_2/ fill the experts, each its own weights."""
     import diffusers
 
-    from ringdit.build import build_model
-    from ringdit.cli import model_preset
+    from ringdit.models.build import build_model
+    from ringdit.commands.cli import model_preset
     from ringdit.models.diffusers import DiffusersTransformer
 
     config = architecture("wan22_a14b_tiny")
@@ -346,7 +346,7 @@ def test_a_lora_export_puts_each_experts_adapter_where_diffusers_loads_it(tmp_pa
     diffusers Wan transformer with the adapter's own numbers."""
     import diffusers
 
-    from ringdit.lora import export_lora
+    from ringdit.models.lora import export_lora
 
     rank, config = 2, architecture("wan22_a14b_tiny")
     g = torch.Generator().manual_seed(0)

@@ -116,7 +116,7 @@ STEPS, LR = 2, 0.5
 def sgd_run(dims=None, shard=None, lora=None):
     """(losses, weights) of STEPS SGD steps on a fixed batch through DiffusionModule.diffusion_loss (t, noise and the
     condition drop drawn per sample), gradients averaged over the ranks as DDP does (FSDP reduces its own)."""
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
     from ringdit.training import DiffusionModule
 
     model, _ = build_model(MODEL, dims=dims, shard=shard, lora=lora, seed=7)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from tests.helpers import architecture, read_mp4, write_video
 
 pytest.importorskip("diffusers")
@@ -70,7 +70,7 @@ def control_spec(clip, frames=FRAMES, size=SIZE, model=VACE, vae="vae", control=
 def test_control_clip_is_encoded_as_the_vace_pipeline_does(vae_folder, clip):
     """infer's conditions of 3 samples: each the pipeline's 96 control channels of the clip ([latents of the
     inactive (zero) video ; of the video ; the 8x8 packed mask of ones]), (3, 96, 2, 2, 2)."""
-    from ringdit.conditions import control_conditions
+    from ringdit.sampling.conditions import control_conditions
 
     expected = pipeline_control(vae_folder, clip)  # (1, 96, 2, 2, 2)
     assert expected.shape == (1, 96, 2, *(s // 8 for s in SIZE))

@@ -10,7 +10,7 @@ import torch
 
 from ringdit.checkpoints.fit import LABEL_TABLE, load_model_weights, resize_label_embedding
 from ringdit.checkpoints.weights import read_weights
-from ringdit.errors import CheckpointError
+from ringdit.common.errors import CheckpointError
 from ringdit.models import DiT, parallelize
 from tests.helpers import TINY, fail_fast, in_process, original_dit_state_dict_shapes, run
 

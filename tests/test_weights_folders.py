@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.diffusers.folders import check_weights_folder
 from tests.helpers import TEXT_LEN, architecture, assert_refused, fail_fast, save_tiny_wan
 

@@ -11,7 +11,7 @@ from ringdit.attention.backends.math_backend import MathBackend
 from ringdit.attention.backends.torch_flash import TorchFlashBackend
 from ringdit.attention.backends.torch_sdpa import TorchSDPABackend
 from ringdit.attention.backend import check_forward_ad_capable
-from ringdit.attention.layout import Stream, TokenLayout
+from ringdit.attention.token_layout import Stream, TokenLayout
 from ringdit.attention.layer import LocalAttention, USPAttention, local_attention
 from ringdit.attention.ring import RingAttentionFunction, merge_attention_chunk, ring_attention
 from ringdit.attention.registry import (

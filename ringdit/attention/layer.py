@@ -7,7 +7,7 @@ the ring group on that longer block (a ring group's ranks share a Ulysses rank, 
 reverse all-to-all restores the ``[B, S_local, H, D]`` layout. With both degrees 1 it is
 plain local attention and communicates nothing.
 
-Which tokens are real is a ``TokenLayout`` (``ringdit.attention.layout``): ``valid_len`` for one tail-padded
+Which tokens are real is a ``TokenLayout`` (``ringdit.attention.token_layout``): ``valid_len`` for one tail-padded
 sequence, or the layout of joint text-image attention (Flux, QwenImage), where every rank's chunk is
 ``[its text shard ; its image shard]``, each stream padded at its own tail and the text optionally masked. One
 mechanism serves both: padded and masked keys get no weight, padded query rows return zeros.
@@ -20,7 +20,7 @@ from torch import nn
 
 from ringdit.attention.backend import AttentionBackend, Tensor
 from ringdit.attention.registry import check_ring_capable, get_attn_backend
-from ringdit.attention.layout import Stream, TokenLayout, is_empty, take
+from ringdit.attention.token_layout import Stream, TokenLayout, is_empty, take
 from ringdit.attention.ring import ring_attention
 from ringdit.parallel import ParallelDims, all_to_all, check_heads_placeable, head_counts
 
@@ -83,7 +83,7 @@ class USPAttention(nn.Module):
 
     ``layout`` (instead of ``valid_len``): which tokens of every rank's chunk are real, for sequences of several
     streams (joint attention: ``[text shard ; image shard]``, text keys optionally masked per sample); see
-    ``ringdit.attention.layout``. Every query attends to every real key of every rank.
+    ``ringdit.attention.token_layout``. Every query attends to every real key of every rank.
 
     ``dims``: this rank's place in the mesh; without it the layer is plain local attention. Whether every Ulysses rank
     gets a head and the backend can do ring is checked here, at construction, not at every call.

@@ -8,7 +8,7 @@ Backward re-rotates K/V the same way and sends an fp32 dK/dV accumulator along w
 accumulator has visited every rank and arrives back at the rank that owns the block. Every hop calls the backend's
 ``backward_ring_kv_chunk`` with the FINAL merged out and lse, which is what makes the chunk gradients add up exactly.
 
-Which keys are real (``layout``, a ``ringdit.attention.layout.TokenLayout``): each stream of the sequence (the
+Which keys are real (``layout``, a ``ringdit.attention.token_layout.TokenLayout``): each stream of the sequence (the
 tokens; or text and image for joint attention, each sharded) may be padded at its tail, and text may carry a key
 mask. Padded and masked keys get no attention weight: hops whose K/V block has no real key are skipped, the others
 are cut to their real keys (a view for one contiguous run), so the kernels never see an empty or masked block.
@@ -35,7 +35,7 @@ from ringdit.attention.backend import (
     check_forward_ad_capable,
     zero_tangents,
 )
-from ringdit.attention.layout import TokenLayout, add_at, is_empty, take
+from ringdit.attention.token_layout import TokenLayout, add_at, is_empty, take
 from ringdit.parallel.mesh import ParallelDims
 
 # Separate tags keep the K/V and dK/dV streams apart on backends that match messages by tag (gloo).

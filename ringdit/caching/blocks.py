@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.block_io import BlockIO
 
 Tensor = torch.Tensor

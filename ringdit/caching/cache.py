@@ -11,7 +11,7 @@ from torch import nn
 
 from ringdit.caching.blocks import BlockIO, block_io, kind_of, modulated_input_of, repeated_blocks_of
 from ringdit.caching.settings import CacheSettings
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 Tensor = torch.Tensor
 

@@ -15,15 +15,15 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from ringdit.atomic import atomic_write
-from ringdit.build import build_model
+from ringdit.common.atomic import atomic_write
+from ringdit.models.build import build_model
 from ringdit.caching.cache import StepCache
 from ringdit.caching.settings import COEFFICIENTS_FILE, CacheSettings, model_fingerprint
-from ringdit.checkpoints.layout import checked_output
+from ringdit.checkpoints.location import checked_output
 from ringdit.checkpoints.loading import safe_torch_load
-from ringdit.cli import hydra_main, user_errors
+from ringdit.commands.cli import hydra_main, user_errors
 from ringdit.diffusion.pipeline import SamplingPipeline
-from ringdit.errors import ConfigError, require_choice, require_count, require_number
+from ringdit.common.errors import ConfigError, require_choice, require_count, require_number
 from ringdit.models.conditioning import text_conditioned
 from ringdit.parallel import ParallelDims
 from ringdit.sampling.sampler import Sampler

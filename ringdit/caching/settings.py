@@ -10,8 +10,8 @@ from typing import Any
 from torch import nn
 
 from ringdit.caching.blocks import repeated_blocks_of
-from ringdit.errors import ConfigError
-from ringdit.safe_json import read_json
+from ringdit.common.errors import ConfigError
+from ringdit.common.safe_json import read_json
 
 KINDS = ("none", "fbcache", "teacache")
 SCOPES = ("sample", "batch")

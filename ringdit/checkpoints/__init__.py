@@ -9,5 +9,5 @@
 - ``fit``: loading weights into a model: strict key and shape checks, label tables of another class count.
 - ``safetensors_export``: a checkpoint's weights and configs written as one ``.safetensors`` file.
 
-Atomic writing of single files lives in ``ringdit.atomic``.
+Atomic writing of single files lives in ``ringdit.common.atomic``.
 """

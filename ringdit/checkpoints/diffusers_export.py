@@ -16,9 +16,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ringdit.checkpoints.layout import checked_output, first_line, replace_folder, temporary_folder
+from ringdit.checkpoints.location import checked_output, first_line, replace_folder, temporary_folder
 from ringdit.checkpoints.weights import read_weights
-from ringdit.errors import CheckpointError, ConfigError
+from ringdit.common.errors import CheckpointError, ConfigError
 
 MAX_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default; the Wan / Flux repositories' shards are 5-10 GB
 
@@ -53,7 +53,7 @@ def recorded_base(model_cfg: dict, hparams: dict) -> str | None:
 def pipeline_components(base: str | Path, subfolders: list[str], model_class: str, setting: str) -> dict:
     """``base``'s ``model_index.json``, checked to be a diffusers pipeline whose transformer components are exactly
     ``subfolders``, each a ``model_class``. ``setting`` names where ``base`` came from in the messages."""
-    from ringdit.safe_json import read_json
+    from ringdit.common.safe_json import read_json
 
     root = Path(base).expanduser()
     fix = "give base=<the diffusers pipeline folder the model was fine-tuned from> (it holds model_index.json)"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ringdit.checkpoints.weights import read_weights
-from ringdit.errors import CheckpointError
+from ringdit.common.errors import CheckpointError
 
 Tensor = torch.Tensor
 

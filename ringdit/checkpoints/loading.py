@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ringdit.checkpoints.layout import SHARDED_METADATA, existing_checkpoint, first_line
+from ringdit.checkpoints.location import SHARDED_METADATA, existing_checkpoint, first_line
 from ringdit.checkpoints.optimizer_state import optimizer_state_by_index
-from ringdit.errors import CheckpointError
+from ringdit.common.errors import CheckpointError
 
 
 def safe_torch_load(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ringdit.checkpoints.layout import first_line
-from ringdit.errors import ConfigError
+from ringdit.checkpoints.location import first_line
+from ringdit.common.errors import ConfigError
 from ringdit.models.diffusers.families import FAMILIES
 from ringdit.models.diffusers.original_names import Rule
 
@@ -144,7 +144,7 @@ def lora_file_paths(given: str, experts: int, setting: str) -> list[Path]:
 
 
 def read_lora_file(path: Path, root, family: str | None, setting: str) -> dict[str, tuple[Tensor, Tensor, float]]:
-    """The adapter in ``path`` for ``root`` (one transformer: ``ringdit.lora.adapted_modules``), by ``root``'s module
+    """The adapter in ``path`` for ``root`` (one transformer: ``ringdit.models.lora.adapted_modules``), by ``root``'s module
     names: each layer's ``(A (r, in), B (out, r), alpha / r)``. Read: diffusers' and ringdit's LoRA files
     (``transformer.<module>.lora_A.weight``, alpha in ``lora_adapter_metadata``), peft's (``base_model.model.`` or
     no prefix; alpha in the folder's ``adapter_config.json``) and ComfyUI's (the model's original names,
@@ -226,7 +226,7 @@ def _split_key(key: str) -> tuple[str, str | None]:
 def _file_alpha(path: Path, metadata: dict, setting: str) -> float | None:
     """The file's alpha for layers without an ``alpha`` tensor: diffusers' ``lora_adapter_metadata``, or peft's
     ``adapter_config.json`` beside it; None: alpha = rank."""
-    from ringdit.safe_json import read_json
+    from ringdit.common.safe_json import read_json
 
     config = None
     if "lora_adapter_metadata" in metadata:
@@ -282,8 +282,8 @@ def lora_file_entries(entries, model) -> tuple[LoraFile, ...]:
     entry's setting and value for a missing file, a strength that is not a number, a file of another model."""
     from omegaconf import OmegaConf
 
-    from ringdit.errors import require_number
-    from ringdit.lora import adapted_modules
+    from ringdit.common.errors import require_number
+    from ringdit.models.lora import adapted_modules
 
     entries = OmegaConf.to_container(entries) if OmegaConf.is_config(entries) else entries
     if entries is None:
@@ -315,9 +315,9 @@ def lora_file_entries(entries, model) -> tuple[LoraFile, ...]:
 
 
 def read_lora_stack(files: tuple[LoraFile, ...], model) -> list:
-    """``files``' adapters for ``model`` as ``ringdit.lora.stack_adapters`` takes them: ``(layers per expert,
+    """``files``' adapters for ``model`` as ``ringdit.models.lora.stack_adapters`` takes them: ``(layers per expert,
     strength)``."""
-    from ringdit.lora import adapted_modules
+    from ringdit.models.lora import adapted_modules
 
     roots = adapted_modules(model)
     family = getattr(getattr(model, "family", None), "name", None)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ringdit.errors import CheckpointError
+from ringdit.common.errors import CheckpointError
 
 # What a DCP .metadata legitimately refers to (torch 2.4 ... 2.13): its own dataclasses, torch.Size, dtypes, the
 # layout / memory-format decoders, and the path it was saved to.

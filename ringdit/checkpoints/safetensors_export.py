@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ringdit.atomic import atomic_write
-from ringdit.checkpoints.layout import checked_output, first_line
+from ringdit.common.atomic import atomic_write
+from ringdit.checkpoints.location import checked_output, first_line
 from ringdit.checkpoints.weights import read_weights
-from ringdit.errors import CheckpointError
+from ringdit.common.errors import CheckpointError
 
 
 def export_safetensors(ckpt_path: str | Path, out: str | Path, prefer: str = "ema") -> Path:

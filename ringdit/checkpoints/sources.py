@@ -19,8 +19,8 @@ from typing import Iterable
 
 import torch
 
-from ringdit.checkpoints.layout import existing_checkpoint, first_line, is_sharded_checkpoint
-from ringdit.errors import CheckpointError
+from ringdit.checkpoints.location import existing_checkpoint, first_line, is_sharded_checkpoint
+from ringdit.common.errors import CheckpointError
 
 Tensor = torch.Tensor
 

@@ -2,7 +2,7 @@
 
 The formats: ringdit's safetensors exports, ringdit Lightning checkpoints (a file, or a sharded FSDP folder; the EMA
 weights or the raw trained ones), and original facebookresearch/DiT ``.pt`` files. The configs a file carries are
-data, checked against an allow-list of targets (``ringdit.safe_config``) before anything instantiates them.
+data, checked against an allow-list of targets (``ringdit.common.safe_config``) before anything instantiates them.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from ringdit.checkpoints.layout import existing_checkpoint, first_line
+from ringdit.checkpoints.location import existing_checkpoint, first_line
 from ringdit.checkpoints.loading import read_sharded_checkpoint, safe_torch_load
-from ringdit.errors import CheckpointError
-from ringdit.safe_config import check_file_config, check_file_configs
+from ringdit.common.errors import CheckpointError
+from ringdit.common.safe_config import check_file_config, check_file_configs
 
 Tensor = torch.Tensor
 

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ringdit.data.datasets import DEFAULT_VAL_FRACTION, DatasetList
 from ringdit.data.steps import StepBatches, ValidationBatches
-from ringdit.errors import ConfigError, require_count
-from ringdit.seeding import Stream, generator
+from ringdit.common.errors import ConfigError, require_count
+from ringdit.common.seeding import Stream, generator
 
 
 class ImageDataModule(L.LightningDataModule):

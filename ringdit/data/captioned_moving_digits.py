@@ -30,7 +30,7 @@ import torch
 
 from ringdit.data.moving_digits import GLYPH, MovingDigits
 from ringdit.data.text_latents import TextLatentsDataModule, write_text_latents
-from ringdit.errors import ConfigError, require_count
+from ringdit.common.errors import ConfigError, require_count
 
 # (row, column) change per frame of each direction's unit step
 DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}

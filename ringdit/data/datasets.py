@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ringdit.errors import ConfigError
-from ringdit.seeding import Stream, generator
+from ringdit.common.errors import ConfigError
+from ringdit.common.seeding import Stream, generator
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from ringdit.data.base import ImageDataModule
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ from PIL import Image, ImageOps
 from torch.utils.data import Dataset
 
 from ringdit.data.base import ImageDataModule
-from ringdit.errors import ConfigError, require_count
+from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.buckets import BUCKETS_HINT as PREPARE_HINT
 from ringdit.media.buckets import Buckets, auto_sizes, parse_buckets
 from ringdit.media.frames import open_image, upright_size

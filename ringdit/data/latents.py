@@ -39,9 +39,9 @@ from safetensors import SafetensorError, safe_open
 from torch.utils.data import ConcatDataset, Dataset
 
 from ringdit.data.base import ImageDataModule
-from ringdit.errors import ConfigError
-from ringdit.launcher import spawned_by_launcher
-from ringdit.safe_json import parse_json
+from ringdit.common.errors import ConfigError
+from ringdit.commands.launcher import spawned_by_launcher
+from ringdit.common.safe_json import parse_json
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names (F8_* are storage formats, not for training)
 INTEGER_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")

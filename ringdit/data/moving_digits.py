@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ringdit.data.base import ImageDataModule
-from ringdit.errors import require_count
+from ringdit.common.errors import require_count
 
 GLYPH = 8  # scikit-learn's digits are 8 x 8, pixel values 0..16
 

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from ringdit.seeding import Stream, generator
+from ringdit.common.seeding import Stream, generator
 
 BLOCK = 1024  # steps whose buckets one generator draws: resuming at step s replays s / BLOCK draws, not s
 

@@ -9,7 +9,7 @@ import torch
 
 from ringdit.data.text_latent_shards import write_text_latents
 from ringdit.data.text_latents import TextLatentsDataModule
-from ringdit.errors import ConfigError, require_count
+from ringdit.common.errors import ConfigError, require_count
 
 Tensor = torch.Tensor
 

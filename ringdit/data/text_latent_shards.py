@@ -76,11 +76,11 @@ from pathlib import Path
 
 import torch
 
-from ringdit.atomic import atomic_write
+from ringdit.common.atomic import atomic_write
 from ringdit.data.latents import count_nonfinite
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.conditioning import GLYPH_KEYS, NULL_KEYS, SAMPLE_KEYS
-from ringdit.safe_json import parse_json
+from ringdit.common.safe_json import parse_json
 
 FORMAT = "ringdit.text_latents/1"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")

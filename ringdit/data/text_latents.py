@@ -29,8 +29,8 @@ from ringdit.data.datasets import DatasetList, parse_datasets, parse_eval, resol
 from ringdit.data.latents import checked_data_path
 from ringdit.data.text_latent_shards import LAYOUT, MASK_KEY, Shard, condition_of
 from ringdit.data.text_latent_shards import read_prompts, write_text_latents  # noqa: F401 - importable from here too
-from ringdit.errors import ConfigError, require_count
-from ringdit.launcher import spawned_by_launcher
+from ringdit.common.errors import ConfigError, require_count
+from ringdit.commands.launcher import spawned_by_launcher
 from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS, TEXT  # noqa: F401 - importable from here too
 from ringdit.models.conditioning import SAMPLE_KEYS
 

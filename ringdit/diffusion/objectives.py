@@ -26,7 +26,7 @@ import math
 import torch
 
 from ringdit.diffusion.gaussian import GaussianPosterior
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 Tensor = torch.Tensor
 

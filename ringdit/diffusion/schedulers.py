@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ringdit.dtypes import default_dtype
+from ringdit.common.dtypes import default_dtype
 
 Tensor = torch.Tensor
 
@@ -129,7 +129,7 @@ def check_scheduler_file(config: dict, file, class_name: str | None = None) -> N
 
     import diffusers
 
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
 
     class_name = class_name or config.get("_class_name")
     defaults = {}

@@ -28,7 +28,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 log = logging.getLogger("ringdit.prepare")
 

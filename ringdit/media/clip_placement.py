@@ -7,7 +7,7 @@ import dataclasses
 import json
 import logging
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.buckets import Bucket, Buckets, size_pair
 from ringdit.media.folder import MediaItem
 from ringdit.media.frames import probe

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 
 def compare_folders(a: str | Path, b: str | Path, keys: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:

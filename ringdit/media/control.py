@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.frames import probe, read_video
 
 

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.cli import hydra_main, user_errors
-from ringdit.images import to_uint8
+from ringdit.commands.cli import hydra_main, user_errors
+from ringdit.media.images import to_uint8
 from ringdit.media.vae import VAE
 from ringdit.media.writing import write_media
 from ringdit.models.conditioning import text_conditioned
@@ -68,7 +68,7 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
     VAE latents (infer.py already divides by data.scale). ``group``: a process group whose ranks all call this
     (infer.py's sampling ranks): its rank 0 reads the file and sends the latents to the others, the tiles are
     decoded over every rank (``ringdit.media.parallel_vae``), and rank 0 writes the files (the others return [])."""
-    from ringdit.errors import ConfigError, require_count
+    from ringdit.common.errors import ConfigError, require_count
 
     require_count("fps", fps, optional=True)  # None: the rate samples.npz holds (videos), none for images
     for name, value in (("tiling", tiling), ("normalised", normalised)):
@@ -98,7 +98,7 @@ DEFAULT_FPS = 16  # samples.npz files without their rate (written before infer.p
 def stored_fps(samples: str | Path) -> int | None:
     """The frames per second infer.py stored in samples.npz (``fps``: its model's rate, or the run's fps=); None
     where it stored none (images, older files). A value that is not a positive integer is a ``ConfigError``."""
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
 
     with np.load(Path(str(samples)).expanduser(), allow_pickle=False) as stored:
         if "fps" not in stored.files:
@@ -116,7 +116,7 @@ def shared_latents(samples: str | Path, group=None, index: bool = False) -> tupl
     same ``ConfigError`` on every rank."""
     import torch.distributed as dist
 
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
 
     def read():
         latents = read_latents(samples)
@@ -147,7 +147,7 @@ EXPECTED = ("pass the samples.npz infer.py wrote for a model trained on latents:
 def read_latents(samples: str | Path, setting: str = "samples") -> torch.Tensor:
     """``latents`` (N, C, [T,] H, W) float32 from a samples.npz infer.py wrote; anything else is one
     ``ConfigError`` naming the file and what it should hold (never a pickle: ``allow_pickle=False``)."""
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
 
     path = Path(str(samples)).expanduser()
     if not path.exists():
@@ -219,7 +219,7 @@ def decode_command(cfg: DictConfig) -> None:
 def sampling_vae(vae: str | None, subfolder: str | None, data_info: dict) -> str | None:
     """infer.py's ``vae``: the given folder (checked now, before sampling), else the VAE the training data was
     prepared with when that folder exists here, else None (samples.npz only)."""
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.media.vae import vae_folder
 
     if vae:
@@ -277,7 +277,7 @@ def decode_written(files: list[Path], output, data_info: dict, device: str, grou
     samples-<name>.npz into its grid samples-<name>.png / .gif and its samples' files, named by their numbers (the
     npz's ``index``). ``group`` (``decode_group``): every rank calls this and decodes its share of the tiles; rank 0
     reads the files and writes the pictures (the others return [])."""
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.sampling import write_pixels
 
     normalised = latents_normalised(data_info)

@@ -66,7 +66,7 @@ import logging
 
 import torch.distributed as dist
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.clip_placement import bucket_size, clip_windows, place_files, plan_shards
 from ringdit.media.encode_report import EncodeReport
 from ringdit.media.encode_shards import FolderSettings, encode_shards

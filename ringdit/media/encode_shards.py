@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ringdit.data.text_latent_shards import MASK_KEY, TEXT_KEYS, save_tensors
-from ringdit.dtypes import dtype_named
-from ringdit.errors import ConfigError, require_count
+from ringdit.common.dtypes import dtype_named
+from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.buckets import Bucket, make_buckets, parse_buckets
 from ringdit.media.control import find_controls
 from ringdit.media.clip_placement import bucket_size, clip_windows, place_files, plan_shards
@@ -92,7 +92,7 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
     rank, world_size = settings.rank, settings.world_size
     from tqdm.auto import tqdm
 
-    from ringdit.preemption import sigterm_waits
+    from ringdit.commands.preemption import sigterm_waits
 
     for name, value in (("frames", settings.frames), ("frame_stride", settings.frame_stride),
                         ("shard_size", settings.shard_size), ("batch_size", settings.batch_size)):

@@ -16,8 +16,8 @@ import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringdit.errors import ConfigError
-from ringdit.safe_json import parse_json
+from ringdit.common.errors import ConfigError
+from ringdit.common.safe_json import parse_json
 
 log = logging.getLogger("ringdit.prepare")
 

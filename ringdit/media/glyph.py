@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.pretrained import ENCODERS, find_folder
 
 # the settings named in the errors of the TextEncoder that loads it (the length is the pipeline's, not a setting)

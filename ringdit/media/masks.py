@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.folder import IMAGE_SUFFIXES, VIDEO_SUFFIXES, MediaItem
 from ringdit.media.frames import probe
 

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.encode_report import EncodeReport
 from ringdit.media.vae import VAE
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ringdit.errors import ConfigError
-from ringdit.safe_json import read_json
+from ringdit.common.errors import ConfigError
+from ringdit.common.safe_json import read_json
 
 # config.json "model_type" -> the encoder-only class (a full T5 checkpoint also loads into its encoder)
 ENCODERS = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel", "clip_text_model": "CLIPTextModel",

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from ringdit.data.text_latent_shards import NULL_KEYS, TEXT_KEYS, save_tensors, text_file
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.folder import MediaItem
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ringdit.atomic import atomic_write
+from ringdit.common.atomic import atomic_write
 from ringdit.data.text_latent_shards import MASK_KEY
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.media.buckets import Bucket, Buckets
 from ringdit.media.folder import MediaItem
 from ringdit.media.retext import sample_name

@@ -42,12 +42,12 @@ from typing import Callable
 
 import torch
 
-from ringdit.errors import ConfigError, require_count
+from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.glyph import GlyphEncoder
 from ringdit.media.pretrained import ENCODERS, REMOTE_CODE, find_folder
 from ringdit.models.diffusers.family import ChatTemplate
 from ringdit.models.diffusers.folders import check_weights_folder
-from ringdit.safe_json import read_json
+from ringdit.common.safe_json import read_json
 
 TEXT_SETTINGS = ("text_encoder", "tokenizer", "max_text_len")  # the prepare settings named in errors
 POOLED_SETTINGS = ("pooled_encoder", "pooled_tokenizer", "max_pooled_len")

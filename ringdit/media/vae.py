@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.models.frames import FrameRule
 from ringdit.models.vaes import VAE_KINDS

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 EXTRACTIONS = ("head", "chunk", "slide", "uniform", "full")
 
@@ -161,7 +161,7 @@ def pipeline_fps(vae: str, vae_subfolder: str | None) -> int | None:
     its family's ``Family.fps``; None for a bare VAE folder, an image model, or a class whose families differ."""
     from pathlib import Path
 
-    from ringdit.safe_json import read_json
+    from ringdit.common.safe_json import read_json
 
     root = Path(str(vae)).expanduser()
     for folder in (root, root.parent):  # the pipeline folder given, or its vae/ folder

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ringdit.images import save_samples, to_image, write_gif
+from ringdit.media.images import save_samples, to_image, write_gif
 
 
 def write_mp4(frames: np.ndarray, path: Path, fps: int = 16) -> Path:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 PERIOD = re.compile(r"every_(\d+)")
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ringdit.attention import LocalAttention
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.block_io import BlockIO
 from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.embeddings import LabelEmbedder, PatchEmbed, TimestepEmbedder, sincos_pos_embed

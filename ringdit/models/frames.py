@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 SEARCH = 4096  # how far from a refused count the nearest valid ones are looked for (frames)
 

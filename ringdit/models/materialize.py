@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ringdit.checkpoints.sources import WeightSource, local_index, local_part
-from ringdit.errors import ConfigError
-from ringdit.seeding import Stream, seed_of
+from ringdit.common.errors import ConfigError
+from ringdit.common.seeding import Stream, seed_of
 
 Tensor = torch.Tensor
 
@@ -105,15 +105,15 @@ def materialize(model: nn.Module, device: torch.device, seed: int, source: Weigh
     initialize(model, initial, seed)
     _fill_float8(model, staged, float8, seed, source)
     if any(".lora_magnitude_vector." in name for name in params):  # DoRA: from the base weights, now filled
-        from ringdit.lora import init_dora_magnitudes
+        from ringdit.models.lora import init_dora_magnitudes
 
         init_dora_magnitudes(model)
 
 
 def _float8_weights(model: nn.Module, params: dict[str, Tensor]) -> dict:
-    """``{file name: fp8 layer}`` of an fp8 base (``ringdit.lora``); their scales are dropped from ``params``: they
+    """``{file name: fp8 layer}`` of an fp8 base (``ringdit.models.lora``); their scales are dropped from ``params``: they
     are made with their weights."""
-    from ringdit.lora import float8_layers
+    from ringdit.models.lora import float8_layers
 
     layers = float8_layers(model)
     for name in layers:
@@ -124,9 +124,9 @@ def _float8_weights(model: nn.Module, params: dict[str, Tensor]) -> dict:
 def _fill_float8(model: nn.Module, targets: dict[str, Tensor], layers: dict, seed: int,
                  source: WeightSource | None) -> None:
     """Read (``source``) or initialise each fp8 weight of ``targets`` into an fp32 twin of this rank's part, one at a
-    time, and quantize it into the layer (``ringdit.lora.load_float8_weight``): no rank holds the whole base at full
+    time, and quantize it into the layer (``ringdit.models.lora.load_float8_weight``): no rank holds the whole base at full
     precision. The initial values are those of an fp32 model (the same generator per owning module)."""
-    from ringdit.lora import load_float8_weight
+    from ringdit.models.lora import load_float8_weight
 
     for name, target in targets.items():
         twin = torch.empty_like(target, dtype=torch.float32)  # a DTensor placed as the target under FSDP
@@ -155,7 +155,7 @@ def check_source(targets: dict[str, Tensor], source: WeightSource, transformed: 
 
 
 def _is_adapter(name: str) -> bool:
-    from ringdit.lora import is_adapter_key
+    from ringdit.models.lora import is_adapter_key
 
     return is_adapter_key(name)
 

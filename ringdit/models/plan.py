@@ -8,7 +8,7 @@ places only:
   attend over the whole sequence and run through ``USPAttention`` (ring / Ulysses); ``cross_attention`` modules
   attend to replicated keys (text) and stay local, with no communication; ``joint_attention`` modules (Flux, SD3,
   QwenImage) attend over ``[text ; image]`` and run through ``USPAttention`` too, with the text sharded like the
-  image (see ``ringdit.attention.layout``): each rank's chunk is ``[its text shard ; its image shard]``
+  image (see ``ringdit.attention.token_layout``): each rank's chunk is ``[its text shard ; its image shard]``
   (``text_first=False``: ``[image ; text]``), and ``text_mask`` names the input that marks the real text tokens
   where the model pads its text.
 - **the shard / gather boundary**: ``split_inputs`` names module inputs that carry the full token sequence and are

@@ -1,13 +1,13 @@
 """``DiffusionModel``: what a model needs to be trained and sampled by ringdit -- the whole contract of a model kind.
 
 A new model kind (or diffusers family) is its single-device module with these members, plus a preset in
-``conf/model/``; ``ringdit.build.build_model`` and ``DiffusionModule`` need nothing else of it. Optional:
+``conf/model/``; ``ringdit.models.build.build_model`` and ``DiffusionModule`` need nothing else of it. Optional:
 ``initial_value(name, shape, generator)`` (the initial value of a parameter whose module has no
 ``reset_parameters``, or that the model initialises its own way: ``ringdit.models.materialize``),
 ``pretrained_files(folder)`` (``{key prefix: safetensors files}``) and ``pretrained`` (weights from a diffusers folder: ``init_from=<folder>``,
 ``model.pretrained``), ``set_null_condition(null)`` (text conditioning: the empty prompt's embedding, from the data)
 and ``lora_targets`` (the module-name suffixes LoRA adapts by default). Its constructor must work with its
-parameters on the meta device (it is built so, then materialized shard by shard). Checkpoints may name its class once it is allowed (``ringdit.safe_config.allow_target``).
+parameters on the meta device (it is built so, then materialized shard by shard). Checkpoints may name its class once it is allowed (``ringdit.common.safe_config.allow_target``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend  # noqa: I001 (its Options: what DeviceMesh takes)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ringdit.errors import require_count
+from ringdit.common.errors import require_count
 
 ProcessGroup = dist.ProcessGroup
 MESH_DIMS = ("dp", "ring", "ulysses")

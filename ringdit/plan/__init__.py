@@ -7,18 +7,18 @@ fit the GPUs, and which of those costs least.
     python -m ringdit.plan model=dit_xl data.size=512 gpus=4 trainer/strategy=ddp ema_decay=null
 
 For every layout of ``gpus`` ranks (dp x ring x ulysses = gpus, Ulysses up to the heads, ring x ulysses no more
-than the tokens) it prints the estimated peak memory per rank at start-up and during a step (``ringdit.memory``: what
+than the tokens) it prints the estimated peak memory per rank at start-up and during a step (``ringdit.costs``: what
 it models is in its docstring), the attention TFLOPs per rank and step, the GB each rank sends per step for ring,
 Ulysses and the parameter / gradient sync, and an estimated time per sample relative to the best layout that fits;
 then the layout it recommends, and why. Only the model is built, on the meta device; nothing is downloaded. A setting
 left null (``trainer/strategy``, ``model.activation_checkpointing``, ``model.activation_offload``,
 ``lora.base_dtype``, ``optimizer_8bit``) is searched over: every combination is a candidate, and the table shows the
 ``show`` best that fit and the ``show`` nearest that do not; the last line is train.py's command for the recommended
-one (the settings carry train.py's names). Each candidate is a ``ringdit.layout.Layout`` (what train.py checks once and
-runs); ``distill=dmd2`` counts DMD2's three models in the memory (``ringdit.memory``), while the cost below stays one
+one (the settings carry train.py's names). Each candidate is a ``ringdit.parallel.layout.Layout`` (what train.py checks once and
+runs); ``distill=dmd2`` counts DMD2's three models in the memory (``ringdit.costs``), while the cost below stays one
 model's step.
 
-The time per sample is ``ringdit.step_time``'s model of one step on one rank (its docstring has each term): matmuls
+The time per sample is ``ringdit.costs.step_time``'s model of one step on one rank (its docstring has each term): matmuls
 at ``gpu_tflops``; attention at the rate the kernel of ``attention_backend`` reaches on the chunk one call takes (the
 FlashAttention-3 paper's H100 measurements: short chunks run slower); element-wise work at the HBM bandwidth;
 the ring's hops (a latency plus K/V, overlapping the attention) and Ulysses' blocking all-to-alls over
@@ -40,13 +40,13 @@ import sys
 
 from omegaconf import DictConfig
 
-from ringdit.cli import hydra_main, user_errors
+from ringdit.commands.cli import hydra_main, user_errors
 from ringdit.plan.preset import expand_experiment, preset_overrides, preset_run_line
 from ringdit.plan.report import format_plan, recommend, train_command
 from ringdit.plan.search import candidates, check_fixed_degrees
 from ringdit.plan.settings import settings
 from ringdit.plan.shapes import planned_model
-from ringdit.previews import planned_preview_line
+from ringdit.costs.previews import planned_preview_line
 
 _planned_preset: list[str] = []  # main's experiment=<name>, for the run line (Hydra composes the planner's own settings)
 

@@ -13,8 +13,8 @@ import functools
 
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.cli import command_config, model_preset
-from ringdit.errors import ConfigError
+from ringdit.commands.cli import command_config, model_preset
+from ringdit.common.errors import ConfigError
 
 # the preset's layout, compared with the recommendation (not pinned: the planner lays out every one)
 LAYOUT_KEYS = ("dp_degree", "ring_degree", "ulysses_degree")
@@ -52,7 +52,7 @@ def preset_overrides(name: str) -> tuple[list[str], dict]:
     words.append(f"lora.rank={rank}")
     if rank:
         words += [_word("lora.alpha", cfg.lora.alpha), _word("lora.dropout", cfg.lora.dropout),
-                  # train.py's null on CUDA: the base in bfloat16 (ringdit.memory.setup_from_config)
+                  # train.py's null on CUDA: the base in bfloat16 (ringdit.costs.setup_from_config)
                   f"lora.base_dtype={cfg.lora.base_dtype or 'bfloat16'}"]
         if cfg.lora.targets:
             words.append(_word("lora.targets", list(cfg.lora.targets)))

@@ -7,8 +7,8 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.layout import Layout
-from ringdit.memory import FLOAT8, GiB, ModelSize, Setup
+from ringdit.parallel.layout import Layout
+from ringdit.costs import FLOAT8, GiB, ModelSize, Setup
 from ringdit.plan.search import Candidate, Hardware, options_label, preference
 from ringdit.plan.settings import choice_name, preset_name
 

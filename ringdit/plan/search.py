@@ -1,6 +1,6 @@
 """The layouts the planner searches: every (dp, ring, ulysses) of the GPUs under every strategy and memory option
-that the settings leave open, each a ``Candidate`` with its memory per rank (``ringdit.memory``) and its step's cost
-(``ringdit.step_time``), and the order they are preferred in."""
+that the settings leave open, each a ``Candidate`` with its memory per rank (``ringdit.costs``) and its step's cost
+(``ringdit.costs.step_time``), and the order they are preferred in."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import itertools
 import math
 from dataclasses import dataclass, fields, replace
 
-from ringdit.errors import ConfigError
-from ringdit.layout import Layout
-from ringdit.memory import FLOAT8, MemoryEstimate, ModelSize, Setup, estimate_memory
-from ringdit.step_time import Machine, step_time
+from ringdit.common.errors import ConfigError
+from ringdit.parallel.layout import Layout
+from ringdit.costs import FLOAT8, MemoryEstimate, ModelSize, Setup, estimate_memory
+from ringdit.costs.step_time import Machine, step_time
 
 # ---- the hardware and the cost of one step -------------------------------------------------------------------------
 
@@ -34,7 +34,7 @@ class StepCost:
     ring_bytes: float        # sent per rank and step
     ulysses_bytes: float
     sync_bytes: float        # FSDP's all-gathers and reduce-scatters, or DDP's all-reduce
-    seconds: float           # the step, as ringdit.step_time models it
+    seconds: float           # the step, as ringdit.costs.step_time models it
     samples: int             # trained per step: dp x batch
 
     @property
@@ -43,7 +43,7 @@ class StepCost:
 
 
 def step_cost(model: ModelSize, layout: Layout, setup: Setup, hardware: Hardware) -> StepCost:
-    """The work, traffic and time of one training step on one rank (``ringdit.step_time``'s model)."""
+    """The work, traffic and time of one training step on one rank (``ringdit.costs.step_time``'s model)."""
     machine = Machine(gpus_per_node=hardware.gpus_per_node, matmul_flops=hardware.flops,
                       intra_node=hardware.intra_node, inter_node=hardware.inter_node, host=hardware.host)
     t = step_time(model, layout, setup, machine)

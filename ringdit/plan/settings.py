@@ -7,9 +7,9 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.errors import ConfigError, require_count, require_number
-from ringdit.layout import Layout, check_strategy_degrees, strategy_kind
-from ringdit.memory import DISTILL_METHODS, GiB, Setup
+from ringdit.common.errors import ConfigError, require_count, require_number
+from ringdit.parallel.layout import Layout, check_strategy_degrees, strategy_kind
+from ringdit.costs import DISTILL_METHODS, GiB, Setup
 from ringdit.plan.search import DEGREES, Hardware, divisors
 from ringdit.spec.distill import DistillSpec
 
@@ -84,7 +84,7 @@ def fixed_degrees(cfg: DictConfig) -> dict[str, int]:
 
 
 # the optimizers conf/optimizer/ holds: their states per trainable parameter, whether they are 8-bit
-OPTIMIZERS = {"torch.optim.AdamW": (2, False), "ringdit.optimizers.adamw8bit": (2, True), "torch.optim.SGD": None}
+OPTIMIZERS = {"torch.optim.AdamW": (2, False), "ringdit.training.optimizers.adamw8bit": (2, True), "torch.optim.SGD": None}
 
 
 def optimizer_states(cfg: DictConfig) -> tuple[int, tuple[bool, ...]]:
@@ -130,8 +130,8 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     filled in per candidate), the run's setup, the strategies and checkpointed shares to try, the other memory
     options' values to try and the degrees the settings fix (``candidates``)."""
     from ringdit.attention import list_backends
-    from ringdit.dtypes import dtype_named
-    from ringdit.lora import check_lora_settings, resolve_base_dtype
+    from ringdit.common.dtypes import dtype_named
+    from ringdit.models.lora import check_lora_settings, resolve_base_dtype
     from ringdit.models.checkpointing import checkpoint_fraction
 
     fixed = fixed_degrees(cfg)

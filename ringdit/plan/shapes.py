@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.errors import ConfigError, require_count
-from ringdit.memory import ModelSize, model_size
+from ringdit.common.errors import ConfigError, require_count
+from ringdit.costs import ModelSize, model_size
 from ringdit.models.frames import FrameRule
 from ringdit.plan.settings import preset_name
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import BatchSampler, Dataset
 
-from ringdit.errors import ConfigError
-from ringdit.safe_json import parse_json
+from ringdit.common.errors import ConfigError
+from ringdit.common.safe_json import parse_json
 from ringdit.sampling.sizes import Shape
-from ringdit.seeding import Stream, seed_of
+from ringdit.common.seeding import Stream, seed_of
 
 
 def resolve_labels(labels, num_samples: int, data_info: dict) -> list[int]:

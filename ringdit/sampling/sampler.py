@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ringdit.diffusion.pipeline import SamplingPipeline
-from ringdit.images import to_uint8
+from ringdit.media.images import to_uint8
 from ringdit.parallel import ParallelDims
 
 Tensor = torch.Tensor
@@ -57,7 +57,7 @@ class Sampler:
     def generate(self, condition, seeds: list[int], *, use_ema: bool = True, negative: dict | None = None,
                  shape: tuple[int, ...] | None = None, **overrides: Any) -> Tensor:
         """Samples ``(N, C, [T,] H, W)`` for ``condition`` -- labels ``(N,)``, or a dict of text tensors ``(N, ...)``
-        -- sample i from noise seeded by seeds[i] (a ``ringdit.seeding.seed_of`` value); pixels come in [-1, 1].
+        -- sample i from noise seeded by seeds[i] (a ``ringdit.common.seeding.seed_of`` value); pixels come in [-1, 1].
         ``negative``: the negative prompt's conditioning for guidance (text models; default this sampler's, else the
         empty prompt's). ``shape``: the sample's ``([T,] H, W)`` in the data's units (latent cells, or pixels), any
         bucket the model takes; default the data's ``image_size`` (its most frequent bucket). ``overrides``: sampling

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringdit.errors import ConfigError, require_count
+from ringdit.common.errors import ConfigError, require_count
 from ringdit.models.frames import FrameRule
 
 Shape = tuple[int, ...]  # a sample's ([T,] H, W) in the data's cells (latent cells, or pixels of pixel-space data)

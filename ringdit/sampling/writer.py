@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ringdit.atomic import atomic_write
-from ringdit.images import save_samples, to_image, write_gif
+from ringdit.common.atomic import atomic_write
+from ringdit.media.images import save_samples, to_image, write_gif
 from ringdit.media.writing import write_media, write_mp4
-from ringdit.preemption import Preempted
+from ringdit.commands.preemption import Preempted
 from ringdit.sampling.sizes import Shape
 
 
@@ -32,7 +32,7 @@ class SampleWriter(L.Callback):
     holds), the grid ``samples-<name>.png`` / ``.gif``, and videos' ``sample-<i>.mp4`` / ``.gif`` each, named by
     their sample number i whatever their shape.
 
-    When SIGTERM stops sampling (``ringdit.preemption``), the samples of every finished batch are written
+    When SIGTERM stops sampling (``ringdit.commands.preemption``), the samples of every finished batch are written
     the same way. Every .npz is written to a temp file and renamed: it is never half-written.
     """
 

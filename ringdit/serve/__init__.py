@@ -171,7 +171,7 @@ class Server:
             time.sleep(0.01)
         port = self.http.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{self.settings.host}:{port}"
-        from ringdit.atomic import atomic_write
+        from ringdit.common.atomic import atomic_write
 
         with atomic_write(Path(self.spec.output_dir) / "server.json") as tmp:
             Path(tmp).write_text(json.dumps({"url": self.url, "pid": os.getpid()}))
@@ -186,7 +186,7 @@ class Server:
 
 def check_servable(spec) -> None:
     """What the server needs beyond infer.py's checks, refused before anything starts."""
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
 
     layout = spec.layout
     if layout.dp_degree > (2 if layout.cfg_parallel else 1):
@@ -210,14 +210,14 @@ def check_servable(spec) -> None:
 def serve(cfg: DictConfig) -> int:
     """Check, build and run the server of ``cfg`` (``conf/serve.yaml``); its exit code. The Python API of
     ``python -m ringdit.serve``."""
-    from ringdit.cli import user_errors
-    from ringdit.run_folder import claim_run_folder
+    from ringdit.commands.cli import user_errors
+    from ringdit.commands.run_folder import claim_run_folder
 
     with user_errors():
         server = Server(cfg)
         claim_run_folder(server.spec.output_dir, "serve")
         server.build()
-    from ringdit.preemption import keep_sigterm_handler
+    from ringdit.commands.preemption import keep_sigterm_handler
 
     previous = signal.getsignal(signal.SIGTERM)
 
@@ -248,7 +248,7 @@ def _run_command(cfg: DictConfig) -> None:
 
 
 def _command(argv):
-    from ringdit.cli import hydra_main, register_resolvers
+    from ringdit.commands.cli import hydra_main, register_resolvers
 
     register_resolvers()
     return hydra_main("serve")(_run_command)(argv)

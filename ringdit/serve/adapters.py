@@ -6,7 +6,7 @@ writes: ``transformer.<module>.lora_A.weight`` (r, in) and ``lora_B.weight`` (ou
 adapter A at strength s, each adapted layer's output gets ``s * alpha / r * B(A(x))`` added by a forward hook: the
 layer computes ``x W^T + s alpha / r (x A^T) B^T``, which is what the base merged with the adapter at that strength,
 ``W + s alpha / r B A``, computes, up to the order of the floating-point sums. A request may stack several adapters,
-each at its strength: each adapted layer then adds every adapter's term (``ringdit.lora.stack_adapters``, the code
+each at its strength: each adapted layer then adds every adapter's term (``ringdit.models.lora.stack_adapters``, the code
 infer.py's ``lora=[...]`` stacks with), the base merged with their sum. Hooks leave the base weights alone, so
 switching adapters between batches costs nothing and any number can stay resident; a layer that already carries a
 trained adapter (an adapter-only LoRA checkpoint being served) gets the request's on top.
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from ringdit.checkpoints.lora_formats import read_lora_file
-from ringdit.errors import ConfigError
-from ringdit.lora import adapted_modules, stack_adapters
+from ringdit.common.errors import ConfigError
+from ringdit.models.lora import adapted_modules, stack_adapters
 
 Tensor = torch.Tensor
 
@@ -117,7 +117,7 @@ class Adapters:
     @contextlib.contextmanager
     def applied(self, loras):
         """Inside, the model computes as if merged with every adapter of ``loras`` (``(name, strength)`` pairs, stacked
-        in that order: ``ringdit.lora.stack_adapters``, as infer.py's ``lora=[...]``) at its strength; nothing when
+        in that order: ``ringdit.models.lora.stack_adapters``, as infer.py's ``lora=[...]``) at its strength; nothing when
         empty. The hooks are taken off on leaving, whatever happened inside."""
         handles = stack_adapters(self.roots, [(self.loaded[name].layers, strength) for name, strength in loras],
                                  self.device)

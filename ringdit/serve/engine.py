@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
-from ringdit.images import to_image, to_uint8
+from ringdit.media.images import to_image, to_uint8
 from ringdit.models.conditioning import text_conditioned
-from ringdit.seeding import Stream, seed_of
+from ringdit.common.seeding import Stream, seed_of
 from ringdit.serve.adapters import Adapter, Adapters
 from ringdit.serve.jobs import CANCELLED, COMPLETED, FAILED, Job, JobQueue
 from ringdit.training import DiffusionModule
@@ -379,7 +379,7 @@ class Rank0:
         return decode_latents(latents, self.vae, latents_normalised(self.spec.data))
 
     def write(self, job: Job, index: int, pixels) -> Path:
-        from ringdit.atomic import atomic_write
+        from ringdit.common.atomic import atomic_write
 
         if pixels.ndim == 4 and job.request.last_frame:  # an image edit (POST /v1/images/edits): the video's end
             pixels = pixels[-1]

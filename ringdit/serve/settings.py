@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ringdit.errors import ConfigError, require_count
+from ringdit.common.errors import ConfigError, require_count
 
 API_KEY_ENV = "RINGDIT_API_KEY"
 

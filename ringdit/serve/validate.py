@@ -10,7 +10,7 @@ import math
 import re
 import secrets
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.conditioning import text_conditioned
 from ringdit.serve.bodies import DECIMAL, MAX_IMAGE_BYTES, BadRequest, ImageBody
 from ringdit.serve.jobs import SampleRequest

@@ -1,7 +1,7 @@
 """The run spec: a composed Hydra config checked once, before any process is spawned, into frozen dataclasses that
 the code downstream takes and trusts (torchtitan's validated job config). One module per part:
 
-- ``layout``: ``Layout`` (defined in ``ringdit.layout``, which the memory estimate imports) -- dp x ring x ulysses
+- ``layout``: ``Layout`` (defined in ``ringdit.parallel.layout``, which the memory estimate imports) -- dp x ring x ulysses
   ranks on devices x nodes, device type, attention backend, the strategy (ddp | fsdp, from its class) and how it
   shards; launches whose ranks would never come;
 - ``model``: ``ModelSpec`` -- the model config shaped by the data, built on the meta device to check it;
@@ -17,7 +17,7 @@ from ringdit.spec.checkpoint import CheckpointPlan
 from ringdit.spec.diffusion import check_sampling, resolve_shift
 from ringdit.spec.distill import DistillSpec
 from ringdit.spec.infer import Conditioning, InferSpec, OutputSpec
-from ringdit.spec.layout import Layout
+from ringdit.parallel.layout import Layout
 from ringdit.spec.model import ModelSpec, build_on_meta, model_config
 from ringdit.spec.optimizer import OptimizerSpec
 from ringdit.spec.train import DataSpec, TrainSpec

@@ -21,15 +21,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ringdit.checkpoints.fit import LABEL_TABLE, check_compatible, first_misfit, resize_label_embedding
-from ringdit.checkpoints.layout import SHARDED_METADATA, is_sharded_checkpoint, recover_checkpoint
+from ringdit.checkpoints.location import SHARDED_METADATA, is_sharded_checkpoint, recover_checkpoint
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.checkpoints.weights import WEIGHT_CHOICES, read_weights
 from ringdit.diffusion.distillation import CRITIC_METHODS
-from ringdit.errors import CheckpointError, ConfigError, require_choice
-from ringdit.lora import (adapter_state, add_lora, check_adapter_fits, check_lora_settings, is_adapter_key,
+from ringdit.common.errors import CheckpointError, ConfigError, require_choice
+from ringdit.models.lora import (adapter_state, add_lora, check_adapter_fits, check_lora_settings, is_adapter_key,
                           is_null_condition_key, lora_enabled)
-from ringdit.resume import check_resume, check_resumed_models
-from ringdit.spec.layout import device_type
+from ringdit.training.resume import check_resume, check_resumed_models
+from ringdit.parallel.layout import device_type
 from ringdit.spec.model import ModelSpec, model_class
 
 if TYPE_CHECKING:

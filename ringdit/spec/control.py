@@ -1,5 +1,5 @@
 """``infer.py control=``: the control video of a control-video model's samples (Wan VACE), checked before anything
-starts; encoded on the launching process by ``ringdit.conditions`` (``ringdit.media.control``)."""
+starts; encoded on the launching process by ``ringdit.sampling.conditions`` (``ringdit.media.control``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.conditioning import CONTROL_KEY
 
 

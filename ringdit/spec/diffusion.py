@@ -9,7 +9,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.errors import ConfigError, require_count
+from ringdit.common.errors import ConfigError, require_count
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def folder_resolution(model_config: dict) -> dict | None:
     from pathlib import Path
 
     from ringdit.diffusion.schedulers import check_scheduler_file
-    from ringdit.safe_json import read_json
+    from ringdit.common.safe_json import read_json
 
     pretrained = model_config.get("pretrained")
     file = Path(str(pretrained)).expanduser() / "scheduler" / "scheduler_config.json" if pretrained else None
@@ -265,7 +265,7 @@ def check_ddpm_objective(objective_cfg, sampler: str | None, prefix: str = "") -
 def resolve_scheduler(sampling: dict, model_config: dict, prefix: str = "") -> None:
     """A diffusers scheduler sampler (``sampler=flow_euler / unipc / dpmpp``): its configuration is the pipeline
     folder's ``scheduler/scheduler_config.json`` when ``model.pretrained`` is a pipeline folder that has one -- read
-    (``ringdit.safe_json``), built and stepped once here, so that a broken file is refused before any rank starts --
+    (``ringdit.common.safe_json``), built and stepped once here, so that a broken file is refused before any rank starts --
     and kept in the sampling settings (``scheduler_config``: a checkpoint samples with it even where the folder is
     gone); else the run's schedule (``shift``, ``shift_terminal``), built when sampling."""
     from pathlib import Path
@@ -273,7 +273,7 @@ def resolve_scheduler(sampling: dict, model_config: dict, prefix: str = "") -> N
     from ringdit.diffusion.schedulers import (SCHEDULERS, PipelineTimesteps, build_scheduler, check_flow_scheduler,
                                               check_scheduler_file, is_scheduler_sampler, scheduler_config,
                                               set_timesteps)
-    from ringdit.safe_json import read_json
+    from ringdit.common.safe_json import read_json
 
     sampler = sampling.get("sampler")
     if not is_scheduler_sampler(sampler):

@@ -13,7 +13,7 @@ from torch import nn
 
 from ringdit.diffusion.distillation import CONSISTENCY_METHODS, CRITIC_METHODS
 from ringdit.diffusion.samplers import consistency_times
-from ringdit.errors import ConfigError, require_count, require_number
+from ringdit.common.errors import ConfigError, require_count, require_number
 
 METHODS = ("none", "dmd2", "scm", "rcm")
 # A distilled student samples in a few steps (DMD2: 1 to 4; the teachers' own samplers take 25 to 50). Every update

@@ -1,7 +1,7 @@
 """``InferSpec``: everything a sampling run is, checked once, before any process is spawned.
 
 ``InferSpec.from_config(cfg)`` reads infer.py's composed config and the checkpoint's own configs (model, data,
-objective, sampling: data, never code -- ``ringdit.safe_config``); infer.py builds the trainer, module and sample
+objective, sampling: data, never code -- ``ringdit.common.safe_config``); infer.py builds the trainer, module and sample
 requests from the spec alone. The checkpoint is read once and checked against the model built on the meta device;
 what the samples are conditioned on (class ids, prompts) is checked against what the model takes, and each sample's
 shape (``size`` / ``frames``, a prompt file's per prompt) against the model's patch (``ringdit.sampling.SampleSizes``:
@@ -22,13 +22,13 @@ from ringdit.caching import check_model as check_cache_model
 from ringdit.checkpoints.weights import WEIGHT_CHOICES
 from ringdit.checkpoints.lora_formats import LoraFile, lora_file_entries
 from ringdit.diffusion.samplers import is_guided
-from ringdit.errors import ConfigError, require_choice, require_count, require_number, require_seed
+from ringdit.common.errors import ConfigError, require_choice, require_count, require_number, require_seed
 from ringdit.models.conditioning import text_conditioned
 from ringdit.spec.control import ControlInput
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
 from ringdit.spec.diffusion import (check_sampling, check_shift, check_shift_terminal, resolve_scheduler,
                                     resolve_shift_terminal)
-from ringdit.spec.layout import Layout
+from ringdit.parallel.layout import Layout
 from ringdit.spec.model import ModelSpec, model_class
 from ringdit.spec.pipeline import is_pipeline_folder, pipeline_checkpoint
 from ringdit.spec.trainer import TrainerSpec, group_targets
@@ -267,7 +267,7 @@ class InferSpec:
     image: ImageInput | None = None  # image=: an image-to-video model's first frames (None: text-to-video, or the
     # training data's held-out first frames)
     pipeline: bool = False  # ckpt_path is a diffusers pipeline folder, sampled as published (ringdit.spec.pipeline)
-    lora_files: tuple[LoraFile, ...] = ()  # lora=[...]: adapter files stacked on the model (ringdit.lora)
+    lora_files: tuple[LoraFile, ...] = ()  # lora=[...]: adapter files stacked on the model (ringdit.models.lora)
     control: ControlInput | None = None  # control=: a control-video model's control clip (None: the held-out
     # prompts' own control latents, or a model without one)
 

@@ -11,7 +11,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ringdit.errors import ConfigError, require_count, require_number
+from ringdit.common.errors import ConfigError, require_count, require_number
 from ringdit.models.checkpointing import checkpoint_fraction
 from ringdit.parallel import ParallelDims
 from ringdit.spec.settings import check_setting_types, declared_types
@@ -117,7 +117,7 @@ def model_class(config: dict) -> type[nn.Module]:
 def build_on_meta(config: dict, ulysses_degree: int = 1) -> nn.Module:
     """The model built and parallelized on the meta device (no memory): its settings, and whether its attention
     layers fit the layout (a head for every Ulysses rank), are checked before any process is spawned."""
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
 
     with torch.device("meta"):
         try:

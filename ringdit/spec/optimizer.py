@@ -13,12 +13,12 @@ from typing import Callable
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.errors import ConfigError, require_count, require_number
-from ringdit.optimizers import check_optimizer_installed
+from ringdit.common.errors import ConfigError, require_count, require_number
+from ringdit.training.optimizers import check_optimizer_installed
 from ringdit.spec.settings import check_setting_types
 
 # ringdit's optimizers that pass their settings on (``**settings``) to another class: theirs are that class's
-FORWARDED = {"ringdit.optimizers.adamw8bit": "torchao.optim.AdamW8bit"}
+FORWARDED = {"ringdit.training.optimizers.adamw8bit": "torchao.optim.AdamW8bit"}
 
 
 @dataclass(frozen=True)

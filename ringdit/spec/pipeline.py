@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.conditioning import TEXT
 
 INDEX = "model_index.json"
@@ -37,7 +37,7 @@ def pipeline_checkpoint(folder: str) -> dict:
 
     from ringdit.diffusion.schedulers import SCHEDULERS, check_scheduler_file
     from ringdit.models.diffusers.families import FAMILIES
-    from ringdit.safe_json import read_json
+    from ringdit.common.safe_json import read_json
     from ringdit.spec.model import model_config
 
     root = Path(folder).expanduser()
@@ -92,7 +92,7 @@ def _preset(name: str) -> dict:
     a Hydra command, where Hydra cannot compose a second config."""
     from omegaconf import OmegaConf
 
-    from ringdit.cli import CONF_DIR
+    from ringdit.commands.cli import CONF_DIR
 
     raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"))
     merged: dict = {}
@@ -111,7 +111,7 @@ def _text_encoder_description(root: Path, folder: str, text_len: int) -> dict:
     """What prepare records of the folder's text encoder, read from its config (its weights are loaded where prompts
     are encoded, not here)."""
     from ringdit.media.pretrained import find_folder
-    from ringdit.safe_json import read_json
+    from ringdit.common.safe_json import read_json
 
     encoder = find_folder(root, "text_encoder", "config.json", f"ckpt_path={folder}'s text_encoder/")
     config = read_json(encoder / "config.json", f"ckpt_path={folder}: {encoder / 'config.json'}", kind=dict,

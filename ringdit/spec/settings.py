@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 CHECKED = (bool, int, float, type(None))
 WORDS = {bool: ("true", "false"), int: ("a whole number",), float: ("a number",), type(None): ("null",)}

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig
 
-from ringdit.errors import ConfigError, require_count, require_number, require_seed
-from ringdit.memory import check_training_memory
-from ringdit.previews import check_run_previews
+from ringdit.common.errors import ConfigError, require_count, require_number, require_seed
+from ringdit.costs import check_training_memory
+from ringdit.costs.previews import check_run_previews
 from ringdit.spec.checkpoint import CheckpointPlan
 from ringdit.spec.diffusion import training_diffusion, training_expert
 from ringdit.spec.distill import DistillSpec
-from ringdit.spec.layout import Layout
+from ringdit.parallel.layout import Layout
 from ringdit.spec.model import ModelSpec
 from ringdit.spec.optimizer import OptimizerSpec
 from ringdit.spec.trainer import TrainerSpec

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.errors import ConfigError, require_count, require_number
+from ringdit.common.errors import ConfigError, require_count, require_number
 
 
 @dataclass(frozen=True)

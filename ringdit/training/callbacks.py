@@ -12,15 +12,15 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import OmegaConf
 
 from ringdit.checkpoints.weights import read_weights
-from ringdit.images import grid_image, save_samples, to_uint8
-from ringdit.lora import adapter_state, load_adapter, load_null_condition
+from ringdit.media.images import grid_image, save_samples, to_uint8
+from ringdit.models.lora import adapter_state, load_adapter, load_null_condition
 from ringdit.media.writing import write_mp4
 from ringdit.diffusion.pipeline import in_micro_batches
-from ringdit.errors import ConfigError, require_count, require_number, require_seed
+from ringdit.common.errors import ConfigError, require_count, require_number, require_seed
 from ringdit.models.conditioning import CONTROL_KEY, text_conditioned
 from ringdit.sampling import (FPS_HINT, PromptLine, Sampler, SampleSizes, frame_rate, patch_shape, read_prompt_file,
                               size_pair)
-from ringdit.seeding import Stream, seed_of
+from ringdit.common.seeding import Stream, seed_of
 
 SETTING = "callbacks.sample_grid"
 # a preview prompt file's keys beyond infer.py's (musubi-tuner's sample prompts' --d --s --l --g): the line's seed,

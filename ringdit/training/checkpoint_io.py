@@ -8,13 +8,13 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from ringdit.atomic import atomic_write
-from ringdit.checkpoints.layout import is_sharded_checkpoint
+from ringdit.common.atomic import atomic_write
+from ringdit.checkpoints.location import is_sharded_checkpoint
 from ringdit.checkpoints.loading import read_sharded_checkpoint, safe_torch_load, sharded_to_full_checkpoint
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written through ``ringdit.atomic.atomic_write`` (a kill never leaves a torn one; the umask's
+    """Checkpoints written through ``ringdit.common.atomic.atomic_write`` (a kill never leaves a torn one; the umask's
     mode). Loading never unpickles code: ``weights_only`` loading (see
     ``ringdit.checkpoints.loading.safe_torch_load``)."""
 

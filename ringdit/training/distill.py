@@ -4,7 +4,7 @@ and the continuous-time consistency methods: ``scm`` (Lu and Song, 2024: ``ringd
 the batch's images, no critic) and ``rcm`` (Zheng et al., 2025: sCM's loss plus DMD2's matching term below, weighted
 by ``dmd_weight``, with its critic; both start once the tangent warm-up is over).
 
-Three models (sCM: no critic), all built by ``ringdit.build.build_model`` over the same mesh (ring, Ulysses, DDP
+Three models (sCM: no critic), all built by ``ringdit.models.build.build_model`` over the same mesh (ring, Ulysses, DDP
 or FSDP, LoRA):
 
 - the **student** (generator, ``self.model``, with its EMA): starts from ``init_from`` (the teacher, or a distilled
@@ -50,14 +50,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringdit.build import build_model
+from ringdit.models.build import build_model
 from ringdit.diffusion import classifier_free_guidance, draw_noise, noise_generators
 from ringdit.diffusion.distillation import CONSISTENCY_METHODS, CRITIC_METHODS
 from ringdit.diffusion.samplers import fewstep_start, fewstep_step
 from ringdit.diffusion.pipeline import condition_to
-from ringdit.lora import lora_enabled
+from ringdit.models.lora import lora_enabled
 from ringdit.sampling.sampler import Sampler
-from ringdit.seeding import Stream, generator, seed_of
+from ringdit.common.seeding import Stream, generator, seed_of
 from ringdit.training import consistency
 from ringdit.training.gan_head import FeatureTap, GANHead, critic_gan_loss, generator_gan_loss
 from ringdit.training.module import DiffusionModule, total_grad_norm

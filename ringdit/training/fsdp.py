@@ -4,7 +4,7 @@ shard the sequence.
 Built on Lightning's ``ModelParallelStrategy`` (it launches the processes, builds the optimizer after
 ``configure_model`` and saves ``torch.distributed.checkpoint`` folders). The sequence-parallel mesh, timeouts,
 rendezvous watchdog and data-parallel sampler come from ``SequenceParallelStrategy``; this strategy adds FSDP's
-shard mesh, shards the model (``shard_model``, called by ``ringdit.build.build_model``) with ``fully_shard`` per
+shard mesh, shards the model (``shard_model``, called by ``ringdit.models.build.build_model``) with ``fully_shard`` per
 repeated block of its plan and at the root, and writes each checkpoint folder beside the old one before renaming it into place.
 
 Every rank of the world holds 1/world of each parameter (HSDP, ``replicate_degree > 1``: 1/(world / replicate)
@@ -23,12 +23,12 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from ringdit.atomic import disk_full, disk_full_error
-from ringdit.checkpoints.layout import SHARDED_METADATA, is_sharded_checkpoint, replace_folder, temporary_folder
+from ringdit.common.atomic import disk_full, disk_full_error
+from ringdit.checkpoints.location import SHARDED_METADATA, is_sharded_checkpoint, replace_folder, temporary_folder
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.checkpoints.optimizer_state import optimizer_state_by_name
-from ringdit.dtypes import dtype_named
-from ringdit.errors import CheckpointError
+from ringdit.common.dtypes import dtype_named
+from ringdit.common.errors import CheckpointError
 from ringdit.models import repeated_blocks
 from ringdit.parallel import build_shard_mesh
 from ringdit.training.parallel_strategy import SequenceParallelStrategy
@@ -52,7 +52,7 @@ class RingFSDPStrategy(SequenceParallelStrategy, ModelParallelStrategy):
     """
 
     strategy_name = "ring_fsdp"
-    layout_strategy = "fsdp"  # how ringdit.layout.Layout (and the memory estimate) knows it: sharded state
+    layout_strategy = "fsdp"  # how ringdit.parallel.layout.Layout (and the memory estimate) knows it: sharded state
 
     def __init__(self, replicate_degree: int = 1, param_dtype: str | None = None, reduce_dtype: str | None = "float32",
                  cpu_offload: bool = False, **kwargs):

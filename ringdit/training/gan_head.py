@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringdit.caching.blocks import block_io, kind_of, repeated_blocks_of
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.plan import ParallelPlan
 from ringdit.parallel import gather_sequence
 from ringdit.parallel.collectives import chunk_length

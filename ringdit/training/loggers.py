@@ -113,7 +113,7 @@ class _AppendingWriter(ExperimentWriter):
 class AppendingCSVLogger(CSVLogger):
     """``CSVLogger`` whose ``metrics.csv`` keeps the rows already there: a run resumed in its own folder
     (``ckpt_path=<run>/checkpoints/last.ckpt hydra.run.dir=<run>``) continues the loss curve instead of erasing it.
-    Any other launch into a folder with a run in it is refused before it starts (``ringdit.run_folder``)."""
+    Any other launch into a folder with a run in it is refused before it starts (``ringdit.commands.run_folder``)."""
 
     @property
     @rank_zero_experiment

@@ -1,12 +1,12 @@
 """``DiffusionModule``: the LightningModule that fine-tunes a (sequence-parallel) diffusion transformer, and samples it
 through a ``ringdit.sampling.Sampler`` (``DiffusionModule.sampler``: its model, ranks and ``SamplingPipeline``):
 ringdit's class-conditional DiT, or a text-conditioned diffusers transformer (``DiffusersTransformer``: Wan, ...).
-Every model kind is built by ``ringdit.build.build_model`` and trained and sampled by the same code: the models share
+Every model kind is built by ``ringdit.models.build.build_model`` and trained and sampled by the same code: the models share
 one conditioning interface (``drop_condition``, ``null_condition``, ``model_condition``) and all return their whole
 prediction, gathered over the sequence-parallel group.
 
 Randomness that must agree across a sequence-parallel group -- diffusion time, noise, which labels are dropped for
-classifier-free guidance -- is drawn per sample from the ``ringdit.seeding`` streams TRAIN and VALIDATION, keyed by
+classifier-free guidance -- is drawn per sample from the ``ringdit.common.seeding`` streams TRAIN and VALIDATION, keyed by
 the sample's position in the global batch: every rank of a group draws the same values, a resumed run draws what the
 uninterrupted run would have, and how the global batch is split over data-parallel replicas changes nothing.
 
@@ -27,19 +27,19 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from ringdit.build import build_model
+from ringdit.models.build import build_model
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.diffusion import DDPM, draw_noise
 from ringdit.diffusion.experts import step_expert, time_range
 from ringdit.diffusion.pipeline import SamplingPipeline
-from ringdit.ema import ModelAverage
-from ringdit.errors import NonFiniteLossError
-from ringdit.lora import is_adapter_key, lora_enabled, null_condition_names
+from ringdit.models.ema import ModelAverage
+from ringdit.common.errors import NonFiniteLossError
+from ringdit.models.lora import is_adapter_key, lora_enabled, null_condition_names
 from ringdit.models.conditioning import text_conditioned
 from ringdit.parallel import ParallelDims
-from ringdit.safe_config import check_file_configs
+from ringdit.common.safe_config import check_file_configs
 from ringdit.sampling.sampler import Sampler
-from ringdit.seeding import Stream, generator
+from ringdit.common.seeding import Stream, generator
 
 Tensor = torch.Tensor
 
@@ -99,7 +99,7 @@ class DiffusionModule(L.LightningModule):
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
         """Lightning's, after checking the configs the file carries: Lightning builds the module from them, and the
-        module instantiates its model and objective configs (see ``ringdit.safe_config``)."""
+        module instantiates its model and objective configs (see ``ringdit.common.safe_config``)."""
         checkpoint = safe_torch_load(checkpoint_path, mmap=True)
         check_file_configs(str(checkpoint_path), checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict)
                            else {})
@@ -119,7 +119,7 @@ class DiffusionModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Built here, not in __init__: the mesh exists only once the strategy set it up, and the model is
-        parallelized over it as it is built (``ringdit.build.build_model``: the order of every step is there)."""
+        parallelized over it as it is built (``ringdit.models.build.build_model``: the order of every step is there)."""
         if self.model is not None:
             return
         datamodule = self.trainer.datamodule if self._trainer is not None else None

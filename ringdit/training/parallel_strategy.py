@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 
-from ringdit.launcher import spawned_by_launcher
+from ringdit.commands.launcher import spawned_by_launcher
 from ringdit.parallel import ParallelDims, init_sequence_parallel
 
 

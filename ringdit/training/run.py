@@ -20,11 +20,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.atomic import DiskFullError
-from ringdit.cli import hydra_main, register_resolvers, user_errors
-from ringdit.errors import NonFiniteLossError
-from ringdit.layout import Layout
-from ringdit.run_folder import claim_run_folder
+from ringdit.common.atomic import DiskFullError
+from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
+from ringdit.common.errors import NonFiniteLossError
+from ringdit.parallel.layout import Layout
+from ringdit.commands.run_folder import claim_run_folder
 from ringdit.spec import TrainSpec
 
 log = logging.getLogger("ringdit.train")
@@ -114,12 +114,12 @@ def strategy_layout(layout: Layout) -> dict:
 def train(cfg: DictConfig) -> Path:
     """Train or fine-tune as ``python train.py`` does, with ``cfg`` (``ringdit.config("train", [...])``), in this
     process (a layout of several ranks starts them as the command does); returns the run folder. A mistake in the
-    settings raises ``ringdit.errors.ConfigError`` before anything is built."""
+    settings raises ``ringdit.common.errors.ConfigError`` before anything is built."""
     return fit(cfg, *prepare(cfg))
 
 
 def fit(cfg: DictConfig, trainer, module, datamodule, ckpt_path) -> Path:
-    from ringdit.preemption import stop_on_sigterm
+    from ringdit.commands.preemption import stop_on_sigterm
     from ringdit.training.loggers import finish_runs
 
     # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; a non-finite loss or a disk that

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from ringdit.errors import require_count
+from ringdit.common.errors import require_count
 
 
 @dataclass

@@ -19,7 +19,7 @@ class RingDDPStrategy(SequenceParallelStrategy, DDPStrategy):
     ``DDPStrategy``'s)."""
 
     strategy_name = "ring_ddp"
-    layout_strategy = "ddp"  # how ringdit.layout.Layout (and the memory estimate) knows it: every rank holds all
+    layout_strategy = "ddp"  # how ringdit.parallel.layout.Layout (and the memory estimate) knows it: every rank holds all
 
     def __init__(self, **kwargs):
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
@@ -29,7 +29,7 @@ class RingDDPStrategy(SequenceParallelStrategy, DDPStrategy):
         DDPStrategy.setup_environment(self)  # the device, then the default process group
 
     def setup(self, trainer) -> None:
-        from ringdit.lora import keep_float8_out_of_ddp
+        from ringdit.models.lora import keep_float8_out_of_ddp
 
         # an fp8 LoRA base: kept out of the start-up broadcast (DDP's, or Lightning's when sampling): gloo cannot
         # send fp8, and every rank holds the same base already

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.diffusers.families import Family, get_family
 from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.models.materialize import building_on_meta
-from ringdit.safe_json import read_json
+from ringdit.common.safe_json import read_json
 
 
 EXPERTS = ("high", "low")  # a two-expert model's transformer and transformer_2, in WanPipeline's order

@@ -34,7 +34,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb, get_3d_rotary_pos_embed
 from torch import nn
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.diffusers.family import Family
 from ringdit.models.plan import ParallelPlan
 

@@ -4,7 +4,7 @@ family's control latents."""
 
 from __future__ import annotations
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.conditioning import CONTROL_KEY
 from ringdit.models.diffusers.families import Family
 from ringdit.models.diffusers.image_condition import CONDITION_KEY

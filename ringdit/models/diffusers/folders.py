@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 # the file name from_pretrained reads: <stem>.safetensors, or the shards of <stem>.safetensors.index.json
 WEIGHTS_STEMS = {"diffusers": "diffusion_pytorch_model", "transformers": "model"}

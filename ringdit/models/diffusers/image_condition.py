@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 Tensor = torch.Tensor
 

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.diffusers.building import (EXPERTS, build_transformer, check_boundary_ratio, check_folder_experts,
                                               check_same_architecture, guidance_embedding, plain_value,
                                               pretrained_folder, read_config, second_expert_subfolder)

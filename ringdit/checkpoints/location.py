@@ -14,8 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ringdit.atomic import file_mode
-from ringdit.errors import CheckpointError
+from ringdit.common.atomic import file_mode
+from ringdit.common.errors import CheckpointError
 
 SHARDED_METADATA = "meta.pt"  # Lightning's name for the non-tensor part (step, loops, hparams, ...)
 

@@ -1,15 +1,15 @@
 """The memory one rank needs, estimated before anything is spawned: train.py's warning, ``python -m ringdit.plan``.
 
-``ringdit.memory.estimate``: what the estimate models, term by term (its docstring), and the estimate itself;
-``ringdit.memory.sizes``: the model's sizes it reads, from the model built on the meta device;
-``ringdit.memory.check``: train.py's settings read into a ``Setup`` and its warning, with a layout that fits.
+``ringdit.costs.estimate``: what the estimate models, term by term (its docstring), and the estimate itself;
+``ringdit.costs.sizes``: the model's sizes it reads, from the model built on the meta device;
+``ringdit.costs.check``: train.py's settings read into a ``Setup`` and its warning, with a layout that fits.
 """
 
-from ringdit.memory.check import (available_memory, check_training_memory, layout_that_fits, setup_from_config,
+from ringdit.costs.check import (available_memory, check_training_memory, layout_that_fits, setup_from_config,
                                   warn_if_memory_short)
-from ringdit.memory.estimate import (DISTILL_METHODS, DTYPE_BYTES, FLOAT8, STATE_BLOCK, GiB, MemoryEstimate, ModelSize,
+from ringdit.costs.estimate import (DISTILL_METHODS, DTYPE_BYTES, FLOAT8, STATE_BLOCK, GiB, MemoryEstimate, ModelSize,
                                      Setup, estimate_memory, gathered_bytes_per_parameter, model_bytes)
-from ringdit.memory.sizes import (estimate_model_memory, float8_parameters, lora_parameters, model_size,
+from ringdit.costs.sizes import (estimate_model_memory, float8_parameters, lora_parameters, model_size,
                                   untargeted_linear_inputs)
 
 __all__ = [

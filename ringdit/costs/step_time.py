@@ -1,8 +1,8 @@
 """How long one step takes on one rank: the time model the planner ranks layouts with (``python -m ringdit.plan``),
 held against published wall-clock times of real models on H100s (``PUBLISHED``, docs/benchmarks.md).
 
-Everything is estimated from the model's sizes (``ringdit.memory.ModelSize``), the layout (``ringdit.layout.Layout``)
-and the run (``ringdit.memory.Setup``); nothing runs. Per block and per forward, on this rank's tokens t = S / sp
+Everything is estimated from the model's sizes (``ringdit.costs.ModelSize``), the layout (``ringdit.parallel.layout.Layout``)
+and the run (``ringdit.costs.Setup``); nothing runs. Per block and per forward, on this rank's tokens t = S / sp
 (plus as much of joint attention's text), batch B, hidden D, MLP width F, q = the tokens one attention call takes
 (S / ring: a ring hop's chunk), each term one line of arithmetic below:
 
@@ -44,8 +44,8 @@ import bisect
 import math
 from dataclasses import dataclass, replace
 
-from ringdit.layout import Layout
-from ringdit.memory import ModelSize, Setup, estimate_memory, gathered_bytes_per_parameter
+from ringdit.parallel.layout import Layout
+from ringdit.costs import ModelSize, Setup, estimate_memory, gathered_bytes_per_parameter
 from ringdit.parallel.heads import head_counts
 
 # ---- the kernel curves ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ adapter files on whatever model is sampled (a checkpoint, an export, a pipeline 
 base): diffusers' and peft's files, ComfyUI's (the model's original layer names; a fused original layer is split into
 its parts) and ``python -m ringdit.export lora=true`` folders (a two-expert model's ``transformer_2/`` too, or
 ``path_2=``). Each adapted layer computes as its base plus the sum of ``strength x alpha / r x B A`` over the files,
-added to its output (``ringdit.lora.stack_adapters``: the base weights are left as they are, in any dtype or
+added to its output (``ringdit.models.lora.stack_adapters``: the base weights are left as they are, in any dtype or
 sharding). Every file is read and checked against the model before anything starts.
 
 Sizes: ``size=[H, W]`` and ``frames=N`` (videos) sample at any shape the model patches, default the data's
@@ -54,7 +54,7 @@ Writes samples.png (videos: samples.gif, plus sample-000.mp4 / .gif ... each) an
 text-conditioned models the prompts' captions instead of labels. With vae=FOLDER (default: the VAE the data was
 prepared with, when that folder exists) latents are also decoded beside samples.npz: samples.png + sample-000.png
 ... for images, samples.gif + sample-000.mp4 / .gif ... for videos (ringdit.media). Sample i starts from noise
-seeded by (seed, i) (ringdit.seeding, stream INFERENCE), so the same seed gives the same sample i for any
+seeded by (seed, i) (ringdit.common.seeding, stream INFERENCE), so the same seed gives the same sample i for any
 num_samples, batch size and ring / Ulysses / data-parallel layout: exactly up to fp64 rounding; in fp32 up to the
 rounding of the GEMM kernels the batch size, layout and CPU pick (~2e-7 of the largest value after 10 DDPM steps).
 Samples of several shapes (a prompt file with sizes) are written per shape: samples-<HxW[xF]>.npz (the same keys plus
@@ -76,11 +76,11 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from ringdit.caching import StepCache
-from ringdit.cli import hydra_main, register_resolvers, user_errors
-from ringdit.conditions import sample_conditions
+from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
+from ringdit.sampling.conditions import sample_conditions
 from ringdit.media.decode import decode_group, decode_written, shared_files
-from ringdit.preemption import sigterm_stops_at_once, stop_on_sigterm
-from ringdit.run_folder import claim_run_folder
+from ringdit.commands.preemption import sigterm_stops_at_once, stop_on_sigterm
+from ringdit.commands.run_folder import claim_run_folder
 from ringdit.sampling import SampleRequests, SampleWriter
 from ringdit.spec import InferSpec
 from ringdit.training import DiffusionModule
@@ -122,14 +122,14 @@ def prepare(cfg: DictConfig):
 class StackLoraFiles(L.Callback):
     """``lora=[{path, strength}, ...]``: the adapter files stacked on the model when prediction starts (the model is
     built, loaded and sharded by then): each adapted layer computes as the base merged with every file's update at
-    its strength (``ringdit.lora.stack_adapters``); every rank reads the same files onto its device."""
+    its strength (``ringdit.models.lora.stack_adapters``); every rank reads the same files onto its device."""
 
     def __init__(self, files):
         self.files = files
 
     def on_predict_start(self, trainer: L.Trainer, pl_module) -> None:
         from ringdit.checkpoints.lora_formats import read_lora_stack
-        from ringdit.lora import adapted_modules, stack_adapters
+        from ringdit.models.lora import adapted_modules, stack_adapters
 
         model = pl_module.model
         stack_adapters(adapted_modules(model), read_lora_stack(self.files, model), device=trainer.strategy.root_device)
@@ -140,7 +140,7 @@ class StackLoraFiles(L.Callback):
 def sample(cfg: DictConfig) -> Path:
     """Sample as ``python infer.py`` does, with ``cfg`` (``ringdit.config("infer", [...])``), in this process;
     returns the run folder (samples.npz, the pictures and videos). A mistake in the settings raises
-    ``ringdit.errors.ConfigError`` before anything is built."""
+    ``ringdit.common.errors.ConfigError`` before anything is built."""
     return run(*prepare(cfg))
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ringdit.data.datasets import data_source
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 from ringdit.models.conditioning import CONTROL_KEY
 from ringdit.spec import InferSpec
 

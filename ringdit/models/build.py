@@ -30,8 +30,8 @@ from torch import nn
 from ringdit.attention import AttentionBackend, USPAttention
 from ringdit.checkpoints.fit import LABEL_TABLE, resize_label_embedding
 from ringdit.checkpoints.sources import SafetensorsSource, WeightSource, weights_source
-from ringdit.ema import ModelAverage
-from ringdit.lora import add_lora, lora_enabled
+from ringdit.models.ema import ModelAverage
+from ringdit.models.lora import add_lora, lora_enabled
 from ringdit.models.materialize import materialize, parameters_on_meta
 from ringdit.models.parallelize import PlannedAttention, parallelize, repeated_blocks
 from ringdit.parallel import ParallelDims

@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from ringdit.checkpoints.layout import is_sharded_checkpoint
+from ringdit.checkpoints.location import is_sharded_checkpoint
 from ringdit.checkpoints.loading import read_sharded_checkpoint, safe_torch_load, sharded_to_full_checkpoint
-from ringdit.errors import CheckpointError, ConfigError
+from ringdit.common.errors import CheckpointError, ConfigError
 
 TRAINING_STATE = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
 

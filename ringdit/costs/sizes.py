@@ -8,8 +8,8 @@ import math
 import torch
 from torch import nn
 
-from ringdit.layout import Layout
-from ringdit.memory.estimate import MemoryEstimate, ModelSize, Setup, estimate_memory
+from ringdit.parallel.layout import Layout
+from ringdit.costs.estimate import MemoryEstimate, ModelSize, Setup, estimate_memory
 
 
 def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) -> ModelSize | None:
@@ -62,9 +62,9 @@ def _architecture(config: dict, meta_model: nn.Module) -> tuple[int, int, int] |
 def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     """(the adapters' parameters, the base weights ``lora.base_dtype`` casts): rank x (in + out) for each Linear whose
     name ends with a target (peft's rule; the model's default ``lora_targets`` when the settings name none), and the
-    weights and biases of every Linear / Conv layer of the model (``ringdit.lora.hold_base_in`` casts them all, adapted
+    weights and biases of every Linear / Conv layer of the model (``ringdit.models.lora.hold_base_in`` casts them all, adapted
     or not, as they are all frozen); (0, 0) when LoRA is off."""
-    from ringdit.lora import BASE_LAYERS, adapted_modules, lora_enabled, unmatched_targets
+    from ringdit.models.lora import BASE_LAYERS, adapted_modules, lora_enabled, unmatched_targets
 
     if not lora_enabled(lora):
         return 0, 0
@@ -94,8 +94,8 @@ def untargeted_linear_inputs(model: nn.Module, blocks: list[nn.Module]) -> int:
 
 def float8_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int, int]:
     """(weights, output rows, the largest weight) of the Linear layers of the repeated blocks: what an fp8 base holds
-    in fp8 (with one scale per row, ``ringdit.lora.hold_in_float8``); zeros when LoRA is off."""
-    from ringdit.lora import _block_linears, lora_enabled
+    in fp8 (with one scale per row, ``ringdit.models.lora.hold_in_float8``); zeros when LoRA is off."""
+    from ringdit.models.lora import _block_linears, lora_enabled
 
     if not lora_enabled(lora):
         return 0, 0, 0
@@ -110,7 +110,7 @@ def estimate_model_memory(config: dict, layout: Layout = Layout(), *, lora: dict
     laid out as ``layout`` under ``Setup(**settings)``: what a benchmark prints beside the peak it measures, e.g.
     ``estimate_model_memory(config, Layout(ring_degree=4, strategy="fsdp"), lora={"rank": 64},
     lora_base_dtype="bfloat16")``."""
-    from ringdit.build import build_model
+    from ringdit.models.build import build_model
     from ringdit.parallel import ParallelDims
 
     setup = Setup(**settings)

@@ -27,7 +27,7 @@ import torch
 Tensor = torch.Tensor
 
 # the optimizers here, by _target_, and the package each needs
-LIBRARIES = {"ringdit.optimizers.adamw8bit": "torchao"}
+LIBRARIES = {"ringdit.training.optimizers.adamw8bit": "torchao"}
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
@@ -40,7 +40,7 @@ def library_installed(name: str) -> bool:
 
 def check_optimizer_installed(target: str | None) -> None:
     """A ConfigError when ``optimizer._target_`` is one of ours whose library is missing."""
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
 
     library = LIBRARIES.get(target or "")
     if library is not None and not library_installed(library):

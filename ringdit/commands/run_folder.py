@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from ringdit.errors import ConfigError
-from ringdit.launcher import first_process
+from ringdit.common.errors import ConfigError
+from ringdit.commands.launcher import first_process
 
 # What each entry point writes into its run folder (the marker aside): a folder holding any of them holds a run.
 RECORDS = {

@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ringdit.atomic import atomic_write
-from ringdit.dtypes import dtype_named
-from ringdit.errors import ConfigError, require_count, require_number
+from ringdit.common.atomic import atomic_write
+from ringdit.common.dtypes import dtype_named
+from ringdit.common.errors import ConfigError, require_count, require_number
 
 Tensor = torch.Tensor
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 MAX_JSON_BYTES = 16 * 2**20  # no JSON file ringdit reads from a user (coefficients, plans, names) comes near this
 

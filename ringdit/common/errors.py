@@ -1,5 +1,5 @@
 """Errors a user can act on, and the checks of one setting's value that raise them, one wording per mistake; train.py
-and infer.py show them as one line (``ringdit.cli.user_errors``). The checks live here, not in ``ringdit.spec``,
+and infer.py show them as one line (``ringdit.commands.cli.user_errors``). The checks live here, not in ``ringdit.spec``,
 so that data, media and parallel code can use the same ones without importing the run spec.
 """
 

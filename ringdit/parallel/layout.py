@@ -4,7 +4,7 @@ it; FSDP shards it over world / ``replicate_degree`` ranks, its state on the dev
 once, from the config and the world size, before any process is spawned.
 
 It is the one model of the layout: the strategy set-up (``ringdit.training.run``), the mesh and the models, the
-memory estimate (``ringdit.memory``) and the planner (``ringdit.plan``: one ``Layout`` per candidate) read it; none
+memory estimate (``ringdit.costs``) and the planner (``ringdit.plan``: one ``Layout`` per candidate) read it; none
 of them reads ``trainer.strategy`` or the degrees again. It lives outside ``ringdit.spec`` so that the memory estimate,
 which the spec calls, can take it without importing the spec. Also here: launches whose other ranks would never come
 (a node count with no cluster launcher, a stray ``LOCAL_RANK``), refused before Lightning waits for them.
@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.attention import validate_attention_config
-from ringdit.errors import ConfigError, require_count
+from ringdit.common.errors import ConfigError, require_count
 from ringdit.parallel import check_degrees
 
 

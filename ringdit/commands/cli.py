@@ -61,7 +61,7 @@ def user_errors(*kinds: type[BaseException]):
 
 # ---- Hydra's own errors (composition, overrides, ???, the run folder) as one line and exit code 2 -----------------
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # settings renamed so that every command names one thing alike (prepare's size, as infer.py's and the planner's):
 # the former name is pointed to the new one
 FORMER_NAMES = {"prepare": {"resolution": "size"}}
@@ -85,7 +85,7 @@ def command_config(command: str = "train", overrides=(), run_dir: str | Path | N
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
 
     check_command(command)
     if isinstance(overrides, (str, bytes)) or not all(isinstance(item, str) for item in _iterable(overrides)):
@@ -115,7 +115,7 @@ def _iterable(value) -> list:
     try:
         return list(value)
     except TypeError:
-        from ringdit.errors import ConfigError
+        from ringdit.common.errors import ConfigError
 
         raise ConfigError(f"overrides must be a list of strings such as ['model=wan_tiny', 'trainer.max_steps=10'], "
                           f"got {value!r}") from None
@@ -125,7 +125,7 @@ def check_command(command) -> None:
     """``command`` names a conf/<command>.yaml that configures a command (``ringdit.reference.commands``)."""
     import difflib
 
-    from ringdit.errors import ConfigError
+    from ringdit.common.errors import ConfigError
     from ringdit.reference import commands
 
     known = list(commands())

@@ -5,7 +5,7 @@ A run far too big for the machine does not fail: it swaps, or sits at step 0 unt
 settings that are 2x off and to rank layouts, not to plan the last gigabyte. What it models, per rank, in bytes --
 the names are ``MemoryEstimate``'s fields, so a measured table can be compared term by term (on CPU ranks: the
 peak RSS minus the process's baseline against ``peak_bytes``; ``startup_bytes`` and ``step_bytes`` apart).
-The estimate reads the run's ``ringdit.layout.Layout`` (the ranks, the strategy, how and where it shards: the one
+The estimate reads the run's ``ringdit.parallel.layout.Layout`` (the ranks, the strategy, how and where it shards: the one
 model of the layout, which train.py checks once and the planner builds per candidate) and a ``Setup`` (the rest:
 batch, precision, memory options, optimizer, what trains). P = parameters, T = trainable parameters (all of them;
 under LoRA only the adapters), w = bytes of a weight (4; 2 under ``*16-true`` precision), n = the ranks one parameter
@@ -17,12 +17,12 @@ under 16-bit precision, else 4), M = the models that train (1; DMD2: 2, below):
   bfloat16; the rest of the base -- norms, embedding and modulation tables -- keeps w) plus the adapters (for each
   targeted Linear (in, out): rank x (in + out) parameters) in w; an fp8 base (``float8_e4m3fn`` / ``float8_e5m2``):
   the blocks' Linear weights 1 byte each plus a 4-byte scale per output row, the other Linear / Conv weights and
-  every bias 2 bytes (``ringdit.lora.hold_in_float8``);
+  every bias 2 bytes (``ringdit.models.lora.hold_in_float8``);
   DMD2 (``distill=dmd2``) holds three models: M = 2 of them as above (the student and the critic, LoRA-adapted
   alike), plus the frozen teacher, built whole without LoRA, P x w / n;
 - ``gradient_bytes``: M x T x w / n (DMD2: the critic's stay allocated while the student's update runs);
   ``optimizer_bytes``: AdamW's two moments, 2 x M x T x w / n; 8-bit states (``optimizer=adamw8bit``): 1 byte a value
-  plus a 4-byte scale per block of 256 (``ringdit.optimizers``);
+  plus a 4-byte scale per block of 256 (``ringdit.training.optimizers``);
 - ``ema_bytes``: T x w / n when ``ema_decay`` is on (under LoRA the EMA tracks only the adapters; DMD2: the
   student's only);
 - ``bucket_bytes`` (DDP): its gradient all-reduce buckets, a second copy of the gradients, M x T x w (DMD2: DDP
@@ -79,7 +79,7 @@ import math
 from dataclasses import dataclass, fields
 
 from ringdit.diffusion.distillation import DISTILL_METHODS  # re-exported: the planner checks distill= with it
-from ringdit.layout import Layout
+from ringdit.parallel.layout import Layout
 from ringdit.models.checkpointing import checkpointed_blocks
 from ringdit.parallel.heads import head_counts
 

@@ -29,7 +29,7 @@ from typing import Callable
 import lightning as L
 import torch
 
-from ringdit.launcher import mark_launcher, spawned_by_launcher
+from ringdit.commands.launcher import mark_launcher, spawned_by_launcher
 
 log = logging.getLogger("ringdit.train")
 

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from ringdit.errors import ConfigError
+from ringdit.common.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

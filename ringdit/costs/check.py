@@ -10,12 +10,12 @@ from dataclasses import replace
 import torch
 from omegaconf import OmegaConf
 
-from ringdit.layout import Layout
-from ringdit.memory.estimate import GiB, MemoryEstimate, ModelSize, Setup, estimate_memory
-from ringdit.memory.sizes import model_size
+from ringdit.parallel.layout import Layout
+from ringdit.costs.estimate import GiB, MemoryEstimate, ModelSize, Setup, estimate_memory
+from ringdit.costs.sizes import model_size
 from ringdit.models.checkpointing import checkpoint_fraction
 
-log = logging.getLogger("ringdit.memory")
+log = logging.getLogger("ringdit.costs")
 
 
 def available_memory(device_type: str, ranks_on_this_machine: int) -> int | None:

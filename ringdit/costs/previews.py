@@ -11,12 +11,12 @@ from dataclasses import dataclass, replace
 
 from omegaconf import OmegaConf
 
-from ringdit.errors import ConfigError
-from ringdit.layout import Layout
-from ringdit.memory import GiB, ModelSize, Setup, available_memory, estimate_memory, model_size, setup_from_config
+from ringdit.common.errors import ConfigError
+from ringdit.parallel.layout import Layout
+from ringdit.costs import GiB, ModelSize, Setup, available_memory, estimate_memory, model_size, setup_from_config
 from ringdit.models.conditioning import text_conditioned
 
-log = logging.getLogger("ringdit.previews")
+log = logging.getLogger("ringdit.costs.previews")
 SETTING = "callbacks.sample_grid"
 
 
@@ -52,11 +52,11 @@ def preview_peak_bytes(model: ModelSize, layout: Layout, setup: Setup, preview: 
 
 
 def preview_seconds(model: ModelSize, layout: Layout, setup: Setup, preview: Preview, machine=None) -> float:
-    """Seconds one preview's sampling takes on ``layout`` by the planner's step-time model (``ringdit.step_time``,
+    """Seconds one preview's sampling takes on ``layout`` by the planner's step-time model (``ringdit.costs.step_time``,
     what ``python -m ringdit.plan`` ranks layouts with: a sampling forward of one micro-batch, times the forwards);
     ``machine``: its GPUs (default conf/plan.yaml's). Not ``ringdit.plan`` itself: it imports the specs, which
     import this."""
-    from ringdit.step_time import step_time
+    from ringdit.costs.step_time import step_time
 
     timed = step_time(replace(model, tokens=preview.tokens), layout,
                       replace(setup, training=False, batch_size=preview.batch, activation_checkpointing=False),
@@ -66,8 +66,8 @@ def preview_seconds(model: ModelSize, layout: Layout, setup: Setup, preview: Pre
 
 def default_machine(layout: Layout):
     """The planner's GPUs (conf/plan.yaml's numbers), ``layout``'s devices to a node."""
-    from ringdit.cli import CONF_DIR
-    from ringdit.step_time import Machine
+    from ringdit.commands.cli import CONF_DIR
+    from ringdit.costs.step_time import Machine
 
     conf = OmegaConf.load(CONF_DIR / "plan.yaml")
     return Machine(gpus_per_node=layout.devices, matmul_flops=conf.gpu_tflops * 1e12,
@@ -155,8 +155,8 @@ def planned_preview_line(cfg, layout: Layout, setup: Setup, model: ModelSize, ha
     ``callbacks.sample_grid`` under the plan's ``+callbacks.sample_grid.*`` (rows: ``max_classes``, at the planned
     sample's tokens) and ``+diffusion.sampling.*`` (default: 50 guided steps) -- their memory beside the training
     state and their seconds (``hardware``: the plan's GPUs)."""
-    from ringdit.cli import CONF_DIR
-    from ringdit.step_time import Machine
+    from ringdit.commands.cli import CONF_DIR
+    from ringdit.costs.step_time import Machine
 
     given = OmegaConf.select(cfg, "callbacks.sample_grid", default=None) or {}
     grid = {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "callbacks" / "default.yaml").sample_grid),

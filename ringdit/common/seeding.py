@@ -7,7 +7,7 @@ what the uninterrupted run would have, and neither the rank layout, nor the batc
 changes what one sample gets. Streams are independent of each other: the stream is part of the hashed key.
 
 A model's initial weights are drawn per module (``INIT``), so any rank layout starts from the same ones; dropout
-and a model built outside ``ringdit.build`` use the global generators that ``L.seed_everything(seed)`` seeds; procedural
+and a model built outside ``ringdit.models.build`` use the global generators that ``L.seed_everything(seed)`` seeds; procedural
 datasets (moving digits, synthetic text latents) draw their content from their own ``data.seed``.
 """
 

@@ -10,7 +10,7 @@ comes out of a file passes ``check_file_config`` first: each ``_target_``, at an
 The allow-list is an explicit registry: a new model family or objective that checkpoints may name registers its
 import path once, next to its definition::
 
-    from ringdit.safe_config import allow_target
+    from ringdit.common.safe_config import allow_target
     allow_target("ringdit.models.diffusers.WanTransformer")
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ringdit.errors import CheckpointError
+from ringdit.common.errors import CheckpointError
 
 ALLOWED_TARGETS: set[str] = {
     "ringdit.models.DiT",
