@@ -12,7 +12,9 @@ GLYPH_KEYS = ("glyph_text", "glyph_text_mask")
 IMAGE_KEYS = ("image_latents", "image_condition", "image_embeds")
 # a control video's latents, optional, per sample (Wan VACE: ringdit.models.diffusers.wan_vace reads them)
 CONTROL_KEY = "control"
-SAMPLE_KEYS = (*IMAGE_KEYS, CONTROL_KEY)  # the per-sample conditioning a shard may hold beside the text
+# a reference image's latents, optional, per sample (Qwen-Image-Edit: ringdit.models.diffusers.qwenimage_edit reads them)
+REFERENCE_KEY = "reference"
+SAMPLE_KEYS = (*IMAGE_KEYS, CONTROL_KEY, REFERENCE_KEY)  # the per-sample conditioning a shard may hold beside the text
 # a text condition key -> the name of the empty prompt's value (a shard's tensor, a model's buffer)
 NULL_KEYS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled",
              "glyph_text": "null_glyph_text", "glyph_text_mask": "null_glyph_text_mask"}

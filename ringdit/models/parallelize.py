@@ -43,13 +43,15 @@ class SequenceState:
     of it is reset when the model's forward starts and kept after it, because activation checkpointing recomputes
     blocks during backward."""
 
-    def __init__(self, dims: ParallelDims):
+    def __init__(self, dims: ParallelDims, packed: tuple[str, ...] = ()):
         self.dims = dims
+        self.packed = packed  # the streams in the tokens' tensors, the tokens first (a plan's ``packed``); (): none
         self.reset()
 
     def reset(self) -> None:
         self.lengths: dict[str, int] = {}
         self.masks: dict[str, Tensor | None] = {}  # (B, L) bool, True on real keys; None: recorded, none given
+        self.packed_lengths: tuple[int, ...] | None = None  # this forward's lengths of the packed streams
         self._layouts: dict[tuple[str, ...], TokenLayout | None] = {}
 
     @property
@@ -64,6 +66,14 @@ class SequenceState:
         elif self.lengths[stream] != length:
             raise ValueError(f"a planned {stream} split saw {length} tokens after another saw {self.lengths[stream]}: "
                              f"the plan's {stream} split points must carry the same sequence")
+
+    def record_packed(self, lengths: tuple[int, ...]) -> None:
+        """The lengths of the streams packed in the tokens' tensors (``packed``'s order), read as the forward starts."""
+        if len(lengths) != len(self.packed):
+            raise ValueError(f"the plan's packed lengths gave {len(lengths)} lengths for the streams {list(self.packed)}")
+        self.packed_lengths = tuple(int(length) for length in lengths)
+        for stream, length in zip(self.packed, self.packed_lengths):
+            self.record(length, stream)
 
     def record_mask(self, stream: str, mask: Tensor | None) -> None:
         """Keep a stream's whole key mask, the first time this forward sees it: attention reads every rank's part."""
@@ -94,7 +104,7 @@ class SequenceState:
 
     def __deepcopy__(self, memo) -> SequenceState:
         # A copy of the model (the EMA) runs its own forwards: its own counts, over the same mesh (never copied).
-        copy = SequenceState(self.dims)
+        copy = SequenceState(self.dims, self.packed)
         memo[id(self)] = copy
         return copy
 
@@ -112,10 +122,15 @@ def parallelize(model: nn.Module, plan: ParallelPlan | None = None, dims: Parall
         raise ValueError(f"{type(model).__name__} is parallelized already; parallelize a freshly built model")
     plan = model.parallel_plan if plan is None else plan
     backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)
-    state = SequenceState(dims or ParallelDims())
+    state = SequenceState(dims or ParallelDims(), () if plan.packed is None else (TOKENS, *plan.packed.streams))
     model._ringdit_sequence = state
     model.register_forward_pre_hook(_start_sequence)
     streams = plan.stream_plans()
+    if plan.packed is not None:  # registered after _start_sequence: the model's own lengths survive its reset
+        for module in _matching(model, (plan.packed.module,), "packed").values():
+            module._ringdit_sequence = state
+            module.register_forward_pre_hook(partial(_record_packed, plan.packed.key, plan.packed.lengths),
+                                             with_kwargs=True)
 
     self_attention = _matching(model, plan.self_attention, "self_attention")
     joint_attention = _matching(model, plan.joint_attention, "joint_attention")
@@ -374,6 +389,9 @@ def _install_router(processor_module: str) -> None:
 
 
 def _shard(value: Tensor, dim: int, state: SequenceState, stream: str = TOKENS) -> Tensor:
+    if stream == TOKENS and state.packed:
+        parts = value.split(_packed_lengths(value, dim, state), dim=dim)
+        return torch.cat([shard_sequence(part, dim=dim, dims=state.dims) for part in parts], dim=dim)
     state.record(value.shape[dim], stream)
     return shard_sequence(value, dim=dim, dims=state.dims)
 
@@ -381,7 +399,30 @@ def _shard(value: Tensor, dim: int, state: SequenceState, stream: str = TOKENS) 
 def _gather(value: Tensor, dim: int, state: SequenceState, stream: str = TOKENS) -> Tensor:
     if state.dims.sp_degree == 1:
         return value
+    if stream == TOKENS and state.packed:  # (.., [tokens chunk ; each packed stream's chunk], ..): each on its own
+        lengths = state.packed_lengths
+        parts = value.split([chunk_length(length, state.dims.sp_degree) for length in lengths], dim=dim)
+        return torch.cat([gather_sequence(part, dim=dim, length=length, dims=state.dims)
+                          for part, length in zip(parts, lengths)], dim=dim)
     return gather_sequence(value, dim=dim, length=state.lengths.get(stream), dims=state.dims)
+
+
+def _packed_lengths(value: Tensor, dim: int, state: SequenceState) -> tuple[int, ...]:
+    """The lengths of the packed streams in ``value``'s dim ``dim``, checked against its size."""
+    lengths = state.packed_lengths
+    if lengths is None:
+        raise ValueError(f"a planned tokens split ran before the lengths of the streams packed with the tokens "
+                         f"({list(state.packed)}) were read: the plan's packed module must run first")
+    if value.shape[dim] != sum(lengths):
+        raise ValueError(f"a planned tokens split saw {value.shape[dim]} tokens, but the streams packed there "
+                         f"({list(state.packed)}) hold {list(lengths)} = {sum(lengths)}: the plan's packed lengths "
+                         f"do not describe this input")
+    return lengths
+
+
+def _record_packed(key: Key, lengths, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Read the lengths of the streams packed with the tokens from the module's input ``key``."""
+    module._ringdit_sequence.record_packed(lengths(_input(args, kwargs, key)))
 
 
 def _input(args: tuple, kwargs: dict, key: Key):

@@ -30,6 +30,13 @@ self-attention over a control video, ``("text", "tokens", "audio")`` for a joint
 ``stream_cross_attention`` names cross-attention modules whose keys are a sharded stream (video queries attending to
 audio keys): every rank's keys of that stream are gathered, its queries stay local.
 
+**Packed streams.** A model may carry a stream inside the tokens' own tensors, after the tokens along the sequence
+dim: Qwen-Image-Edit embeds, rotates and projects ``[image ; reference image]`` as one sequence. ``packed`` names
+those streams and where their lengths are read (``PackedStreams``); every cut and gather of the tokens then cuts /
+joins each stream's part on its own, so each keeps its own length and tail padding and every rank holds ``[its
+tokens ; its part of each packed stream]`` -- the order ``attention_streams`` then names (``("text", "tokens",
+"reference")``).
+
 ``blocks`` names the ``ModuleList`` s of repeated transformer blocks: each block is a unit FSDP shards on its own and
 a region ``compile=true`` compiles (one graph, reused by every block).
 
@@ -43,6 +50,7 @@ A new model kind or family is a new plan (and a preset), not new machinery.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 Key = int | str | None
@@ -66,6 +74,21 @@ class StreamPlan:
 
 
 @dataclass(frozen=True)
+class PackedStreams:
+    """Streams packed after the tokens in the tokens' tensors, and where their lengths are read: the input ``key`` of
+    ``module`` (a pattern, as the plan's tables) when it runs, ``lengths(value) -> (tokens, *streams)``. It must run
+    before the first cut of the tokens (the model itself, ``""``, does)."""
+
+    streams: tuple[str, ...]  # after the tokens, in order
+    module: str
+    key: Key
+    lengths: Callable[[object], tuple[int, ...]]
+
+    def under(self, name) -> PackedStreams:
+        return replace(self, module=name(self.module))
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     blocks: tuple[str, ...] = ()  # the ModuleLists of repeated blocks
     self_attention: tuple[str, ...] = ()
@@ -84,14 +107,19 @@ class ParallelPlan:
     attention_streams: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # cross-attention module pattern -> the sharded stream its keys come from (gathered from every rank)
     stream_cross_attention: dict[str, str] = field(default_factory=dict)
+    packed: PackedStreams | None = None  # streams inside the tokens' tensors, after the tokens
 
     def stream_plans(self) -> dict[str, StreamPlan]:
-        """Every stream's plan: ``tokens`` and ``text`` from the fields that describe them, then ``streams``."""
+        """Every stream's plan: ``tokens`` and ``text`` from the fields that describe them, then ``streams``, then the
+        packed streams (cut and gathered where the tokens are: no points of their own)."""
         plans = {TOKENS: StreamPlan(self.split_inputs, self.split_outputs, self.gather_outputs),
                  TEXT: StreamPlan(self.text_inputs, self.text_outputs, mask=self.text_mask)}
+        packed = {} if self.packed is None else {name: StreamPlan() for name in self.packed.streams}
         for name in self.streams.keys() & plans.keys():
             raise ValueError(f"the parallel plan's streams name {name!r}, which its split_* / text_* fields describe")
-        return {**plans, **self.streams}
+        for name in packed.keys() & (plans.keys() | self.streams.keys()):
+            raise ValueError(f"the parallel plan's packed streams name {name!r}, which it describes already")
+        return {**plans, **self.streams, **packed}
 
     def default_streams(self, joint: bool) -> tuple[str, ...]:
         """The streams of an attention module's sequence, in chunk order, where ``attention_streams`` names none."""
@@ -120,6 +148,7 @@ class ParallelPlan:
             streams={stream: plan.under(name) for stream, plan in self.streams.items()},
             attention_streams=_table(self.attention_streams, name),
             stream_cross_attention=_table(self.stream_cross_attention, name),
+            packed=None if self.packed is None else self.packed.under(name),
         )
 
 
