@@ -124,6 +124,10 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [*synthetic, "data.channels=16", "data.text_dim=4096", "data.size=4"]
     if (group, option) == ("model", "ltx_video"):
         return [*synthetic, "data.channels=128", "data.text_dim=4096", "data.size=4"]
+    if (group, option) == ("model", "ltx2_tiny"):
+        return synthetic
+    if (group, option) == ("model", "ltx2"):
+        return [*synthetic, "data.channels=128", "data.text_dim=3840", "data.size=4"]
     if (group, option) == ("model", "wan_vace_tiny"):  # + the control video's latents (vace_in_channels)
         return [*synthetic, "data.control=72"]
     if (group, option) in (("model", "wan_vace_1_3b"), ("model", "wan_vace_14b")):

@@ -1,6 +1,6 @@
 """The diffusers model families ringdit runs sequence-parallel: one ``Family`` each, holding its ``ParallelPlan``
 (Wan -- text-to-video, Wan 2.2 TI2V and Wan 2.1 I2V --, Flux and QwenImage here; HunyuanVideo 1.5 -- text- and
-image-to-video --, SkyReels-V2, LTX-Video, Flux.2, CogVideoX 1.5 and Wan VACE in their own modules).
+image-to-video --, SkyReels-V2, LTX-Video, Flux.2, CogVideoX 1.5, Wan VACE and LTX-2 in their own modules).
 
 To add a family (its own module, like ``hunyuan_video.py``):
 
@@ -29,6 +29,7 @@ from ringdit.models.diffusers.flux2 import FLUX2
 from ringdit.models.diffusers.hunyuan_video import HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V
 from ringdit.models.diffusers.original_names import FLUX_NAMES, QWENIMAGE_NAMES, WAN_NAMES
 from ringdit.models.diffusers.packing import pack_latents, unpack_latents
+from ringdit.models.diffusers.ltx2 import LTX2
 from ringdit.models.diffusers.ltx_video import LTX_VIDEO
 from ringdit.models.diffusers.skyreels import SKYREELS_V2
 from ringdit.models.diffusers.wan_vace import WAN_VACE
@@ -230,7 +231,8 @@ QWENIMAGE = Family(
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, WAN22_TI2V, WAN_I2V, FLUX, QWENIMAGE,
                                                                    HUNYUAN_VIDEO15, HUNYUAN_VIDEO15_I2V, SKYREELS_V2,
-                                                                   LTX_VIDEO, FLUX2, COGVIDEOX15, WAN_VACE)}
+                                                                   LTX_VIDEO, FLUX2, COGVIDEOX15, WAN_VACE,
+                                                                   LTX2)}
 
 
 def get_family(name: str) -> Family:

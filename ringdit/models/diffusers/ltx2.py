@@ -1,0 +1,138 @@
+"""LTX-2 (``diffusers.LTX2VideoTransformer3DModel``): video and audio generated together by one transformer, run
+under ringdit's plan with diffusers' weights and modules.
+
+What the plan has to know about this model, read from its ``forward`` and ``LTX2VideoTransformerBlock``:
+
+- Two predicted token streams of their own lengths: the video tokens (``proj_in`` of the packed VAE latents,
+  ``(B, S, C)``) and the audio tokens (``audio_proj_in`` of the packed audio-VAE latents, ``(B, L, C_a * M)``: one
+  token per latent audio frame, every mel bin on the channels). Every block runs self-attention over each stream
+  (``attn1`` over the video, ``audio_attn1`` over the audio), cross-attention from each to its own projection of the
+  text (``attn2``, ``audio_attn2``: the text is replicated, the attention local), then audio-to-video attention
+  (``audio_to_video_attn``: video queries, audio keys) and video-to-audio attention (``video_to_audio_attn``: audio
+  queries, video keys) between the two sharded streams: each rank's queries attend to every rank's keys of the
+  other stream, gathered (``stream_cross_attention``).
+- Both streams are cut at the model's input: the tokens, their RoPE coordinates (``video_coords`` ``(B, 3, S, 2)``,
+  ``audio_coords`` ``(B, 1, L, 2)``: the token dim is 2) and a per-token timestep where one is given. The coordinates
+  are cut rather than the rotations because the rotations' layout depends on ``rope_type`` (``(B, S, D)``
+  interleaved, ``(B, H, S, D / H)`` split, LTX-2's); the model turns each rank's coordinates into its tokens'
+  rotations, for self- and for the cross-modal attention (its ``cross_attn_rope`` reads the coordinates' time axis).
+  The forward here always passes both coordinates and the audio timestep: left out, the model would build them from
+  whole-sequence sizes, or take the (cut) video timestep for the audio.
+- The video prediction is gathered at ``proj_out``, the audio prediction at ``audio_proj_out``.
+
+Each stream has its own timestep: ``timestep`` for the video, ``audio_timestep`` for the audio (their modulation and
+output scale / shift), and ``sigma`` / ``audio_sigma`` (LTX-2.3's prompt modulation). Which of them the cross-modal
+attention's modulation reads is ``use_cross_timestep``: the model's docstring calls ``False`` LTX-2.0's behaviour and
+``True`` the newer one, so it follows the architecture (``cross_attn_mod``, LTX-2.3's prompt modulation); with one
+time for both streams, as ``LTX2Pipeline`` samples, the two agree.
+
+Audio latents are ``(B, C_a, L, M)`` (the audio VAE's channels, latent frames and mel bins), packed to tokens as
+``LTX2Pipeline._pack_audio_latents`` packs them without a patch (``audio_in_channels = C_a * M``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ringdit.models.diffusers.family import Family, PipelineTimesteps
+from ringdit.models.diffusers.ltx_video import pack_video, unpack_video
+from ringdit.models.plan import TOKENS, ParallelPlan, StreamPlan
+
+Tensor = torch.Tensor
+
+AUDIO = "audio"  # the audio stream's name in the plan, and the conditioning key of the audio latents
+FPS = 24  # LTX2Pipeline's frame_rate: its RoPE's time axis is in seconds at it, and its videos play at it
+
+
+def pack_audio(latents: Tensor) -> Tensor:
+    """(B, C, L, M) -> (B, L, C * M): one token per latent audio frame, as LTX2Pipeline packs without a patch."""
+    return latents.transpose(1, 2).flatten(2, 3)
+
+
+def unpack_audio(tokens: Tensor, mel_bins: int) -> Tensor:
+    """The inverse of ``pack_audio``: (B, L, C * M) -> (B, C, L, M)."""
+    return tokens.unflatten(2, (-1, mel_bins)).transpose(1, 2)
+
+
+def ltx2_forward(transformer: nn.Module, video: Tensor, audio: Tensor, t: Tensor, audio_t: Tensor, cond: dict,
+                 fps: float = FPS) -> tuple[Tensor, Tensor]:
+    """Both streams' predictions: video (B, C, T, H, W) and audio (B, C_a, L, M) latents, t and audio_t (B,) model
+    times in 0..1000 (sigma x 1000; the video's may be per token, (B, S)), cond: text (B, N, D) and audio_text
+    (B, N, D) (the LTX-2 text connectors' video and audio prompt states; the audio's defaults to the video's) and
+    text_mask (B, N) True on real tokens -> (video prediction (B, C, T, H, W), audio prediction (B, C_a, L, M))."""
+    config = transformer.config
+    patch, patch_t = config.patch_size, config.patch_size_t
+    batch, _, frames, height, width = video.shape
+    grid = (frames // patch_t, height // patch, width // patch)
+    # the pipeline's coordinates (LTX2Pipeline step 6), built whole here so that the plan cuts them with the tokens
+    video_coords = transformer.rope.prepare_video_coords(batch, frames, height, width, video.device, fps=fps)
+    audio_coords = transformer.audio_rope.prepare_audio_coords(batch, audio.shape[2], audio.device)
+    text, mask = cond["text"], cond.get("text_mask")
+    # the sample's noise level (LTX-2.3's prompt modulation, and the cross-modal modulation's other-stream time):
+    # per-token video times (an image-to-video clip's clean frames at 0) give their noisy tokens' time, as
+    # LTX2ImageToVideoPipeline passes the scheduler's t
+    sigma = t if t.dim() == 1 else t.amax(dim=1)
+    video_out, audio_out = transformer(
+        hidden_states=pack_video(video, patch, patch_t), audio_hidden_states=pack_audio(audio),
+        encoder_hidden_states=text, audio_encoder_hidden_states=cond.get("audio_text", text),
+        timestep=t, audio_timestep=audio_t, sigma=sigma, audio_sigma=audio_t,
+        encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
+        video_coords=video_coords, audio_coords=audio_coords,
+        use_cross_timestep=bool(config.cross_attn_mod or config.audio_cross_attn_mod), return_dict=False,
+    )
+    return unpack_video(video_out, grid, patch, patch_t), unpack_audio(audio_out, audio.shape[3])
+
+
+def audio_latents(cond: dict, video: Tensor) -> Tensor:
+    """``cond["audio"]`` (B, C_a, L, M), checked against the video latents (B, C, T, H, W): LTX-2 denoises both."""
+    audio = cond.get(AUDIO)
+    if audio is None:
+        raise ValueError("model.family=ltx2 generates video and audio together, but the conditioning has no 'audio' "
+                         "latents (B, C_audio, L, mel bins); give the data's audio latents")
+    if audio.dim() != 4 or audio.shape[0] != video.shape[0]:
+        raise ValueError(f"the audio latents {tuple(audio.shape)} do not fit the video latents {tuple(video.shape)}: "
+                         f"LTX-2's audio latents are (B, C_audio, L, mel bins), one per video")
+    return audio
+
+
+def _ltx2_video_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
+    """x (B, C, T, H, W) video latents, t (B,) in 0..1000, cond as ``ltx2_forward``'s with the audio latents at
+    ``cond["audio"]`` (B, C_a, L, M) and their own time at ``cond["audio_time"]`` (B,) (default t) -> the video
+    prediction (B, C, T, H, W)."""
+    audio = audio_latents(cond, x).to(x.dtype)
+    audio_t = cond.get("audio_time", t)
+    return ltx2_forward(transformer, x, audio, t, audio_t, cond)[0]
+
+
+LTX2 = Family(
+    name="ltx2",
+    model_class="LTX2VideoTransformer3DModel",
+    plan=ParallelPlan(
+        blocks=("transformer_blocks",),
+        self_attention=("transformer_blocks.*.attn1", "transformer_blocks.*.audio_attn1"),
+        cross_attention=("transformer_blocks.*.attn2", "transformer_blocks.*.audio_attn2"),  # to the text
+        # video tokens (B, S, C), a per-token timestep (B, S) (a per-sample (B,) stays whole), coords (B, 3, S, 2)
+        split_inputs={"": {"hidden_states": 1, "timestep": 1, "video_coords": 2}},
+        gather_outputs={"proj_out": {None: 1}},  # (B, S, C)
+        # audio tokens (B, L, C_a * M), their timestep, coords (B, 1, L, 2); predicted at audio_proj_out (B, L, C')
+        streams={AUDIO: StreamPlan(inputs={"": {"audio_hidden_states": 1, "audio_timestep": 1, "audio_coords": 2}},
+                                   gather={"audio_proj_out": {None: 1}})},
+        attention_streams={"transformer_blocks.*.audio_attn1": (AUDIO,)},
+        stream_cross_attention={"transformer_blocks.*.audio_to_video_attn": AUDIO,  # video queries, audio keys
+                                "transformer_blocks.*.video_to_audio_attn": TOKENS},  # audio queries, video keys
+    ),
+    forward=_ltx2_video_forward,
+    video=True,
+    vae_factors=(8, 32),  # LTX-2's video VAE (the transformer's vae_scale_factors)
+    fps=FPS,
+    clip_frames=121,  # LTX2Pipeline's num_frames
+    condition_keys=("text", "text_mask", "audio_text", AUDIO, "audio_time"),
+    text_dim="caption_channels",
+    latent_channels=lambda config: config["in_channels"] // (config["patch_size_t"] * config["patch_size"] ** 2),
+    patch_shape=lambda config: (config["patch_size_t"], config["patch_size"], config["patch_size"]),
+    # LTX2Pipeline's calculate_shift defaults (its scheduler config's, read with these fallbacks)
+    resolution_shift={"base_tokens": 1024, "max_tokens": 4096, "base_shift": 0.95, "max_shift": 2.05},
+    # LTX2Pipeline: sigmas linspace(1, 1 / steps, steps); it steps the scheduler on noise_pred.float()
+    pipeline_timesteps=PipelineTimesteps(sigmas="to_last", float32_prediction=True),
+)
