@@ -1,8 +1,11 @@
 """What the diffusers-model test modules share to compare ringdit's model with the unmodified diffusers model: the
 (ring, ulysses) layouts on 4 ranks, a forward and backward that collects the output and every parameter gradient, the
-comparison with its tolerances, Wan 2.2 TI2V's per-token timesteps, and a recorder of a transformer's calls."""
+comparison with its tolerances, float64 kept through a model's float32 casts, Wan 2.2 TI2V's per-token timesteps, and a
+recorder of a transformer's calls."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -79,3 +82,22 @@ def recorded_calls(transformer) -> list[dict]:
         lambda module, args, kwargs: calls.append({k: v.clone() for k, v in kwargs.items()
                                                    if isinstance(v, torch.Tensor)}), with_kwargs=True)
     return calls
+
+
+@contextlib.contextmanager
+def float64_kept():
+    """Models compute some of their math in float32 (``.float()``: Wan's FP32LayerNorm, QwenImage's RoPE): in a
+    float64 model a gradient is rounded to float32 there, and a sum that a layout reorders by 1e-16 lands on another
+    float32 value now and then (3e-8 of the largest gradient, measured at ring 2 for Wan VACE). To compare the plan at
+    float64 precision, both sides run with ``.float()`` keeping float64 tensors as they are (the model's code otherwise
+    unchanged)."""
+    original = torch.Tensor.float
+
+    def keep_float64(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else original(self, *args, **kwargs)
+
+    torch.Tensor.float = keep_float64
+    try:
+        yield
+    finally:
+        torch.Tensor.float = original

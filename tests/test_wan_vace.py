@@ -8,7 +8,6 @@ grid, or none, is refused; sampling with the control latents equals WanVACEPipel
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -17,7 +16,7 @@ import torch
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
-from tests.diffusers_helpers import LAYOUTS, ddp_average, forward_backward, sgd_steps
+from tests.diffusers_helpers import LAYOUTS, ddp_average, float64_kept, forward_backward, sgd_steps
 from tests.distributed import run_ranks
 from tests.helpers import architecture, assert_same_numbers
 
@@ -29,22 +28,6 @@ TEXT_LEN, CONTROL_CHANNELS = 7, 72  # wan_vace_tiny's vace_in_channels
 OUT_ATOL, GRAD_OF_LARGEST = 1e-13, 1e-12
 
 
-@contextlib.contextmanager
-def float64_kept():
-    """Wan's blocks compute their norms and modulation in float32 (``.float()``, FP32LayerNorm): in a float64 model
-    a gradient is rounded to float32 there, and a sum that a layout reorders by 1e-16 lands on another float32 value
-    now and then (3e-8 of the largest gradient, measured at ring 2). To compare the plan at float64 precision, both
-    sides run with ``.float()`` keeping float64 tensors as they are (the model's code otherwise unchanged)."""
-    original = torch.Tensor.float
-
-    def keep_float64(self, *args, **kwargs):
-        return self if self.dtype == torch.float64 else original(self, *args, **kwargs)
-
-    torch.Tensor.float = keep_float64
-    try:
-        yield
-    finally:
-        torch.Tensor.float = original
 SCALE = torch.tensor([1.0, 0.5], dtype=torch.float64)  # the pipeline's conditioning_scale, one per VACE layer
 
 

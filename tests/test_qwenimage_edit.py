@@ -1,0 +1,108 @@
+"""Qwen-Image-Edit (diffusers' QwenImageTransformer2DModel, unmodified, called as QwenImageEditPipeline calls it: the
+reference image's packed latents after the image's, img_shapes listing both grids, the prediction sliced to the image)
+under ringdit's plan, in float64: the same numbers as the model called directly on one process -- forward and every
+parameter gradient -- on one process and on 4 gloo CPU ranks under ring 2, ring 4, Ulysses 2 and 2 x 2, with the
+image (3 x 3 = 9 tokens), the reference (5 x 5 = 25) and the text (5) tail-padded on every layout, and with
+Qwen-Image-Edit-2511's per-token modulation (zero_cond_t); a reference that does not fit is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ringdit.models import parallelize
+from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import LAYOUTS, ddp_average, float64_kept, forward_backward
+from tests.distributed import run_ranks
+from tests.helpers import architecture, assert_same_numbers
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SHAPE, REFERENCE = (6, 6), (10, 10)  # (H, W) latents: 9 and 25 tokens of 2 x 2 patches, padded on every layout
+TEXT_LEN = 5
+T = torch.tensor([30.0, 810.0], dtype=torch.float64)
+# float64 on both sides: what is left is the order of sums (other GEMM shapes, the ring's merges)
+OUT_ATOL, GRAD_OF_LARGEST = 1e-13, 1e-12
+
+
+def edit_case(zero_cond_t=False, seed=0, dims=None):
+    """The same weights and inputs on every rank: the unmodified reference called as the edit pipeline calls it, the
+    ringdit model's call (float64), dout."""
+    import diffusers
+
+    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.models.diffusers.packing import pack_latents, unpack_latents
+
+    config = {**architecture("qwenimage_edit_tiny"), "zero_cond_t": zero_cond_t}
+    torch.manual_seed(seed)
+    reference = diffusers.QwenImageTransformer2DModel.from_config(config).double()
+    model = DiffusersTransformer("qwenimage_edit", config=config, input_size=SHAPE, in_channels=4,
+                                 text_len=TEXT_LEN, text_dim=16)
+    model.transformer.load_state_dict(reference.state_dict())
+    parallelize(model.double(), dims=dims)  # dims None: one process, attention still routed to ringdit
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(2, 4, *SHAPE, generator=g, dtype=torch.float64)
+    ref_latents = torch.randn(2, 4, *REFERENCE, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[True] * TEXT_LEN, [True, True, True, False, False]])  # the second prompt padded
+    text = torch.randn(2, TEXT_LEN, 16, generator=g, dtype=torch.float64) * mask[..., None]
+    dout = torch.randn(2, 4, *SHAPE, generator=g, dtype=torch.float64)
+
+    def run_pipeline_call():  # QwenImageEditPipeline's denoising-loop call, its slice, then ringdit's unpacking
+        latents = pack_latents(x)
+        out = reference(hidden_states=torch.cat([latents, pack_latents(ref_latents)], dim=1), timestep=T / 1000,
+                        encoder_hidden_states_mask=mask, encoder_hidden_states=text,
+                        img_shapes=[[(1, SHAPE[0] // 2, SHAPE[1] // 2), (1, REFERENCE[0] // 2,
+                                                                         REFERENCE[1] // 2)]] * 2,
+                        return_dict=False)[0]
+        return unpack_latents(out[:, : latents.size(1)], *SHAPE)
+
+    def run_model():
+        return model(x, T, {"text": text, "text_mask": mask, "reference": ref_latents})
+
+    return reference, model, run_pipeline_call, run_model, dout
+
+
+def run_both(zero_cond_t=False, dims=None):
+    reference, model, run_pipeline_call, run_model, dout = edit_case(zero_cond_t, dims=dims)
+    with float64_kept():  # QwenImage's RoPE rounds q and k to float32 (x.float()): kept float64 on both sides
+        expected = forward_backward(run_pipeline_call, reference, dout)
+        got = forward_backward(run_model, model.transformer, dout)
+    return got, expected
+
+
+def assert_matches(got, expected, where=""):
+    (out, grads), (ref_out, ref_grads) = got, expected
+    assert_same_numbers(out, ref_out, atol=OUT_ATOL, where=f"{where} output")
+    largest = max(grad.abs().max() for grad in ref_grads.values() if grad is not None)
+    assert_same_numbers(grads, ref_grads, atol=GRAD_OF_LARGEST * largest, where=f"{where} gradient")
+
+
+def check_layouts(rank, world):
+    # Qwen-Image-Edit (2508 / 2509) and -2511 (zero_cond_t) alternate: each on a ring-only layout and one with Ulysses
+    for (ring, ulysses), zero_cond_t in zip(LAYOUTS, (False, True, False, True)):
+        (out, grads), expected = run_both(zero_cond_t, dims=init_sequence_parallel(ring, ulysses))
+        ddp_average(grads)  # DDP's average over the dp x sp ranks
+        assert_matches((out, grads), expected, f"ring {ring} x ulysses {ulysses}, zero_cond_t={zero_cond_t}")
+
+
+def test_qwenimage_edit_matches_the_edit_pipelines_call_under_every_layout():
+    run_ranks(check_layouts, 4)
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["edit", "edit-2511"])
+def test_qwenimage_edit_one_process_equals_the_edit_pipelines_call(zero_cond_t):
+    assert_matches(*run_both(zero_cond_t), f"one process, zero_cond_t={zero_cond_t}")
+
+
+def test_a_missing_or_unfitting_reference_is_refused():
+    _, model, _, _, _ = edit_case()
+    x = torch.zeros(2, 4, *SHAPE, dtype=torch.float64)
+    text, mask = torch.zeros(2, TEXT_LEN, 16, dtype=torch.float64), torch.ones(2, TEXT_LEN, dtype=torch.bool)
+    with pytest.raises(ValueError, match="model.family=qwenimage_edit denoises beside a reference image, but the "
+                                         "conditioning has no 'reference' latents"):
+        model(x, T, {"text": text, "text_mask": mask})
+    for shape in [(2, 3, 10, 10), (1, 4, 10, 10), (2, 4, 10, 7)]:  # other channels, samples, an odd width
+        with pytest.raises(ValueError, match=r"the reference latents \(.*\) do not fit the latents \(2, 4, 6, 6\)"):
+            model(x, T, {"text": text, "text_mask": mask, "reference": torch.zeros(shape, dtype=torch.float64)})
