@@ -1,7 +1,7 @@
 """The diffusers model families ringdit runs sequence-parallel: one ``Family`` each, holding its ``ParallelPlan``
 (Wan -- text-to-video, Wan 2.2 TI2V and Wan 2.1 I2V --, Flux and QwenImage here; HunyuanVideo 1.5 -- text- and
-image-to-video --, SkyReels-V2, LTX-Video, Flux.2, CogVideoX 1.5, Wan VACE, LTX-2 and Qwen-Image-Edit in their own
-modules).
+image-to-video --, SkyReels-V2, LTX-Video, Flux.2, CogVideoX 1.5, Wan VACE, LTX-2, Qwen-Image-Edit and MiniMax-H3 in
+their own modules).
 
 To add a family (its own module, like ``hunyuan_video.py``):
 
@@ -32,6 +32,7 @@ from ringdit.models.diffusers.original_names import FLUX_NAMES, QWENIMAGE_NAMES,
 from ringdit.models.diffusers.packing import pack_latents, unpack_latents
 from ringdit.models.diffusers.ltx2 import LTX2
 from ringdit.models.diffusers.ltx_video import LTX_VIDEO
+from ringdit.models.diffusers.minimax_h3 import MINIMAX_H3
 from ringdit.models.diffusers.qwenimage_edit import edit_family
 from ringdit.models.diffusers.skyreels import SKYREELS_V2
 from ringdit.models.diffusers.wan_vace import WAN_VACE
@@ -236,7 +237,7 @@ QWENIMAGE_EDIT = edit_family(QWENIMAGE)  # Qwen-Image-Edit: the reference image 
 FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, WAN22_TI2V, WAN_I2V, FLUX, QWENIMAGE,
                                                                    QWENIMAGE_EDIT, HUNYUAN_VIDEO15,
                                                                    HUNYUAN_VIDEO15_I2V, SKYREELS_V2, LTX_VIDEO, FLUX2,
-                                                                   COGVIDEOX15, WAN_VACE, LTX2)}
+                                                                   COGVIDEOX15, WAN_VACE, LTX2, MINIMAX_H3)}
 
 
 def get_family(name: str) -> Family:
