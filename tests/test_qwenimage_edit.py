@@ -106,3 +106,66 @@ def test_a_missing_or_unfitting_reference_is_refused():
     for shape in [(2, 3, 10, 10), (1, 4, 10, 10), (2, 4, 10, 7)]:  # other channels, samples, an odd width
         with pytest.raises(ValueError, match=r"the reference latents \(.*\) do not fit the latents \(2, 4, 6, 6\)"):
             model(x, T, {"text": text, "text_mask": mask, "reference": torch.zeros(shape, dtype=torch.float64)})
+
+
+# ---- sampling: a Sampler against QwenImageEditPipeline's loop ------------------------------------------------------
+
+
+def test_sampling_with_a_reference_equals_the_edit_pipelines_loop(monkeypatch):
+    """For the same noise, prompt embeddings (a padded mask), flow-matching Euler scheduler with Qwen-Image's dynamic
+    shift and reference image, a ``Sampler`` of the model with the reference latents in the conditioning gives
+    QwenImageEditPipeline's latents; the reference latents are the pipeline's own (its resize, preprocessing and
+    ``_encode_vae_image`` over a tiny random Qwen-Image VAE). Guidance 1: the pipeline's true CFG rescales the guided
+    prediction to the conditional one's norm, which ringdit's guidance does not. The pipeline resizes the reference
+    to about a megapixel (``calculate_dimensions(1024 * 1024, ratio)``); here to 64 x 64 pixels (its loop and model
+    calls untouched) so that the test stays small. float64."""
+    import diffusers
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+    from PIL import Image
+
+    from ringdit.diffusion import FlowMatching, initial_noise
+    from ringdit.diffusion.pipeline import SamplingPipeline
+    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.models.diffusers.packing import pack_latents, unpack_latents
+    from ringdit.parallel import ParallelDims
+    from ringdit.sampling import Sampler
+
+    original = pipeline_qwenimage_edit.calculate_dimensions
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: original(64 * 64, ratio))
+    steps, seeds, shape = 3, [3], (8, 8)  # 64 x 64 pixels: 16 image and 16 reference tokens
+    shift = {"base_tokens": 256, "max_tokens": 8192, "base_shift": 0.5, "max_shift": 0.9}  # Qwen-Image's scheduler
+    torch.manual_seed(0)
+    config = architecture("qwenimage_edit_tiny")
+    reference = diffusers.QwenImageTransformer2DModel.from_config(config).double()
+    model = DiffusersTransformer("qwenimage_edit", config=config, input_size=shape, in_channels=4, text_len=TEXT_LEN,
+                                 text_dim=16)
+    model.transformer.load_state_dict(reference.state_dict())
+    vae = diffusers.AutoencoderKLQwenImage(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                          temperal_downsample=[False, True, True],
+                                          latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0]).double()
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=shift["base_shift"], max_shift=shift["max_shift"],
+        base_image_seq_len=shift["base_tokens"], max_image_seq_len=shift["max_tokens"])
+    pipe = diffusers.QwenImageEditPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
+                                           processor=None, transformer=reference)
+    g = torch.Generator().manual_seed(5)
+    image = Image.fromarray(torch.randint(0, 256, (48, 48, 3), generator=g, dtype=torch.uint8).numpy())
+    mask = torch.tensor([[True, True, True, False, False]])
+    text = torch.randn(1, TEXT_LEN, 16, generator=g, dtype=torch.float64) * mask[..., None]
+    noise = initial_noise((4, *shape), seeds).double()
+    with torch.no_grad():
+        packed = pipe(image=image, prompt_embeds=text, prompt_embeds_mask=mask, latents=pack_latents(noise),
+                      height=64, width=64, num_inference_steps=steps, output_type="latent").images
+        expected = unpack_latents(packed, *shape)
+        pixels = pipe.image_processor.preprocess(pipe.image_processor.resize(image, 64, 64), 64, 64)
+        ref_latents = pipe._encode_vae_image(pixels.double().unsqueeze(2), None)[:, :, 0]  # (1, 4, 8, 8)
+    pipeline = SamplingPipeline.for_run(
+        FlowMatching(shift="resolution", resolution=shift),
+        {"sampler": "flow_euler", "steps": steps, "shift": "resolution", "cfg_scale": 1.0},
+        {"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"})
+    sampler = Sampler(parallelize(model.double()), ParallelDims(), pipeline, torch.device("cpu"))
+    samples = sampler.generate({"text": text, "text_mask": mask, "reference": ref_latents}, seeds, shape=shape)
+    scale = expected.abs().max()
+    assert (samples.double() - expected).abs().max() <= 1e-10 * scale, (samples - expected).abs().max() / scale
+    other = sampler.generate({"text": text, "text_mask": mask, "reference": -ref_latents}, seeds, shape=shape)
+    assert (other.double() - expected).abs().max() > 1e-3 * scale  # the reference steers the samples
