@@ -57,6 +57,8 @@ def sgd_steps(module, model, x0, cond, steps: int, lr: float, *, average: bool):
         loss.backward()
         if average:
             for p in trained:
+                if p.grad is None:  # a parameter this loss does not reach (QwenImage's last text-stream MLP)
+                    continue
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
         optimizer.step()
