@@ -17,13 +17,15 @@ Tensor = torch.Tensor
 def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int = 3, size: int | tuple[int, int] = 8,
                            text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
                            seed: int = 0, first_sample: int = 0, image: bool = False, image_dim: int = 0,
-                           control: int = 0) -> dict:
+                           control: int = 0, audio: tuple[int, int, int] | None = None) -> dict:
     """``num_samples`` latent videos (``frames=0``: images) of ``size`` (H = W, or (H, W)) of a soft blob whose start
     and direction depend on the prompt; ``pooled_dim`` > 0 adds a pooled prompt embedding (Flux); ``image`` adds the
     first-frame conditioning of image-to-video (``image_latents``: the first latent frame, ``image_condition``: it
     followed by zero frames) and ``image_dim`` > 0 a random stand-in for CLIP image embeddings (N, 4, image_dim);
     ``control`` > 0 a control video of that many channels (Wan VACE's ``control``: the clip's own latents repeated
-    over the channels, a control the model can learn to follow).
+    over the channels, a control the model can learn to follow); ``audio`` = (channels, frames, mel bins) the clip's
+    sound as audio latents (LTX-2's ``audio``, denoised with the video: a tone whose pitch and loudness per mel bin
+    depend on the prompt).
 
     Prompt p has a fixed random text embedding (its first ``3 + p % (text_len - 2)`` tokens real, the rest zero, as
     padded encoder states are) and caption ``"blob p"``; each video is drawn from (seed, sample index), the samples
@@ -68,7 +70,21 @@ def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int =
             raise ConfigError("data.control needs videos: set data.frames >= 1 (a control video has the clip's frames)")
         copies = -(-control // latents.shape[1])
         result.setdefault("image", {})["control"] = latents.repeat(1, copies, 1, 1, 1)[:, :control]  # (N, control, ...)
+    if audio:
+        result.setdefault("image", {})["audio"] = synthetic_audio(prompts, num_prompts, audio, seed)
     return result
+
+
+def synthetic_audio(prompts: Tensor, num_prompts: int, shape: tuple[int, int, int], seed: int) -> Tensor:
+    """(N, C, L, M) audio latents of the samples' ``prompts`` (N,): prompt p's tone, a cosine over the L frames at its
+    own frequency, times its own random weights per channel and mel bin (drawn from a stream of their own, so the
+    video draws stay those of the same data without audio)."""
+    channels, frames, mel_bins = shape
+    g = torch.Generator().manual_seed(seed * 7_919 + 1)
+    weights = torch.randn(num_prompts, channels, 1, mel_bins, generator=g)  # (P, C, 1, M)
+    frequencies = 0.3 + 0.2 * torch.arange(num_prompts, dtype=torch.float32)  # (P,)
+    tone = torch.cos(frequencies[:, None] * torch.arange(frames, dtype=torch.float32)[None, :])  # (P, L)
+    return (weights * tone[:, None, :, None])[prompts]  # (N, C, L, M)
 
 
 def synthetic_image_condition(latents: Tensor, image: bool, image_dim: int, generator: torch.Generator
@@ -100,26 +116,28 @@ class SyntheticTextLatentsDataModule(TextLatentsDataModule):
                  text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
                  batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4,
                  seed: int = 0, buckets: list | None = None, bucket_samples: list[int] | None = None,
-                 tokens_per_batch: int | None = None, image: bool = False, image_dim: int = 0, control: int = 0):
+                 tokens_per_batch: int | None = None, image: bool = False, image_dim: int = 0, control: int = 0,
+                 audio: list[int] | None = None):
         settings = dict(num_samples=num_samples, channels=channels, frames=frames, size=size, text_len=text_len,
                         text_dim=text_dim, num_prompts=num_prompts, pooled_dim=pooled_dim, seed=seed)
         for key, value in settings.items():
             require_count(f"data.{key}", value, minimum=0 if key in ("seed", "frames", "pooled_dim") else 1)
         require_count("data.image_dim", image_dim, minimum=0)
         require_count("data.control", control, minimum=0)
+        audio = audio_shape(audio)
         # image-to-video keys (named in the file only when asked for: the text-to-video sets keep their names)
         settings.update({"image": True} if image else {}, **({"image_dim": image_dim} if image_dim else {}),
-                        **({"control": control} if control else {}))
+                        **({"control": control} if control else {}), **({"audio": audio} if audio else {}))
         common = {key: value for key, value in settings.items() if key not in ("num_samples", "frames", "size")}
         if buckets is None:  # one file, as before buckets existed
-            path = Path(cache_dir).expanduser() / ("synthetic-" + "-".join(f"{k}{v}" for k, v in settings.items())
-                                                   + ".safetensors")
+            name = "-".join(f"{k}{_named(v)}" for k, v in settings.items())
+            path = Path(cache_dir).expanduser() / f"synthetic-{name}.safetensors"
             if not path.is_file():
                 write_text_latents(path, **synthetic_text_latents(**settings))
         else:  # a folder of one shard per bucket
             shapes = _synthetic_buckets(buckets)
             counts = _bucket_counts(bucket_samples, num_samples, len(shapes))
-            path = Path(cache_dir).expanduser() / ("synthetic-" + "-".join(f"{k}{v}" for k, v in common.items())
+            path = Path(cache_dir).expanduser() / ("synthetic-" + "-".join(f"{k}{_named(v)}" for k, v in common.items())
                                                    + "-buckets-" + "-".join(f"{n}x{'x'.join(map(str, shape))}"
                                                                             for n, shape in zip(counts, shapes)))
             first = 0
@@ -132,6 +150,25 @@ class SyntheticTextLatentsDataModule(TextLatentsDataModule):
                 first += count
         super().__init__(str(path), batch_size, num_workers, val_fraction, val_batches, seed,
                          tokens_per_batch=tokens_per_batch)
+
+
+def audio_shape(audio) -> tuple[int, int, int] | None:
+    """``data.audio`` as (channels, frames, mel bins) of the audio latents, None for none; a ConfigError otherwise."""
+    if audio is None:
+        return None
+    from omegaconf import OmegaConf
+
+    audio = OmegaConf.to_container(audio) if OmegaConf.is_config(audio) else audio
+    if not isinstance(audio, (list, tuple)) or len(audio) != 3 or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in audio):
+        raise ConfigError(f"data.audio={audio!r}: give the audio latents' [channels, frames, mel bins], e.g. "
+                          f"data.audio=[2,5,2] (model=ltx2_tiny: 2 x 2 = its audio_in_channels 4)")
+    return tuple(audio)
+
+
+def _named(value) -> str:
+    """A setting's value in a file name (a shape as 2x5x2)."""
+    return "x".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _synthetic_buckets(buckets) -> list[tuple[int, ...]]:

@@ -14,7 +14,11 @@ IMAGE_KEYS = ("image_latents", "image_condition", "image_embeds")
 CONTROL_KEY = "control"
 # a reference image's latents, optional, per sample (Qwen-Image-Edit: ringdit.models.diffusers.qwenimage_edit reads them)
 REFERENCE_KEY = "reference"
-SAMPLE_KEYS = (*IMAGE_KEYS, CONTROL_KEY, REFERENCE_KEY)  # the per-sample conditioning a shard may hold beside the text
+# a clip's sound as audio-VAE latents, optional, per sample: denoised with the video by a family that generates both
+# (LTX-2's (N, C_audio, L, mel bins): ringdit.models.diffusers.ltx2, Family.joint_latents)
+AUDIO_KEY = "audio"
+# the per-sample tensors a shard may hold beside the text
+SAMPLE_KEYS = (*IMAGE_KEYS, CONTROL_KEY, REFERENCE_KEY, AUDIO_KEY)
 # a text condition key -> the name of the empty prompt's value (a shard's tensor, a model's buffer)
 NULL_KEYS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled",
              "glyph_text": "null_glyph_text", "glyph_text_mask": "null_glyph_text_mask"}

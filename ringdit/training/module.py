@@ -187,8 +187,17 @@ class DiffusionModule(L.LightningModule):
         x_t = self.objective.add_noise(x0, noise, t)
         if model.condition_dropout_prob > 0:  # no null condition, no drop
             condition = model.drop_condition(condition, draws < model.condition_dropout_prob)
+        # latents denoised with x (LTX-2's audio): noised at the sample's time, their noise drawn after x's draws
+        joint = {key: condition[key] for key in getattr(model, "joint_latents", ()) if key in condition}
+        joint_noise = {key: draw_noise(value.shape[1:], generators, x0.device, value.dtype)
+                       for key, value in joint.items()}
+        if joint:
+            condition = {**condition, **{key: self.objective.add_noise(value, joint_noise[key], t)
+                                         for key, value in joint.items()}}
         run = {"expert": expert} if expert else {}  # a two-expert model runs the one the times were drawn for
         prediction = model(x_t, self.objective.model_time(t), condition, **run)  # (B, C or 2C, [T,] H, W)
+        if joint:  # and each joint latent's own prediction
+            prediction, joint_predictions = prediction
         channels = x0.shape[1]
         eps = prediction[:, :channels].float()
         error = (eps - self.objective.target(x0, noise, t).float()).square()  # (B, C, [T,] H, W)
@@ -204,8 +213,16 @@ class DiffusionModule(L.LightningModule):
             error = error * mask.to(error)
         weights = model.loss_weights(x0) if hasattr(model, "loss_weights") else None
         if weights is not None:  # image-to-video with a given first frame: the mean over the frames that were noised
-            return (error * weights).sum() / weights.expand_as(error).sum()
-        return error.mean()
+            loss = (error * weights).sum() / weights.expand_as(error).sum()
+        else:
+            loss = error.mean()
+        for key, value in joint.items():  # + each joint latent's own mean squared error, time-weighted alike
+            joint_error = (joint_predictions[key].float()
+                           - self.objective.target(value, joint_noise[key], t).float()).square()
+            if time_weights is not None:
+                joint_error = joint_error * time_weights.to(joint_error).reshape(-1, *[1] * (joint_error.dim() - 1))
+            loss = loss + joint_error.mean()
+        return loss
 
     def sample_generators(self, stream: Stream, batch: tuple[int, ...], batch_size: int) -> list[torch.Generator]:
         """One generator per local sample, keyed by ``batch`` and its position in the global batch (dp rank-major)."""

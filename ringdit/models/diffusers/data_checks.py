@@ -1,11 +1,11 @@
 """Whether the data fit a diffusers model of a family: the latents' shape and channels, the text, pooled and glyph
-embeddings' widths, an image-to-video family's first-frame conditioning and its input channels, and a control-video
-family's control latents."""
+embeddings' widths, an image-to-video family's first-frame conditioning and its input channels, a control-video
+family's control latents, and the audio latents of a family that generates sound with the video."""
 
 from __future__ import annotations
 
 from ringdit.common.errors import ConfigError
-from ringdit.models.conditioning import CONTROL_KEY
+from ringdit.models.conditioning import AUDIO_KEY, CONTROL_KEY
 from ringdit.models.diffusers.families import Family
 from ringdit.models.diffusers.image_condition import CONDITION_KEY
 
@@ -58,6 +58,7 @@ WAN_IMAGE_TEXT_LEN = 512
 def check_image_data(config: dict, family: Family, data: dict) -> None:
     """An image-to-video model needs the data's first-frame conditioning (``data["image_keys"]``: the image keys its
     samples hold, text_latents' describe()); a control-video model its control latents."""
+    check_audio_data(config, family, data)
     if CONTROL_KEY in family.condition_keys and CONTROL_KEY not in data.get("image_keys", ()):
         width = (config.get("config") or {}).get("vace_in_channels", "<model.config.vace_in_channels>")
         raise ConfigError(f"model.family={family.name} denoises under a control video, but the data has no 'control' "
@@ -85,6 +86,23 @@ def check_image_data(config: dict, family: Family, data: dict) -> None:
             raise ConfigError(f"model.config.image_dim is set, so Wan's attention takes the last 512 keys as text, "
                               f"but the data's captions are {data['text_len']} tokens; encode them padded to 512 "
                               f"(prepare max_text_len=512)")
+
+
+def check_audio_data(config: dict, family: Family, data: dict) -> None:
+    """A family that generates sound with the video (LTX-2) needs the clips' audio latents; a family that neither
+    generates nor reads sound must not be given them (it would train on the video alone, silently)."""
+    keys = data.get("image_keys", ())
+    if AUDIO_KEY in family.joint_latents and AUDIO_KEY not in keys:
+        width = (config.get("config") or {}).get("audio_in_channels")
+        bins = 16 if width and width >= 128 and width % 16 == 0 else 2  # LTX-2's audio VAE: 8 channels x 16 mel bins
+        example = f"[{width // bins},5,{bins}]" if width and width % bins == 0 else "[channels,frames,mel_bins]"
+        raise ConfigError(f"model.family={family.name} generates video and audio together, but the data has no "
+                          f"'audio' latents (N, C_audio, L, mel bins) beside the clips'; give data that hold them, "
+                          f"e.g. data=synthetic_text_latents data.audio={example}")
+    if AUDIO_KEY in keys and AUDIO_KEY not in family.joint_latents + family.condition_keys:
+        raise ConfigError(f"the data hold the clips' 'audio' latents, but model.family={family.name} generates no "
+                          f"sound: it would train on the video alone; train an audio-video model (model=ltx2), or "
+                          f"give data without audio")
 
 
 def check_latent_shape(size: tuple[int, ...], patch: tuple[int, ...], data_channels: int | None, channels: int) -> None:

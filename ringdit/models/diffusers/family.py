@@ -122,6 +122,10 @@ class Family:
     # its pipeline's chat template around the prompt (prompt_template=<family>), its constants read from diffusers'
     # own code when called, so that they cannot drift; None: the text encoder takes the prompt as it is (T5, UMT5)
     chat_template: Callable[[], ChatTemplate] | None = None
+    # conditioning keys of latents the model denoises together with the video (LTX-2's ``audio``): training noises
+    # each at the sample's time and adds its own mean squared error; the forward then returns ``(prediction,
+    # {key: its prediction})``. (): the model predicts the latents ``x`` alone
+    joint_latents: tuple[str, ...] = ()
     # installs the family's own attention processors on a freshly built transformer, for a model whose diffusers
     # processors call PyTorch attention directly (ringdit routes diffusers' dispatch_attention_fn only): they must
     # compute what the model's own do (CogVideoX's); None: the model's processors already dispatch

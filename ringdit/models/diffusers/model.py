@@ -273,6 +273,11 @@ class DiffusersTransformer(nn.Module):
         return self.patch_size
 
     @property
+    def joint_latents(self) -> tuple[str, ...]:
+        """Conditioning keys of latents denoised together with ``x`` (``Family.joint_latents``: LTX-2's audio)."""
+        return self.family.joint_latents
+
+    @property
     def published_teacache_coefficients(self) -> tuple[float, ...] | None:
         """TeaCache's published polynomial for this transformer's size (``Family.teacache_coefficients``); None:
         none was published for it (``python -m ringdit.caching calibrate`` fits one)."""
@@ -376,8 +381,10 @@ class DiffusersTransformer(nn.Module):
         None for the rest (their modules' own ``reset_parameters`` apply)."""
         owner_name, _, attr = name.rpartition(".")
         owner = self.get_submodule(owner_name)
-        if attr == "scale_shift_table":
+        if attr in ("scale_shift_table", "audio_scale_shift_table"):  # (LTX-2's audio stream has its own)
             return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+        if attr.endswith("scale_shift_table"):  # LTX-2's cross-modal and prompt tables: N(0, 1), as it draws them
+            return torch.randn(shape, generator=generator)
         if not hasattr(owner, "reset_parameters") and "Norm" in type(owner).__name__:
             return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
         return None
