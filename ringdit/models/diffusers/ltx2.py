@@ -35,13 +35,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringdit.models.conditioning import AUDIO_KEY as AUDIO  # the audio latents' key, the stream's name
 from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.diffusers.ltx_video import pack_video, unpack_video
 from ringdit.models.plan import TOKENS, ParallelPlan, StreamPlan
 
 Tensor = torch.Tensor
 
-AUDIO = "audio"  # the audio stream's name in the plan, and the conditioning key of the audio latents
 FPS = 24  # LTX2Pipeline's frame_rate: its RoPE's time axis is in seconds at it, and its videos play at it
 
 
@@ -84,8 +84,9 @@ def ltx2_forward(transformer: nn.Module, video: Tensor, audio: Tensor, t: Tensor
     return unpack_video(video_out, grid, patch, patch_t), unpack_audio(audio_out, audio.shape[3])
 
 
-def audio_latents(cond: dict, video: Tensor) -> Tensor:
-    """``cond["audio"]`` (B, C_a, L, M), checked against the video latents (B, C, T, H, W): LTX-2 denoises both."""
+def audio_latents(cond: dict, video: Tensor, channels: int) -> Tensor:
+    """``cond["audio"]`` (B, C_a, L, M), checked against the video latents (B, C, T, H, W) and the model's
+    ``channels`` (audio_in_channels = C_a x M): LTX-2 denoises both."""
     audio = cond.get(AUDIO)
     if audio is None:
         raise ValueError("model.family=ltx2 generates video and audio together, but the conditioning has no 'audio' "
@@ -93,16 +94,20 @@ def audio_latents(cond: dict, video: Tensor) -> Tensor:
     if audio.dim() != 4 or audio.shape[0] != video.shape[0]:
         raise ValueError(f"the audio latents {tuple(audio.shape)} do not fit the video latents {tuple(video.shape)}: "
                          f"LTX-2's audio latents are (B, C_audio, L, mel bins), one per video")
+    if audio.shape[1] * audio.shape[3] != channels:
+        raise ValueError(f"the audio latents {tuple(audio.shape)} carry {audio.shape[1]} x {audio.shape[3]} channels "
+                         f"x mel bins per frame but model.config.audio_in_channels is {channels}: encode the sound "
+                         f"with the model's own audio VAE")
     return audio
 
 
-def _ltx2_video_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
-    """x (B, C, T, H, W) video latents, t (B,) in 0..1000, cond as ``ltx2_forward``'s with the audio latents at
-    ``cond["audio"]`` (B, C_a, L, M) and their own time at ``cond["audio_time"]`` (B,) (default t) -> the video
-    prediction (B, C, T, H, W)."""
-    audio = audio_latents(cond, x).to(x.dtype)
-    audio_t = cond.get("audio_time", t)
-    return ltx2_forward(transformer, x, audio, t, audio_t, cond)[0]
+def _ltx2_joint_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> tuple[Tensor, dict]:
+    """x (B, C, T, H, W) video latents, t (B,) in 0..1000, cond as ``ltx2_forward``'s with the noisy audio latents at
+    ``cond["audio"]`` (B, C_a, L, M) and their own time at ``cond["audio_time"]`` (B,) (default t) -> (the video
+    prediction (B, C, T, H, W), {"audio": the audio prediction (B, C_a, L, M)})."""
+    audio = audio_latents(cond, x, transformer.config.audio_in_channels).to(x.dtype)
+    video_out, audio_out = ltx2_forward(transformer, x, audio, t, cond.get("audio_time", t), cond)
+    return video_out, {AUDIO: audio_out}
 
 
 LTX2 = Family(
@@ -122,7 +127,8 @@ LTX2 = Family(
         stream_cross_attention={"transformer_blocks.*.audio_to_video_attn": AUDIO,  # video queries, audio keys
                                 "transformer_blocks.*.video_to_audio_attn": TOKENS},  # audio queries, video keys
     ),
-    forward=_ltx2_video_forward,
+    forward=_ltx2_joint_forward,
+    joint_latents=(AUDIO,),  # the sound: noised with the video, predicted, in the loss
     video=True,
     vae_factors=(8, 32),  # LTX-2's video VAE (the transformer's vae_scale_factors)
     fps=FPS,

@@ -1,0 +1,148 @@
+"""Training LTX-2 (video and audio denoised together, ``Family.joint_latents``): DiffusionModule's loss is the video's
+mean squared flow-matching error plus the audio's, both noised at the sample's time, through the unmodified diffusers
+model; SGD steps through that loss at ring 2 under DDP, at Ulysses 2 under FSDP and with LoRA at ring 2 equal one
+process (in the ranks); data without the audio latents, or audio for a model that makes no sound, are refused before
+anything is built, and the refusal's advice composes."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from ringdit.parallel import init_sequence_parallel
+from tests.diffusers_helpers import sgd_steps
+from tests.distributed import run_ranks
+from tests.helpers import architecture, assert_same_numbers
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SHAPE, AUDIO_SHAPE, TEXT_LEN = (3, 3, 3), (2, 5, 2), 7  # 27 video and 5 audio tokens: padded at ring 2
+MODEL = {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": "ltx2",
+         "config": architecture("ltx2_tiny"), "input_size": list(SHAPE), "in_channels": 4, "text_len": TEXT_LEN,
+         "text_dim": 16, "condition_dropout_prob": 0.5}  # half the samples drop their prompt, none their audio
+STEPS, LR = 2, 0.5
+
+
+def module_and_batch():
+    from ringdit.training import DiffusionModule
+
+    module = DiffusionModule(model={}, objective={"_target_": "ringdit.diffusion.FlowMatching"},
+                             data={"image_size": list(SHAPE), "latent_scale": 1.0},
+                             sampling={"sampler": "euler", "steps": 2, "cfg_scale": 1.0, "shift": 1.0})
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(2, 4, *SHAPE, generator=g)
+    mask = torch.ones(2, TEXT_LEN, dtype=torch.bool)
+    mask[0, 5:] = False
+    cond = {"text": torch.randn(2, TEXT_LEN, 16, generator=g), "text_mask": mask,
+            "audio": torch.randn(2, *AUDIO_SHAPE, generator=g)}
+    return module, x0, cond
+
+
+def test_the_loss_is_the_video_and_the_audio_flow_matching_errors_through_the_unmodified_model():
+    """One process, float64: the module's loss equals the sum of the two mean squared errors computed here with the
+    diffusers model called directly on the same draws (the sample's time, the video's noise, then the audio's)."""
+    import diffusers
+
+    from ringdit.diffusion import draw_noise
+    from ringdit.models.build import build_model
+
+    model, _ = build_model({**MODEL, "condition_dropout_prob": 0.0}, seed=7)
+    model.double()
+    reference = diffusers.LTX2VideoTransformer3DModel.from_config(architecture("ltx2_tiny")).double()
+    reference.load_state_dict(model.transformer.state_dict())
+    module, x0, cond = module_and_batch()
+    x0, cond = x0.double(), {k: v.double() if v.is_floating_point() else v for k, v in cond.items()}
+    seeds = [3, 4]
+    loss = module.diffusion_loss(model, x0, cond, [torch.Generator().manual_seed(s) for s in seeds])
+
+    generators = [torch.Generator().manual_seed(s) for s in seeds]  # the same draws, in the module's order
+    t = torch.cat([module.objective.sample_time(1, g, 27) for g in generators]).double()
+    noise = draw_noise(x0.shape[1:], generators, dtype=torch.float64)
+    [torch.rand(1, generator=g) for g in generators]  # the condition drop's draws
+    audio_noise = draw_noise(cond["audio"].shape[1:], generators, dtype=torch.float64)
+    x_t = (1 - t.view(-1, 1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1, 1) * noise
+    audio_t = (1 - t.view(-1, 1, 1, 1)) * cond["audio"] + t.view(-1, 1, 1, 1) * audio_noise
+    video_out, audio_out = reference(
+        hidden_states=x_t.permute(0, 2, 3, 4, 1).reshape(2, -1, 4), 
+        audio_hidden_states=audio_t.transpose(1, 2).flatten(2),
+        encoder_hidden_states=cond["text"], audio_encoder_hidden_states=cond["text"], timestep=t * 1000,
+        audio_timestep=t * 1000, sigma=t * 1000, encoder_attention_mask=cond["text_mask"],
+        audio_encoder_attention_mask=cond["text_mask"], num_frames=3, height=3, width=3, fps=24.0,
+        audio_num_frames=5, return_dict=False)
+    video_out = video_out.reshape(2, *SHAPE, 4).permute(0, 4, 1, 2, 3)
+    audio_out = audio_out.unflatten(2, (2, 2)).transpose(1, 2)
+    expected = ((video_out - (noise - x0)) ** 2).mean() + ((audio_out - (audio_noise - cond["audio"])) ** 2).mean()
+    # diffusion_loss squares the errors in float32 (as it trains): the same sum up to float32 rounding
+    assert_same_numbers(loss, expected, of_max=1e-6, where="joint loss")
+
+
+def sgd_run(dims=None, shard=None, lora=None):
+    """(losses, weights) of STEPS SGD steps on a fixed batch through DiffusionModule.diffusion_loss (t, noise and the
+    condition drop drawn per sample), gradients averaged over the ranks as DDP does (FSDP reduces its own)."""
+    from ringdit.models.build import build_model
+
+    model, _ = build_model(MODEL, dims=dims, shard=shard, lora=lora, seed=7)
+    module, x0, cond = module_and_batch()
+    return sgd_steps(module, model, x0, cond, STEPS, LR, average=shard is None and dims is not None)
+
+
+def check_training(rank, world):
+    from ringdit.parallel import build_shard_mesh
+    from ringdit.training.fsdp import shard_model
+
+    lora = {"rank": 4, "alpha": 8}
+    references = {"full": sgd_run(), "lora": sgd_run(lora=lora)}  # one process, in this rank
+    runs = {
+        "ddp ring 2": ("full", dict(dims=init_sequence_parallel(2, 1))),
+        "fsdp ulysses 2": ("full", dict(dims=init_sequence_parallel(1, 2),  # every block a unit
+                                        shard=functools.partial(shard_model, mesh=build_shard_mesh(world)))),
+        "lora ring 2": ("lora", dict(dims=init_sequence_parallel(2, 1), lora=lora)),
+    }
+    for name, (kind, options) in runs.items():
+        losses, weights = sgd_run(**options)
+        ref_losses, ref_weights = references[kind]
+        # float32 (as train.py runs): a layout reorders sums only (tests/test_diffusers_training.py's tolerance)
+        assert losses == pytest.approx(ref_losses, rel=1e-5), name
+        assert_same_numbers(weights, ref_weights, atol=1e-5, where=name)
+        if kind == "lora":  # only adapters train, the audio stream's and the cross-modal attention's too
+            assert weights and all("lora_" in key for key in weights), sorted(weights)[:3]
+            assert any(".audio_to_video_attn." in key for key in weights), sorted(weights)[:3]
+        else:  # the audio output layer trains: the audio's error reaches it
+            assert not torch.equal(weights["transformer.audio_proj_out.weight"],
+                                   build_untrained_audio_proj_out()), name
+
+
+def build_untrained_audio_proj_out() -> torch.Tensor:
+    from ringdit.models.build import build_model
+
+    return build_model(MODEL, seed=7)[0].transformer.audio_proj_out.weight.detach()
+
+
+def test_ltx2_sgd_steps_equal_one_process_under_ddp_fsdp_and_lora():
+    run_ranks(check_training, 2)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model=ltx2_tiny"], "model.family=ltx2 generates video and audio together, but the data has no 'audio' "
+                          "latents .* e.g. data=synthetic_text_latents data.audio=\\[2,5,2\\]"),
+    (["model=wan_tiny", "data.audio=[2,5,2]"], "the data hold the clips' 'audio' latents, but model.family=wan "
+                                               "generates no sound"),
+    (["model=ltx2_tiny", "data.audio=[2,5]"], "data.audio=\\[2, 5\\]: give the audio latents' \\[channels, frames, "
+                                              "mel bins\\]"),
+], ids=["video without audio", "audio for a silent model", "audio of another shape"])
+def test_audio_data_that_do_not_fit_the_model_are_refused_before_anything_is_built(overrides, message, tmp_path):
+    from tests.families import assert_refused_before_spawning
+
+    common = ["data=synthetic_text_latents", "data.num_samples=8", "data.batch_size=2"]
+    assert_refused_before_spawning(tmp_path, [*common, *overrides], message)
+
+
+def test_the_refusals_advice_composes(tmp_path):
+    """The advice of the refusal above (data.audio=[2,5,2]) gives data the tiny model takes."""
+    from tests.helpers import prepare_train
+
+    prepare_train(["model=ltx2_tiny", "data=synthetic_text_latents", "data.num_samples=8", "data.batch_size=2",
+                   "data.audio=[2,5,2]", "logger=none", f"data.cache_dir={tmp_path / 'data'}"], tmp_path / "run")
