@@ -10,13 +10,16 @@ stream's count divisible by 4 --, the audio at a timestep of its own."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
 
+import ringdit.training  # noqa: F401 - not first imported under capsys by the planner test (test_memory.py)
 from ringdit.models import parallelize
 from ringdit.models.diffusers.minimax_h3 import minimax_h3_forward, packed_layout
 from ringdit.parallel import init_sequence_parallel
+from ringdit.plan import main as plan_main
 from tests.diffusers_helpers import LAYOUTS, ddp_average
 from tests.distributed import run_ranks
 from tests.helpers import architecture, assert_same_numbers
@@ -165,3 +168,14 @@ def test_conditioning_without_audio_or_with_other_channels_is_refused():
         model(x, t, {"text": text, "audio": torch.zeros(1, 2, 4, AUDIO_LEN, dtype=torch.float64)})
     with pytest.raises(ValueError, match=r"the audio latents \(1, 1, 8, 3\) do not fit the video latents"):
         model(x, t, {"text": text, "audio": torch.zeros(1, 1, 8, AUDIO_LEN, dtype=torch.float64)})
+
+
+def test_the_planner_lays_out_ulysses_degrees_that_do_not_divide_the_56_heads(capsys):
+    """MiniMax-H3's 56 heads cap an even Ulysses split at 8 (56 = 8 x 7); the planner lays out 16 too, its step time
+    counting the busiest rank's 4 heads (4 / 3.5 = 1.14x an even split's attention), and says how it places them."""
+    assert plan_main(["model=minimax_h3", "gpus=32", "ulysses_degree=16", "data.latent=false", "data.frames=72",
+                 "data.size=[48,84]", "show=2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^ +\d+ +\d+ +16 fsdp ", out, flags=re.M), out  # layouts of ulysses=16 in the table
+    assert ("Uneven heads: ulysses=16 places the 56 heads 8 ranks x 4 + 8 x 3; its attention takes 1.14x an even "
+            "split's (counted in s/sample)") in out

@@ -7,6 +7,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
+from ringdit.parallel.heads import head_counts, head_imbalance
 from ringdit.parallel.layout import Layout
 from ringdit.costs import FLOAT8, GiB, ModelSize, Setup
 from ringdit.plan.search import Candidate, Hardware, options_label, preference
@@ -170,7 +171,20 @@ def format_plan(found: list[Candidate], hardware: Hardware, layout: Layout, setu
     if short:
         lines += ["", f"does not fit in {hardware.usable_bytes / GiB:.1f} GiB ({min(show, len(short))} nearest of "
                       f"{len(short)}):", *(table_row(c, reference) for c in short[:show])]
-    return "\n".join([*lines, "", *why])
+    return "\n".join([*lines, "", *why, *uneven_heads_lines(fitting[:show] + short[:show], model.num_heads)])
+
+
+def uneven_heads_lines(listed: list[Candidate], heads: int) -> list[str]:
+    """One line per Ulysses degree of the listed layouts that does not divide the heads: how it places them and how
+    much longer its attention takes than an even split (``head_imbalance``, which the time per sample counts)."""
+    lines = []
+    for degree in sorted({c.layout.ulysses_degree for c in listed if heads % c.layout.ulysses_degree}):
+        counts = head_counts(heads, degree)
+        more, fewer = max(counts), min(counts)
+        lines.append(f"Uneven heads: ulysses={degree} places the {heads} heads {counts.count(more)} ranks x {more} + "
+                     f"{counts.count(fewer)} x {fewer}; its attention takes {head_imbalance(heads, degree):.2f}x an "
+                     f"even split's (counted in s/sample)")
+    return lines
 
 
 def train_command(best: Candidate, cfg: DictConfig) -> str:
