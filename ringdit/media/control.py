@@ -1,4 +1,5 @@
-"""A control-video model's control input from pixels (``infer.py control=``): the control clip read at the samples'
+"""A control-video model's control input from pixels (``infer.py control=``; ``prepare control=`` finds each clip's
+control clip, ``prepare reference=`` each image's reference image): the control clip read at the samples'
 frames and size and encoded with the data's VAE into ``control`` (B, vace_in_channels, T', h, w), as
 ``WanVACEPipeline`` builds ``control_hidden_states`` from its ``video`` (no mask: every pixel generated;
 ``ringdit.models.diffusers.wan_vace.control_condition``). The clip is checked for its frame count and size before
@@ -80,3 +81,37 @@ def find_controls(control, items: list) -> dict[Path, Path]:
                               f"control video its clip's frames and size")
         controls[item.path] = found
     return controls
+
+
+def find_references(reference, items: list) -> dict[Path, Path]:
+    """``python -m ringdit.prepare reference=<folder>``: each image's reference image in that folder (the image's file
+    name stem), checked from the headers to have the image's aspect ratio (it is read at the image's size: another
+    ratio would be squeezed or cropped unlike its image). A ``ConfigError`` naming ``reference=`` for a missing
+    folder, a video among the images, an image without a reference, or one of another aspect ratio."""
+    from ringdit.media.folder import IMAGE_SUFFIXES
+
+    folder = Path(str(reference)).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"reference={reference} is not a folder; give the folder of reference images (one per "
+                          f"image, with its file name stem), or reference=null")
+    by_stem = {path.stem: path for path in sorted(folder.iterdir()) if path.suffix.lower() in IMAGE_SUFFIXES}
+    found = {}
+    for item in items:
+        if item.is_video:
+            raise ConfigError(f"reference={reference}: {item.path.name} is a video, but a reference image conditions "
+                              f"images (Qwen-Image-Edit); prepare the videos without reference=")
+        path = by_stem.get(item.path.stem)
+        if path is None:
+            raise ConfigError(f"reference={reference} has no reference image for {item.path.name} (an image named "
+                              f"{item.path.stem}.png or another image suffix); give every image its reference")
+        try:
+            (height, width, _), (ref_height, ref_width, _) = probe(item.path, False), probe(path, False)
+        except Exception as error:  # noqa: BLE001 - PIL raises its own errors for files it cannot read
+            raise ConfigError(f"reference={reference}: {item.path.name} or its reference {path.name} cannot be read "
+                              f"as an image ({error}); replace the file, or leave the image out") from None
+        if abs(ref_width * height - ref_height * width) >= max(height, width):  # other ratio, beyond 1 px rounding
+            raise ConfigError(f"reference={reference}: {path.name} is {ref_width}x{ref_height} (W x H) but "
+                              f"{item.path.name} is {width}x{height}: a different aspect ratio; crop the reference to "
+                              f"{width}:{height} (it is read at its image's size)")
+        found[item.path] = path
+    return found

@@ -17,7 +17,7 @@ from ringdit.data.text_latent_shards import MASK_KEY, TEXT_KEYS, save_tensors
 from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.buckets import Bucket, make_buckets, parse_buckets
-from ringdit.media.control import find_controls
+from ringdit.media.control import find_controls, find_references
 from ringdit.media.clip_placement import bucket_size, clip_windows, place_files, plan_shards
 from ringdit.media.encode_report import EncodeReport
 from ringdit.media.folder import MediaItem, list_media
@@ -30,7 +30,7 @@ from ringdit.media.shard_plan import PLAN, check_plan, check_resumed_task, shard
 from ringdit.media.text import TextEncoder
 from ringdit.media.vae import VAE
 from ringdit.media.windows import extraction, pipeline_fps, timeline
-from ringdit.models.conditioning import CONTROL_KEY, SAMPLE_KEYS
+from ringdit.models.conditioning import CONTROL_KEY, REFERENCE_KEY, SAMPLE_KEYS
 from ringdit.models.diffusers.wan_vace import control_condition
 
 log = logging.getLogger("ringdit.prepare")
@@ -75,6 +75,7 @@ class FolderSettings:
     glyph_tokenizer: str | None
     mask_path: str | None
     control: str | None  # a folder of control videos, one per clip (Wan VACE's control latents)
+    reference: str | None  # a folder of reference images, one per image (Qwen-Image-Edit's reference latents)
     frame_extraction: str
     window_stride: int | None
     frame_sample: int | None
@@ -131,6 +132,7 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
         log.warning("mask_path=%s: %d of %d files have no mask (first: %s); they train everywhere", settings.mask_path,
                     len(items) - len(masks), len(items), next(i.path.name for i in items if i.path not in masks))
     controls = find_controls(settings.control, items) if settings.control else None  # headers only, as the masks
+    references = find_references(settings.reference, items) if settings.reference else None  # headers only too
     videos = [item for item in items if item.is_video]
     if videos and len(videos) < len(items) and not bucketed:
         image = next(item for item in items if not item.is_video)
@@ -273,6 +275,13 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
                 control_pixels = [control for _, _, control in read if control is not None]
                 if masks is not None:  # the masks of the clips kept (aligned with read)
                     mask_pixels = [mask for mask, (_, _, control) in zip(mask_pixels, read) if control is not None]
+            if references is not None:  # each image's reference read at its size (an unreadable one skips its image)
+                read = [(item, pixels, load(dataclasses.replace(item, path=references[item.path]), bucket))
+                        for item, pixels in loaded]
+                loaded = [(item, pixels) for item, pixels, reference in read if reference is not None]
+                reference_pixels = [reference for _, _, reference in read if reference is not None]
+                if masks is not None:
+                    mask_pixels = [mask for mask, (_, _, ref) in zip(mask_pixels, read) if ref is not None]
             bar.update(len(batch))
             if not loaded:
                 continue
@@ -285,6 +294,8 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
             if controls is not None:  # as WanVACEPipeline encodes its video: [inactive ; reactive ; packed mask]
                 cond[CONTROL_KEY] = control_condition(encode, torch.stack(control_pixels), codec.spatial,
                                                       codec.temporal)
+            if references is not None:  # the reference image's latents, as the edit pipelines encode it
+                cond[REFERENCE_KEY] = encode(torch.stack(reference_pixels))  # (B, C, H', W'): the latents' grid
             if settings.task == "i2v":  # the first frame's conditioning, its encodes by the same VAE path as the clips'
                 cond.update(first_frame_condition(encode, pixels[:, :, 0], bucket.frames))
                 if clip is not None:  # CLIP sees the first frame as the bucket shows it (the same 8-bit RGB)
