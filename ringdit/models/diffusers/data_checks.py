@@ -93,11 +93,15 @@ def check_audio_data(config: dict, family: Family, data: dict) -> None:
     generates nor reads sound must not be given them (it would train on the video alone, silently)."""
     keys = data.get("image_keys", ())
     if AUDIO_KEY in family.joint_latents and AUDIO_KEY not in keys:
-        width = (config.get("config") or {}).get("audio_in_channels")
+        arch = config.get("config") or {}
+        width = arch.get("audio_in_channels")
         bins = 16 if width and width >= 128 and width % 16 == 0 else 2  # LTX-2's audio VAE: 8 channels x 16 mel bins
         example = f"[{width // bins},5,{bins}]" if width and width % bins == 0 else "[channels,frames,mel_bins]"
+        if family.audio_frame is not None and width:  # the family's own layout of an audio latent frame
+            channels, features = family.audio_frame(arch)
+            example = f"[{channels},5,{features}]"
         raise ConfigError(f"model.family={family.name} generates video and audio together, but the data has no "
-                          f"'audio' latents (N, C_audio, L, mel bins) beside the clips'; give data that hold them, "
+                          f"'audio' latents (N, channels, L, features) beside the clips'; give data that hold them, "
                           f"e.g. data=synthetic_text_latents data.audio={example}")
     if AUDIO_KEY in keys and AUDIO_KEY not in family.joint_latents + family.condition_keys:
         raise ConfigError(f"the data hold the clips' 'audio' latents, but model.family={family.name} generates no "

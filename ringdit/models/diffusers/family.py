@@ -126,6 +126,10 @@ class Family:
     # each at the sample's time and adds its own mean squared error; the forward then returns ``(prediction,
     # {key: its prediction})``. (): the model predicts the latents ``x`` alone
     joint_latents: tuple[str, ...] = ()
+    # (channels, features) of one frame of the audio latents (N, channels, L, features) a model of this config takes,
+    # what a refusal of data without audio advises (data.audio=[channels, frames, features]); None: LTX-2's audio VAE
+    # (channels x mel bins = audio_in_channels, 16 bins from 128 channels up)
+    audio_frame: Callable[[dict], tuple[int, int]] | None = None
     # installs the family's own attention processors on a freshly built transformer, for a model whose diffusers
     # processors call PyTorch attention directly (ringdit routes diffusers' dispatch_attention_fn only): they must
     # compute what the model's own do (CogVideoX's); None: the model's processors already dispatch
