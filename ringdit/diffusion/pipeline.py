@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ringdit.diffusion.experts import expert_guidance
+from ringdit.diffusion.joint import JointLatents
 from ringdit.diffusion.objectives import resolution_shift
 from ringdit.diffusion.samplers import draw_noise, is_guided, noise_generators, sample
 from ringdit.diffusion.schedulers import PipelineTimesteps, is_scheduler_sampler, scheduler_config
@@ -50,11 +51,17 @@ class SamplingPipeline:
         shape = self.image_size if shape is None else tuple(shape)
         return math.prod(s // p for s, p in zip(shape, model.patch_shape))
 
+    def generate(self, model: nn.Module, condition, seeds: list[int], **keywords) -> Tensor:
+        """Samples ``(N, C, [T,] H, W)`` of ``model`` (``generate_joint``'s, without the latents a joint model denoises
+        beside them)."""
+        return self.generate_joint(model, condition, seeds, **keywords)[0]
+
     @torch.no_grad()
-    def generate(self, model: nn.Module, condition, seeds: list[int], *, dims: ParallelDims, device,
-                 negative: dict | None = None, shape: tuple[int, ...] | None = None,
-                 overrides: dict | None = None, step_cache: Any = None) -> Tensor:
+    def generate_joint(self, model: nn.Module, condition, seeds: list[int], *, dims: ParallelDims, device,
+                       negative: dict | None = None, shape: tuple[int, ...] | None = None,
+                       overrides: dict | None = None, step_cache: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Samples ``(N, C, [T,] H, W)`` of ``model`` for ``condition`` (labels ``(N,)`` or a dict of text tensors),
+        and those of the latents it denoises beside them (``model.joint_latents``: LTX-2's ``audio``; {} for none),
         sample i from noise seeded by seeds[i]; ``negative``: the negative prompt's conditioning for guidance (None:
         the model's null condition, the empty prompt); ``overrides``: sampling settings of this call (None: the run's);
         ``step_cache``: a ``ringdit.caching.StepCache`` wrapped around this call (None: every block runs).
@@ -64,9 +71,16 @@ class SamplingPipeline:
         generators = noise_generators(seeds)  # sample i's noise: its initial noise, then the ddpm sampler's
         shape = tuple(shape) if shape is not None else self.image_size
         noise = draw_noise((model.in_channels, *shape), generators, device=device)
+        joint = JointLatents(noise.shape[1:], model.joint_shapes(shape)) if getattr(model, "joint_latents", ()) \
+            else None
+        if joint is not None:  # LTX-2's audio: its noise drawn after the video's, stepped with it as one state
+            noise = joint.pack(noise, {key: draw_noise(size, generators, device=device)
+                                       for key, size in joint.shapes.items() if key is not None})
         cfg_scale = expert_guidance(model, settings["cfg_scale"], settings.get("cfg_scale_2"))  # one per expert
         guided = is_guided(settings)
         condition = condition_to(model.model_condition(condition), device)
+        if joint is not None and isinstance(condition, dict):  # the data's clean joint latents are not sampled from
+            condition = {key: value for key, value in condition.items() if key not in joint.shapes}
         null = condition_to(model.model_condition(negative if negative is not None else model.null_condition(len(seeds))),
                           device) if guided else None
         if settings.get("guidance") is not None and isinstance(condition, dict):  # a guidance-distilled model's
@@ -77,7 +91,7 @@ class SamplingPipeline:
             else contextlib.nullcontext()
         with cache:
             samples = sample(  # with a learned variance (B, 2C, ...): the samplers take the channels they use
-                model, self.objective, noise, condition, steps=settings["steps"], cfg_scale=cfg_scale,
+                model if joint is None else joint.model(model), self.objective, noise, condition, steps=settings["steps"], cfg_scale=cfg_scale,
                 null=null, sampler=settings["sampler"], clip_denoised=self.pixels,
                 shift=resolution_shift(self.tokens(model, shape), steps=settings["steps"],
                                        **getattr(self.objective, "resolution", {}))
@@ -89,9 +103,10 @@ class SamplingPipeline:
                 scheduler=self.scheduler_settings(model, settings, shape)
                 if is_scheduler_sampler(settings["sampler"]) else None,
             )
+        samples, joint_samples = (samples, {}) if joint is None else joint.unpack(samples)
         if hasattr(model, "with_condition_frames"):  # image-to-video: the given first frame, as the pipeline ends
             samples = model.with_condition_frames(samples, condition)
-        return samples.clamp(-1, 1) if self.pixels else samples
+        return (samples.clamp(-1, 1) if self.pixels else samples), joint_samples
 
     def scheduler_settings(self, model: nn.Module, settings: dict, shape: tuple[int, ...]) -> dict:
         """``sample_with_scheduler``'s keywords for a diffusers scheduler (``sampler=flow_euler / unipc / dpmpp``):

@@ -126,6 +126,9 @@ class Family:
     # each at the sample's time and adds its own mean squared error; the forward then returns ``(prediction,
     # {key: its prediction})``. (): the model predicts the latents ``x`` alone
     joint_latents: tuple[str, ...] = ()
+    # (config, the video latents' shape ([T,] H, W)) -> {key: one sample's shape} of each joint latent a sample of that
+    # video has (LTX-2's audio: its frames follow the clip's duration), what sampling draws its noise in
+    joint_shapes: Callable[[dict, tuple[int, ...]], dict[str, tuple[int, ...]]] | None = None
     # (channels, features) of one frame of the audio latents (N, channels, L, features) a model of this config takes,
     # what a refusal of data without audio advises (data.audio=[channels, frames, features]); None: LTX-2's audio VAE
     # (channels x mel bins = audio_in_channels, 16 bins from 128 channels up)

@@ -277,6 +277,14 @@ class DiffusersTransformer(nn.Module):
         """Conditioning keys of latents denoised together with ``x`` (``Family.joint_latents``: LTX-2's audio)."""
         return self.family.joint_latents
 
+    def joint_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """{key: one sample's shape} of the joint latents of a sample of latents ``shape`` ([T,] H, W)."""
+        if self.family.joint_shapes is None:
+            raise NotImplementedError(f"model.family={self.family.name} denoises {list(self.joint_latents)} with the "
+                                      f"video but says no shape of them per sample (Family.joint_shapes): it cannot "
+                                      f"be sampled")
+        return self.family.joint_shapes(self.transformer.config, tuple(shape))
+
     @property
     def published_teacache_coefficients(self) -> tuple[float, ...] | None:
         """TeaCache's published polynomial for this transformer's size (``Family.teacache_coefficients``); None:
