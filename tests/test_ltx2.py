@@ -28,8 +28,9 @@ AUDIO_SHAPE = (2, 5, 2)  # (C_a, L, M) audio latents: 5 tokens of 2 x 2 = audio_
 TEXT_LEN, TEXT_DIM, FPS = 7, 16, 24.0
 # float64 on both sides: what is left is the order of sums (other GEMM shapes, the ring's merges, the gathers)
 OUT_ATOL, GRAD_OF_LARGEST = 1e-13, 1e-12
-T = torch.tensor([30.0, 810.0], dtype=torch.float64)  # the video's noise level per sample (sigma x 1000)
-AUDIO_T = torch.tensor([500.0, 120.0], dtype=torch.float64)  # the audio's own
+# float32, as LTX2Pipeline passes its scheduler's timesteps (and the family's forward does)
+T = torch.tensor([30.0, 810.0])  # the video's noise level per sample (sigma x 1000)
+AUDIO_T = torch.tensor([500.0, 120.0])  # the audio's own
 
 
 def video_timesteps() -> torch.Tensor:

@@ -69,6 +69,9 @@ def ltx2_forward(transformer: nn.Module, video: Tensor, audio: Tensor, t: Tensor
     video_coords = transformer.rope.prepare_video_coords(batch, frames, height, width, video.device, fps=fps)
     audio_coords = transformer.audio_rope.prepare_audio_coords(batch, audio.shape[2], audio.device)
     text, mask = cond["text"], cond.get("text_mask")
+    # in float32, as LTX2Pipeline hands over its scheduler's timesteps: the model scales them in their own dtype (the
+    # cross-modal gate's t x 1/1000) before its embeddings round them to float32
+    t, audio_t = t.to(torch.float32), audio_t.to(torch.float32)
     # the sample's noise level (LTX-2.3's prompt modulation, and the cross-modal modulation's other-stream time):
     # per-token video times (an image-to-video clip's clean frames at 0) give their noisy tokens' time, as
     # LTX2ImageToVideoPipeline passes the scheduler's t
@@ -101,6 +104,22 @@ def audio_latents(cond: dict, video: Tensor, channels: int) -> Tensor:
     return audio
 
 
+def audio_frames(config: dict, latent_frames: int, fps: float = FPS) -> int:
+    """The audio latent frames of a clip of ``latent_frames`` video latent frames, as LTX2Pipeline counts them: the
+    clip's duration (its pixel frames, 8 per latent frame after the first, at ``fps``) times the audio latents per
+    second (sampling rate / hop length / the audio VAE's temporal compression, audio_scale_factor), rounded."""
+    pixel_frames = (latent_frames - 1) * config["vae_scale_factors"][0] + 1
+    per_second = config["audio_sampling_rate"] / config["audio_hop_length"] / config["audio_scale_factor"]
+    return round(pixel_frames / fps * per_second)
+
+
+def _joint_shapes(config: dict, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The audio latents a sample of video latents ``shape`` (T, H, W) is sampled with: (1, L, audio_in_channels) --
+    one channel of every channel x mel bin, which packs to the tokens (B, L, C_a * M) the model sees as (C_a, L, M)
+    would; the decoder unpacks them with its own mel bins."""
+    return {AUDIO: (1, audio_frames(config, shape[0]), config["audio_in_channels"])}
+
+
 def _ltx2_joint_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> tuple[Tensor, dict]:
     """x (B, C, T, H, W) video latents, t (B,) in 0..1000, cond as ``ltx2_forward``'s with the noisy audio latents at
     ``cond["audio"]`` (B, C_a, L, M) and their own time at ``cond["audio_time"]`` (B,) (default t) -> (the video
@@ -128,7 +147,8 @@ LTX2 = Family(
                                 "transformer_blocks.*.video_to_audio_attn": TOKENS},  # audio queries, video keys
     ),
     forward=_ltx2_joint_forward,
-    joint_latents=(AUDIO,),  # the sound: noised with the video, predicted, in the loss
+    joint_latents=(AUDIO,),  # the sound: noised with the video, predicted, in the loss, sampled with it
+    joint_shapes=_joint_shapes,
     video=True,
     vae_factors=(8, 32),  # LTX-2's video VAE (the transformer's vae_scale_factors)
     fps=FPS,

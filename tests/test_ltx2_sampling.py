@@ -1,0 +1,102 @@
+"""Sampling LTX-2's video and audio together (``SamplingPipeline.generate_joint``: the audio latents stepped beside the
+video's in one state) against ``LTX2Pipeline``'s own loop: the same noise, prompt states (the pipeline's text
+connectors' video and audio outputs), flow-matching Euler scheduler with LTX-2's dynamic shift, fp64 model: the same
+video and audio latents."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ringdit.models import parallelize
+from tests.diffusers_helpers import float64_kept
+from tests.helpers import architecture
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXT_LEN = 6
+
+
+def tiny_pipeline(reference):
+    """LTX2Pipeline around ``reference`` with the tiny VAEs and text connectors of diffusers' own LTX-2 pipeline tests
+    (no text encoder: prompt states are given)."""
+    import diffusers
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    torch.manual_seed(0)
+    connectors = LTX2TextConnectors(
+        caption_channels=16, text_proj_in_factor=2, video_connector_num_attention_heads=4,
+        video_connector_attention_head_dim=4, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=4,
+        audio_connector_attention_head_dim=4, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_double_precision=False,
+        causal_temporal_positioning=False, rope_type="split").double()
+    vae = diffusers.AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
+        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
+        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=1, patch_size_t=1,
+        encoder_causal=True, decoder_causal=False).double()
+    audio_vae = diffusers.AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
+        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8).double()
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(  # LTX2Pipeline's calculate_shift constants
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096)
+    return diffusers.LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=None,
+                                  tokenizer=None, connectors=connectors, transformer=reference, vocoder=None)
+
+
+def test_sampling_video_and_audio_equals_ltx2_pipelines_loop():
+    """3 Euler steps of a 3 x 4 x 4 latent video (48 tokens, 17 pixel frames at 24 fps: 18 audio latent frames),
+    guidance 1 (the pipeline guides in x0 space: another rounding than guiding the velocity). float64, <= 1e-10 of
+    the largest value, with ``.float()`` keeping float64 on both sides: LTX2Pipeline rounds each prediction to float32
+    (``noise_pred.float()``, and ringdit with it: ``PipelineTimesteps.float32_prediction``), where a 1e-16 difference
+    of the two sides' attention kernels flips an element's rounding now and then (6.5e-8 of the largest value after 3
+    steps, measured); kept in float64, the loops compare at float64 precision."""
+    import diffusers
+
+    from ringdit.diffusion import FlowMatching, draw_noise, noise_generators
+    from ringdit.diffusion.pipeline import SamplingPipeline
+    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.models.diffusers.ltx2 import audio_frames
+    from ringdit.parallel import ParallelDims
+
+    steps, seeds, shape = 3, [3], (3, 4, 4)
+    config = architecture("ltx2_tiny")
+    torch.manual_seed(0)
+    reference = diffusers.LTX2VideoTransformer3DModel.from_config(config).double()
+    model = DiffusersTransformer("ltx2", config=config, input_size=shape, in_channels=4, text_len=TEXT_LEN,
+                                 text_dim=16)
+    model.transformer.load_state_dict(reference.state_dict())
+    pipe = tiny_pipeline(reference)
+    g = torch.Generator().manual_seed(5)
+    states = torch.randn(1, TEXT_LEN, 32, generator=g, dtype=torch.float64)  # (B, L, caption_channels x 2 layers)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])  # Gemma pads on the left
+    audio_len = audio_frames(config, shape[0])
+    generators = noise_generators(seeds)
+    noise = draw_noise((4, *shape), generators)  # what generate_joint draws: the video's noise, then the audio's
+    audio_noise = draw_noise((1, audio_len, 4), generators)
+    with torch.no_grad(), float64_kept():
+        video_text, audio_text, text_mask = pipe.connectors(states, mask)
+        expected, expected_audio = pipe(
+            prompt_embeds=states, prompt_attention_mask=mask, latents=noise, audio_latents=audio_noise[:, 0],
+            height=4 * 32, width=4 * 32, num_frames=(shape[0] - 1) * 8 + 1, frame_rate=24.0,
+            num_inference_steps=steps, guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0,
+            audio_guidance_scale=1.0, audio_stg_scale=0.0, audio_modality_scale=1.0, audio_guidance_rescale=0.0,
+            spatio_temporal_guidance_blocks=None, use_cross_timestep=False, output_type="latent", return_dict=False)
+    expected_audio = expected_audio.transpose(1, 2).flatten(2)  # (B, 2, L, 2) -> the packed (B, L, 4)
+    pipeline = SamplingPipeline.for_run(
+        FlowMatching(shift="resolution", resolution={"base_tokens": 1024, "max_tokens": 4096, "base_shift": 0.95,
+                                                     "max_shift": 2.05}),
+        {"sampler": "flow_euler", "steps": steps, "shift": "resolution", "cfg_scale": 1.0},
+        {"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"})
+    cond = {"text": video_text, "audio_text": audio_text, "text_mask": text_mask.bool()}
+    model = parallelize(model.double())
+    with float64_kept():
+        samples, joint = pipeline.generate_joint(model, cond, seeds, dims=ParallelDims(),
+                                                 device=torch.device("cpu"), shape=shape)
+    for name, got, want in (("video", samples, expected), ("audio", joint["audio"][:, 0], expected_audio)):
+        scale = want.abs().max()
+        assert (got.double() - want.double()).abs().max() <= 1e-10 * scale, (name, (got - want).abs().max() / scale)
