@@ -27,7 +27,7 @@ from ringdit.models.diffusers.image_condition import (channel_input, first_frame
                                                     first_frame_mask, replace_first_frame, require_image,
                                                     token_timesteps)
 from ringdit.models.checkpointing import checkpoint_model_blocks
-from ringdit.models.conditioning import GLYPH_KEYS, NULL_KEYS, TEXT
+from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS, SAMPLE_KEYS, TEXT
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -318,8 +318,11 @@ class DiffusersTransformer(nn.Module):
                 "data": {"conditioning": TEXT, "channels": family.latent_channels(arch),
                          "text_len": fixed or text_len or 512, "text_dim": arch[family.text_dim],
                          "pooled_dim": arch.get(family.pooled_dim) if family.pooled_dim else None,
-                         "image_keys": ["image_latents", "image_condition", "image_embeds"]
-                         if family.image_condition else []}}
+                         # the per-sample tensors beside the text that the family's data hold: its first frame,
+                         # control video, reference image or the latents it denoises with the video (audio)
+                         "image_keys": [*(IMAGE_KEYS if family.image_condition else ()),
+                                        *(key for key in SAMPLE_KEYS if key not in IMAGE_KEYS
+                                          and key in family.condition_keys + family.joint_latents)]}}
 
     @staticmethod
     def frame_rate(config: dict) -> int | None:
