@@ -146,3 +146,19 @@ def test_the_refusals_advice_composes(tmp_path):
 
     prepare_train(["model=ltx2_tiny", "data=synthetic_text_latents", "data.num_samples=8", "data.batch_size=2",
                    "data.audio=[2,5,2]", "logger=none", f"data.cache_dir={tmp_path / 'data'}"], tmp_path / "run")
+
+
+# ---- train.py: video and audio latents, previews, one process against a ring of 2 -----------------------------------
+
+LTX2_RUN = ["model=ltx2_tiny", "data=synthetic_text_latents", "data.audio=[2,5,2]", "data.num_samples=16",
+            "data.batch_size=4", "trainer.max_steps=2", "logger=csv", "scheduler=constant", "optimizer=sgd",
+            "optimizer.lr=0.5", "trainer.val_check_interval=2", "callbacks.sample_grid.steps=2",
+            "trainer.precision=64-true"]  # 3 x 8 x 8 = 192 video and 5 audio tokens: the audio padded at ring 2
+
+
+def test_train_py_sgd_steps_on_video_and_audio_equal_one_process_at_ring_2(tmp_path):
+    """train.py on synthetic latents with audio (float64): the losses of a ring of 2 equal one process's; the runs
+    sample their previews (video and audio denoised together) at step 2 on the way."""
+    from tests.families import assert_sgd_steps_equal_one_process_and_ring2
+
+    assert_sgd_steps_equal_one_process_and_ring2(tmp_path, LTX2_RUN, steps=2)
