@@ -106,7 +106,8 @@ def test_minimax_h3_one_process_equals_diffusers(heads):
 
 def pipeline_call(reference, x, audio, text, t, audio_t):
     """The unmodified model on one sample as the pipeline packs it (its layout, patchify and channel-major audio), its
-    timestep 1 - sigma per row, its data-ward velocity negated -> ringdit's video prediction (1, C, T, H, W)."""
+    timestep 1 - sigma per row, its data-ward velocities negated -> ringdit's predictions: video (1, C, T, H, W), audio
+    (1, 2, L, C_a)."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
     layout = packed_layout(text.shape[1], GRID, AUDIO_LEN, PATCH)
@@ -114,21 +115,22 @@ def pipeline_call(reference, x, audio, text, t, audio_t):
     rows[layout["audio_indices"]] = 1 - audio_t / 1000
     timestep, indices = torch.unique(rows, sorted=True, return_inverse=True)
     video_rows = patchify_video_latents(x, PATCH)[None]  # (1, 9, 16)
-    sound_rows = audio.transpose(2, 3).reshape(1, 2 * AUDIO_LEN, 8)  # channel-major
+    sound_rows = audio.reshape(1, 2 * AUDIO_LEN, 8)  # channel-major: (1, 2, L, 8) -> (1, 2 L, 8)
     with torch.no_grad():
-        v_video, _ = reference(video_rows, sound_rows, text, timestep, indices, return_dict=False, **layout)
-    return -v_video.reshape(1, 3, 1, 3, 4, 2, 2).permute(0, 4, 1, 2, 5, 3, 6).reshape(1, 4, *GRID)
+        v_video, v_audio = reference(video_rows, sound_rows, text, timestep, indices, return_dict=False, **layout)
+    return (-v_video.reshape(1, 3, 1, 3, 4, 2, 2).permute(0, 4, 1, 2, 5, 3, 6).reshape(1, 4, *GRID),
+            -v_audio.reshape(1, 2, AUDIO_LEN, 8))
 
 
 def test_the_denoiser_packs_as_the_pipeline_and_converts_time_and_velocity():
     """ringdit's (x, t, cond) call equals the unmodified model on the pipeline's layout: timestep 1 - sigma (text and
-    video at the video's, the soundtrack at its own, clean by default), the velocity negated (the model's points to
-    the data), each sample its own call; the text cut to the batch's longest prompt (the model takes no mask): one
+    video at the video's, the soundtrack at its own, the video's by default), the velocities negated (the model's
+    point to the data), each sample its own call; the text cut to the batch's longest prompt (the model takes no mask): one
     sample a batch is exactly its own prompt, a shorter prompt of a batch keeps zero rows up to the longest."""
     reference, model, _, _ = minimax_case()
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 4, *GRID, generator=g, dtype=torch.float64)
-    audio = torch.randn(2, 2, 8, AUDIO_LEN, generator=g, dtype=torch.float64)  # (B, stereo, C_a, L)
+    audio = torch.randn(2, 2, AUDIO_LEN, 8, generator=g, dtype=torch.float64)  # (B, stereo, L, C_a)
     text = torch.randn(2, TEXT_LEN, 16, generator=g, dtype=torch.float64)
     mask = torch.ones(2, TEXT_LEN, dtype=torch.bool)
     mask[0, 6:] = mask[1, 4:] = False  # prompts of 6 and 4 real tokens
@@ -139,19 +141,21 @@ def test_the_denoiser_packs_as_the_pipeline_and_converts_time_and_velocity():
         alone = model(x[1:], t[1:], {key: value[1:] for key, value in cond.items()})
     for i in range(2):  # in a batch: the longest prompt's 6 rows, the second prompt's last 2 zero
         prompt = (text[i] * mask[i, :, None])[None, :6]
-        expected = pipeline_call(reference, x[i : i + 1], audio[i : i + 1], prompt, t[i].item(), audio_t[i].item())
-        assert_same_numbers(got[i : i + 1], expected, atol=OUT_ATOL, where=f"sample {i}")
-    expected = pipeline_call(reference, x[1:], audio[1:], text[1:, :4], t[1].item(), audio_t[1].item())
-    assert_same_numbers(alone, expected, atol=OUT_ATOL, where="one sample: its own 4 tokens")
-    with torch.no_grad():  # no audio_time: a clean soundtrack (the model's timestep 1 on its rows)
-        clean = model(x[:1], t[:1], {"text": text[:1], "audio": audio[:1]})
-    expected = pipeline_call(reference, x[:1], audio[:1], text[:1], t[0].item(), 0.0)
-    assert_same_numbers(clean, expected, atol=OUT_ATOL, where="clean soundtrack")
+        video, sound = pipeline_call(reference, x[i : i + 1], audio[i : i + 1], prompt, t[i].item(),
+                                     audio_t[i].item())
+        assert_same_numbers(got[0][i : i + 1], video, atol=OUT_ATOL, where=f"sample {i} video")
+        assert_same_numbers(got[1]["audio"][i : i + 1], sound, atol=OUT_ATOL, where=f"sample {i} audio")
+    video, sound = pipeline_call(reference, x[1:], audio[1:], text[1:, :4], t[1].item(), audio_t[1].item())
+    assert_same_numbers(alone[0], video, atol=OUT_ATOL, where="one sample: its own 4 tokens")
+    with torch.no_grad():  # no audio_time: the audio at the video's time
+        same = model(x[:1], t[:1], {"text": text[:1], "audio": audio[:1]})
+    video, sound = pipeline_call(reference, x[:1], audio[:1], text[:1], t[0].item(), t[0].item())
+    assert_same_numbers(same[1]["audio"], sound, atol=OUT_ATOL, where="audio at the video's time")
 
 
 def test_both_predictions_come_back_in_the_latents_shapes():
     _, model, _, _ = minimax_case()
-    x, audio = torch.randn(1, 4, *GRID, dtype=torch.float64), torch.randn(1, 2, 8, AUDIO_LEN, dtype=torch.float64)
+    x, audio = torch.randn(1, 4, *GRID, dtype=torch.float64), torch.randn(1, 2, AUDIO_LEN, 8, dtype=torch.float64)
     video, sound = minimax_h3_forward(model.transformer, x, audio, torch.tensor([500.0]), torch.tensor([500.0]),
                                       torch.randn(1, TEXT_LEN, 16, dtype=torch.float64))
     assert video.shape == x.shape and sound.shape == audio.shape
@@ -165,9 +169,9 @@ def test_conditioning_without_audio_or_with_other_channels_is_refused():
                                          "the conditioning has no 'audio' latents"):
         model(x, t, {"text": text})
     with pytest.raises(ValueError, match="the audio latents have 4 channels but model.config.audio_in_channels is 8"):
-        model(x, t, {"text": text, "audio": torch.zeros(1, 2, 4, AUDIO_LEN, dtype=torch.float64)})
-    with pytest.raises(ValueError, match=r"the audio latents \(1, 1, 8, 3\) do not fit the video latents"):
-        model(x, t, {"text": text, "audio": torch.zeros(1, 1, 8, AUDIO_LEN, dtype=torch.float64)})
+        model(x, t, {"text": text, "audio": torch.zeros(1, 2, AUDIO_LEN, 4, dtype=torch.float64)})
+    with pytest.raises(ValueError, match=r"the audio latents \(1, 1, 3, 8\) do not fit the video latents"):
+        model(x, t, {"text": text, "audio": torch.zeros(1, 1, AUDIO_LEN, 8, dtype=torch.float64)})
 
 
 def test_the_planner_lays_out_ulysses_degrees_that_do_not_divide_the_56_heads(capsys):

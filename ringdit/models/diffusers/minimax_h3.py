@@ -26,8 +26,10 @@ frames at the VAE's 17 / 5 frame rhythm. Conventions of the released model (``Mi
 ``sigma`` x 1000 and ``noise - x0``, so the forward here converts both ways. The model is guidance-distilled (its
 pipeline runs no unconditional pass).
 
-Audio latents are ``(B, 2, C_a, L)``: the mono audio VAE's latents (``C_a`` = audio_in_channels, ``L`` latent frames at
-40 per second) of the two stereo channels, packed channel-major into ``2 L`` rows as the pipeline packs them.
+The audio is denoised with the video (``joint_latents``): training noises it at the sample's time (or its own,
+``audio_time``) and adds its error to the loss. Audio latents are ``(B, 2, L, C_a)``: the mono audio VAE's latents
+(``C_a`` = audio_in_channels, ``L`` latent frames at 40 per second) of the two stereo channels, packed channel-major
+into ``2 L`` rows as the pipeline packs them.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ import functools
 import torch
 from torch import nn
 
+from ringdit.models.conditioning import AUDIO_KEY as AUDIO  # the soundtrack's latents (B, 2, L, C_a)
 from ringdit.models.diffusers.family import Family
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
 
-AUDIO = "audio"  # the conditioning key of the soundtrack's latents (B, 2, C_a, L)
-AUDIO_TIME = "audio_time"  # their model time (B,) in 0..1000, sigma x 1000; absent: 0, a clean soundtrack
+AUDIO_TIME = "audio_time"  # the audio's model time (B,) in 0..1000, sigma x 1000; absent: the video's
 STEREO = 2  # MINIMAX_H3_AUDIO_CHANNELS: the soundtrack's channels, packed channel-major
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # the modality tags of the packed rows (the model's AdaLN table order)
 FPS = 24  # MINIMAX_H3_FPS: its videos play at it, and its rotary time axis counts at it
@@ -83,13 +85,13 @@ def unpatchify(rows: Tensor, shape: tuple[int, ...], patch: tuple[int, int, int]
 
 
 def audio_rows(audio: Tensor) -> Tensor:
-    """(B, 2, C_a, L) -> (B, 2 L, C_a): channel-major rows."""
-    return audio.transpose(2, 3).flatten(1, 2)
+    """(B, 2, L, C_a) -> (B, 2 L, C_a): channel-major rows."""
+    return audio.flatten(1, 2)
 
 
 def rows_to_audio(rows: Tensor) -> Tensor:
-    """The inverse of ``audio_rows``: (B, 2 L, C_a) -> (B, 2, C_a, L)."""
-    return rows.unflatten(1, (STEREO, -1)).transpose(2, 3)
+    """The inverse of ``audio_rows``: (B, 2 L, C_a) -> (B, 2, L, C_a)."""
+    return rows.unflatten(1, (STEREO, -1))
 
 
 def real_tokens_first(text: Tensor, mask: Tensor) -> Tensor:
@@ -102,26 +104,40 @@ def real_tokens_first(text: Tensor, mask: Tensor) -> Tensor:
 
 
 def soundtrack(cond: dict, video: Tensor, channels: int) -> Tensor:
-    """``cond["audio"]`` (B, 2, C_a, L), checked against the video latents (B, C, T, H, W) and the model's
-    audio_in_channels: MiniMax-H3 generates video and sound together and was trained on no video without one."""
+    """``cond["audio"]`` (B, 2, L, C_a), checked against the video latents (B, C, T, H, W) and the model's
+    audio_in_channels: MiniMax-H3 generates video and sound together."""
     audio = cond.get(AUDIO)
     if audio is None:
         raise ValueError("model.family=minimax_h3 packs video, audio and text into one sequence, but the conditioning "
-                         "has no 'audio' latents (B, 2, audio_in_channels, L); give the data's audio latents")
+                         "has no 'audio' latents (B, 2, L, audio_in_channels); give the data's audio latents")
     if audio.dim() != 4 or audio.shape[0] != video.shape[0] or audio.shape[1] != STEREO:
         raise ValueError(f"the audio latents {tuple(audio.shape)} do not fit the video latents {tuple(video.shape)}: "
-                         f"MiniMax-H3's are (B, 2, audio_in_channels, L), both stereo channels of one clip's sound")
-    if audio.shape[2] != channels:
-        raise ValueError(f"the audio latents have {audio.shape[2]} channels but model.config.audio_in_channels is "
+                         f"MiniMax-H3's are (B, 2, L, audio_in_channels), both stereo channels of one clip's sound")
+    if audio.shape[3] != channels:
+        raise ValueError(f"the audio latents have {audio.shape[3]} channels but model.config.audio_in_channels is "
                          f"{channels}: encode the sound with the model's audio VAE")
     return audio
+
+
+def audio_frames(latent_frames: int) -> int:
+    """The audio latents (per stereo channel) of a clip of ``latent_frames`` video latents, as the pipeline sizes them:
+    its VAE's 17 n + 5 pixel frames per 5 n + 2 latent frames (another count: 17 / 5 frames each), 40 audio latents a
+    second at 24 fps (``audio_latent_num_frames``)."""
+    chunks, rest = divmod(latent_frames - 2, 5)
+    frames = 17 * chunks + 5 if rest == 0 and chunks >= 0 else round(latent_frames * 17 / 5)
+    return max(1, round(frames / FPS * 40))
+
+
+def _joint_shapes(config: dict, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The audio latents a sample of video latents ``shape`` (T, H, W) is sampled with: (2, L, audio_in_channels)."""
+    return {AUDIO: (STEREO, audio_frames(shape[0]), config["audio_in_channels"])}
 
 
 def minimax_h3_forward(transformer: nn.Module, video: Tensor, audio: Tensor, t: Tensor, audio_t: Tensor,
                        text: Tensor, text_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Both streams' predictions in ringdit's flow convention (``noise - x0``): video (B, C, T, H, W) and audio
-    (B, 2, C_a, L) latents, t and audio_t (B,) model times in 0..1000 (sigma x 1000), text (B, L_text, D) with an
-    optional text_mask (B, L_text) True on real tokens -> (video (B, C, T, H, W), audio (B, 2, C_a, L)).
+    (B, 2, L, C_a) latents, t and audio_t (B,) model times in 0..1000 (sigma x 1000), text (B, L_text, D) with an
+    optional text_mask (B, L_text) True on real tokens -> (video (B, C, T, H, W), audio (B, 2, L, C_a)).
 
     The model's structural inputs (timesteps, tags, positions, indices) describe one layout that all samples of a
     call share, so each sample is its own call, its text rows at its video's timestep (the pipeline's rule). The model
@@ -132,7 +148,7 @@ def minimax_h3_forward(transformer: nn.Module, video: Tensor, audio: Tensor, t: 
     video_rows, sound_rows = patchify(video, patch), audio_rows(audio)
     prompts = text if text_mask is None else real_tokens_first(text, text_mask)  # (B, L', D)
     layout = {key: value.to(video.device) for key, value in
-              packed_layout(prompts.shape[1], tuple(video.shape[2:]), audio.shape[3], patch).items()}
+              packed_layout(prompts.shape[1], tuple(video.shape[2:]), audio.shape[2], patch).items()}
     video_out, audio_out = [], []
     for i in range(video.shape[0]):
         # the model's timestep: 1 - sigma per row (text and video at the video's, audio at its own), as its
@@ -149,13 +165,14 @@ def minimax_h3_forward(transformer: nn.Module, video: Tensor, audio: Tensor, t: 
     return (unpatchify(torch.cat(video_out), video.shape[1:], patch), rows_to_audio(torch.cat(audio_out)))
 
 
-def _minimax_h3_video_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> Tensor:
+def _minimax_h3_joint_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: dict) -> tuple[Tensor, dict]:
     """x (B, C, T, H, W) video latents, t (B,) in 0..1000, cond: text (B, L, D) [, text_mask (B, L)], audio
-    (B, 2, C_a, L) the soundtrack's latents at model time ``cond["audio_time"]`` (B,) (default 0: clean) -> the video
-    prediction (B, C, T, H, W)."""
+    (B, 2, L_a, C_a) the noisy soundtrack's latents at model time ``cond["audio_time"]`` (B,) (default t) -> (the video
+    prediction (B, C, T, H, W), {"audio": the audio prediction (B, 2, L_a, C_a)})."""
     audio = soundtrack(cond, x, transformer.config.audio_in_channels).to(x.dtype)
-    audio_t = cond.get(AUDIO_TIME, torch.zeros_like(t))
-    return minimax_h3_forward(transformer, x, audio, t, audio_t, cond["text"], cond.get("text_mask"))[0]
+    video, sound = minimax_h3_forward(transformer, x, audio, t, cond.get(AUDIO_TIME, t), cond["text"],
+                                      cond.get("text_mask"))
+    return video, {AUDIO: sound}
 
 
 MINIMAX_H3 = Family(
@@ -170,11 +187,15 @@ MINIMAX_H3 = Family(
         split_outputs={"rope": {0: 0, 1: 0}},  # (cos, sin), each (S, rotary dims): every row's own rotation
         gather_outputs={"proj_out": {None: 1}, "audio_proj_out": {None: 1}},  # (B, S, C): both heads, every row
     ),
-    forward=_minimax_h3_video_forward,
+    forward=_minimax_h3_joint_forward,
+    joint_latents=(AUDIO,),  # the sound: noised with the video, predicted, in the loss
+    audio_frame=lambda config: (STEREO, config["audio_in_channels"]),  # one latent frame: (2, C_a)
+    joint_shapes=_joint_shapes,
     video=True,
-    vae_factors=(4, 16),  # its VAE: 16x spatial; 17 frames -> 5 latents per chunk (the planner's 4 is near: ~3.4)
+    # its VAE: 16x spatial; in time 17 n + 5 frames -> 5 n + 2 latents, which no one factor describes: the planner
+    # lays it out in latent cells (data.latent=false data.frames=<latent frames>; 243 frames are 72)
+    vae_factors=(4, 16),
     fps=FPS,
-    clip_frames=124,  # the pipeline's num_frames default (17 x 7 + 5: 37 latent frames)
     condition_keys=("text", "text_mask", AUDIO, AUDIO_TIME),
     text_dim="text_dim",
     patch_shape=lambda config: tuple(config["patch_size"]),
