@@ -37,9 +37,10 @@ def seconds_to_sample(checkpoint: str, overrides: list[str], samples: int, promp
         _, module, requests, _ = prepare(cfg)
         module.configure_model()
         module.eval()
+        module.on_predict_start()  # its Sampler, on the CPU
         _, condition, seeds, *_ = next(iter(requests))
         evaluations = 0
-        model = module.sampling_model()
+        model = module.model
 
         def count(module, args):
             nonlocal evaluations
@@ -51,7 +52,7 @@ def seconds_to_sample(checkpoint: str, overrides: list[str], samples: int, promp
             for attempt in range(repeats + 1):  # the first: a warm-up (allocations, lazy initialisation)
                 evaluations = 0
                 start = time.perf_counter()
-                module.generate(condition, seeds.tolist(), negative=module.pipeline.negative)
+                module.sampler.generate(condition, seeds.tolist())  # its negative prompt, as infer.py's
                 if attempt:
                     best = min(best, time.perf_counter() - start)
         hook.remove()

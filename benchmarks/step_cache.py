@@ -31,17 +31,19 @@ from digits_accuracy import diversity, image_classifier, judge_videos, video_cla
 
 from ringdit.caching import CacheSettings, StepCache, teacache_coefficients  # noqa: E402
 from ringdit.caching.calibrate import calibrate, load_for_sampling  # noqa: E402
+from ringdit.checkpoints.loading import safe_torch_load  # noqa: E402
+from ringdit.models.conditioning import text_conditioned  # noqa: E402
 from ringdit.media.images import to_uint8  # noqa: E402
 
 
-def draw(module, condition, count: int, batch_size: int, cache: StepCache | None, overrides: dict) -> tuple:
+def draw(sampler, condition, count: int, batch_size: int, cache: StepCache | None, overrides: dict) -> tuple:
     """(samples (N, [T,] H, W) on the digits' 0..16 scale, seconds) for ``condition``, sample i from seed i."""
-    module.pipeline.step_cache = cache
     batches = []
     start = time.perf_counter()
     for first in range(0, count, batch_size):
         seeds = list(range(first, min(first + batch_size, count)))
-        batches.append(module.generate(_rows(condition, seeds), seeds, **overrides))
+        with sampler.using(step_cache=cache) as cached:  # a cache per batch, as infer.py's
+            batches.append(cached.generate(_rows(condition, seeds), seeds, **overrides))
     seconds = time.perf_counter() - start
     return to_uint8(torch.cat(batches)).numpy()[..., 0].astype(np.float64) / 255.0 * 16.0, seconds
 
@@ -55,8 +57,8 @@ def _rows(condition, rows: list[int]):
 class Digits:
     """Class-conditional 8x8 digits: labels cycle through the classes."""
 
-    def __init__(self, module, count: int):
-        self.labels = torch.arange(count) % module.hparams.data["num_classes"]
+    def __init__(self, data: dict, count: int):
+        self.labels = torch.arange(count) % data["num_classes"]
         self.condition, self.classifier = self.labels, image_classifier()
 
     def judge(self, images: np.ndarray) -> tuple[float, float]:
@@ -68,16 +70,16 @@ class Digits:
 class CaptionedVideos:
     """Text-to-video moving digits: the training data's held-out captions ("a 3 moving left")."""
 
-    def __init__(self, module, count: int):
+    def __init__(self, data: dict, count: int):
         from ringdit.data.captioned_moving_digits import parse_caption
         from ringdit.data.text_latents import TextLatentsDataModule
 
-        source = module.hparams.data["source"]
+        source = data["source"]
         data = TextLatentsDataModule(source["path"], val_fraction=source["val_fraction"], seed=source["seed"],
                                      check_values=False)
         self.condition, captions = data.held_out(count)
         self.digits = np.array([parse_caption(c)[0] for c in captions])
-        frames, height = module.hparams.data["image_size"][:2]
+        frames, height = data["image_size"][:2]
         self.classifier = video_classifier(frames, height)
 
     def judge(self, videos: np.ndarray) -> tuple[float, float]:
@@ -103,10 +105,11 @@ def main() -> None:
     args = parser.parse_args()
     print("$ python " + " ".join(shlex.quote(a) for a in sys.argv), flush=True)
     torch.set_num_threads(args.threads)
-    module = load_for_sampling(args.ckpt_path)
-    task = (CaptionedVideos if module.text_conditioned else Digits)(module, args.num_samples)
+    hparams = safe_torch_load(args.ckpt_path, mmap=True)["hyper_parameters"]
+    module = load_for_sampling(args.ckpt_path, hparams=hparams)  # a ringdit.sampling.Sampler
+    task = (CaptionedVideos if text_conditioned(hparams["data"]) else Digits)(hparams["data"], args.num_samples)
     overrides = {"steps": args.steps, "cfg_scale": args.cfg_scale}
-    settings = {**module.sampling, **{k: v for k, v in overrides.items() if v is not None}}
+    settings = {**module.pipeline.settings, **{k: v for k, v in overrides.items() if v is not None}}
 
     coefficients = None
     if "teacache" in args.kinds:

@@ -45,6 +45,20 @@ def serve(cfg) -> int:
     return run(_settings_of(cfg, "serve"))
 
 
+def load(ckpt_path, *, device=None, weights: str = "ema", base=None, vae=None, text_encoder=None, size=None,
+         frames=None):
+    """A resident sampler of ``ckpt_path`` (a training checkpoint, a .safetensors export, a diffusers pipeline folder
+    or a LoRA checkpoint), loaded once in this process with its text encoder and VAE; call it many times:
+    ``pipe(prompts=[...])`` or ``pipe(labels=[...])`` with ``steps=``, ``cfg_scale=``, ``size=``, ``frames=``,
+    ``seed=``, ``output=`` (``ringdit.sampling.resident``); ``size`` / ``frames``: the calls' default. One process; a
+    layout of several ranks is the commands' job. A mistake raises ``ringdit.common.errors.ConfigError``: one line
+    naming the argument and the fix."""
+    from ringdit.sampling.resident import load as resident  # torch and the model code: not at ``import ringdit``
+
+    return resident(ckpt_path, device=device, weights=weights, base=base, vae=vae, text_encoder=text_encoder,
+                    size=size, frames=frames)
+
+
 def _settings_of(cfg, command: str):
     """``cfg`` if it is ``config(command, ...)``'s kind of settings: a config holding every setting
     ``conf/<command>.yaml`` defines itself; else a ``ConfigError`` naming what was passed and what to pass."""

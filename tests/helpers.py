@@ -708,7 +708,7 @@ class VelocityIsX(torch.nn.Module):
 
 
 def sampled_grid(overrides: list[str], shape: tuple[int, ...], patch: tuple[int, ...], steps: int) -> torch.Tensor:
-    """The times 1 .. 0 (float64) that ``DiffusionModule.generate`` steps through for one sample of ``shape`` (latent
+    """The times 1 .. 0 (float64) that ``Sampler.generate`` steps through for one sample of ``shape`` (latent
     cells; ``patch`` cells a token) in ``steps`` Euler steps, in a run of train.py's config with ``overrides``: its
     objective and sampling settings resolved as train.py resolves them (the model family's defaults), the shift as
     the module computes it for the sample's token count. Checked against the samples: ``VelocityIsX``."""
@@ -718,16 +718,15 @@ def sampled_grid(overrides: list[str], shape: tuple[int, ...], patch: tuple[int,
 
     from ringdit.diffusion import initial_noise
     from ringdit.spec.diffusion import training_diffusion
-    from ringdit.training import DiffusionModule
+    from ringdit.sampling import Sampler
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     tokens = math.prod(s // p for s, p in zip(shape, patch))
     objective, sampling = training_diffusion(cfg, {"_target_": cfg.model._target_, "family": cfg.model.family}, tokens)
-    module = DiffusionModule(model={}, objective=objective, data={"image_size": list(shape), "latent_scale": 1.0},
-                             sampling=sampling)
-    module.model = model = VelocityIsX(patch)
-    samples = module.generate({"text": torch.zeros(1, 1)}, [0], shape=shape, steps=steps, cfg_scale=1.0)
+    model = VelocityIsX(patch)
+    sampler = Sampler.for_run(model, objective, sampling, {"image_size": list(shape), "latent_scale": 1.0})
+    samples = sampler.generate({"text": torch.zeros(1, 1)}, [0], shape=shape, steps=steps, cfg_scale=1.0)
     noise = initial_noise((1, *shape), [0])
     times = torch.tensor([*model.sigmas, 0.0], dtype=torch.float64)
     factor = torch.prod(1 + times.diff()).item()

@@ -201,8 +201,10 @@ def test_prompt_files_and_requests(tmp_path):
     assert sizes.shape() == (3, 8, 8)
 
 
-def test_preview_grids_at_a_chosen_size():
+def test_preview_grids_at_a_chosen_size(monkeypatch):
     from types import SimpleNamespace
+
+    from ringdit.diffusion.pipeline import SamplingPipeline
 
     from ringdit.training import DiffusionModule, SampleGrid
 
@@ -223,13 +225,13 @@ def test_preview_grids_at_a_chosen_size():
     grid = SampleGrid("unused", size=[6, 12], per_class=1)
     trainer = SimpleNamespace(global_step=0, is_global_zero=False, loggers=[], datamodule=None)
     grid.on_fit_start(trainer, module)
-    seen, generate = [], module.pipeline.generate  # what the preview's Sampler calls
+    seen, generate = [], SamplingPipeline.generate  # what the preview's Sampler calls
 
     def spy(*args, **kwargs):
         samples = generate(*args, **kwargs)
         seen.append(tuple(samples.shape))
         return samples
 
-    module.pipeline.generate = spy
+    monkeypatch.setattr(SamplingPipeline, "generate", spy)
     grid.make_grid(trainer, module)
     assert grid.shape == (6, 12) and seen == [(2, 1, 6, 12)]  # a row per class, at the chosen size

@@ -267,29 +267,24 @@ def pipeline_samples(name: str, sampler: str) -> torch.Tensor:
 
 
 class Module:
-    """``DiffusionModule`` on a given mesh (the strategy's ``parallel_dims`` without a trainer)."""
+    """A ``Sampler`` of the case's model on a given mesh (one process without ``dims``)."""
 
     @staticmethod
     def make(name: str, sampler: str, dims=None, scheduler_config=None):
         from ringdit.models import parallelize
-        from ringdit.training import DiffusionModule
+        from ringdit.sampling import Sampler
 
         references, model, condition, negative, shape, objective, sampling = case(name)
         sampling = {**sampling, "sampler": sampler, "steps": STEPS, "scheduler_config": scheduler_config}
-
-        class OnMesh(DiffusionModule):
-            parallel_dims = property(lambda self: dims) if dims is not None else DiffusionModule.parallel_dims
-
-        module = OnMesh(model={}, objective={"_target_": "ringdit.diffusion.FlowMatching", **objective},
-                        data={"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"},
-                        sampling=sampling)
-        module.model = parallelize(copy.deepcopy(model), dims=dims if dims is not None and dims.sp_degree > 1 else None)
-        return module, condition, negative, shape
+        model = parallelize(copy.deepcopy(model), dims=dims if dims is not None and dims.sp_degree > 1 else None)
+        made = Sampler.for_run(model, {"_target_": "ringdit.diffusion.FlowMatching", **objective}, sampling,
+                               {"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"}, dims=dims)
+        return made, condition, negative, shape
 
 
 def ringdit_samples(name: str, sampler: str, dims=None, scheduler_config=None, cache=None) -> torch.Tensor:
-    module, condition, negative, shape = Module.make(name, sampler, dims, scheduler_config)
-    with module.sampler.using(step_cache=cache) as cached:
+    made, condition, negative, shape = Module.make(name, sampler, dims, scheduler_config)
+    with made.using(step_cache=cache) as cached:
         return cached.generate(condition, SEEDS, negative=negative, shape=shape)
 
 
@@ -365,9 +360,9 @@ def test_samples_equal_the_pipelines_at_ring_2_and_cfg_parallel():
 
 def test_a_fresh_scheduler_per_call():
     """The multistep history does not leak from one generate call (one batch) into the next."""
-    module, condition, negative, shape = Module.make("wan", "unipc")
-    first = module.generate(condition, SEEDS, negative=negative, shape=shape)
-    assert torch.equal(module.generate(condition, SEEDS, negative=negative, shape=shape), first)
+    sampler, condition, negative, shape = Module.make("wan", "unipc")
+    first = sampler.generate(condition, SEEDS, negative=negative, shape=shape)
+    assert torch.equal(sampler.generate(condition, SEEDS, negative=negative, shape=shape), first)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------------

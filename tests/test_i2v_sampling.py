@@ -164,23 +164,23 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (ring, ulysses): one process, ring 2, Ulys
 
 
 def sample_under_layouts(rank, world, checkpoints: dict[str, str], condition: dict[str, torch.Tensor]):
-    """infer.py's sampling path (DiffusionModule.generate on the checkpoint's weights, the model built on each
-    layout's mesh as configure_model builds it) with classifier-free guidance, under every layout."""
+    """infer.py's sampling path (a Sampler of the checkpoint's weights, the model built on each layout's mesh as
+    SamplingModule.configure_model builds it) with classifier-free guidance, under every layout."""
     from ringdit.models.build import build_model
     from ringdit.checkpoints.weights import read_weights
     from ringdit.parallel import init_sequence_parallel
-    from ringdit.training import DiffusionModule
+    from ringdit.sampling import Sampler
 
     seeds = [10, 11, 12]
     for family, ckpt in checkpoints.items():
         info = read_weights(ckpt)[1]
         results = {}
         for ring, ulysses in LAYOUTS:
-            module = DiffusionModule(model=info["model"], objective=info["objective"], data=info["data"],
-                                     sampling={**info["sampling"], "steps": 2, "cfg_scale": 4.0}, init_from=ckpt)
-            module.model, _ = build_model(module.hparams.model, dims=init_sequence_parallel(ring, ulysses),
-                                          init_from=ckpt)
-            results[(ring, ulysses)] = module.generate(condition, seeds)
+            dims = init_sequence_parallel(ring, ulysses)
+            model, _ = build_model(info["model"], dims=dims, init_from=ckpt)
+            sampler = Sampler.for_run(model, info["objective"], {**info["sampling"], "steps": 2, "cfg_scale": 4.0},
+                                      info["data"], dims=dims)
+            results[(ring, ulysses)] = sampler.generate(condition, seeds)
         reference = results[(1, 1)]
         assert reference.shape == (3, *LATENT)
         for layout, samples in results.items():

@@ -141,7 +141,7 @@ def test_min_and_max_time_restrict_the_times_and_keep_their_shape(name):
 
 
 def test_the_times_and_weights_of_a_sample_do_not_depend_on_the_rank_layout():
-    """The new settings draw from the sample's own generator only (DiffusionModule.sample_generators: keyed by its
+    """The new settings draw from the sample's own generator only (DiffusionModule.batch_generators: keyed by its
     position in the global batch), so a global batch of 8 split over 1, 2, 4 or 8 data-parallel replicas trains each
     sample at the same time with the same weight."""
     from ringdit.parallel import ParallelDims
@@ -155,7 +155,7 @@ def test_the_times_and_weights_of_a_sample_do_not_depend_on_the_rank_layout():
         for rank in range(replicas):
             module = SimpleNamespace(parallel_dims=ParallelDims(dp_degree=replicas, dp_rank=rank),
                                      hparams=SimpleNamespace(seed=5))
-            generators = DiffusionModule.sample_generators(module, Stream.TRAIN, (17, 0), 8 // replicas)
+            generators = DiffusionModule.batch_generators(module, Stream.TRAIN, (17, 0), 8 // replicas)
             times += [flow.sample_time(1, g, 1024) for g in generators]
         layouts[replicas] = torch.cat(times)
     for replicas, times in layouts.items():
@@ -215,7 +215,7 @@ def test_the_weighted_loss_is_each_samples_loss_times_its_weight():
 
     loss = module.diffusion_loss(model, x0, labels, generators())
     draws = generators()
-    tokens = module.tokens_per_sample(x0.shape[2:], model)
+    tokens = module.sequence_tokens(x0.shape[2:], model)
     t = torch.cat([module.objective.sample_time(1, g, tokens) for g in draws])
     noise = draw_noise(x0.shape[1:], draws, x0.device, x0.dtype)
     with torch.no_grad():

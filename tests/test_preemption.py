@@ -35,7 +35,7 @@ class SlowSampling(L.Callback):
         self.seconds, self.marks = seconds, Path(output_dir) / "batches"
 
     def on_predict_start(self, trainer, pl_module) -> None:
-        pl_module.sampling_model().register_forward_pre_hook(lambda module, args: time.sleep(self.seconds))
+        pl_module.model.register_forward_pre_hook(lambda module, args: time.sleep(self.seconds))
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if trainer.is_global_zero:

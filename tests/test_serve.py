@@ -318,7 +318,7 @@ def test_lora_load_swap_unload_equal_the_merged_base(dit):
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)  # as Lightning's trainer.precision=64-true samples
         try:
-            merged = server.module.generate(torch.tensor([4]), [seed_of(Stream.INFERENCE, 7, 0)], steps=4)
+            merged = server.module.sampler.generate(torch.tensor([4]), [seed_of(Stream.INFERENCE, 7, 0)], steps=4)
         finally:
             torch.set_default_dtype(default)
             for name, weight in saved.items():
@@ -363,7 +363,7 @@ def test_stacked_adapters_equal_infer_and_every_one_is_held(dit):
     torch.set_default_dtype(torch.float64)  # as Lightning's trainer.precision=64-true samples
     try:
         with torch.no_grad():
-            stacked = server.module.generate(torch.tensor([4]), [seed_of(Stream.INFERENCE, 7, 0)], steps=4)
+            stacked = server.module.sampler.generate(torch.tensor([4]), [seed_of(Stream.INFERENCE, 7, 0)], steps=4)
     finally:
         torch.set_default_dtype(default)
         for handle in handles:

@@ -294,22 +294,22 @@ def test_infer_without_arguments_samples_the_newest_run(sgd_runs, tmp_path):
 
 
 def sample_under_layouts(rank, world, ckpt):
-    """The sampling path of infer.py (DiffusionModule.generate with the checkpoint's weights) under every layout."""
+    """The sampling path of infer.py (a Sampler of the checkpoint's weights) under every layout."""
     from ringdit.models.build import build_model
     from ringdit.parallel import init_sequence_parallel
-    from ringdit.training import DiffusionModule
+    from ringdit.sampling import Sampler
     from ringdit.checkpoints.weights import read_weights
 
     info = read_weights(ckpt)[1]
     labels, seeds = torch.tensor([1, 7, 3]), [10, 11, 12]
     results = {}
     for ring, ulysses in [(1, 1), (2, 1), (4, 1), (2, 2)]:
-        module = DiffusionModule(model=info["model"], objective=info["objective"], data=info["data"],
-                           sampling={**info["sampling"], "steps": 4, "cfg_scale": 2.0}, init_from=str(ckpt))
-        # what configure_model builds under the strategy's mesh
-        module.model, _ = build_model(module.hparams.model, dims=init_sequence_parallel(ring, ulysses),
-                                      init_from=str(ckpt))
-        results[(ring, ulysses)] = module.generate(labels, seeds)
+        # what SamplingModule.configure_model builds under the strategy's mesh
+        dims = init_sequence_parallel(ring, ulysses)
+        model, _ = build_model(info["model"], dims=dims, init_from=str(ckpt))
+        sampler = Sampler.for_run(model, info["objective"], {**info["sampling"], "steps": 4, "cfg_scale": 2.0},
+                                  info["data"], dims=dims)
+        results[(ring, ulysses)] = sampler.generate(labels, seeds)
     for layout, samples in results.items():
         # fp32 (generate draws fp32 noise): a layout reorders the sums of each forward, ~2e-7 of max|x| (pixels, in
         # [-1, 1]) measured after 4 heun steps at CFG 2; atol 1e-5 is 50x that, and a sample that depended on the
@@ -332,7 +332,7 @@ def test_the_old_module_name_still_loads_checkpoints(sgd_runs):
     state = torch.load(checkpoint, weights_only=True)["state_dict"]
     assert_same_numbers(dict(module.state_dict()), state)
     ema = {key[len("ema.module."):]: value for key, value in state.items() if key.startswith("ema.module.")}
-    with module.sampling_weights() as model:  # the weights worth sampling: the EMA's, swapped in
+    with module.ema_weights() as model:  # the weights worth sampling: the EMA's, swapped in
         assert_same_numbers(dict(model.state_dict()), ema)
     assert_same_numbers(dict(module.state_dict()), state)  # and swapped back
 

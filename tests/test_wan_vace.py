@@ -158,11 +158,11 @@ def test_a_control_video_of_another_grid_is_refused(grid):
         model(x, T, {"text": text, "control": control})
 
 
-# ---- sampling: DiffusionModule.generate against WanVACEPipeline -----------------------------------------------------
+# ---- sampling: Sampler.generate against WanVACEPipeline --------------------------------------------------------------
 
 
 def test_sampling_with_control_latents_equals_wan_vace_pipeline():
-    """For the same noise, prompt embeddings, UniPC scheduler and control video, ``DiffusionModule.generate``
+    """For the same noise, prompt embeddings, UniPC scheduler and control video, ``Sampler.generate``
     (infer.py's and the previews' path) with the control latents in the conditioning gives WanVACEPipeline's latents,
     guided at 5 with the control in both halves, as the pipeline passes it; the control latents are the pipeline's own
     (``prepare_video_latents`` + ``prepare_masks`` over a tiny random Wan VAE: 4 + 4 + 64 = 72 channels). float64:
@@ -172,7 +172,7 @@ def test_sampling_with_control_latents_equals_wan_vace_pipeline():
 
     from ringdit.diffusion import initial_noise
     from ringdit.models.diffusers import DiffusersTransformer
-    from ringdit.training import DiffusionModule
+    from ringdit.sampling import Sampler
 
     steps, seeds, shape = 3, [3], (2, 4, 4)
     torch.manual_seed(0)
@@ -203,12 +203,12 @@ def test_sampling_with_control_latents_equals_wan_vace_pipeline():
         expected = pipe(video=video, prompt_embeds=text, negative_prompt_embeds=negative, latents=noise,
                         height=height, width=width, num_frames=frames, num_inference_steps=steps, guidance_scale=5.0,
                         output_type="latent").frames
-    module = DiffusionModule(model={}, objective={"_target_": "ringdit.diffusion.FlowMatching", "shift": 3.0},
-                             data={"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"},
-                             sampling={"sampler": "unipc", "steps": steps, "shift": 3.0, "cfg_scale": 5.0,
-                                       "scheduler_config": dict(scheduler.config)})
-    module.model = parallelize(model.double())
-    samples = module.generate({"text": text, "control": control}, seeds, negative={"text": negative}, shape=shape)
+    sampler = Sampler.for_run(parallelize(model.double()),
+                              {"_target_": "ringdit.diffusion.FlowMatching", "shift": 3.0},
+                              {"sampler": "unipc", "steps": steps, "shift": 3.0, "cfg_scale": 5.0,
+                               "scheduler_config": dict(scheduler.config)},
+                              {"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"})
+    samples = sampler.generate({"text": text, "control": control}, seeds, negative={"text": negative}, shape=shape)
     assert_same_numbers(samples.double(), expected.double(), of_max=1e-10, where="WanVACEPipeline's latents")
 
 

@@ -43,9 +43,7 @@ def fit_coefficients(records: list[tuple[float, float]], degree: int = 4) -> tup
 
 def calibrate(sampler: Sampler, condition, seeds: list[int], degree: int = 4, **overrides) -> tuple[float, ...]:
     """Sample ``condition`` with every block running, record (modulated input change, residual change) per sample and
-    evaluation, and fit TeaCache's polynomial to them. ``sampler``: a ``ringdit.sampling.Sampler`` (or a
-    ``DiffusionModule`` with its model built: its ``sampler``)."""
-    sampler = getattr(sampler, "sampler", sampler)
+    evaluation, and fit TeaCache's polynomial to them. ``sampler``: a ``ringdit.sampling.Sampler``."""
     recorder = StepCache(CacheSettings("teacache", 0.0), calibrate=True)
     with sampler.using(step_cache=recorder) as recording:
         recording.generate(condition, seeds, **overrides)

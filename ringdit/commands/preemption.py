@@ -157,7 +157,7 @@ class StopOnSigterm(L.Callback):
     def on_predict_start(self, trainer: L.Trainer, pl_module) -> None:
         _install()
         self._joined = False
-        model = pl_module.sampling_model() if hasattr(pl_module, "sampling_model") else None
+        model = getattr(pl_module, "model", None)  # a SamplingModule's (built by now)
         if isinstance(model, torch.nn.Module):  # each sampler step calls the model: a step boundary on every rank
             self._hook = model.register_forward_pre_hook(lambda module, args: self._check(trainer))
         if _last_batch(trainer) == (-1, -1):  # no batch on this rank

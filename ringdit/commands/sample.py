@@ -78,12 +78,12 @@ from torch.utils.data import DataLoader
 from ringdit.caching import StepCache
 from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
 from ringdit.sampling.conditions import sample_conditions
-from ringdit.media.decode import decode_group, decode_written, shared_files
+from ringdit.sampling.decoding import decode_group, decode_written, shared_files
 from ringdit.commands.preemption import sigterm_stops_at_once, stop_on_sigterm
 from ringdit.commands.run_folder import claim_run_folder
 from ringdit.sampling import SampleRequests, SampleWriter
+from ringdit.sampling.predict import SamplingModule
 from ringdit.spec import InferSpec
-from ringdit.training import DiffusionModule
 from ringdit.training.callbacks import LoadLoraAdapter
 
 log = logging.getLogger("ringdit.infer")
@@ -97,7 +97,7 @@ def prepare(cfg: DictConfig):
     conditions, captions, negative, per_sample = sample_conditions(spec)
     # cache=fbcache / teacache: wrapped around each batch's sampling (ringdit.caching)
     cache = StepCache(spec.cache, spec.cache.coefficients) if spec.cache.enabled else None
-    module = DiffusionModule.for_sampling(spec, step_cache=cache, negative=negative)
+    module = SamplingModule(spec, step_cache=cache, negative=negative)
     negatives, negative_given = per_sample or (None, None)
     requests = SampleRequests(conditions, spec.seed, shapes=spec.sample_shapes(), negatives=negatives,
                               negative_given=negative_given)

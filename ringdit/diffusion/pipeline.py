@@ -141,7 +141,7 @@ def condition_to(condition, device):
 def in_micro_batches(generate, condition, seeds: list[int], batch_size: int | None, *,
                      negative: dict | None = None, **keywords) -> Tensor:
     """``generate(condition, seeds, negative=..., **keywords)`` (a ``SamplingPipeline.generate`` or
-    ``DiffusionModule.generate``) over at most ``batch_size`` samples per call (None: all in one), concatenated: the
+    ``Sampler.generate``) over at most ``batch_size`` samples per call (None: all in one), concatenated: the
     same samples, as each one's noise comes from its own seed, with the memory of one micro-batch (a preview of 80
     video samples would otherwise be one forward of 80, twice that with guidance). ``condition``: labels ``(N,)`` or
     a dict of ``(N, ...)`` tensors; ``negative``: a ``(1, ...)`` prompt for all, or ``(N, ...)`` one per sample.

@@ -1,25 +1,50 @@
 """``Sampler``: what generating needs, apart from training -- the model, the ranks' ``ParallelDims``, the run's
-``SamplingPipeline`` (sampler, settings, guidance), the device, and this sampler's step cache and negative prompt.
+``SamplingPipeline`` (sampler, settings, guidance), the device, this sampler's step cache and negative prompt, and
+its ``Codecs``: the text encoder that turns prompts into conditions and the VAE that turns latents into pixels.
 
 infer.py, the preview grids, the server, TeaCache's calibration and distillation's teacher each hold one; none sets
 the pipeline's fields. The step cache and the negative prompt are fixed when the sampler is made, or for a block
-(``with sampler.using(step_cache=...) as sampler:``), never written from outside.
+(``with sampler.using(step_cache=...) as sampler:``), never written from outside. No LightningModule is needed: a
+training module hands its model (and its EMA's weights) to one, infer.py's and the server's Lightning shell
+(``ringdit.sampling.predict.SamplingModule``) builds one on the ranks Lightning started, and ``ringdit.load`` builds
+one in the caller's process (``ringdit.sampling.resident``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
+import hydra
+import numpy as np
 import torch
 from torch import nn
 
 from ringdit.diffusion.pipeline import SamplingPipeline
+from ringdit.media.decode import decode_latents, latents_normalised
 from ringdit.media.images import to_uint8
 from ringdit.parallel import ParallelDims
 
 Tensor = torch.Tensor
 _KEEP = object()  # ``using``'s "as it is"
+
+
+@dataclass(frozen=True)
+class Codecs:
+    """What turns prompts into a model's conditions and its latents into pixels: ``text_encoder`` (the one its data
+    were encoded with: a ``ringdit.media.text.TextEncoder``, prompts -> a dict of (N, ...) tensors), ``vae`` (a
+    ``ringdit.media.vae.VAE``) and whether the sampled latents are VAE-normalised (``latents_normalised``). A
+    sampler without them samples conditions it is given and returns latents as numbers."""
+
+    text_encoder: Callable[[list[str]], dict] | None = None
+    vae: Any = None
+    normalised: bool = True
+
+    @classmethod
+    def of_data(cls, data: dict, text_encoder=None, vae=None) -> Codecs:
+        """The codecs of a model trained on ``data`` (its ``describe()``)."""
+        return cls(text_encoder, vae, latents_normalised(data))
 
 
 class Sampler:
@@ -28,14 +53,27 @@ class Sampler:
     ``step_cache``: a ``ringdit.caching.StepCache`` wrapped around each call (None: every block runs); ``negative``:
     the negative prompt's conditioning (text models) that calls guide away from unless they give their own (None:
     the empty prompt, the model's null condition); ``weights``: ``weights(use_ema)``, a context manager yielding the
-    model with the weights worth sampling (a training module's EMA swapped in; None: ``model`` as it is)."""
+    model with the weights worth sampling (a training module's EMA swapped in; None: ``model`` as it is);
+    ``codecs``: its text encoder and VAE (``encode``, ``to_pixels``)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, pipeline: SamplingPipeline, device, *,
                  step_cache: Any = None, negative: dict | None = None,
-                 weights: Callable[[bool], ContextManager[nn.Module]] | None = None):
+                 weights: Callable[[bool], ContextManager[nn.Module]] | None = None, codecs: Codecs = Codecs()):
         self.model, self.dims, self.pipeline, self.device = model, dims, pipeline, device
-        self.step_cache, self.negative = step_cache, negative
+        self.step_cache, self.negative, self.codecs = step_cache, negative, codecs
         self._weights = weights
+
+    @classmethod
+    def for_run(cls, model: nn.Module, objective, sampling: dict | None, data: dict, *,
+                dims: ParallelDims | None = None, device=None, **keywords: Any) -> Sampler:
+        """The sampler of a run's ``model`` as its checkpoint describes it: ``objective`` (a ``ringdit.diffusion``
+        objective, or its config with ``_target_``), ``sampling`` (``diffusion.sampling``'s settings) and ``data``
+        (the data's ``describe()``); ``dims`` default one process, ``device`` the CPU; ``keywords``: ``__init__``'s."""
+        if isinstance(objective, dict) or hasattr(objective, "_target_"):
+            objective = hydra.utils.instantiate(objective)
+        pipeline = SamplingPipeline.for_run(objective, sampling, data)
+        return cls(model, dims if dims is not None else ParallelDims(), pipeline,
+                   torch.device("cpu") if device is None else device, **keywords)
 
     @property
     def pixels(self) -> bool:
@@ -47,7 +85,8 @@ class Sampler:
         """This sampler with another step cache and / or negative prompt inside the block (None: none)."""
         yield Sampler(self.model, self.dims, self.pipeline, self.device,
                       step_cache=self.step_cache if step_cache is _KEEP else step_cache,
-                      negative=self.negative if negative is _KEEP else negative, weights=self._weights)
+                      negative=self.negative if negative is _KEEP else negative, weights=self._weights,
+                      codecs=self.codecs)
 
     def weights(self, use_ema: bool = True) -> ContextManager[nn.Module]:
         """The model that samples, with the weights worth sampling inside the block."""
@@ -69,6 +108,31 @@ class Sampler:
             return self.pipeline.generate(model, condition, seeds, dims=self.dims, device=self.device,
                                           negative=self.negative if negative is None else negative, shape=shape,
                                           overrides=overrides, step_cache=self.step_cache)
+
+    def encode(self, prompts: list[str]) -> dict[str, Tensor]:
+        """``prompts`` -> the model's text conditions ``(N, ...)``, encoded with the text encoder its data were."""
+        if self.codecs.text_encoder is None:
+            raise ValueError("this sampler has no text encoder to encode prompts with (Codecs.text_encoder)")
+        return self.codecs.text_encoder(list(prompts))
+
+    def to_pixels(self, samples: Tensor, group=None) -> np.ndarray | None:
+        """Samples ``(N, C, [T,] H, W)`` (``generate``'s) -> uint8 ``(N, [T,] H, W, C)``: pixels as they are; latents
+        back on the VAE's own scale (data.scale multiplied it in) and decoded one sample at a time. ``group``: a
+        process group whose ranks all hold the same samples: each sample's VAE tiles are decoded over its ranks and
+        the pixels come back on its rank 0 (None on the others)."""
+        if self.pixels:
+            return to_uint8(samples).numpy()
+        if self.codecs.vae is None:
+            raise ValueError("this sampler samples latents and has no VAE to decode them with (Codecs.vae)")
+        latents = samples.float().cpu() / self.pipeline.latent_scale
+        return decode_latents(latents, self.codecs.vae, self.codecs.normalised, group=group)
+
+    def sample_requests(self, batch) -> dict[str, Tensor]:
+        """One batch ``(indices, condition, seeds[, extra])`` of ``ringdit.sampling.SampleRequests``, sampled by
+        ``sample_batch``, with its sample numbers (``index``) and, for a class-conditional model, its ``labels``."""
+        indices, condition, seeds, *rest = batch
+        described = {"index": indices} if isinstance(condition, dict) else {"index": indices, "labels": condition}
+        return {**described, **self.sample_batch(condition, seeds.tolist(), rest[0] if rest else {})}
 
     def sample_batch(self, condition, seeds: list[int], extra: dict) -> dict[str, Tensor]:
         """One batch of ``ringdit.sampling.SampleRequests``: ``extra`` holds its sample ``shape`` (one per batch:

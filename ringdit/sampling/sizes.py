@@ -32,7 +32,7 @@ def size_pair(size, setting: str, hint: str = "") -> list[int]:
 @dataclass(frozen=True)
 class SampleSizes:
     """How a requested ``size=[H, W]`` / ``frames=N`` becomes a sample shape ``([T,] H, W)`` in the data's cells, the
-    shape ``DiffusionModule.generate(shape=)`` takes -- checked against the model's patch.
+    shape ``Sampler.generate(shape=)`` takes -- checked against the model's patch.
 
     Units: when the data records the VAE it was encoded with (``data["vae"]``: data=text_latents from
     ``ringdit.prepare``), ``size`` is in pixels and ``frames`` in video frames, as diffusers pipelines' height /

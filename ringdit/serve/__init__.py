@@ -63,7 +63,6 @@ class Server:
         from ringdit.training.callbacks import LoadLoraAdapter
 
         spec, settings = self.spec, self.settings
-        self.module = ServingModule.for_sampling(spec)
         callbacks = [LoadLoraAdapter(spec.ckpt_path, spec.weights)] if spec.lora is not None else []
         self.trainer = hydra.utils.instantiate(spec.trainer.config, callbacks=callbacks, logger=False,
                                                enable_progress_bar=False)
@@ -76,7 +75,7 @@ class Server:
         if self.trainer.global_rank == 0:
             self.rank0 = self._rank0()
         self.engine = Engine(spec, self.queue, self.control, self.rank0)
-        self.module.engine = self.engine
+        self.module = ServingModule(spec, self.engine, self.rank0.codecs if self.rank0 is not None else None)
 
     def _rank0(self):
         import torch

@@ -1,10 +1,10 @@
 """The sampling side of the server: every rank runs one ``trainer.predict`` over an endless stream of commands.
 
 Rank 0's main thread takes the next batch of jobs from the ``JobQueue``, turns it into a command (prompts encoded,
-first frames encoded, seeds drawn: ``Commands``) and broadcasts it to every rank; each rank's ``ServingModule``
-carries it out with the same ``Sampler`` (``module.sampler``) infer.py samples with, so a request's samples equal
-infer.py's for the same seed. Lightning sets up the ranks, the sequence-parallel layout, FSDP and the precision once;
-the models stay resident between requests.
+first frames encoded, seeds drawn: ``Commands``) and broadcasts it to every rank; each rank's ``ServingModule`` (the
+Lightning shell infer.py samples in: no training module) carries it out with the same ``Sampler`` infer.py samples
+with, so a request's samples equal infer.py's for the same seed. Lightning sets up the ranks, the sequence-parallel
+layout, FSDP and the precision once; the models stay resident between requests.
 
 - When nothing is waiting, rank 0 broadcasts a tick every ``TICK_S``: the ranks' collectives never wait long enough
   to time out, and a rank that died is found within seconds (the broadcast fails; the server then answers 503 and
@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
-from ringdit.media.images import to_image, to_uint8
+from ringdit.media.images import to_image
 from ringdit.models.conditioning import text_conditioned
 from ringdit.common.seeding import Stream, seed_of
 from ringdit.serve.adapters import Adapter, Adapters
 from ringdit.serve.jobs import CANCELLED, COMPLETED, FAILED, Job, JobQueue
-from ringdit.training import DiffusionModule
+from ringdit.sampling.predict import SamplingModule
+from ringdit.sampling.sampler import Codecs, Sampler
 
 log = logging.getLogger("ringdit.serve")
 
@@ -104,12 +105,16 @@ class Commands(IterableDataset):
                 yield command
 
 
-class ServingModule(DiffusionModule):
-    """A ``DiffusionModule`` whose prediction steps carry out the server's commands."""
+class ServingModule(SamplingModule):
+    """infer.py's ``SamplingModule`` whose prediction steps carry out ``engine``'s commands."""
 
-    engine: Engine
+    def __init__(self, spec, engine: Engine, codecs: Codecs | None = None):
+        # rank 0's codecs (Rank0's): its sampler encodes the prompts and decodes the latents; the others' none
+        super().__init__(spec, codecs=codecs or Codecs())
+        self.engine = engine
 
     def on_predict_start(self) -> None:
+        super().on_predict_start()  # the sampler
         self.engine.ready(self)
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
@@ -125,6 +130,7 @@ class Engine:
     def __init__(self, spec, queue: JobQueue | None, control: Control | None, rank0=None):
         self.spec, self.queue, self.control, self.rank0 = spec, queue, control, rank0
         self.adapters: Adapters | None = None
+        self.sampler: Sampler | None = None  # the module's, once it is ready
         self.batches = self.evaluations = self.samples = 0
         self.cache_reused = 0  # model evaluations whose blocks the step cache skipped
         self.failure: str | None = None
@@ -135,6 +141,7 @@ class Engine:
     def ready(self, module: ServingModule) -> None:
         """The model is built, on its device, with its weights: requests may come."""
         self.adapters = Adapters(module.model, module.device)
+        self.sampler = module.sampler
         self.is_ready.set()
 
     # ---- the stream (collective) -----------------------------------------------------------------------------------
@@ -174,7 +181,7 @@ class Engine:
         if self.unloaded(jobs):
             return {"op": "tick"}
         try:
-            return self.rank0.sample_command(jobs)
+            return self.rank0.sample_command(jobs, self.sampler)
         except ValueError as error:  # a prompt / image the encoders refuse: those jobs fail, the server goes on
             for job in jobs:
                 job.finish(FAILED, str(error), code=400)
@@ -241,7 +248,7 @@ class Engine:
         if rank0:
             self.samples += len(command["seeds"])
             try:
-                self.rank0.deliver(self._running, command, samples, module)
+                self.rank0.deliver(self._running, command, samples, module.sampler)
             finally:
                 if self.queue.metrics is not None and self._running:
                     self.queue.metrics.batch_seconds.labels(self._running[0].request.kind).observe(
@@ -253,7 +260,7 @@ class Engine:
     def _watching(self, module: ServingModule):
         """Before each model forward: count it (progress), and stop every rank together when every job of the batch
         was cancelled or ran out of time."""
-        model = module.sampling_model()
+        model = module.model
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
         def before_forward(_module, _args):
@@ -283,17 +290,18 @@ class Engine:
 
 
 class Rank0:
-    """Rank 0's own part: turning jobs into a command (encoding prompts and first frames, drawing seeds) and the
-    samples into files. Holds the text encoder and the VAE resident."""
+    """Rank 0's own part: turning jobs into a command (prompts encoded by rank 0's sampler, first frames encoded,
+    seeds drawn) and the samples into files (decoded by the sampler). ``codecs``: the text encoder and the VAE, held
+    resident by rank 0's sampler."""
 
     def __init__(self, spec, files_dir: Path, timeout_s: float, text_encoder=None, vae=None,
                  cache_settings: dict | None = None):
         # cache_settings: kind -> CacheSettings that requests may pick (their threshold replaces its own)
         self.spec, self.files_dir, self.timeout_s = spec, files_dir, timeout_s
-        self.text_encoder, self.vae = text_encoder, vae
+        self.codecs = Codecs.of_data(spec.data, text_encoder, vae)  # handed to rank 0's sampler
         self.cache_settings = cache_settings or {}
 
-    def sample_command(self, jobs: list[Job]) -> dict:
+    def sample_command(self, jobs: list[Job], sampler: Sampler) -> dict:
         """One model forward's worth of jobs (one key) -> the command every rank samples."""
         from ringdit.sampling import resolve_labels
 
@@ -303,11 +311,11 @@ class Rank0:
         negative = None
         if text_conditioned(data):
             prompts = [job.request.prompt for job in jobs for _ in range(job.request.n)]
-            condition = self.text_encoder(prompts)  # (N, L, D) ...
+            condition = sampler.encode(prompts)  # (N, L, D) ...
             # the others: the empty prompt, as trained (a pipeline folder's has no stored encoding: always encoded)
             if spec.pipeline or any(job.request.negative_prompt for job in jobs):
-                rows = self.text_encoder([job.request.negative_prompt or "" for job in jobs
-                                          for _ in range(job.request.n)])
+                rows = sampler.encode([job.request.negative_prompt or "" for job in jobs
+                                       for _ in range(job.request.n)])
                 negative = rows
             if first.image is not None:
                 condition = {**condition, **self.first_frames(jobs)}
@@ -340,14 +348,14 @@ class Rank0:
                                   image_encoder=prepared.get("path"), channels=spec.data["channels"],
                                   setting="image")
 
-    def deliver(self, jobs: list[Job], command: dict, samples: torch.Tensor | None, module: DiffusionModule) -> None:
+    def deliver(self, jobs: list[Job], command: dict, samples: torch.Tensor | None, sampler: Sampler) -> None:
         """Each job's samples as files (PNG per image, MP4 per video); its state finished."""
         if samples is None:  # cancelled together
             for job in jobs:
                 job.finish(CANCELLED, "cancelled", code=499)
             return
         try:
-            pixels = self.pixels(samples, module)
+            pixels = sampler.to_pixels(samples)  # uint8 (N, [T,] H, W, C)
         except Exception as error:  # noqa: BLE001 - the jobs fail with it; the server goes on
             log.exception("decoding a batch failed")
             for job in jobs:
@@ -368,15 +376,6 @@ class Rank0:
             job.finish(COMPLETED)
             log.info("%s: %d %s(s) %s in %.1f s", job.id, job.request.n, job.request.kind,
                      "x".join(map(str, job.request.size)), time.time() - job.created)
-
-    def pixels(self, samples: torch.Tensor, module: DiffusionModule):
-        """uint8 (N, [T,] H, W, C) numpy."""
-        if module.samples_are_pixels:
-            return to_uint8(samples).numpy()
-        from ringdit.media.decode import decode_latents, latents_normalised
-
-        latents = samples.float().cpu() / self.spec.data["latent_scale"]
-        return decode_latents(latents, self.vae, latents_normalised(self.spec.data))
 
     def write(self, job: Job, index: int, pixels) -> Path:
         from ringdit.common.atomic import atomic_write

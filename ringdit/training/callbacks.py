@@ -6,20 +6,21 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import OmegaConf
 
 from ringdit.checkpoints.weights import read_weights
-from ringdit.media.images import grid_image, save_samples, to_uint8
+from ringdit.media.images import grid_image, save_samples
 from ringdit.models.lora import adapter_state, load_adapter, load_null_condition
 from ringdit.media.writing import write_mp4
 from ringdit.diffusion.pipeline import in_micro_batches
 from ringdit.common.errors import ConfigError, require_count, require_number, require_seed
 from ringdit.models.conditioning import CONTROL_KEY, text_conditioned
-from ringdit.sampling import (FPS_HINT, PromptLine, Sampler, SampleSizes, frame_rate, patch_shape, read_prompt_file,
-                              size_pair)
+from ringdit.sampling import (FPS_HINT, Codecs, PromptLine, Sampler, SampleSizes, frame_rate, patch_shape,
+                              read_prompt_file, size_pair)
 from ringdit.common.seeding import Stream, seed_of
 
 SETTING = "callbacks.sample_grid"
@@ -188,19 +189,22 @@ class SampleGrid(L.Callback):
 
     def make_grid(self, trainer: L.Trainer, pl_module) -> Path | None:
         self._last_step = step = trainer.global_step
-        sampler = preview_sampler(pl_module)
-        if not sampler.pixels and self.preview_vae(pl_module.hparams.data) is None:
+        data = pl_module.hparams.data
+        vae = self.preview_vae(data) if "latent_scale" in data else None
+        if "latent_scale" in data and vae is None:
             return None  # latents without their VAE cannot be looked at (said once, by preview_vae)
+        sampler = preview_sampler(pl_module, vae)
+        # latents: every rank decodes its share of each sample's tiles (they all sampled the same latents), rank 0
+        # gets the pixels
+        group = dist.group.WORLD if not sampler.pixels and dist.is_available() and dist.is_initialized() \
+            and trainer.world_size > 1 else None
         rows = self.rows(trainer, pl_module)
         shapes = {row["shape"] for row in rows}
         images, captions = [], []
         for row in rows:
             samples = in_micro_batches(sampler.generate, row["condition"], row["seeds"], self.batch_size,
                                        negative=row["negative"], shape=row["shape"], **row["overrides"])
-            if sampler.pixels:
-                images.append(to_uint8(samples).numpy() if trainer.is_global_zero else None)
-            else:  # every rank decodes its share of each sample's tiles; rank 0 gets the pixels
-                images.append(self.decode(samples, pl_module.hparams.data, trainer))
+            images.append(sampler.to_pixels(samples, group) if not sampler.pixels or trainer.is_global_zero else None)
             captions += row["captions"]
         if not trainer.is_global_zero:
             return None
@@ -303,24 +307,15 @@ class SampleGrid(L.Callback):
                 self._codec = VAE(folder, self.vae_subfolder, device=device)
         return self._codec or None
 
-    def decode(self, latents: torch.Tensor, data_info: dict, trainer: L.Trainer):
-        """(N, C, [T,] H, W) latents -> uint8 pixels on global rank 0 (None elsewhere), each sample's VAE tiles
-        decoded over every rank (``ringdit.media.parallel_vae``): they all sampled the same latents."""
-        import torch.distributed as dist
 
-        from ringdit.media.decode import decode_latents, latents_normalised
-
-        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 else None
-        return decode_latents(latents.float().cpu(), self.preview_vae(data_info), latents_normalised(data_info),
-                              group=group)
-
-
-def preview_sampler(pl_module) -> Sampler:
+def preview_sampler(pl_module, vae=None) -> Sampler:
     """The previews' own sampler: the training module's model with its EMA weights swapped in while it samples
-    (``DiffusionModule.sampling_weights``), the run's sampling settings, no step cache, the empty prompt as the
-    negative unless a row gives its own."""
-    return Sampler(pl_module.model, pl_module.parallel_dims, pl_module.pipeline, pl_module.device,
-                   weights=pl_module.sampling_weights)
+    (``DiffusionModule.ema_weights``), the run's sampling settings, no step cache, the empty prompt as the
+    negative unless a row gives its own; ``vae`` decodes a latent model's samples (``Sampler.to_pixels``)."""
+    data = pl_module.hparams.data
+    return Sampler.for_run(pl_module.model, pl_module.objective, pl_module.hparams.get("sampling"), data,
+                           dims=pl_module.parallel_dims, device=pl_module.device, weights=pl_module.ema_weights,
+                           codecs=Codecs.of_data(data, vae=vae))
 
 
 def log_samples(loggers, images, captions: list[str], step: int | None, *, videos: list[Path] = (),

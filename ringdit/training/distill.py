@@ -42,7 +42,6 @@ outputs from the same noises to the teacher's samples.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import warnings
 
@@ -86,6 +85,7 @@ class DistillationModule(DiffusionModule):
         self.critic_features: FeatureTap | None = None
         self.teacher_pairs: tuple | None = None  # regression_loss: (noise, condition, the teacher's samples)
         self._teacher: list[nn.Module] = []  # in a list: not a submodule (no state dict, DDP, optimizer or .to())
+        self.teacher_sampler: Sampler | None = None  # the teacher's own, made when training starts (on its device)
 
     @property
     def teacher(self) -> nn.Module:
@@ -126,8 +126,13 @@ class DistillationModule(DiffusionModule):
         # what Lightning's precision did to this module (trainer.precision=64-true: float64), it does not do to the
         # teacher, which is no submodule
         self.trainer.precision_plugin.convert_module(self.teacher)
+        # the run's sampling settings with teacher_sampling laid over them, its weights as they are (no step cache,
+        # the empty prompt as the negative)
+        settings = {**(self.hparams.get("sampling") or {}), **(self.distill.get("teacher_sampling") or {})}
+        self.teacher_sampler = Sampler.for_run(self.teacher, self.objective, settings, self.hparams.data,
+                                               dims=self.parallel_dims, device=self.device)
         if self.distill.get("regression_loss"):
-            self.teacher_pairs = self.sample_teacher_pairs()
+            self.teacher_pairs = self.make_teacher_pairs()
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:
@@ -149,7 +154,7 @@ class DistillationModule(DiffusionModule):
         return [generator(Stream.DISTILL, self.hparams.seed, step, phase, role, first + i) for i in range(batch_size)]
 
     # ---- the student --------------------------------------------------------------------------------------------------
-    def student_samples(self, shape: tuple[int, ...], condition, step: int, phase: int, grad: bool,
+    def student_outputs(self, shape: tuple[int, ...], condition, step: int, phase: int, grad: bool,
                         dtype: torch.dtype = torch.float32) -> Tensor:
         """The student's clean samples ``shape`` after a step drawn for (``step``, ``phase``), whose input comes
         from its own earlier steps (backward simulation); only that last step carries a gradient, with ``grad``."""
@@ -215,7 +220,7 @@ class DistillationModule(DiffusionModule):
         return critic_gan_loss(self.head_logits(real, noise, t, condition), self.head_logits(fake, noise, t, condition))
 
     @torch.no_grad()
-    def sample_teacher_pairs(self) -> tuple:
+    def make_teacher_pairs(self) -> tuple:
         """(noise, condition, the teacher's samples from that noise) for the regression loss: ``regression_pairs`` of
         them, for labels cycling through the classes or for the training data's prompts (``pair_prompts``), sampled
         as the run's sampling settings say (its sampler, steps, guidance at ``cfg_scale``); deterministic, so a
@@ -228,17 +233,10 @@ class DistillationModule(DiffusionModule):
         else:
             condition = torch.arange(count, device=self.device) % self.hparams.data["num_classes"]  # (K,)
         seeds = [seed_of(Stream.DISTILL, self.hparams.seed, 0, 0, REGRESSION, i) for i in range(count)]
-        samples = self.teacher_sampler().generate(condition, seeds)
+        samples = self.teacher_sampler.generate(condition, seeds)
         noise = draw_noise((self.teacher.in_channels, *self.hparams.data["image_size"]), noise_generators(seeds),
                            self.device, samples.dtype)  # what the teacher's sampling started from
         return noise, condition, samples
-
-    def teacher_sampler(self) -> Sampler:
-        """The teacher's own sampler: the run's sampling settings with ``teacher_sampling`` laid over them, its
-        weights as they are (no step cache, the empty prompt as the negative)."""
-        settings = {**self.pipeline.settings, **self.distill["teacher_sampling"]}
-        pipeline = dataclasses.replace(self.pipeline, settings=settings)
-        return Sampler(self.teacher, self.parallel_dims, pipeline, self.device)
 
     def pair_prompts(self, count: int) -> dict[str, Tensor]:
         """The conditions (text embeddings, ...) of the first ``count`` training samples of the sampled shape (the
@@ -298,7 +296,7 @@ class DistillationModule(DiffusionModule):
         critic_value = None
         for phase in range(critic_steps):
             with torch.no_grad():
-                fake = self.student_samples(shape, condition, step, phase, grad=False, dtype=x0.dtype)
+                fake = self.student_outputs(shape, condition, step, phase, grad=False, dtype=x0.dtype)
             critic_loss = self.diffusion_loss(self.critic, fake, condition,
                                               self.draws(step, phase, CRITIC_LOSS, shape[0]))
             if self.gan_head is not None:
@@ -318,7 +316,7 @@ class DistillationModule(DiffusionModule):
             self.log("train/scm_loss", self.trainer.strategy.reduce(scm.detach(), reduce_op="mean"))
             loss = scm
         if matching:
-            fake = self.student_samples(shape, condition, step, critic_steps, grad=True, dtype=x0.dtype)
+            fake = self.student_outputs(shape, condition, step, critic_steps, grad=True, dtype=x0.dtype)
             dmd, gan_loss = self.matching_loss(fake, condition, step, critic_steps)
             if gan_loss is not None:
                 self.log("train/gan_loss", self.trainer.strategy.reduce(gan_loss.detach(), reduce_op="mean"))

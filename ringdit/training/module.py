@@ -1,7 +1,8 @@
-"""``DiffusionModule``: the LightningModule that fine-tunes a (sequence-parallel) diffusion transformer, and samples it
-through a ``ringdit.sampling.Sampler`` (``DiffusionModule.sampler``: its model, ranks and ``SamplingPipeline``):
-ringdit's class-conditional DiT, or a text-conditioned diffusers transformer (``DiffusersTransformer``: Wan, ...).
-Every model kind is built by ``ringdit.models.build.build_model`` and trained and sampled by the same code: the models share
+"""``DiffusionModule``: the LightningModule that fine-tunes a (sequence-parallel) diffusion transformer -- ringdit's
+class-conditional DiT, or a text-conditioned diffusers transformer (``DiffusersTransformer``: Wan, ...). It only
+trains: sampling is a ``ringdit.sampling.Sampler``'s (the preview grids make one of this module's model with its EMA's
+weights, ``ema_weights``; infer.py and the server sample in ``ringdit.sampling.predict.SamplingModule``).
+Every model kind is built by ``ringdit.models.build.build_model`` and trained by the same code: the models share
 one conditioning interface (``drop_condition``, ``null_condition``, ``model_condition``) and all return their whole
 prediction, gathered over the sequence-parallel group.
 
@@ -11,7 +12,7 @@ the sample's position in the global batch: every rank of a group draws the same 
 uninterrupted run would have, and how the global batch is split over data-parallel replicas changes nothing.
 
 (Over 300 lines because it holds Lightning's whole life cycle of one run -- build, train step, non-finite losses,
-EMA, resume, predict -- whose hooks share state; each part is a few short methods.)
+EMA, resume -- whose hooks share state; each part is a few short methods.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import hydra
 import lightning as L
@@ -31,14 +32,12 @@ from ringdit.models.build import build_model
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.diffusion import DDPM, draw_noise
 from ringdit.diffusion.experts import step_expert, time_range
-from ringdit.diffusion.pipeline import SamplingPipeline
 from ringdit.models.ema import ModelAverage
 from ringdit.common.errors import NonFiniteLossError
 from ringdit.models.lora import is_adapter_key, lora_enabled, null_condition_names
 from ringdit.models.conditioning import text_conditioned
 from ringdit.parallel import ParallelDims
 from ringdit.common.safe_config import check_file_configs
-from ringdit.sampling.sampler import Sampler
 from ringdit.common.seeding import Stream, generator
 
 Tensor = torch.Tensor
@@ -56,8 +55,8 @@ def total_grad_norm(model: torch.nn.Module) -> Tensor | None:
 class DiffusionModule(L.LightningModule):
     """Trains ``model`` (a DiT config with ``_target_``) with ``objective`` (FlowMatching / DDPM config).
 
-    ``sampling``: defaults for preview grids and ``infer.py`` (``steps``, ``cfg_scale``, ``sampler``, ``shift``,
-    ``guidance_channels``).
+    ``sampling``: the run's sampling settings (``steps``, ``cfg_scale``, ``sampler``, ``shift``, ``guidance_channels``),
+    kept in the checkpoint for the preview grids' and infer.py's ``Sampler``; this module does not sample.
     ``data``: what the data module describes (channels, image_size, num_classes, class_names).
     ``expert``: which expert of a two-expert model trains: ``high``, ``low`` or ``both`` (None: both).
     """
@@ -90,8 +89,6 @@ class DiffusionModule(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.objective = hydra.utils.instantiate(objective)
-        self.pipeline = SamplingPipeline.for_run(self.objective, sampling, data)  # how it samples
-        self._sampler_keywords: dict = {}  # a sampling run's step cache and negative prompt (for_sampling)
         self.model: nn.Module | None = None  # built in configure_model
         self.ema: ModelAverage | None = None
         self._step_start: float | None = None
@@ -152,7 +149,7 @@ class DiffusionModule(L.LightningModule):
             checkpoint["state_dict"] = {key: value for key, value in checkpoint["state_dict"].items()
                                         if is_adapter_key(key) or key == "ema.n_averaged" or key in nulls}
 
-    def tokens_per_sample(self, shape: tuple[int, ...] | None = None, model: nn.Module | None = None) -> int:
+    def sequence_tokens(self, shape: tuple[int, ...] | None = None, model: nn.Module | None = None) -> int:
         """Model tokens of one sample of ``shape`` ``([T,] H, W)`` (a bucket's; default the data's image_size) for
         ``model`` (default this module's)."""
         shape = tuple(self.hparams.data["image_size"]) if shape is None else tuple(shape)
@@ -164,7 +161,7 @@ class DiffusionModule(L.LightningModule):
         ``diffusion.expert=both``); None for one transformer."""
         if not getattr(model, "experts", ()):
             return None
-        tokens = self.tokens_per_sample(x0.shape[2:], model)
+        tokens = self.sequence_tokens(x0.shape[2:], model)
         return step_expert(self.hparams.get("expert") or "both", model.boundary_ratio, self.objective, tokens, draw)
 
     def diffusion_loss(self, model: nn.Module, x0: Tensor, condition, generators: list[torch.Generator],
@@ -179,7 +176,7 @@ class DiffusionModule(L.LightningModule):
         The gather's backward hands each rank the gradient of its own tokens summed over the group's sp copies of
         that loss, so DDP's gradient average over all ranks is the one-device gradient (the ranks' parameter
         gradients are partial sums: ``ringdit.parallel.collectives``)."""
-        tokens = self.tokens_per_sample(x0.shape[2:], model)  # this batch's bucket (Flux's shift=resolution follows)
+        tokens = self.sequence_tokens(x0.shape[2:], model)  # this batch's bucket (Flux's shift=resolution follows)
         within = time_range(expert, model.boundary_ratio) if expert else None
         t = torch.cat([self.objective.sample_time(1, g, tokens, within) for g in generators]).to(x0.device)
         noise = draw_noise(x0.shape[1:], generators, x0.device, x0.dtype)  # float32 draws: the same in any precision
@@ -224,7 +221,7 @@ class DiffusionModule(L.LightningModule):
             loss = loss + joint_error.mean()
         return loss
 
-    def sample_generators(self, stream: Stream, batch: tuple[int, ...], batch_size: int) -> list[torch.Generator]:
+    def batch_generators(self, stream: Stream, batch: tuple[int, ...], batch_size: int) -> list[torch.Generator]:
         """One generator per local sample, keyed by ``batch`` and its position in the global batch (dp rank-major)."""
         first = self.parallel_dims.dp_rank * batch_size
         return [generator(stream, self.hparams.seed, *batch, first + i) for i in range(batch_size)]
@@ -234,7 +231,7 @@ class DiffusionModule(L.LightningModule):
         # (step, micro-batch within gradient accumulation): the same after a resume, which starts at a step boundary
         micro_batch = batch_idx % self.trainer.accumulate_grad_batches
         key = (self.trainer.global_step, micro_batch)
-        generators = self.sample_generators(Stream.TRAIN, key, x0.shape[0])
+        generators = self.batch_generators(Stream.TRAIN, key, x0.shape[0])
         expert = self.batch_expert(self.model, x0, generator(Stream.EXPERT, self.hparams.seed, *key))
         loss = self.diffusion_loss(self.model, x0, condition, generators, expert, loss_mask(condition))
         # The mean over all ranks is the batch loss (averaged over replicas), and every rank sees the same value, so
@@ -264,8 +261,8 @@ class DiffusionModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x0, condition = batch
-        generators = self.sample_generators(Stream.VALIDATION, (batch_idx,), x0.shape[0])
-        with self.sampling_weights() as model:
+        generators = self.batch_generators(Stream.VALIDATION, (batch_idx,), x0.shape[0])
+        with self.ema_weights() as model:
             expert = self.batch_expert(model, x0, generator(Stream.EXPERT, self.hparams.seed, batch_idx))
             loss = self.diffusion_loss(model, x0, condition, generators, expert, loss_mask(condition))
         self.log("val/loss", loss, sync_dist=True, batch_size=x0.shape[0])
@@ -283,7 +280,7 @@ class DiffusionModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._step_start
-        samples, tokens = batch[0].shape[0] * self.parallel_dims.dp_degree, self.tokens_per_sample(batch[0].shape[2:])
+        samples, tokens = batch[0].shape[0] * self.parallel_dims.dp_degree, self.sequence_tokens(batch[0].shape[2:])
         self.log_dict({"train/samples_per_sec": samples / seconds, "train/tokens_per_sec": samples * tokens / seconds,
                        "train/sample_tokens": float(tokens)})  # this step's bucket: its own token count
 
@@ -291,6 +288,25 @@ class DiffusionModule(L.LightningModule):
         norm = total_grad_norm(self.model)
         if norm is not None:
             self.log("train/grad_norm", norm)
+
+    @contextlib.contextmanager
+    def ema_weights(self, use_ema: bool = True):
+        """The model, holding the EMA's weights inside the block (validation's, and what the preview grids' ``Sampler``
+        samples) when there is an EMA and ``use_ema``, else its own; re-entrant (a preview inside validation swaps
+        once)."""
+        # compile=true compiles the training step's graphs; previews and validation run eager (their batch sizes and
+        # no-grad mode would recompile every block's graphs once more each)
+        eager = torch.compiler.set_stance("force_eager") if self.hparams.compile else contextlib.nullcontext()
+        if not use_ema or self.ema is None or self._ema_applied:
+            with eager:
+                yield self.model
+            return
+        self._ema_applied = True
+        try:
+            with eager, self.ema.applied_to(self.model) as model:
+                yield model
+        finally:
+            self._ema_applied = False
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.ema is None and self.model is not None and "ema.n_averaged" in checkpoint.get("state_dict", {}):
@@ -320,71 +336,6 @@ class DiffusionModule(L.LightningModule):
             return optimizer
         scheduler = self.scheduler_factory(optimizer=optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    # ---- sampling ---------------------------------------------------------------------------------------------------
-    @classmethod
-    def for_sampling(cls, spec, *, step_cache=None, negative: dict | None = None) -> DiffusionModule:
-        """The module of a sampling run (a ``ringdit.spec.InferSpec``): the checkpoint's whole model, or an
-        adapter-only LoRA checkpoint's base adapted as the run was (the adapters are loaded onto it once it is built,
-        by ``ringdit.training.callbacks.LoadLoraAdapter``). Its ``sampler`` samples with ``step_cache`` (a
-        ``ringdit.caching.StepCache``; None: every block runs) and guides away from ``negative`` (a text model's
-        negative prompt's conditioning; None: the empty prompt) unless a request gives its own."""
-        if spec.pipeline:  # model.pretrained (the folder) holds the weights
-            weights = {}
-        elif spec.lora is None:
-            weights = {"init_from": spec.ckpt_path, "init_weights": spec.weights}
-        else:
-            weights = {"init_from": spec.lora.init_from, "init_weights": spec.lora.init_weights,
-                       "lora": spec.lora.settings}
-        module = cls(model=spec.model.config, objective=spec.objective, data=spec.data, sampling=spec.sampling,
-                     attention_backend=spec.layout.attention_backend, **weights)
-        module._sampler_keywords = {"step_cache": step_cache, "negative": negative}
-        return module
-
-    @property
-    def samples_are_pixels(self) -> bool:
-        """Pixels live in [-1, 1] and become images; latents (data=latents) are kept as numbers for your VAE."""
-        return self.pipeline.pixels
-
-    def sampling_model(self) -> nn.Module:
-        """The model that samples (``sampling_weights`` gives it the EMA's weights)."""
-        return self.model
-
-    @contextlib.contextmanager
-    def sampling_weights(self, use_ema: bool = True):
-        """The model, holding the EMA's weights inside the block (the ones worth sampling) when there is an EMA and
-        ``use_ema``, else its own; re-entrant (a preview inside validation swaps once)."""
-        # compile=true compiles the training step's graphs; sampling and validation run eager (their batch sizes and
-        # no-grad mode would recompile every block's graphs once more each)
-        eager = torch.compiler.set_stance("force_eager") if self.hparams.compile else contextlib.nullcontext()
-        if not use_ema or self.ema is None or self._ema_applied:
-            with eager:
-                yield self.model
-            return
-        self._ema_applied = True
-        try:
-            with eager, self.ema.applied_to(self.model) as model:
-                yield model
-        finally:
-            self._ema_applied = False
-
-    @property
-    def sampler(self) -> Sampler:
-        """A ``ringdit.sampling.Sampler`` of this module's built model on its device and ranks, sampling with the EMA's
-        weights (``sampling_weights``); made when asked for (training makes none)."""
-        return Sampler(self.model, self.parallel_dims, self.pipeline, self.device, weights=self.sampling_weights,
-                       **self._sampler_keywords)
-
-    def generate(self, condition, seeds: list[int], **keywords: Any) -> Tensor:
-        """``self.sampler.generate`` (``ringdit.sampling.Sampler.generate``: its keywords)."""
-        return self.sampler.generate(condition, seeds, **keywords)
-
-    def predict_step(self, batch, batch_idx: int) -> dict:
-        """``(indices, condition, seeds[, extra])`` (``ringdit.sampling.SampleRequests``), sampled by ``self.sampler``
-        (``Sampler.sample_batch``: ``extra``'s shape and negative prompts)."""
-        indices, condition, seeds, *rest = batch
-        described = {"index": indices} if self.text_conditioned else {"index": indices, "labels": condition}
-        return {**described, **self.sampler.sample_batch(condition, seeds.tolist(), rest[0] if rest else {})}
 
 
 def loss_mask(condition) -> Tensor | None:
