@@ -98,9 +98,11 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [*images, "data.channels=32", "data.text_dim=15360", "data.size=4"]
     if (group, option) == ("model", "qwenimage_tiny"):
         return [*images, "data.text_dim=16"]
-    if (group, option) == ("model", "qwenimage_edit_tiny"):
-        return [*images, "data.text_dim=16"]
-    if (group, option) in (("model", "qwenimage"), ("model", "qwenimage_edit"), ("model", "qwenimage_edit_2511")):
+    if (group, option) == ("model", "qwenimage_edit_tiny"):  # + the reference images' latents
+        return [*images, "data.text_dim=16", "data.reference=true"]
+    if (group, option) in (("model", "qwenimage_edit"), ("model", "qwenimage_edit_2511")):
+        return [*images, "data.channels=16", "data.text_dim=3584", "data.size=4", "data.reference=true"]
+    if (group, option) == ("model", "qwenimage"):
         return [*images, "data.channels=16", "data.text_dim=3584", "data.size=4"]
     if (group, option) == ("model", "hunyuan_video15_tiny"):
         return synthetic

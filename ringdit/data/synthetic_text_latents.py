@@ -17,7 +17,8 @@ Tensor = torch.Tensor
 def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int = 3, size: int | tuple[int, int] = 8,
                            text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
                            seed: int = 0, first_sample: int = 0, image: bool = False, image_dim: int = 0,
-                           control: int = 0, audio: tuple[int, int, int] | None = None) -> dict:
+                           control: int = 0, audio: tuple[int, int, int] | None = None,
+                           reference: bool = False) -> dict:
     """``num_samples`` latent videos (``frames=0``: images) of ``size`` (H = W, or (H, W)) of a soft blob whose start
     and direction depend on the prompt; ``pooled_dim`` > 0 adds a pooled prompt embedding (Flux); ``image`` adds the
     first-frame conditioning of image-to-video (``image_latents``: the first latent frame, ``image_condition``: it
@@ -25,7 +26,8 @@ def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int =
     ``control`` > 0 a control video of that many channels (Wan VACE's ``control``: the clip's own latents repeated
     over the channels, a control the model can learn to follow); ``audio`` = (channels, frames, mel bins) the clip's
     sound as audio latents (LTX-2's ``audio``, denoised with the video: a tone whose pitch and loudness per mel bin
-    depend on the prompt).
+    depend on the prompt); ``reference`` a reference image per image (Qwen-Image-Edit's ``reference``: the image's own
+    latents mirrored left to right, an edit the model can learn).
 
     Prompt p has a fixed random text embedding (its first ``3 + p % (text_len - 2)`` tokens real, the rest zero, as
     padded encoder states are) and caption ``"blob p"``; each video is drawn from (seed, sample index), the samples
@@ -72,6 +74,11 @@ def synthetic_text_latents(num_samples: int, *, channels: int = 4, frames: int =
         result.setdefault("image", {})["control"] = latents.repeat(1, copies, 1, 1, 1)[:, :control]  # (N, control, ...)
     if audio:
         result.setdefault("image", {})["audio"] = synthetic_audio(prompts, num_prompts, audio, seed)
+    if reference:
+        if frames:
+            raise ConfigError("data.reference=true needs images: set data.frames=0 (a reference image conditions "
+                              "images)")
+        result.setdefault("image", {})["reference"] = result["latents"].flip(-1)  # (N, C, H, W)
     return result
 
 
@@ -110,14 +117,15 @@ class SyntheticTextLatentsDataModule(TextLatentsDataModule):
     ``buckets``: a list of latent shapes ``[T, H, W]`` (videos) or ``[H, W]`` (images; ``frames`` is then unused):
     a mixed-bucket set, one shard per bucket, ``num_samples`` split between them as ``bucket_samples`` says (default
     evenly). None: one bucket of ``frames`` x ``size`` x ``size``. ``image`` / ``image_dim``: the image-to-video keys
-    (``synthetic_image_condition``); ``control``: a control video's channels (Wan VACE)."""
+    (``synthetic_image_condition``); ``control``: a control video's channels (Wan VACE); ``reference``: a reference
+    image per image (Qwen-Image-Edit)."""
 
     def __init__(self, cache_dir: str, num_samples: int = 512, channels: int = 4, frames: int = 3, size: int = 8,
                  text_len: int = 8, text_dim: int = 16, num_prompts: int = 8, pooled_dim: int = 0,
                  batch_size: int = 8, num_workers: int = 0, val_fraction: float = 0.05, val_batches: int = 4,
                  seed: int = 0, buckets: list | None = None, bucket_samples: list[int] | None = None,
                  tokens_per_batch: int | None = None, image: bool = False, image_dim: int = 0, control: int = 0,
-                 audio: list[int] | None = None):
+                 audio: list[int] | None = None, reference: bool = False):
         settings = dict(num_samples=num_samples, channels=channels, frames=frames, size=size, text_len=text_len,
                         text_dim=text_dim, num_prompts=num_prompts, pooled_dim=pooled_dim, seed=seed)
         for key, value in settings.items():
@@ -127,7 +135,8 @@ class SyntheticTextLatentsDataModule(TextLatentsDataModule):
         audio = audio_shape(audio)
         # image-to-video keys (named in the file only when asked for: the text-to-video sets keep their names)
         settings.update({"image": True} if image else {}, **({"image_dim": image_dim} if image_dim else {}),
-                        **({"control": control} if control else {}), **({"audio": audio} if audio else {}))
+                        **({"control": control} if control else {}), **({"audio": audio} if audio else {}),
+                        **({"reference": True} if reference else {}))
         common = {key: value for key, value in settings.items() if key not in ("num_samples", "frames", "size")}
         if buckets is None:  # one file, as before buckets existed
             name = "-".join(f"{k}{_named(v)}" for k, v in settings.items())

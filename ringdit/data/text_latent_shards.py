@@ -94,7 +94,8 @@ IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (
             "image_embeds": "the image encoder's states (Wan 2.1 I2V with image_dim: CLIP's penultimate; "
                             "HunyuanVideo 1.5 I2V: SigLIP's last)",
             "control": "a control video's latents at the clip's frames and size (Wan VACE: vace_in_channels)",
-            "audio": "the clip's sound as audio-VAE latents (LTX-2: (N, C_audio, L, mel bins))"}
+            "audio": "the clip's sound as audio-VAE latents (LTX-2: (N, C_audio, L, mel bins))",
+            "reference": "a reference image's latents at the image's size (Qwen-Image-Edit: the latents' shape)"}
 MASK_KEY = "loss_mask"  # a masked loss's weights, optional, per sample (ringdit.media.masks writes them)
 TEXT_DIR = "text"  # prepare's text cache: the text of shard-i.safetensors in text/shard-i.safetensors beside it
 TEXT_KEYS = ("text", "text_mask", "pooled", *GLYPH_KEYS, *NULL_KEYS.values())  # what a text file holds
@@ -264,18 +265,20 @@ class Shard:
     def check_images(self) -> None:
         """The first-frame conditioning and the control video, where present, fit the latents (N, C, T, H, W):
         ``image_latents`` (N, C, 1, H, W), ``image_condition`` (N, C, T, H, W), ``image_embeds`` (N, N_img, D_img),
-        ``control`` (N, C_control, T, H, W), ``audio`` (N, C_audio, L, mel bins)."""
+        ``control`` (N, C_control, T, H, W), ``audio`` (N, C_audio, L, mel bins); an image's ``reference`` the latents'
+        own shape (N, C, H, W)."""
         latents = self.shapes["latents"]
         expected = {"image_latents": (*latents[:2], 1, *latents[3:]), "image_condition": latents,
                     "image_embeds": (latents[0], None, None), "control": (latents[0], None, *latents[2:]),
-                    "audio": (latents[0], None, None, None)}
+                    "audio": (latents[0], None, None, None), "reference": latents}
         for key in self.image_keys:
             shape, wanted = self.shapes[key], expected[key]
-            fits = len(latents) == 5 and len(shape) == len(wanted) and self.dtypes[key] in FLOAT_DTYPES and \
+            videos = len(latents) == 5 or key == "reference"  # an image's reference has the image latents' shape
+            fits = videos and len(shape) == len(wanted) and self.dtypes[key] in FLOAT_DTYPES and \
                 all(w is None or s == w for s, w in zip(shape, wanted))
             if not fits:
                 raise ConfigError(f"data.path: {self.path}: {key} is {self.dtypes[key]} {shape}; expected float "
-                                  f"{wanted} (None = any) for video latents {latents}: {IMAGE_OF[key]}")
+                                  f"{wanted} (None = any) for latents {latents}: {IMAGE_OF[key]}")
 
     def check_values(self) -> None:
         """Every floating-point tensor (latents, text, pooled, null_*, a float text_mask, any other) holds only

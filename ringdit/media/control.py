@@ -115,3 +115,18 @@ def find_references(reference, items: list) -> dict[Path, Path]:
                               f"{width}:{height} (it is read at its image's size)")
         found[item.path] = path
     return found
+
+
+def encode_reference(pictures, *, vae: str, size: tuple[int, int], device: str | None = None) -> torch.Tensor:
+    """(n, C, h, w) float32 on the CPU: each picture (PIL, upright as stored) read at ``size`` (H, W) as prepare reads
+    an image (``frames.image_pixels``: centre-cropped to the ratio, resized) and encoded with the VAE folder ``vae``
+    (the data's) as prepare encodes images: a reference image's latents (``prepare reference=``, Qwen-Image-Edit)."""
+    from ringdit.media.frames import image_pixels
+    from ringdit.media.vae import VAE
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    codec = VAE(vae, device=device, dtype=torch.float32)
+    pixels = torch.stack([image_pixels(picture, *size) for picture in pictures])  # (n, 3, H, W) in [-1, 1]
+    with torch.no_grad():
+        latents = codec.encode(pixels.to(device))  # (n, C, h, w), or (n, C, 1, h, w) from a video VAE
+    return (latents[:, :, 0] if latents.dim() == 5 else latents).float().cpu()

@@ -1,6 +1,7 @@
 """What infer.py's samples are conditioned on, from its ``InferSpec``: a class id each, or prompt embeddings -- read
 from ``text_embeds``, the training data's held-out prompts, or ``prompts`` / a prompt file encoded with the data's
-text encoder --, the negative prompt(s) guidance steers away from, and ``image=``'s first frames for image-to-video.
+text encoder --, the negative prompt(s) guidance steers away from, and ``image=``'s first frames for image-to-video
+(an edit model's reference image).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from ringdit.data.datasets import data_source
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.common.errors import ConfigError
-from ringdit.models.conditioning import CONTROL_KEY
+from ringdit.models.conditioning import CONTROL_KEY, REFERENCE_KEY
 from ringdit.spec import InferSpec
 
 log = logging.getLogger("ringdit.infer")
@@ -53,6 +54,7 @@ def image_conditions(spec: InferSpec, count: int) -> dict[str, torch.Tensor]:
     prepare reads frames (``ringdit.media.image_condition.first_frame_inputs``)."""
     from PIL import ImageOps
 
+    from ringdit.media.control import encode_reference
     from ringdit.media.frames import open_image
     from ringdit.media.image_condition import first_frame_inputs
 
@@ -61,10 +63,12 @@ def image_conditions(spec: InferSpec, count: int) -> dict[str, torch.Tensor]:
     for file in image.files:  # each was opened and its aspect ratio checked by the spec
         with open_image(file) as opened:  # upright as stored (a phone photo's EXIF rotation), as prepare reads it
             pictures.append(ImageOps.exif_transpose(opened).convert("RGB"))
+    picked = [i % len(pictures) for i in range(count)]
+    if image.kind == "reference":  # an edit model: the reference image's latents, as prepare reference= encodes them
+        return {REFERENCE_KEY: encode_reference(pictures, vae=spec.output.vae, size=image.size)[picked]}
     encoded = first_frame_inputs(pictures, size=image.size, frames=image.frames, latent=image.latent,
                                  vae=spec.output.vae, image_encoder=image.image_encoder,
                                  channels=spec.data["channels"], setting=f"image={image.files[0]}")
-    picked = [i % len(pictures) for i in range(count)]
     return {key: value[picked] for key, value in encoded.items()}
 
 

@@ -69,7 +69,12 @@ def check_image_data(config: dict, family: Family, data: dict) -> None:
     keys = set(data.get("image_keys", ()))
     needed = CONDITION_KEY[family.image_condition]
     what = {"image_latents": "the first frame's latents, encoded alone (Wan 2.2 TI2V, HunyuanVideo 1.5 I2V)",
-            "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)"}[needed]
+            "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)",
+            "reference": "the reference image's latents (Qwen-Image-Edit)"}[needed]
+    if needed not in keys and needed == "reference":
+        raise ConfigError(f"model.family={family.name} edits a reference image but the data has no 'reference' "
+                          f"({what}); prepare it with `python -m ringdit.prepare reference=<folder of reference "
+                          f"images>`, e.g. data=synthetic_text_latents data.reference=true")
     if needed not in keys:
         raise ConfigError(f"model.family={family.name} is image-to-video but the data has no {needed!r} ({what}); "
                           f"prepare it with `python -m ringdit.prepare task=i2v`, or use a text-to-video model")

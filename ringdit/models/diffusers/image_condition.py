@@ -18,6 +18,10 @@ Three kinds, a property of the architecture (``Family.image_condition``):
   ``get_condition`` puts the clip's own first latent frame there, the same latents for a causal VAE). The noisy first
   frame is not replaced: every frame is denoised at the step's one timestep, and the loss covers every frame (the
   authors' train.py). SigLIP image embeddings (``image_embeds``, 729 tokens) join the text as unmasked keys.
+
+An image model may take an image too: ``"reference"`` (Qwen-Image-Edit) denoises beside a reference image's latents
+``reference`` (B, C, H, W), encoded alone as the images are (``ringdit.models.diffusers.qwenimage_edit``); the model's
+input is the noisy latents as they are. infer.py's ``image=`` and the server's image give it.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from ringdit.common.errors import ConfigError
 
 Tensor = torch.Tensor
 
-IMAGE_CONDITIONS = ("first_frame", "channels", "first_frame_channels")
+IMAGE_CONDITIONS = ("first_frame", "channels", "first_frame_channels", "reference")
 # what the data must hold
-CONDITION_KEY = {"first_frame": "image_latents", "channels": "image_condition", "first_frame_channels": "image_latents"}
+CONDITION_KEY = {"first_frame": "image_latents", "channels": "image_condition", "first_frame_channels": "image_latents",
+                 "reference": "reference"}
 VAE_TEMPORAL = 4  # Wan's VAE folds 4 pixel frames into one latent frame (the first frame alone into the first)
 
 

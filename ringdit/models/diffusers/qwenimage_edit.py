@@ -102,6 +102,7 @@ def edit_family(qwenimage: Family) -> Family:
         ),
         forward=_qwenimage_edit_forward,
         condition_keys=("text", "text_mask", REFERENCE),
+        image_condition="reference",  # infer.py image= and the server's image give the reference (as first frames)
         # QwenImage's TeaCache probe reads one modulation per sample; Qwen-Image-Edit-2511 modulates per token, and
         # no coefficients are published for the edit models: cache=teacache is refused
         teacache_input=None,
