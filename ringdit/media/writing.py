@@ -14,8 +14,10 @@ import numpy as np
 from ringdit.media.images import save_samples, to_image, write_gif
 
 
-def write_mp4(frames: np.ndarray, path: Path, fps: int = 16) -> Path:
-    """(T, H, W, C) uint8 -> H.264 MP4. yuv420p (what every player reads) needs even sides: odd ones are padded by
+def write_mp4(frames: np.ndarray, path: Path, fps: int = 16,
+              audio: tuple[np.ndarray, int] | None = None) -> Path:
+    """(T, H, W, C) uint8 -> H.264 MP4, with ``audio`` = (waveform (channels, samples) in [-1, 1], sample rate) as
+    its AAC sound track (LTX-2's). yuv420p (what every player reads) needs even sides: odd ones are padded by
     repeating the last row / column. PyAV directly: imageio's PyAV plugin spends ~0.5 s closing each file (measured
     inside infer.py), which for a grid of small samples costs more than sampling them.
 
@@ -32,10 +34,33 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int = 16) -> Path:
         stream = container.add_stream("libx264", rate=fps, options={"x264-params": "no-mbtree=1"})
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
+        sound = None if audio is None else _audio_stream(container, *audio)  # every stream before the first packet
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())  # flush the encoder's delayed frames
+        if sound is not None:
+            _mux_audio(container, sound, *audio)
     return path
+
+
+def _audio_stream(container, waveform: np.ndarray, rate: int):
+    """An AAC stream for a (channels, samples) waveform, mono or stereo."""
+    if waveform.shape[0] not in (1, 2):
+        raise ValueError(f"an MP4 sound track here is mono or stereo; the waveform has {waveform.shape[0]} channels")
+    stream = container.add_stream("aac", rate=rate)
+    stream.layout = "mono" if waveform.shape[0] == 1 else "stereo"
+    return stream
+
+
+def _mux_audio(container, stream, waveform: np.ndarray, rate: int) -> None:
+    """The waveform (channels, samples) in [-1, 1] into ``stream`` (the encoder cuts it into its frames)."""
+    import av
+
+    samples = np.ascontiguousarray(np.clip(waveform, -1, 1), dtype=np.float32)
+    frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout=stream.layout.name)
+    frame.sample_rate = rate
+    container.mux(stream.encode(frame))
+    container.mux(stream.encode())  # flush the encoder's delayed frames
 
 
 def write_media(pixels: np.ndarray, out_dir: str | Path, fps: int = 16, prefix: str = "sample") -> list[Path]:
