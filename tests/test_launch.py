@@ -324,6 +324,7 @@ def test_ranks_that_never_come_end_the_launch_after_the_rendezvous_timeout(tmp_p
 def test_the_fsdp_strategy_joins_through_the_same_bounded_rendezvous(monkeypatch):
     """RingFSDPStrategy sets up its process group inside SequenceParallelStrategy.setup_environment, the one that
     arms the rendezvous watchdog (launched above with DDP): ranks that never come end an FSDP launch alike."""
+    from ringdit.parallel.layout import Layout
     from ringdit.training.fsdp import RingFSDPStrategy
     from ringdit.training.parallel_strategy import SequenceParallelStrategy
 
@@ -335,7 +336,7 @@ def test_the_fsdp_strategy_joins_through_the_same_bounded_rendezvous(monkeypatch
 
     monkeypatch.setattr(SequenceParallelStrategy, "setup_environment", bounded_rendezvous)
     with pytest.raises(Joined):
-        RingFSDPStrategy(ring_degree=2).setup_environment()
+        RingFSDPStrategy(layout=Layout(ring_degree=2, strategy="fsdp")).setup_environment()
 
 
 # ---- wandb ----------------------------------------------------------------------------------------------------------

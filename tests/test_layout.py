@@ -4,10 +4,13 @@ class, never its name -- and what the strategy set-up, the memory estimate and t
 from __future__ import annotations
 
 import pytest
+from omegaconf import OmegaConf
 
 from ringdit.common.errors import ConfigError
+from ringdit.parallel import init_sequence_parallel
 from ringdit.parallel.layout import Layout
 from ringdit.training import RingDDPStrategy, RingFSDPStrategy
+from ringdit.training.parallel_strategy import build_strategy
 from tests.helpers import compose_train
 
 
@@ -16,17 +19,19 @@ class ShardedDDPNamed(RingFSDPStrategy):
 
 
 def test_the_layout_knows_the_strategy_by_its_class(tmp_path):
-    from ringdit.training.run import strategy_layout
-
-    ddp = Layout.from_config(compose_train([], tmp_path), training=True)
+    ddp_cfg = compose_train([], tmp_path)
+    ddp = Layout.from_config(ddp_cfg, training=True)
     assert (ddp.strategy, ddp.shard_degree, ddp.ranks, ddp.world_size) == ("ddp", 1, 1, 1)
-    assert strategy_layout(ddp) == {"ring_degree": 1, "ulysses_degree": 1, "cfg_parallel": False}
-    fsdp = Layout.from_config(compose_train(["trainer/strategy=fsdp", "dp_degree=2", "ring_degree=2",
-                                             "trainer.strategy.replicate_degree=2", "trainer.strategy.cpu_offload=true"],
-                                            tmp_path), training=True)
+    fsdp_cfg = compose_train(["trainer/strategy=fsdp", "dp_degree=2", "ring_degree=2",
+                              "trainer.strategy.replicate_degree=2", "trainer.strategy.cpu_offload=true"], tmp_path)
+    fsdp = Layout.from_config(fsdp_cfg, training=True)
     assert (fsdp.strategy, fsdp.ranks, fsdp.shard_degree, fsdp.cpu_offload) == ("fsdp", 4, 2, True)
-    assert strategy_layout(fsdp) == {"ring_degree": 2, "ulysses_degree": 1, "cfg_parallel": False,
-                                     "replicate_degree": 2, "cpu_offload": True}
+    # the strategy takes the layout whole (it builds the mesh), none of its settings one by one
+    for cfg, layout, kind in ((ddp_cfg, ddp, RingDDPStrategy), (fsdp_cfg, fsdp, RingFSDPStrategy)):
+        strategy = build_strategy(OmegaConf.to_container(cfg.trainer.strategy, resolve=True), layout)
+        assert type(strategy) is kind and strategy.layout is layout
+        assert not {"ring_degree", "ulysses_degree", "cfg_parallel", "replicate_degree"} & set(vars(strategy))
+    assert strategy.cpu_offload is True and strategy.reduce_dtype is not None
     subclass = Layout.from_config(compose_train(["trainer/strategy=fsdp",
                                                  f"trainer.strategy._target_={__name__}.ShardedDDPNamed"], tmp_path),
                                   training=True)
@@ -53,3 +58,27 @@ def test_a_planned_layout_is_built_from_its_degrees():
     assert Layout(dp_degree=4, num_nodes=2).devices == 2
     with pytest.raises(ValueError, match="strategy must be one of ddp | fsdp, got 'zero'"):
         Layout(strategy="zero")
+
+
+def _check_layout_builds_the_mesh(rank, world):
+    import torch.distributed as dist
+
+    layout = Layout(dp_degree=2, ring_degree=2, strategy="fsdp", replicate_degree=2, cfg_parallel=True,
+                    device_type="cpu")
+    dims = layout.build_mesh("cpu")
+    expected = init_sequence_parallel(2, 1, cfg_parallel=True)  # the same degrees given one by one
+    fields = ("ring_degree", "ulysses_degree", "dp_degree", "rank", "dp_rank", "sp_rank", "ring_rank", "ring_ranks",
+              "cfg_rank")
+    assert [getattr(dims, f) for f in fields] == [getattr(expected, f) for f in fields]
+    assert (dims.dp_degree, dims.sp_degree, dims.data_parallel) == (2, 2, (0, 1))  # a CFG pair shares its samples
+    assert dist.get_process_group_ranks(dims.ring_group) == dist.get_process_group_ranks(expected.ring_group)
+    assert dist.get_process_group_ranks(dims.cfg_group) == dist.get_process_group_ranks(expected.cfg_group)
+    shard = layout.build_shard_mesh("cpu")  # HSDP: 2 replicas of 2-rank shard groups, contiguous
+    assert shard.mesh_dim_names == ("replicate", "shard") and shard.mesh.tolist() == [[0, 1], [2, 3]]
+
+
+def test_the_layout_builds_the_mesh_on_four_ranks():
+    """``Layout.build_mesh`` (what the strategies call) gives each rank the ``ParallelDims`` of its degrees."""
+    from tests.distributed import run_ranks
+
+    run_ranks(_check_layout_builds_the_mesh, 4)

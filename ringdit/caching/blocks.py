@@ -1,7 +1,7 @@
-"""What the step cache must know of a model's repeated blocks, asked of its model kind (a diffusers ``Family``
-record, or the DiT class): which arguments and outputs are the token streams (``cache_blocks``, a ``BlockIO``; else
-diffusers' own block registry) and, for TeaCache, where the first block's timestep-modulated input is
-(``teacache_input``)."""
+"""What the step cache must know of a model's repeated blocks, asked of the model (``DiffusionModel``: a diffusers
+model answers from its ``Family`` record, the DiT from its class): which arguments and outputs are the token streams
+(``cache_blocks``, a ``BlockIO``; else diffusers' own block registry) and, for TeaCache, where the first block's
+timestep-modulated input is (``teacache_input``)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,6 @@ from ringdit.common.errors import ConfigError
 from ringdit.models.block_io import BlockIO
 
 Tensor = torch.Tensor
-
-
-def kind_of(model: nn.Module):
-    """Where a model's per-kind facts live: a diffusers model's ``Family`` record, else the model (the DiT's class)."""
-    return getattr(model, "family", None) or model
 
 
 def block_io(block: nn.Module, declared: BlockIO | None = None) -> BlockIO:
@@ -45,7 +40,7 @@ def block_io(block: nn.Module, declared: BlockIO | None = None) -> BlockIO:
 
 def modulated_input_of(model: nn.Module) -> Callable:
     """TeaCache's probe of the model kind (``teacache_input``): the first block's timestep-modulated input."""
-    probe = getattr(kind_of(model), "teacache_input", None)
+    probe = model.teacache_input
     if probe is None:
         raise ConfigError(f"cache=teacache: this model ({type(model).__name__}) has no known timestep-modulated "
                           f"input; use cache=fbcache, or declare it in the model family's teacache_input")
@@ -60,7 +55,7 @@ def check_model(settings, model: nn.Module) -> None:
         raise ConfigError(f"cache={settings.kind} does not run on a two-expert model (model.boundary_ratio: Wan 2.2 "
                           f"A14B): the cached residual of one expert's blocks is no estimate of the other's; use "
                           f"cache=none")
-    declared = getattr(kind_of(model), "cache_blocks", None)
+    declared = model.cache_blocks
     for block in repeated_blocks_of(model):
         block_io(block, declared)
     if settings.kind == "teacache":

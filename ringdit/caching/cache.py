@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ringdit.caching.blocks import BlockIO, block_io, kind_of, modulated_input_of, repeated_blocks_of
+from ringdit.caching.blocks import BlockIO, block_io, modulated_input_of, repeated_blocks_of
 from ringdit.caching.settings import CacheSettings
 from ringdit.common.errors import ConfigError
 
@@ -77,7 +77,7 @@ class StepCache:
         self._dims, self._sequence = dims, getattr(model, "_ringdit_sequence", None)
         self._run, self._last = _Run(pairs), len(blocks) - 1
         probe = modulated_input_of(model) if self.settings.kind == "teacache" or self.calibrate else None
-        declared = getattr(kind_of(model), "cache_blocks", None)
+        declared = model.cache_blocks
         wrapped = []  # (block, its own instance forward, if it had one)
         try:
             for index, block in enumerate(blocks):

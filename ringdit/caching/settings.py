@@ -9,7 +9,6 @@ from typing import Any
 
 from torch import nn
 
-from ringdit.caching.blocks import repeated_blocks_of
 from ringdit.common.errors import ConfigError
 from ringdit.common.safe_json import read_json
 
@@ -105,14 +104,8 @@ def read_coefficients(setting: str, value: Any, fingerprint: tuple | None = None
 
 
 def model_fingerprint(model: nn.Module) -> tuple[str, int, int]:
-    """(family, width, depth) of a ringdit DiT or a diffusers transformer: what TeaCache coefficients are fitted to."""
-    transformer = getattr(model, "transformer", None)
-    if transformer is not None and hasattr(transformer, "config"):  # DiffusersTransformer
-        config = transformer.config
-        width = config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)
-        depth = config.get("num_layers", len(repeated_blocks_of(model)))
-        return model.family.name, int(width), int(depth)
-    return type(model).__name__.lower(), int(model.pos_embed.shape[-1]), len(repeated_blocks_of(model))
+    """(kind, width, depth) of a model (``DiffusionModel``): what TeaCache coefficients are fitted to."""
+    return (model.kind_name, *model.teacache_size)
 
 
 def teacache_coefficients(settings: CacheSettings, model: nn.Module, ckpt_path: str | None) -> tuple[float, ...]:
@@ -126,7 +119,7 @@ def teacache_coefficients(settings: CacheSettings, model: nn.Module, ckpt_path: 
             return read_coefficients(f"the {COEFFICIENTS_FILE} beside ckpt_path", str(beside),
                                      fingerprint=model_fingerprint(model))
     fingerprint = model_fingerprint(model)
-    published = getattr(model, "published_teacache_coefficients", None)  # the model kind's, at its size
+    published = model.published_teacache_coefficients  # the model kind's, at its size
     if published is not None:
         return published
     raise ConfigError(f"cache=teacache: no TeaCache coefficients for this model ({fingerprint[0]}, width "

@@ -294,7 +294,7 @@ def lora_file_entries(entries, model) -> tuple[LoraFile, ...]:
         raise ConfigError(f"lora must be a list of adapters, e.g. 'lora=[{{path: style.safetensors, strength: "
                           f"0.8}}]', got {entries!r}")
     roots, files = adapted_modules(model), []
-    family = getattr(getattr(model, "family", None), "name", None)
+    family = model.kind_name
     for i, entry in enumerate(entries):
         setting = f"lora[{i}]"
         entry = {"path": entry} if isinstance(entry, str) else entry
@@ -320,6 +320,6 @@ def read_lora_stack(files: tuple[LoraFile, ...], model) -> list:
     from ringdit.models.lora import adapted_modules
 
     roots = adapted_modules(model)
-    family = getattr(getattr(model, "family", None), "name", None)
+    family = model.kind_name
     return [([read_lora_file(path, roots[index], family, f"{file.setting}.{'path' if index == 0 else 'path_2'}")
               for index, path in enumerate(file.paths)], file.strength) for file in files]

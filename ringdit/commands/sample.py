@@ -85,6 +85,7 @@ from ringdit.sampling import SampleRequests, SampleWriter
 from ringdit.sampling.predict import SamplingModule
 from ringdit.spec import InferSpec
 from ringdit.training.callbacks import LoadLoraAdapter
+from ringdit.training.parallel_strategy import build_strategy
 
 log = logging.getLogger("ringdit.infer")
 register_resolvers()
@@ -109,7 +110,9 @@ def prepare(cfg: DictConfig):
         callbacks.insert(0, StackLoraFiles(spec.lora_files))
     if spec.lora is not None:
         callbacks.insert(0, LoadLoraAdapter(spec.ckpt_path, spec.weights))
-    trainer: L.Trainer = hydra.utils.instantiate(spec.trainer.config, callbacks=callbacks, logger=False)
+    strategy = build_strategy(spec.trainer.config["strategy"], spec.layout)  # the layout checked once builds the mesh
+    trainer: L.Trainer = hydra.utils.instantiate(spec.trainer.config, strategy=strategy, callbacks=callbacks,
+                                                 logger=False)
     if trainer.is_global_zero:
         log.info("sampling %d samples at %s", spec.num_samples, ", ".join(
             f"{spec.sizes.name(shape)} ({'x'.join(map(str, shape))} cells)" for shape in shapes))

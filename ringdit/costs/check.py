@@ -76,48 +76,69 @@ def warn_if_memory_short(*, available: int | None, model: ModelSize, layout: Lay
     return estimate
 
 
-def setup_from_config(cfg, layout: Layout) -> Setup:
-    """The ``Setup`` train.py's composed config ``cfg`` runs with on ``layout`` (its devices decide the defaults of
-    the LoRA base and whether offloading acts)."""
-    model = cfg.get("model") or {}
-    lora = cfg.get("lora") or {}
-    optimizer = str(OmegaConf.select(cfg, "optimizer._target_", default="AdamW") or "")
-    checkpointing = model.get("activation_checkpointing") or model.get("gradient_checkpointing")
-    offload = bool(model.get("activation_offload")) and checkpoint_fraction(checkpointing) > 0
+def memory_setup(layout: Layout, *, batch_size: int, precision: str, param_dtype: str | None, model_config: dict,
+                 lora: dict | None, optimizer_states: tuple[int, bool], ema: bool,
+                 distill: dict | None = None) -> Setup:
+    """The ``Setup`` a training run has on ``layout`` (its devices decide the defaults of the LoRA base and whether
+    offloading acts), from the run's own settings: ``TrainSpec`` passes its parts (``TrainSpec.memory``).
+    ``param_dtype``: the FSDP strategy's; ``lora``: the LoRA settings (their ``base_dtype``); ``optimizer_states``:
+    (states per trainable parameter, whether 8-bit: ``OptimizerSpec.states``); ``distill``: the distillation's
+    settings (``DistillSpec.settings``), None for plain training."""
+    lora, distill = lora or {}, distill or {}
+    checkpointing = model_config.get("activation_checkpointing") or model_config.get("gradient_checkpointing")
+    offload = bool(model_config.get("activation_offload")) and checkpoint_fraction(checkpointing) > 0
     device_type = layout.device_type
     if offload and device_type != "cuda":
         log.warning("model.activation_offload=true is ignored on %s ranks: the activations already live in host "
                     "memory there, and offloading would only copy them; it acts on CUDA", device_type.upper())
-    momentum = OmegaConf.select(cfg, "optimizer.momentum", default=0) or 0
     base_dtype = lora.get("base_dtype") or ("bfloat16" if device_type == "cuda" else "float32")
     return Setup(
-        batch_size=cfg.data.batch_size,
-        param_dtype=OmegaConf.select(cfg, "trainer.strategy.param_dtype", default=None) if layout.fsdp else None,
-        precision=str(cfg.trainer.get("precision", "32")),
+        batch_size=batch_size,
+        param_dtype=param_dtype if layout.fsdp else None,
+        precision=str(precision),
         # the models take the older name gradient_checkpointing too: either recomputes the blocks
         activation_checkpointing=checkpoint_fraction(checkpointing),
         activation_offload=offload and device_type == "cuda",
-        ema=bool(cfg.get("ema_decay")), lora_base_dtype=base_dtype,
-        optimizer_states=(1 if momentum else 0) if "SGD" in optimizer else 2,
-        optimizer_8bit=optimizer.endswith("adamw8bit"),
-        distill=str(OmegaConf.select(cfg, "distill.method", default="none") or "none"),
-        gan_loss=bool(OmegaConf.select(cfg, "distill.gan_loss", default=False)),
-        gan_block=OmegaConf.select(cfg, "distill.gan_block", default=None),
-        regression_pairs=(OmegaConf.select(cfg, "distill.regression_pairs", default=0) or 0)
-        if OmegaConf.select(cfg, "distill.regression_loss", default=False) else 0,
+        ema=ema, lora_base_dtype=base_dtype,
+        optimizer_states=optimizer_states[0], optimizer_8bit=optimizer_states[1],
+        distill=distill.get("method") or "none",
+        gan_loss=bool(distill.get("gan_loss")),
+        gan_block=distill.get("gan_block"),
+        regression_pairs=(distill.get("regression_pairs") or 0) if distill.get("regression_loss") else 0,
     )
+
+
+def setup_from_config(cfg, layout: Layout) -> Setup:
+    """``memory_setup`` for a composed train.py config alone (a benchmark, a test: no ``TrainSpec`` built); a run
+    gets its own from its spec's parts (``TrainSpec.memory``)."""
+    from ringdit.training.optimizers import optimizer_states  # (ringdit.training imports Lightning)
+
+    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True) if cfg.get("optimizer") else {}
+    distill = OmegaConf.select(cfg, "distill", default=None)
+    return memory_setup(
+        layout, batch_size=cfg.data.batch_size, precision=str(cfg.trainer.get("precision", "32")),
+        param_dtype=OmegaConf.select(cfg, "trainer.strategy.param_dtype", default=None),
+        model_config=cfg.get("model") or {}, lora=cfg.get("lora") or {},
+        optimizer_states=optimizer_states(optimizer) or (2, False), ema=bool(cfg.get("ema_decay")),
+        distill=OmegaConf.to_container(distill, resolve=True) if distill else None)
 
 
 def check_training_memory(cfg, layout: Layout, model_cfg: dict, meta_model,
                           largest_step: tuple[int, int] | None = None) -> MemoryEstimate | None:
-    """``warn_if_memory_short`` for train.py's settings (``cfg``) on ``layout`` and the model built on the meta device
-    (``model_cfg`` its config); None for a model kind whose sizes cannot be read (neither a DiT nor a diffusers
-    transformer). ``largest_step``: (tokens per sample, batch size) of the data's most demanding bucket, which sets
-    the peak (default: the model's default grid at ``data.batch_size``)."""
-    size = model_size(model_cfg, meta_model, OmegaConf.to_container(cfg.lora) if cfg.get("lora") else None)
+    """``check_memory`` for a composed train.py config alone (``setup_from_config``)."""
+    return check_memory(setup_from_config(cfg, layout), layout, model_cfg, meta_model,
+                        OmegaConf.to_container(cfg.lora) if cfg.get("lora") else None, largest_step)
+
+
+def check_memory(setup: Setup, layout: Layout, model_cfg: dict, meta_model, lora: dict | None,
+                 largest_step: tuple[int, int] | None = None) -> MemoryEstimate | None:
+    """``warn_if_memory_short`` for a run's ``setup`` on ``layout`` and the model built on the meta device
+    (``model_cfg`` its config, ``lora`` its LoRA settings); None for a model kind whose sizes cannot be read (neither
+    a DiT nor a diffusers transformer). ``largest_step``: (tokens per sample, batch size) of the data's most
+    demanding bucket, which sets the peak (default: the model's default grid at ``setup.batch_size``)."""
+    size = model_size(model_cfg, meta_model, lora)
     if size is None:
         return None
-    setup = setup_from_config(cfg, layout)
     if largest_step is not None:
         size = replace(size, tokens=largest_step[0])
         setup = replace(setup, batch_size=largest_step[1])

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from ringdit.common.errors import ConfigError
 from ringdit.parallel.layout import Layout
-from ringdit.costs import GiB, ModelSize, Setup, available_memory, estimate_memory, model_size, setup_from_config
+from ringdit.costs import GiB, ModelSize, Setup, available_memory, estimate_memory, model_size
 from ringdit.models.conditioning import text_conditioned
 
 log = logging.getLogger("ringdit.costs.previews")
@@ -99,15 +99,14 @@ def largest_batch(model: ModelSize, layout: Layout, setup: Setup, preview: Previ
     return low
 
 
-def check_preview(cfg, layout: Layout, model_cfg: dict, meta_model, *, grid: dict, rows: int, tokens: int,
-                  sampling: dict) -> Preview | None:
+def check_preview(setup: Setup, lora: dict | None, layout: Layout, model_cfg: dict, meta_model, *, grid: dict,
+                  rows: int, tokens: int, sampling: dict) -> Preview | None:
     """train.py's previews against the memory its ranks have: a ConfigError naming ``callbacks.sample_grid.batch_size``
     (and the value that fits) when a preview would not fit where a training step does; then one line with the preview's
     memory and its seconds on this layout (the planner's GPU). None: no previews, or a model kind without sizes."""
-    size = model_size(model_cfg, meta_model, OmegaConf.to_container(cfg.lora) if cfg.get("lora") else None)
+    size = model_size(model_cfg, meta_model, lora)
     if size is None or not grid:
         return None
-    setup = setup_from_config(cfg, layout)
     preview = planned_preview(grid, rows=rows, tokens=tokens, sampling=sampling, cfg_parallel=layout.cfg_parallel)
     peak = preview_peak_bytes(size, layout, setup, preview)
     cpu = layout.device_type == "cpu"
@@ -129,9 +128,9 @@ def check_preview(cfg, layout: Layout, model_cfg: dict, meta_model, *, grid: dic
     return preview
 
 
-def check_run_previews(cfg, layout: Layout, callbacks: tuple[dict, ...], data_info: dict, model_cfg: dict,
-                       meta_model, default_tokens: int, sampling: dict) -> Preview | None:
-    """``check_preview`` for train.py's ``callbacks`` (the ``SampleGrid`` among them, its shapes checked against the
+def check_run_previews(setup: Setup, lora: dict | None, layout: Layout, callbacks: tuple[dict, ...], data_info: dict,
+                       model_cfg: dict, meta_model, default_tokens: int, sampling: dict) -> Preview | None:
+    """``check_preview`` for train.py's ``setup`` (``TrainSpec.memory``), ``lora`` settings and ``callbacks`` (the ``SampleGrid`` among them, its shapes checked against the
     data by ``check_shape``): its rows and its largest sample's tokens."""
     import hydra
 
@@ -145,7 +144,7 @@ def check_run_previews(cfg, layout: Layout, callbacks: tuple[dict, ...], data_in
         shapes = [shape for shape in (grid.shape, *grid.line_shapes) if shape]
         tokens = max((math.prod(s // p for s, p in zip(shape, meta_model.patch_shape)) for shape in shapes),
                      default=default_tokens)
-        return check_preview(cfg, layout, model_cfg, meta_model, grid=config, rows=rows, tokens=tokens,
+        return check_preview(setup, lora, layout, model_cfg, meta_model, grid=config, rows=rows, tokens=tokens,
                              sampling=sampling)
     return None
 

@@ -22,7 +22,7 @@ from ringdit.diffusion.experts import expert_guidance
 from ringdit.diffusion.joint import JointLatents
 from ringdit.diffusion.objectives import resolution_shift
 from ringdit.diffusion.samplers import draw_noise, is_guided, noise_generators, sample
-from ringdit.diffusion.schedulers import PipelineTimesteps, is_scheduler_sampler, scheduler_config
+from ringdit.diffusion.schedulers import is_scheduler_sampler, scheduler_config
 from ringdit.parallel import ParallelDims, exchange_guidance_halves
 
 Tensor = torch.Tensor
@@ -117,8 +117,7 @@ class SamplingPipeline:
         resolution = getattr(self.objective, "resolution", None) or None
         config = scheduler_config(settings["sampler"], settings.get("scheduler_config"), shift=settings["shift"],
                                   shift_terminal=settings.get("shift_terminal"), resolution=resolution)
-        return {"config": config, "pipeline": getattr(getattr(model, "family", None), "pipeline_timesteps",
-                                                      PipelineTimesteps()),
+        return {"config": config, "pipeline": model.pipeline_timesteps,
                 "tokens": self.tokens(model, shape), "resolution": resolution, "model_dtype": _compute_dtype(model)}
 
 

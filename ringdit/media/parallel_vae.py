@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringdit.models.vaes import tile_parallel
+from ringdit.models.vaes import tile_parallel, vae_kind
 
 VIDEO = tile_parallel("video")  # the VAE classes whose tiled encode / decode this reproduces (ringdit.models.vaes)
 IMAGE = tile_parallel("image")
@@ -58,15 +58,23 @@ class TileGrid:
 
 
 def _patch(model) -> int | None:
-    return getattr(model.config, "patch_size", None)
+    """The pixel patch of a VAE whose decoding is AutoencoderKLWan's (Wan 2.2's: config.patch_size), else None."""
+    kind = vae_kind(model)
+    return getattr(model.config, "patch_size", None) if kind is not None and kind.first_chunk else None
+
+
+def _tiles(model) -> str | None:
+    """Which tiled encode / decode of diffusers this module repeats for ``model`` (``VaeKind.tiles``), or None."""
+    kind = vae_kind(model)
+    return None if kind is None else kind.tiles
 
 
 def decode_grid(model, z: torch.Tensor) -> TileGrid | None:
     """The tile grid of ``model.tiled_decode(z)``, or None where ``model.decode`` would not tile ``z``."""
-    name = type(model).__name__
+    name, tiles = type(model).__name__, _tiles(model)
     if not getattr(model, "use_tiling", False):
         return None
-    if name in VIDEO:
+    if tiles == "video":
         height, width = z.shape[-2:]
         ratio = model.spatial_compression_ratio
         latent_h, latent_w = model.tile_sample_min_height // ratio, model.tile_sample_min_width // ratio
@@ -76,13 +84,13 @@ def decode_grid(model, z: torch.Tensor) -> TileGrid | None:
         sample_h, sample_w = height * ratio, width * ratio
         keep_h, keep_w = model.tile_sample_stride_height, model.tile_sample_stride_width
         min_h, min_w = model.tile_sample_min_height, model.tile_sample_min_width
-        patch = _patch(model) if name == "AutoencoderKLWan" else None
+        patch = _patch(model)
         if patch is not None:  # the decoder's output is still patchified (Wan 2.2): everything / patch
             sample_h, sample_w, keep_h, keep_w = sample_h // patch, sample_w // patch, keep_h // patch, keep_w // patch
             min_h, min_w = min_h // patch, min_w // patch
         return TileGrid(tuple(range(0, height, stride_h)), tuple(range(0, width, stride_w)), (latent_h, latent_w),
                         (min_h - keep_h, min_w - keep_w), (keep_h, keep_w), (sample_h, sample_w))
-    if name in IMAGE:  # latent tiles in, pixel tiles out
+    if tiles == "image":  # latent tiles in, pixel tiles out
         return _kl_grid(z, model.tile_latent_min_size, model.tile_sample_min_size, model.tile_overlap_factor)
     raise ValueError(f"tile-parallel decoding knows {', '.join(VIDEO + IMAGE)}, not {name}")
 
@@ -90,15 +98,15 @@ def decode_grid(model, z: torch.Tensor) -> TileGrid | None:
 def encode_grid(model, x: torch.Tensor) -> TileGrid | None:
     """The tile grid of ``model``'s tiled encode of ``x`` (pixels, patchified already for Wan 2.2), or None where
     ``model.encode`` would not tile it."""
-    name = type(model).__name__
+    name, tiles = type(model).__name__, _tiles(model)
     if not getattr(model, "use_tiling", False):
         return None
-    if name in VIDEO:
+    if tiles == "video":
         height, width = x.shape[-2:]
         if not (width > model.tile_sample_min_width or height > model.tile_sample_min_height):
             return None
         ratio = model.spatial_compression_ratio
-        if name == "AutoencoderKLWan" and _patch(model) is not None:
+        if _patch(model) is not None:
             ratio = ratio // _patch(model)
         min_h, min_w = model.tile_sample_min_height // ratio, model.tile_sample_min_width // ratio
         keep_h, keep_w = model.tile_sample_stride_height // ratio, model.tile_sample_stride_width // ratio
@@ -106,7 +114,7 @@ def encode_grid(model, x: torch.Tensor) -> TileGrid | None:
                         tuple(range(0, width, model.tile_sample_stride_width)),
                         (model.tile_sample_min_height, model.tile_sample_min_width),
                         (min_h - keep_h, min_w - keep_w), (keep_h, keep_w), (height // ratio, width // ratio))
-    if name in IMAGE:  # pixel tiles in, latent tiles out
+    if tiles == "image":  # pixel tiles in, latent tiles out
         return _kl_grid(x, model.tile_sample_min_size, model.tile_latent_min_size, model.tile_overlap_factor)
     raise ValueError(f"tile-parallel encoding knows {', '.join(VIDEO + IMAGE)}, not {name}")
 
@@ -126,11 +134,11 @@ def _kl_grid(x: torch.Tensor, in_size: int, out_size: int, overlap_factor: float
 
 def _decode_tile(model, tile: torch.Tensor) -> torch.Tensor:
     """One latent tile decoded as diffusers' ``tiled_decode`` decodes it (a video: frame by frame, its own cache)."""
-    if type(model).__name__ in IMAGE:
+    if _tiles(model) == "image":
         if model.config.use_post_quant_conv:
             tile = model.post_quant_conv(tile)
         return model.decoder(tile)
-    wan = type(model).__name__ == "AutoencoderKLWan"  # Qwen-Image's decoder takes no first_chunk
+    wan = vae_kind(model).first_chunk  # Qwen-Image's decoder takes no first_chunk
     model.clear_cache()
     frames = []
     for k in range(tile.shape[2]):
@@ -144,7 +152,7 @@ def _decode_tile(model, tile: torch.Tensor) -> torch.Tensor:
 
 def _encode_tile(model, tile: torch.Tensor) -> torch.Tensor:
     """One pixel tile encoded as diffusers' tiled encode does (a video: 1 frame, then 4 at a time, its own cache)."""
-    if type(model).__name__ in IMAGE:
+    if _tiles(model) == "image":
         tile = model.encoder(tile)
         return model.quant_conv(tile) if model.config.use_quant_conv else tile
     model.clear_cache()
@@ -254,10 +262,10 @@ def _one(model, x, group, dst, decode: bool):
     receives = dst is None or dist.get_rank(group) == dst
     if dist.get_world_size(group) == 1:
         return _whole(model, x, decode)
-    name, given = type(model).__name__, x
-    if name not in VIDEO + IMAGE:  # tiling this module does not mirror (HunyuanVideo 1.5's, LTX-Video's VAE):
+    kind, given = vae_kind(model), x
+    if _tiles(model) is None:  # tiling this module does not mirror (HunyuanVideo 1.5's, LTX-Video's VAE):
         return _whole(model, given, decode) if receives else None  # diffusers' own (tiled) pass where it is wanted
-    if not decode and name == "AutoencoderKLWan" and _patch(model) is not None:
+    if not decode and _patch(model) is not None:
         from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
 
         x = patchify(x, patch_size=_patch(model))  # as AutoencoderKLWan._encode does before tiling
@@ -268,7 +276,7 @@ def _one(model, x, group, dst, decode: bool):
         out = _run(model, x, grid, _decode_tile if decode else _encode_tile, group, dst)
     if out is None or not decode:
         return out
-    if name == "AutoencoderKLWan":
+    if kind.first_chunk:
         if _patch(model) is not None:
             from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 

@@ -105,7 +105,7 @@ class VAE:
         folder = vae_folder(path, subfolder, setting)  # the class and the weights' headers checked
         self.class_name = vae_class(folder, path, setting)
         self.folder = folder
-        kind = VAE_KINDS[self.class_name]
+        self.kind = kind = VAE_KINDS[self.class_name]
         self.is_video = kind.video
         self.patch = latent_patch(self.class_name, folder, path, setting)  # its config checked before the weights
         try:  # safetensors only: a pickled .bin can run code, and infer.py may take this folder from a checkpoint
@@ -148,13 +148,14 @@ class VAE:
         self.model.enable_slicing()
 
     def _tile_kwargs(self, tile: int) -> dict:
-        if self.class_name == "AutoencoderKLHunyuanVideo15":  # tile sizes and an overlap factor, no strides
+        tiles_by = self.kind.tiles_by  # how its enable_tiling takes a tile size (ringdit.models.vaes.VaeKind)
+        if tiles_by == "sizes":  # tile sizes and an overlap factor, no strides (HunyuanVideo 1.5's)
             return dict(tile_sample_min_height=tile, tile_sample_min_width=tile,
                         tile_latent_min_height=tile // self.spatial, tile_latent_min_width=tile // self.spatial)
-        if self.class_name == "AutoencoderKLCogVideoX":  # overlap factors, no strides: stride 3/4 as below
+        if tiles_by == "overlap":  # overlap factors, no strides: stride 3/4 as below (CogVideoX's)
             return dict(tile_sample_min_height=tile, tile_sample_min_width=tile, tile_overlap_factor_height=0.25,
                         tile_overlap_factor_width=0.25)
-        if self.is_video:  # overlapping tiles: stride 3/4 of the tile, blended in the overlap
+        if tiles_by == "strides":  # overlapping tiles: stride 3/4 of the tile, blended in the overlap
             stride = max(self.spatial, tile * 3 // 4)
             return dict(tile_sample_min_height=tile, tile_sample_min_width=tile,
                         tile_sample_stride_height=stride, tile_sample_stride_width=stride)

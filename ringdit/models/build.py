@@ -21,6 +21,7 @@ and the tests all call it; each step sees the model the previous one left:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import hydra
@@ -37,6 +38,40 @@ from ringdit.models.parallelize import PlannedAttention, parallelize, repeated_b
 from ringdit.parallel import ParallelDims
 
 Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What a run builds its model from, settled before any rank starts (``TrainSpec.build_plan``, or a module's
+    recorded hyper-parameters): ``build`` adds what only the ranks have -- the mesh, the strategy's sharding and
+    offload, the data's empty-prompt embedding."""
+
+    config: dict                  # the model config (``_target_``), the data's shape filled in
+    backend: str | None = None    # the attention backend (the layout's, resolved)
+    init_from: str | None = None  # weights to start from (a checkpoint, an export, a diffusers folder)
+    init_weights: str = "ema"     # which weights of a ringdit .ckpt: ema | model
+    resize_labels: bool = False   # init_from with another number of classes
+    lora: dict | None = None      # the LoRA settings when LoRA trains (rank > 0); None: every weight
+    expert: str | None = None     # the one expert of a two-expert model that trains; None: all that can
+    ema_decay: float | None = None  # the EMA of the trained weights; None: none (a model that only samples)
+    compile: bool = False         # torch.compile each block
+    seed: int = 0                 # the initial weights of everything not loaded
+
+    def build(self, *, dims: ParallelDims | None = None, null_condition: dict[str, Tensor] | None = None,
+              shard: Callable[[nn.Module], nn.Module] | None = None,
+              offload_shards: bool = False) -> tuple[nn.Module, ModelAverage | None]:
+        """``(model, ema)``: ``build_model`` with this plan and what the ranks know."""
+        return build_model(self.config, dims=dims, backend=self.backend, init_from=self.init_from,
+                           init_weights=self.init_weights, resize_labels=self.resize_labels,
+                           null_condition=null_condition, lora=self.lora, expert=self.expert,
+                           ema_decay=self.ema_decay, shard=shard, offload_shards=offload_shards,
+                           compile=self.compile, seed=self.seed)
+
+    def frozen_from(self, init_from: str | None, init_weights: str, *, lora: bool = False) -> BuildPlan:
+        """The same model started from other weights, with nothing of this run's training: no expert choice, EMA or
+        resized labels (a distillation's teacher; ``lora``: its critic, adapted as this run's model is)."""
+        return replace(self, init_from=init_from, init_weights=init_weights, resize_labels=False,
+                       lora=self.lora if lora else None, expert=None, ema_decay=None)
 
 
 def build_model(

@@ -17,6 +17,7 @@ from torch import nn
 
 from ringdit.attention import LocalAttention
 from ringdit.common.errors import ConfigError
+from ringdit.diffusion.schedulers import PipelineTimesteps
 from ringdit.models.block_io import BlockIO
 from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.embeddings import LabelEmbedder, PatchEmbed, TimestepEmbedder, sincos_pos_embed
@@ -115,6 +116,11 @@ class DiT(nn.Module):
     lora_targets = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")  # LoRA's default: attention and MLP projections
     vae_factors = (1, 8)  # on latents: an image VAE's 8x (SD's); a video DiT's frames are the data's own
     cache_blocks = BlockIO("x")  # the step cache: a block's token stream in and out
+    # what a diffusers model reads from its Family record, the DiT's own: its name (in checkpoints' and TeaCache's
+    # records), how a scheduler steps it (as WanPipeline: set_timesteps(steps)), no published TeaCache polynomial
+    kind_name = "dit"
+    pipeline_timesteps = PipelineTimesteps()
+    published_teacache_coefficients = None
 
     @staticmethod
     def teacache_input(block, io, args, kwargs) -> tuple[Tensor, bool]:
@@ -255,6 +261,16 @@ class DiT(nn.Module):
     @property
     def patch_shape(self) -> tuple[int, ...]:
         return self.x_embedder.patch_shape
+
+    @property
+    def teacache_size(self) -> tuple[int, int]:
+        """(width, depth): what TeaCache coefficients are fitted to, beside ``kind_name``."""
+        return int(self.pos_embed.shape[-1]), len(self.blocks)
+
+    @classmethod
+    def kind_name_of(cls, config: dict) -> str:
+        """``kind_name`` of a model of ``config``, before it is built."""
+        return cls.kind_name
 
     @staticmethod
     def patch_shape_of(config: dict) -> tuple[int, ...]:

@@ -12,10 +12,12 @@ parameters on the meta device (it is built so, then materialized shard by shard)
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
+from ringdit.diffusion.schedulers import PipelineTimesteps
+from ringdit.models.block_io import BlockIO
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -31,6 +33,16 @@ class DiffusionModel(Protocol):
     condition_dropout_prob: float  # the chance training replaces a sample's condition by the null one
     loss_reaches_every_parameter: bool  # False: DDP learns which parameters get no gradient (static_graph)
     diffusers_folders: bool  # its weights load from (base=, init_from=) and export to diffusers folders
+    # its kind's facts that code outside ringdit/models asks the model for (a diffusers model answers from its
+    # ``Family`` record, the DiT from its class), never by testing which kind it is
+    kind_name: str  # "dit", or the diffusers family's name: what checkpoints, TeaCache files and ComfyUI names key on
+    cache_blocks: BlockIO | None  # the step cache: its blocks' token streams; None: diffusers' block registry's
+    # TeaCache's probe of the first block: (block, BlockIO, args, kwargs) -> (its timestep-modulated input, whether it
+    # is a token shard); None: cache=teacache is refused
+    teacache_input: Callable | None
+    teacache_size: tuple[int, int]  # (width, depth): what TeaCache coefficients are fitted to
+    published_teacache_coefficients: tuple[float, ...] | None  # TeaCache's published polynomial at this size
+    pipeline_timesteps: PipelineTimesteps  # how its pipeline sets and steps a diffusers scheduler
 
     @classmethod
     def config_for_data(cls, config: dict, data: dict) -> dict:
@@ -63,6 +75,10 @@ class DiffusionModel(Protocol):
         """How a model of ``config`` takes a first frame (image-to-video): (the conditioning, ``Family.image_condition``
         -- None for a text-to-video or class-conditional model; the config key of the image embeddings it reads where
         its config sets one, None for none)."""
+
+    @staticmethod
+    def kind_name_of(config: dict) -> str:
+        """The ``kind_name`` a model of ``config`` will have, read from the config alone."""
 
     @staticmethod
     def patch_shape_of(config: dict) -> tuple[int, ...] | None:

@@ -18,18 +18,36 @@ class VaeKind:
     latent_patch: int = 1  # the side of the latent patches its normalisation (latents_mean / std, batch norm) is
     #                        per: AutoencoderKLFlux2's batch norm is over 2x2-patchified channels; 1: per latent cell
     pipeline: str = ""     # the diffusers pipeline whose latent handling this follows, where messages name it
+    # how its enable_tiling takes a tile size (ringdit.media.vae's tile=): "strides" (tile_sample_min_* and strides,
+    # 3/4 of the tile), "sizes" (sample and latent tile sizes, its own overlap), "overlap" (sample tile sizes and
+    # overlap factors of a quarter), "attributes" (AutoencoderKL's tile_sample_min_size / tile_latent_min_size);
+    # None: by whether it is a video VAE, "strides" or "attributes"
+    tile_setting: str | None = None
+    # AutoencoderKLWan's decoding: its decoder takes first_chunk, its pixels may be patchified (config.patch_size:
+    # Wan 2.2's) and its decode clamps to [-1, 1] -- what ringdit.media.parallel_vae repeats per tile
+    first_chunk: bool = False
+
+    @property
+    def tiles_by(self) -> str:
+        """``tile_setting``, its default resolved."""
+        return self.tile_setting or ("strides" if self.video else "attributes")
 
 
 VAE_KINDS = {kind.class_name: kind for kind in (
-    VaeKind("AutoencoderKLWan", video=True, tiles="video"),
+    VaeKind("AutoencoderKLWan", video=True, tiles="video", first_chunk=True),
     VaeKind("AutoencoderKLQwenImage", video=True, tiles="video"),  # Wan's code, Qwen-Image's weights
     VaeKind("AutoencoderKLLTXVideo", video=True),
-    VaeKind("AutoencoderKLHunyuanVideo15", video=True),
-    VaeKind("AutoencoderKLCogVideoX", video=True, frame_pad=2),
+    VaeKind("AutoencoderKLHunyuanVideo15", video=True, tile_setting="sizes"),
+    VaeKind("AutoencoderKLCogVideoX", video=True, frame_pad=2, tile_setting="overlap"),
     VaeKind("AutoencoderKL", video=False, tiles="image"),
     VaeKind("AutoencoderKLFlux2", video=False, tiles="image", latent_patch=2,  # tiles: AutoencoderKL's code
             pipeline="Flux2Pipeline"),
 )}
+
+
+def vae_kind(model) -> VaeKind | None:
+    """The record of a built diffusers VAE (None: a class ringdit does not know)."""
+    return VAE_KINDS.get(type(model).__name__)
 
 
 def tile_parallel(tiles: str) -> tuple[str, ...]:

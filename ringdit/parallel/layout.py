@@ -12,6 +12,7 @@ which the spec calls, can take it without importing the spec. Also here: launche
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import os
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.attention import validate_attention_config
 from ringdit.common.errors import ConfigError, require_count
-from ringdit.parallel import check_degrees
+from ringdit.parallel.mesh import ParallelDims, build_shard_mesh, check_degrees, init_sequence_parallel
 
 
 FORWARD_AD_METHODS = ("scm", "rcm")  # distill= methods whose loss takes a JVP through the model
@@ -75,6 +76,19 @@ class Layout:
     def shard_degree(self) -> int:
         """The ranks one parameter is split over: FSDP's shard group (world / replicate_degree), DDP's 1."""
         return self.ranks // self.replicate_degree if self.fsdp else 1
+
+    # ---- the mesh it lays out (torchtitan's ParallelDims.build_mesh: from the validated degrees) ------------------
+    def build_mesh(self, device_type: str, *, timeout: datetime.timedelta | None = None) -> ParallelDims:
+        """The ``(dp, ring, ulysses)`` mesh of these degrees over the default process group, as this rank's
+        ``ParallelDims`` (with the CFG-parallel groups where ``cfg_parallel``); one process without torch.distributed.
+        Collective: every rank calls it."""
+        return init_sequence_parallel(self.ring_degree, self.ulysses_degree, timeout=timeout,
+                                      cfg_parallel=self.cfg_parallel, device_type=device_type)
+
+    def build_shard_mesh(self, device_type: str, *, timeout: datetime.timedelta | None = None):
+        """FSDP's mesh over the ``ranks``: ``("world",)``, or HSDP's ``("replicate", "shard")`` with
+        ``replicate_degree`` groups. Collective."""
+        return build_shard_mesh(self.ranks, self.replicate_degree, device_type, timeout)
 
     @classmethod
     def from_config(cls, cfg: DictConfig, *, training: bool) -> Layout:

@@ -12,6 +12,8 @@ from ringdit.parallel.layout import Layout, check_strategy_degrees, strategy_kin
 from ringdit.costs import DISTILL_METHODS, GiB, Setup
 from ringdit.plan.search import DEGREES, Hardware, divisors
 from ringdit.spec.distill import DistillSpec
+from ringdit.training.optimizers import STATES
+from ringdit.training.optimizers import optimizer_states as states_of
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
 
@@ -83,8 +85,6 @@ def fixed_degrees(cfg: DictConfig) -> dict[str, int]:
     return fixed
 
 
-# the optimizers conf/optimizer/ holds: their states per trainable parameter, whether they are 8-bit
-OPTIMIZERS = {"torch.optim.AdamW": (2, False), "ringdit.training.optimizers.adamw8bit": (2, True), "torch.optim.SGD": None}
 
 
 def optimizer_states(cfg: DictConfig) -> tuple[int, tuple[bool, ...]]:
@@ -98,14 +98,13 @@ def optimizer_states(cfg: DictConfig) -> tuple[int, tuple[bool, ...]]:
     if optimizer is None:
         return (2 if states is None else states), ((False, True) if eight_bit is None else (eight_bit,))
     target = optimizer.get("_target_")
-    if target not in OPTIMIZERS:
+    if target not in STATES:
         if states is None or eight_bit is None:
             raise ConfigError(f"optimizer._target_={target!r}: the planner knows the states of "
-                              f"{', '.join(OPTIMIZERS)}; for another, give optimizer_states=N and optimizer_8bit=false")
+                              f"{', '.join(STATES)}; for another, give optimizer_states=N and optimizer_8bit=false")
         return states, (eight_bit,)
-    momentum = optimizer.get("momentum", 0)
-    require_number("optimizer.momentum", momentum, low=0)
-    own_states, own_8bit = OPTIMIZERS[target] or ((1 if momentum else 0), False)
+    require_number("optimizer.momentum", optimizer.get("momentum", 0), low=0)
+    own_states, own_8bit = states_of(optimizer)
     for setting, given, own in (("optimizer_states", states, own_states), ("optimizer_8bit", eight_bit, own_8bit)):
         if given is not None and given != own:
             raise ConfigError(f"{setting}={str(given).lower()} but optimizer={choice_name('optimizer', target)} "

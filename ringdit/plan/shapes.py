@@ -9,6 +9,7 @@ from ringdit.common.errors import ConfigError, require_count
 from ringdit.costs import ModelSize, model_size
 from ringdit.models.frames import FrameRule
 from ringdit.plan.settings import preset_name
+from ringdit.spec.model import kind_name
 
 def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None, int], video: bool,
                  frame_pad: int = 1, patch: tuple[int, ...] = (1, 1), clip_frames: int | None = None) -> list[int]:
@@ -27,7 +28,7 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None
     # the pipeline's clip is a count of pixel frames: a default only where the sizes are pixels (data.latent=true)
     frames = cfg.data.frames if cfg.data.frames is not None or not video or not cfg.data.latent else clip_frames
     temporal, spatial = vae_factors if cfg.data.latent else (1, 1)
-    family = model_cfg.get("family", "dit")
+    family = kind_name(model_cfg)
     if video:
         require_count("data.frames", frames, hint="the frames of a video sample, e.g. 81")  # a DiT has no default
         if temporal and temporal > 1:  # the VAE's rule (CogVideoX's latents padded to pairs: 1 + 8k); the patch's

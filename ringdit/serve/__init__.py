@@ -27,6 +27,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ringdit.models.conditioning import text_conditioned
+from ringdit.spec.model import kind_name
 
 log = logging.getLogger("ringdit.serve")
 
@@ -46,7 +47,7 @@ class Server:
         self.started = time.time()
         self.state = "loading"  # loading -> ok -> draining | failed
         self.kind = "video" if len(spec.shape) == 3 else "image"
-        self.model_name = spec.model.config.get("family") or "dit"
+        self.model_name = kind_name(spec.model.config)
         from ringdit.spec.infer import image_kind
 
         self.image_kind = image_kind(spec.model.config)
@@ -61,11 +62,12 @@ class Server:
         from ringdit.serve.engine import Control, Engine, ServingModule
         from ringdit.serve.jobs import JobQueue
         from ringdit.training.callbacks import LoadLoraAdapter
+        from ringdit.training.parallel_strategy import build_strategy
 
         spec, settings = self.spec, self.settings
         callbacks = [LoadLoraAdapter(spec.ckpt_path, spec.weights)] if spec.lora is not None else []
-        self.trainer = hydra.utils.instantiate(spec.trainer.config, callbacks=callbacks, logger=False,
-                                               enable_progress_bar=False)
+        self.trainer = hydra.utils.instantiate(spec.trainer.config, strategy=build_strategy(
+            spec.trainer.config["strategy"], spec.layout), callbacks=callbacks, logger=False, enable_progress_bar=False)
         from ringdit.serve.metrics import Metrics
 
         self.metrics = Metrics(self)

@@ -88,7 +88,7 @@ class Adapters:
 
     def __init__(self, model: nn.Module, device: torch.device | str):
         self.roots = adapted_modules(model)
-        self.family = getattr(getattr(model, "family", None), "name", None)  # a diffusers family (ComfyUI names)
+        self.family = model.kind_name  # a diffusers family's ComfyUI names are its record's
         self.device = device
         self.loaded: dict[str, Adapter] = {}
 

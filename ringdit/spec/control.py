@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from ringdit.common.errors import ConfigError
 from ringdit.models.conditioning import CONTROL_KEY
+from ringdit.spec.model import kind_name
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ControlInput:
             return None
         if family is None:
             raise ConfigError(f"control={control}: ckpt_path={ckpt_path} is not a control-video model (model.family="
-                              f"{model_config.get('family', 'dit')}: it takes no control video); leave control= unset, "
+                              f"{kind_name(model_config)}: it takes no control video); leave control= unset, "
                               f"or train a control-video model (model=wan_vace*)")
         if prompt_sizes > 1:
             raise ConfigError(f"control={control} with a prompt_file of several sizes: one control clip fits one size; "

@@ -29,7 +29,7 @@ from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_f
 from ringdit.spec.diffusion import (check_sampling, check_shift, check_shift_terminal, resolve_scheduler,
                                     resolve_shift_terminal)
 from ringdit.parallel.layout import Layout
-from ringdit.spec.model import ModelSpec, model_class
+from ringdit.spec.model import ModelSpec, kind_name, model_class
 from ringdit.spec.pipeline import is_pipeline_folder, pipeline_checkpoint
 from ringdit.spec.trainer import TrainerSpec, group_targets
 
@@ -169,13 +169,13 @@ class ImageInput:
         if not image:
             if kind is not None and (conditioning.prompts or conditioning.text_embeds):
                 raise ConfigError(f"ckpt_path={ckpt_path} is an image-to-video model (model.family="
-                                  f"{model_config.get('family')}): give the first frame(s) with image=<file or "
+                                  f"{kind_name(model_config)}): give the first frame(s) with image=<file or "
                                   f"folder>, or neither prompts nor text_embeds for the training data's held-out "
                                   f"prompts and their first frames")
             return None
         if kind is None:
             raise ConfigError(f"image={image}: ckpt_path={ckpt_path} is not an image-to-video model "
-                              f"(model.family={model_config.get('family', 'dit')}: it takes no image); leave image= "
+                              f"(model.family={kind_name(model_config)}: it takes no image); leave image= "
                               f"unset, or train an image-to-video model (model=wan22_ti2v*, model=wan_i2v*, "
                               f"model=hunyuan_video15_i2v*)")
         if len(set(conditioning.prompt_shapes)) > 1:

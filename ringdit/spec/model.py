@@ -114,6 +114,11 @@ def model_class(config: dict) -> type[nn.Module]:
         raise ConfigError(f"model._target_={target}: {str(error).strip().splitlines()[0]}") from None
 
 
+def kind_name(config: dict) -> str:
+    """The model kind's name a model config builds (``DiffusionModel.kind_name``: "dit", a diffusers family's)."""
+    return model_class(config).kind_name_of(config)
+
+
 def build_on_meta(config: dict, ulysses_degree: int = 1) -> nn.Module:
     """The model built and parallelized on the meta device (no memory): its settings, and whether its attention
     layers fit the layout (a head for every Ulysses rank), are checked before any process is spawned."""

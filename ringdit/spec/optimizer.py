@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.common.errors import ConfigError, require_count, require_number
-from ringdit.training.optimizers import check_optimizer_installed
+from ringdit.training.optimizers import check_optimizer_installed, optimizer_states
 from ringdit.spec.settings import check_setting_types
 
 # ringdit's optimizers that pass their settings on (``**settings``) to another class: theirs are that class's
@@ -31,6 +31,12 @@ class OptimizerSpec:
     def name(self) -> str | None:
         """The optimizer's import path, as errors name it (optimizer=torch.optim.SGD)."""
         return self.optimizer.get("_target_")
+
+    @property
+    def states(self) -> tuple[int, bool]:
+        """(states per trainable parameter, whether 8-bit): what the memory estimate counts; an optimizer ringdit
+        does not know is counted as AdamW (two fp32 states)."""
+        return optimizer_states(self.optimizer) or (2, False)
 
     def optimizer_factory(self) -> Callable | None:
         """``params -> optimizer``: the optimizer partial (instantiated on call: the import comes when needed)."""

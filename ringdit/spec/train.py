@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 from ringdit.common.errors import ConfigError, require_count, require_number, require_seed
-from ringdit.costs import check_training_memory
+from ringdit.costs import Setup, check_memory, memory_setup
 from ringdit.costs.previews import check_run_previews
 from ringdit.spec.checkpoint import CheckpointPlan
 from ringdit.spec.diffusion import training_diffusion, training_expert
@@ -25,6 +25,7 @@ from ringdit.parallel.layout import Layout
 from ringdit.spec.model import ModelSpec
 from ringdit.spec.optimizer import OptimizerSpec
 from ringdit.spec.trainer import TrainerSpec
+from ringdit.models.build import BuildPlan
 
 if TYPE_CHECKING:
     from lightning import LightningDataModule
@@ -72,6 +73,15 @@ class TrainSpec:
     optimizer: OptimizerSpec
     checkpoint: CheckpointPlan
     distill: DistillSpec | None = None  # distill=dmd2: the student's and critic's settings; None: plain training
+    memory: Setup = Setup()  # what the memory estimate counts besides the model and the layout (memory_setup)
+
+    @property
+    def build_plan(self) -> BuildPlan:
+        """What the ranks build the trained model from (``DiffusionModule.from_spec`` records it)."""
+        plan = self.checkpoint
+        return BuildPlan(self.model.config, backend=self.layout.attention_backend, init_from=plan.init_from,
+                         init_weights=plan.init_weights, resize_labels=plan.init_resize_labels, lora=plan.lora,
+                         expert=self.expert, ema_decay=self.optimizer.ema_decay, compile=self.compile, seed=self.seed)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> TrainSpec:
@@ -100,19 +110,25 @@ class TrainSpec:
         objective, sampling = training_diffusion(cfg, model.config, model.tokens)
         if expert in ("high", "low"):  # the estimate counts gradients and optimizer state of the expert that trains
             meta_model.train_only(expert)
-        # a warning (only an estimate), for the bucket whose steps hold the most tokens
-        check_training_memory(cfg, layout, model.config, meta_model, largest_step=data.module.largest_step())
         # the files the run loads, against the model
         checkpoint = CheckpointPlan.from_config(cfg, meta_model, optimizer=optimizer, max_steps=trainer.max_steps,
                                                 expert=expert)
         distill = DistillSpec.from_config(cfg, objective, sampling, model.config, meta_model, expert)
+        # what the memory estimate counts, from the parts above (not the raw config again)
+        memory = memory_setup(layout, batch_size=data.batch_size, precision=trainer.config.get("precision", "32"),
+                              param_dtype=(trainer.config.get("strategy") or {}).get("param_dtype"),
+                              model_config=model.config, lora=checkpoint.lora, optimizer_states=optimizer.states,
+                              ema=bool(optimizer.ema_decay), distill=distill.settings if distill else None)
+        # a warning (only an estimate), for the bucket whose steps hold the most tokens
+        check_memory(memory, layout, model.config, meta_model, checkpoint.lora, data.module.largest_step())
         if distill is not None:  # previews and the checkpoint's record: the student's few steps, unguided
             sampling = distill.student_sampling(sampling)
-        check_run_previews(cfg, layout, trainer.callbacks, data.info, model.config, meta_model, model.tokens, sampling)
+        check_run_previews(memory, checkpoint.lora, layout, trainer.callbacks, data.info, model.config, meta_model,
+                           model.tokens, sampling)
         return cls(seed=cfg.seed, compile=cfg.compile, nonfinite_loss=cfg.nonfinite_loss,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, data=data, model=model,
                    objective=objective, expert=expert, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint,
-                   distill=distill)
+                   distill=distill, memory=memory)
 
 
 def check_preview_shapes(callbacks: tuple[dict, ...], data_info: dict, patch: tuple[int, ...]) -> None:

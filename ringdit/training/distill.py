@@ -49,12 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringdit.models.build import build_model
 from ringdit.diffusion import classifier_free_guidance, draw_noise, noise_generators
 from ringdit.diffusion.distillation import CONSISTENCY_METHODS, CRITIC_METHODS
 from ringdit.diffusion.samplers import fewstep_start, fewstep_step
 from ringdit.diffusion.pipeline import condition_to
-from ringdit.models.lora import lora_enabled
 from ringdit.sampling.sampler import Sampler
 from ringdit.common.seeding import Stream, generator, seed_of
 from ringdit.training import consistency
@@ -76,6 +74,10 @@ class DistillationModule(DiffusionModule):
     ``gradient_clip_val``, ``gan_loss``, ``gan_block``, ``gan_generator_weight``, ``gan_critic_weight``,
     ``regression_loss``, ``regression_weight``, ``regression_pairs``, ``regression_distance``, ``teacher_sampling``)."""
 
+    @classmethod
+    def from_spec(cls, spec, **keywords) -> DistillationModule:
+        return super().from_spec(spec, distill=spec.distill.settings, **keywords)
+
     def __init__(self, *args, distill: dict, **kwargs):
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False  # two optimizers, several critic updates per student update
@@ -96,22 +98,14 @@ class DistillationModule(DiffusionModule):
         if self.model is not None:
             return
         super().configure_model()  # the student and its EMA
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        common = dict(
-            dims=self.parallel_dims, backend=self.hparams.attention_backend,
-            null_condition=datamodule.null_condition() if self.text_conditioned and datamodule is not None else None,
-            shard=getattr(strategy, "shard_model", None), offload_shards=getattr(strategy, "cpu_offload", False),
-            compile=self.hparams.compile, seed=self.hparams.seed,
-        )
-        lora = self.hparams.lora if lora_enabled(self.hparams.lora) else None
+        # the student's build plan and rank keywords, from the teacher's weights, with nothing of its training
+        plan, common = self.build_plan, self.rank_build()
+        teacher_weights = self.distill["teacher"], self.distill["teacher_weights"]
         if self.distill["method"] in CRITIC_METHODS:  # sCM trains none
             # the critic starts from the teacher too (a resumed run then loads its own weights from the checkpoint):
             # a score model, also when the student is a distilled one fine-tuned (init_from, distill.teacher)
-            self.critic, _ = build_model(self.hparams.model, init_from=self.distill["teacher"],
-                                         init_weights=self.distill["teacher_weights"], lora=lora, **common)
-        teacher, _ = build_model(self.hparams.model, init_from=self.distill["teacher"],
-                                 init_weights=self.distill["teacher_weights"], **common)
+            self.critic, _ = plan.frozen_from(*teacher_weights, lora=True).build(**common)
+        teacher, _ = plan.frozen_from(*teacher_weights).build(**common)
         teacher.requires_grad_(False)
         self._teacher = [teacher.eval()]
         if self.distill.get("gan_loss"):

@@ -30,7 +30,6 @@ from ringdit.checkpoints.optimizer_state import optimizer_state_by_name
 from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import CheckpointError
 from ringdit.models import repeated_blocks
-from ringdit.parallel import build_shard_mesh
 from ringdit.training.parallel_strategy import SequenceParallelStrategy
 
 # The models' outputs (prediction tokens) are only read out-of-place by the losses and samplers, so the in-place
@@ -41,26 +40,26 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+\) ret
 class RingFSDPStrategy(SequenceParallelStrategy, ModelParallelStrategy):
     """FSDP2 (``fully_shard``) over all dp x sp ranks, plus the sequence-parallel mesh.
 
-    Args (besides ``SequenceParallelStrategy``'s: the degrees, ``cfg_parallel``, ``timeout_s``,
-    ``rendezvous_timeout_s``):
-        replicate_degree: HSDP: shard within ``world / replicate_degree`` ranks, replicate across
-            ``replicate_degree`` groups (1 = shard over the whole world).
+    Args (besides ``SequenceParallelStrategy``'s: the ``layout`` -- whose ``replicate_degree`` (HSDP: shard within
+    ``world / replicate_degree`` ranks, replicate across the groups) and ``cpu_offload`` (the sharded parameters,
+    gradients and optimizer state in CPU memory) say how it shards --, ``timeout_s``, ``rendezvous_timeout_s``):
         param_dtype: the dtype parameters are gathered and computed in (``bfloat16`` for mixed precision; the
             sharded fp32 master weights and optimizer state stay fp32); null = the parameters' own dtype.
         reduce_dtype: the dtype gradients are reduced in (``float32`` keeps the reduction exact with bf16 compute).
-        cpu_offload: keep the sharded parameters, gradients and optimizer state in CPU memory (GPU runs).
     """
 
     strategy_name = "ring_fsdp"
     layout_strategy = "fsdp"  # how ringdit.parallel.layout.Layout (and the memory estimate) knows it: sharded state
 
-    def __init__(self, replicate_degree: int = 1, param_dtype: str | None = None, reduce_dtype: str | None = "float32",
-                 cpu_offload: bool = False, **kwargs):
-        # replicate_degree was validated at config time (ringdit.spec).
+    def __init__(self, param_dtype: str | None = None, reduce_dtype: str | None = "float32", **kwargs):
         self.param_dtype = None if param_dtype is None else dtype_named("trainer.strategy.param_dtype", param_dtype)
         self.reduce_dtype = None if reduce_dtype is None else dtype_named("trainer.strategy.reduce_dtype", reduce_dtype)
         super().__init__(**kwargs)
-        self.replicate_degree, self.cpu_offload = replicate_degree, cpu_offload
+
+    @property
+    def cpu_offload(self) -> bool:
+        """The layout's: the sharded state in CPU memory (what the model build and the optimizer ask)."""
+        return self.layout.cpu_offload
 
     # ---- processes and meshes ----------------------------------------------------------------------------------
     def _init_process_group(self) -> None:
@@ -70,8 +69,7 @@ class RingFSDPStrategy(SequenceParallelStrategy, ModelParallelStrategy):
         super().setup_environment()
         # FSDP shards over every rank of the (dp, ring, ulysses) mesh, in global rank order; HSDP splits that into
         # (replicate, shard) with the shard groups contiguous.
-        self._device_mesh = build_shard_mesh(self.world_size, self.replicate_degree, self.root_device.type,
-                                             self._timeout)
+        self._device_mesh = self.layout.build_shard_mesh(self.root_device.type, timeout=self._timeout)
         self.lightning_module._device_mesh = self._device_mesh
 
     # ---- sharding ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringdit.caching.blocks import block_io, kind_of, repeated_blocks_of
+from ringdit.caching.blocks import block_io, repeated_blocks_of
 from ringdit.common.errors import ConfigError
 from ringdit.models.plan import ParallelPlan
 from ringdit.parallel import gather_sequence
@@ -43,7 +43,7 @@ def feature_block(model: nn.Module, index: int | None) -> tuple[nn.Module, objec
                           f"give an index in [{-len(blocks)}, {len(blocks) - 1}], or null for the middle one")
     block = blocks[chosen]
     try:
-        io = block_io(block, getattr(kind_of(model), "cache_blocks", None))
+        io = block_io(block, model.cache_blocks)
     except ConfigError:
         raise ConfigError(f"distill.gan_loss=true: the blocks of this model ({type(block).__name__}) do not say where "
                           f"their token stream is (the model kind's cache_blocks, or diffusers' block registry), so "

@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from ringdit.models.build import build_model
+from ringdit.models.build import BuildPlan
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.diffusion import DDPM, draw_noise
 from ringdit.diffusion.experts import step_expert, time_range
@@ -114,26 +114,47 @@ class DiffusionModule(L.LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         return getattr(strategy, "parallel_dims", None) or ParallelDims()
 
+    @classmethod
+    def from_spec(cls, spec, **keywords) -> DiffusionModule:
+        """The module of a checked run (``ringdit.spec.TrainSpec``): its build plan, objective, data, sampling,
+        optimizer and the rest, recorded as the hyper-parameters a checkpoint rebuilds it from."""
+        plan = spec.build_plan
+        return cls(model=plan.config, objective=spec.objective, data=spec.data.info, sampling=spec.sampling,
+                   optimizer=spec.optimizer.optimizer_factory(), scheduler=spec.optimizer.scheduler_factory(),
+                   ema_decay=plan.ema_decay, seed=plan.seed, attention_backend=plan.backend, compile=plan.compile,
+                   init_from=plan.init_from, init_weights=plan.init_weights, init_resize_labels=plan.resize_labels,
+                   nonfinite_loss=spec.nonfinite_loss, lora=plan.lora,
+                   resume_optimizer=spec.checkpoint.resume_optimizer, expert=plan.expert, **keywords)
+
+    @property
+    def build_plan(self) -> BuildPlan:
+        """What the model is built from: the hyper-parameters (the spec's ``build_plan``, or what a checkpoint
+        recorded); without an optimizer the weights stay as loaded (no expert choice, no EMA)."""
+        hparams, training = self.hparams, self.optimizer_factory is not None
+        return BuildPlan(hparams.model, backend=hparams.attention_backend, init_from=hparams.init_from,
+                         init_weights=hparams.init_weights, resize_labels=hparams.init_resize_labels,
+                         lora=hparams.lora if lora_enabled(hparams.lora) else None,
+                         expert=hparams.get("expert") if training else None,
+                         ema_decay=hparams.ema_decay if training else None, compile=hparams.compile,
+                         seed=hparams.seed)
+
+    def rank_build(self) -> dict:
+        """``BuildPlan.build``'s keywords only the ranks know: the mesh, the strategy's sharding and offload (its
+        layout's), the data's empty-prompt embedding."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        return {"dims": self.parallel_dims, "shard": getattr(strategy, "shard_model", None),
+                "offload_shards": getattr(strategy, "cpu_offload", False),
+                "null_condition": datamodule.null_condition() if self.text_conditioned and datamodule is not None
+                else None}
+
     def configure_model(self) -> None:
         """Built here, not in __init__: the mesh exists only once the strategy set it up, and the model is
         parallelized over it as it is built (``ringdit.models.build.build_model``: the order of every step is there)."""
         if self.model is not None:
             return
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        training = self.optimizer_factory is not None
-        self.model, self.ema = build_model(
-            self.hparams.model, dims=self.parallel_dims, backend=self.hparams.attention_backend,
-            init_from=self.hparams.init_from, init_weights=self.hparams.init_weights,
-            resize_labels=self.hparams.init_resize_labels,
-            # a resumed run restores the checkpoint's own empty-prompt embedding after this
-            null_condition=datamodule.null_condition() if self.text_conditioned and datamodule is not None else None,
-            lora=self.hparams.lora if lora_enabled(self.hparams.lora) else None,
-            expert=self.hparams.get("expert") if training else None,
-            ema_decay=self.hparams.ema_decay if training else None,  # sampling uses the weights it loaded
-            shard=getattr(self.trainer.strategy, "shard_model", None) if self._trainer is not None else None,
-            offload_shards=getattr(self.trainer.strategy, "cpu_offload", False) if self._trainer is not None else False,
-            compile=self.hparams.compile, seed=self.hparams.seed,
-        )
+        # a resumed run restores the checkpoint's own empty-prompt embedding after this
+        self.model, self.ema = self.build_plan.build(**self.rank_build())
         if lora_enabled(self.hparams.lora):  # checkpoints hold only the adapters: the base comes from init_from
             self.strict_loading = False
 

@@ -28,6 +28,18 @@ Tensor = torch.Tensor
 
 # the optimizers here, by _target_, and the package each needs
 LIBRARIES = {"ringdit.training.optimizers.adamw8bit": "torchao"}
+# the optimizers conf/optimizer/ holds, by _target_: their states per trainable parameter (None: SGD's, 1 with
+# momentum, else 0) and whether those are 8-bit -- what the memory estimate and the planner count
+STATES = {"torch.optim.AdamW": (2, False), "ringdit.training.optimizers.adamw8bit": (2, True), "torch.optim.SGD": None}
+
+
+def optimizer_states(optimizer: dict) -> tuple[int, bool] | None:
+    """(states per trainable parameter, whether 8-bit) of the optimizer config ``optimizer`` (``_target_`` and its
+    settings); None for an optimizer not in ``STATES``."""
+    target = optimizer.get("_target_")
+    if target not in STATES:
+        return None
+    return STATES[target] or ((1 if optimizer.get("momentum", 0) else 0), False)
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 

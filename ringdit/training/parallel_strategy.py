@@ -1,8 +1,9 @@
 """``SequenceParallelStrategy``: what ringdit's DDP and FSDP strategies share, written once.
 
 Lightning launches the processes (locally, under torchrun or SLURM) and creates the default process group; this
-base then builds the ``(dp, ring, ulysses)`` device mesh (``init_sequence_parallel``) as ``parallel_dims``, which the
-LightningModule's ``configure_model`` parallelizes the model over, and tells data loading that only the
+base then has its ``layout`` (``ringdit.parallel.layout.Layout``, checked once from the config) build the
+``(dp, ring, ulysses)`` device mesh as ``parallel_dims``, which the LightningModule's ``configure_model`` parallelizes
+the model over, and tells data loading that only the
 **data-parallel** rank and size matter: the ranks of one sequence-parallel group read the same samples and split
 their tokens. It also bounds the wait for ranks that never come (``rendezvous_timeout_s``) and every collective
 (``timeout_s``).
@@ -19,28 +20,42 @@ import os
 import sys
 import threading
 
+import hydra
+
 from ringdit.commands.launcher import spawned_by_launcher
-from ringdit.parallel import ParallelDims, init_sequence_parallel
+from ringdit.parallel import ParallelDims
+from ringdit.parallel.layout import Layout
+
+# trainer.strategy's settings that are the layout's (``Layout.from_config`` reads them, and checks them against the
+# top-level degrees): the strategy takes them as its ``layout``, never one by one
+LAYOUT_SETTINGS = ("ring_degree", "ulysses_degree", "cfg_parallel", "replicate_degree", "cpu_offload")
+
+
+def build_strategy(config: dict, layout: Layout, **keywords):
+    """The Lightning strategy ``config`` (``trainer.strategy``, resolved) names, running ``layout``; ``keywords``:
+    more of its arguments."""
+    own = {key: value for key, value in config.items() if key not in LAYOUT_SETTINGS}
+    # the layout after instantiation: Hydra would turn a dataclass argument into a config of its fields
+    return hydra.utils.instantiate(own, _partial_=True, **keywords)(layout=layout)
 
 
 class SequenceParallelStrategy:
     """The sequence-parallel layout, timeouts and rendezvous watchdog of a Lightning strategy.
 
     Args:
-        ring_degree, ulysses_degree: the sequence-parallel layout (validated at config time,
-            ``ringdit.spec``).
-        cfg_parallel: sampling: the two halves of guidance on two data-parallel replicas.
+        layout: the ranks and how they split the work (``Layout.from_config``, checked at config time): it builds
+            the mesh. None: one process, no sequence parallelism.
         timeout_s: a collective that waits longer ends the run with an error instead of hanging.
         rendezvous_timeout_s: ranks that have not all joined by then (a node never started) end the launch.
         **kwargs: the Lightning strategy's own arguments.
     """
 
-    def __init__(self, ring_degree: int = 1, ulysses_degree: int = 1, *, cfg_parallel: bool = False,
-                 timeout_s: float | None = None, rendezvous_timeout_s: float | None = 60.0, **kwargs):
+    def __init__(self, layout: Layout | None = None, *, timeout_s: float | None = None,
+                 rendezvous_timeout_s: float | None = 60.0, **kwargs):
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         super().__init__(**kwargs)
-        self.ring_degree, self.ulysses_degree, self.cfg_parallel = ring_degree, ulysses_degree, cfg_parallel
+        self.layout = Layout() if layout is None else layout
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.parallel_dims = ParallelDims()
         self._watchdog: threading.Timer | None = None
@@ -58,10 +73,7 @@ class SequenceParallelStrategy:
             self._arm_watchdog()
         try:
             self._init_process_group()
-            self.parallel_dims = init_sequence_parallel(
-                self.ring_degree, self.ulysses_degree, timeout=self._timeout, cfg_parallel=self.cfg_parallel,
-                device_type=self.root_device.type,
-            )
+            self.parallel_dims = self.layout.build_mesh(self.root_device.type, timeout=self._timeout)
         finally:
             if self._watchdog is not None:
                 self._watchdog.cancel()

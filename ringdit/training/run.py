@@ -23,7 +23,6 @@ from omegaconf import DictConfig, OmegaConf
 from ringdit.common.atomic import DiskFullError
 from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
 from ringdit.common.errors import NonFiniteLossError
-from ringdit.parallel.layout import Layout
 from ringdit.commands.run_folder import claim_run_folder
 from ringdit.spec import TrainSpec
 
@@ -41,31 +40,11 @@ def prepare(cfg: DictConfig):
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     from ringdit.training import DiffusionModule, DistillationModule
+    from ringdit.training.parallel_strategy import build_strategy
 
     L.seed_everything(spec.seed, workers=True)
     # distill=dmd2: a student and a critic that start from the teacher (init_from), which stays frozen
-    module_class, distill = (DiffusionModule, {}) if spec.distill is None else \
-        (DistillationModule, {"distill": spec.distill.settings})
-    module = module_class(
-        model=spec.model.config,
-        objective=spec.objective,
-        data=spec.data.info,
-        sampling=spec.sampling,
-        optimizer=spec.optimizer.optimizer_factory(),
-        scheduler=spec.optimizer.scheduler_factory(),
-        ema_decay=spec.optimizer.ema_decay,
-        seed=spec.seed,
-        attention_backend=spec.layout.attention_backend,
-        compile=spec.compile,
-        init_from=plan.init_from,
-        init_weights=plan.init_weights,
-        init_resize_labels=plan.init_resize_labels,
-        nonfinite_loss=spec.nonfinite_loss,
-        lora=plan.lora,
-        resume_optimizer=plan.resume_optimizer,
-        expert=spec.expert,
-        **distill,
-    )
+    module = (DiffusionModule if spec.distill is None else DistillationModule).from_spec(spec)
     callbacks = [hydra.utils.instantiate(c) for c in spec.trainer.callbacks]
     loggers = [hydra.utils.instantiate(c) for c in spec.trainer.loggers]
     if not loggers:  # logger=none: the learning rate has nowhere to go (Lightning refuses the monitor without one)
@@ -84,7 +63,7 @@ def prepare(cfg: DictConfig):
         unused = {}  # (the DiT's loss reaches every parameter); a strategy config that says how wins
     if spec.distill is not None and ddp and not {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
         unused = {"find_unused_parameters": True}  # the critic's updates reach the critic only, the student's it
-    strategy = hydra.utils.instantiate(strategy_cfg, **strategy_layout(layout), **unused)
+    strategy = build_strategy(strategy_cfg, layout, **unused)
     # a distillation clips each of its updates itself (DistillationModule: manual optimization)
     clip = {} if spec.distill is None else {"gradient_clip_val": None}
     trainer = hydra.utils.instantiate(
@@ -100,15 +79,6 @@ def prepare(cfg: DictConfig):
                  spec.model.tokens, layout.ring_degree, layout.ulysses_degree, layout.dp_degree,
                  layout.attention_backend)
     return trainer, module, spec.data.module, plan.ckpt_path
-
-
-def strategy_layout(layout: Layout) -> dict:
-    """The strategy's layout arguments, from ``layout``: the degrees and, under FSDP, how it shards and where."""
-    arguments = {"ring_degree": layout.ring_degree, "ulysses_degree": layout.ulysses_degree,
-                 "cfg_parallel": layout.cfg_parallel}
-    if layout.fsdp:
-        arguments |= {"replicate_degree": layout.replicate_degree, "cpu_offload": layout.cpu_offload}
-    return arguments
 
 
 def train(cfg: DictConfig) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 from omegaconf import OmegaConf
@@ -26,8 +27,11 @@ from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.models.diffusers.image_condition import (channel_input, first_frame_channel_input,
                                                     first_frame_mask, replace_first_frame, require_image,
                                                     token_timesteps)
+from ringdit.diffusion.schedulers import PipelineTimesteps
+from ringdit.models.block_io import BlockIO
 from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS, SAMPLE_KEYS, TEXT
+from ringdit.models.parallelize import repeated_blocks
 from ringdit.models.plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -286,12 +290,37 @@ class DiffusersTransformer(nn.Module):
         return self.family.joint_shapes(self.transformer.config, tuple(shape))
 
     @property
+    def teacache_size(self) -> tuple[int, int]:
+        """(width, depth): what TeaCache coefficients are fitted to, beside ``kind_name``."""
+        config = self.transformer.config
+        width = config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)
+        return int(width), int(config.get("num_layers", len(repeated_blocks(self))))
+
+    @property
     def published_teacache_coefficients(self) -> tuple[float, ...] | None:
         """TeaCache's published polynomial for this transformer's size (``Family.teacache_coefficients``); None:
         none was published for it (``python -m ringdit.caching calibrate`` fits one)."""
         config = self.transformer.config
         width = config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)
         return self.family.teacache_coefficients.get((int(width), int(config.get("num_layers", 0))))
+
+    # the members of the model-kind contract (ringdit.models.protocol.DiffusionModel) whose values are its family's:
+    # code outside ringdit/models asks the model, never which record holds them
+    @property
+    def kind_name(self) -> str:
+        return self.family.name
+
+    @property
+    def cache_blocks(self) -> BlockIO | None:
+        return self.family.cache_blocks
+
+    @property
+    def teacache_input(self) -> Callable | None:
+        return self.family.teacache_input
+
+    @property
+    def pipeline_timesteps(self) -> PipelineTimesteps:
+        return self.family.pipeline_timesteps
 
     # ---- what a diffusers model declares as a model kind (ringdit.models.protocol.DiffusionModel): its family's ----
 
@@ -354,6 +383,11 @@ class DiffusersTransformer(nn.Module):
         family = get_family(config["family"])
         embeds = family.image_embeds
         return family.image_condition, embeds if embeds and (config.get("config") or {}).get(embeds) else None
+
+    @staticmethod
+    def kind_name_of(config: dict) -> str:
+        """``kind_name`` of a model of ``config`` (its family's name), before it is built."""
+        return get_family(config["family"]).name
 
     @staticmethod
     def patch_shape_of(config: dict) -> tuple[int, ...] | None:
