@@ -2,6 +2,8 @@
 
 import logging
 
+from ringdit.common.errors import ConfigError
+
 __version__ = "0.1.0"
 
 # torchao (the 8-bit optimizer's library) is imported by diffusers and transformers whenever it is installed, and
@@ -19,6 +21,7 @@ def config(command: str = "train", overrides=(), run_dir=None):
     """The settings of ``command`` (train, infer, serve, export, prepare, plan ...) with ``overrides`` (a list of
     strings), as its command line composes them (``ringdit.commands.cli.command_config``). A mistake raises
     ``ringdit.common.errors.ConfigError`` with the command line's one line (the setting, the value, the fix)."""
+    # start-up time: `import ringdit` runs before every ringdit module; hydra and the configs load on use
     from ringdit.commands.cli import command_config
 
     return command_config(command, overrides, run_dir)
@@ -26,6 +29,7 @@ def config(command: str = "train", overrides=(), run_dir=None):
 
 def train(cfg):
     """``python train.py``: train or fine-tune with ``cfg`` (``config("train", [...])``); returns the run folder."""
+    # start-up time: `import ringdit` runs before every ringdit module; torch and Lightning load on use
     from ringdit.training.run import train as run
 
     return run(_settings_of(cfg, "train"))
@@ -33,6 +37,7 @@ def train(cfg):
 
 def sample(cfg):
     """``python infer.py``: sample with ``cfg`` (``config("infer", [...])``); returns the run folder."""
+    # start-up time: `import ringdit` runs before every ringdit module; torch and Lightning load on use
     from ringdit.commands.sample import sample as run
 
     return run(_settings_of(cfg, "infer"))
@@ -40,6 +45,7 @@ def sample(cfg):
 
 def serve(cfg) -> int:
     """``python -m ringdit.serve``: serve with ``cfg`` (``config("serve", [...])``) until drained; its exit code."""
+    # start-up time: `import ringdit` runs before every ringdit module; torch and Lightning load on use
     from ringdit.serve import serve as run
 
     return run(_settings_of(cfg, "serve"))
@@ -64,8 +70,8 @@ def _settings_of(cfg, command: str):
     ``conf/<command>.yaml`` defines itself; else a ``ConfigError`` naming what was passed and what to pass."""
     from omegaconf import DictConfig, OmegaConf
 
+    # start-up time: `import ringdit` runs before every ringdit module; hydra and the configs load on use
     from ringdit.commands.cli import CONF_DIR
-    from ringdit.common.errors import ConfigError
 
     fix = f"pass ringdit.config({command!r}, [...])"
     if not isinstance(cfg, DictConfig):

@@ -50,6 +50,7 @@ if __name__ == "__main__":  # until ringdit.commands.preemption (a slow import) 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from ringdit.commands.cli import hydra_main, user_errors  # noqa: E402
+from ringdit.common.errors import ConfigError  # noqa: E402
 
 log = logging.getLogger("ringdit.prepare")
 
@@ -58,17 +59,18 @@ log = logging.getLogger("ringdit.prepare")
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     settings = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left: one line
+    # start-up time: Lightning (the SIGTERM handling's) load after --help and the settings' checks
     from ringdit.commands.preemption import sigterm_stops_at_once, stop_on_sigterm
 
     # SIGTERM: this rank stops where it is, or right after the shard it is writing; exit code 143 (module docstring)
     with user_errors(), stop_on_sigterm(logger=log), sigterm_stops_at_once(*preempted(settings["out"])):
+        # start-up time: torch and the encoders load after --help and the settings' checks
         from ringdit.media.encode_folder import encode_folder
 
         report = encode_folder(**settings)  # a wrong setting or input: one line, exit code 2
         if (report.tile_batches is None and not report.samples and not report.shards_skipped
                 and not report.texts_encoded and world_of() == 1):
-            from ringdit.common.errors import ConfigError  # every file unreadable, too short or missing: not a success
-
+            # every file unreadable, too short or missing: not a success
             if report.too_short and not report.unreadable and not report.missing:  # the window is what is wrong
                 resampled = f", source_fps={settings['source_fps']}" if settings.get("source_fps") else ""
                 raise ConfigError(f"frames={settings['frames']}: the window is longer than every clip of input="
@@ -82,6 +84,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def world_of() -> int:
+    # start-up time: torch and the encoders load after --help and the settings' checks
     from ringdit.media.encode_folder import rank_and_world
 
     return rank_and_world()[1]
@@ -89,6 +92,7 @@ def world_of() -> int:
 
 def preempted(out: str):
     """(what a SIGTERM stops, what it keeps) for the one line the run ends with."""
+    # start-up time: torch and the encoders load after --help and the settings' checks
     from ringdit.media.encode_folder import rank_and_world
 
     rank, world = rank_and_world()

@@ -15,8 +15,10 @@ from ringdit.attention.token_layout import Stream, TokenLayout
 from ringdit.attention.layer import LocalAttention, USPAttention, local_attention
 from ringdit.attention.ring import RingAttentionFunction, merge_attention_chunk, ring_attention
 from ringdit.attention.registry import (
+    _ring_capable_backends,
     check_ring_capable,
     describe_backends,
+    forward_ad_capable_backends,
     get_attn_backend,
     list_backends,
     register_backend,
@@ -29,12 +31,9 @@ for _backend in (TorchFlashBackend, TorchSDPABackend, FlashAttnBackend, MathBack
 
 def __getattr__(name: str):
     if name == "RING_CAPABLE_ATTENTION_BACKENDS":  # the one public path: computed from the registry on access
-        from ringdit.attention.registry import _ring_capable_backends
 
         return _ring_capable_backends()
     if name == "FORWARD_AD_ATTENTION_BACKENDS":
-        from ringdit.attention.registry import forward_ad_capable_backends
-
         return forward_ad_capable_backends()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

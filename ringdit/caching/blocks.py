@@ -12,6 +12,7 @@ from torch import nn
 
 from ringdit.common.errors import ConfigError
 from ringdit.models.block_io import BlockIO
+from ringdit.models.parallelize import repeated_blocks
 
 Tensor = torch.Tensor
 
@@ -63,6 +64,4 @@ def check_model(settings, model: nn.Module) -> None:
 
 
 def repeated_blocks_of(model: nn.Module) -> list[nn.Module]:
-    from ringdit.models.parallelize import repeated_blocks
-
     return repeated_blocks(model)

@@ -19,6 +19,9 @@ from pathlib import Path
 from ringdit.checkpoints.location import checked_output, first_line, replace_folder, temporary_folder
 from ringdit.checkpoints.weights import read_weights
 from ringdit.common.errors import CheckpointError, ConfigError
+from ringdit.common.safe_json import read_json
+from ringdit.spec.checkpoint import recorded_hparams
+from ringdit.spec.model import ModelSpec, model_class
 
 MAX_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default; the Wan / Flux repositories' shards are 5-10 GB
 
@@ -53,8 +56,6 @@ def recorded_base(model_cfg: dict, hparams: dict) -> str | None:
 def pipeline_components(base: str | Path, subfolders: list[str], model_class: str, setting: str) -> dict:
     """``base``'s ``model_index.json``, checked to be a diffusers pipeline whose transformer components are exactly
     ``subfolders``, each a ``model_class``. ``setting`` names where ``base`` came from in the messages."""
-    from ringdit.common.safe_json import read_json
-
     root = Path(base).expanduser()
     fix = "give base=<the diffusers pipeline folder the model was fine-tuned from> (it holds model_index.json)"
     if not root.is_dir():
@@ -82,9 +83,6 @@ def export_diffusers(ckpt_path: str | Path, out: str | Path, prefer: str = "ema"
     pipeline's other components, replacing ``out`` whole (a kill while writing leaves the previous one as it was).
     Returns ``out`` and, for a transformer-only export, a note saying why there is no pipeline. ``weights``: the
     ``(state, info)`` to write instead of the checkpoint's (a LoRA run's base with its adapter fused)."""
-    from ringdit.spec.checkpoint import recorded_hparams
-    from ringdit.spec.model import ModelSpec, model_class
-
     out = checked_output(out, folder=True, what="format=diffusers (a pipeline folder)")
     shard_bytes(max_shard_size)
     _, info = weights or read_weights(ckpt_path, prefer, load_tensors=False)  # the configs: the base is checked

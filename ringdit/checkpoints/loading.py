@@ -18,6 +18,7 @@ import torch
 
 from ringdit.checkpoints.location import SHARDED_METADATA, existing_checkpoint, first_line
 from ringdit.checkpoints.optimizer_state import optimizer_state_by_index
+from ringdit.checkpoints.safe_dcp import SafeEmptyStateDictLoadPlanner, SafeFileSystemReader, failure_cause
 from ringdit.common.errors import CheckpointError
 
 
@@ -57,8 +58,6 @@ def read_sharded_checkpoint(path: str | Path, keys: tuple[str, ...] | None = ("s
     too); ``load_tensors=False`` gives meta tensors of the saved shapes without reading any data."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ringdit.checkpoints.safe_dcp import SafeFileSystemReader
-
     path = Path(path).expanduser()
     checkpoint = safe_torch_load(path / SHARDED_METADATA)
     if not load_tensors:  # shapes from the metadata; only the small non-tensor items (param groups) are read
@@ -91,8 +90,6 @@ def _read_dcp(state: dict, path: Path, keys: set[str] | None) -> None:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from ringdit.checkpoints.safe_dcp import SafeEmptyStateDictLoadPlanner, SafeFileSystemReader, failure_cause
 
     try:
         _load_state_dict(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True,

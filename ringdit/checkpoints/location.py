@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ringdit.checkpoints.safe_dcp import SafeFileSystemReader
 from ringdit.common.atomic import file_mode
 from ringdit.common.errors import CheckpointError
 
@@ -86,8 +87,6 @@ def existing_checkpoint(path: str | Path) -> Path:
 def check_sharded_files(path: Path) -> None:
     """Every shard file the folder's ``.metadata`` indexes is there and long enough. Reads only the index; no tensor
     data."""
-    from ringdit.checkpoints.safe_dcp import SafeFileSystemReader
-
     try:
         metadata = SafeFileSystemReader(str(path)).read_metadata()
     except CheckpointError:

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from ringdit.checkpoints.location import first_line
-from ringdit.common.errors import ConfigError
+from ringdit.common.errors import ConfigError, require_number
+from ringdit.common.safe_json import read_json
 from ringdit.models.diffusers.families import FAMILIES
 from ringdit.models.diffusers.original_names import Rule
+from ringdit.models.lora import adapted_modules
 
 Tensor = torch.Tensor
 
@@ -226,8 +228,6 @@ def _split_key(key: str) -> tuple[str, str | None]:
 def _file_alpha(path: Path, metadata: dict, setting: str) -> float | None:
     """The file's alpha for layers without an ``alpha`` tensor: diffusers' ``lora_adapter_metadata``, or peft's
     ``adapter_config.json`` beside it; None: alpha = rank."""
-    from ringdit.common.safe_json import read_json
-
     config = None
     if "lora_adapter_metadata" in metadata:
         try:
@@ -282,9 +282,6 @@ def lora_file_entries(entries, model) -> tuple[LoraFile, ...]:
     entry's setting and value for a missing file, a strength that is not a number, a file of another model."""
     from omegaconf import OmegaConf
 
-    from ringdit.common.errors import require_number
-    from ringdit.models.lora import adapted_modules
-
     entries = OmegaConf.to_container(entries) if OmegaConf.is_config(entries) else entries
     if entries is None:
         return ()
@@ -317,8 +314,6 @@ def lora_file_entries(entries, model) -> tuple[LoraFile, ...]:
 def read_lora_stack(files: tuple[LoraFile, ...], model) -> list:
     """``files``' adapters for ``model`` as ``ringdit.models.lora.stack_adapters`` takes them: ``(layers per expert,
     strength)``."""
-    from ringdit.models.lora import adapted_modules
-
     roots = adapted_modules(model)
     family = model.kind_name
     return [([read_lora_file(path, roots[index], family, f"{file.setting}.{'path' if index == 0 else 'path_2'}")

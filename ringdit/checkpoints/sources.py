@@ -19,7 +19,10 @@ from typing import Iterable
 
 import torch
 
+from ringdit.checkpoints.loading import _read_dcp
 from ringdit.checkpoints.location import existing_checkpoint, first_line, is_sharded_checkpoint
+from ringdit.checkpoints.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, failure_cause
+from ringdit.checkpoints.weights import read_weights
 from ringdit.common.errors import CheckpointError
 
 Tensor = torch.Tensor
@@ -107,8 +110,6 @@ class ShardedCheckpointSource(WeightSource):
     def __init__(self, path: Path, prefix: str):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from ringdit.checkpoints.safe_dcp import SafeFileSystemReader
-
         self.path, self._folder, self._prefix = str(path), path, prefix
         saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
         head = f"state_dict.{prefix}"
@@ -120,8 +121,6 @@ class ShardedCheckpointSource(WeightSource):
     @torch.no_grad()
     def fill(self, targets: dict[str, Tensor]) -> None:
         import torch.distributed.checkpoint as dcp
-
-        from ringdit.checkpoints.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, failure_cause
 
         state = {"state_dict": {self._prefix + name: target for name, target in targets.items()}}
         try:
@@ -137,8 +136,6 @@ class ShardedCheckpointSource(WeightSource):
 
     def read(self, name: str, index: tuple[slice, ...]) -> Tensor:
         """One tensor read whole on this process (only for a table that is resized before loading)."""
-        from ringdit.checkpoints.loading import _read_dcp
-
         from torch.distributed.checkpoint._traverse import set_element
 
         state: dict = {}
@@ -150,8 +147,6 @@ class ShardedCheckpointSource(WeightSource):
 def weights_source(path: str, prefer: str = "ema", model=None) -> WeightSource:
     """The source for ``init_from`` / ``model.pretrained``: a diffusers folder (read through ``model``'s
     ``pretrained_files``), a sharded checkpoint folder, a ``.safetensors`` export or a ``torch.save`` file."""
-    from ringdit.checkpoints.weights import read_weights
-
     where = Path(path).expanduser()
     if where.is_dir() and not is_sharded_checkpoint(where):  # a diffusers folder: the model knows its layout
         return SafetensorsSource(str(where), model.pretrained_files(str(where)))

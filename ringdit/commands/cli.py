@@ -17,6 +17,10 @@ from pathlib import Path
 from hydra.errors import InstantiationException
 from omegaconf import OmegaConf, open_dict
 
+from ringdit.common.errors import ConfigError
+
+from ringdit.reference import commands, help_settings
+
 
 def register_resolvers() -> None:
     """``${mul:a,b,c}``: the product (the default device count dp x ring x ulysses); ``${min:a,b}``;
@@ -85,8 +89,6 @@ def command_config(command: str = "train", overrides=(), run_dir: str | Path | N
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    from ringdit.common.errors import ConfigError
-
     check_command(command)
     if isinstance(overrides, (str, bytes)) or not all(isinstance(item, str) for item in _iterable(overrides)):
         raise ConfigError(f"overrides must be a list of strings such as ['model=wan_tiny', 'trainer.max_steps=10'], "
@@ -115,8 +117,6 @@ def _iterable(value) -> list:
     try:
         return list(value)
     except TypeError:
-        from ringdit.common.errors import ConfigError
-
         raise ConfigError(f"overrides must be a list of strings such as ['model=wan_tiny', 'trainer.max_steps=10'], "
                           f"got {value!r}") from None
 
@@ -124,9 +124,6 @@ def _iterable(value) -> list:
 def check_command(command) -> None:
     """``command`` names a conf/<command>.yaml that configures a command (``ringdit.reference.commands``)."""
     import difflib
-
-    from ringdit.common.errors import ConfigError
-    from ringdit.reference import commands
 
     known = list(commands())
     if not isinstance(command, str) or command not in known:
@@ -207,8 +204,6 @@ def _settings_text(config_name: str, choices) -> str:
     those of each group's option the command line picks (``choices``: Hydra's ``runtime.choices``; else the
     default), every one with its default and its comment (``ringdit.reference``; ``$`` doubled: Hydra's help template
     is a ``string.Template``)."""
-    from ringdit.reference import help_settings
-
     return help_settings(config_name, dict(choices))
 
 
@@ -226,8 +221,6 @@ def _exit_with(message: str) -> None:
 
 def command_of(config_name: str) -> str:
     """How a user runs the command that ``conf/<config_name>.yaml`` configures (for the hints in errors)."""
-    from ringdit.reference import commands
-
     return commands().get(config_name, f"python {config_name}.py")
 
 

@@ -76,7 +76,10 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from ringdit.caching import StepCache
+from ringdit.checkpoints.lora_formats import read_lora_stack
 from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
+from ringdit.media.writing import write_mp4
+from ringdit.models.lora import adapted_modules, stack_adapters
 from ringdit.sampling.conditions import sample_conditions
 from ringdit.sampling.decoding import decode_group, decode_written, shared_files
 from ringdit.commands.preemption import sigterm_stops_at_once, stop_on_sigterm
@@ -84,7 +87,8 @@ from ringdit.commands.run_folder import claim_run_folder
 from ringdit.sampling import SampleRequests, SampleWriter
 from ringdit.sampling.predict import SamplingModule
 from ringdit.spec import InferSpec
-from ringdit.training.callbacks import LoadLoraAdapter
+from ringdit.training.callbacks import LoadLoraAdapter, log_samples
+from ringdit.training.loggers import finish_runs
 from ringdit.training.parallel_strategy import build_strategy
 
 log = logging.getLogger("ringdit.infer")
@@ -131,9 +135,6 @@ class StackLoraFiles(L.Callback):
         self.files = files
 
     def on_predict_start(self, trainer: L.Trainer, pl_module) -> None:
-        from ringdit.checkpoints.lora_formats import read_lora_stack
-        from ringdit.models.lora import adapted_modules, stack_adapters
-
         model = pl_module.model
         stack_adapters(adapted_modules(model), read_lora_stack(self.files, model), device=trainer.strategy.root_device)
         if trainer.is_global_zero:
@@ -190,10 +191,6 @@ def log_written_samples(spec: InferSpec) -> None:
     class; videos as MP4 files (written here for pixel-space videos, which infer.py otherwise keeps as a GIF grid)."""
     import numpy as np
     from PIL import Image
-
-    from ringdit.media.writing import write_mp4
-    from ringdit.training.callbacks import log_samples
-    from ringdit.training.loggers import finish_runs
 
     out = Path(spec.output_dir)
     npz = np.load(out / "samples.npz", allow_pickle=False) if (out / "samples.npz").is_file() else {}

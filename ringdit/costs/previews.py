@@ -11,7 +11,10 @@ from dataclasses import dataclass, replace
 
 from omegaconf import OmegaConf
 
+from ringdit.commands.cli import CONF_DIR
 from ringdit.common.errors import ConfigError
+from ringdit.costs.step_time import Machine, step_time
+from ringdit.diffusion.samplers import is_guided
 from ringdit.parallel.layout import Layout
 from ringdit.costs import GiB, ModelSize, Setup, available_memory, estimate_memory, model_size
 from ringdit.models.conditioning import text_conditioned
@@ -56,8 +59,6 @@ def preview_seconds(model: ModelSize, layout: Layout, setup: Setup, preview: Pre
     what ``python -m ringdit.plan`` ranks layouts with: a sampling forward of one micro-batch, times the forwards);
     ``machine``: its GPUs (default conf/plan.yaml's). Not ``ringdit.plan`` itself: it imports the specs, which
     import this."""
-    from ringdit.costs.step_time import step_time
-
     timed = step_time(replace(model, tokens=preview.tokens), layout,
                       replace(setup, training=False, batch_size=preview.batch, activation_checkpointing=False),
                       machine or default_machine(layout), forwards=2 if preview.guided else 1)
@@ -66,9 +67,6 @@ def preview_seconds(model: ModelSize, layout: Layout, setup: Setup, preview: Pre
 
 def default_machine(layout: Layout):
     """The planner's GPUs (conf/plan.yaml's numbers), ``layout``'s devices to a node."""
-    from ringdit.commands.cli import CONF_DIR
-    from ringdit.costs.step_time import Machine
-
     conf = OmegaConf.load(CONF_DIR / "plan.yaml")
     return Machine(gpus_per_node=layout.devices, matmul_flops=conf.gpu_tflops * 1e12,
                    intra_node=conf.intra_node_gbps * 1e9, inter_node=conf.inter_node_gbps * 1e9,
@@ -78,8 +76,6 @@ def default_machine(layout: Layout):
 def planned_preview(grid: dict, *, rows: int, tokens: int, sampling: dict, cfg_parallel: bool) -> Preview:
     """The ``Preview`` of a ``callbacks.sample_grid`` config: ``rows`` classes / prompts, its largest sample's
     ``tokens``, the run's ``sampling`` settings under the grid's own steps / cfg_scale."""
-    from ringdit.diffusion.samplers import is_guided
-
     samples = rows * grid.get("per_class", 8)
     settings = {**sampling, **{k: grid[k] for k in ("steps", "cfg_scale") if grid.get(k) is not None}}
     return Preview(samples=samples, batch=min(grid.get("batch_size") or samples, samples), tokens=tokens,
@@ -154,9 +150,6 @@ def planned_preview_line(cfg, layout: Layout, setup: Setup, model: ModelSize, ha
     ``callbacks.sample_grid`` under the plan's ``+callbacks.sample_grid.*`` (rows: ``max_classes``, at the planned
     sample's tokens) and ``+diffusion.sampling.*`` (default: 50 guided steps) -- their memory beside the training
     state and their seconds (``hardware``: the plan's GPUs)."""
-    from ringdit.commands.cli import CONF_DIR
-    from ringdit.costs.step_time import Machine
-
     given = OmegaConf.select(cfg, "callbacks.sample_grid", default=None) or {}
     grid = {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "callbacks" / "default.yaml").sample_grid),
             **(OmegaConf.to_container(given, resolve=True) if given else {})}

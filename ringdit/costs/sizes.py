@@ -8,6 +8,10 @@ import math
 import torch
 from torch import nn
 
+from ringdit.models import repeated_blocks
+from ringdit.models.build import build_model
+from ringdit.models.lora import BASE_LAYERS, _block_linears, adapted_modules, lora_enabled, unmatched_targets
+from ringdit.parallel import ParallelDims
 from ringdit.parallel.layout import Layout
 from ringdit.costs.estimate import MemoryEstimate, ModelSize, Setup, estimate_memory
 
@@ -16,8 +20,6 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
     """The sizes of ``meta_model`` (built from ``config`` on the meta device, without LoRA) and, with ``lora``
     settings, of the adapters they add. Hidden size, heads and MLP width come from the DiT's config or the diffusers
     model's own (``model.transformer.config``); None for a model kind that describes neither."""
-    from ringdit.models import repeated_blocks
-
     architecture = _architecture(config, meta_model)
     if architecture is None:
         return None
@@ -64,8 +66,6 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     name ends with a target (peft's rule; the model's default ``lora_targets`` when the settings name none), and the
     weights and biases of every Linear / Conv layer of the model (``ringdit.models.lora.hold_base_in`` casts them all, adapted
     or not, as they are all frozen); (0, 0) when LoRA is off."""
-    from ringdit.models.lora import BASE_LAYERS, adapted_modules, lora_enabled, unmatched_targets
-
     if not lora_enabled(lora):
         return 0, 0
     targets = lora.get("targets") or getattr(model, "lora_targets", ())
@@ -95,8 +95,6 @@ def untargeted_linear_inputs(model: nn.Module, blocks: list[nn.Module]) -> int:
 def float8_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int, int]:
     """(weights, output rows, the largest weight) of the Linear layers of the repeated blocks: what an fp8 base holds
     in fp8 (with one scale per row, ``ringdit.models.lora.hold_in_float8``); zeros when LoRA is off."""
-    from ringdit.models.lora import _block_linears, lora_enabled
-
     if not lora_enabled(lora):
         return 0, 0, 0
     layers = _block_linears(model)
@@ -110,9 +108,6 @@ def estimate_model_memory(config: dict, layout: Layout = Layout(), *, lora: dict
     laid out as ``layout`` under ``Setup(**settings)``: what a benchmark prints beside the peak it measures, e.g.
     ``estimate_model_memory(config, Layout(ring_degree=4, strategy="fsdp"), lora={"rank": 64},
     lora_base_dtype="bfloat16")``."""
-    from ringdit.models.build import build_model
-    from ringdit.parallel import ParallelDims
-
     setup = Setup(**settings)
     if meta_model is None:
         with torch.device("meta"):

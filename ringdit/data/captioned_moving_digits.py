@@ -31,6 +31,7 @@ import torch
 from ringdit.data.moving_digits import GLYPH, MovingDigits
 from ringdit.data.text_latents import TextLatentsDataModule, write_text_latents
 from ringdit.common.errors import ConfigError, require_count
+from ringdit.media.text import TextEncoder, word_level_tokenizer
 
 # (row, column) change per frame of each direction's unit step
 DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
@@ -96,8 +97,6 @@ def build_caption_encoder(folder: Path, text_dim: int, seed: int) -> None:
     weights (``folder/text_encoder``), as a pipeline repo holds them."""
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from ringdit.media.text import word_level_tokenizer
-
     word_level_tokenizer(WORDS).save_pretrained(folder / "tokenizer")
     heads = 2 if text_dim % 2 == 0 else 1
     config = UMT5Config(vocab_size=len(WORDS), d_model=text_dim, d_kv=text_dim // heads, d_ff=2 * text_dim,
@@ -113,8 +112,6 @@ def write_captioned_moving_digits(folder: Path, final: Path, *, num_videos: int,
     folder the shard's ``text_encoder`` metadata names); returns the shard's path. ``image``: with the first frames
     as image-to-video conditioning (``image_latents``; ``image_condition``: [first frame ; zero frames]), pixels as
     the videos are."""
-    from ringdit.media.text import TextEncoder
-
     build_caption_encoder(folder, text_dim, seed)
     encoder = TextEncoder(folder / "text_encoder", folder / "tokenizer", max_len=text_len)
     videos = CaptionedMovingDigits(num_videos, frames, canvas, seed)

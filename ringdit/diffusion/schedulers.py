@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from ringdit.common.dtypes import default_dtype
+from ringdit.common.errors import ConfigError
+from ringdit.diffusion.objectives import resolution_mu
 
 Tensor = torch.Tensor
 
@@ -129,8 +131,6 @@ def check_scheduler_file(config: dict, file, class_name: str | None = None) -> N
 
     import diffusers
 
-    from ringdit.common.errors import ConfigError
-
     class_name = class_name or config.get("_class_name")
     defaults = {}
     if class_name in SCHEDULERS.values():
@@ -192,8 +192,6 @@ def dynamic_mu(config, tokens: int, steps: int, resolution: dict | None) -> floa
     """The exponent of dynamic shifting for a sample of ``tokens`` model tokens, as the pipelines compute it:
     Flux.2's empirical rule when ``resolution`` holds ``empirical_mu_steps``, else ``calculate_shift`` with the
     scheduler config's constants (FluxPipeline's, LTXPipeline's, QwenImagePipeline's)."""
-    from ringdit.diffusion.objectives import resolution_mu
-
     if resolution and "empirical_mu_steps" in resolution:
         return resolution_mu(tokens, empirical_mu_steps=resolution["empirical_mu_steps"], steps=steps)
     return resolution_mu(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),

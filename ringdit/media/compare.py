@@ -14,13 +14,12 @@ import sys
 from pathlib import Path
 
 from ringdit.common.errors import ConfigError
+from ringdit.data.text_latent_shards import Shard
 
 
 def compare_folders(a: str | Path, b: str | Path, keys: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
     """{key: {"max": max |a - b|, "mean": mean |a - b|, "scale": max |a|, "count": values}} over every shard (its
     text file's keys too)."""
-    from ringdit.data.text_latent_shards import Shard
-
     a, b = Path(a).expanduser(), Path(b).expanduser()
     shards = sorted(p.name for p in a.glob("shard-*.safetensors"))
     if not shards:

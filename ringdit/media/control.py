@@ -13,7 +13,10 @@ from pathlib import Path
 import torch
 
 from ringdit.common.errors import ConfigError
-from ringdit.media.frames import probe, read_video
+from ringdit.media.folder import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+from ringdit.media.frames import image_pixels, probe, read_video
+from ringdit.media.vae import VAE
+from ringdit.models.diffusers.wan_vace import control_condition
 
 
 def check_control_clip(file: str, height: int, width: int, frames: int) -> None:
@@ -38,9 +41,6 @@ def encode_control(file: str, *, vae: str, size: tuple[int, int], frames: int, t
     """(1, 2 C + spatial^2, T', h, w) float32 on the CPU: ``file``'s ``frames`` frames at ``size`` (H, W) encoded with
     the VAE folder ``vae`` (the data's), as WanVACEPipeline prepares its control video. ``temporal``: the frames the
     VAE folds into one latent frame (the model family's)."""
-    from ringdit.media.vae import VAE
-    from ringdit.models.diffusers.wan_vace import control_condition
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     codec = VAE(vae, device=device, dtype=torch.float32)
     video = read_video(Path(file).expanduser(), *size, frames)[None]  # (1, 3, T, H, W) in [-1, 1]
@@ -54,8 +54,6 @@ def find_controls(control, items: list) -> dict[Path, Path]:
     stem), checked from the headers to have the clip's size and frame count, so that both are read and cropped alike
     (prepare reads the control clip's frames at the clip's indices). A ``ConfigError`` naming ``control=`` for a
     missing folder, an image among the clips, a clip without a control clip, or one of another size or length."""
-    from ringdit.media.folder import VIDEO_SUFFIXES
-
     folder = Path(str(control)).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"control={control} is not a folder; give the folder of control videos (one per clip, with "
@@ -88,8 +86,6 @@ def find_references(reference, items: list) -> dict[Path, Path]:
     name stem), checked from the headers to have the image's aspect ratio (it is read at the image's size: another
     ratio would be squeezed or cropped unlike its image). A ``ConfigError`` naming ``reference=`` for a missing
     folder, a video among the images, an image without a reference, or one of another aspect ratio."""
-    from ringdit.media.folder import IMAGE_SUFFIXES
-
     folder = Path(str(reference)).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"reference={reference} is not a folder; give the folder of reference images (one per "
@@ -121,9 +117,6 @@ def encode_reference(pictures, *, vae: str, size: tuple[int, int], device: str |
     """(n, C, h, w) float32 on the CPU: each picture (PIL, upright as stored) read at ``size`` (H, W) as prepare reads
     an image (``frames.image_pixels``: centre-cropped to the ratio, resized) and encoded with the VAE folder ``vae``
     (the data's) as prepare encodes images: a reference image's latents (``prepare reference=``, Qwen-Image-Edit)."""
-    from ringdit.media.frames import image_pixels
-    from ringdit.media.vae import VAE
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     codec = VAE(vae, device=device, dtype=torch.float32)
     pixels = torch.stack([image_pixels(picture, *size) for picture in pictures])  # (n, 3, H, W) in [-1, 1]

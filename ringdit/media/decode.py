@@ -26,8 +26,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.commands.cli import hydra_main, user_errors
+from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.images import to_uint8
-from ringdit.media.vae import VAE
+from ringdit.media.vae import VAE, vae_folder
 from ringdit.media.writing import write_media
 from ringdit.models.conditioning import text_conditioned
 
@@ -68,8 +69,6 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
     VAE latents (infer.py already divides by data.scale). ``group``: a process group whose ranks all call this
     (infer.py's sampling ranks): its rank 0 reads the file and sends the latents to the others, the tiles are
     decoded over every rank (``ringdit.media.parallel_vae``), and rank 0 writes the files (the others return [])."""
-    from ringdit.common.errors import ConfigError, require_count
-
     require_count("fps", fps, optional=True)  # None: the rate samples.npz holds (videos), none for images
     for name, value in (("tiling", tiling), ("normalised", normalised)):
         if not isinstance(value, bool):
@@ -98,8 +97,6 @@ DEFAULT_FPS = 16  # samples.npz files without their rate (written before infer.p
 def stored_fps(samples: str | Path) -> int | None:
     """The frames per second infer.py stored in samples.npz (``fps``: its model's rate, or the run's fps=); None
     where it stored none (images, older files). A value that is not a positive integer is a ``ConfigError``."""
-    from ringdit.common.errors import ConfigError
-
     with np.load(Path(str(samples)).expanduser(), allow_pickle=False) as stored:
         if "fps" not in stored.files:
             return None
@@ -115,8 +112,6 @@ def shared_latents(samples: str | Path, group=None, index: bool = False) -> tupl
     the group's rank 0, sent to its other ranks (the file need not be on their file system); a bad file is the
     same ``ConfigError`` on every rank."""
     import torch.distributed as dist
-
-    from ringdit.common.errors import ConfigError
 
     def read():
         latents = read_latents(samples)
@@ -147,8 +142,6 @@ EXPECTED = ("pass the samples.npz infer.py wrote for a model trained on latents:
 def read_latents(samples: str | Path, setting: str = "samples") -> torch.Tensor:
     """``latents`` (N, C, [T,] H, W) float32 from a samples.npz infer.py wrote; anything else is one
     ``ConfigError`` naming the file and what it should hold (never a pickle: ``allow_pickle=False``)."""
-    from ringdit.common.errors import ConfigError
-
     path = Path(str(samples)).expanduser()
     if not path.exists():
         raise ConfigError(f"{setting}={samples} does not exist; {EXPECTED}")
@@ -219,9 +212,6 @@ def decode_command(cfg: DictConfig) -> None:
 def sampling_vae(vae: str | None, subfolder: str | None, data_info: dict) -> str | None:
     """infer.py's ``vae``: the given folder (checked now, before sampling), else the VAE the training data was
     prepared with when that folder exists here, else None (samples.npz only)."""
-    from ringdit.common.errors import ConfigError
-    from ringdit.media.vae import vae_folder
-
     if vae:
         if "latent_scale" not in data_info:
             raise ConfigError(f"vae={vae}: this model samples pixels (it was not trained on latents), so there is "

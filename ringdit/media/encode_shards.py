@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ringdit.commands.preemption import sigterm_waits
 from ringdit.data.text_latent_shards import MASK_KEY, TEXT_KEYS, save_tensors
 from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import ConfigError, require_count
@@ -92,8 +93,6 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
     device, bucket_step = settings.device, settings.bucket_step  # these four may change below
     rank, world_size = settings.rank, settings.world_size
     from tqdm.auto import tqdm
-
-    from ringdit.commands.preemption import sigterm_waits
 
     for name, value in (("frames", settings.frames), ("frame_stride", settings.frame_stride),
                         ("shard_size", settings.shard_size), ("batch_size", settings.batch_size)):

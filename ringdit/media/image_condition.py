@@ -32,9 +32,11 @@ from pathlib import Path
 
 import torch
 
+from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import ConfigError
 from ringdit.media.frames import image_pixels, to_image, upright_size
 from ringdit.media.pretrained import REMOTE_CODE, find_folder
+from ringdit.media.vae import VAE
 from ringdit.models.diffusers.folders import check_weights_folder
 
 log = logging.getLogger("ringdit.media")
@@ -142,9 +144,6 @@ def encode_image_condition(images, *, vae_folder, frames: int, size: tuple[int, 
     Each image
     is turned upright, centre-cropped to the aspect ratio of ``size`` and resized (``frames.fit``), as prepare
     places a clip."""
-    from ringdit.common.dtypes import dtype_named
-    from ringdit.media.vae import VAE
-
     if isinstance(dtype, str):
         dtype = dtype_named("dtype", dtype)
     if not images:

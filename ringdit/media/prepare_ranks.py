@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ringdit.common.errors import ConfigError
 from ringdit.media.encode_report import EncodeReport
+from ringdit.media.parallel_vae import IMAGE, VIDEO
 from ringdit.media.vae import VAE
 
 
@@ -74,8 +75,6 @@ class TileGroup:
     @staticmethod
     def check(codec: VAE, setting) -> None:
         """A clear error, on every rank alike, where ``codec`` cannot split its encode into tiles."""
-        from ringdit.media.parallel_vae import IMAGE, VIDEO
-
         name = type(codec.model).__name__
         if name not in VIDEO + IMAGE:
             raise ConfigError(f"parallel_vae=true: vae={setting} is {name}, whose encode ringdit cannot split into "

@@ -45,6 +45,7 @@ import torch
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.glyph import GlyphEncoder
 from ringdit.media.pretrained import ENCODERS, REMOTE_CODE, find_folder
+from ringdit.models.diffusers.families import FAMILIES
 from ringdit.models.diffusers.family import ChatTemplate
 from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.common.safe_json import read_json
@@ -56,8 +57,6 @@ POOLED_SETTINGS = ("pooled_encoder", "pooled_tokenizer", "max_pooled_len")
 def chat_templates() -> dict[str, Callable[[], ChatTemplate]]:
     """``prompt_template``'s names: the families whose pipelines wrap the prompt in a chat template (a family that
     shares another's template, HunyuanVideo 1.5's image-to-video, goes by the first's name)."""
-    from ringdit.models.diffusers.families import FAMILIES
-
     templates = {}
     for name, family in FAMILIES.items():
         if family.chat_template is not None and family.chat_template not in templates.values():

@@ -54,7 +54,8 @@ from pathlib import Path
 import torch
 
 from ringdit.common.errors import ConfigError
-from ringdit.models.diffusers.folders import check_weights_folder
+from ringdit.media.parallel_vae import parallel_decode, parallel_encode
+from ringdit.models.diffusers.folders import check_config_values, check_weights_folder
 from ringdit.models.frames import FrameRule
 from ringdit.models.vaes import VAE_KINDS
 
@@ -86,8 +87,6 @@ def vae_class(folder: Path, path, setting: str = "vae") -> str:
         raise ConfigError(f"{setting}={path}: {folder / 'config.json'} describes {class_name!r}, not a VAE "
                           f"this can use ({', '.join(VAE_KINDS)})")
     import diffusers
-
-    from ringdit.models.diffusers.folders import check_config_values
 
     check_config_values(config, getattr(diffusers, class_name), folder / "config.json", f"{setting}={path}")
     return class_name
@@ -190,8 +189,6 @@ class VAE:
             self.check_frames(pixels.shape[2])
         pixels = pixels.to(self.device, self.dtype)
         if _parallel(group):
-            from ringdit.media.parallel_vae import parallel_encode
-
             moments = parallel_encode(self.model, pixels, group, dst)
             if moments is None:
                 return None
@@ -226,8 +223,6 @@ class VAE:
         else:
             raw = latents
         if _parallel(group):
-            from ringdit.media.parallel_vae import parallel_decode
-
             pixels = parallel_decode(self.model, raw.to(self.dtype), group, dst)
             return None if pixels is None else pixels.float().clamp(-1, 1).cpu()
         return self.model.decode(raw.to(self.dtype)).sample.float().clamp(-1, 1).cpu()

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from ringdit.common.errors import ConfigError
+from ringdit.common.safe_json import read_json
+from ringdit.models.diffusers.families import FAMILIES
 
 EXTRACTIONS = ("head", "chunk", "slide", "uniform", "full")
 
@@ -161,8 +163,6 @@ def pipeline_fps(vae: str, vae_subfolder: str | None) -> int | None:
     its family's ``Family.fps``; None for a bare VAE folder, an image model, or a class whose families differ."""
     from pathlib import Path
 
-    from ringdit.common.safe_json import read_json
-
     root = Path(str(vae)).expanduser()
     for folder in (root, root.parent):  # the pipeline folder given, or its vae/ folder
         index = folder / "model_index.json"
@@ -170,7 +170,6 @@ def pipeline_fps(vae: str, vae_subfolder: str | None) -> int | None:
             config = read_json(index, f"vae={vae}: {index}", kind=dict, fix="give the pipeline folder as saved")
             transformer = config.get("transformer")
             class_name = transformer[1] if isinstance(transformer, list) and len(transformer) == 2 else None
-            from ringdit.models.diffusers.families import FAMILIES
 
             # one transformer class can be several families: Wan 2.1 (16 fps) and Wan 2.2 TI2V-5B (24 fps), whose
             # pipeline sets expand_timesteps (its first-frame conditioning); any other doubt: no rate

@@ -32,6 +32,7 @@ from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
 from ringdit.common.errors import ConfigError
+from ringdit.models.parallelize import _matching
 
 PERIOD = re.compile(r"every_(\d+)")
 
@@ -86,8 +87,6 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
 def checkpoint_model_blocks(model: nn.Module, setting, offload: bool = False) -> None:
     """``apply_activation_checkpointing`` to each block list of ``model``'s parallel plan (a DiT's ``blocks``; Flux's
     dual- and single-stream lists; each expert's)."""
-    from ringdit.models.parallelize import _matching
-
     if checkpoint_fraction(setting) > 0:
         for blocks in _matching(model, model.parallel_plan.blocks, "blocks").values():
             apply_activation_checkpointing(list(blocks), setting, offload)

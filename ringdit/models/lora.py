@@ -38,9 +38,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ringdit.checkpoints.fit import first_misfit
+from ringdit.checkpoints.sources import local_index, local_part
 from ringdit.common.atomic import atomic_write
 from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import ConfigError, require_count, require_number
+from ringdit.models import repeated_blocks
 
 Tensor = torch.Tensor
 
@@ -227,8 +230,6 @@ def _forward_in_own_dtype(self: nn.Module, x: Tensor, *args, **kwargs) -> Tensor
 
 def _block_linears(model: nn.Module) -> list[nn.Linear]:
     """The Linear layers of the model's repeated blocks (all of them for a model without a parallel plan)."""
-    from ringdit.models import repeated_blocks
-
     blocks = repeated_blocks(model) if getattr(model, "parallel_plan", None) is not None else [model]
     return [layer for block in blocks for layer in block.modules() if type(layer) is nn.Linear]
 
@@ -257,8 +258,6 @@ def load_float8_weight(layer: nn.Linear, rows: Tensor) -> None:
     """Quantize ``rows`` -- the full-precision values of the rows of ``layer.weight`` this rank holds (its FSDP
     shard's rows, or all) -- into the fp8 weight and its per-row scales: each row divided by its largest magnitude
     over fp8's largest value, so that the row spans fp8's range. A zero row keeps scale 1."""
-    from ringdit.checkpoints.sources import local_part
-
     weight, scale = local_part(layer.weight), local_part(layer.weight_scale)
     if weight.shape[0] != rows.shape[0] or scale.shape[0] != rows.shape[0]:
         raise RuntimeError(f"fp8 weight rows {weight.shape[0]}, scale rows {scale.shape[0]} and values "
@@ -325,8 +324,6 @@ def init_dora_magnitudes(model: nn.Module) -> None:
     """Each DoRA layer's magnitude as peft initialises it: the row norms of its base weight (with B zero the
     adapted weight is W, so the adapted model starts as the base). For a model adapted on the meta device and filled
     afterwards; each rank computes its own rows (FSDP shards the weight's rows and the magnitude alike)."""
-    from ringdit.checkpoints.sources import local_part
-
     for layer in model.modules():
         magnitudes = getattr(layer, "lora_magnitude_vector", None)
         if not magnitudes:
@@ -369,8 +366,6 @@ def load_null_condition(model: nn.Module, state: dict[str, Tensor]) -> bool:
 def check_adapter_fits(model: nn.Module, adapter: dict[str, Tensor], model_named: str = "the model") -> str | None:
     """Why ``adapter`` (adapter weights by the model's names) does not fit ``model`` (adapted with the same LoRA
     settings; on the meta device is enough), naming the first key that does not; None when it fits."""
-    from ringdit.checkpoints.fit import first_misfit
-
     state = model.state_dict()
     nulls = {key: value for key, value in adapter.items() if is_null_condition_key(key)}  # none in older checkpoints
     return first_misfit({**adapter_state(state), **{key: state[key] for key in nulls if key in state}},
@@ -381,8 +376,6 @@ def check_adapter_fits(model: nn.Module, adapter: dict[str, Tensor], model_named
 def load_adapter(model: nn.Module, adapter: dict[str, Tensor]) -> None:
     """Copy the adapter weights ``adapter`` (by the model's names) into the adapted ``model``, which already holds
     its base weights; each rank of an FSDP model keeps its shard of each (``ringdit.checkpoints.sources``)."""
-    from ringdit.checkpoints.sources import local_index, local_part
-
     problem = check_adapter_fits(model, adapter)
     if problem is not None:
         raise ConfigError(f"the LoRA adapter does not fit the model: {problem}")

@@ -31,9 +31,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ringdit.checkpoints.fit import check_compatible
 from ringdit.checkpoints.sources import WeightSource, local_index, local_part
 from ringdit.common.errors import ConfigError
 from ringdit.common.seeding import Stream, seed_of
+from ringdit.models.lora import float8_layers, init_dora_magnitudes, is_adapter_key, load_float8_weight
 
 Tensor = torch.Tensor
 
@@ -105,7 +107,6 @@ def materialize(model: nn.Module, device: torch.device, seed: int, source: Weigh
     initialize(model, initial, seed)
     _fill_float8(model, staged, float8, seed, source)
     if any(".lora_magnitude_vector." in name for name in params):  # DoRA: from the base weights, now filled
-        from ringdit.models.lora import init_dora_magnitudes
 
         init_dora_magnitudes(model)
 
@@ -113,8 +114,6 @@ def materialize(model: nn.Module, device: torch.device, seed: int, source: Weigh
 def _float8_weights(model: nn.Module, params: dict[str, Tensor]) -> dict:
     """``{file name: fp8 layer}`` of an fp8 base (``ringdit.models.lora``); their scales are dropped from ``params``: they
     are made with their weights."""
-    from ringdit.models.lora import float8_layers
-
     layers = float8_layers(model)
     for name in layers:
         params.pop(name.removesuffix("weight") + "weight_scale")
@@ -126,8 +125,6 @@ def _fill_float8(model: nn.Module, targets: dict[str, Tensor], layers: dict, see
     """Read (``source``) or initialise each fp8 weight of ``targets`` into an fp32 twin of this rank's part, one at a
     time, and quantize it into the layer (``ringdit.models.lora.load_float8_weight``): no rank holds the whole base at full
     precision. The initial values are those of an fp32 model (the same generator per owning module)."""
-    from ringdit.models.lora import load_float8_weight
-
     for name, target in targets.items():
         twin = torch.empty_like(target, dtype=torch.float32)  # a DTensor placed as the target under FSDP
         if source is not None:
@@ -146,8 +143,6 @@ def file_name(name: str) -> str:
 def check_source(targets: dict[str, Tensor], source: WeightSource, transformed: dict | None = None) -> None:
     """One error listing what ``source`` lacks, holds besides, or holds in another shape, before anything is read
     (a ``transformed`` tensor may have any shape: it is fitted before it loads)."""
-    from ringdit.checkpoints.fit import check_compatible
-
     held = {name: shape for name, shape in source.shapes.items() if name.startswith(source.scope)}
     expected = {name: held.get(name, target.shape) if name in (transformed or {}) else target.shape
                 for name, target in targets.items()}
@@ -155,8 +150,6 @@ def check_source(targets: dict[str, Tensor], source: WeightSource, transformed: 
 
 
 def _is_adapter(name: str) -> bool:
-    from ringdit.models.lora import is_adapter_key
-
     return is_adapter_key(name)
 
 

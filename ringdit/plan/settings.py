@@ -7,7 +7,11 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
+from ringdit.attention import list_backends
+from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import ConfigError, require_count, require_number
+from ringdit.models.checkpointing import checkpoint_fraction
+from ringdit.models.lora import check_lora_settings, resolve_base_dtype
 from ringdit.parallel.layout import Layout, check_strategy_degrees, strategy_kind
 from ringdit.costs import DISTILL_METHODS, GiB, Setup
 from ringdit.plan.search import DEGREES, Hardware, divisors
@@ -128,11 +132,6 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
     """Every setting but the model's, checked: the hardware, the layout's settings (its degrees and strategy are
     filled in per candidate), the run's setup, the strategies and checkpointed shares to try, the other memory
     options' values to try and the degrees the settings fix (``candidates``)."""
-    from ringdit.attention import list_backends
-    from ringdit.common.dtypes import dtype_named
-    from ringdit.models.lora import check_lora_settings, resolve_base_dtype
-    from ringdit.models.checkpointing import checkpoint_fraction
-
     fixed = fixed_degrees(cfg)
     gpus, per_node = gpu_counts(cfg, fixed)
     memory = _positive("gpu_memory_gb", cfg.gpu_memory_gb, "80")

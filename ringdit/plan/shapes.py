@@ -7,9 +7,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.costs import ModelSize, model_size
+from ringdit.media.buckets import MAX_SIDE
 from ringdit.models.frames import FrameRule
 from ringdit.plan.settings import preset_name
-from ringdit.spec.model import kind_name
+from ringdit.spec.model import build_on_meta, kind_name, model_class, model_config
 
 def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None, int], video: bool,
                  frame_pad: int = 1, patch: tuple[int, ...] = (1, 1), clip_frames: int | None = None) -> list[int]:
@@ -17,8 +18,6 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None
     ``data.latent`` is true: ``vae_factors``, (temporal, spatial) of the model kind's VAE, and the latent frames
     padded to a multiple of ``frame_pad`` as prepare pads them: CogVideoX's); H and W whole tokens of ``patch``.
     ``data.frames`` null lays out ``clip_frames``, the frames of the model's published pipeline, where it has one."""
-    from ringdit.media.buckets import MAX_SIDE
-
     size = cfg.data.size
     size = [size, size] if isinstance(size, int) and not isinstance(size, bool) else \
         list(size) if OmegaConf.is_list(size) else []
@@ -56,8 +55,6 @@ def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None
 
 def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     """The preset's sizes for the data's shape, from the model built on the meta device, and a line describing it."""
-    from ringdit.spec.model import build_on_meta, model_class, model_config
-
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     lora = OmegaConf.to_container(cfg.lora, resolve=True)
     # the model kind says what data it takes: its patch, whether it is a video model, its VAE's factors, and the

@@ -13,6 +13,10 @@ import torch
 from ringdit.data.datasets import data_source
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.common.errors import ConfigError
+from ringdit.media.control import encode_control, encode_reference
+from ringdit.media.frames import open_image
+from ringdit.media.image_condition import first_frame_inputs
+from ringdit.media.text import encode_prompts, encoder_settings
 from ringdit.models.conditioning import CONTROL_KEY, REFERENCE_KEY
 from ringdit.spec import InferSpec
 
@@ -54,10 +58,6 @@ def image_conditions(spec: InferSpec, count: int) -> dict[str, torch.Tensor]:
     prepare reads frames (``ringdit.media.image_condition.first_frame_inputs``)."""
     from PIL import ImageOps
 
-    from ringdit.media.control import encode_reference
-    from ringdit.media.frames import open_image
-    from ringdit.media.image_condition import first_frame_inputs
-
     image = spec.image
     pictures = []
     for file in image.files:  # each was opened and its aspect ratio checked by the spec
@@ -74,8 +74,6 @@ def image_conditions(spec: InferSpec, count: int) -> dict[str, torch.Tensor]:
 
 def control_conditions(spec: InferSpec, count: int) -> torch.Tensor:
     """``control=``'s clip encoded with the data's VAE as the model's control input, (count, C_vace, T', h, w)."""
-    from ringdit.media.control import encode_control
-
     control = spec.control
     encoded = encode_control(control.file, vae=spec.output.vae, size=control.size, frames=control.frames,
                              temporal=control.temporal)  # (1, C_vace, T', h, w)
@@ -113,8 +111,6 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
     """``prompts`` (or a prompt file's) / ``negative_prompt`` encoded with the spec's text encoder (the data's unless
     ``text_encoder=``), in one pass with a prompt file's own negative prompts: (conditions cycled to num_samples,
     captions, negative (1, ...) or None for the empty prompt, per-sample negatives or None; see text_conditions)."""
-    from ringdit.media.text import encode_prompts, encoder_settings
-
     conditioning, data_info = spec.conditioning, spec.data
     texts = list(conditioning.prompts)[:spec.num_samples] or [""]  # a prompt file's lines past num_samples: unused
     if len(conditioning.prompts) > spec.num_samples:

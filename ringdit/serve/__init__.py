@@ -26,8 +26,25 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ringdit.caching import CacheSettings
+from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
+from ringdit.commands.preemption import keep_sigterm_handler
+from ringdit.commands.run_folder import claim_run_folder
+from ringdit.common.atomic import atomic_write
+from ringdit.common.errors import ConfigError
+from ringdit.media.text import TextEncoder, encoder_settings
+from ringdit.media.vae import VAE
 from ringdit.models.conditioning import text_conditioned
+from ringdit.serve.engine import Commands, Control, Engine, Rank0, ServingModule
+from ringdit.serve.jobs import JobQueue
+from ringdit.serve.metrics import Metrics
+from ringdit.serve.settings import ServeSettings
+from ringdit.spec import InferSpec
+from ringdit.spec.control import control_family
+from ringdit.spec.infer import image_kind
 from ringdit.spec.model import kind_name
+from ringdit.training.callbacks import LoadLoraAdapter
+from ringdit.training.parallel_strategy import build_strategy
 
 log = logging.getLogger("ringdit.serve")
 
@@ -38,9 +55,6 @@ class Server:
     """One serving process's state (every rank makes one; only rank 0 listens)."""
 
     def __init__(self, cfg: DictConfig):
-        from ringdit.serve.settings import ServeSettings
-        from ringdit.spec import InferSpec
-
         self.settings = ServeSettings.from_config(cfg)
         self.spec = spec = InferSpec.from_config(cfg)
         check_servable(spec)
@@ -48,7 +62,6 @@ class Server:
         self.state = "loading"  # loading -> ok -> draining | failed
         self.kind = "video" if len(spec.shape) == 3 else "image"
         self.model_name = kind_name(spec.model.config)
-        from ringdit.spec.infer import image_kind
 
         self.image_kind = image_kind(spec.model.config)
         self.files_dir = Path(spec.output_dir) / "files"
@@ -59,16 +72,10 @@ class Server:
         """The trainer and module (as infer.py builds them), the engine, and on rank 0 the queue and encoders."""
         import hydra
 
-        from ringdit.serve.engine import Control, Engine, ServingModule
-        from ringdit.serve.jobs import JobQueue
-        from ringdit.training.callbacks import LoadLoraAdapter
-        from ringdit.training.parallel_strategy import build_strategy
-
         spec, settings = self.spec, self.settings
         callbacks = [LoadLoraAdapter(spec.ckpt_path, spec.weights)] if spec.lora is not None else []
         self.trainer = hydra.utils.instantiate(spec.trainer.config, strategy=build_strategy(
             spec.trainer.config["strategy"], spec.layout), callbacks=callbacks, logger=False, enable_progress_bar=False)
-        from ringdit.serve.metrics import Metrics
 
         self.metrics = Metrics(self)
         self.queue = JobQueue(settings.queue_size, settings.max_batch, settings.batch_wait_s, keep=settings.keep_files,
@@ -82,21 +89,14 @@ class Server:
     def _rank0(self):
         import torch
 
-        from ringdit.caching import CacheSettings
-        from ringdit.serve.engine import Rank0
-
         spec = self.spec
         device = "cuda" if torch.cuda.is_available() else "cpu"
         text_encoder = vae = None
         if text_conditioned(spec.data):
-            from ringdit.media.text import TextEncoder, encoder_settings
-
             text_encoder = TextEncoder(spec.conditioning.text_encoder, spec.conditioning.tokenizer,
                                        max_len=spec.data["text_len"], device=device,
                                        **encoder_settings(spec.data.get("text_encoder") or {}))
         if "latent_scale" in spec.data:
-            from ringdit.media.vae import VAE
-
             output = spec.output
             vae = VAE(output.vae, output.vae_subfolder, device=device, tile=output.vae_tile, tile_setting="vae_tile")
         caches = {"fbcache": CacheSettings(kind="fbcache", threshold=0.1)}
@@ -110,8 +110,6 @@ class Server:
     def run(self) -> int:
         """Serve until drained (0) or a rank fails (``FAILED_EXIT_CODE``)."""
         from torch.utils.data import DataLoader
-
-        from ringdit.serve.engine import Commands
 
         rank0 = self.trainer.global_rank == 0
         if rank0:
@@ -157,6 +155,7 @@ class Server:
     def _listen(self) -> None:
         import uvicorn
 
+        # optional dependency: fastapi and uvicorn (ringdit[serve])
         from ringdit.serve.api import create_app
 
         config = uvicorn.Config(create_app(self), host=self.settings.host, port=self.settings.port,
@@ -172,7 +171,6 @@ class Server:
             time.sleep(0.01)
         port = self.http.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{self.settings.host}:{port}"
-        from ringdit.common.atomic import atomic_write
 
         with atomic_write(Path(self.spec.output_dir) / "server.json") as tmp:
             Path(tmp).write_text(json.dumps({"url": self.url, "pid": os.getpid()}))
@@ -187,8 +185,6 @@ class Server:
 
 def check_servable(spec) -> None:
     """What the server needs beyond infer.py's checks, refused before anything starts."""
-    from ringdit.common.errors import ConfigError
-
     layout = spec.layout
     if layout.dp_degree > (2 if layout.cfg_parallel else 1):
         raise ConfigError(f"dp_degree={layout.dp_degree}: a server samples one batch at a time on all its ranks "
@@ -197,7 +193,6 @@ def check_servable(spec) -> None:
     if "latent_scale" in spec.data and not spec.output.vae:
         raise ConfigError(f"ckpt_path={spec.ckpt_path} samples latents, and no VAE folder is known to decode them "
                           f"into images and videos; give vae=<the VAE folder the data was prepared with>")
-    from ringdit.spec.control import control_family
 
     family = control_family(spec.model.config)
     if family is not None:  # a request has no field for a control video; each would fail in the ranks
@@ -211,14 +206,10 @@ def check_servable(spec) -> None:
 def serve(cfg: DictConfig) -> int:
     """Check, build and run the server of ``cfg`` (``conf/serve.yaml``); its exit code. The Python API of
     ``python -m ringdit.serve``."""
-    from ringdit.commands.cli import user_errors
-    from ringdit.commands.run_folder import claim_run_folder
-
     with user_errors():
         server = Server(cfg)
         claim_run_folder(server.spec.output_dir, "serve")
         server.build()
-    from ringdit.commands.preemption import keep_sigterm_handler
 
     previous = signal.getsignal(signal.SIGTERM)
 
@@ -249,7 +240,5 @@ def _run_command(cfg: DictConfig) -> None:
 
 
 def _command(argv):
-    from ringdit.commands.cli import hydra_main, register_resolvers
-
     register_resolvers()
     return hydra_main("serve")(_run_command)(argv)

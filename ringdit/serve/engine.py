@@ -29,9 +29,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
+from ringdit.caching import CacheSettings, StepCache
+from ringdit.common.atomic import atomic_write
+from ringdit.media.image_condition import first_frame_inputs
 from ringdit.media.images import to_image
+from ringdit.media.writing import write_mp4
 from ringdit.models.conditioning import text_conditioned
 from ringdit.common.seeding import Stream, seed_of
+from ringdit.sampling import resolve_labels
 from ringdit.serve.adapters import Adapter, Adapters
 from ringdit.serve.jobs import CANCELLED, COMPLETED, FAILED, Job, JobQueue
 from ringdit.sampling.predict import SamplingModule
@@ -222,8 +227,6 @@ class Engine:
         return {}  # nothing to collect (Lightning warns about None)
 
     def _sample(self, module: ServingModule, command: dict):
-        from ringdit.caching import CacheSettings, StepCache
-
         rank0 = self._is_rank0
         jobs = [self.queue.get(job_id) for job_id in command["jobs"]] if rank0 else []
         self._running = [job for job in jobs if job is not None]
@@ -303,8 +306,6 @@ class Rank0:
 
     def sample_command(self, jobs: list[Job], sampler: Sampler) -> dict:
         """One model forward's worth of jobs (one key) -> the command every rank samples."""
-        from ringdit.sampling import resolve_labels
-
         first = jobs[0].request
         spec, data = self.spec, self.spec.data
         seeds = [seed_of(Stream.INFERENCE, job.request.seed, i) for job in jobs for i in range(job.request.n)]
@@ -338,8 +339,6 @@ class Rank0:
         return {**asdict(self.cache_settings[kind]), "threshold": threshold}  # a dict: see Engine.run
 
     def first_frames(self, jobs: list[Job]) -> dict[str, torch.Tensor]:
-        from ringdit.media.image_condition import first_frame_inputs
-
         spec, request = self.spec, jobs[0].request
         prepared = spec.data.get("image_encoder") if isinstance(spec.data.get("image_encoder"), dict) else {}
         pictures = [job.request.image for job in jobs for _ in range(job.request.n)]
@@ -378,12 +377,9 @@ class Rank0:
                      "x".join(map(str, job.request.size)), time.time() - job.created)
 
     def write(self, job: Job, index: int, pixels) -> Path:
-        from ringdit.common.atomic import atomic_write
-
         if pixels.ndim == 4 and job.request.last_frame:  # an image edit (POST /v1/images/edits): the video's end
             pixels = pixels[-1]
         elif pixels.ndim == 4:  # (T, H, W, C): a video
-            from ringdit.media.writing import write_mp4
 
             path = self.files_dir / f"{job.id}-{index}.mp4"
             partial = path.with_suffix(".partial.mp4")  # PyAV picks the container by the suffix

@@ -12,6 +12,7 @@ import secrets
 
 from ringdit.common.errors import ConfigError
 from ringdit.models.conditioning import text_conditioned
+from ringdit.sampling import resolve_labels
 from ringdit.serve.bodies import DECIMAL, MAX_IMAGE_BYTES, BadRequest, ImageBody
 from ringdit.serve.jobs import SampleRequest
 
@@ -62,8 +63,6 @@ def sample_request(body: ImageBody, kind: str, server, reference: tuple[str, byt
         raise BadRequest("frames" if text.startswith("frames") else "size", text) from None
     prompt = body.prompt
     if not text_conditioned(spec.data):
-        from ringdit.sampling import resolve_labels
-
         names = [str(name) for name in spec.data.get("class_names") or []]
         if prompt not in names and CLASS_ID.fullmatch(prompt) is None:  # int() would take " 3", "\uff13", "+3"
             raise BadRequest("prompt", f"this model is class-conditional: the prompt is a class id in ASCII digits or "

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from ringdit.common.errors import ConfigError
+from ringdit.media.control import check_control_clip
 from ringdit.models.conditioning import CONTROL_KEY
+from ringdit.models.diffusers.families import FAMILIES
 from ringdit.spec.model import kind_name
 
 
@@ -25,8 +27,6 @@ class ControlInput:
     def from_config(cls, cfg: DictConfig, model_config: dict, data_info: dict, *, ckpt_path: str, vae: str | None,
                     user_size: tuple[list[int], int | None], given_prompts: bool,
                     prompt_sizes: int = 1) -> ControlInput | None:
-        from ringdit.media.control import check_control_clip
-
         family = control_family(model_config)
         control = cfg.get("control")
         if not control:
@@ -64,7 +64,5 @@ class ControlInput:
 
 def control_family(model_config: dict):
     """The model's Family when it denoises under a control video (its conditioning takes ``control``), else None."""
-    from ringdit.models.diffusers.families import FAMILIES
-
     family = FAMILIES.get(model_config.get("family") or "")
     return family if family is not None and CONTROL_KEY in family.condition_keys else None

@@ -10,6 +10,21 @@ import math
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.common.errors import ConfigError, require_count
+from ringdit.common.safe_json import read_json
+from ringdit.diffusion import objectives, resolution_shift
+from ringdit.diffusion.experts import EXPERT_SETTINGS, time_range
+from ringdit.diffusion.objectives import DDPM, RESOLUTION_SHIFT_KEYS, TIME_SHIFT_TYPES, check_ddpm, check_flow
+from ringdit.diffusion.schedulers import (
+    SCHEDULERS,
+    PipelineTimesteps,
+    build_scheduler,
+    check_flow_scheduler,
+    check_scheduler_file,
+    is_scheduler_sampler,
+    scheduler_config,
+    set_timesteps,
+)
+from ringdit.spec.model import model_class
 
 log = logging.getLogger(__name__)
 
@@ -17,8 +32,6 @@ log = logging.getLogger(__name__)
 def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tuple[dict, dict]:
     """train.py's (objective, sampling): ``diffusion.objective`` with its shift resolved for ``tokens`` per sample,
     and ``diffusion.sampling`` checked against it and the model, with the preview grids' own cfg_scale too."""
-    from ringdit.diffusion.objectives import check_flow
-
     objective = OmegaConf.to_container(cfg.diffusion.objective, resolve=True)
     sampling = OmegaConf.to_container(cfg.diffusion.sampling, resolve=True)
     if str(objective.get("_target_")).endswith("FlowMatching"):
@@ -38,8 +51,6 @@ def training_diffusion(cfg: DictConfig, model_config: dict, tokens: int) -> tupl
 def training_expert(cfg: DictConfig, model_config: dict) -> str | None:
     """``diffusion.expert``: which expert of a two-expert model (``model.boundary_ratio``) trains -- ``high``,
     ``low`` or ``both`` (the default) --; None for a model with one transformer, where setting it is a mistake."""
-    from ringdit.diffusion.experts import EXPERT_SETTINGS
-
     setting = cfg.diffusion.get("expert")
     if setting is not None and setting not in EXPERT_SETTINGS:
         raise ConfigError(f"diffusion.expert={setting!r} is not one of {', '.join(EXPERT_SETTINGS)}: the high-noise "
@@ -60,8 +71,6 @@ def training_expert(cfg: DictConfig, model_config: dict) -> str | None:
 def check_expert_times(expert: str, boundary: float, objective) -> None:
     """The expert that trains has times in ``diffusion.objective.min_time`` .. ``max_time`` (``both``: one of them
     has; the other then never trains)."""
-    from ringdit.diffusion.experts import time_range
-
     low, high = objective.get("min_time", 0.0), objective.get("max_time", 1.0)
     for name in ("high", "low") if expert != "both" else ():
         start, end = time_range(name, boundary)
@@ -83,8 +92,6 @@ def resolve_shift(objective: dict, sampling: dict, tokens: int, model_config: di
             raise ConfigError(f"diffusion.objective.shift must be a number > 0 or 'resolution', got "
                               f"{objective['shift']!r}")
         return
-    from ringdit.diffusion import resolution_shift
-    from ringdit.spec.model import model_class
 
     if objective.get("resolution") is None and model_config is not None:
         constants = model_class(model_config).sampling_defaults(model_config)["resolution"]
@@ -116,9 +123,6 @@ def folder_resolution(model_config: dict) -> dict | None:
     it."""
     from pathlib import Path
 
-    from ringdit.diffusion.schedulers import check_scheduler_file
-    from ringdit.common.safe_json import read_json
-
     pretrained = model_config.get("pretrained")
     file = Path(str(pretrained)).expanduser() / "scheduler" / "scheduler_config.json" if pretrained else None
     if file is None or not file.is_file():
@@ -134,8 +138,6 @@ def folder_resolution(model_config: dict) -> dict | None:
 def check_resolution(resolution) -> None:
     """``diffusion.objective.resolution``: null, or some of ``resolution_shift``'s constants -- the linear rule's, or
     Flux.2's ``empirical_mu_steps`` alone."""
-    from ringdit.diffusion.objectives import RESOLUTION_SHIFT_KEYS
-
     if resolution is None:
         return
     setting = "diffusion.objective.resolution"
@@ -143,7 +145,6 @@ def check_resolution(resolution) -> None:
     if unknown is None or unknown:
         raise ConfigError(f"{setting}={resolution!r} is not a map of resolution_shift's constants "
                           f"({', '.join(RESOLUTION_SHIFT_KEYS)}); give some of them, or null for the model family's")
-    from ringdit.diffusion.objectives import TIME_SHIFT_TYPES
 
     kind = resolution.get("time_shift_type", "exponential")
     if kind not in TIME_SHIFT_TYPES:
@@ -188,8 +189,6 @@ def resolve_shift_terminal(sampling: dict, model_config: dict, objective: dict) 
     """``diffusion.sampling.shift_terminal`` (flow matching): null takes the model family's (LTX-Video's scheduler:
     0.1), kept in the run's sampling settings, so infer.py samples with it too (and a checkpoint from before the
     setting gets it there); false: none."""
-    from ringdit.spec.model import model_class
-
     if not str(objective.get("_target_", "")).endswith("FlowMatching"):
         return  # (check_sampling refused a stretch for another objective)
     if sampling.get("shift_terminal") is None:
@@ -199,11 +198,6 @@ def resolve_shift_terminal(sampling: dict, model_config: dict, objective: dict) 
 def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str = "") -> None:
     """The sampler fits the objective, steps are positive, guidance has a null class to guide with and guides some
     of the model's channels. ``prefix``: where the keys live (train.py's ``diffusion.sampling.``)."""
-    from ringdit.diffusion import objectives
-    from ringdit.spec.model import model_class
-
-    from ringdit.diffusion.schedulers import SCHEDULERS, is_scheduler_sampler
-
     objective = str(objective_cfg["_target_"]).rsplit(".", 1)[-1]
     allowed = getattr(getattr(objectives, objective, None), "samplers", ())  # each objective declares its samplers
     sampler = sampling.get("sampler")
@@ -248,8 +242,6 @@ def check_ddpm_objective(objective_cfg, sampler: str | None, prefix: str = "") -
     no key it does not know, and a sampler that can step it."""
     import inspect
 
-    from ringdit.diffusion.objectives import DDPM, check_ddpm
-
     settings = {key: value for key, value in dict(objective_cfg).items() if key != "_target_"}
     known = set(inspect.signature(DDPM.__init__).parameters) - {"self"}
     for key in sorted(set(settings) - known):
@@ -269,11 +261,6 @@ def resolve_scheduler(sampling: dict, model_config: dict, prefix: str = "") -> N
     and kept in the sampling settings (``scheduler_config``: a checkpoint samples with it even where the folder is
     gone); else the run's schedule (``shift``, ``shift_terminal``), built when sampling."""
     from pathlib import Path
-
-    from ringdit.diffusion.schedulers import (SCHEDULERS, PipelineTimesteps, build_scheduler, check_flow_scheduler,
-                                              check_scheduler_file, is_scheduler_sampler, scheduler_config,
-                                              set_timesteps)
-    from ringdit.common.safe_json import read_json
 
     sampler = sampling.get("sampler")
     if not is_scheduler_sampler(sampler):

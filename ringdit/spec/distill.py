@@ -14,6 +14,9 @@ from torch import nn
 from ringdit.diffusion.distillation import CONSISTENCY_METHODS, CRITIC_METHODS
 from ringdit.diffusion.samplers import consistency_times
 from ringdit.common.errors import ConfigError, require_count, require_number
+from ringdit.spec.checkpoint import check_weights_file
+from ringdit.spec.diffusion import check_sampling
+from ringdit.training.gan_head import feature_block, feature_width
 
 METHODS = ("none", "dmd2", "scm", "rcm")
 # A distilled student samples in a few steps (DMD2: 1 to 4; the teachers' own samplers take 25 to 50). Every update
@@ -127,9 +130,6 @@ class DistillSpec:
                     expert: str | None) -> DistillSpec | None:
         """The distillation ``cfg`` describes (None for ``distill=none``), against the objective, the model and the
         teacher's file."""
-        from ringdit.spec.checkpoint import check_weights_file
-        from ringdit.spec.diffusion import check_sampling
-
         distill = cfg.get("distill") or {}
         method = distill.get("method", "none")
         if method == "none":
@@ -177,8 +177,6 @@ class DistillSpec:
         clip = cfg.trainer.get("gradient_clip_val")
         options = {}  # the GAN head and the regression loss, when on
         if distill.get("gan_loss"):
-            from ringdit.training.gan_head import feature_block, feature_width
-
             feature_width(feature_block(meta_model, distill.get("gan_block"))[0])  # a ConfigError saying why not
             options = {"gan_loss": True, "gan_block": distill.get("gan_block"),
                        "gan_generator_weight": float(distill.gan_generator_weight),

@@ -23,7 +23,10 @@ from ringdit.checkpoints.weights import WEIGHT_CHOICES
 from ringdit.checkpoints.lora_formats import LoraFile, lora_file_entries
 from ringdit.diffusion.samplers import is_guided
 from ringdit.common.errors import ConfigError, require_choice, require_count, require_number, require_seed
+from ringdit.media.decode import sampling_vae
+from ringdit.media.frames import UnreadableImage, decoded, open_image, upright_size
 from ringdit.models.conditioning import text_conditioned
+from ringdit.sampling import FPS_HINT, SampleSizes, frame_rate, patch_shape, read_prompt_file, resolve_labels
 from ringdit.spec.control import ControlInput
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
 from ringdit.spec.diffusion import (check_sampling, check_shift, check_shift_terminal, resolve_scheduler,
@@ -99,7 +102,6 @@ class Conditioning:
                                   f"class-conditional model, which takes no text; choose classes with labels=[...] "
                                   f"(ids or names), or sample a text-conditioned checkpoint (model=wan, flux, "
                                   f"qwenimage)")
-            from ringdit.sampling import resolve_labels
 
             labels = OmegaConf.to_container(cfg.labels) if OmegaConf.is_list(cfg.labels) else cfg.labels
             return cls(labels=tuple(resolve_labels(labels, num_samples, data_info)))
@@ -126,7 +128,6 @@ class Conditioning:
             tuple(str(p) for p in cfg.prompts)
         file_settings = {}
         if prompt_file:  # each prompt at its own size (default: size / frames, else the data's)
-            from ringdit.sampling import read_prompt_file
 
             lines = read_prompt_file(prompt_file)
             if cfg.negative_text_embeds and any(line.negative_prompt for line in lines):
@@ -220,8 +221,6 @@ def image_files(image: str) -> list[str]:
 
 def check_image(file: str, height: int, width: int) -> None:
     """The image opens and has the samples' aspect ratio (within one pixel of rounding)."""
-    from ringdit.media.frames import UnreadableImage, decoded, open_image, upright_size
-
     try:
         with open_image(file) as opened:
             h, w = upright_size(decoded(opened))  # as it is shown: a phone photo's EXIF rotation applied
@@ -279,9 +278,6 @@ class InferSpec:
     @classmethod
     def from_config(cls, cfg: DictConfig) -> InferSpec:
         """Check every setting of infer.py's ``cfg`` and the checkpoint; return the run (nothing is spawned)."""
-        from ringdit.media.decode import sampling_vae
-        from ringdit.sampling import FPS_HINT, frame_rate
-
         overrides = sampling_overrides(cfg)
         for key in ("cfg_scale", "cfg_scale_2"):  # cfg_scale=nan gives black images
             require_number(SAMPLING_PREFIX + key, overrides.get(key), optional=True)
@@ -327,7 +323,6 @@ class InferSpec:
         else:
             model, meta_model = lora.model_spec(layout.ulysses_degree)
             lora.check(meta_model, state)
-        from ringdit.sampling import SampleSizes, patch_shape
 
         sizes = SampleSizes.of(info["data"], patch_shape(meta_model), meta_model.max_grid)
         check_cache_model(cache, meta_model)  # blocks the step cache cannot wrap: refused here, not on the ranks

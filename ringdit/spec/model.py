@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ringdit.common.errors import ConfigError, require_count, require_number
+from ringdit.models.build import build_model
 from ringdit.models.checkpointing import checkpoint_fraction
 from ringdit.parallel import ParallelDims
 from ringdit.spec.settings import check_setting_types, declared_types
@@ -122,8 +123,6 @@ def kind_name(config: dict) -> str:
 def build_on_meta(config: dict, ulysses_degree: int = 1) -> nn.Module:
     """The model built and parallelized on the meta device (no memory): its settings, and whether its attention
     layers fit the layout (a head for every Ulysses rank), are checked before any process is spawned."""
-    from ringdit.models.build import build_model
-
     with torch.device("meta"):
         try:
             model, _ = build_model(config, dims=ParallelDims(ulysses_degree=ulysses_degree), backend="math")

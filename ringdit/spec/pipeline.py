@@ -21,8 +21,15 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+from ringdit.commands.cli import CONF_DIR
 from ringdit.common.errors import ConfigError
+from ringdit.common.safe_json import read_json
+from ringdit.diffusion.schedulers import SCHEDULERS, check_scheduler_file
+from ringdit.media.pretrained import find_folder
+from ringdit.media.vae import VAE
 from ringdit.models.conditioning import TEXT
+from ringdit.models.diffusers.families import FAMILIES
+from ringdit.spec.model import model_config
 
 INDEX = "model_index.json"
 
@@ -34,11 +41,6 @@ def is_pipeline_folder(path) -> bool:
 def pipeline_checkpoint(folder: str) -> dict:
     """The ``model`` / ``data`` / ``objective`` / ``sampling`` a checkpoint records, for the pipeline in ``folder``."""
     import diffusers
-
-    from ringdit.diffusion.schedulers import SCHEDULERS, check_scheduler_file
-    from ringdit.models.diffusers.families import FAMILIES
-    from ringdit.common.safe_json import read_json
-    from ringdit.spec.model import model_config
 
     root = Path(folder).expanduser()
     index = read_json(root / INDEX, f"ckpt_path={folder}: {root / INDEX}", kind=dict,
@@ -92,8 +94,6 @@ def _preset(name: str) -> dict:
     a Hydra command, where Hydra cannot compose a second config."""
     from omegaconf import OmegaConf
 
-    from ringdit.commands.cli import CONF_DIR
-
     raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"))
     merged: dict = {}
     for parent in raw.pop("defaults", None) or ["_self_"]:
@@ -102,17 +102,12 @@ def _preset(name: str) -> dict:
 
 
 def _vae_description(root: Path, folder: str) -> dict:
-    from ringdit.media.vae import VAE
-
     return VAE(root, "vae", setting=f"ckpt_path={folder}'s vae/").describe()
 
 
 def _text_encoder_description(root: Path, folder: str, text_len: int) -> dict:
     """What prepare records of the folder's text encoder, read from its config (its weights are loaded where prompts
     are encoded, not here)."""
-    from ringdit.media.pretrained import find_folder
-    from ringdit.common.safe_json import read_json
-
     encoder = find_folder(root, "text_encoder", "config.json", f"ckpt_path={folder}'s text_encoder/")
     config = read_json(encoder / "config.json", f"ckpt_path={folder}: {encoder / 'config.json'}", kind=dict,
                        fix="give the folder save_pretrained wrote")

@@ -18,13 +18,13 @@ from ringdit.training.module import DiffusionModule, NonFiniteLossError
 from ringdit.training.schedules import WarmupCosine, warmup_cosine
 from ringdit.training.strategy import RingDDPStrategy
 
+from ringdit.training import module  # (loaded above) where __getattr__ finds the deprecated name DiTModule
+
 __all__ = ["AtomicCheckpointIO", "DiffusionModule", "DistillationModule", "NonFiniteLossError", "RingDDPStrategy", "RingFSDPStrategy",
            "SampleGrid", "StepCheckpoint", "WarmupCosine", "wandb_logger", "warmup_cosine"]
 
 
 def __getattr__(name: str):
     if name == "DiTModule":  # the deprecated name (ringdit.training.module says so when it is used)
-        from ringdit.training import module
-
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

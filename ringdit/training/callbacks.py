@@ -13,7 +13,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import OmegaConf
 
 from ringdit.checkpoints.weights import read_weights
+from ringdit.media.decode import sampling_vae
 from ringdit.media.images import grid_image, save_samples
+from ringdit.media.text import encode_prompts, encoder_settings
+from ringdit.media.vae import VAE
 from ringdit.models.lora import adapter_state, load_adapter, load_null_condition
 from ringdit.media.writing import write_mp4
 from ringdit.diffusion.pipeline import in_micro_batches
@@ -273,8 +276,6 @@ class SampleGrid(L.Callback):
         there is one: at the first preview the optimizer's state is not yet allocated): the conditions ``(lines,
         ...)`` and each line's negative prompt ``(1, ...)`` or None (the empty prompt)."""
         if self._prompts is None:
-            from ringdit.media.text import encode_prompts, encoder_settings
-
             described = data_info["text_encoder"]
             texts = [line.prompt for line in self.lines]
             own = [text for text in dict.fromkeys(line.negative_prompt for line in self.lines) if text]
@@ -293,9 +294,6 @@ class SampleGrid(L.Callback):
         """The VAE latent previews decode with (``vae``, else the data's when its folder is here), loaded once;
         None, said once, where there is none."""
         if self._codec is None:
-            from ringdit.media.decode import sampling_vae
-            from ringdit.media.vae import VAE
-
             folder = sampling_vae(self.vae_setting, self.vae_subfolder, data_info)
             if folder is None:
                 rank_zero_warn(f"{SETTING}: no previews: the model samples latents and the VAE the data was prepared "

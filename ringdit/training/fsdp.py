@@ -23,6 +23,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from ringdit.checkpoints.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 from ringdit.common.atomic import disk_full, disk_full_error
 from ringdit.checkpoints.location import SHARDED_METADATA, is_sharded_checkpoint, replace_folder, temporary_folder
 from ringdit.checkpoints.loading import safe_torch_load
@@ -129,8 +130,6 @@ class RingFSDPStrategy(SequenceParallelStrategy, ModelParallelStrategy):
             set_model_state_dict,
             set_optimizer_state_dict,
         )
-
-        from ringdit.checkpoints.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
         saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
         model_state = get_model_state_dict(self.model)

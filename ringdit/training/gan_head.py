@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ringdit.attention import USPAttention
 from ringdit.caching.blocks import block_io, repeated_blocks_of
 from ringdit.common.errors import ConfigError
 from ringdit.models.plan import ParallelPlan
@@ -54,8 +55,6 @@ def feature_block(model: nn.Module, index: int | None) -> tuple[nn.Module, objec
 
 def feature_width(block: nn.Module) -> int:
     """The width of ``block``'s token stream: its sequence-parallel attention's heads x head size."""
-    from ringdit.attention import USPAttention
-
     for module in block.modules():
         if isinstance(module, USPAttention):
             return module.num_heads * module.head_size

@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from ringdit.data.text_latents import MASK_KEY
 from ringdit.models.build import BuildPlan
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.diffusion import DDPM, draw_noise
@@ -361,8 +362,6 @@ class DiffusionModule(L.LightningModule):
 
 def loss_mask(condition) -> Tensor | None:
     """The batch's loss mask (B, 1, [T,] H, W): the data's ``loss_mask`` (prepare's mask_path=), None without."""
-    from ringdit.data.text_latents import MASK_KEY
-
     return condition.get(MASK_KEY) if isinstance(condition, dict) else None
 
 

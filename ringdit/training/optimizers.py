@@ -24,6 +24,8 @@ import importlib.util
 
 import torch
 
+from ringdit.common.errors import ConfigError
+
 Tensor = torch.Tensor
 
 # the optimizers here, by _target_, and the package each needs
@@ -52,8 +54,6 @@ def library_installed(name: str) -> bool:
 
 def check_optimizer_installed(target: str | None) -> None:
     """A ConfigError when ``optimizer._target_`` is one of ours whose library is missing."""
-    from ringdit.common.errors import ConfigError
-
     library = LIBRARIES.get(target or "")
     if library is not None and not library_installed(library):
         raise ConfigError(f"optimizer={target.rsplit('.', 1)[-1].lower()} needs {library}, which is not installed; "

@@ -20,11 +20,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from ringdit.commands.preemption import stop_on_sigterm
 from ringdit.common.atomic import DiskFullError
 from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
 from ringdit.common.errors import NonFiniteLossError
 from ringdit.commands.run_folder import claim_run_folder
 from ringdit.spec import TrainSpec
+from ringdit.training import DiffusionModule, DistillationModule
+from ringdit.training.loggers import finish_runs
+from ringdit.training.parallel_strategy import build_strategy
 
 log = logging.getLogger("ringdit.train")
 register_resolvers()
@@ -38,9 +42,6 @@ def prepare(cfg: DictConfig):
 
     import lightning as L  # the trainer, module and processes come only after every check has passed
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-
-    from ringdit.training import DiffusionModule, DistillationModule
-    from ringdit.training.parallel_strategy import build_strategy
 
     L.seed_everything(spec.seed, workers=True)
     # distill=dmd2: a student and a critic that start from the teacher (init_from), which stays frozen
@@ -89,9 +90,6 @@ def train(cfg: DictConfig) -> Path:
 
 
 def fit(cfg: DictConfig, trainer, module, datamodule, ckpt_path) -> Path:
-    from ringdit.commands.preemption import stop_on_sigterm
-    from ringdit.training.loggers import finish_runs
-
     # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; a non-finite loss or a disk that
     # fills while a checkpoint is written: one line, exit code 2; anything else is a fault: traceback
     try:

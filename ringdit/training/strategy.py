@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from ringdit.models.lora import keep_float8_out_of_ddp
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from ringdit.training.parallel_strategy import SequenceParallelStrategy
 
@@ -29,8 +30,6 @@ class RingDDPStrategy(SequenceParallelStrategy, DDPStrategy):
         DDPStrategy.setup_environment(self)  # the device, then the default process group
 
     def setup(self, trainer) -> None:
-        from ringdit.models.lora import keep_float8_out_of_ddp
-
         # an fp8 LoRA base: kept out of the start-up broadcast (DDP's, or Lightning's when sampling): gloo cannot
         # send fp8, and every rank holds the same base already
         keep_float8_out_of_ddp(self.model)

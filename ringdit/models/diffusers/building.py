@@ -13,7 +13,7 @@ from torch import nn
 
 from ringdit.common.errors import ConfigError
 from ringdit.models.diffusers.families import Family, get_family
-from ringdit.models.diffusers.folders import check_weights_folder
+from ringdit.models.diffusers.folders import check_config_values, check_weights_folder
 from ringdit.models.materialize import building_on_meta
 from ringdit.common.safe_json import read_json
 
@@ -138,8 +138,6 @@ def read_config(family: Family, folder: Path, pretrained: str, setting: str = "m
         raise ConfigError(f"{setting}={pretrained} holds a {kind}, not a {family.model_class} "
                           f"(model.family={family.name}); pick the model preset that matches the folder")
     import diffusers
-
-    from ringdit.models.diffusers.folders import check_config_values
 
     check_config_values(config, getattr(diffusers, family.model_class), folder / "config.json",
                         f"{setting}={pretrained}")
