@@ -84,7 +84,8 @@ from ringdit.sampling.conditions import sample_conditions
 from ringdit.sampling.decoding import decode_group, decode_written, shared_files
 from ringdit.commands.preemption import sigterm_stops_at_once, stop_on_sigterm
 from ringdit.commands.run_folder import claim_run_folder
-from ringdit.sampling import SampleRequests, SampleWriter
+from ringdit.media.vae import VAE
+from ringdit.sampling import Codecs, SampleRequests, SampleWriter
 from ringdit.sampling.predict import SamplingModule
 from ringdit.spec import InferSpec
 from ringdit.training.callbacks import LoadLoraAdapter, log_samples
@@ -176,8 +177,10 @@ def run(trainer, module, requests, spec: InferSpec) -> Path:
             if group is not None and trainer.is_global_zero:
                 log.info("decoding each sample's VAE tiles over the %d ranks", trainer.world_size)
             with user_errors(), sigterm_stops_at_once("the VAE decode", kept):  # nothing else would be lost
-                written = decode_written(files, output, spec.data, device=str(trainer.strategy.root_device),
-                                         group=group)
+                vae = VAE(output.vae, output.vae_subfolder, device=str(trainer.strategy.root_device),
+                          tile=output.vae_tile, tile_setting="vae_tile")
+                with module.sampler.using(codecs=Codecs.of_data(spec.data, vae=vae)) as decoding:
+                    written = decode_written(files, decoding, output, group=group)
             if trainer.is_global_zero:
                 log.info("decoded with vae=%s: %s", output.vae, ", ".join(p.name for p in written))
         if trainer.is_global_zero and spec.loggers:

@@ -1,9 +1,10 @@
 """infer.py's decoding after sampling: every rank of the run decodes its share of each written sample's VAE tiles
 (``ringdit.media.parallel_vae``) and rank 0 writes the pictures and videos beside the samples' .npz files.
 
-The sampling side's files (samples.npz, the grids, each sample's file) are written by ``SampleWriter`` and here;
-``ringdit.media.decode`` keeps the VAE step itself (``decode_latents``) and the ``python -m ringdit.media.decode``
-command.
+The sampling side's files (samples.npz, the grids, each sample's file) are written by ``SampleWriter`` and here,
+the latents decoded by the run's ``Sampler`` (``Sampler.decode``, as the server, the previews and ``ringdit.load``
+decode theirs); ``ringdit.media.decode`` keeps the VAE step itself (``decode_latents``) and the ``python -m
+ringdit.media.decode`` command.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ringdit.common.errors import ConfigError
-from ringdit.media.decode import decode_latents, decode_samples, latents_normalised, shared_latents
-from ringdit.media.vae import VAE
+from ringdit.media.decode import DEFAULT_FPS, shared_latents, stored_fps
+from ringdit.media.writing import write_media
+from ringdit.sampling.sampler import Sampler
 from ringdit.sampling.writer import write_pixels
 
 
@@ -36,25 +38,25 @@ def shared_files(files: list[Path], group) -> list[Path]:
     return [Path(file) for file in message[0]]
 
 
-def decode_written(files: list[Path], output, data_info: dict, device: str, group=None) -> list[Path]:
-    """Decode infer.py's written samples with ``output.vae`` (its ``OutputSpec``; ``data_info``: the checkpoint's
-    data): samples.npz as ``decode_samples`` does (samples.png / .gif, sample-000.png / .mp4 ...), or each shape's
-    samples-<name>.npz into its grid samples-<name>.png / .gif and its samples' files, named by their numbers (the
-    npz's ``index``). ``group`` (``decode_group``): every rank calls this and decodes its share of the tiles; rank 0
-    reads the files and writes the pictures (the others return [])."""
-    normalised = latents_normalised(data_info)
-    if len(files) == 1 and files[0].name == "samples.npz":
-        return decode_samples(files[0], output.vae, vae_subfolder=output.vae_subfolder, fps=output.fps,
-                              tile=output.vae_tile, device=device, normalised=normalised, group=group,
-                              tile_setting="vae_tile")
-    codec = VAE(output.vae, output.vae_subfolder, device=device, tile=output.vae_tile, tile_setting="vae_tile")
+def decode_written(files: list[Path], sampler: Sampler, output, group=None) -> list[Path]:
+    """Decode infer.py's written samples with ``sampler``'s VAE (``Sampler.decode``; ``output``: the run's
+    ``OutputSpec``): samples.npz into samples.png / .gif and sample-000.png / .mp4 ... as ``python -m
+    ringdit.media.decode`` writes them, or each shape's samples-<name>.npz into its grid samples-<name>.png / .gif and
+    its samples' files, named by their numbers (the npz's ``index``). ``group`` (``decode_group``): every rank calls
+    this and decodes its share of the tiles; rank 0 reads the files and writes the pictures (the others return [])."""
     written = []
     for file in files:
-        latents, indices = shared_latents(file, group, index=True)
+        whole = len(files) == 1 and file.name == "samples.npz"
+        latents, indices = shared_latents(file, group, index=not whole)
         try:
-            pixels = decode_latents(latents, codec, normalised, group=group)
+            pixels = sampler.decode(latents, group)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        if pixels is not None:  # rank 0 (or a single process)
+        if pixels is None:  # a rank other than the group's first: its tiles are decoded, rank 0 writes
+            continue
+        if whole:  # videos: the rate infer.py wrote beside them (the model's), else 16
+            fps = output.fps or (stored_fps(file) or DEFAULT_FPS if pixels.ndim == 5 else None)
+            written += write_media(pixels, file.parent, fps=fps)
+        else:
             written += write_pixels(pixels, file.parent, stem=file.stem, indices=indices, fps=output.fps)
     return written

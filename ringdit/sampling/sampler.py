@@ -81,12 +81,12 @@ class Sampler:
         return self.pipeline.pixels
 
     @contextlib.contextmanager
-    def using(self, *, step_cache: Any = _KEEP, negative: dict | None = _KEEP):
-        """This sampler with another step cache and / or negative prompt inside the block (None: none)."""
+    def using(self, *, step_cache: Any = _KEEP, negative: dict | None = _KEEP, codecs: Codecs = _KEEP):
+        """This sampler with another step cache, negative prompt (None: none) and / or codecs inside the block."""
         yield Sampler(self.model, self.dims, self.pipeline, self.device,
                       step_cache=self.step_cache if step_cache is _KEEP else step_cache,
                       negative=self.negative if negative is _KEEP else negative, weights=self._weights,
-                      codecs=self.codecs)
+                      codecs=self.codecs if codecs is _KEEP else codecs)
 
     def weights(self, use_ema: bool = True) -> ContextManager[nn.Module]:
         """The model that samples, with the weights worth sampling inside the block."""
@@ -122,9 +122,13 @@ class Sampler:
         the pixels come back on its rank 0 (None on the others)."""
         if self.pixels:
             return to_uint8(samples).numpy()
+        return self.decode(samples.float().cpu() / self.pipeline.latent_scale, group)
+
+    def decode(self, latents: Tensor, group=None) -> np.ndarray | None:
+        """Latents ``(N, C, [T,] H, W)`` on the VAE's own scale (as samples.npz holds them) -> uint8 ``(N, [T,] H, W,
+        C)`` with this sampler's VAE, one sample at a time; ``group``: as ``to_pixels``'."""
         if self.codecs.vae is None:
             raise ValueError("this sampler samples latents and has no VAE to decode them with (Codecs.vae)")
-        latents = samples.float().cpu() / self.pipeline.latent_scale
         return decode_latents(latents, self.codecs.vae, self.codecs.normalised, group=group)
 
     def sample_requests(self, batch) -> dict[str, Tensor]:
