@@ -115,9 +115,10 @@ def check_training(rank, world):
         # float32 (as train.py runs): a layout reorders sums only (tests/test_diffusers_training.py's tolerance)
         assert losses == pytest.approx(ref_losses, rel=1e-5), name
         assert_same_numbers(weights, ref_weights, atol=1e-5, where=name)
-        if kind == "lora":  # only adapters train, the token refiner's attention among them
+        if kind == "lora":  # only adapters train: DiffSynth's targets, attention and SwiGLU, the refiner's too
             assert weights and all("lora_" in key for key in weights), sorted(weights)[:3]
             assert any(".token_refiner." in key for key in weights), sorted(weights)[:3]
+            assert any(".ff.net.0.proj." in key for key in weights) and any(".ff.net.2." in key for key in weights)
         else:  # the audio head trains: the audio's error reaches it
             assert "transformer.audio_proj_out.weight" in weights, name
 

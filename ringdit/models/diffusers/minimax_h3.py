@@ -199,4 +199,8 @@ MINIMAX_H3 = Family(
     condition_keys=("text", "text_mask", AUDIO, AUDIO_TIME),
     text_dim="text_dim",
     patch_shape=lambda config: tuple(config["patch_size"]),
+    # DiffSynth-Studio's MiniMax-H3 LoRA scripts (examples/minimax_h3/model_training/lora/MiniMax-H3-FL2VA.sh:
+    # lora_target_modules attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2): every attention projection and both
+    # SwiGLU layers, by diffusers' names (the token refiner's blocks match too)
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
 )
