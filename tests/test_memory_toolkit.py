@@ -17,7 +17,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ringdit.models.build import build_model
-from ringdit.models.lora import add_lora, float8_layers, hold_base_in, is_adapter_key
+from ringdit.models.fp8 import ScaledFloat8Linear, float8_layers, keep_float8_out_of_ddp
+from ringdit.models.lora import add_lora, hold_base_in, is_adapter_key
 from ringdit.parallel.layout import Layout
 from ringdit.costs import ModelSize, Setup, estimate_memory
 from ringdit.models import parallelize
@@ -136,7 +137,6 @@ def check_fp8_base_sharded_and_ring(rank: int, world: int) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from ringdit.checkpoints.sources import local_index
-    from ringdit.models.lora import keep_float8_out_of_ddp
     from ringdit.parallel import build_shard_mesh, init_sequence_parallel
     from ringdit.training.fsdp import shard_model
 
@@ -355,8 +355,6 @@ def test_the_planner_takes_an_fp8_base_only_where_a_bf16_one_does_not_fit(capsys
 def test_an_fp8_layer_never_scales_its_weight_in_place():
     """Under FSDP's param_dtype=bfloat16 the gathered weight already has the compute dtype: the cast-up is a copy
     even then, so scaling it leaves the parameter as it was."""
-    from ringdit.models.lora import ScaledFloat8Linear
-
     weight = torch.randn(4, 3).to(torch.bfloat16)
     before = weight.clone()
     out = ScaledFloat8Linear.apply(torch.ones(2, 3, dtype=torch.bfloat16), weight, torch.full((4,), 2.0), None,

@@ -17,7 +17,7 @@ under 16-bit precision, else 4), M = the models that train (1; DMD2: 2, below):
   bfloat16; the rest of the base -- norms, embedding and modulation tables -- keeps w) plus the adapters (for each
   targeted Linear (in, out): rank x (in + out) parameters) in w; an fp8 base (``float8_e4m3fn`` / ``float8_e5m2``):
   the blocks' Linear weights 1 byte each plus a 4-byte scale per output row, the other Linear / Conv weights and
-  every bias 2 bytes (``ringdit.models.lora.hold_in_float8``);
+  every bias 2 bytes (``ringdit.models.fp8.hold_in_float8``);
   DMD2 (``distill=dmd2``) holds three models: M = 2 of them as above (the student and the critic, LoRA-adapted
   alike), plus the frozen teacher, built whole without LoRA, P x w / n;
 - ``gradient_bytes``: M x T x w / n (DMD2: the critic's stay allocated while the student's update runs);

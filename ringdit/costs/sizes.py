@@ -10,7 +10,8 @@ from torch import nn
 
 from ringdit.models import repeated_blocks
 from ringdit.models.build import build_model
-from ringdit.models.lora import BASE_LAYERS, _block_linears, adapted_modules, lora_enabled, unmatched_targets
+from ringdit.models.fp8 import block_linears
+from ringdit.models.lora import BASE_LAYERS, adapted_modules, lora_enabled, unmatched_targets
 from ringdit.parallel import ParallelDims
 from ringdit.parallel.layout import Layout
 from ringdit.costs.estimate import MemoryEstimate, ModelSize, Setup, estimate_memory
@@ -94,10 +95,10 @@ def untargeted_linear_inputs(model: nn.Module, blocks: list[nn.Module]) -> int:
 
 def float8_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int, int]:
     """(weights, output rows, the largest weight) of the Linear layers of the repeated blocks: what an fp8 base holds
-    in fp8 (with one scale per row, ``ringdit.models.lora.hold_in_float8``); zeros when LoRA is off."""
+    in fp8 (with one scale per row, ``ringdit.models.fp8.hold_in_float8``); zeros when LoRA is off."""
     if not lora_enabled(lora):
         return 0, 0, 0
-    layers = _block_linears(model)
+    layers = block_linears(model)
     return (sum(layer.weight.numel() for layer in layers), sum(layer.out_features for layer in layers),
             max((layer.weight.numel() for layer in layers), default=0))
 

@@ -35,7 +35,8 @@ from ringdit.checkpoints.fit import check_compatible
 from ringdit.checkpoints.sources import WeightSource, local_index, local_part
 from ringdit.common.errors import ConfigError
 from ringdit.common.seeding import Stream, seed_of
-from ringdit.models.lora import float8_layers, init_dora_magnitudes, is_adapter_key, load_float8_weight
+from ringdit.models.fp8 import float8_layers, load_float8_weight
+from ringdit.models.lora import init_dora_magnitudes, is_adapter_key
 
 Tensor = torch.Tensor
 
@@ -123,7 +124,7 @@ def _float8_weights(model: nn.Module, params: dict[str, Tensor]) -> dict:
 def _fill_float8(model: nn.Module, targets: dict[str, Tensor], layers: dict, seed: int,
                  source: WeightSource | None) -> None:
     """Read (``source``) or initialise each fp8 weight of ``targets`` into an fp32 twin of this rank's part, one at a
-    time, and quantize it into the layer (``ringdit.models.lora.load_float8_weight``): no rank holds the whole base at full
+    time, and quantize it into the layer (``ringdit.models.fp8.load_float8_weight``): no rank holds the whole base at full
     precision. The initial values are those of an fp32 model (the same generator per owning module)."""
     for name, target in targets.items():
         twin = torch.empty_like(target, dtype=torch.float32)  # a DTensor placed as the target under FSDP

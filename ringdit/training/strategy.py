@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from ringdit.models.lora import keep_float8_out_of_ddp
+from ringdit.models.fp8 import keep_float8_out_of_ddp
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
 from ringdit.training.parallel_strategy import SequenceParallelStrategy
 
