@@ -86,11 +86,17 @@ def test_prepare_refuses_a_missing_or_mismatched_reference(tmp_path):
 def test_an_edit_model_trains_on_prepared_triples_and_samples_with_image(models, tmp_path):
     """(image, reference, caption) triples prepared with reference=, qwenimage_edit_tiny trained on them by train.py
     (one step; a LoRA of a random base cannot be sampled: LoRA training is proven in test_qwenimage_edit.py), then
-    infer.py image=<a reference> prompts=[..] samples (the reference encoded as prepare encodes it: test above); a
-    reference of another aspect ratio is refused in one line before any rank starts, and an edit model without
-    image= (prompts given) too."""
+    infer.py image=<a reference> prompts=[..] samples (the reference encoded as prepare encodes it: test above), and
+    the server's /v1/images/edits with that reference as base64 gives infer.py's pixels for the same seed, exactly; a
+    reference of another aspect ratio is refused in one line before any rank starts (the server: a 400 naming image),
+    and an edit model without image= (prompts given) too."""
+    import base64
+
+    import httpx
+
     from ringdit.prepare import main as prepare
     from tests.helpers import TEXT_LEN, run
+    from tests.test_serve import AUTH, KEY, pixels_of, serving
 
     images, references, data = tmp_path / "images", tmp_path / "references", tmp_path / "data"
     images.mkdir()
@@ -105,11 +111,21 @@ def test_an_edit_model_trains_on_prepared_triples_and_samples_with_image(models,
         "data.batch_size=2", "data.val_fraction=0.5", "trainer.max_steps=1", "logger=csv",
         "scheduler=constant", "callbacks.model_checkpoint.every_n_train_steps=1", env={"HF_HUB_OFFLINE": "1"})
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    sample = ["prompts=[a blue cat]", "num_samples=1", "diffusion.sampling.steps=2"]
+    sample = ["prompts=[a blue cat]", "num_samples=1", "diffusion.sampling.steps=2", "seed=11"]
+    write_image(tmp_path / "wide.png", (32, 16), seed=3)
     run("infer.py", tmp_path / "infer", f"ckpt_path={ckpt}", f"image={references / '1.png'}", *sample,
         env={"HF_HUB_OFFLINE": "1"})
-    assert (tmp_path / "infer" / "samples.npz").is_file()
-    write_image(tmp_path / "wide.png", (32, 16), seed=3)
+    expected = np.asarray(Image.open(tmp_path / "infer" / "sample-000.png"))  # decoded with the data's VAE, seed 11
+    with serving(tmp_path / "serve", f"ckpt_path={ckpt}", f"api_key={KEY}", "diffusion.sampling.steps=2") as server:
+        reference = base64.b64encode((references / "1.png").read_bytes()).decode()
+        answer = httpx.post(server.url + "/v1/images/edits", headers=AUTH, timeout=120,
+                            json={"prompt": "a blue cat", "image": reference, "seed": 11})
+        assert answer.status_code == 200, answer.text
+        np.testing.assert_array_equal(pixels_of(answer.json()["data"][0]), expected)  # infer.py's, exactly
+        wide = base64.b64encode((tmp_path / "wide.png").read_bytes()).decode()
+        answer = httpx.post(server.url + "/v1/images/edits", headers=AUTH, timeout=120,
+                            json={"prompt": "a blue cat", "image": wide, "seed": 11})
+        assert answer.status_code == 400 and "image is 32x16 but the samples are 16x16" in answer.text, answer.text
     with pytest.raises(AssertionError, match=r"image=.*wide.png is 32x16 \(W x H\) but the samples are 16x16: a "
                                              r"different aspect ratio"):
         run("infer.py", tmp_path / "wide", f"ckpt_path={ckpt}", f"image={tmp_path / 'wide.png'}", *sample)

@@ -173,7 +173,8 @@ def create_app(server) -> FastAPI:
     async def edits(request: Request):
         """An image-to-video model edits an image as a video model can: the image is the first frame of a video
         sampled for the prompt, and the video's last frame is the answer (as video-based editors such as ChronoEdit
-        use Wan's image-to-video). The video's length is ``frames`` / ``seconds`` (default: the model's)."""
+        use Wan's image-to-video). The video's length is ``frames`` / ``seconds`` (default: the model's). An edit model
+        (Qwen-Image-Edit) samples an image with the image as its reference."""
         body, uploads = await read_body(request, EditBody, files=("image", "mask"))
         if server.image_kind is None:
             other = "POST /v1/videos" if server.kind == "video" else "POST /v1/images/generations"
@@ -184,7 +185,8 @@ def create_app(server) -> FastAPI:
         if body.input_reference is not None:
             raise BadRequest("input_reference", "POST /v1/images/edits takes the image as image (a file, or base64)")
         ignored = unknown_fields(body, "/v1/images/edits")
-        job = submit(body, "video", reference=("image", uploads.get("image")), last_frame=True)
+        video = server.kind == "video"  # an image-to-video model answers with its video's last frame
+        job = submit(body, "video" if video else "image", reference=("image", uploads.get("image")), last_frame=video)
         return warned(await image_answer(job, body, request), ignored)
 
     @app.post("/v1/videos", openapi_extra=json_body(VideoBody))

@@ -32,13 +32,15 @@ from torch.utils.data import IterableDataset
 from ringdit.caching import CacheSettings, StepCache
 from ringdit.common.atomic import atomic_write
 from ringdit.media.image_condition import first_frame_inputs
+from ringdit.media.control import encode_reference
 from ringdit.media.images import to_image
 from ringdit.media.writing import write_mp4
-from ringdit.models.conditioning import text_conditioned
+from ringdit.models.conditioning import REFERENCE_KEY, text_conditioned
 from ringdit.common.seeding import Stream, seed_of
 from ringdit.sampling import resolve_labels
 from ringdit.serve.adapters import Adapter, Adapters
 from ringdit.serve.jobs import CANCELLED, COMPLETED, FAILED, Job, JobQueue
+from ringdit.spec.infer import image_kind
 from ringdit.sampling.predict import SamplingModule
 from ringdit.sampling.sampler import Codecs, Sampler
 
@@ -342,6 +344,8 @@ class Rank0:
         spec, request = self.spec, jobs[0].request
         prepared = spec.data.get("image_encoder") if isinstance(spec.data.get("image_encoder"), dict) else {}
         pictures = [job.request.image for job in jobs for _ in range(job.request.n)]
+        if image_kind(spec.model.config) == "reference":  # an edit model: its reference latents, as infer.py's
+            return {REFERENCE_KEY: encode_reference(pictures, vae=spec.output.vae, size=request.size)}
         return first_frame_inputs(pictures, size=request.size, frames=request.frames or 1,
                                   latent="vae" in spec.data, vae=spec.output.vae,
                                   image_encoder=prepared.get("path"), channels=spec.data["channels"],

@@ -191,8 +191,9 @@ def first_frame(data: str | bytes | None, server, size: tuple[int, int], field: 
     needs = server.image_kind is not None
     if data is None:
         if needs:
-            raise BadRequest(field, f"this model is image-to-video: give the first frame as base64 in image (or upload "
-                                    f"it as the file {'input_reference' if field == 'image' else field})")
+            what = "the image to edit" if server.image_kind == "reference" else "the first frame"
+            raise BadRequest(field, f"this model takes an image: give {what} as base64 in image (or upload it as the "
+                                    f"file {'input_reference' if field == 'image' else field})")
         return None
     if not needs:
         raise BadRequest(field, "this model takes no image (it is not image-to-video)")
