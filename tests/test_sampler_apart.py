@@ -9,7 +9,6 @@ import re
 import lightning as L
 
 from ringdit.sampling.predict import SamplingModule
-from ringdit.serve.engine import ServingModule
 from ringdit.training import DiffusionModule, DistillationModule
 
 SAMPLING_NAME = re.compile(r"sampl|generate|predict|pipeline|decode|pixels|encode")
@@ -42,6 +41,10 @@ def test_the_training_module_only_trains():
 def test_the_sampling_modules_are_no_training_modules():
     """infer.py's and the server's Lightning shell inherits nothing from the training module, and samples only
     through its Sampler (its predict step is one call)."""
+    # here, not at the top: importing the ringdit.serve package rebinds ``ringdit.serve`` (the Python API's function)
+    # to it, which test_python_api's parameters read when they are collected
+    from ringdit.serve.engine import ServingModule
+
     for cls in (SamplingModule, ServingModule):
         assert not issubclass(cls, DiffusionModule), cls
     assert own_public_names(SamplingModule) == {"parallel_dims", "configure_model", "on_predict_start", "predict_step"}
