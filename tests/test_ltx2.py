@@ -40,12 +40,18 @@ def video_timesteps() -> torch.Tensor:
     return torch.where(first.flatten(), 0.0, T[:, None])
 
 
-def ltx2_case(seed=0, config="ltx2_tiny"):
+# LTX-2.3's architecture switches on the tiny model: per-head gates on every attention, the prompt's cross-attention
+# modulated by the time (prompt_adaln), and the cross-modal modulation reading the other stream's time
+LTX23 = {"gated_attn": True, "audio_gated_attn": True, "cross_attn_mod": True, "audio_cross_attn_mod": True}
+
+
+def ltx2_case(seed=0, overrides=None):
     """The same weights and inputs on every rank: the unmodified reference, a copy (float64), inputs, douts."""
     import diffusers
 
     torch.manual_seed(seed)
-    reference = diffusers.LTX2VideoTransformer3DModel.from_config(architecture(config)).double()
+    config = {**architecture("ltx2_tiny"), **(overrides or {})}
+    reference = diffusers.LTX2VideoTransformer3DModel.from_config(config).double()
     model = copy.deepcopy(reference)
     g = torch.Generator().manual_seed(seed + 1)
     video = torch.randn(2, 4, *SHAPE, generator=g, dtype=torch.float64)
@@ -59,15 +65,17 @@ def ltx2_case(seed=0, config="ltx2_tiny"):
 
 
 def reference_call(reference, video, audio, cond):
-    """The unmodified model as LTX2ImageToVideoPipeline calls it (packed tokens, sizes rather than coordinates)."""
+    """The unmodified model as LTX2ImageToVideoPipeline calls it (packed tokens, sizes rather than coordinates), each
+    stream at its own time (the pipeline's are equal: it passes sigma alone)."""
     batch, channels, frames, height, width = video.shape
     tokens = video.permute(0, 2, 3, 4, 1).reshape(batch, -1, channels)  # 1x1x1 patches: (B, T*H*W, C)
     audio_tokens = audio.transpose(1, 2).flatten(2, 3)  # (B, L, C_a * M)
     out, audio_out = reference(
         hidden_states=tokens, audio_hidden_states=audio_tokens, encoder_hidden_states=cond["text"],
         audio_encoder_hidden_states=cond["audio_text"], timestep=video_timesteps(), audio_timestep=AUDIO_T, sigma=T,
-        encoder_attention_mask=cond["text_mask"], audio_encoder_attention_mask=cond["text_mask"],
-        num_frames=frames, height=height, width=width, fps=FPS, audio_num_frames=audio.shape[2], return_dict=False)
+        audio_sigma=AUDIO_T, encoder_attention_mask=cond["text_mask"], audio_encoder_attention_mask=cond["text_mask"],
+        num_frames=frames, height=height, width=width, fps=FPS, audio_num_frames=audio.shape[2],
+        use_cross_timestep=bool(reference.config.cross_attn_mod), return_dict=False)
     return (out.reshape(batch, frames, height, width, channels).permute(0, 4, 1, 2, 3),
             audio_out.unflatten(2, (channels // 2, -1)).transpose(1, 2))
 
@@ -111,3 +119,18 @@ def test_ltx2_one_process_equals_diffusers():
     reference, model, inputs, douts = ltx2_case()
     parallelize(model, LTX2.plan)  # one process: attention still routed to ringdit
     assert_matches(*run_both(reference, model, *inputs, douts), "one process")
+
+
+def check_ltx23_ring(rank, world):
+    reference, model, inputs, douts = ltx2_case(overrides=LTX23)
+    parallelize(model, LTX2.plan, dims=init_sequence_parallel(2, 1))
+    (outs, grads), expected = run_both(reference, model, *inputs, douts)
+    ddp_average(grads)
+    assert_matches((outs, grads), expected, "LTX-2.3 switches, ring 2")
+
+
+def test_ltx23_architecture_switches_match_unmodified_diffusers_at_ring_2():
+    """Gated attention, time-modulated prompt cross-attention and the cross-modal modulation at the other stream's
+    time (use_cross_timestep, which the family's forward turns on with cross_attn_mod, as the reference is called
+    here), each stream at its own time: ring 2 equals the unmodified model, forward and every gradient."""
+    run_ranks(check_ltx23_ring, 2)
