@@ -1,7 +1,7 @@
 """What every diffusers family's tests check through ``train.py``: the same SGD steps on one process and on a ring of
 2, and bad input refused in one line before any rank is spawned (as tests/test_diffusers_training.py does for Wan);
-and each family's ``train.py`` overrides for those SGD steps (FLUX2, HUNYUAN, LTX, LTX2, SKYREELS; ``family_runs``),
-which tests/test_fsdp.py and tests/test_lora.py train too."""
+and each family's ``train.py`` overrides for those SGD steps (FLUX2, HUNYUAN, LTX, LTX2, SKYREELS,
+MINIMAX; ``family_runs``), which tests/test_fsdp.py and tests/test_lora.py train too."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ SKYREELS = ["model=skyreels_v2_tiny", "data=synthetic_text_latents", "data.num_s
             "trainer.val_check_interval=2", "diffusion.objective.shift=3.0", "callbacks.sample_grid.steps=2"]
 
 
+MINIMAX = ["model=minimax_h3_tiny", "data=synthetic_text_latents", "data.audio=[2,3,8]", "data.num_samples=16",
+           "data.batch_size=2", "data.frames=3", "data.size=6", "trainer.max_steps=2", "logger=csv",
+           "scheduler=constant", "optimizer=sgd", "optimizer.lr=0.5", "trainer.val_check_interval=2",
+           "callbacks.sample_grid.steps=2"]  # one packed sequence of text, stereo audio and video rows
+
+
 def assert_sgd_steps_equal_one_process_and_ring2(tmp_path: Path, overrides: list[str], steps: int,
                                                  synthetic: bool = True) -> None:
     """fp32: a ring reorders sums only (tests/test_diffusers_training.py reasons the tolerance). The runs are left in
@@ -73,4 +79,5 @@ def assert_refused_before_spawning(tmp_path: Path, overrides: list[str], message
 def family_runs(family: str) -> tuple[list[str], tuple[int, ...]]:
     """(train.py overrides, the steps they take) of a family's SGD test (its own test module's)."""
     return {"hunyuan_video15": (HUNYUAN, (0, 1, 2)), "ltx_video": (LTX, (0, 1)), "ltx2": (LTX2, (0, 1)),
-            "skyreels_v2": (SKYREELS, (0, 1))}[family]
+            "skyreels_v2": (SKYREELS, (0, 1)),
+            "minimax_h3": (MINIMAX, (0, 1))}[family]

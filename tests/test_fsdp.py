@@ -171,11 +171,11 @@ def test_optimizer_state_keys_convert_both_ways():
     assert optimizer_state_by_index(named) == numbered
 
 
-@pytest.mark.parametrize("family", ["hunyuan_video15", "ltx_video", "ltx2", "skyreels_v2"])
+@pytest.mark.parametrize("family", ["hunyuan_video15", "ltx_video", "ltx2", "skyreels_v2", "minimax_h3"])
 def test_fsdp_trains_the_video_families_like_one_process(family, tmp_path):
-    """HunyuanVideo 1.5 (text after the video, its token refiner local), LTX-Video, LTX-2 (video and audio streams)
-    and SkyReels-V2 (per-frame timesteps) under FSDP at ring 2, each block a unit: one process's SGD steps, weights
-    and EMA."""
+    """HunyuanVideo 1.5 (text after the video, its token refiner local), LTX-Video, LTX-2 (video and audio streams),
+    SkyReels-V2 (per-frame timesteps) and MiniMax-H3 (text, audio and video rows packed in one sequence) under FSDP at
+    ring 2, each block a unit: one process's SGD steps, weights and EMA."""
     overrides, steps = family_runs(family)
     common = [*overrides, f"data.cache_dir={tmp_path / 'data'}"]
     run("train.py", tmp_path / "reference", *common, env={"HF_HUB_OFFLINE": "1"})

@@ -500,7 +500,7 @@ def sample_latents(run_dir, ckpt, *overrides):
     return np.load(run_dir / "samples.npz")["latents"]
 
 
-@pytest.mark.parametrize("family", ["hunyuan_video15", "ltx_video", "ltx2", "skyreels_v2"])
+@pytest.mark.parametrize("family", ["hunyuan_video15", "ltx_video", "ltx2", "skyreels_v2", "minimax_h3"])
 def test_lora_trains_only_adapters_of_the_video_families(family, tmp_path):
     """LoRA with the family's default targets (its attention projections, HunyuanVideo 1.5's token refiner's among
     them): the checkpoint and the optimizer hold the adapters and nothing else (the checkpoint also the empty prompt's
