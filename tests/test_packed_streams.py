@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ringdit.models import parallelize
-from ringdit.models.plan import TOKENS, PackedStreams, ParallelPlan, StreamPlan
+from ringdit.models.parallel_plan import TOKENS, PackedStreams, ParallelPlan, StreamPlan
 from ringdit.parallel import init_sequence_parallel
 from tests.diffusers_helpers import ddp_average
 from tests.distributed import run_ranks

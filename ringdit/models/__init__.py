@@ -5,7 +5,7 @@ presets in ``conf/model``: ``model=dit_xl`` ...) and the diffusers families (``r
 from ringdit.models.dit import DiT, DiTBlock, FinalLayer, modulate
 from ringdit.models.embeddings import LabelEmbedder, PatchEmbed, TimestepEmbedder, sincos_pos_embed
 from ringdit.models.parallelize import parallelize, repeated_blocks
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 __all__ = [
     "DiT",

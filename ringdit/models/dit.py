@@ -21,7 +21,7 @@ from ringdit.diffusion.schedulers import PipelineTimesteps
 from ringdit.models.block_io import BlockIO
 from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.embeddings import LabelEmbedder, PatchEmbed, TimestepEmbedder, sincos_pos_embed
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
 
@@ -105,7 +105,7 @@ class DiT(nn.Module):
     time; ``input_size`` only fixes the stored ``pos_embed`` (the original's parameter) and the default shape.
     """
 
-    # Sequence parallelism (ringdit.models.plan): the tokens, patch- and position-embedded, split where they enter
+    # Sequence parallelism (ringdit.models.parallel_plan): the tokens, patch- and position-embedded, split where they enter
     # the first block and gather where the final layer leaves them; every block attends through USPAttention.
     parallel_plan = ParallelPlan(
         blocks=("blocks",),

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ringdit.attention import AttentionBackend, LocalAttention, Stream, TokenLayout, USPAttention, get_attn_backend
-from ringdit.models.plan import TEXT, TOKENS, Key, ParallelPlan
+from ringdit.models.parallel_plan import TEXT, TOKENS, Key, ParallelPlan
 from ringdit.parallel import ParallelDims, gather_sequence, shard_sequence
 from ringdit.parallel.collectives import chunk_length
 

@@ -18,14 +18,14 @@ import torch
 
 from ringdit.diffusion.schedulers import PipelineTimesteps
 from ringdit.models.block_io import BlockIO
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
 Condition = Any  # class labels (B,), or a dict of batch-first tensors (text embeddings, masks, ...)
 
 
 class DiffusionModel(Protocol):
-    parallel_plan: ParallelPlan  # where it splits, gathers and attends sequence-parallel (ringdit.models.plan)
+    parallel_plan: ParallelPlan  # where it splits, gathers and attends sequence-parallel (ringdit.models.parallel_plan)
     in_channels: int  # channels of the data it denoises
     default_grid: tuple[int, ...]  # its token grid for the data's (most frequent) shape
     patch_shape: tuple[int, ...]  # the data cells one token covers, ([T,] H, W): any shape divisible by it works

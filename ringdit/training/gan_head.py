@@ -26,7 +26,7 @@ from torch import nn
 from ringdit.attention import USPAttention
 from ringdit.caching.blocks import block_io, repeated_blocks_of
 from ringdit.common.errors import ConfigError
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 from ringdit.parallel import gather_sequence
 from ringdit.parallel.collectives import chunk_length
 

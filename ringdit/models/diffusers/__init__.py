@@ -2,6 +2,6 @@
 
 from ringdit.models.diffusers.families import FAMILIES, Family, get_family
 from ringdit.models.diffusers.model import DiffusersTransformer
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 __all__ = ["FAMILIES", "DiffusersTransformer", "Family", "ParallelPlan", "get_family"]

@@ -36,7 +36,7 @@ from torch import nn
 
 from ringdit.common.errors import ConfigError
 from ringdit.models.diffusers.family import Family
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
 

@@ -36,7 +36,7 @@ from ringdit.models.diffusers.minimax_h3 import MINIMAX_H3
 from ringdit.models.diffusers.qwenimage_edit import edit_family
 from ringdit.models.diffusers.skyreels import SKYREELS_V2
 from ringdit.models.diffusers.wan_vace import WAN_VACE
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
 

@@ -14,7 +14,7 @@ from torch import nn
 from ringdit.diffusion.schedulers import PipelineTimesteps
 from ringdit.models.block_io import BlockIO
 from ringdit.models.diffusers.original_names import Rule
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
 

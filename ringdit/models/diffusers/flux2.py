@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ringdit.models.diffusers.family import ChatTemplate, Family, PipelineTimesteps
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
 

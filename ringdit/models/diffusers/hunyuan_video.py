@@ -51,7 +51,7 @@ from torch import nn
 from ringdit.models.diffusers.family import ChatTemplate, Family, PipelineTimesteps
 from ringdit.models.diffusers.original_names import HUNYUAN_VIDEO15_NAMES
 from ringdit.models.block_io import BlockIO
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
 

@@ -45,7 +45,7 @@ from torch import nn
 from ringdit.models.conditioning import AUDIO_KEY as AUDIO  # the audio latents' key, the stream's name
 from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.diffusers.ltx_video import pack_video, unpack_video
-from ringdit.models.plan import TOKENS, ParallelPlan, StreamPlan
+from ringdit.models.parallel_plan import TOKENS, ParallelPlan, StreamPlan
 
 Tensor = torch.Tensor
 

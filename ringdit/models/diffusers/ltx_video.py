@@ -21,7 +21,7 @@ from torch import nn
 
 from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.diffusers.original_names import LTX_VIDEO_NAMES
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
 

@@ -38,7 +38,7 @@ from torch import nn
 from ringdit.models.conditioning import REFERENCE_KEY as REFERENCE  # the reference latents' key, the stream's name
 from ringdit.models.diffusers.family import Family
 from ringdit.models.diffusers.packing import pack_latents, unpack_latents
-from ringdit.models.plan import TEXT, TOKENS, PackedStreams, ParallelPlan
+from ringdit.models.parallel_plan import TEXT, TOKENS, PackedStreams, ParallelPlan
 
 Tensor = torch.Tensor
 

@@ -22,7 +22,7 @@ from torch import nn
 from ringdit.models.block_io import BlockIO
 from ringdit.models.diffusers.family import Family
 from ringdit.models.diffusers.original_names import WAN_NAMES
-from ringdit.models.plan import ParallelPlan
+from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from ringdit.models.conditioning import CONTROL_KEY as CONTROL  # the control latents' key, the stream's name
 from ringdit.models.diffusers.family import Family
-from ringdit.models.plan import ParallelPlan, StreamPlan
+from ringdit.models.parallel_plan import ParallelPlan, StreamPlan
 
 Tensor = torch.Tensor
 
