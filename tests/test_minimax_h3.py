@@ -125,8 +125,9 @@ def pipeline_call(reference, x, audio, text, t, audio_t):
 def test_the_denoiser_packs_as_the_pipeline_and_converts_time_and_velocity():
     """ringdit's (x, t, cond) call equals the unmodified model on the pipeline's layout: timestep 1 - sigma (text and
     video at the video's, the soundtrack at its own, the video's by default), the velocities negated (the model's
-    point to the data), each sample its own call; the text cut to the batch's longest prompt (the model takes no mask): one
-    sample a batch is exactly its own prompt, a shorter prompt of a batch keeps zero rows up to the longest."""
+    point to the data), each sample its own call; the text cut to the batch's longest prompt (the model takes no
+    mask): one sample a batch is exactly its own prompt, a shorter prompt of a batch keeps zero rows up to the
+    longest."""
     reference, model, _, _ = minimax_case()
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 4, *GRID, generator=g, dtype=torch.float64)

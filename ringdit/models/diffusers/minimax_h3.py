@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep  # its t2va packing
 from torch import nn
 
 from ringdit.models.conditioning import AUDIO_KEY as AUDIO  # the soundtrack's latents (B, 2, L, C_a)
@@ -57,9 +58,6 @@ def packed_layout(text_len: int, grid: tuple[int, int, int], audio_len: int, pat
     """The ``t2va`` packed layout of ``text_len`` text rows, ``grid`` (T, H, W) latents and ``audio_len`` audio latents
     per stereo channel, as the pipeline builds it: position_ids (S, 3) float64, token_tags (S,), video_indices,
     audio_indices, text_indices. Cached: a run packs a handful of shapes, every step."""
-    # diffusers' modular pipeline package imports for seconds (its encoders and references): only here, once it is used
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
-
     frames, height, width = grid
     tags = torch.full((text_len,), TEXT_TAG, dtype=torch.long)
     positions, tags, video, audio, text, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
@@ -158,8 +156,8 @@ def minimax_h3_forward(transformer: nn.Module, video: Tensor, audio: Tensor, t: 
         timestep, timestep_indices = torch.unique(rows, sorted=True, return_inverse=True)
         v_video, v_audio = transformer(
             hidden_states=video_rows[i : i + 1], audio_hidden_states=sound_rows[i : i + 1],
-            encoder_hidden_states=prompts[i : i + 1], timestep=timestep.to(video.dtype), timestep_indices=timestep_indices,
-            return_dict=False, **layout)
+            encoder_hidden_states=prompts[i : i + 1], timestep=timestep.to(video.dtype),
+            timestep_indices=timestep_indices, return_dict=False, **layout)
         video_out.append(-v_video)  # its data-ward velocity x0 - noise, negated
         audio_out.append(-v_audio)
     return (unpatchify(torch.cat(video_out), video.shape[1:], patch), rows_to_audio(torch.cat(audio_out)))
