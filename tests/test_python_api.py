@@ -87,3 +87,13 @@ def test_a_run_refuses_a_bad_setting_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"^trainer\.max_steps must be a positive integer, got 'abc'"):
         ringdit.train(ringdit.config("train", ["trainer.max_steps=abc"], tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_ringdit_serve_stays_callable_once_the_server_package_is_imported():
+    """Importing ``ringdit.serve`` (the package; every call of ``ringdit.serve`` does) puts it in the function's
+    place on ``ringdit``: the second call still checks its settings and serves, it does not find a module."""
+    import ringdit.serve.api  # noqa: F401 - what any server code, or a first ringdit.serve(cfg), imports
+
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"ringdit.serve takes the settings of serve"):
+            ringdit.serve(ringdit.config("plan"))

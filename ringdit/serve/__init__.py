@@ -22,10 +22,12 @@ import signal
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ringdit import _settings_of  # the package's parent: loaded (whole) before any of its modules
 from ringdit.caching import CacheSettings
 from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
 from ringdit.commands.preemption import keep_sigterm_handler
@@ -242,3 +244,16 @@ def _run_command(cfg: DictConfig) -> None:
 def _command(argv):
     register_resolvers()
     return hydra_main("serve")(_run_command)(argv)
+
+
+class _CallablePackage(types.ModuleType):
+    """This package, callable as the Python API's ``ringdit.serve(cfg)``: importing ``ringdit.serve`` (or any of its
+    modules) makes the package ``ringdit``'s attribute ``serve`` in place of that function -- Python's import system
+    sets every loaded submodule on its parent -- so the package answers the call as the function would: the
+    settings checked to be ``ringdit.config("serve", ...)``'s, then served."""
+
+    def __call__(self, cfg) -> int:
+        return serve(_settings_of(cfg, "serve"))
+
+
+sys.modules[__name__].__class__ = _CallablePackage
