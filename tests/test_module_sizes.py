@@ -1,0 +1,20 @@
+"""Rooms by concern (issue 58): no ringdit module over 500 lines, unless its docstring says why it must be one."""
+
+from __future__ import annotations
+
+import ast
+
+from tests.test_import_graph import PACKAGE
+
+MOST_LINES = 500
+
+
+def test_no_module_over_500_lines_without_a_reason():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        lines = len(text.splitlines())
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > MOST_LINES and "must be one module" not in doc:
+            long.append(f"{path.relative_to(PACKAGE.parent)}: {lines} lines")
+    assert not long, f"split these by concern, or say in the docstring why each must be one module: {long}"
