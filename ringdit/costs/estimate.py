@@ -106,7 +106,8 @@ class ModelSize:
                                # experts: one expert's)
     num_heads: int             # H: attention heads (Ulysses splits them)
     mlp_hidden: int            # F: the MLP's inner width (DiT: mlp_ratio x D; Wan: ffn_dim)
-    tokens: int                # S: tokens per sample, the sequence ring x ulysses split
+    tokens: int                # S: tokens per sample, the sequence ring x ulysses split (with the streams packed
+                               # after the patch tokens: Qwen-Image-Edit's reference image)
     text_tokens: int = 0       # joint attention's text tokens (Flux, QwenImage), sharded with the image
     lora_parameters: int = 0   # the adapters the run's lora settings add; 0: no LoRA
     lora_base_parameters: int = 0  # the Linear / Conv weights: what lora.base_dtype casts
@@ -115,6 +116,10 @@ class ModelSize:
     float8_largest: int = 0        # the largest of those weights: cast up while its layer computes
     untargeted_linear_inputs: int = 0  # values per token (a block's, on average): the inputs of the blocks' Linears
                                        # outside the model's default LoRA targets, kept when their weights train
+    # (stream, tokens per sample) of each stream the attention sees beside the patch tokens (the model's
+    # ``stream_tokens``): a packed one is in ``tokens``; another runs through blocks of its own, counted in ``depth``
+    # (Wan VACE's control video, as many tokens as the video's)
+    stream_tokens: tuple[tuple[str, int], ...] = ()
 
     @property
     def lora(self) -> bool:

@@ -31,6 +31,9 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
     joint = bool(meta_model.parallel_plan.joint_attention)
     text = getattr(meta_model, "null_text", None)  # (1, L, D_text): the text length the model was built for
     glyph = getattr(meta_model, "null_glyph_text", None)  # (1, G, D_glyph): joined to the text (HunyuanVideo 1.5)
+    streams = meta_model.stream_tokens  # {stream: tokens per sample} beside the grid's (reference, control)
+    packed = meta_model.parallel_plan.packed  # the streams inside the tokens' tensors: every block's sequence
+    packed_tokens = sum(streams.get(name, 0) for name in (packed.streams if packed is not None else ()))
     return ModelSize(
         parameters=sum(p.numel() for p in params),
         trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
@@ -39,7 +42,8 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
         block_parameters=max(in_blocks),
         hidden_size=hidden_size, depth=len(blocks) // max(len(getattr(meta_model, "expert_modules", ())), 1),
         num_heads=num_heads, mlp_hidden=mlp_hidden,
-        tokens=math.prod(meta_model.default_grid),
+        tokens=math.prod(meta_model.default_grid) + packed_tokens,
+        stream_tokens=tuple(streams.items()),
         text_tokens=text.shape[1] + (glyph.shape[1] if glyph is not None else 0) if joint and text is not None else 0,
         **dict(zip(("lora_parameters", "lora_base_parameters"), lora_parameters(meta_model, lora))),
         **dict(zip(("float8_parameters", "float8_rows", "float8_largest"), float8_parameters(meta_model, lora))),

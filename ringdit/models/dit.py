@@ -122,6 +122,11 @@ class DiT(nn.Module):
     pipeline_timesteps = PipelineTimesteps()
     published_teacache_coefficients = None
 
+    @property
+    def stream_tokens(self) -> dict[str, int]:
+        """None beside the patches (the class label is no token): the grid's tokens are the whole sequence."""
+        return {}
+
     @staticmethod
     def teacache_input(block, io, args, kwargs) -> tuple[Tensor, bool]:
         """TeaCache's probe: the first block's modulated input (B, N_local, D), a token shard."""

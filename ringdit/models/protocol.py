@@ -28,6 +28,9 @@ class DiffusionModel(Protocol):
     parallel_plan: ParallelPlan  # where it splits, gathers and attends sequence-parallel (ringdit.models.parallel_plan)
     in_channels: int  # channels of the data it denoises
     default_grid: tuple[int, ...]  # its token grid for the data's (most frequent) shape
+    # {stream: tokens per sample} its attention sees beside that grid's tokens (a reference image, a control video);
+    # {}: none. A stream its parallel plan packs after the tokens (``packed``) joins every block's sequence
+    stream_tokens: dict[str, int]
     patch_shape: tuple[int, ...]  # the data cells one token covers, ([T,] H, W): any shape divisible by it works
     max_grid: tuple[int, ...] | None  # the largest token grid its position embedding covers per axis; None: any
     condition_dropout_prob: float  # the chance training replaces a sample's condition by the null one

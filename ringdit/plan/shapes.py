@@ -78,12 +78,18 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     size = model_size(config, meta_model, lora)
     grid = " x ".join(str(s // p) for s, p in zip(shape, patch))
     text = f" + {size.text_tokens} text tokens (sharded with the image)" if size.text_tokens else ""
+    packed = meta_model.parallel_plan.packed
+    packed = packed.streams if packed is not None else ()
+    # every stream the attention sees: one packed after the grid's tokens is in the count, another has blocks of its own
+    inside = "".join(f" + {n} {name} tokens" for name, n in size.stream_tokens if name in packed)
+    beside = "".join(f" + {n} {name} tokens (through its own blocks)" for name, n in size.stream_tokens
+                     if name not in packed)
     clip = (f", {plan['clip_frames']} frames: the pipeline's clip; data.frames= to change it"
             if plan["video"] and cfg.data.frames is None else "")
     line = (f"{preset_name(model_cfg)}: {_count(size.parameters)} parameters"
             + (f" ({_count(size.lora_parameters)} of LoRA rank {lora['rank']})" if size.lora else "")
             + f", {size.depth} blocks, hidden {size.hidden_size}, {size.num_heads} heads, MLP {size.mlp_hidden}; "
-              f"{size.tokens} tokens per sample ({grid} of the input {list(shape)}{clip}){text}")
+              f"{size.tokens} tokens per sample ({grid} of the input {list(shape)}{clip}{inside}){beside}{text}")
     return size, line
 
 

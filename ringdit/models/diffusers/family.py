@@ -137,6 +137,11 @@ class Family:
     # processors call PyTorch attention directly (ringdit routes diffusers' dispatch_attention_fn only): they must
     # compute what the model's own do (CogVideoX's); None: the model's processors already dispatch
     attention_processors: Callable[[nn.Module], None] | None = None
+    # (config, the token grid of the latents ([T,] H, W)) -> {stream: tokens per sample} of each stream its attention
+    # sees beside the grid's tokens (Qwen-Image-Edit's reference image, Wan VACE's control video), as its forward
+    # builds them: what python -m ringdit.plan counts. A stream ``plan.packed`` names joins every block's sequence;
+    # another runs through the blocks its plan cuts it for (VACE's). {}: the grid's tokens are the whole sequence
+    stream_tokens: Callable[[dict, tuple[int, ...]], dict[str, int]] = lambda config, grid: {}
 
     def __deepcopy__(self, memo) -> Family:
         # a shared immutable record: a deep copy of a model (LoRA's meta checks copy one) keeps it, and need not copy

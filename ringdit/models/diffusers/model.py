@@ -273,6 +273,12 @@ class DiffusersTransformer(nn.Module):
         return math.prod(self.default_grid)
 
     @property
+    def stream_tokens(self) -> dict[str, int]:
+        """{stream: tokens per sample} of the streams its attention sees beside ``default_grid``'s tokens
+        (``Family.stream_tokens``: Qwen-Image-Edit's reference image, Wan VACE's control video)."""
+        return self.family.stream_tokens(self.transformer.config, self.default_grid)
+
+    @property
     def patch_shape(self) -> tuple[int, ...]:
         return self.patch_size
 

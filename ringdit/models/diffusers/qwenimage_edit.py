@@ -102,6 +102,9 @@ def edit_family(qwenimage: Family) -> Family:
         ),
         forward=_qwenimage_edit_forward,
         condition_keys=("text", "text_mask", REFERENCE),
+        # the reference's tokens join the image's in every block: ringdit prepares and samples it at the image's
+        # size, so as many as the image's grid
+        stream_tokens=lambda config, grid: {REFERENCE: prod(grid)},
         image_condition="reference",  # infer.py image= and the server's image give the reference (as first frames)
         # QwenImage's TeaCache probe reads one modulation per sample; Qwen-Image-Edit-2511 modulates per token, and
         # no coefficients are published for the edit models: cache=teacache is refused

@@ -26,6 +26,8 @@ keeps it in the unconditional prediction, as the pipeline passes it to both.
 
 from __future__ import annotations
 
+from math import prod
+
 import torch
 from torch import nn
 
@@ -108,6 +110,9 @@ WAN_VACE = Family(
     fps=16,  # Wan 2.1's (WanVACEPipeline's example export_to_video(..., fps=16))
     clip_frames=81,  # WanVACEPipeline's num_frames
     condition_keys=("text", CONTROL),
+    # the control tokens, the video's grid (the model pads the control video to the video's tokens), through the VACE
+    # blocks: each a Wan block of the main blocks' width over as many tokens
+    stream_tokens=lambda config, grid: {CONTROL: prod(grid)},
     text_dim="text_dim",
     max_grid=lambda config: (config.get("rope_max_seq_len", 1024),) * 3,  # WanRotaryPosEmbed's table, per axis
 )
