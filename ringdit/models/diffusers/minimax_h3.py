@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep  # its t2va packing
 from torch import nn
 
 from ringdit.models.conditioning import AUDIO_KEY as AUDIO  # the soundtrack's latents (B, 2, L, C_a)
@@ -58,6 +57,10 @@ def packed_layout(text_len: int, grid: tuple[int, int, int], audio_len: int, pat
     """The ``t2va`` packed layout of ``text_len`` text rows, ``grid`` (T, H, W) latents and ``audio_len`` audio latents
     per stereo channel, as the pipeline builds it: position_ids (S, 3) float64, token_tags (S,), video_indices,
     audio_indices, text_indices. Cached: a run packs a handful of shapes, every step."""
+    # start-up time: diffusers' modular pipelines import peft, transformers and torchao (~1000 modules, seconds), and
+    # the families' registry imports this module at every command's start
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep  # its t2va packing
+
     frames, height, width = grid
     tags = torch.full((text_len,), TEXT_TAG, dtype=torch.long)
     positions, tags, video, audio, text, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
