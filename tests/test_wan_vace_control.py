@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -117,19 +118,124 @@ def test_control_needs_a_control_video_model_and_a_clip(clip, tmp_path):
                                  vae="vae", user_size=(list(SIZE), FRAMES), given_prompts=True, prompt_sizes=2)
 
 
-def test_the_server_refuses_a_control_video_model_before_it_starts():
-    """A request has no control video: each would fail in the ranks, so the server refuses the model at once, pointing
-    to infer.py control=."""
-    from types import SimpleNamespace
-
+def test_the_server_refuses_a_control_video_model_trained_without_a_vae_before_it_starts():
+    """A VACE model trained on latents made without a VAE (synthetic): no request's clip could be encoded as its
+    control latents were, so the server refuses it at once; the advice (data prepared with vae= and control=) serves:
+    ``test_the_server_samples_a_vace_checkpoint_with_a_control_clip_as_infer_does``."""
     from ringdit.serve import check_servable
 
     spec = SimpleNamespace(ckpt_path="last.ckpt", layout=SimpleNamespace(dp_degree=1, cfg_parallel=False),
                            data={"conditioning": "text"}, output=SimpleNamespace(vae="vae"),
                            conditioning=SimpleNamespace(text_encoder="t5"), model=SimpleNamespace(config=VACE))
-    with pytest.raises(ConfigError, match=r"is a control-video model \(model.family=wan_vace\): the server takes no "
-                                          r"control video yet; sample it with infer.py control=<video file>"):
+    with pytest.raises(ConfigError, match=r"is a control-video model \(model.family=wan_vace\) trained on data that "
+                                          r"record no VAE .*serve a model trained on data prepared with python -m "
+                                          r"ringdit.prepare vae=<folder> control=<folder>") as error:
         check_servable(spec)
+    assert "\n" not in str(error.value)
+    check_servable(SimpleNamespace(**{**vars(spec), "data": {**DATA, "conditioning": "text"}}))  # prepared: served
+
+
+@pytest.mark.timeout(600)
+def test_the_server_samples_a_vace_checkpoint_with_a_control_clip_as_infer_does(models, tmp_path):
+    """(clip, control clip, caption) triples prepared with control=, wan_vace_tiny trained on them by train.py (one
+    step), then infer.py control=<a clip> prompts=[..] seed=11 samples; the server's POST /v1/videos with that clip as
+    base64 in ``control`` gives infer.py's frames, exactly (the same encode_control, per job). A clip of other frames
+    (as an uploaded file) or size, bytes that are no video, and no clip at all: each a 400 naming control."""
+    import base64
+
+    import httpx
+
+    from ringdit.media.control import encode_control
+    from ringdit.prepare import main as prepare
+    from tests.helpers import run
+    from tests.test_serve import AUTH, KEY, serving, video_frames
+
+    clips, controls, data = tmp_path / "clips", tmp_path / "controls", tmp_path / "data"
+    clips.mkdir()
+    controls.mkdir()
+    for i, caption in enumerate(["a red fox", "a blue cat", "a green field", "a blue sky"]):
+        write_video(clips / f"{i}.mp4", FRAMES, seed=i, size=SIZE[::-1])
+        write_video(controls / f"{i}.mp4", FRAMES, seed=10 + i, size=SIZE[::-1])
+        (clips / f"{i}.txt").write_text(caption)
+    prepare([f"input={clips}", f"out={data}", f"vae={models['wan']}", f"text_encoder={models['wan']}",
+             f"size=[{SIZE[0]},{SIZE[1]}]", f"frames={FRAMES}", "max_text_len=8", f"control={controls}"])
+    run("train.py", tmp_path / "run", "experiment=wan_tiny", "model=wan_vace_tiny", "model.config.in_channels=16",
+        "model.config.out_channels=16", "model.config.vace_in_channels=96", "data=text_latents",
+        f"data.path={data}", "data.batch_size=2", "data.val_fraction=0.5", "trainer.max_steps=1", "logger=csv",
+        "scheduler=constant", "callbacks.model_checkpoint.every_n_train_steps=1", env={"HF_HUB_OFFLINE": "1"})
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    control = controls / "1.mp4"
+    run("infer.py", tmp_path / "infer", f"ckpt_path={ckpt}", f"control={control}", "prompts=[a blue cat]",
+        "num_samples=1", "diffusion.sampling.steps=2", "seed=11", env={"HF_HUB_OFFLINE": "1"})
+    expected = video_frames(tmp_path / "infer" / "sample-000.mp4")  # decoded with the data's VAE, seed 11
+    write_video(tmp_path / "long.mp4", FRAMES + 4, seed=3, size=SIZE[::-1])
+    write_video(tmp_path / "wide.mp4", FRAMES, seed=3, size=(32, 16))
+    body = {"prompt": "a blue cat", "seed": 11}
+    with serving(tmp_path / "serve", f"ckpt_path={ckpt}", f"api_key={KEY}", "diffusion.sampling.steps=2") as server:
+        given = base64.b64encode(control.read_bytes()).decode()
+        job = httpx.post(server.url + "/v1/videos", headers=AUTH, json={**body, "control": given}).json()
+        np.testing.assert_array_equal(video_frames(finished(server.url, job["id"])), expected)  # infer.py's, exactly
+        # the job's own clip is what the ranks are given, encoded as infer.py encodes its file (the tiny random VAE
+        # encodes any two clips within 0.08 of each other: too close to tell apart in the decoded uint8 pixels)
+        other = base64.b64encode((controls / "0.mp4").read_bytes()).decode()
+        job = httpx.post(server.url + "/v1/videos", headers=AUTH, json={**body, "n": 2, "control": other}).json()
+        finished(server.url, job["id"])
+        command = server.rank0.sample_command([server.queue.get(job["id"])], server.engine.sampler)
+        encoded = encode_control(str(controls / "0.mp4"), vae=str(models["wan"] / "vae"), size=SIZE, frames=FRAMES,
+                                 temporal=4)  # (1, 96, 2, 2, 2)
+        torch.testing.assert_close(command["condition"]["control"], encoded.expand(2, -1, -1, -1, -1), rtol=0, atol=0)
+        assert not torch.equal(encoded, encode_control(str(control), vae=str(models["wan"] / "vae"), size=SIZE,
+                                                       frames=FRAMES, temporal=4))
+
+        answer = httpx.post(server.url + "/v1/videos", headers=AUTH, data={k: str(v) for k, v in body.items()},
+                            files={"control": ("long.mp4", (tmp_path / "long.mp4").read_bytes(), "video/mp4")})
+        assert bad(answer) == "control has 9 frames of 16x16 but the samples have 5 frames of 16x16: a control clip " \
+                              "is the samples' own frames and size; ask for frames=9 size=\"16x16\", or give a clip " \
+                              "of 5 frames at 16x16"
+        wide = base64.b64encode((tmp_path / "wide.mp4").read_bytes()).decode()
+        answer = httpx.post(server.url + "/v1/videos", headers=AUTH, json={**body, "control": wide})
+        assert "control has 5 frames of 32x16 but the samples have 5 frames of 16x16" in bad(answer)
+        junk = base64.b64encode(b"not a video at all").decode()
+        answer = httpx.post(server.url + "/v1/videos", headers=AUTH, json={**body, "control": junk})
+        assert bad(answer).startswith("control is not a readable video")
+        answer = httpx.post(server.url + "/v1/videos", headers=AUTH, json={**body, "control": "not base64!"})
+        assert bad(answer) == "control is not base64"
+        answer = httpx.post(server.url + "/v1/videos", headers=AUTH, data={**body, "seed": "11", "control": given},
+                            files={"control": ("long.mp4", (tmp_path / "long.mp4").read_bytes(), "video/mp4")})
+        assert bad(answer) == "control is given 2 times; give it once"
+        answer = httpx.post(server.url + "/v1/videos", headers=AUTH, json=body)
+        assert bad(answer).startswith("this model denoises under a control video (model.family=wan_vace): give the "
+                                      "clip")
+
+
+def finished(url: str, job_id: str) -> bytes:
+    """The MP4 of a finished video job (asserting it completed)."""
+    from tests.test_serve import AUTH, finished_video
+
+    return finished_video(url, job_id, headers=AUTH)
+
+
+def bad(answer) -> str:
+    """The message of a 400 naming control, asserting it is one line."""
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "control" and "\n" not in error["message"], error
+    return error["message"]
+
+
+def test_a_control_clip_for_a_model_without_one_is_a_400_naming_control(clip):
+    """The check POST /v1/videos runs (``ringdit.serve.validate.control_clip``) for a model that takes no control
+    video: a 400 naming control; the advice (leave it out) passes."""
+    from ringdit.serve.bodies import BadRequest
+    from ringdit.serve.validate import control_clip
+
+    server = SimpleNamespace(control_family=None, spec=SimpleNamespace(model=SimpleNamespace(config={"family": "wan"})))
+    with pytest.raises(BadRequest) as error:
+        control_clip(clip.read_bytes(), server, SIZE, FRAMES)
+    assert (error.value.status, error.value.param) == (400, "control")
+    assert error.value.message == "this model takes no control video (it is not a control-video model: " \
+                                  "model.family=wan); leave control out"
+    assert control_clip(None, server, SIZE, FRAMES) is None
 
 
 # ---- python -m ringdit.prepare control=<folder>: the shards' control latents -----------------------------------------

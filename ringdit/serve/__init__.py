@@ -66,6 +66,7 @@ class Server:
         self.model_name = kind_name(spec.model.config)
 
         self.image_kind = image_kind(spec.model.config)
+        self.control_family = control_family(spec.model.config)  # a control-video model's: requests give a clip
         self.files_dir = Path(spec.output_dir) / "files"
         self.http = None
         self.trainer = self.module = self.engine = self.queue = self.control = self.rank0 = self.metrics = None
@@ -197,9 +198,12 @@ def check_servable(spec) -> None:
                           f"into images and videos; give vae=<the VAE folder the data was prepared with>")
 
     family = control_family(spec.model.config)
-    if family is not None:  # a request has no field for a control video; each would fail in the ranks
-        raise ConfigError(f"ckpt_path={spec.ckpt_path} is a control-video model (model.family={family.name}): the "
-                          f"server takes no control video yet; sample it with infer.py control=<video file>")
+    if family is not None and "vae" not in spec.data:  # a request's clip could not be encoded as the data's were
+        raise ConfigError(f"ckpt_path={spec.ckpt_path} is a control-video model (model.family={family.name}) trained "
+                          f"on data that record no VAE (latents made without one, as data=synthetic_text_latents "
+                          f"makes), so a request's control clip cannot be encoded as its control latents were; "
+                          f"serve a model trained on data prepared with python -m ringdit.prepare vae=<folder> "
+                          f"control=<folder>")
     if text_conditioned(spec.data) and not spec.conditioning.text_encoder:
         raise ConfigError(f"ckpt_path={spec.ckpt_path} is text-conditioned and no text encoder is known to encode "
                           f"the requests' prompts; give text_encoder=<the folder the data was encoded with>")

@@ -4,7 +4,8 @@
                                      response_format b64_json | url, lora, lora_scale | loras [{name, scale}],
                                      cache, cache_threshold}
     POST   /v1/videos               the same + frames or seconds, image (base64) -> a job; JSON, or multipart/form-data
-                                    with the first frame as the file input_reference (OpenAI's SDK sends that)
+                                    with the first frame as the file input_reference (OpenAI's SDK sends that);
+                                    control (base64, or a file): a control-video model's clip (Wan VACE)
     GET    /v1/videos               the video jobs still known, OpenAI's paged list (after, limit, order)
     GET    /v1/videos/{id}          status (queued, in_progress, completed, failed, cancelled), progress, step
     GET    /v1/videos/{id}/content  the MP4 (?index=i for sample i of n)
@@ -191,7 +192,7 @@ def create_app(server) -> FastAPI:
 
     @app.post("/v1/videos", openapi_extra=json_body(VideoBody))
     async def videos(request: Request):
-        body, uploads = await read_body(request, VideoBody, files=("input_reference",))
+        body, uploads = await read_body(request, VideoBody, files=("input_reference", "control"))
         if server.kind != "video":
             raise BadRequest("model", "this model generates images: POST /v1/images/generations")
         if "response_format" in body.model_fields_set:  # inherited from images; a video is a job, not a reply
@@ -203,7 +204,8 @@ def create_app(server) -> FastAPI:
                                                 "input_reference=open(path, 'rb')); nothing is fetched from a URL or "
                                                 "a file id; in JSON, give the image as base64 in image")
         ignored = unknown_fields(body, "/v1/videos")
-        job = submit(body, "video", reference=("input_reference", uploads.get("input_reference")))
+        job = submit(body, "video", reference=("input_reference", uploads.get("input_reference")),
+                     control=uploads.get("control"))
         return warned(JSONResponse(job.describe()), ignored)
 
     @app.get("/v1/videos")
@@ -306,10 +308,10 @@ def create_app(server) -> FastAPI:
         return job
 
     def submit(body: ImageBody, kind: str, reference: tuple[str, bytes | None] = ("image", None),
-               last_frame: bool = False) -> Job:
+               last_frame: bool = False, control: bytes | None = None) -> Job:
         if server.state != "ok":
             raise BadRequest(None, f"the server is {server.state}", status=503)
-        request = sample_request(body, kind, server, reference=reference, last_frame=last_frame)
+        request = sample_request(body, kind, server, reference=reference, last_frame=last_frame, control=control)
         try:
             return server.queue.submit(Job(request))
         except QueueFull as full:

@@ -106,6 +106,7 @@ class VideoBody(ImageBody):
     seconds: Any = None                          # a positive number, or its text ("4", OpenAI's): frames at the fps
     image: str | None = None                     # base64 (or a data: URL) of the first frame
     input_reference: Any = None                  # the first frame as a multipart file (anything else is refused)
+    control: str | None = None                   # base64 (or a data: URL) of a control-video model's clip (Wan VACE)
 
 
 class EditBody(VideoBody):

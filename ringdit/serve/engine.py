@@ -21,6 +21,7 @@ import contextlib
 import io
 import logging
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,14 +33,15 @@ from torch.utils.data import IterableDataset
 from ringdit.caching import CacheSettings, StepCache
 from ringdit.common.atomic import atomic_write
 from ringdit.media.image_condition import first_frame_inputs
-from ringdit.media.control import encode_reference
+from ringdit.media.control import encode_control, encode_reference
 from ringdit.media.images import to_image
 from ringdit.media.writing import write_mp4
-from ringdit.models.conditioning import REFERENCE_KEY, text_conditioned
+from ringdit.models.conditioning import CONTROL_KEY, REFERENCE_KEY, text_conditioned
 from ringdit.common.seeding import Stream, seed_of
 from ringdit.sampling import resolve_labels
 from ringdit.serve.adapters import Adapter, Adapters
 from ringdit.serve.jobs import CANCELLED, COMPLETED, FAILED, Job, JobQueue
+from ringdit.spec.control import control_family
 from ringdit.spec.infer import image_kind
 from ringdit.sampling.predict import SamplingModule
 from ringdit.sampling.sampler import Codecs, Sampler
@@ -322,6 +324,8 @@ class Rank0:
                 negative = rows
             if first.image is not None:
                 condition = {**condition, **self.first_frames(jobs)}
+            if first.control is not None:  # a control-video model: every job's clip, for each of its samples
+                condition = {**condition, CONTROL_KEY: self.controls(jobs)}
         else:
             condition = torch.tensor([label for job in jobs
                                       for label in resolve_labels([job.request.prompt], job.request.n, data)])
@@ -350,6 +354,21 @@ class Rank0:
                                   latent="vae" in spec.data, vae=spec.output.vae,
                                   image_encoder=prepared.get("path"), channels=spec.data["channels"],
                                   setting="image")
+
+    def controls(self, jobs: list[Job]) -> torch.Tensor:
+        """(N, C_vace, T', h, w): each job's control clip encoded as infer.py control= encodes its file (the same
+        ``encode_control``), repeated for the job's ``n`` samples."""
+        temporal = control_family(self.spec.model.config).vae_factors[0]
+        rows = []
+        for job in jobs:
+            request = job.request
+            with tempfile.TemporaryDirectory() as folder:  # encode_control reads a file, as infer.py's control=
+                path = Path(folder) / "control"
+                path.write_bytes(request.control)
+                encoded = encode_control(str(path), vae=self.spec.output.vae, size=request.size,
+                                         frames=request.frames, temporal=temporal)  # (1, C_vace, T', h, w)
+            rows.append(encoded.expand(request.n, *encoded.shape[1:]))
+        return torch.cat(rows)
 
     def deliver(self, jobs: list[Job], command: dict, samples: torch.Tensor | None, sampler: Sampler) -> None:
         """Each job's samples as files (PNG per image, MP4 per video); its state finished."""

@@ -46,6 +46,7 @@ class SampleRequest:
     loras: tuple[tuple[str, float], ...] = ()  # (resident adapter, strength), stacked in this order
     cache: tuple[str, float] | None = None  # (kind, threshold)
     image: Any = None                # image-to-video: the first frame, a PIL image
+    control: bytes | None = None     # a control-video model's (Wan VACE) control clip, as uploaded (checked)
     last_frame: bool = False         # POST /v1/images/edits: a video whose last frame is written, as a PNG
     fps: int | None = None           # a video's frames per second (its MP4's): the job reports frames / fps seconds
     model: str = ""                  # the served model's name, as GET /v1/models lists it

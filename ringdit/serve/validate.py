@@ -9,8 +9,11 @@ import io
 import math
 import re
 import secrets
+import tempfile
+from pathlib import Path
 
 from ringdit.common.errors import ConfigError
+from ringdit.media.frames import probe
 from ringdit.models.conditioning import text_conditioned
 from ringdit.sampling import resolve_labels
 from ringdit.serve.bodies import DECIMAL, MAX_IMAGE_BYTES, BadRequest, ImageBody
@@ -22,9 +25,9 @@ MAX_STRENGTH = 10.0  # an adapter's strength: past it a sample is noise, and flo
 
 
 def sample_request(body: ImageBody, kind: str, server, reference: tuple[str, bytes | None] = ("image", None),
-                   last_frame: bool = False) -> SampleRequest:
+                   last_frame: bool = False, control: bytes | None = None) -> SampleRequest:
     """``body`` checked against the model and the server's bounds (``BadRequest`` naming the field); ``reference``:
-    (its field, the uploaded first frame or None)."""
+    (its field, the uploaded first frame or None); ``control``: the uploaded control clip, or None."""
     settings, spec = server.settings, server.spec
     bounded("n", body.n, 1, settings.max_n)
     steps = spec.sampling["steps"] if body.steps is None else body.steps
@@ -95,10 +98,12 @@ def sample_request(body: ImageBody, kind: str, server, reference: tuple[str, byt
     if upload is not None and given is not None:
         raise BadRequest(field, f"the first frame is given twice: as {field} and as image; give one")
     image = first_frame(upload, server, size, field) if upload is not None else first_frame(given, server, size)
+    # a multipart body holds one part per name (ringdit.serve.bodies): the clip is the file or the base64 text
+    clip = control_clip(control if control is not None else getattr(body, "control", None), server, size, frames)
     return SampleRequest(kind=kind, prompt=prompt, n=body.n, seed=seed, shape=tuple(shape), size=size,
                          frames=frames, steps=steps, cfg_scale=float(cfg_scale),
                          negative_prompt=body.negative_prompt or None, loras=loras,
-                         cache=cache, image=image, last_frame=last_frame,
+                         cache=cache, image=image, control=clip, last_frame=last_frame,
                          fps=fps if kind == "video" else None, model=server.model_name)
 
 
@@ -197,15 +202,7 @@ def first_frame(data: str | bytes | None, server, size: tuple[int, int], field: 
         return None
     if not needs:
         raise BadRequest(field, "this model takes no image (it is not image-to-video)")
-    if isinstance(data, str):
-        if data.startswith("data:"):
-            data = data.partition(",")[2]
-        if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-            raise BadRequest(field, f"{field}: more than {MAX_IMAGE_BYTES // 2**20} MiB")
-        try:
-            data = base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise BadRequest(field, f"{field} is not base64") from None
+    data = file_bytes(data, field)
     try:
         with Image.open(io.BytesIO(data)) as opened:
             picture = ImageOps.exif_transpose(opened).convert("RGB")
@@ -217,3 +214,49 @@ def first_frame(data: str | bytes | None, server, size: tuple[int, int], field: 
         raise BadRequest(field, f"{field} is {picture.width}x{picture.height} but the samples are {width}x{height}: "
                                 f"crop it to that aspect ratio (nothing is cropped for you)")
     return picture
+
+
+def file_bytes(data: str | bytes, field: str) -> bytes:
+    """An uploaded file's bytes as they are, or base64 text (a ``data:`` URL's too) decoded."""
+    if isinstance(data, bytes):
+        return data
+    if data.startswith("data:"):
+        data = data.partition(",")[2]
+    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise BadRequest(field, f"{field}: more than {MAX_IMAGE_BYTES // 2**20} MiB")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(field, f"{field} is not base64") from None
+
+
+def control_clip(data: str | bytes | None, server, size: tuple[int, int], frames: int | None,
+                 field: str = "control") -> bytes | None:
+    """A control-video model's control clip (Wan VACE) -- base64 text, or an uploaded file's bytes -- checked from its
+    headers, as infer.py control= checks its file, to be a video of exactly the samples' frames and size (a clip is
+    never cropped or resized: it would condition on other frames than were asked for)."""
+    family = server.control_family
+    if data is None:
+        if family is not None:
+            raise BadRequest(field, f"this model denoises under a control video (model.family={family.name}): give "
+                                    f"the clip of the samples' frames and size as base64 in {field} (or upload it as "
+                                    f"the file {field})")
+        return None
+    if family is None:
+        raise BadRequest(field, f"this model takes no control video (it is not a control-video model: "
+                                f"model.family={server.spec.model.config.get('family')}); leave {field} out")
+    data = file_bytes(data, field)
+    with tempfile.TemporaryDirectory() as folder:  # PyAV reads a file: the clip is written where nothing else is
+        path = Path(folder) / "control"
+        path.write_bytes(data)
+        try:
+            height, width, count = probe(path, is_video=True)
+        except Exception as problem:  # noqa: BLE001 - PyAV raises its own errors for bytes it cannot read
+            raise BadRequest(field, f"{field} is not a readable video ({type(problem).__name__}); give an MP4, "
+                                    f"WebM or GIF file") from None
+    if (height, width, count) != (*size, frames):
+        raise BadRequest(field, f"{field} has {count} frames of {width}x{height} but the samples have {frames} frames "
+                                f"of {size[1]}x{size[0]}: a control clip is the samples' own frames and size; ask for "
+                                f"frames={count} size=\"{width}x{height}\", or give a clip of {frames} frames at "
+                                f"{size[1]}x{size[0]}")
+    return data
