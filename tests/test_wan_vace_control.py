@@ -21,7 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SIZE, FRAMES = (16, 16), 5  # pixels (H, W): latents (2, 2, 2) with the tiny Wan VAE (8x spatial, 4x temporal)
 CLOSE = dict(rtol=1e-5, atol=1e-5)  # fp32: the same VAE kernels on the same pixels
-VACE = {"family": "wan_vace", "config": {"vace_in_channels": 2 * 16 + 64}}  # the tiny VAE's 16 latents + 8x8 mask
+TRANSFORMER = "ringdit.models.diffusers.DiffusersTransformer"  # a model config's _target_, as every preset records it
+VACE = {"_target_": TRANSFORMER, "family": "wan_vace", "config": {"vace_in_channels": 2 * 16 + 64}}  # 16 latents + mask
 DATA = {"channels": 16, "vae": {"path": "vae"}}  # data prepared with a VAE (pixel sizes)
 
 
@@ -97,11 +98,11 @@ def test_a_control_clip_of_other_frames_or_size_is_refused(clip):
 
 def test_control_needs_a_control_video_model_and_a_clip(clip, tmp_path):
     with pytest.raises(ConfigError, match=r"control=.* is not a control-video model \(model.family=wan:.*wan_vace"):
-        control_spec(clip, model={"family": "wan", "config": {}})
+        control_spec(clip, model={"_target_": TRANSFORMER, "family": "wan", "config": {}})
     with pytest.raises(ConfigError, match=r"control=.*missing.mp4 does not exist"):
         control_spec(clip, control=tmp_path / "missing.mp4")
     with pytest.raises(ConfigError, match=r"vace_in_channels is 72"):
-        control_spec(clip, model={"family": "wan_vace", "config": {"vace_in_channels": 72}})
+        control_spec(clip, model={"_target_": TRANSFORMER, "family": "wan_vace", "config": {"vace_in_channels": 72}})
     with pytest.raises(ConfigError, match=r"control=.*trained on data that record no VAE .*leave control=, prompts "):
         control_spec(clip, data={"channels": 16})
     with pytest.raises(ConfigError, match=r"control=.*no VAE folder is known; give vae="):
