@@ -42,6 +42,9 @@ TWINS = {
     "flux2_lora": ["model=flux2_tiny", *IMAGES, "data.text_dim=32", "lora.base_dtype=null"],
     "qwenimage_lora": ["model=qwenimage_tiny", "data.frames=0", "data.channels=4", "data.text_dim=16"],
     "cogvideox15_lora": ["model=cogvideox15_tiny", "data.frames=4"],
+    "qwenimage_edit_2511_lora": ["model=qwenimage_edit_tiny", "data.frames=0", "data.channels=4", "data.text_dim=16",
+                                 "data.reference=true", "+model.config.zero_cond_t=true"],
+    "wan21_vace_1_3b_lora": ["model=wan_vace_tiny", "data.control=72"],
 }
 # the recipe pages of the presets (dit.md: the original class-conditional checkpoints, no preset; index.md: the list)
 PAGES = sorted(page for page in (REPO / "docs" / "recipes").glob("*.md") if page.name not in ("index.md", "dit.md"))

@@ -73,6 +73,8 @@ def adamw8bit(params, **settings) -> torch.optim.Optimizer:
     if AdamW8bit not in _resumable:
         _resumable[AdamW8bit] = type("ResumableAdamW8bit", (AdamW8bit,), {
             "state_dict": _state_dict, "load_state_dict": _load_state_dict, "__module__": __name__})
+    if "betas" in settings:  # Hydra hands a ListConfig, which torchao keeps in the param groups: a checkpoint
+        settings["betas"] = tuple(settings["betas"])  # holding it would not load as plain weights
     return _resumable[AdamW8bit](params, **settings)
 
 
