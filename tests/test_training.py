@@ -132,6 +132,10 @@ def companion_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         return [*synthetic, "data.audio=[2,5,2]"]
     if (group, option) == ("model", "ltx2"):  # LTX-2's audio VAE: 8 channels x 16 mel bins
         return [*synthetic, "data.channels=128", "data.text_dim=3840", "data.size=4", "data.audio=[8,5,16]"]
+    if (group, option) == ("model", "minimax_h3_tiny"):  # + the stereo audio latents (2 channels x audio_in_channels)
+        return [*synthetic, "data.audio=[2,5,8]"]
+    if (group, option) == ("model", "minimax_h3"):
+        return [*synthetic, "data.channels=24", "data.text_dim=5120", "data.size=4", "data.audio=[2,5,32]"]
     if (group, option) == ("model", "wan_vace_tiny"):  # + the control video's latents (vace_in_channels)
         return [*synthetic, "data.control=72"]
     if (group, option) in (("model", "wan_vace_1_3b"), ("model", "wan_vace_14b")):
