@@ -269,7 +269,7 @@ def test_sigterm_during_the_final_write_finishes_it(tiny_checkpoint, tmp_path):
 def test_sigterm_during_the_vae_decode_stops_it_and_keeps_the_samples(models, tmp_path, monkeypatch):
     """A latent model with vae=: SIGTERM while rank 0 decodes (no other rank waits) stops there; samples.npz, written
     before, is whole, and the line says how to decode it later."""
-    import ringdit.media.decode
+    import ringdit.sampling.sampler
 
     latents = np.random.default_rng(0).standard_normal((40, 4, 8, 8)).astype(np.float32)
     data = write_latents(tmp_path, latents, np.arange(40) % 2)
@@ -279,7 +279,7 @@ def test_sigterm_during_the_vae_decode_stops_it_and_keeps_the_samples(models, tm
         raise_sigterm()
         pytest.fail("SIGTERM did not stop the decode")
 
-    monkeypatch.setattr(ringdit.media.decode, "decode_latents", signal_while_decoding)
+    monkeypatch.setattr(ringdit.sampling.sampler, "decode_latents", signal_while_decoding)  # as infer's Sampler calls it
     out = tmp_path / "infer"
     proc, _ = fail_fast("infer.py", f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}", "trainer=cpu",
                         "num_samples=3", "diffusion.sampling.steps=2", f"vae={models['flux']}", f"hydra.run.dir={out}")
