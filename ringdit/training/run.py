@@ -57,8 +57,11 @@ def prepare(cfg: DictConfig):
     ddp = layout.strategy == "ddp"
     # a model kind whose loss may leave parameters without a gradient (diffusers: QwenImage's last text-stream MLP):
     # DDP's static graph learns which in the first step instead of failing on them (FSDP reduces whatever gradients
-    # exist); a two-expert model training both runs one expert a step, a set that changes, which DDP finds anew
-    unused = {"find_unused_parameters": True} if spec.expert == "both" else {"static_graph": True}
+    # exists); a two-expert model training both runs one expert a step, a set that changes, which DDP finds anew; so
+    # does a run accumulating gradients: DDP's static graph cannot learn its graph under no_sync (Lightning skips the
+    # all-reduce of the micro-batches before the last; DDP's reducer asserts "expect_autograd_hooks_")
+    accumulates = spec.trainer.config.get("accumulate_grad_batches", 1) > 1
+    unused = {"find_unused_parameters": True} if spec.expert == "both" or accumulates else {"static_graph": True}
     if spec.model.kind.loss_reaches_every_parameter or not ddp \
             or {"static_graph", "find_unused_parameters"} & set(strategy_cfg):
         unused = {}  # (the DiT's loss reaches every parameter); a strategy config that says how wins
