@@ -474,3 +474,21 @@ def test_sigterm_while_models_load_stops_at_once(models, many_images, tmp_path, 
     assert stop.value.code == 143
     assert not out.exists() or not list(out.iterdir())
     assert "preempted: SIGTERM stopped preparing; 0 complete shards in" in caplog.text
+
+
+def test_a_run_in_this_process_leaves_no_launcher_mark(monkeypatch):
+    """A run's launcher mark lives while the run does: a train.py this process starts afterwards (a notebook after
+    ``ringdit.train``, a test after an in-process run) launches ranks of its own -- with the mark left behind it took
+    itself for a spawned rank, skipped the launcher's checks and exited 0 instead of 143 on SIGTERM."""
+    from ringdit.commands.launcher import LAUNCHER_PID
+    from ringdit.commands.preemption import stop_on_sigterm
+
+    monkeypatch.delenv(LAUNCHER_PID, raising=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with stop_on_sigterm(trainer):
+        assert os.environ[LAUNCHER_PID] == str(os.getpid())  # the ranks it spawns now inherit it
+    assert LAUNCHER_PID not in os.environ
+    child = subprocess.run([sys.executable, "-c", "from ringdit.commands.launcher import spawned_by_launcher as s; "
+                            "print(s())"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == "False", child.stderr[-2000:]

@@ -19,9 +19,19 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCI
                    "JSM_NAMESPACE_RANK")
 
 
-def mark_launcher() -> None:
-    """Called by the launching process before Lightning spawns the other ranks (a spawned rank keeps the mark)."""
-    os.environ.setdefault(LAUNCHER_PID, str(os.getpid()))
+def mark_launcher() -> bool:
+    """Called by the launching process before Lightning spawns the other ranks (a spawned rank keeps the mark).
+    True when this call set the mark: its run must take it away when it ends (``unmark_launcher``), or a train.py
+    that this process starts later (a notebook after ``ringdit.train``) would take itself for a rank of this one."""
+    if LAUNCHER_PID in os.environ:
+        return False
+    os.environ[LAUNCHER_PID] = str(os.getpid())
+    return True
+
+
+def unmark_launcher() -> None:
+    """The launching process's run has ended: it launches no ranks any more."""
+    os.environ.pop(LAUNCHER_PID, None)
 
 
 def spawned_by_launcher() -> bool:

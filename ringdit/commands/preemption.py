@@ -29,7 +29,7 @@ from typing import Callable
 import lightning as L
 import torch
 
-from ringdit.commands.launcher import mark_launcher, spawned_by_launcher
+from ringdit.commands.launcher import mark_launcher, spawned_by_launcher, unmark_launcher
 
 log = logging.getLogger("ringdit.train")
 
@@ -242,8 +242,9 @@ def stop_on_sigterm(trainer: L.Trainer | None = None, logger: logging.Logger | N
     global _requested, _at_once
     previous = signal.getsignal(signal.SIGTERM)
     _install()
+    marked = False
     if trainer is not None:
-        mark_launcher()
+        marked = mark_launcher()
         trainer.callbacks.append(StopOnSigterm())
         keep_sigterm_handler(trainer)
     try:
@@ -263,6 +264,8 @@ def stop_on_sigterm(trainer: L.Trainer | None = None, logger: logging.Logger | N
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         _requested, _at_once = False, None
+        if marked:  # a train.py this process starts later launches its own ranks (it exited 0 on SIGTERM, as a rank)
+            unmark_launcher()
 
 
 def _wait_for_spawned_ranks(trainer: L.Trainer, timeout_s: float = 60.0) -> None:
