@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
-from tests.test_import_graph import PACKAGE
-
+PACKAGE = Path(__file__).resolve().parents[1] / "ringdit"
 MOST_LINES = 500
 
 

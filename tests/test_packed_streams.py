@@ -18,7 +18,7 @@ from ringdit.parallel import init_sequence_parallel
 from tests.diffusers_helpers import ddp_average
 from tests.distributed import run_ranks
 from tests.helpers import assert_same_numbers
-from tests.test_streams import Attention
+from tests.toy_attention import Attention
 
 DIM, TOKEN_LEN, REFERENCE_LEN = 8, 7, 5
 OUT_ATOL, GRAD_OF_MAX = 1e-13, 1e-12  # float64: only the order of sums differs

@@ -96,7 +96,7 @@ def test_an_edit_model_trains_on_prepared_triples_and_samples_with_image(models,
 
     from ringdit.prepare import main as prepare
     from tests.helpers import TEXT_LEN, run
-    from tests.test_serve import AUTH, KEY, pixels_of, serving
+    from tests.serving import AUTH, KEY, pixels_of, serving
 
     images, references, data = tmp_path / "images", tmp_path / "references", tmp_path / "data"
     images.mkdir()

@@ -28,55 +28,13 @@ import pytest
 import torch
 
 from tests.helpers import LAUNCH_VARIABLES, REPO, TINY, compose_config, run, write_video
+from tests.serving import AUTH, KEY, finished_video, pixels_of, serving, video_frames
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-KEY = "test-key-0123456789"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@contextlib.contextmanager
-def serving(run_dir: Path, *overrides: str):
-    """A one-process server in this process (``ringdit.serve.Server``, the code ``python -m ringdit.serve`` runs):
-    yields it once ready; drains it on leaving."""
-    from ringdit.serve import Server
-
-    saved = dict(os.environ)  # Lightning leaves LOCAL_RANK, MASTER_* behind, which later launches would read
-    server = Server(compose_config("serve", run_dir, "port=0", *overrides))
-    server.build()
-    codes = []
-    thread = threading.Thread(target=lambda: codes.append(server.run()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while server.state != "ok":
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not become ready"
-        time.sleep(0.02)
-    try:
-        yield server
-    finally:
-        server.drain()
-        thread.join(timeout=60)
-        os.environ.clear()
-        os.environ.update(saved)
-        assert codes == [0]
-
-
-def pixels_of(item: dict) -> np.ndarray:
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
-
-
-def video_frames(data: bytes | Path) -> np.ndarray:
-    import av
-
-    with av.open(io.BytesIO(data) if isinstance(data, bytes) else str(data)) as container:
-        return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
-
-
 # ---- the tiny DiT, one process, in this process ---------------------------------------------------------------------
 
 
@@ -696,16 +654,6 @@ def test_videos_at_ring_2_equal_infer_then_cancel_and_sigterm(ti2v):
         assert proc.wait(timeout=300) == 0  # generous: a loaded machine runs a step in a fraction of a second or less
         assert (ti2v / "serve" / "files" / f"{running['id']}-0.mp4").is_file()  # written before it completed
         assert f"{running['id']}: 1 video(s)" in (ti2v / "serve").with_suffix(".log").read_text()  # logged as done
-
-
-def finished_video(url: str, job_id: str, headers=None) -> bytes:
-    deadline = time.monotonic() + 60
-    while (job := httpx.get(f"{url}/v1/videos/{job_id}", headers=headers).json())["status"] in ("queued",
-                                                                                               "in_progress"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert job["status"] == "completed", job
-    return httpx.get(f"{url}/v1/videos/{job_id}/content", headers=headers).content
 
 
 def test_a_killed_rank_makes_the_server_answer_503_and_exit(dit, tmp_path):

@@ -149,7 +149,7 @@ def test_the_server_samples_a_vace_checkpoint_with_a_control_clip_as_infer_does(
     from ringdit.media.control import encode_control
     from ringdit.prepare import main as prepare
     from tests.helpers import run
-    from tests.test_serve import AUTH, KEY, serving, video_frames
+    from tests.serving import AUTH, KEY, serving, video_frames
 
     clips, controls, data = tmp_path / "clips", tmp_path / "controls", tmp_path / "data"
     clips.mkdir()
@@ -211,7 +211,7 @@ def test_the_server_samples_a_vace_checkpoint_with_a_control_clip_as_infer_does(
 
 def finished(url: str, job_id: str) -> bytes:
     """The MP4 of a finished video job (asserting it completed)."""
-    from tests.test_serve import AUTH, finished_video
+    from tests.serving import AUTH, finished_video
 
     return finished_video(url, job_id, headers=AUTH)
 
