@@ -174,7 +174,7 @@ def test_a_setting_of_the_wrong_kind_is_refused_and_the_advice_passes(case, tmp_
 def test_a_new_boolean_setting_is_checked_by_its_annotation():
     """The declared kinds come from the code: a new parameter is covered without a list of names to keep."""
     from ringdit.common.errors import ConfigError
-    from ringdit.spec.settings import check_setting_types, declared_types
+    from ringdit.spec.setting_types import check_setting_types, declared_types
 
     class Model:
         def __init__(self, offload_more: bool = False, share: bool | float | str = 0.5, name: str = "x", width=4):

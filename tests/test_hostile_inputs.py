@@ -65,7 +65,7 @@ def test_a_decompression_bomb_is_one_unreadable_image_everywhere(tmp_path):
 def test_teacache_coefficient_files_are_bounded(tmp_path):
     """A file nested past the parser's recursion limit, one of millions of coefficients, one larger than a
     coefficients file can be, and the wrong JSON shapes: each one ConfigError naming the file."""
-    from ringdit.caching.settings import read_coefficients
+    from ringdit.caching.cache_settings import read_coefficients
 
     cases = {
         "deep": ("[" * 100_000 + "]" * 100_000, r"is not valid JSON \(nested too deeply\)"),
@@ -487,7 +487,7 @@ def test_outputs_that_are_not_regular_files_are_never_replaced(tiny_checkpoint, 
 def test_a_teacache_file_fitted_to_another_model_is_refused(tmp_path):
     """calibrate records the model it fitted (family, width, depth); the file beside a checkpoint of another model
     is named, not used."""
-    from ringdit.caching.settings import read_coefficients
+    from ringdit.caching.cache_settings import read_coefficients
 
     fitted = tmp_path / "teacache.json"
     fitted.write_text(json.dumps({"coefficients": [1.0, 0.5], "model": ["dit", 64, 4]}))

@@ -1,4 +1,4 @@
-"""A diffusers pipeline folder sampled as published (``ringdit.spec.pipeline``): ``infer.py ckpt_path=<WanPipeline
+"""A diffusers pipeline folder sampled as published (``ringdit.spec.pipeline_folder``): ``infer.py ckpt_path=<WanPipeline
 folder>`` samples what ``WanPipeline`` itself returns for the same noise, prompt and defaults (its text encoder, UniPC
 scheduler and shift, guidance, two experts); ``python -m ringdit.serve`` serves the folder and its videos equal
 infer.py's; what such a folder cannot give is refused in one line.

@@ -25,7 +25,7 @@ def test_prepare_writes_each_images_reference_latents(models, tmp_path):
     from safetensors.torch import load_file
 
     from ringdit.prepare import main as prepare
-    from ringdit.media.control import encode_reference
+    from ringdit.media.control_pixels import encode_reference
 
     images, references, out = tmp_path / "images", tmp_path / "references", tmp_path / "data"
     images.mkdir()
@@ -53,7 +53,7 @@ def test_prepare_writes_each_images_reference_latents(models, tmp_path):
 
 def test_prepare_refuses_a_missing_or_mismatched_reference(tmp_path):
     """Before any model loads: one line naming reference= and the image; its advice fixes it."""
-    from ringdit.media.control import find_references
+    from ringdit.media.control_pixels import find_references
     from ringdit.media.folder import list_media
     from tests.helpers import write_video
 

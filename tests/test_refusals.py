@@ -288,7 +288,7 @@ def test_a_bad_config_json_value_is_named_with_its_file_and_key(part, key, value
     proc, seconds = fail_fast("infer.py", *sample, f"hydra.run.dir={tmp_path / 'refused'}")
     assert_refused(proc, text=f"{file}: {message}", seconds=seconds)
     file.write_text(saved)
-    from ringdit.spec.pipeline import pipeline_checkpoint
+    from ringdit.spec.pipeline_folder import pipeline_checkpoint
 
     assert pipeline_checkpoint(str(folder))["model"]  # the folder's settings are read and checked again
 
@@ -313,6 +313,6 @@ def test_a_bad_model_index_is_named(change, message, wan_pipeline_folder, tmp_pa
                               f"hydra.run.dir={tmp_path / 'refused'}")
     assert_refused(proc, text=message, seconds=seconds)
     index.write_text(saved)  # the advice: the model_index.json save_pretrained wrote
-    from ringdit.spec.pipeline import pipeline_checkpoint
+    from ringdit.spec.pipeline_folder import pipeline_checkpoint
 
     assert pipeline_checkpoint(str(folder))["model"]

@@ -171,7 +171,7 @@ def test_conditioning_is_what_the_diffusers_pipeline_feeds_the_transformer(famil
 
 def test_the_i2v_mask_channels_are_the_pipelines():
     """The 4 mask channels at another frame count (21 latent frames, Wan's 81 video frames): the pipeline's steps."""
-    from ringdit.models.diffusers.image_condition import channel_mask
+    from ringdit.models.diffusers.image_to_video import channel_mask
 
     pipe = tiny_pipeline(None, expand_timesteps=False)
     image = torch.rand(1, 3, 16, 16) * 2 - 1

@@ -146,7 +146,7 @@ def test_the_server_samples_a_vace_checkpoint_with_a_control_clip_as_infer_does(
 
     import httpx
 
-    from ringdit.media.control import encode_control
+    from ringdit.media.control_pixels import encode_control
     from ringdit.prepare import main as prepare
     from tests.helpers import run
     from tests.serving import AUTH, KEY, serving, video_frames
@@ -247,7 +247,7 @@ def test_prepare_writes_each_clips_control_latents_as_infer_encodes_them(models,
     clip encoded as infer.py control= encodes it (above: as WanVACEPipeline does), (96, 2, 2, 2)."""
     from safetensors.torch import load_file
 
-    from ringdit.media.control import encode_control
+    from ringdit.media.control_pixels import encode_control
     from ringdit.prepare import main as prepare
 
     clips, controls, out = tmp_path / "clips", tmp_path / "controls", tmp_path / "data"
@@ -274,7 +274,7 @@ def test_prepare_writes_each_clips_control_latents_as_infer_encodes_them(models,
 
 def test_prepare_refuses_a_missing_or_mismatched_control_clip(tmp_path):
     """Before any model loads: one line naming control= and the clip."""
-    from ringdit.media.control import find_controls
+    from ringdit.media.control_pixels import find_controls
     from ringdit.media.folder import list_media
 
     clips, controls = tmp_path / "clips", tmp_path / "controls"

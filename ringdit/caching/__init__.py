@@ -36,7 +36,7 @@ command: not imported here, as it imports the training module that samples).
 
 from ringdit.caching.blocks import BlockIO, block_io, check_model, modulated_input_of
 from ringdit.caching.cache import CacheCounts, StepCache
-from ringdit.caching.settings import (
+from ringdit.caching.cache_settings import (
     COEFFICIENTS_FILE,
     KINDS,
     SCOPES,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ringdit.caching.blocks import BlockIO, block_io, modulated_input_of, repeated_blocks_of
-from ringdit.caching.settings import CacheSettings
+from ringdit.caching.cache_settings import CacheSettings
 from ringdit.common.errors import ConfigError
 
 Tensor = torch.Tensor

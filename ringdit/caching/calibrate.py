@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from ringdit.common.atomic import atomic_write
 from ringdit.models.build import build_model
 from ringdit.caching.cache import StepCache
-from ringdit.caching.settings import COEFFICIENTS_FILE, CacheSettings, model_fingerprint
+from ringdit.caching.cache_settings import COEFFICIENTS_FILE, CacheSettings, model_fingerprint
 from ringdit.checkpoints.location import checked_output
 from ringdit.checkpoints.loading import safe_torch_load
 from ringdit.commands.cli import hydra_main, user_errors

@@ -1,7 +1,7 @@
 """The memory one rank needs, estimated before anything is spawned: train.py's warning, ``python -m ringdit.plan``.
 
 ``ringdit.costs.estimate``: what the estimate models, term by term (its docstring), and the estimate itself;
-``ringdit.costs.sizes``: the model's sizes it reads, from the model built on the meta device;
+``ringdit.costs.model_size``: the model's sizes it reads, from the model built on the meta device;
 ``ringdit.costs.check``: a run's settings as a ``Setup`` (``memory_setup``, from ``TrainSpec``'s parts) and its
 warning, with a layout that fits.
 """
@@ -10,7 +10,7 @@ from ringdit.costs.check import (available_memory, check_memory, check_training_
                                   memory_setup, setup_from_config, warn_if_memory_short)
 from ringdit.costs.estimate import (DISTILL_METHODS, DTYPE_BYTES, FLOAT8, STATE_BLOCK, GiB, MemoryEstimate, ModelSize,
                                      Setup, estimate_memory, gathered_bytes_per_parameter, model_bytes)
-from ringdit.costs.sizes import (estimate_model_memory, float8_parameters, lora_parameters, model_size,
+from ringdit.costs.model_size import (estimate_model_memory, float8_parameters, lora_parameters, model_size,
                                   untargeted_linear_inputs)
 
 __all__ = [

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from ringdit.parallel.layout import Layout
 from ringdit.costs.estimate import GiB, MemoryEstimate, ModelSize, Setup, estimate_memory
-from ringdit.costs.sizes import model_size
+from ringdit.costs.model_size import model_size
 from ringdit.models.checkpointing import checkpoint_fraction
 
 log = logging.getLogger("ringdit.costs")

@@ -18,7 +18,7 @@ from ringdit.data.text_latent_shards import MASK_KEY, TEXT_KEYS, save_tensors
 from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.buckets import Bucket, make_buckets, parse_buckets
-from ringdit.media.control import find_controls, find_references
+from ringdit.media.control_pixels import find_controls, find_references
 from ringdit.media.clip_placement import bucket_size, clip_windows, place_files, plan_shards
 from ringdit.media.encode_report import EncodeReport
 from ringdit.media.folder import MediaItem, list_media

@@ -56,7 +56,7 @@ import torch
 from ringdit.common.errors import ConfigError
 from ringdit.media.parallel_vae import parallel_decode, parallel_encode
 from ringdit.models.diffusers.folders import check_config_values, check_weights_folder
-from ringdit.models.frames import FrameRule
+from ringdit.models.frame_rule import FrameRule
 from ringdit.models.vaes import VAE_KINDS
 
 

@@ -8,7 +8,7 @@ TEXT = "text"  # describe()["conditioning"] of data carrying prompts' text state
 
 # HunyuanVideo 1.5's glyph text, optional, per sample: the ByT5 states of the prompt's quoted text and their mask
 GLYPH_KEYS = ("glyph_text", "glyph_text_mask")
-# image-to-video conditioning, optional, per sample (ringdit.models.diffusers.image_condition reads them)
+# image-to-video conditioning, optional, per sample (ringdit.models.diffusers.image_to_video reads them)
 IMAGE_KEYS = ("image_latents", "image_condition", "image_embeds")
 # a control video's latents, optional, per sample (Wan VACE: ringdit.models.diffusers.wan_vace reads them)
 CONTROL_KEY = "control"

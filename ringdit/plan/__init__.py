@@ -44,7 +44,7 @@ from ringdit.commands.cli import hydra_main, user_errors
 from ringdit.plan.preset import expand_experiment, preset_overrides, preset_run_line
 from ringdit.plan.report import format_plan, recommend, train_command
 from ringdit.plan.search import candidates, check_fixed_degrees
-from ringdit.plan.settings import settings
+from ringdit.plan.planner_settings import settings
 from ringdit.plan.shapes import planned_model
 from ringdit.costs.previews import planned_preview_line
 

@@ -11,7 +11,7 @@ from ringdit.parallel.heads import head_counts, head_imbalance
 from ringdit.parallel.layout import Layout
 from ringdit.costs import FLOAT8, GiB, ModelSize, Setup
 from ringdit.plan.search import Candidate, Hardware, options_label, preference
-from ringdit.plan.settings import choice_name, preset_name
+from ringdit.plan.planner_settings import choice_name, preset_name
 
 def recommend(found: list[Candidate], hardware: Hardware) -> tuple[Candidate | None, list[str]]:
     """The layout that fits with the least time per sample, and one or two lines saying why."""

@@ -8,8 +8,8 @@ from omegaconf import DictConfig, OmegaConf
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.costs import ModelSize, model_size
 from ringdit.media.buckets import MAX_SIDE
-from ringdit.models.frames import FrameRule
-from ringdit.plan.settings import preset_name
+from ringdit.models.frame_rule import FrameRule
+from ringdit.plan.planner_settings import preset_name
 from ringdit.spec.model import build_on_meta, kind_name, model_class, model_config
 
 def latent_shape(cfg: DictConfig, model_cfg: dict, vae_factors: tuple[int | None, int], video: bool,

@@ -13,7 +13,7 @@ import torch
 from ringdit.data.datasets import data_source
 from ringdit.data.text_latents import TextLatentsDataModule, read_prompts
 from ringdit.common.errors import ConfigError
-from ringdit.media.control import encode_control, encode_reference
+from ringdit.media.control_pixels import encode_control, encode_reference
 from ringdit.media.frames import open_image
 from ringdit.media.image_condition import first_frame_inputs
 from ringdit.media.text import encode_prompts, encoder_settings

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringdit.common.errors import ConfigError, require_count
-from ringdit.models.frames import FrameRule
+from ringdit.models.frame_rule import FrameRule
 
 Shape = tuple[int, ...]  # a sample's ([T,] H, W) in the data's cells (latent cells, or pixels of pixel-space data)
 
@@ -153,7 +153,7 @@ class SampleSizes:
 
     def _latent_frames(self, frames, where: str, setting: str) -> int:
         """The stored latent frames for ``frames`` (video frames; the cells without a VAE): the model's frame rule
-        (``ringdit.models.frames``) for the data's VAE and the model's temporal patch."""
+        (``ringdit.models.frame_rule``) for the data's VAE and the model's temporal patch."""
         return FrameRule(self.temporal, max(self.frame_pad, 1), self.patch[0]).check(f"{where}{setting}", frames)
 
 

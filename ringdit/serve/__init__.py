@@ -40,7 +40,7 @@ from ringdit.models.conditioning import text_conditioned
 from ringdit.serve.engine import Commands, Control, Engine, Rank0, ServingModule
 from ringdit.serve.jobs import JobQueue
 from ringdit.serve.metrics import Metrics
-from ringdit.serve.settings import ServeSettings
+from ringdit.serve.server_settings import ServeSettings
 from ringdit.spec import InferSpec
 from ringdit.spec.control import control_family
 from ringdit.spec.infer import image_kind

@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset
 from ringdit.caching import CacheSettings, StepCache
 from ringdit.common.atomic import atomic_write
 from ringdit.media.image_condition import first_frame_inputs
-from ringdit.media.control import encode_control, encode_reference
+from ringdit.media.control_pixels import encode_control, encode_reference
 from ringdit.media.images import to_image
 from ringdit.media.writing import write_mp4
 from ringdit.models.conditioning import CONTROL_KEY, REFERENCE_KEY, text_conditioned

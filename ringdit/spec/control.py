@@ -1,5 +1,5 @@
 """``infer.py control=``: the control video of a control-video model's samples (Wan VACE), checked before anything
-starts; encoded on the launching process by ``ringdit.sampling.conditions`` (``ringdit.media.control``)."""
+starts; encoded on the launching process by ``ringdit.sampling.conditions`` (``ringdit.media.control_pixels``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from ringdit.common.errors import ConfigError
-from ringdit.media.control import check_control_clip
+from ringdit.media.control_pixels import check_control_clip
 from ringdit.models.conditioning import CONTROL_KEY
 from ringdit.models.diffusers.families import FAMILIES
 from ringdit.spec.model import kind_name

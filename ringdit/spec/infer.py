@@ -33,7 +33,7 @@ from ringdit.spec.diffusion import (check_sampling, check_shift, check_shift_ter
                                     resolve_shift_terminal)
 from ringdit.parallel.layout import Layout
 from ringdit.spec.model import ModelSpec, kind_name, model_class
-from ringdit.spec.pipeline import is_pipeline_folder, pipeline_checkpoint
+from ringdit.spec.pipeline_folder import is_pipeline_folder, pipeline_checkpoint
 from ringdit.spec.trainer import TrainerSpec, group_targets
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ class InferSpec:
     loggers: tuple[dict, ...] = ()  # logger=wandb: the run's written samples logged there (ringdit.training.wandb)
     image: ImageInput | None = None  # image=: an image-to-video model's first frames (None: text-to-video, or the
     # training data's held-out first frames)
-    pipeline: bool = False  # ckpt_path is a diffusers pipeline folder, sampled as published (ringdit.spec.pipeline)
+    pipeline: bool = False  # ckpt_path is a diffusers pipeline folder, sampled as published (ringdit.spec.pipeline_folder)
     lora_files: tuple[LoraFile, ...] = ()  # lora=[...]: adapter files stacked on the model (ringdit.models.lora)
     control: ControlInput | None = None  # control=: a control-video model's control clip (None: the held-out
     # prompts' own control latents, or a model without one)
@@ -301,7 +301,7 @@ class InferSpec:
                               f"{layout.dp_degree} or fewer devices")
         trainer = TrainerSpec.from_config(cfg, training=False)
         pipeline = is_pipeline_folder(ckpt_path)
-        if pipeline:  # a diffusers pipeline folder, sampled as published (ringdit.spec.pipeline)
+        if pipeline:  # a diffusers pipeline folder, sampled as published (ringdit.spec.pipeline_folder)
             state, info = None, pipeline_checkpoint(ckpt_path)
         else:  # shapes only (headers, a mapped file): a 14B checkpoint is not read into the launching process
             state, info = read_weights_file("ckpt_path", ckpt_path, prefer=cfg.weights, load_tensors=False)

@@ -15,7 +15,7 @@ from ringdit.common.errors import ConfigError, require_count, require_number
 from ringdit.models.build import build_model
 from ringdit.models.checkpointing import checkpoint_fraction
 from ringdit.parallel import ParallelDims
-from ringdit.spec.settings import check_setting_types, declared_types
+from ringdit.spec.setting_types import check_setting_types, declared_types
 
 
 @dataclass(frozen=True)

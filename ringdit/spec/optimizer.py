@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.common.errors import ConfigError, require_count, require_number
 from ringdit.training.optimizers import check_optimizer_installed, optimizer_states
-from ringdit.spec.settings import check_setting_types
+from ringdit.spec.setting_types import check_setting_types
 
 # ringdit's optimizers that pass their settings on (``**settings``) to another class: theirs are that class's
 FORWARDED = {"ringdit.training.optimizers.adamw8bit": "torchao.optim.AdamW8bit"}

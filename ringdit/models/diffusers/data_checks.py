@@ -7,7 +7,7 @@ from __future__ import annotations
 from ringdit.common.errors import ConfigError
 from ringdit.models.conditioning import AUDIO_KEY, CONTROL_KEY
 from ringdit.models.diffusers.families import Family
-from ringdit.models.diffusers.image_condition import CONDITION_KEY
+from ringdit.models.diffusers.image_to_video import CONDITION_KEY
 
 
 def check_width(what: str, width: int, key: str, arch: dict) -> None:

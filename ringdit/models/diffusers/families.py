@@ -100,7 +100,7 @@ WAN22_TI2V = replace(WAN, name="wan22_ti2v", condition_keys=("text", "image_late
 
 # Wan 2.1 I2V (the 14B 480p / 720p): in_channels = 2 * out_channels + 4 (video ; mask ; first-frame latents), and
 # CLIP image embeddings as extra cross-attention keys where the config has image_dim. ringdit's latents have
-# out_channels channels: the model input is built from them (ringdit.models.diffusers.image_condition).
+# out_channels channels: the model input is built from them (ringdit.models.diffusers.image_to_video).
 WAN_I2V = replace(WAN, name="wan_i2v", condition_keys=("text", "image_condition"), image_condition="channels",
                   latent_channels=lambda config: config["out_channels"], pipelines=())
 

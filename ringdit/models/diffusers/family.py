@@ -81,7 +81,7 @@ class Family:
     # image-to-video: "first_frame" (the clean first latent frame replaces the noisy one, per-token timesteps; Wan 2.2
     # TI2V), "channels" (the first frame's latents and a mask concatenated to the input channels; Wan 2.1 I2V) or
     # "first_frame_channels" (the image's latents in the first latent frame and a 1-channel mask concatenated;
-    # HunyuanVideo 1.5 I2V); None: text only. See ringdit.models.diffusers.image_condition.
+    # HunyuanVideo 1.5 I2V); None: text only. See ringdit.models.diffusers.image_to_video.
     image_condition: str | None = None
     # the config key of the width of the image embeddings the model reads (the data's image_embeds: Wan 2.1 I2V's CLIP
     # states where its config sets image_dim, HunyuanVideo 1.5 I2V's SigLIP states); None, or the key unset in the
@@ -107,7 +107,7 @@ class Family:
     original_lora_names: tuple[Rule, ...] = ()
     original_lora_keys: tuple[str, str] = ("lora_down", "lora_up")
     # the diffusers pipeline classes whose folders ringdit samples as published (ckpt_path=<pipeline folder>: their
-    # defaults and scheduler, ringdit.spec.pipeline); () for a family sampled only from ringdit runs
+    # defaults and scheduler, ringdit.spec.pipeline_folder); () for a family sampled only from ringdit runs
     pipelines: tuple[str, ...] = ()
     # the step cache (ringdit.caching): where a block's token streams are, when diffusers' TransformerBlockRegistry
     # does not say it; None: the registry's

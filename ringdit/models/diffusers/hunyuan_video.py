@@ -33,7 +33,7 @@ guidance embedding).
 
 Image-to-video (``hunyuan_video15_i2v``: the same architecture, trained on the first frame, as
 ``HunyuanVideo15ImageToVideoPipeline`` calls it): the model's input channels carry the first frame's latents and a
-mask (``ringdit.models.diffusers.image_condition``, kind ``"first_frame_channels"``: built before this forward), and
+mask (``ringdit.models.diffusers.image_to_video``, kind ``"first_frame_channels"``: built before this forward), and
 the image embedding is the data's SigLIP ``image_embeds`` (B, 729, D_image), unmasked keys beside the text (the model
 unmasks them because they are not all zero). Both halves of classifier-free guidance, and the training condition drop,
 keep the image (the pipeline's negative prompt replaces the text only). A family of its own rather than a setting:
@@ -150,7 +150,7 @@ HUNYUAN_VIDEO15 = Family(
 
 # HunyuanVideo 1.5 I2V (the 480p / 720p i2v transformers): the same model, its input channels [video ; first-frame
 # latents ; mask] (in_channels = 2 * out_channels + 1) and SigLIP image embeddings; ringdit's latents are its
-# out_channels channels and the model input is built from them (ringdit.models.diffusers.image_condition)
+# out_channels channels and the model input is built from them (ringdit.models.diffusers.image_to_video)
 HUNYUAN_VIDEO15_I2V = replace(HUNYUAN_VIDEO15, name="hunyuan_video15_i2v", forward=_hunyuan_video15_i2v_forward,
                               condition_keys=("text", "text_mask", "image_latents"),  # + image_embeds (image_embeds=)
                               image_condition="first_frame_channels", image_embeds="image_embed_dim")

@@ -24,7 +24,7 @@ from ringdit.models.diffusers.data_checks import (check_image_architecture, chec
                                                  check_width, glyph_shape, image_embeds_width)
 from ringdit.models.diffusers.families import Family, get_family
 from ringdit.models.diffusers.folders import check_weights_folder
-from ringdit.models.diffusers.image_condition import (channel_input, first_frame_channel_input,
+from ringdit.models.diffusers.image_to_video import (channel_input, first_frame_channel_input,
                                                     first_frame_mask, replace_first_frame, require_image,
                                                     token_timesteps)
 from ringdit.diffusion.schedulers import PipelineTimesteps
