@@ -12,7 +12,7 @@ warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint th
 from ringdit.training.callbacks import SampleGrid, StepCheckpoint
 from ringdit.training.fsdp import RingFSDPStrategy
 from ringdit.training.checkpoint_io import AtomicCheckpointIO
-from ringdit.training.distillation import DistillationModule
+from ringdit.training.distillation_module import DistillationModule
 from ringdit.training.loggers import wandb_logger
 from ringdit.training.module import DiffusionModule, NonFiniteLossError
 from ringdit.training.schedules import WarmupCosine, warmup_cosine
