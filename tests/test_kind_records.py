@@ -1,6 +1,8 @@
 """Every fact about a model kind lives on its record in ``ringdit/models/`` (a diffusers ``Family``, the DiT's class,
 a ``VaeKind``): code elsewhere asks the record and never names a kind to decide. Read from the source (AST), so a
-new table keyed by family or class names, or a ``conditioning == "text"`` test, fails here."""
+new table keyed by family or class names, a ``conditioning == "text"`` test, or a search of the family registry
+``FAMILIES`` (ask its questions instead: ``find_family``, ``family_of_pipeline``, ``families_of_class``, ...) fails
+here."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from ringdit.models.vaes import VAE_KINDS
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ringdit"
 KINDS = Path("models")  # where the kind records live, relative to the package
+REGISTRY = "FAMILIES"  # the diffusers families' registry: only ringdit/models/ reads it
 
 
 def kind_names() -> set[str]:
@@ -48,6 +51,10 @@ def findings(path: Path, names: set[str]) -> list[str]:
             against = [side for side in sides if not (isinstance(side, ast.Attribute) and side.attr == "__name__")]
             if names_a_class and any(not isinstance(side, ast.Constant) or side.value in names for side in against):
                 found.append(f"{where}: a class-name test `{text}`")
+        # the registry read directly (imported, iterated, indexed, searched): its questions live beside it
+        named = {ast.Name: "id", ast.Attribute: "attr", ast.alias: "name"}.get(type(node))
+        if named and getattr(node, named) == REGISTRY:
+            found.append(f"{where}: the family registry {REGISTRY} read directly")
     return found
 
 
@@ -55,7 +62,8 @@ def test_no_kind_names_or_conditioning_tests_outside_the_kinds():
     names = kind_names()
     found = [line for path in outside_kinds() for line in findings(path, names)]
     assert not found, ("model-kind facts decided outside ringdit/models/ (put the fact on the kind record -- Family, "
-                       "the DiT, VaeKind -- and ask it):\n" + "\n".join(found))
+                       "the DiT, VaeKind -- and ask it; search the family registry with its own functions in "
+                       "ringdit/models/diffusers/families.py):\n" + "\n".join(found))
 
 
 @pytest.mark.parametrize("source, expected", [
@@ -63,6 +71,9 @@ def test_no_kind_names_or_conditioning_tests_outside_the_kinds():
     ('x = {"wan": 1}\n', "kind name 'wan'"),
     ('ok = type(vae).__name__ in ("AutoencoderKLWan",)\n', "class-name test"),
     ('if family == "flux2":\n    pass\n', "kind name 'flux2'"),
+    ('from ringdit.models.diffusers.families import FAMILIES\n', "registry FAMILIES read directly"),
+    ('family = next(f for f in FAMILIES.values() if name in f.pipelines)\n', "registry FAMILIES read directly"),
+    ('rates = {f.fps for f in families.FAMILIES.values()}\n', "registry FAMILIES read directly"),
 ])
 def test_the_check_finds_each_kind_of_leak(tmp_path, source, expected):
     """The check above can fail: each pattern it looks for is found."""

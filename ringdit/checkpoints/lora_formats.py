@@ -29,7 +29,7 @@ import torch
 from ringdit.checkpoints.location import first_line
 from ringdit.common.errors import ConfigError, require_number
 from ringdit.common.safe_json import read_json
-from ringdit.models.diffusers.families import FAMILIES
+from ringdit.models.diffusers.families import find_family, with_original_lora_names
 from ringdit.models.diffusers.original_names import Rule
 from ringdit.models.lora import adapted_modules
 
@@ -41,12 +41,8 @@ PREFIX = "diffusion_model."
 def name_rules(family: str | None) -> tuple[Rule, ...]:
     """The rules from diffusers' layer names to ``family``'s original ones (its record's ``original_lora_names``);
     () for a family without them, or none."""
-    return FAMILIES[family].original_lora_names if family in FAMILIES else ()
-
-
-def with_original_names() -> list[str]:
-    """The families whose adapters have original (ComfyUI) names."""
-    return sorted(name for name, record in FAMILIES.items() if record.original_lora_names)
+    record = find_family(family)
+    return record.original_lora_names if record is not None else ()
 
 
 @dataclass
@@ -76,7 +72,7 @@ def comfyui_lora(adapters: dict[str, Tensor], scale: float, family: str,
     rows a fused layer's part without an adapter takes)."""
     if not name_rules(family):
         raise ConfigError(f"format=comfyui has no layer names for model.family={family}; it exports "
-                          f"{', '.join(with_original_names())}; use format=diffusers")
+                          f"{', '.join(with_original_lora_names())}; use format=diffusers")
     layers: dict[str, Original] = {}
     for key in sorted(adapters):
         if not key.endswith(".lora_A.weight"):
@@ -89,7 +85,7 @@ def comfyui_lora(adapters: dict[str, Tensor], scale: float, family: str,
     out = {}
     for name, layer in layers.items():
         down, up = _fuse(layer, out_features) if layer.rule.parts else next(iter(layer.pieces.values()))
-        key, (down_key, up_key) = f"{PREFIX}{name}", FAMILIES[family].original_lora_keys
+        key, (down_key, up_key) = f"{PREFIX}{name}", find_family(family).original_lora_keys
         out[f"{key}.{down_key}.weight"] = down.clone().contiguous()
         if layer.rule.alpha:
             out[f"{key}.{up_key}.weight"] = up.clone().contiguous()

@@ -45,23 +45,13 @@ import torch
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.glyph import GlyphEncoder
 from ringdit.media.pretrained import ENCODERS, REMOTE_CODE, find_folder
-from ringdit.models.diffusers.families import FAMILIES
+from ringdit.models.diffusers.families import chat_templates
 from ringdit.models.diffusers.family import ChatTemplate
 from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.common.safe_json import read_json
 
 TEXT_SETTINGS = ("text_encoder", "tokenizer", "max_text_len")  # the prepare settings named in errors
 POOLED_SETTINGS = ("pooled_encoder", "pooled_tokenizer", "max_pooled_len")
-
-
-def chat_templates() -> dict[str, Callable[[], ChatTemplate]]:
-    """``prompt_template``'s names: the families whose pipelines wrap the prompt in a chat template (a family that
-    shares another's template, HunyuanVideo 1.5's image-to-video, goes by the first's name)."""
-    templates = {}
-    for name, family in FAMILIES.items():
-        if family.chat_template is not None and family.chat_template not in templates.values():
-            templates[name] = family.chat_template
-    return templates
 
 
 def chat_template(name: str | None) -> ChatTemplate | None:

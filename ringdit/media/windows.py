@@ -29,7 +29,7 @@ from fractions import Fraction
 
 from ringdit.common.errors import ConfigError
 from ringdit.common.safe_json import read_json
-from ringdit.models.diffusers.families import FAMILIES
+from ringdit.models.diffusers.families import families_of_class
 
 EXTRACTIONS = ("head", "chunk", "slide", "uniform", "full")
 
@@ -173,7 +173,7 @@ def pipeline_fps(vae: str, vae_subfolder: str | None) -> int | None:
 
             # one transformer class can be several families: Wan 2.1 (16 fps) and Wan 2.2 TI2V-5B (24 fps), whose
             # pipeline sets expand_timesteps (its first-frame conditioning); any other doubt: no rate
-            families = [f for f in FAMILIES.values() if f.model_class == class_name]
+            families = families_of_class(class_name)
             ti2v = bool(config.get("expand_timesteps"))
             families = [f for f in families if (f.image_condition == "first_frame") == ti2v] or families
             rates = {f.fps for f in families}

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from ringdit.common.errors import ConfigError
 from ringdit.media.control_pixels import check_control_clip
 from ringdit.models.conditioning import CONTROL_KEY
-from ringdit.models.diffusers.families import FAMILIES
+from ringdit.models.diffusers.families import find_family
 from ringdit.spec.model import kind_name
 
 
@@ -64,5 +64,5 @@ class ControlInput:
 
 def control_family(model_config: dict):
     """The model's Family when it denoises under a control video (its conditioning takes ``control``), else None."""
-    family = FAMILIES.get(model_config.get("family") or "")
+    family = find_family(model_config.get("family"))
     return family if family is not None and CONTROL_KEY in family.condition_keys else None

@@ -28,7 +28,7 @@ from ringdit.diffusion.schedulers import SCHEDULERS, check_scheduler_file
 from ringdit.media.pretrained import find_folder
 from ringdit.media.vae import VAE
 from ringdit.models.conditioning import TEXT
-from ringdit.models.diffusers.families import FAMILIES
+from ringdit.models.diffusers.families import family_of_pipeline, published_pipelines
 from ringdit.spec.model import model_config
 
 INDEX = "model_index.json"
@@ -46,8 +46,8 @@ def pipeline_checkpoint(folder: str) -> dict:
     index = read_json(root / INDEX, f"ckpt_path={folder}: {root / INDEX}", kind=dict,
                       fix="give a folder DiffusionPipeline.save_pretrained wrote")
     name = index.get("_class_name")
-    family = next((f for f in FAMILIES.values() if name in f.pipelines), None)
-    supported = sorted({p for f in FAMILIES.values() for p in f.pipelines})
+    family = family_of_pipeline(name)
+    supported = published_pipelines()
     if family is None or not hasattr(diffusers, str(name)):
         raise ConfigError(f"ckpt_path={folder} is a {name} folder; ringdit samples {', '.join(supported)} folders as "
                           f"published; fine-tune this model (model.pretrained={folder}) and sample the run, or a "

@@ -20,6 +20,7 @@ To add a family (its own module, like ``hunyuan_video.py``):
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 from torch import nn
@@ -244,3 +245,42 @@ def get_family(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"model.family={name!r} is not a supported diffusers family; choose one of {sorted(FAMILIES)}")
     return FAMILIES[name]
+
+
+# ---- the registry's questions: code outside ringdit/models/ asks these and never reads FAMILIES itself ------------
+
+
+def find_family(name: str | None) -> Family | None:
+    """The family called ``name``; None for no name or one that is no diffusers family (the DiT's "dit")."""
+    return FAMILIES.get(name or "")
+
+
+def family_of_pipeline(class_name: str | None) -> Family | None:
+    """The family whose published pipeline class (``model_index.json``'s ``_class_name``) is ``class_name``."""
+    return next((family for family in FAMILIES.values() if class_name in family.pipelines), None)
+
+
+def published_pipelines() -> list[str]:
+    """Every pipeline class whose folders ringdit samples as published (``Family.pipelines``), sorted."""
+    return sorted({pipeline for family in FAMILIES.values() for pipeline in family.pipelines})
+
+
+def families_of_class(class_name: str | None) -> list[Family]:
+    """The families built on the diffusers transformer class ``class_name`` (one class can be several: Wan 2.1 and
+    Wan 2.2 TI2V are both ``WanTransformer3DModel``)."""
+    return [family for family in FAMILIES.values() if family.model_class == class_name]
+
+
+def chat_templates() -> dict[str, Callable[[], ChatTemplate]]:
+    """``prompt_template``'s names: the families whose pipelines wrap the prompt in a chat template (a family that
+    shares another's template, HunyuanVideo 1.5's image-to-video, goes by the first's name)."""
+    templates = {}
+    for name, family in FAMILIES.items():
+        if family.chat_template is not None and family.chat_template not in templates.values():
+            templates[name] = family.chat_template
+    return templates
+
+
+def with_original_lora_names() -> list[str]:
+    """The families whose LoRA adapters have original (ComfyUI) layer names (``Family.original_lora_names``)."""
+    return sorted(name for name, family in FAMILIES.items() if family.original_lora_names)
