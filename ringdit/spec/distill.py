@@ -54,6 +54,7 @@ class DistillSpec:
     warmup_steps: int = 1000
     tangent_c: float = 0.1
     dmd_weight: float = 0.01
+    critic_lr: float | None = None  # the critic's learning rate; None: the optimizer's (rCM: a fifth of the student's)
 
     @property
     def settings(self) -> dict:
@@ -67,7 +68,7 @@ class DistillSpec:
                 "regression_pairs": self.regression_pairs, "regression_distance": self.regression_distance,
                 "teacher_sampling": self.teacher_sampling, "sigma_data": self.sigma_data, "p_mean": self.p_mean,
                 "p_std": self.p_std, "warmup_steps": self.warmup_steps, "tangent_c": self.tangent_c,
-                "dmd_weight": self.dmd_weight}
+                "dmd_weight": self.dmd_weight, "critic_lr": self.critic_lr}
 
     def student_sampling(self, sampling: dict) -> dict:
         """The run's sampling settings for the student: its own few-step sampler and grid, no guidance (previews
@@ -95,6 +96,11 @@ class DistillSpec:
         if method in CONSISTENCY_METHODS:
             check_consistency_settings(distill, method)
         student_times(distill.get("steps"), distill.get("times"), method)
+        critic_lr = distill.get("critic_lr")
+        if method in CRITIC_METHODS and critic_lr is not None and not (_finite(critic_lr) and critic_lr > 0):
+            raise ConfigError(f"distill.critic_lr={critic_lr!r} must be a finite number > 0 (the critic's learning "
+                              f"rate; rCM: a fifth of the student's, e.g. distill.critic_lr=4e-5 beside "
+                              f"optimizer.lr=2e-4), or null for the optimizer's")
         for key in ("t_min", "t_max") if method in CRITIC_METHODS else ():
             require_number(f"distill.{key}", distill.get(key), low=0, high=1, low_open=True)
         if method in CRITIC_METHODS and not distill.t_min < distill.t_max < 1:
@@ -192,6 +198,8 @@ class DistillSpec:
                            tangent_c=float(distill.tangent_c))
             if method == "rcm":
                 options.update(dmd_weight=float(distill.dmd_weight))
+        if method in CRITIC_METHODS and distill.get("critic_lr") is not None:
+            options.update(critic_lr=float(distill.critic_lr))
         times = tuple(student_times(distill.steps, distill.get("times"), method))
         return cls(method=method, steps=distill.steps, times=times,
                    critic_steps=distill.critic_steps if method in CRITIC_METHODS else 0, cfg_scale=cfg_scale,

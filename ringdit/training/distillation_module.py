@@ -71,7 +71,7 @@ STUDENT_NOISE, CRITIC_LOSS, MATCHING, TRAINED_STEP, GAN, GAN_HEAD_INIT, REGRESSI
 class DistillationModule(DiffusionModule):
     """``DiffusionModule``'s arguments, and ``distill``: ``ringdit.spec.DistillSpec.settings`` (``method``,
     ``steps``, ``times``, ``critic_steps``, ``cfg_scale``, ``t_min``, ``t_max``, ``teacher``, ``teacher_weights``,
-    ``gradient_clip_val``, ``gan_loss``, ``gan_block``, ``gan_generator_weight``, ``gan_critic_weight``,
+    ``gradient_clip_val``, ``critic_lr``, ``gan_loss``, ``gan_block``, ``gan_generator_weight``, ``gan_critic_weight``,
     ``regression_loss``, ``regression_weight``, ``regression_pairs``, ``regression_distance``, ``teacher_sampling``)."""
 
     @classmethod
@@ -134,9 +134,11 @@ class DistillationModule(DiffusionModule):
         trained = [[self.model]]
         if self.critic is not None:
             trained.append([self.critic] + ([self.gan_head] if self.gan_head is not None else []))
+        # the critic's learning rate: critic_lr when set (rCM: a fifth of the student's), else the optimizer's
+        rates = [{}, {} if self.distill.get("critic_lr") is None else {"lr": self.distill["critic_lr"]}]
         optimizers = [self.optimizer_factory(params=[p for model in models for p in model.parameters()
-                                                     if p.requires_grad])
-                      for models in trained]
+                                                     if p.requires_grad], **rate)
+                      for models, rate in zip(trained, rates)]
         if self.scheduler_factory is None:
             return optimizers
         return optimizers, [{"scheduler": self.scheduler_factory(optimizer=o), "interval": "step"} for o in optimizers]
