@@ -100,3 +100,66 @@ def test_sampling_video_and_audio_equals_ltx2_pipelines_loop():
     for name, got, want in (("video", samples, expected), ("audio", joint["audio"][:, 0], expected_audio)):
         scale = want.abs().max()
         assert (got.double() - want.double()).abs().max() <= 1e-10 * scale, (name, (got - want).abs().max() / scale)
+
+
+def test_guided_sampling_equals_ltx2_pipelines_loop_with_the_models_empty_prompt():
+    """Guidance 3 (video and audio): the pipeline runs its text connectors on [negative ; prompt] and guides in x0
+    space (``convert_velocity_to_x0``, the delta formulation, back to velocity); ringdit guides the velocity with the
+    connectors' negative outputs as the model's empty prompt (``set_null_condition``: its ``null_audio_text`` too).
+    x0 = x - sigma v is affine in v with weights that sum to one, so both are the same guidance: float64, <= 1e-10 of
+    the largest value, for the video and the audio latents."""
+    import diffusers
+
+    from ringdit.diffusion import FlowMatching, draw_noise, noise_generators
+    from ringdit.diffusion.pipeline import SamplingPipeline
+    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.models.diffusers.ltx2 import audio_frames
+    from ringdit.parallel import ParallelDims
+
+    steps, seeds, shape, scale = 3, [3, 8], (3, 4, 4), 3.0
+    config = architecture("ltx2_tiny")
+    torch.manual_seed(0)
+    reference = diffusers.LTX2VideoTransformer3DModel.from_config(config).double()
+    model = DiffusersTransformer("ltx2", config=config, input_size=shape, in_channels=4, text_len=TEXT_LEN,
+                                 text_dim=16)
+    model.transformer.load_state_dict(reference.state_dict())
+    pipe = tiny_pipeline(reference)
+    g = torch.Generator().manual_seed(5)
+    states = torch.randn(2, TEXT_LEN, 32, generator=g, dtype=torch.float64)  # two prompts
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]])  # Gemma pads on the left
+    negative = torch.randn(1, TEXT_LEN, 32, generator=g, dtype=torch.float64)  # the empty prompt's states
+    negative_mask = torch.tensor([[0, 0, 0, 0, 0, 1]])
+    audio_len = audio_frames(config, shape[0])
+    generators = noise_generators(seeds)
+    noise = draw_noise((4, *shape), generators)
+    audio_noise = draw_noise((1, audio_len, 4), generators)
+    with torch.no_grad(), float64_kept():
+        video_text, audio_text, text_mask = pipe.connectors(states, mask)
+        null_video, null_audio, null_mask = pipe.connectors(negative, negative_mask)
+        expected, expected_audio = pipe(
+            prompt_embeds=states, prompt_attention_mask=mask, negative_prompt_embeds=negative.expand(2, -1, -1),
+            negative_prompt_attention_mask=negative_mask.expand(2, -1), latents=noise,
+            audio_latents=audio_noise[:, 0], height=4 * 32, width=4 * 32, num_frames=(shape[0] - 1) * 8 + 1,
+            frame_rate=24.0, num_inference_steps=steps, guidance_scale=scale, stg_scale=0.0, modality_scale=1.0,
+            guidance_rescale=0.0, audio_guidance_scale=scale, audio_stg_scale=0.0, audio_modality_scale=1.0,
+            audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None, use_cross_timestep=False,
+            output_type="latent", return_dict=False)
+    expected_audio = expected_audio.transpose(1, 2).flatten(2)  # (B, 2, L, 2) -> the packed (B, L, 4)
+    model.double().set_null_condition({"text": null_video[0], "audio_text": null_audio[0],
+                                       "text_mask": null_mask[0].bool()})
+    assert torch.equal(model.null_condition(2)["audio_text"][0], null_audio[0])  # not the video's states
+    pipeline = SamplingPipeline.for_run(
+        FlowMatching(shift="resolution", resolution={"base_tokens": 1024, "max_tokens": 4096, "base_shift": 0.95,
+                                                     "max_shift": 2.05}),
+        {"sampler": "flow_euler", "steps": steps, "shift": "resolution", "cfg_scale": scale},
+        {"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"})
+    cond = {"text": video_text, "audio_text": audio_text, "text_mask": text_mask.bool()}
+    model = parallelize(model)
+    with float64_kept():
+        samples, joint = pipeline.generate_joint(model, cond, seeds, dims=ParallelDims(),
+                                                 device=torch.device("cpu"), shape=shape)
+    for name, got, want in (("video", samples, expected), ("audio", joint["audio"][:, 0], expected_audio)):
+        scale_of = want.abs().max()
+        error = (got.double() - want.double()).abs().max() / scale_of
+        print(f"guided {name}: {error.item():.3e} of the largest value")
+        assert error <= 1e-10, (name, error)

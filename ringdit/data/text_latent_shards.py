@@ -88,7 +88,8 @@ LAYOUT = ("a .safetensors file, or a folder of them, holding 'latents' (N, C, [T
           "or the text in text/<the shard's name> beside it as prepare writes it (see "
           "ringdit/data/text_latent_shards.py)")
 NULL_OF = {"null_text": "text (1, L, D)", "null_text_mask": "text_mask (1, L)", "null_pooled": "pooled (1, P)",
-           "null_glyph_text": "glyph_text (1, G, D_g)", "null_glyph_text_mask": "glyph_text_mask (1, G)"}
+           "null_glyph_text": "glyph_text (1, G, D_g)", "null_glyph_text_mask": "glyph_text_mask (1, G)",
+           "null_audio_text": "audio_text (1, L, D)"}
 IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (Wan 2.2 TI2V, HunyuanVideo 1.5 I2V)",
             "image_condition": "the latents of [first frame ; zero frames] (Wan 2.1 I2V)",
             "image_embeds": "the image encoder's states (Wan 2.1 I2V with image_dim: CLIP's penultimate; "
@@ -127,7 +128,7 @@ def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mas
     if loss_mask is not None:
         tensors[MASK_KEY] = loss_mask.float()
     for key, value in (null or {}).items():
-        states = key in ("text", "glyph_text")  # (L, D) rows; the others (L,) or (P,)
+        states = key in ("text", "glyph_text", "audio_text")  # (L, D) rows; the others (L,) or (P,)
         value = value.bool() if key.endswith("mask") else value
         tensors[NULL_KEYS[key]] = value.reshape(1, *value.shape[-(2 if states else 1):])
     metadata = dict(metadata or {})
@@ -180,7 +181,7 @@ class Shard:
         where = f"data.path: {path}"
         self.captions = parse_captions(where, self.metadata["captions"], self.size) \
             if "captions" in self.metadata else None
-        for key in ("vae", "text_encoder", "image_encoder", "bucket"):  # what describe() hands on: decoding,
+        for key in ("vae", "text_encoder", "image_encoder", "bucket", "audio_vae"):  # what describe() hands on: decoding,
             if key in self.metadata:  # prompt encoding; prepare's bucket (its pixel size)
                 parse_json_object(where, key, self.metadata[key])
 
@@ -276,6 +277,10 @@ class Shard:
             videos = len(latents) == 5 or key == "reference"  # an image's reference has the image latents' shape
             fits = videos and len(shape) == len(wanted) and self.dtypes[key] in FLOAT_DTYPES and \
                 all(w is None or s == w for s, w in zip(shape, wanted))
+            if key == "audio" and len(latents) != 5:  # sound beside an image: no clip for it to go with
+                raise ConfigError(f"data.path: {self.path} holds audio latents {shape} beside image latents {latents}, "
+                                  f"but sound goes with a clip's video latents (N, C, T, H, W); prepare videos with "
+                                  f"their sound (python -m ringdit.prepare audio_vae=...), or drop 'audio' from it")
             if not fits:
                 raise ConfigError(f"data.path: {self.path}: {key} is {self.dtypes[key]} {shape}; expected float "
                                   f"{wanted} (None = any) for latents {latents}: {IMAGE_OF[key]}")

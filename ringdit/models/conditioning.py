@@ -21,7 +21,9 @@ AUDIO_KEY = "audio"
 SAMPLE_KEYS = (*IMAGE_KEYS, CONTROL_KEY, REFERENCE_KEY, AUDIO_KEY)
 # a text condition key -> the name of the empty prompt's value (a shard's tensor, a model's buffer)
 NULL_KEYS = {"text": "null_text", "text_mask": "null_text_mask", "pooled": "null_pooled",
-             "glyph_text": "null_glyph_text", "glyph_text_mask": "null_glyph_text_mask"}
+             "glyph_text": "null_glyph_text", "glyph_text_mask": "null_glyph_text_mask",
+             # LTX-2's audio prompt states (its text connectors' audio output), where a family reads them
+             "audio_text": "null_audio_text"}
 
 
 def text_conditioned(data: dict) -> bool:

@@ -33,11 +33,12 @@ from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS, SAMPLE_KEYS, TEXT
 from ringdit.models.parallelize import repeated_blocks
 from ringdit.models.parallel_plan import ParallelPlan
+from ringdit.models.protocol import KindDefaults
 
 Tensor = torch.Tensor
 
 
-class DiffusersTransformer(nn.Module):
+class DiffusersTransformer(KindDefaults, nn.Module):
     """``family``'s diffusers transformer, unchanged; ``parallel_plan`` says where ringdit parallelizes it.
 
     Args:
@@ -121,6 +122,8 @@ class DiffusersTransformer(nn.Module):
         check_width("text embeddings", text_dim, self.family.text_dim, arch)
         self.register_buffer("null_text", torch.zeros(1, text_len, text_dim))  # (1, L, D_text)
         self.register_buffer("null_text_mask", torch.zeros(1, text_len, dtype=torch.bool))  # (1, L)
+        if "audio_text" in self.family.condition_keys:  # LTX-2: the empty prompt's audio states (1, L, D_text)
+            self.register_buffer("null_audio_text", torch.zeros(1, text_len, text_dim))
         if self.family.pooled_dim is not None:
             pooled_dim = pooled_dim or arch[self.family.pooled_dim]
             check_width("pooled text embeddings", pooled_dim, self.family.pooled_dim, arch)
@@ -196,10 +199,14 @@ class DiffusersTransformer(nn.Module):
         gradient, optimizer state or EMA is spent on it."""
         (self.transformer_2 if expert == "high" else self.transformer).requires_grad_(False)
 
-    def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor], expert: str | None = None) -> Tensor:
+    def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor], expert: str | None = None,
+                guidance: Tensor | None = None) -> Tensor:
         """x (B, C, [T,] H, W) noisy latents, t (B,) model time 0..1000 -> the prediction (B, C, [T,] H, W),
         gathered from every sequence-parallel rank. ``expert``: the expert that runs (training names the one whose
-        time range it drew t from); default the one ``t`` falls to."""
+        time range it drew t from); default the one ``t`` falls to. ``guidance``: (B,) scales for a guidance-distilled
+        model's embedding (None: the condition's, else ``model.guidance``)."""
+        if guidance is not None:
+            cond = {**cond, "guidance": guidance}
         expert = expert or self.expert_at(t)
         transformer = self.transformer_2 if expert == "low" else self.transformer
         if x.dtype == torch.float32 and transformer.dtype == torch.float64:  # trainer.precision=64-true: the float32
@@ -258,7 +265,11 @@ class DiffusersTransformer(nn.Module):
     @torch.no_grad()
     def set_null_condition(self, null: dict[str, Tensor]) -> None:
         """The empty / negative prompt's conditioning: ``text`` (L, D) [, ``text_mask`` (L,), ``pooled`` (P,),
-        ``glyph_text`` (G, D_glyph), ``glyph_text_mask`` (G,)]; the keys the model has no buffer for are not read."""
+        ``glyph_text`` (G, D_glyph), ``glyph_text_mask`` (G,), ``audio_text`` (L, D)]; the keys the model has no buffer
+        for are not read. Without ``audio_text`` the audio's empty prompt is the video's (``text``), as the LTX-2
+        forward reads a prompt without audio states."""
+        if "audio_text" not in null and "text" in null:
+            null = {**null, "audio_text": null["text"]}
         for key, buffer in self.null_buffers().items():
             if key not in null:
                 continue
@@ -281,6 +292,18 @@ class DiffusersTransformer(nn.Module):
     @property
     def patch_shape(self) -> tuple[int, ...]:
         return self.patch_size
+
+    @property
+    def text_tokens(self) -> int:
+        """Text tokens per sample it was built to read: the text's, and the glyph text's joined to it (HunyuanVideo
+        1.5)."""
+        glyph = self.null_glyph_text.shape[1] if hasattr(self, "null_glyph_text") else 0
+        return self.null_text.shape[1] + glyph
+
+    @property
+    def architecture(self) -> dict:
+        """The diffusers transformer's config."""
+        return self.transformer.config
 
     @property
     def joint_latents(self) -> tuple[str, ...]:
@@ -370,6 +393,12 @@ class DiffusersTransformer(nn.Module):
         shift's constants (``diffusion.objective.resolution``) and the last sampling time (``shift_terminal``)."""
         family = get_family(config["family"])
         return {"resolution": family.resolution_shift, "shift_terminal": family.shift_terminal}
+
+    @property
+    def takes_guidance(self) -> bool:
+        """Whether the model has a guidance-scale input (Flux-dev's ``guidance_embeds``): what
+        ``diffusion.model_guidance`` trains."""
+        return self.guidance is not None
 
     @staticmethod
     def check_guidance(config: dict, sampling: dict, prefix: str = "") -> None:
