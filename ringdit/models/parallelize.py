@@ -118,7 +118,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | None = None, dims: Parall
     ring-capable backend) run now. Hooks keep no references of their own: what they need hangs on the modules they
     are registered on, so a ``copy.deepcopy`` of the model (the EMA) is parallel on its own state.
     """
-    if hasattr(model, "_ringdit_sequence"):
+    if getattr(model, "_ringdit_sequence", None) is not None:  # KindDefaults' None: not parallelized yet
         raise ValueError(f"{type(model).__name__} is parallelized already; parallelize a freshly built model")
     plan = model.parallel_plan if plan is None else plan
     backend = backend if isinstance(backend, AttentionBackend) else get_attn_backend(backend)

@@ -1,13 +1,17 @@
 """``DiffusionModel``: what a model needs to be trained and sampled by ringdit -- the whole contract of a model kind.
 
 A new model kind (or diffusers family) is its single-device module with these members, plus a preset in
-``conf/model/``; ``ringdit.models.build.build_model`` and ``DiffusionModule`` need nothing else of it. Optional:
+``conf/model/``; ``ringdit.models.build.build_model`` and ``DiffusionModule`` need nothing else of it. It inherits
+``KindDefaults`` (as the DiT and ``DiffusersTransformer`` do), whose members answer for a kind without experts, joint
+latents, a given first frame or diffusers folders; code outside ``ringdit/models/`` calls every member plainly and
+never asks whether a model has one (``tests/test_kind_records.py``). Optional, asked only inside ``ringdit/models/``:
 ``initial_value(name, shape, generator)`` (the initial value of a parameter whose module has no
 ``reset_parameters``, or that the model initialises its own way: ``ringdit.models.materialize``),
-``pretrained_files(folder)`` (``{key prefix: safetensors files}``) and ``pretrained`` (weights from a diffusers folder: ``init_from=<folder>``,
-``model.pretrained``), ``set_null_condition(null)`` (text conditioning: the empty prompt's embedding, from the data)
-and ``lora_targets`` (the module-name suffixes LoRA adapts by default). Its constructor must work with its
-parameters on the meta device (it is built so, then materialized shard by shard). Checkpoints may name its class once it is allowed (``ringdit.common.safe_config.allow_target``).
+``pretrained_files(folder)`` (``{key prefix: safetensors files}``) and ``pretrained`` (weights from a diffusers
+folder: ``init_from=<folder>``, ``model.pretrained``) and ``set_null_condition(null)`` (text conditioning: the empty
+prompt's embedding, from the data). Its constructor must work with its parameters on the meta device (it is built
+so, then materialized shard by shard). Checkpoints may name its class once it is allowed
+(``ringdit.common.safe_config.allow_target``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ringdit.common.errors import ConfigError
 from ringdit.diffusion.schedulers import PipelineTimesteps
 from ringdit.models.block_io import BlockIO
 from ringdit.models.parallel_plan import ParallelPlan
@@ -46,6 +51,13 @@ class DiffusionModel(Protocol):
     teacache_size: tuple[int, int]  # (width, depth): what TeaCache coefficients are fitted to
     published_teacache_coefficients: tuple[float, ...] | None  # TeaCache's published polynomial at this size
     pipeline_timesteps: PipelineTimesteps  # how its pipeline sets and steps a diffusers scheduler
+    lora_targets: tuple[str, ...]  # the module-name suffixes LoRA adapts when lora.targets names none
+    # the members KindDefaults answers for most kinds (see there)
+    experts: tuple[str, ...]
+    expert_modules: tuple[torch.nn.Module, ...]
+    joint_latents: tuple[str, ...]
+    text_tokens: int
+    architecture: dict | None
 
     @classmethod
     def config_for_data(cls, config: dict, data: dict) -> dict:
@@ -88,6 +100,19 @@ class DiffusionModel(Protocol):
         """The ``patch_shape`` a model of ``config`` (``config_for_data``'s) will have, read from the config alone:
         the data's buckets are checked against it before the model is built around the most frequent one."""
 
+    def joint_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """{joint latent key: its per-sample shape} for samples of ``shape`` (``KindDefaults``: none)."""
+
+    def loss_weights(self, x0: Tensor) -> Tensor | None:
+        """Weights (broadcast to ``x0``) of the latents the loss covers; None: all (``KindDefaults``)."""
+
+    def with_condition_frames(self, x: Tensor, condition: Condition) -> Tensor:
+        """A finished sample with the given conditioning frames in place (``KindDefaults``: ``x`` unchanged)."""
+
+    def check_pretrained(self, folder: str) -> None:
+        """A ConfigError unless the diffusers folder ``folder`` holds this model's architecture (asked where
+        ``diffusers_folders`` is true)."""
+
     def forward(self, x: Tensor, t: Tensor, condition: Condition) -> Tensor:
         """x (B, C, [T,] H, W) noisy data, t (B,) model time -> the prediction (B, C or 2C, [T,] H, W), whole (the
         plan gathers it): 2C when the model also predicts a variance."""
@@ -100,3 +125,30 @@ class DiffusionModel(Protocol):
 
     def model_condition(self, condition: Condition) -> Condition:
         """What ``forward`` reads of a batch's condition (the data may carry more)."""
+
+
+class KindDefaults:
+    """The contract's members as a kind without them answers: the DiT and ``DiffusersTransformer`` inherit it and
+    override what they have, so code outside ``ringdit/models/`` calls them plainly on any model."""
+
+    experts: tuple[str, ...] = ()  # the experts' names, ("high", "low") for a two-expert model (Wan 2.2 A14B)
+    expert_modules: tuple[torch.nn.Module, ...] = ()  # their modules, each an FSDP unit; (): one network
+    joint_latents: tuple[str, ...] = ()  # condition keys of latents denoised with x (LTX-2's audio); (): none
+    text_tokens: int = 0  # text tokens per sample the model was built to read (the glyph text's too); 0: no text
+    # the diffusers transformer's config (its architecture); None for a kind whose model config says it (the DiT)
+    architecture: dict | None = None
+    # set by ringdit.models.parallelize: the forward's token counts and mesh (its SequenceState); None before
+    _ringdit_sequence = None
+
+    def joint_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def loss_weights(self, x0: Tensor) -> Tensor | None:
+        return None
+
+    def with_condition_frames(self, x: Tensor, condition: Condition) -> Tensor:
+        return x
+
+    def check_pretrained(self, folder: str) -> None:
+        raise ConfigError(f"{folder} is a folder, but a {self.kind_name} model's weights are a ringdit checkpoint "
+                          f"file (.ckpt, .safetensors) or a sharded checkpoint folder; give one of those")
