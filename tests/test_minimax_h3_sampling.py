@@ -1,18 +1,15 @@
-"""Sampling MiniMax-H3's video and audio together (``SamplingPipeline.generate_joint`` with the flow-matching Euler
-sampler, the audio stepped beside the video) against the loop of its modular pipeline (``MiniMaxH3LoopDenoiser`` +
-``MiniMaxH3LoopSchedulerStep``: diffusers' ``MiniMaxH3Scheduler`` for the video and for the audio, the transformer
-called on the packed rows with the per-row timestep plan), float64, for the same noise and prompt states: the same
-video and audio latents.
-
-Two things of the released pipeline the sampler does not do, said here so that the comparison is read right: its
-audio scheduler shifts by 3.0 where the video's shifts by 12.0 (ringdit steps both streams at the same times: the
-reference loop here runs both of its schedulers at one shift), and its schedulers keep their sigmas in float32
-(ringdit's times are float64): the two loops then differ by that rounding, 1.1e-8 (video) and 2.4e-8 (audio) of the
-largest value after 3 steps (measured; the samples are 0.47 and 0.67 of it away from their noise)."""
+"""Sampling MiniMax-H3's video and audio together (``SamplingPipeline.generate_joint`` with ``sampler=minimax_h3``:
+diffusers' ``MiniMaxH3Scheduler`` for the video at ``shift`` and one for the audio at ``joint_shift``) against its
+modular pipeline's own blocks -- ``MiniMaxH3SetTimestepsStep`` (the two schedules, the per-row timestep plan) and
+``MiniMaxH3DenoiseStep`` (the transformer on the packed rows, the prediction rounded to float32, each stream's
+scheduler step) --, the transformer in float64, for the same noise and prompt states: the same video and audio
+latents, as the released pipeline samples them (video at shift 12, audio at 3). The latents are float32 on both sides,
+as the pipeline keeps them (its prepare step casts the noise to float32, its scheduler steps in the latents' dtype)."""
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -22,16 +19,41 @@ from tests.helpers import architecture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TEXT_LEN, SHIFT = 5, 12.0
+TEXT_LEN, SHIFT, AUDIO_SHIFT = 5, 12.0, 3.0
 
 
-def test_sampling_video_and_audio_equals_the_pipelines_scheduler_loop():
-    """3 steps (4 sigmas, the terminal 0 among them) of a 2 x 4 x 6 latent video (12 rows) with its 2 x L audio
-    rows: ringdit's flow Euler at shift 12 and the pipeline's MiniMaxH3Scheduler at shift 12, video and audio."""
-    import diffusers
+def pipeline_loop(transformer, noise, audio_noise, text, steps: int, shape: tuple[int, ...], audio_len: int):
+    """The modular pipeline's timesteps and denoise blocks run on the packed rows of ``noise`` (1, C, T, H, W) and
+    ``audio_noise`` (1, 2, L, C_a) -> (video latents (1, C, T, H, W), audio latents (1, 2, L, C_a))."""
     from diffusers import MiniMaxH3Scheduler
+    from diffusers.modular_pipelines import PipelineState
     from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3SetTimestepsStep,
                                                                        patchify_video_latents)
+    from diffusers.modular_pipelines.minimax_h3.denoise import MiniMaxH3DenoiseStep
+
+    layout = packed_layout(TEXT_LEN, shape, audio_len, (1, 2, 2))
+    components = SimpleNamespace(transformer=transformer, scheduler=MiniMaxH3Scheduler(shift=SHIFT),
+                                 audio_scheduler=MiniMaxH3Scheduler(shift=AUDIO_SHIFT),
+                                 _execution_device=torch.device("cpu"), keyframe_noise_aug=0.0)
+    state = PipelineState()
+    for key, value in {"num_inference_steps": steps + 1, "num_condition_video_rows": 0, "num_condition_audio_rows": 0,
+                       "latents": patchify_video_latents(noise, (1, 2, 2)),  # (12, 16) rows
+                       "audio_latents": audio_noise.reshape(2 * audio_len, -1).clone(),  # channel-major rows (stepped in place)
+                       "prompt_embeds": text, **{key: layout[key] for key in ("video_indices", "audio_indices",
+                                                                               "text_indices")}}.items():
+        state.set(key, value)
+    for key, value in layout.items():  # what the transformer reads by name
+        state.set(key, value, "denoiser_input_fields")
+    components, state = MiniMaxH3SetTimestepsStep()(components, state)
+    components, state = MiniMaxH3DenoiseStep()(components, state)
+    video = state.get("latents").reshape(1, 2, 2, 3, 4, 1, 2, 2).permute(0, 4, 1, 5, 2, 6, 3, 7)
+    return video.reshape(1, 4, *shape), state.get("audio_latents").reshape(1, 2, audio_len, -1)
+
+
+def test_sampling_video_and_audio_equals_the_pipelines_loop():
+    """3 steps (4 sigmas, the terminal 0 among them) of a 2 x 4 x 6 latent video (12 rows) with its 2 x L audio
+    rows: ringdit's sampler=minimax_h3 at shift 12, audio at joint_shift 3, and the pipeline's blocks."""
+    import diffusers
 
     from ringdit.diffusion import FlowMatching, draw_noise, noise_generators
     from ringdit.diffusion.pipeline import SamplingPipeline
@@ -48,35 +70,25 @@ def test_sampling_video_and_audio_equals_the_pipelines_scheduler_loop():
     text = torch.randn(1, TEXT_LEN, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     audio_len = audio_frames(shape[0])
     generators = noise_generators(seeds)
-    noise = draw_noise((4, *shape), generators).double()  # what generate_joint draws: the video's, then the audio's
-    audio_noise = draw_noise((2, audio_len, 8), generators).double()
+    noise = draw_noise((4, *shape), generators)  # what generate_joint draws: the video's, then the audio's (float32,
+    audio_noise = draw_noise((2, audio_len, 8), generators)  # as the pipeline's latents are)
+    expected, expected_audio = pipeline_loop(reference, noise, audio_noise, text, steps, shape, audio_len)
 
-    # the pipeline's loop: its layout, row timestep plan, transformer call and the two schedulers' steps
-    layout = packed_layout(TEXT_LEN, shape, audio_len, (1, 2, 2))
-    video_scheduler, audio_scheduler = MiniMaxH3Scheduler(shift=SHIFT), MiniMaxH3Scheduler(shift=SHIFT)
-    video_scheduler.set_timesteps(steps + 1)
-    audio_scheduler.set_timesteps(steps + 1)
-    latents = patchify_video_latents(noise, (1, 2, 2))  # (12, 16) rows
-    audio_latents = audio_noise.reshape(2 * audio_len, 8)  # channel-major rows
-    with torch.no_grad():
-        for t, audio_t in zip(video_scheduler.timesteps, audio_scheduler.timesteps):
-            timestep, indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                layout["video_indices"], layout["audio_indices"], 0, 0, TEXT_LEN, float(t), float(audio_t), 1.0,
-                1.0)
-            v_video, v_audio = reference(latents[None], audio_latents[None], text, timestep.double(), indices,
-                                         return_dict=False, **layout)
-            latents = video_scheduler.step(v_video[0], t, latents, return_dict=False)[0]
-            audio_latents = audio_scheduler.step(v_audio[0], audio_t, audio_latents, return_dict=False)[0]
-    expected = latents.reshape(1, 2, 2, 3, 4, 1, 2, 2).permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(1, 4, *shape)
-    expected_audio = audio_latents.reshape(1, 2, audio_len, 8)
-
-    pipeline = SamplingPipeline.for_run(FlowMatching(shift=SHIFT),
-                                        {"sampler": "euler", "steps": steps, "shift": SHIFT, "cfg_scale": 1.0},
+    settings = {"sampler": "minimax_h3", "steps": steps, "shift": SHIFT, "joint_shift": {"audio": AUDIO_SHIFT},
+                "cfg_scale": 1.0}
+    pipeline = SamplingPipeline.for_run(FlowMatching(shift=SHIFT), settings,
                                         {"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"})
     model = parallelize(model.double())
     samples, joint = pipeline.generate_joint(model, {"text": text}, seeds, dims=ParallelDims(),
                                              device=torch.device("cpu"), shape=shape)
-    for name, got, want in (("video", samples, expected), ("audio", joint["audio"], expected_audio)):
+    for name, got, want, start in (("video", samples, expected, noise), ("audio", joint["audio"], expected_audio,
+                                                                          audio_noise)):
         scale = want.abs().max()
-        # the schedulers' float32 sigmas against ringdit's float64 times (see the module's docstring)
-        assert (got.double() - want).abs().max() <= 1e-7 * scale, (name, (got - want).abs().max() / scale)
+        assert (want - start).abs().max() > 0.3 * scale, name  # the loop moved the latents well away from the noise
+        assert got.dtype == want.dtype == torch.float32, name
+        assert (got.double() - want.double()).abs().max() <= 1e-10 * scale, (name, (got - want).abs().max() / scale)
+    # the audio's own shift matters: at the video's shift the audio differs
+    pipeline.settings["joint_shift"] = None
+    _, same_shift = pipeline.generate_joint(model, {"text": text}, seeds, dims=ParallelDims(),
+                                            device=torch.device("cpu"), shape=shape)
+    assert (same_shift["audio"] - expected_audio).abs().max() > 1e-3 * expected_audio.abs().max()

@@ -113,11 +113,20 @@ class SamplingPipeline:
         its config -- the pipeline folder's (``scheduler_config``, recorded by the spec) with the run's shift and
         terminal stretch laid over it, else the run's shift --, how
         the model family's pipeline steps it, the sample's token count (a dynamic shift's mu) and the dtype the model
-        computes in (the pipelines feed it ``latents.to(transformer.dtype)``)."""
+        computes in (the pipelines feed it ``latents.to(transformer.dtype)``); a joint model's streams, each on a
+        scheduler of its own."""
         resolution = getattr(self.objective, "resolution", None) or None
         config = scheduler_config(settings["sampler"], settings.get("scheduler_config"), shift=settings["shift"],
                                   shift_terminal=settings.get("shift_terminal"), resolution=resolution)
-        return {"config": config, "pipeline": model.pipeline_timesteps,
+        # a joint model's latents (LTX-2's, MiniMax-H3's audio) on schedulers of their own, each at its shift
+        # (joint_shift: {key: shift}; MiniMax-H3's pipeline shifts its audio by 3), else the video's
+        joint_shift = settings.get("joint_shift") or {}
+        streams = [(math.prod(size), scheduler_config(settings["sampler"], settings.get("scheduler_config"),
+                                                      shift=joint_shift.get(key, settings["shift"]),
+                                                      shift_terminal=settings.get("shift_terminal"),
+                                                      resolution=resolution))
+                   for key, size in (model.joint_shapes(shape).items() if getattr(model, "joint_latents", ()) else ())]
+        return {"config": config, "pipeline": model.pipeline_timesteps, "streams": streams,
                 "tokens": self.tokens(model, shape), "resolution": resolution, "model_dtype": _compute_dtype(model)}
 
 

@@ -1,7 +1,7 @@
 """Samplers from diffusers' flow schedulers, through their own classes: ``sampler=flow_euler``
 (``FlowMatchEulerDiscreteScheduler``: Flux's, LTX-Video's, HunyuanVideo 1.5's), ``unipc`` (``UniPCMultistepScheduler``
-with flow sigmas: Wan's and SkyReels-V2's) and ``dpmpp`` (``DPMSolverMultistepScheduler`` with flow sigmas,
-DPM-Solver++). They step a flow-matching model (velocity, ``noise - x0``) exactly as the model family's diffusers
+with flow sigmas: Wan's and SkyReels-V2's), ``dpmpp`` (``DPMSolverMultistepScheduler`` with flow sigmas,
+DPM-Solver++) and ``minimax_h3`` (``MiniMaxH3Scheduler``: MiniMax-H3's, in its own conventions, ``CLEAN_TIME``). They step a flow-matching model (velocity, ``noise - x0``) exactly as the model family's diffusers
 pipeline steps it, so that a sample equals the pipeline's for the same initial latents, prompt and scheduler.
 
 Their configuration (``scheduler_config``) is the pipeline folder's ``scheduler/scheduler_config.json`` when the model
@@ -18,6 +18,7 @@ guidance, CFG parallel, step caching and a two-expert model's choice of expert a
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,11 +35,16 @@ SCHEDULERS = {
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "unipc": "UniPCMultistepScheduler",
     "dpmpp": "DPMSolverMultistepScheduler",
+    "minimax_h3": "MiniMaxH3Scheduler",
 }
+# schedulers in MiniMax-H3's conventions: timesteps 1 - sigma (1 = clean), a data-ward velocity (x0 - noise) stepped,
+# and set_timesteps(n) counting the terminal sigma 0 among its n grid points (n - 1 model calls); ringdit's model time
+# is sigma x 1000 and its velocity noise - x0, converted both ways where such a scheduler is stepped
+CLEAN_TIME = {"MiniMaxH3Scheduler"}
 # what makes UniPC / DPM-Solver++ step a flow-matching model: sigmas 1 -> 0 and a velocity prediction
 FLOW_SIGMAS = {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}
 # the keys of the flow shift: FlowMatchEuler calls it shift, the multistep solvers flow_shift
-SHIFT_KEY = {"FlowMatchEulerDiscreteScheduler": "shift"}
+SHIFT_KEY = {"FlowMatchEulerDiscreteScheduler": "shift", "MiniMaxH3Scheduler": "shift"}
 
 
 @dataclass(frozen=True)
@@ -216,34 +222,52 @@ def set_timesteps(scheduler, steps: int, pipeline: PipelineTimesteps, tokens: in
         arguments["mu"] = dynamic_mu(scheduler.config, tokens, steps, resolution)
     if sigmas is not None:
         scheduler.set_timesteps(sigmas=sigmas, **arguments)
-    else:
-        scheduler.set_timesteps(steps, **arguments)
+    else:  # MiniMaxH3Scheduler's count includes the terminal 0: steps + 1 grid points for steps model calls
+        scheduler.set_timesteps(steps + (type(scheduler).__name__ in CLEAN_TIME), **arguments)
 
 
 @torch.no_grad()
 def sample_with_scheduler(denoiser, noise: Tensor, steps: int, sampler: str, config: dict, *,
                           pipeline: PipelineTimesteps = PipelineTimesteps(), tokens: int | None = None,
-                          resolution: dict | None = None, model_dtype: torch.dtype | None = None) -> Tensor:
+                          resolution: dict | None = None, model_dtype: torch.dtype | None = None,
+                          streams: Sequence[tuple[int, dict]] = ()) -> Tensor:
     """Step a fresh ``sampler`` scheduler of ``config`` from ``noise`` through ``steps`` steps, as the pipeline does:
     the model sees the latents in ``model_dtype`` (the pipelines' ``latents.to(transformer_dtype)``; None: as they
     are) and the scheduler's timestep as model time (sigma x 1000), and ``scheduler.step`` keeps the latents in the
     dtype it returns (float32 noise stays float32 under UniPC, as in WanPipeline). ``denoiser(x, model_time) ->
-    velocity``."""
+    velocity``.
+
+    ``streams``: (size, config) of each stream packed after the video's along dim 1 of ``noise`` (``JointLatents``'
+    order: MiniMax-H3's audio), each stepped by a scheduler of its own config, as MiniMax-H3's pipeline steps its audio
+    at shift 3 beside its video at 12; the denoiser then takes every stream's model time, ``(B, 1 + len(streams))``,
+    the video's first."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     with float32_default():
-        scheduler = build_scheduler(sampler, config)
-        check_flow_scheduler(scheduler, f"sampler={sampler}")
-        set_timesteps(scheduler, steps, pipeline, tokens, resolution, device=noise.device)
+        schedulers = [build_scheduler(sampler, stream_config) for stream_config in (config, *(c for _, c in streams))]
+        for scheduler in schedulers:
+            check_flow_scheduler(scheduler, f"sampler={sampler}")
+            set_timesteps(scheduler, steps, pipeline, tokens, resolution, device=noise.device)
+    lengths = {len(scheduler.timesteps) for scheduler in schedulers}
+    if len(lengths) > 1:  # a shift that rounds two grid points to one sigma (MiniMaxH3Scheduler drops the duplicate)
+        raise ValueError(f"sampler={sampler} with {steps} steps: the streams' schedules have {sorted(lengths)} steps; "
+                         f"use another number of steps or shift")
+    sizes = [noise.shape[1] - sum(size for size, _ in streams), *(size for size, _ in streams)]
+    clean_time = type(schedulers[0]).__name__ in CLEAN_TIME
     x = noise
-    for t in scheduler.timesteps:
+    for step in range(lengths.pop()):
         model_input = x if model_dtype is None else x.to(model_dtype)
         # model time as a float: float64 for an fp64 model (Flux divides it by 1000 as the pipeline does), else
         # float32 (a bf16 timestep would round it)
         time_dtype = torch.float64 if model_input.dtype == torch.float64 else torch.float32
-        prediction = denoiser(model_input, t.to(time_dtype).expand(x.shape[0]))  # float32 where the pipeline casts
+        timesteps = [scheduler.timesteps[step] for scheduler in schedulers]
+        times = torch.stack([(1 - t.to(time_dtype)) * 1000 if clean_time else t.to(time_dtype) for t in timesteps])
+        times = times[None].expand(x.shape[0], -1) if streams else times[0].expand(x.shape[0])  # (B, streams) / (B,)
+        prediction = denoiser(model_input, times)  # float32 where the pipeline casts
+        prediction = -prediction if clean_time else prediction  # MiniMax-H3's scheduler steps x0 - noise
         with float32_default():
-            x = scheduler.step(prediction, t, x, return_dict=False)[0]
+            x = torch.cat([scheduler.step(velocity, t, part, return_dict=False)[0] for scheduler, t, velocity, part
+                           in zip(schedulers, timesteps, prediction.split(sizes, 1), x.split(sizes, 1))], dim=1)
     return x
 
 
@@ -254,5 +278,5 @@ def float32_default():
     return default_dtype(torch.float32)
 
 
-__all__ = ["SCHEDULERS", "PipelineTimesteps", "build_scheduler", "check_flow_scheduler", "dynamic_mu",
+__all__ = ["CLEAN_TIME", "SCHEDULERS", "PipelineTimesteps", "build_scheduler", "check_flow_scheduler", "dynamic_mu",
            "is_scheduler_sampler", "sample_with_scheduler", "scheduler_class", "scheduler_config", "set_timesteps"]

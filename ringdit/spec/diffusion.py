@@ -235,6 +235,33 @@ def check_sampling(model_cfg: dict, objective_cfg, sampling: dict, prefix: str =
         raise ConfigError(f"{prefix}cfg_scale_2={sampling['cfg_scale_2']} is the low-noise expert's guidance of a "
                           f"two-expert model (Wan 2.2 A14B), but this model has one transformer; set cfg_scale only")
     model_class(model_cfg).check_guidance(model_cfg, sampling, prefix)  # what guidance the model kind takes
+    check_joint_shift(model_cfg, sampling, prefix)
+
+
+def check_joint_shift(model_cfg: dict, sampling: dict, prefix: str = "") -> None:
+    """``joint_shift``: null (every stream at ``shift``), or {joint latent: shift > 0} for latents the model denoises
+    with its video (MiniMax-H3's audio: its pipeline's 3.0), each stepped by a diffusers scheduler of its own."""
+    joint_shift = sampling.get("joint_shift")
+    if joint_shift is None:
+        return
+    keys = model_class(model_cfg).sampling_defaults(model_cfg).get("joint_latents", ())
+    example = f"{prefix}joint_shift={{{keys[0] if keys else 'audio'}: 3.0}}"
+    if not isinstance(joint_shift, dict) or not joint_shift:
+        raise ConfigError(f"{prefix}joint_shift={joint_shift!r} is not a shift per joint latent: give e.g. {example}, "
+                          f"or null to step every stream at {prefix}shift")
+    for key, value in joint_shift.items():
+        if key not in keys:
+            denoised = f"its video and {', '.join(keys)}" if keys else "its video alone"
+            raise ConfigError(f"{prefix}joint_shift names {key!r}, but this model denoises {denoised}; "
+                              + (f"give e.g. {example}" if keys else f"leave {prefix}joint_shift null"))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{prefix}joint_shift.{key}={value!r} is not a shift: give a number > 0 (MiniMax-H3's "
+                              f"audio: 3.0)")
+    if not is_scheduler_sampler(sampling.get("sampler")):
+        raise ConfigError(f"{prefix}joint_shift steps {', '.join(joint_shift)} on a schedule of its own, which only "
+                          f"diffusers' scheduler samplers do, but {prefix}sampler={sampling.get('sampler')}; use "
+                          f"{prefix}sampler=minimax_h3 (MiniMax-H3's pipeline's) or flow_euler, or leave "
+                          f"{prefix}joint_shift null")
 
 
 def check_ddpm_objective(objective_cfg, sampler: str | None, prefix: str = "") -> None:

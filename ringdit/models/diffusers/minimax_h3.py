@@ -24,7 +24,8 @@ video]``, text on the time axis at its row index, the stereo audio channel-major
 frames at the VAE's 17 / 5 frame rhythm. Conventions of the released model (``MiniMaxH3Scheduler``): its timestep is
 ``1 - sigma`` (1 = clean) and it predicts the data-ward velocity ``x0 - noise``; ringdit's flow objective uses
 ``sigma`` x 1000 and ``noise - x0``, so the forward here converts both ways. The model is guidance-distilled (its
-pipeline runs no unconditional pass).
+pipeline runs no unconditional pass). Its pipeline samples with ``MiniMaxH3Scheduler`` (``sampler=minimax_h3``), the
+audio on a schedule of its own (``diffusion.sampling.joint_shift={audio: 3.0}`` beside the video's ``shift=12``).
 
 The audio is denoised with the video (``joint_latents``): training noises it at the sample's time (or its own,
 ``audio_time``) and adds its error to the loss. Audio latents are ``(B, 2, L, C_a)``: the mono audio VAE's latents
@@ -40,7 +41,7 @@ import torch
 from torch import nn
 
 from ringdit.models.conditioning import AUDIO_KEY as AUDIO  # the soundtrack's latents (B, 2, L, C_a)
-from ringdit.models.diffusers.family import Family
+from ringdit.models.diffusers.family import Family, PipelineTimesteps
 from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -189,6 +190,8 @@ MINIMAX_H3 = Family(
         gather_outputs={"proj_out": {None: 1}, "audio_proj_out": {None: 1}},  # (B, S, C): both heads, every row
     ),
     forward=_minimax_h3_joint_forward,
+    # its loop steps MiniMaxH3Scheduler (sampler=minimax_h3) on the prediction rounded to float32 (``.float()``)
+    pipeline_timesteps=PipelineTimesteps(float32_prediction=True),
     joint_latents=(AUDIO,),  # the sound: noised with the video, predicted, in the loss
     audio_frame=lambda config: (STEREO, config["audio_in_channels"]),  # one latent frame: (2, C_a)
     joint_shapes=_joint_shapes,

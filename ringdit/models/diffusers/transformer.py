@@ -390,9 +390,11 @@ class DiffusersTransformer(KindDefaults, nn.Module):
     @staticmethod
     def sampling_defaults(config: dict) -> dict:
         """The flow objective's settings a run leaves unset, as the family's pipeline fixes them: the resolution
-        shift's constants (``diffusion.objective.resolution``) and the last sampling time (``shift_terminal``)."""
+        shift's constants (``diffusion.objective.resolution``) and the last sampling time (``shift_terminal``); the
+        latents it denoises with the video (``joint_latents``: what ``diffusion.sampling.joint_shift`` may name)."""
         family = get_family(config["family"])
-        return {"resolution": family.resolution_shift, "shift_terminal": family.shift_terminal}
+        return {"resolution": family.resolution_shift, "shift_terminal": family.shift_terminal,
+                "joint_latents": family.joint_latents}
 
     @property
     def takes_guidance(self) -> bool:
