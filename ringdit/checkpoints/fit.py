@@ -15,6 +15,9 @@ from ringdit.common.errors import CheckpointError
 Tensor = torch.Tensor
 
 LABEL_TABLE = "y_embedder.embedding_table.weight"
+# parameters a file may lack: a guidance embedder given to a DiT trained without one (model.guidance_embed) starts
+# at its initial value, whose zero output layer leaves the model as the file holds it
+OPTIONAL_KEYS = ("g_embedder.",)
 
 
 def check_compatible(model: nn.Module | Mapping[str, Tensor | torch.Size], state: Mapping[str, Tensor | torch.Size],
@@ -29,7 +32,7 @@ def check_compatible(model: nn.Module | Mapping[str, Tensor | torch.Size], state
     def ordered(keys):  # embedders and final layer first: they tell the model size; the repeated blocks after
         return sorted(keys, key=lambda key: (key.startswith("blocks."), key))
 
-    missing = ordered(set(expected) - set(state))
+    missing = ordered({key for key in set(expected) - set(state) if not key.startswith(OPTIONAL_KEYS)})
     unexpected = ordered(set(state) - set(expected))
     mismatched = [
         f"{key} {shape(state[key])} vs {shape(expected[key])}"

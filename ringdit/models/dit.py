@@ -103,6 +103,9 @@ class DiT(nn.Module):
     of the blocks in backward (``ringdit.models.checkpointing``; ``gradient_checkpointing``: its older name), and
     ``activation_offload`` keeps their inputs in CPU memory on CUDA. Any grid divisible by the patch works at run
     time; ``input_size`` only fixes the stored ``pos_embed`` (the original's parameter) and the default shape.
+    ``guidance_embed`` gives it a guidance-scale input, as Flux-dev's guidance embedding (``g_embedder``: the scale x
+    1000 through a timestep embedder, added to the conditioning; its output layer starts at zero, so a model trained
+    without it starts unchanged); ``guidance``: the scale it is fed when the call gives none (``model.guidance``).
     """
 
     # Sequence parallelism (ringdit.models.parallel_plan): the tokens, patch- and position-embedded, split where they enter
@@ -150,8 +153,14 @@ class DiT(nn.Module):
         activation_checkpointing: bool | float | str = False,
         gradient_checkpointing: bool = False,
         activation_offload: bool = False,
+        guidance_embed: bool = False,
+        guidance: float | None = None,
     ):
         super().__init__()
+        if guidance is not None and not guidance_embed:
+            raise ConfigError(f"model.guidance={guidance} is the guidance embedding's input, but this DiT has none "
+                              f"(model.guidance_embed=false); set model.guidance=null, or model.guidance_embed=true")
+        self.guidance = (1.0 if guidance is None else float(guidance)) if guidance_embed else None
         self.in_channels = in_channels
         self.out_channels = in_channels * 2 if learn_sigma else in_channels
         self.learn_sigma = learn_sigma
@@ -163,6 +172,7 @@ class DiT(nn.Module):
         self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size, temporal_patch_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        self.g_embedder = TimestepEmbedder(hidden_size) if guidance_embed else None  # the guidance scale's input
         _check_divisible(self.input_size, self.x_embedder.patch_shape)
         self.default_grid = tuple(s // p for s, p in zip(self.input_size, self.x_embedder.patch_shape))
         # Fixed sin-cos table for the default grid, a frozen parameter as in the original checkpoints.
@@ -192,7 +202,10 @@ class DiT(nn.Module):
         value = torch.zeros(shape)
         if name.endswith("bias") or "adaLN_modulation" in name or name.startswith("final_layer.linear."):
             return value
-        if name in ("y_embedder.embedding_table.weight", "t_embedder.mlp.0.weight", "t_embedder.mlp.2.weight"):
+        if name == "g_embedder.mlp.2.weight":  # zero: the guidance input adds nothing until it is trained
+            return value
+        if name in ("y_embedder.embedding_table.weight", "t_embedder.mlp.0.weight", "t_embedder.mlp.2.weight",
+                    "g_embedder.mlp.0.weight"):
             return nn.init.normal_(value, std=0.02, generator=generator)
         nn.init.xavier_uniform_(value.view(shape[0], -1), generator=generator)
         return value
@@ -223,17 +236,22 @@ class DiT(nn.Module):
         return _cached_pos_embed(self.pos_embed.shape[-1], grid).to(self.pos_embed.device)
 
     # ---- forward ----------------------------------------------------------------------------------------------------
-    def forward(self, x: Tensor, t: Tensor, y: Tensor, drop_labels: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, t: Tensor, y: Tensor, drop_labels: Tensor | None = None,
+                guidance: Tensor | None = None) -> Tensor:
         """(B, C, [T,] H, W) -> (B, out_channels, [T,] H, W).
 
         t: (B,) timesteps in the embedder's scale (0..1000); y: (B,) labels; drop_labels: (B,) bool, True where the
-        label is replaced by the null class (classifier-free guidance training).
+        label is replaced by the null class (classifier-free guidance training); guidance: (B,) guidance scales of a
+        model with a guidance input (None: ``self.guidance`` for every sample).
         """
         grid = self.x_embedder.grid(x)
         x = x.to(self.pos_embed.dtype)  # float32 noise into a float64 model (trainer.precision=64-true), as diffusers'
         # transformers take their latents; a no-op otherwise
         tokens = self.x_embedder(x) + self.position_embedding(grid)  # (B, N, D)
         c = self.t_embedder(t) + self.y_embedder(y, drop_labels)  # (B, D)
+        if self.g_embedder is not None:  # x 1000 into the timestep features' range, as Flux's guidance embedding
+            scales = guidance if guidance is not None else t.new_full((x.shape[0],), self.guidance)
+            c = c + self.g_embedder(scales.to(t.device).float() * 1000)
         for block in self.blocks:  # the checkpointed ones recompute in backward (ringdit.models.checkpointing)
             tokens = block(tokens, c)
         return self.unpatchify(self.final_layer(tokens, c), grid)  # (B, N, patch_volume * out_channels) -> pixels
@@ -318,9 +336,9 @@ class DiT(nn.Module):
 
     @staticmethod
     def check_guidance(config: dict, sampling: dict, prefix: str = "") -> None:
-        """The DiT has no guidance embedding, and classifier-free guidance needs the null class it learnt only where
-        it was trained with label dropout."""
-        if sampling.get("guidance") is not None:
+        """The DiT has no guidance embedding unless ``guidance_embed`` (its scale is then ``model.guidance``), and
+        classifier-free guidance needs the null class it learnt only where it was trained with label dropout."""
+        if sampling.get("guidance") is not None and not config.get("guidance_embed"):
             raise ConfigError(f"model.guidance={sampling['guidance']!r} is the guidance embedding's value of a "
                               f"guidance-distilled model (Flux-dev); the DiT has none and would ignore it: leave it "
                               f"unset, and set the strength of classifier-free guidance with {prefix}cfg_scale")
@@ -328,6 +346,11 @@ class DiT(nn.Module):
         if cfg_scale is not None and cfg_scale != 1.0 and not config.get("class_dropout_prob", 0.1) > 0:
             raise ConfigError(f"{prefix}cfg_scale={cfg_scale} needs a model trained with label dropout (a null class), "
                               f"but model.class_dropout_prob={config.get('class_dropout_prob')}; use {prefix}cfg_scale=1")
+
+    @property
+    def takes_guidance(self) -> bool:
+        """Whether the model has a guidance-scale input (``guidance_embed``): what ``diffusion.model_guidance`` trains."""
+        return self.g_embedder is not None
 
     # ---- conditioning: the interface every model ringdit trains shares (``DiffusersTransformer``'s for text) -----
     @property

@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ringdit.checkpoints.fit import check_compatible
+from ringdit.checkpoints.fit import OPTIONAL_KEYS, check_compatible
 from ringdit.checkpoints.sources import WeightSource, local_index, local_part
 from ringdit.common.errors import ConfigError
 from ringdit.common.seeding import Stream, seed_of
@@ -94,6 +94,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int, source: Weigh
         loaded.update({name: buffer for name, buffer in model.named_buffers()
                        if name in persistent and name in source.shapes})  # a ringdit file's null prompt, ...
         check_source(loaded, source, transforms)
+        loaded = {name: param for name, param in loaded.items()  # a file without them: their initial values
+                  if name in source.shapes or not name.startswith(OPTIONAL_KEYS)}
         transformed = {name: loaded.pop(name) for name in list(loaded) if name in (transforms or {})}
         staged = {name: loaded.pop(name) for name in list(loaded) if name in float8}
         source.fill(loaded)

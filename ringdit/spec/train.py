@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ringdit.common.errors import ConfigError, require_count, require_number, require_seed
 from ringdit.costs import Setup, check_memory, memory_setup
@@ -21,6 +21,7 @@ from ringdit.costs.previews import check_run_previews
 from ringdit.spec.checkpoint import CheckpointPlan
 from ringdit.spec.diffusion import training_diffusion, training_expert
 from ringdit.spec.distill import DistillSpec
+from ringdit.diffusion.model_guidance import check_model_guidance
 from ringdit.parallel.layout import Layout
 from ringdit.spec.model import ModelSpec
 from ringdit.spec.optimizer import OptimizerSpec
@@ -74,6 +75,7 @@ class TrainSpec:
     checkpoint: CheckpointPlan
     distill: DistillSpec | None = None  # distill=dmd2: the student's and critic's settings; None: plain training
     memory: Setup = Setup()  # what the memory estimate counts besides the model and the layout (memory_setup)
+    model_guidance: tuple[float, float] | None = None  # diffusion.model_guidance: the scales' range; None: off
 
     @property
     def build_plan(self) -> BuildPlan:
@@ -106,6 +108,9 @@ class TrainSpec:
         model, meta_model = ModelSpec.from_data(cfg.model, data.info, layout.ulysses_degree)
         data.module.set_patch_shape(meta_model.patch_shape)  # the bucket's token counts: tokens_per_batch
         check_preview_shapes(trainer.callbacks, data.info, meta_model.patch_shape)
+        model_guidance = check_model_guidance(
+            OmegaConf.to_container(cfg.diffusion, resolve=True).get("model_guidance"), meta_model,
+            None if (cfg.get("distill") or {}).get("method", "none") == "none" else cfg.distill.method)
         expert = training_expert(cfg, model.config)  # first: a two-expert model's objective is the mistake to name
         objective, sampling = training_diffusion(cfg, model.config, model.tokens)
         if expert in ("high", "low"):  # the estimate counts gradients and optimizer state of the expert that trains
@@ -128,7 +133,7 @@ class TrainSpec:
         return cls(seed=cfg.seed, compile=cfg.compile, nonfinite_loss=cfg.nonfinite_loss,
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, data=data, model=model,
                    objective=objective, expert=expert, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint,
-                   distill=distill, memory=memory)
+                   distill=distill, memory=memory, model_guidance=model_guidance)
 
 
 def check_preview_shapes(callbacks: tuple[dict, ...], data_info: dict, patch: tuple[int, ...]) -> None:

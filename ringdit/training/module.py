@@ -38,6 +38,7 @@ from ringdit.common.errors import NonFiniteLossError
 from ringdit.models.lora import is_adapter_key, lora_enabled, null_condition_names
 from ringdit.models.conditioning import text_conditioned
 from ringdit.parallel import ParallelDims
+from ringdit.diffusion.model_guidance import draw_scales, guided_target
 from ringdit.common.safe_config import check_file_configs
 from ringdit.common.seeding import Stream, generator
 
@@ -60,6 +61,8 @@ class DiffusionModule(L.LightningModule):
     kept in the checkpoint for the preview grids' and infer.py's ``Sampler``; this module does not sample.
     ``data``: what the data module describes (channels, image_size, num_classes, class_names).
     ``expert``: which expert of a two-expert model trains: ``high``, ``low`` or ``both`` (None: both).
+    ``model_guidance``: (low, high) -- train a guidance-scale input toward the guided target
+    (``ringdit.diffusion.model_guidance``); None: the plain target.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class DiffusionModule(L.LightningModule):
         lora: dict | None = None,
         resume_optimizer: bool = True,
         expert: str | None = None,
+        model_guidance: tuple[float, float] | None = None,
     ):
         super().__init__()
         self.skipped_steps = 0
@@ -125,7 +129,8 @@ class DiffusionModule(L.LightningModule):
                    ema_decay=plan.ema_decay, seed=plan.seed, attention_backend=plan.backend, compile=plan.compile,
                    init_from=plan.init_from, init_weights=plan.init_weights, init_resize_labels=plan.resize_labels,
                    nonfinite_loss=spec.nonfinite_loss, lora=plan.lora,
-                   resume_optimizer=spec.checkpoint.resume_optimizer, expert=plan.expert, **keywords)
+                   resume_optimizer=spec.checkpoint.resume_optimizer, expert=plan.expert,
+                   model_guidance=spec.model_guidance, **keywords)
 
     @property
     def build_plan(self) -> BuildPlan:
@@ -214,12 +219,18 @@ class DiffusionModule(L.LightningModule):
             condition = {**condition, **{key: self.objective.add_noise(value, joint_noise[key], t)
                                          for key, value in joint.items()}}
         run = {"expert": expert} if expert else {}  # a two-expert model runs the one the times were drawn for
-        prediction = model(x_t, self.objective.model_time(t), condition, **run)  # (B, C or 2C, [T,] H, W)
+        scales = draw_scales(generators, *self.hparams.model_guidance, x0.device) \
+            if self.hparams.get("model_guidance") else None  # (B,) drawn after the sample's other draws
+        fed = {} if scales is None else {"guidance": scales}
+        prediction = model(x_t, self.objective.model_time(t), condition, **run, **fed)  # (B, C or 2C, [T,] H, W)
         if joint:  # and each joint latent's own prediction
             prediction, joint_predictions = prediction
         channels = x0.shape[1]
         eps = prediction[:, :channels].float()
-        error = (eps - self.objective.target(x0, noise, t).float()).square()  # (B, C, [T,] H, W)
+        target = self.objective.target(x0, noise, t).float()  # (B, C, [T,] H, W)
+        if scales is not None:  # diffusion.model_guidance: + (w - 1) (v(c) - v(null)) of the model itself, no gradient
+            target = guided_target(model, target, x_t, self.objective.model_time(t), condition, scales, run)
+        error = (eps - target).square()  # (B, C, [T,] H, W)
         if prediction.shape[1] > channels and isinstance(self.objective, DDPM) and self.objective.learn_variance:
             # the original's hybrid loss: + the variational bound, which trains only the variance channels. Both
             # terms are means over a sample's elements, so adding them per element gives mse + vb.
