@@ -118,7 +118,8 @@ class TextLatentsDataModule(ImageDataModule):
             info["glyph_len"], info["glyph_dim"] = self.glyph_shape
         if self.shards[0].image_keys:  # image-to-video conditioning (every shard holds the same: _check_mixable)
             info["image_keys"] = list(self.shards[0].image_keys)
-        for key in ("vae", "text_encoder", "image_encoder"):  # by prepare: how to decode and encode prompts, images
+        # by prepare: how to decode and encode prompts, images; the audio VAE the sound was encoded with
+        for key in ("vae", "text_encoder", "image_encoder", "audio_vae"):
             if key in self.shards[0].metadata:
                 info[key] = json.loads(self.shards[0].metadata[key])
         if self.dataset_list is not None:  # infer.py's held-out prompts come from the same folders (data_source)
@@ -174,6 +175,9 @@ def _check_mixable(path, shards: list[Shard]) -> None:
                    if what[0].startswith("latent dims") else
                    "prepare every folder with mask_path= (a clip without a mask trains everywhere), or none"
                    if what[0] == "a loss mask" else
+                   "prepare every folder of clips with their sound (audio_vae=), or none: a set's clips train "
+                   "with their audio or without it" if what[0] == "image conditioning" and
+                   ("audio" in what[1]) != ("audio" in what[2]) else
                    "encode every shard with the same VAE and text encoder(s) and max_text_len")
             raise ConfigError(f"data.path={path}: {shard.path.name} has {what[0]} {what[2]} but {first.path.name} has "
                               f"{what[1]}; shards of different latent shapes are buckets of one set, but these cannot "

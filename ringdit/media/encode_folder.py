@@ -115,7 +115,8 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
             pooled_encoder: str | None = None, pooled_tokenizer: str | None = None, max_pooled_len: int = 77,
             masked_text: bool | None = None, prompt_template: str | None = None, glyph_encoder: str | None = None,
             glyph_tokenizer: str | None = None, mask_path: str | None = None, control: str | None = None,
-            reference: str | None = None, frame_extraction: str = "head",
+            reference: str | None = None, audio_vae: str | None = None,
+            audio_vae_subfolder: str | None = "audio_vae", frame_extraction: str = "head",
             window_stride: int | None = None, frame_sample: int | None = None, source_fps=None,
             fps: int | None = None, rank: int | None = None, world_size: int | None = None,
             progress: bool = True) -> EncodeReport:

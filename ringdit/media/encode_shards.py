@@ -15,6 +15,7 @@ import torch
 
 from ringdit.commands.preemption import sigterm_waits
 from ringdit.data.text_latent_shards import MASK_KEY, TEXT_KEYS, save_tensors
+from ringdit.media.audio_latents import AudioLatentEncoder, audio_vae_folder, check_audio_tracks
 from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.buckets import Bucket, make_buckets, parse_buckets
@@ -31,7 +32,7 @@ from ringdit.media.shard_plan import PLAN, check_plan, check_resumed_task, shard
 from ringdit.media.text import TextEncoder
 from ringdit.media.vae import VAE
 from ringdit.media.windows import extraction, pipeline_fps, timeline
-from ringdit.models.conditioning import CONTROL_KEY, REFERENCE_KEY, SAMPLE_KEYS
+from ringdit.models.conditioning import AUDIO_KEY, CONTROL_KEY, REFERENCE_KEY, SAMPLE_KEYS
 from ringdit.models.diffusers.wan_vace import control_condition
 
 log = logging.getLogger("ringdit.prepare")
@@ -77,6 +78,8 @@ class FolderSettings:
     mask_path: str | None
     control: str | None  # a folder of control videos, one per clip (Wan VACE's control latents)
     reference: str | None  # a folder of reference images, one per image (Qwen-Image-Edit's reference latents)
+    audio_vae: str | None  # LTX-2's audio VAE (a pipeline folder with audio_vae/, or its own): each clip's sound
+    audio_vae_subfolder: str | None
     frame_extraction: str
     window_stride: int | None
     frame_sample: int | None
@@ -133,6 +136,9 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
     controls = find_controls(settings.control, items) if settings.control else None  # headers only, as the masks
     references = find_references(settings.reference, items) if settings.reference else None  # headers only too
     videos = [item for item in items if item.is_video]
+    if settings.audio_vae:  # headers only, before any model loads: every file has sound, the clips one frame rate
+        audio_vae_folder(settings.audio_vae, settings.audio_vae_subfolder)
+        check_audio_tracks(list(dict.fromkeys(item.path for item in items)), settings.audio_vae, settings.source_fps)
     if videos and len(videos) < len(items) and not bucketed:
         image = next(item for item in items if not item.is_video)
         raise ConfigError(f"input={settings.input} mixes videos ({videos[0].path.name}) and images "
@@ -206,6 +212,8 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
                           pooled_tokenizer=settings.pooled_tokenizer, max_pooled_len=settings.max_pooled_len,
                           masked=settings.masked_text, prompt_template=settings.prompt_template,
                           glyph_encoder=settings.glyph_encoder, glyph_tokenizer=settings.glyph_tokenizer)
+    sound = (AudioLatentEncoder(settings.audio_vae, settings.audio_vae_subfolder, device=device, dtype=store)
+             if settings.audio_vae else None)
     clip = (ImageEncoder(settings.image_encoder, settings.image_processor, device=device, dtype=store)
             if settings.image_encoder else None)
 
@@ -228,6 +236,8 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
         report.texts_encoded += 1
     if settings.task == "i2v":
         described["task"] = "i2v"  # what a resumed run checks (check_resumed_task); no key: t2v, as before
+    if sound is not None:
+        described["audio_vae"] = json.dumps(sound.describe())  # what training checks the model's audio against
     if clip is not None:
         described["image_encoder"] = json.dumps(clip.describe())
     start = time.perf_counter()
@@ -295,6 +305,10 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
                                                       codec.temporal)
             if references is not None:  # the reference image's latents, as the edit pipelines encode it
                 cond[REFERENCE_KEY] = encode(torch.stack(reference_pixels))  # (B, C, H', W'): the latents' grid
+            if sound is not None:  # each window's sound over its frames' time (ringdit/media/audio_latents.py)
+                cond[AUDIO_KEY] = torch.stack([
+                    sound.encode_clip(item.path, clock.source_index(item.start), bucket.frames * clock.step,
+                                      clock.source_fps) for item, _ in loaded])  # (B, C_a, L, M)
             if settings.task == "i2v":  # the first frame's conditioning, its encodes by the same VAE path as the clips'
                 cond.update(first_frame_condition(encode, pixels[:, :, 0], bucket.frames))
                 if clip is not None:  # CLIP sees the first frame as the bucket shows it (the same 8-bit RGB)

@@ -37,6 +37,7 @@ VAE_KINDS = {kind.class_name: kind for kind in (
     VaeKind("AutoencoderKLWan", video=True, tiles="video", first_chunk=True),
     VaeKind("AutoencoderKLQwenImage", video=True, tiles="video"),  # Wan's code, Qwen-Image's weights
     VaeKind("AutoencoderKLLTXVideo", video=True),
+    VaeKind("AutoencoderKLLTX2Video", video=True),  # LTX-2's: LTX-Video's latents_mean / std and tiling, 8x / 32x
     VaeKind("AutoencoderKLHunyuanVideo15", video=True, tile_setting="sizes"),
     VaeKind("AutoencoderKLCogVideoX", video=True, frame_pad=2, tile_setting="overlap"),
     VaeKind("AutoencoderKL", video=False, tiles="image"),

@@ -108,6 +108,7 @@ def check_audio_data(config: dict, family: Family, data: dict) -> None:
         raise ConfigError(f"model.family={family.name} generates video and audio together, but the data has no "
                           f"'audio' latents (N, channels, L, features) beside the clips'; give data that hold them, "
                           f"e.g. data=synthetic_text_latents data.audio={example}")
+    check_audio_rate(config, data)
     if AUDIO_KEY in keys and AUDIO_KEY not in family.joint_latents + family.condition_keys:
         raise ConfigError(f"the data hold the clips' 'audio' latents, but model.family={family.name} generates no "
                           f"sound: it would train on the video alone; train an audio-video model (model=ltx2), or "
@@ -124,3 +125,21 @@ def check_latent_shape(size: tuple[int, ...], patch: tuple[int, ...], data_chann
     if data_channels is not None and data_channels != channels:
         raise ConfigError(f"the data's latents have {data_channels} channels but the model takes {channels}: "
                           f"encode with the model's own VAE")
+
+
+def check_audio_rate(config: dict, data: dict) -> None:
+    """Audio latents that prepare encoded (its ``audio_vae`` record: the audio VAE's sample rate and mel hop) fit a
+    model whose audio is timed at ``audio_sampling_rate`` / ``audio_hop_length`` (LTX-2's RoPE places its audio tokens
+    in seconds of them): another rate would play the sound at another speed than the video."""
+    audio_vae, arch = data.get("audio_vae"), config.get("config") or {}
+    if not audio_vae or "audio_sampling_rate" not in arch:
+        return
+    rate, hop = audio_vae.get("sample_rate"), audio_vae.get("mel_hop_length")
+    if (rate, hop) != (arch["audio_sampling_rate"], arch.get("audio_hop_length", hop)):
+        where = (data.get("source") or {}).get("path", "data.path")
+        raise ConfigError(f"data.path={where}: the audio latents were encoded by an audio VAE at {rate} Hz with a mel "
+                          f"hop of {hop} ({audio_vae.get('path')}), but the model's audio is at "
+                          f"model.config.audio_sampling_rate={arch['audio_sampling_rate']} with audio_hop_length="
+                          f"{arch.get('audio_hop_length')}: the sound would play at another speed than the video; "
+                          f"prepare the clips again with the audio VAE of the model's own pipeline (audio_vae=), or "
+                          f"train a model of that rate")
