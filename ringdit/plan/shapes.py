@@ -7,6 +7,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.costs import ModelSize, model_size
+from ringdit.costs.model_size import sequence_streams
 from ringdit.media.buckets import MAX_SIDE
 from ringdit.models.frame_rule import FrameRule
 from ringdit.plan.planner_settings import preset_name
@@ -71,19 +72,19 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     meta_model = build_on_meta(config)
     expert = OmegaConf.select(cfg, "diffusion.expert", default=None)
     if expert not in (None, "both"):
-        if expert not in ("high", "low") or not meta_model.experts:
+        if expert not in ("high", "low") or not getattr(meta_model, "experts", ()):
             raise ConfigError(f"diffusion.expert={expert!r}: high or low picks the expert of a two-expert model "
                               f"(model=wan22_a14b*) that trains; null for every other model")
         meta_model.train_only(expert)  # its gradients, optimizer state and EMA only
     size = model_size(config, meta_model, lora)
     grid = " x ".join(str(s // p) for s, p in zip(shape, patch))
     text = f" + {size.text_tokens} text tokens (sharded with the image)" if size.text_tokens else ""
-    packed = meta_model.parallel_plan.packed
-    packed = packed.streams if packed is not None else ()
-    # every stream the attention sees: one packed after the grid's tokens is in the count, another has blocks of its own
+    packed = sequence_streams(meta_model)
+    # every stream the attention sees: one packed into the grid's sequence is in the count; another runs through
+    # blocks of its own (Wan VACE's control) or is a sequence of its own in the same blocks (LTX-2's audio)
     inside = "".join(f" + {n} {name} tokens" for name, n in size.stream_tokens if name in packed)
-    beside = "".join(f" + {n} {name} tokens (through its own blocks)" for name, n in size.stream_tokens
-                     if name not in packed)
+    beside = "".join(f" + {n} {name} tokens (a sequence of its own, split over the ranks)"
+                     for name, n in size.stream_tokens if name not in packed)
     clip = (f", {plan['clip_frames']} frames: the pipeline's clip; data.frames= to change it"
             if plan["video"] and cfg.data.frames is None else "")
     line = (f"{preset_name(model_cfg)}: {_count(size.parameters)} parameters"

@@ -156,6 +156,9 @@ LTX2 = Family(
     forward=_ltx2_joint_forward,
     joint_latents=(AUDIO,),  # the sound: noised with the video, predicted, in the loss, sampled with it
     joint_shapes=_joint_shapes,
+    # its audio tokens, one per latent audio frame of the clip's duration: a sequence of their own, cut over the ranks
+    # (audio_attn1) and attended from the video's (audio_to_video_attn); the grid's T is latent frames (patch_size_t 1)
+    stream_tokens=lambda config, grid: {AUDIO: audio_frames(config, grid[0] * config["patch_size_t"])},
     video=True,
     vae_factors=(8, 32),  # LTX-2's video VAE (the transformer's vae_scale_factors)
     fps=FPS,

@@ -195,6 +195,10 @@ MINIMAX_H3 = Family(
     joint_latents=(AUDIO,),  # the sound: noised with the video, predicted, in the loss
     audio_frame=lambda config: (STEREO, config["audio_in_channels"]),  # one latent frame: (2, C_a)
     joint_shapes=_joint_shapes,
+    # its audio rows, both stereo channels' latent frames, packed with the video's into the one sequence the ranks split
+    # (the text's rows too, which the planner does not count); the grid's T is in temporal patches
+    stream_tokens=lambda config, grid: {AUDIO: STEREO * audio_frames(grid[0] * config["patch_size"][0])},
+    sequence_streams=(AUDIO,),
     video=True,
     # its VAE: 16x spatial; in time 17 n + 5 frames -> 5 n + 2 latents, which no one factor describes: the planner
     # lays it out in latent cells (data.latent=false data.frames=<latent frames>; 243 frames are 72)
