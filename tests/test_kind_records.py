@@ -2,22 +2,36 @@
 a ``VaeKind``): code elsewhere asks the record and never names a kind to decide. Read from the source (AST), so a
 new table keyed by family or class names, a ``conditioning == "text"`` test, or a search of the family registry
 ``FAMILIES`` (ask its questions instead: ``find_family``, ``family_of_pipeline``, ``families_of_class``, ...) fails
-here."""
+here. Nor does code outside duck-type a model: ``hasattr(model, "x")`` / ``getattr(model, "x", default)`` of a
+model's member fails (every member is the contract's, ``ringdit.models.protocol``, with ``KindDefaults`` answering for
+a kind without it: call it plainly)."""
 
 from __future__ import annotations
 
 import ast
+import functools
+import inspect
+import textwrap
+import typing
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from ringdit.models import DiT
+from ringdit.models.conditioning import NULL_KEYS
+from ringdit.models.diffusers import DiffusersTransformer
 from ringdit.models.diffusers.families import FAMILIES
+from ringdit.models.protocol import DiffusionModel, KindDefaults
 from ringdit.models.vaes import VAE_KINDS
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ringdit"
 KINDS = Path("models")  # where the kind records live, relative to the package
 REGISTRY = "FAMILIES"  # the diffusers families' registry: only ringdit/models/ reads it
+# hasattr / getattr-with-default of a name a model has, on something that is no model: (module, name) -> what it is
+NOT_A_MODEL = {
+    ("media/parallel_vae.py", "patch_size"): "a VAE's config (the Wan 2.2 VAE's pixel patching)",
+}
 
 
 def kind_names() -> set[str]:
@@ -56,6 +70,70 @@ def findings(path: Path, names: set[str]) -> list[str]:
         if named and getattr(node, named) == REGISTRY:
             found.append(f"{where}: the family registry {REGISTRY} read directly")
     return found
+
+
+@functools.cache
+def model_members() -> frozenset[str]:
+    """Every name a model answers to beyond ``nn.Module``'s own: the contract's (``DiffusionModel``,
+    ``KindDefaults``), the DiT's and ``DiffusersTransformer``'s class members, and what their code sets on an instance
+    (``self.x = ...``: attributes and submodules; ``register_buffer("x", ...)``; every null-condition buffer)."""
+    kinds = (DiffusionModel, KindDefaults, DiT, DiffusersTransformer)
+    names = {name for kind in kinds for name in dir(kind)} | set(NULL_KEYS.values())
+    for kind in (DiT, DiffusersTransformer):
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(kind)))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "register_buffer" and isinstance(node.args[0], ast.Constant):
+                names.add(node.args[0].value)
+    return frozenset(names - set(dir(nn.Module())) - set(dir(typing.Protocol))
+                     - {"_is_protocol", "_is_runtime_protocol", "_abc_impl"})
+
+
+def duck_typing(path: Path, members: frozenset[str], allowed: dict = NOT_A_MODEL) -> list[str]:
+    """``path:line: what`` for each ``hasattr(x, "member")`` / ``getattr(x, "member", default)`` of a model member,
+    but the ``allowed`` (module, name) pairs, whose object is no model."""
+    found = []
+    module = path.relative_to(PACKAGE).as_posix() if path.is_relative_to(PACKAGE) else path.name
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2
+                and (node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3))):
+            continue
+        name = node.args[1]
+        if isinstance(name, ast.Constant) and name.value in members and (module, name.value) not in allowed:
+            found.append(f"{path}:{node.lineno}: duck typing on a model member `{ast.unparse(node)}`")
+    return found
+
+
+def test_no_duck_typing_of_a_model_outside_the_kinds():
+    members = model_members()
+    found = [line for path in outside_kinds() for line in duck_typing(path, members)]
+    assert not found, ("a model's member asked whether it exists outside ringdit/models/ (make it a member of "
+                       "ringdit.models.protocol.DiffusionModel with a default on KindDefaults, and call it plainly; "
+                       "an object that is no model goes in NOT_A_MODEL with what it is):\n" + "\n".join(found))
+
+
+@pytest.mark.parametrize("source", [
+    'if hasattr(model, "with_condition_frames"):\n    pass\n',
+    'weights = getattr(self.model, "loss_weights", None)\n',
+    'text = getattr(meta_model, "null_text", None)\n',
+    'state = getattr(model, "_ringdit_sequence", None)\n',
+    'arch = getattr(getattr(meta_model, "transformer", None), "config", None)\n',
+])
+def test_the_duck_typing_check_finds_each_form(tmp_path, source):
+    path = tmp_path / "leak.py"
+    path.write_text(source)
+    assert duck_typing(path, model_members())
+
+
+def test_the_duck_typing_check_passes_plain_calls_and_non_members(tmp_path):
+    path = tmp_path / "plain.py"
+    path.write_text('x = model.with_condition_frames(x, c)\nok = hasattr(vae, "use_tiling")\n'
+                    'arch = getattr(model, "transformer")\n')
+    assert duck_typing(path, model_members()) == []
+    path.write_text('p = getattr(vae.config, "patch_size", None)\n')
+    assert duck_typing(path, model_members()) and not duck_typing(path, model_members(), {("plain.py", "patch_size")})
 
 
 def test_no_kind_names_or_conditioning_tests_outside_the_kinds():

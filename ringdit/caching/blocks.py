@@ -52,7 +52,7 @@ def check_model(settings, model: nn.Module) -> None:
     """A ConfigError, before anything starts, when the cache cannot wrap ``model``'s blocks (a meta model is fine)."""
     if not settings.enabled:
         return
-    if getattr(model, "experts", ()):  # its residual and coefficients would carry over from one expert to the other
+    if model.experts:  # its residual and coefficients would carry over from one expert to the other
         raise ConfigError(f"cache={settings.kind} does not run on a two-expert model (model.boundary_ratio: Wan 2.2 "
                           f"A14B): the cached residual of one expert's blocks is no estimate of the other's; use "
                           f"cache=none")

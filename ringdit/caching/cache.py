@@ -74,7 +74,7 @@ class StepCache:
             yield self
             return
         blocks = repeated_blocks_of(model)
-        self._dims, self._sequence = dims, getattr(model, "_ringdit_sequence", None)
+        self._dims, self._sequence = dims, model._ringdit_sequence
         self._run, self._last = _Run(pairs), len(blocks) - 1
         probe = modulated_input_of(model) if self.settings.kind == "teacache" or self.calibrate else None
         declared = model.cache_blocks

@@ -20,7 +20,7 @@ from ringdit.costs.estimate import MemoryEstimate, ModelSize, Setup, estimate_me
 def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) -> ModelSize | None:
     """The sizes of ``meta_model`` (built from ``config`` on the meta device, without LoRA) and, with ``lora``
     settings, of the adapters they add. Hidden size, heads and MLP width come from the DiT's config or the diffusers
-    model's own (``model.transformer.config``); None for a model kind that describes neither."""
+    model's own (its ``architecture``, the transformer's config); None for a model kind that describes neither."""
     architecture = _architecture(config, meta_model)
     if architecture is None:
         return None
@@ -29,8 +29,6 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
     blocks = repeated_blocks(meta_model)
     in_blocks = [sum(p.numel() for p in block.parameters()) for block in blocks]
     joint = bool(meta_model.parallel_plan.joint_attention)
-    text = getattr(meta_model, "null_text", None)  # (1, L, D_text): the text length the model was built for
-    glyph = getattr(meta_model, "null_glyph_text", None)  # (1, G, D_glyph): joined to the text (HunyuanVideo 1.5)
     streams = meta_model.stream_tokens  # {stream: tokens per sample} beside the grid's (reference, control)
     packed = meta_model.parallel_plan.packed  # the streams inside the tokens' tensors: every block's sequence
     packed_tokens = sum(streams.get(name, 0) for name in sequence_streams(meta_model))
@@ -40,15 +38,17 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
         largest_parameter=max(p.numel() for p in params),
         root_parameters=sum(p.numel() for p in params) - sum(in_blocks),
         block_parameters=max(in_blocks),
-        hidden_size=hidden_size, depth=len(blocks) // max(len(getattr(meta_model, "expert_modules", ())), 1),
+        hidden_size=hidden_size, depth=len(blocks) // max(len(meta_model.expert_modules), 1),
         num_heads=num_heads, mlp_hidden=mlp_hidden,
         tokens=math.prod(meta_model.default_grid) + packed_tokens,
         stream_tokens=tuple(streams.items()),
-        text_tokens=text.shape[1] + (glyph.shape[1] if glyph is not None else 0) if joint and text is not None else 0,
+        text_tokens=meta_model.text_tokens if joint else 0,  # the text the model was built for, glyph text too
         **dict(zip(("lora_parameters", "lora_base_parameters"), lora_parameters(meta_model, lora))),
         **dict(zip(("float8_parameters", "float8_rows", "float8_largest"), float8_parameters(meta_model, lora))),
         untargeted_linear_inputs=untargeted_linear_inputs(meta_model, blocks),
     )
+
+
 def sequence_streams(meta_model: nn.Module) -> tuple[str, ...]:
     """The streams in the one sequence the model's plan splits, beside the grid's tokens: those its plan packs after
     the tokens (Qwen-Image-Edit's reference) and those its forward packs itself (MiniMax-H3's audio rows: its family's
@@ -58,15 +58,12 @@ def sequence_streams(meta_model: nn.Module) -> tuple[str, ...]:
     return (*(packed.streams if packed is not None else ()), *getattr(family, "sequence_streams", ()))
 
 
-
-
 def _architecture(config: dict, meta_model: nn.Module) -> tuple[int, int, int] | None:
     """(hidden size D, heads H, MLP width F) of a DiT (its config) or a diffusers transformer (its config)."""
     if all(key in config for key in ("hidden_size", "num_heads")):
         hidden = config["hidden_size"]
         return hidden, config["num_heads"], int(config.get("mlp_ratio", 4.0) * hidden)
-    transformer = getattr(meta_model, "transformer", None)
-    arch = dict(getattr(transformer, "config", None) or {})
+    arch = dict(meta_model.architecture or {})
     if not all(key in arch for key in ("num_attention_heads", "attention_head_dim")):
         return None
     heads = arch["num_attention_heads"]
@@ -82,7 +79,7 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     or not, as they are all frozen); (0, 0) when LoRA is off."""
     if not lora_enabled(lora):
         return 0, 0
-    targets = lora.get("targets") or getattr(model, "lora_targets", ())
+    targets = lora.get("targets") or model.lora_targets
     targets = [targets] if isinstance(targets, str) else list(targets)
     adapted = [module for root in adapted_modules(model) for name, module in root.named_modules()
                if isinstance(module, nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)]
@@ -99,7 +96,7 @@ def untargeted_linear_inputs(model: nn.Module, blocks: list[nn.Module]) -> int:
     its weight gradient (Wan's feed-forward: D into the up projection, F into the down one). A modulation Linear
     (adaLN's, under a name with ``adaLN`` or ``norm``) reads the conditioning vector, one per sample, not the tokens,
     and is left out."""
-    targets = tuple(getattr(model, "lora_targets", ()) or ())
+    targets = tuple(model.lora_targets or ())
     total = sum(layer.in_features for block in blocks for name, layer in block.named_modules()
                 if isinstance(layer, nn.Linear) and not any(name == t or name.endswith(f".{t}") for t in targets)
                 and "adaLN" not in name and "norm" not in name)

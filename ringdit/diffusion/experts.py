@@ -38,6 +38,6 @@ def expert_guidance(model, scale: float, scale_2: float | None) -> float | Calla
     """Classifier-free guidance's scale: ``scale`` for the high-noise expert and ``scale_2`` for the low-noise one
     (WanPipeline's ``guidance_scale`` / ``guidance_scale_2``), as ``scale(t)``; ``scale`` alone where the model has
     one expert or ``scale_2`` is None (then it guides both, as WanPipeline does)."""
-    if scale_2 is None or not getattr(model, "experts", ()):
+    if scale_2 is None or not model.experts:
         return scale
     return lambda t: scale if model.expert_at(t) == "high" else scale_2

@@ -71,8 +71,7 @@ class SamplingPipeline:
         generators = noise_generators(seeds)  # sample i's noise: its initial noise, then the ddpm sampler's
         shape = tuple(shape) if shape is not None else self.image_size
         noise = draw_noise((model.in_channels, *shape), generators, device=device)
-        joint = JointLatents(noise.shape[1:], model.joint_shapes(shape)) if getattr(model, "joint_latents", ()) \
-            else None
+        joint = JointLatents(noise.shape[1:], model.joint_shapes(shape)) if model.joint_latents else None
         if joint is not None:  # LTX-2's audio: its noise drawn after the video's, stepped with it as one state
             noise = joint.pack(noise, {key: draw_noise(size, generators, device=device)
                                        for key, size in joint.shapes.items() if key is not None})
@@ -104,8 +103,8 @@ class SamplingPipeline:
                 if is_scheduler_sampler(settings["sampler"]) else None,
             )
         samples, joint_samples = (samples, {}) if joint is None else joint.unpack(samples)
-        if hasattr(model, "with_condition_frames"):  # image-to-video: the given first frame, as the pipeline ends
-            samples = model.with_condition_frames(samples, condition)
+        # image-to-video: the given first frame in place, as the pipeline ends (a model without one: unchanged)
+        samples = model.with_condition_frames(samples, condition)
         return (samples.clamp(-1, 1) if self.pixels else samples), joint_samples
 
     def scheduler_settings(self, model: nn.Module, settings: dict, shape: tuple[int, ...]) -> dict:

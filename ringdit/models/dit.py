@@ -22,6 +22,7 @@ from ringdit.models.block_io import BlockIO
 from ringdit.models.checkpointing import checkpoint_model_blocks
 from ringdit.models.embeddings import LabelEmbedder, PatchEmbed, TimestepEmbedder, sincos_pos_embed
 from ringdit.models.parallel_plan import ParallelPlan
+from ringdit.models.protocol import KindDefaults
 
 Tensor = torch.Tensor
 
@@ -95,7 +96,7 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
-class DiT(nn.Module):
+class DiT(KindDefaults, nn.Module):
     """Class-conditional DiT over image latents/pixels ``(B, C, H, W)`` or videos ``(B, C, T, H, W)``.
 
     Args mirror the original; additions: ``input_size`` may be ``(H, W)`` or ``(T, H, W)``,

@@ -72,7 +72,7 @@ def planned_model(cfg: DictConfig) -> tuple[ModelSize, str]:
     meta_model = build_on_meta(config)
     expert = OmegaConf.select(cfg, "diffusion.expert", default=None)
     if expert not in (None, "both"):
-        if expert not in ("high", "low") or not getattr(meta_model, "experts", ()):
+        if expert not in ("high", "low") or not meta_model.experts:
             raise ConfigError(f"diffusion.expert={expert!r}: high or low picks the expert of a two-expert model "
                               f"(model=wan22_a14b*) that trains; null for every other model")
         meta_model.train_only(expert)  # its gradients, optimizer state and EMA only

@@ -95,7 +95,7 @@ class ResidentSampler(Sampler):
         pipeline = SamplingPipeline.for_run(objective, spec.sampling, spec.data)
         super().__init__(model, dims, pipeline, device, codecs=codecs)
         self.data, self.pipeline_folder = spec.data, spec.pipeline
-        self.sizes = SampleSizes.of(spec.data, patch_shape(model), getattr(model, "max_grid", None))
+        self.sizes = SampleSizes.of(spec.data, patch_shape(model), model.max_grid)
         self.default_size = default_size  # load's size and frames (None: the data's)
 
     def __call__(self, prompts: list[str] | None = None, *, labels: list[int | str] | None = None,

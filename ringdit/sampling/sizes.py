@@ -13,12 +13,8 @@ Shape = tuple[int, ...]  # a sample's ([T,] H, W) in the data's cells (latent ce
 
 
 def patch_shape(model) -> Shape:
-    """The data cells one token of ``model`` covers, ``([T,] H, W)``: its ``patch_shape``, else a DiT's patch
-    embedder's, a diffusers transformer's ``patch_size``."""
-    patch = getattr(model, "patch_shape", None)
-    if patch is None:
-        patch = model.x_embedder.patch_shape if hasattr(model, "x_embedder") else model.patch_size
-    return tuple(int(p) for p in patch)
+    """The data cells one token of ``model`` covers, ``([T,] H, W)``: its ``patch_shape``."""
+    return tuple(int(p) for p in model.patch_shape)
 
 
 def size_pair(size, setting: str, hint: str = "") -> list[int]:

@@ -122,7 +122,7 @@ def check_weights_file(setting: str, path: str, model: nn.Module, prefer: str = 
     """``path`` exists, is safely readable and fits ``model`` (pass ``state`` if it was read already); for a
     diffusers model, ``path`` may also be a diffusers folder of the same architecture."""
     if state is None and Path(path).expanduser().is_dir() and not is_sharded_checkpoint(path) \
-            and hasattr(model, "check_pretrained"):
+            and model.diffusers_folders:
         model.check_pretrained(str(Path(path).expanduser()))
         return
     if state is None:  # a sharded checkpoint's shapes come from its metadata: nothing is read into memory
@@ -247,7 +247,7 @@ class LoraBase:
         """The base fits the model the adapter was trained on (names and shapes), and the adapter fits the base:
         before any process starts, naming the first key that does not."""
         fix = "give base= the weights the run fine-tuned (its init_from or model.pretrained): same family and size"
-        recorded, built = self.model.get("config"), getattr(getattr(meta_model, "transformer", None), "config", None)
+        recorded, built = self.model.get("config"), meta_model.architecture
         if self.init_from is None and recorded and built is not None:  # a diffusers folder: the architecture the
             # run recorded (config_for_data) against the folder's; adapters on attention alone would fit a wider MLP
             differs = [key for key in sorted(recorded)

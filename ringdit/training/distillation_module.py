@@ -261,8 +261,8 @@ class DistillationModule(DiffusionModule):
         x = fewstep_start(noise, self.distill["times"][0])  # as the student's first step samples
         velocity = self.model(x, self.objective.model_time(t), condition)[:, :noise.shape[1]]
         output = fewstep_step(x, t, velocity.to(noise.dtype))  # (K, C, [T,] H, W)
-        if hasattr(self.model, "with_condition_frames"):  # a given first frame: the teacher's samples hold it too
-            output = self.model.with_condition_frames(output, condition)
+        # a given first frame in place: the teacher's samples hold it too (a model without one: unchanged)
+        output = self.model.with_condition_frames(output, condition)
         dtype = torch.promote_types(samples.dtype, torch.float32)
         error = (output.to(dtype) - samples.to(dtype)).flatten(1)
         if self.distill["regression_distance"] == "mse":

@@ -158,7 +158,7 @@ def shard_model(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None, 
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    for unit in (*repeated_blocks(model), *getattr(model, "expert_modules", ())):
+    for unit in (*repeated_blocks(model), *model.expert_modules):
         fully_shard(unit, **options)
     fully_shard(model, **options)
     return model

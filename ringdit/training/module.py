@@ -115,7 +115,8 @@ class DiffusionModule(L.LightningModule):
     # ---- model ----------------------------------------------------------------------------------------------------
     @property
     def parallel_dims(self) -> ParallelDims:
-        """This rank's place in the mesh the strategy built (one process without a ringdit strategy)."""
+        """This rank's place in the mesh the strategy built (one process without a ringdit strategy). Read from the
+        strategy, not handed in: the strategy builds the mesh in each spawned rank, after this module was made."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         return getattr(strategy, "parallel_dims", None) or ParallelDims()
 
@@ -186,7 +187,7 @@ class DiffusionModule(L.LightningModule):
     def batch_expert(self, model: nn.Module, x0: Tensor, draw: torch.Generator) -> str | None:
         """The expert of a two-expert model that this batch trains (``draw``: a generator every rank shares, for
         ``diffusion.expert=both``); None for one transformer."""
-        if not getattr(model, "experts", ()):
+        if not model.experts:
             return None
         tokens = self.sequence_tokens(x0.shape[2:], model)
         return step_expert(self.hparams.get("expert") or "both", model.boundary_ratio, self.objective, tokens, draw)
@@ -212,7 +213,7 @@ class DiffusionModule(L.LightningModule):
         if model.condition_dropout_prob > 0:  # no null condition, no drop
             condition = model.drop_condition(condition, draws < model.condition_dropout_prob)
         # latents denoised with x (LTX-2's audio): noised at the sample's time, their noise drawn after x's draws
-        joint = {key: condition[key] for key in getattr(model, "joint_latents", ()) if key in condition}
+        joint = {key: condition[key] for key in model.joint_latents if key in condition}
         joint_noise = {key: draw_noise(value.shape[1:], generators, x0.device, value.dtype)
                        for key, value in joint.items()}
         if joint:
@@ -241,7 +242,7 @@ class DiffusionModule(L.LightningModule):
             error = error * time_weights.to(error.dtype).reshape(-1, *[1] * (error.dim() - 1))
         if mask is not None:
             error = error * mask.to(error)
-        weights = model.loss_weights(x0) if hasattr(model, "loss_weights") else None
+        weights = model.loss_weights(x0)
         if weights is not None:  # image-to-video with a given first frame: the mean over the frames that were noised
             loss = (error * weights).sum() / weights.expand_as(error).sum()
         else:
