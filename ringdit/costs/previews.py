@@ -124,10 +124,25 @@ def check_preview(setup: Setup, lora: dict | None, layout: Layout, model_cfg: di
     return preview
 
 
+def sample_tokens(meta_model, shape: tuple[int, ...]) -> int:
+    """Tokens of one sample of latent ``shape`` ([T,] H, W) in the sequence the model's plan splits, as the planner
+    counts them (``model_size``): the grid's and, at that grid, each stream packed into the same sequence
+    (``Family.stream_tokens``: Qwen-Image-Edit's reference image, as many tokens as the image's). A stream through
+    blocks of its own (Wan VACE's control video) is counted where the planner counts it: in the model's depth."""
+    grid = tuple(s // p for s, p in zip(shape, meta_model.patch_shape))
+    family = getattr(meta_model, "family", None)  # a diffusers model's; the DiT has no streams
+    streams = family.stream_tokens(meta_model.transformer.config, grid) if family is not None else {}
+    packed = meta_model.parallel_plan.packed  # the streams the plan packs after the tokens, and those the model's
+    # forward packs itself (MiniMax-H3's audio rows): the planner's sequence streams
+    names = (*(packed.streams if packed is not None else ()), *getattr(family, "sequence_streams", ()))
+    return math.prod(grid) + sum(streams.get(name, 0) for name in names)
+
+
 def check_run_previews(setup: Setup, lora: dict | None, layout: Layout, callbacks: tuple[dict, ...], data_info: dict,
                        model_cfg: dict, meta_model, default_tokens: int, sampling: dict) -> Preview | None:
     """``check_preview`` for train.py's ``setup`` (``TrainSpec.memory``), ``lora`` settings and ``callbacks`` (the ``SampleGrid`` among them, its shapes checked against the
-    data by ``check_shape``): its rows and its largest sample's tokens."""
+    data by ``check_shape``): its rows and its largest sample's tokens (``sample_tokens``: the streams the planner
+    counts with the grid's)."""
     import hydra
 
     for config in callbacks:
@@ -137,9 +152,10 @@ def check_run_previews(setup: Setup, lora: dict | None, layout: Layout, callback
         grid.check_shape(data_info, tuple(meta_model.patch_shape))
         rows = len(grid.lines[:grid.max_classes]) if grid.lines is not None else grid.max_classes \
             if text_conditioned(data_info) else min(data_info.get("num_classes") or 1, grid.max_classes)
-        shapes = [shape for shape in (grid.shape, *grid.line_shapes) if shape]
-        tokens = max((math.prod(s // p for s, p in zip(shape, meta_model.patch_shape)) for shape in shapes),
-                     default=default_tokens)
+        # the grid's sizes, else the data's (what the grid samples at)
+        shapes = [shape for shape in (grid.shape, *grid.line_shapes) if shape] or \
+            [tuple(data_info["image_size"])] * bool(data_info.get("image_size"))
+        tokens = max((sample_tokens(meta_model, shape) for shape in shapes), default=default_tokens)
         return check_preview(setup, lora, layout, model_cfg, meta_model, grid=config, rows=rows, tokens=tokens,
                              sampling=sampling)
     return None
