@@ -45,11 +45,23 @@ def outside_kinds() -> list[Path]:
             if path.relative_to(PACKAGE).parts[:1] != KINDS.parts]
 
 
+def _strings(node: ast.AST) -> set[str]:
+    """The strings a constant or a literal tuple / list / set of constants holds; empty for anything else."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    if all(isinstance(item, ast.Constant) and isinstance(item.value, str) for item in items):
+        return {item.value for item in items}
+    return set()
+
+
 def findings(path: Path, names: set[str]) -> list[str]:
     """``path:line: what`` for each kind name written as a string, each comparison of a ``conditioning`` with ``==`` /
     ``!=`` / ``in``, and each of a class's ``__name__`` with a kind name or a table of them."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    # the module's own constant tables (NAMES = {"A", "B"}): a class-name test against one is read through it
+    tables = {node.targets[0].id: node.value for node in tree.body if isinstance(node, ast.Assign)
+              and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and _strings(node.value)}
+    for node in ast.walk(tree):
         where = f"{path}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
             found.append(f"{where}: the kind name {node.value!r}")
@@ -57,13 +69,14 @@ def findings(path: Path, names: set[str]) -> list[str]:
                                                  for op in node.ops):
             sides = [node.left, *node.comparators]
             text = ast.unparse(node)
-            if any("conditioning" in ast.unparse(side) for side in sides):
+            if any("conditioning" in ast.unparse(side) for side in sides if not isinstance(side, ast.Constant)):
                 found.append(f"{where}: a conditioning test `{text}`")
             # type(x).__name__ against a table (a name) or a kind's class name; a tokenizer's class is no kind
             names_a_class = any(isinstance(side, ast.Attribute) and side.attr == "__name__"
                                 and not isinstance(side.value, ast.Name) for side in sides)
-            against = [side for side in sides if not (isinstance(side, ast.Attribute) and side.attr == "__name__")]
-            if names_a_class and any(not isinstance(side, ast.Constant) or side.value in names for side in against):
+            against = [tables.get(side.id, side) if isinstance(side, ast.Name) else side for side in sides
+                       if not (isinstance(side, ast.Attribute) and side.attr == "__name__")]
+            if names_a_class and any(not _strings(side) or _strings(side) & names for side in against):
                 found.append(f"{where}: a class-name test `{text}`")
         # the registry read directly (imported, iterated, indexed, searched): its questions live beside it
         named = {ast.Name: "id", ast.Attribute: "attr", ast.alias: "name"}.get(type(node))
@@ -148,6 +161,8 @@ def test_no_kind_names_or_conditioning_tests_outside_the_kinds():
     ('if data["conditioning"] == "text":\n    pass\n', "conditioning test"),
     ('x = {"wan": 1}\n', "kind name 'wan'"),
     ('ok = type(vae).__name__ in ("AutoencoderKLWan",)\n', "class-name test"),
+    ('WAN_VAES = ("AutoencoderKLWan",)\nok = type(vae).__name__ in WAN_VAES\n', "class-name test"),
+    ('ok = type(vae).__name__ in settings.tables\n', "class-name test"),
     ('if family == "flux2":\n    pass\n', "kind name 'flux2'"),
     ('from ringdit.models.diffusers.families import FAMILIES\n', "registry FAMILIES read directly"),
     ('family = next(f for f in FAMILIES.values() if name in f.pipelines)\n', "registry FAMILIES read directly"),
@@ -162,5 +177,6 @@ def test_the_check_finds_each_kind_of_leak(tmp_path, source, expected):
 
 def test_the_check_passes_a_plain_module(tmp_path):
     path = tmp_path / "plain.py"
-    path.write_text('if __name__ == "__main__":\n    kind = model.kind_name\n')
+    path.write_text('if __name__ == "__main__":\n    kind = model.kind_name\nok = what[0] == "image conditioning"\n'
+                    'CLEAN = {"MiniMaxH3Scheduler"}\nclean = type(scheduler).__name__ in CLEAN\n')
     assert findings(path, kind_names()) == []

@@ -44,12 +44,12 @@ def check_model_guidance(setting, model: nn.Module, distill: str | None) -> tupl
             or not 1 <= values[0] <= values[1]:
         raise ConfigError(f"{SETTING}={setting!r} is not a range of guidance scales: give [low, high] with "
                           f"1 <= low <= high (1: unguided), e.g. {SETTING}=[1,4]; null trains without it")
-    if not getattr(model, "takes_guidance", False):
+    if not model.takes_guidance:
         raise ConfigError(f"{SETTING}={list(values)} trains a model's guidance-scale input, but this "
                           f"{type(model).__name__} has none; use a guidance-distilled model (model=flux with "
                           f"guidance_embeds and model.guidance, or model.guidance_embed=true for the DiT), or set "
                           f"{SETTING}=null")
-    if not getattr(model, "condition_dropout_prob", 0) > 0:
+    if not model.condition_dropout_prob > 0:
         raise ConfigError(f"{SETTING}={list(values)} guides away from the null condition, which the model learns "
                           f"only from the condition drop, but its drop probability is 0; set "
                           f"model.class_dropout_prob (DiT) or model.condition_dropout_prob to e.g. 0.1")

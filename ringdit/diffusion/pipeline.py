@@ -124,7 +124,7 @@ class SamplingPipeline:
                                                       shift=joint_shift.get(key, settings["shift"]),
                                                       shift_terminal=settings.get("shift_terminal"),
                                                       resolution=resolution))
-                   for key, size in (model.joint_shapes(shape).items() if getattr(model, "joint_latents", ()) else ())]
+                   for key, size in (model.joint_shapes(shape).items() if model.joint_latents else ())]
         return {"config": config, "pipeline": model.pipeline_timesteps, "streams": streams,
                 "tokens": self.tokens(model, shape), "resolution": resolution, "model_dtype": _compute_dtype(model)}
 

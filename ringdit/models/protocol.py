@@ -58,6 +58,7 @@ class DiffusionModel(Protocol):
     joint_latents: tuple[str, ...]
     text_tokens: int
     architecture: dict | None
+    takes_guidance: bool
 
     @classmethod
     def config_for_data(cls, config: dict, data: dict) -> dict:
@@ -137,6 +138,7 @@ class KindDefaults:
     text_tokens: int = 0  # text tokens per sample the model was built to read (the glyph text's too); 0: no text
     # the diffusers transformer's config (its architecture); None for a kind whose model config says it (the DiT)
     architecture: dict | None = None
+    takes_guidance: bool = False  # it has a guidance-scale input (Flux-dev's guidance embedding, the DiT's g_embedder)
     # set by ringdit.models.parallelize: the forward's token counts and mesh (its SequenceState); None before
     _ringdit_sequence = None
 
