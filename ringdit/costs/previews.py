@@ -17,6 +17,7 @@ from ringdit.costs.step_time import Machine, step_time
 from ringdit.diffusion.samplers import is_guided
 from ringdit.parallel.layout import Layout
 from ringdit.costs import GiB, ModelSize, Setup, available_memory, estimate_memory, model_size
+from ringdit.costs.model_size import sequence_streams
 from ringdit.models.conditioning import text_conditioned
 
 log = logging.getLogger("ringdit.costs.previews")
@@ -132,10 +133,9 @@ def sample_tokens(meta_model, shape: tuple[int, ...]) -> int:
     grid = tuple(s // p for s, p in zip(shape, meta_model.patch_shape))
     family = getattr(meta_model, "family", None)  # a diffusers model's; the DiT has no streams
     streams = family.stream_tokens(meta_model.transformer.config, grid) if family is not None else {}
-    packed = meta_model.parallel_plan.packed  # the streams the plan packs after the tokens, and those the model's
-    # forward packs itself (MiniMax-H3's audio rows): the planner's sequence streams
-    names = (*(packed.streams if packed is not None else ()), *getattr(family, "sequence_streams", ()))
-    return math.prod(grid) + sum(streams.get(name, 0) for name in names)
+    # the streams the plan packs after the tokens, and those the model's forward packs itself (MiniMax-H3's audio
+    # rows): the planner's sequence streams
+    return math.prod(grid) + sum(streams.get(name, 0) for name in sequence_streams(meta_model))
 
 
 def check_run_previews(setup: Setup, lora: dict | None, layout: Layout, callbacks: tuple[dict, ...], data_info: dict,

@@ -108,6 +108,10 @@ class ParallelPlan:
     # cross-attention module pattern -> the sharded stream its keys come from (gathered from every rank)
     stream_cross_attention: dict[str, str] = field(default_factory=dict)
     packed: PackedStreams | None = None  # streams inside the tokens' tensors, after the tokens
+    # streams the model's own forward packs into the one sequence this plan splits before it is cut (MiniMax-H3's
+    # audio rows, packed with the video's): cut and gathered with the tokens, with no points of their own; what the
+    # planner counts in the sequence
+    forward_packed: tuple[str, ...] = ()
 
     def stream_plans(self) -> dict[str, StreamPlan]:
         """Every stream's plan: ``tokens`` and ``text`` from the fields that describe them, then ``streams``, then the

@@ -142,10 +142,6 @@ class Family:
     # builds them: what python -m ringdit.plan counts. A stream ``plan.packed`` names joins every block's sequence;
     # another runs through the blocks its plan cuts it for (VACE's). {}: the grid's tokens are the whole sequence
     stream_tokens: Callable[[dict, tuple[int, ...]], dict[str, int]] = lambda config, grid: {}
-    # the streams of ``stream_tokens`` the model's own forward packs into the one sequence its plan splits (MiniMax-H3's
-    # audio rows, packed with the video's before the first block): counted in the planner's tokens as ``plan.packed``
-    # streams are. A stream in neither has its own sequence, cut over the ranks (LTX-2's audio)
-    sequence_streams: tuple[str, ...] = ()
 
     def __deepcopy__(self, memo) -> Family:
         # a shared immutable record: a deep copy of a model (LoRA's meta checks copy one) keeps it, and need not copy

@@ -188,6 +188,7 @@ MINIMAX_H3 = Family(
         split_inputs={"transformer_blocks.0": {0: 1}, "transformer_blocks.*": {2: 0}, "norm_out": {2: 0}},
         split_outputs={"rope": {0: 0, 1: 0}},  # (cos, sin), each (S, rotary dims): every row's own rotation
         gather_outputs={"proj_out": {None: 1}, "audio_proj_out": {None: 1}},  # (B, S, C): both heads, every row
+        forward_packed=(AUDIO,),  # its audio rows are in the packed sequence the blocks take (stream_tokens counts them)
     ),
     forward=_minimax_h3_joint_forward,
     # its loop steps MiniMaxH3Scheduler (sampler=minimax_h3) on the prediction rounded to float32 (``.float()``)
@@ -198,7 +199,6 @@ MINIMAX_H3 = Family(
     # its audio rows, both stereo channels' latent frames, packed with the video's into the one sequence the ranks split
     # (the text's rows too, which the planner does not count); the grid's T is in temporal patches
     stream_tokens=lambda config, grid: {AUDIO: STEREO * audio_frames(grid[0] * config["patch_size"][0])},
-    sequence_streams=(AUDIO,),
     video=True,
     # its VAE: 16x spatial; in time 17 n + 5 frames -> 5 n + 2 latents, which no one factor describes: the planner
     # lays it out in latent cells (data.latent=false data.frames=<latent frames>; 243 frames are 72)
