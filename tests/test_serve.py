@@ -778,9 +778,9 @@ def test_the_openai_client_makes_lists_and_downloads_videos_and_edits(ti2v, ti2v
     written = {}
     original = server.rank0.write
 
-    def write(job, index, pixels):  # the pixels each job's file is written from (its MP4 is lossy)
+    def write(job, index, pixels, sound=None):  # the pixels each job's file is written from (its MP4 is lossy)
         written[job.id] = pixels.copy()
-        return original(job, index, pixels)
+        return original(job, index, pixels, sound)
 
     server.rank0.write = write
     try:

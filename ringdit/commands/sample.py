@@ -78,15 +78,14 @@ from torch.utils.data import DataLoader
 from ringdit.caching import StepCache
 from ringdit.checkpoints.lora_formats import read_lora_stack
 from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
-from ringdit.media.writing import write_mp4
 from ringdit.models.lora import adapted_modules, stack_adapters
 from ringdit.sampling.conditions import sample_conditions
-from ringdit.sampling.decoding import decode_group, decode_written, shared_files
+from ringdit.sampling.decoding import decode_group, decode_written, output_codecs, shared_files
 from ringdit.commands.preemption import sigterm_stops_at_once, stop_on_sigterm
 from ringdit.commands.run_folder import claim_run_folder
-from ringdit.media.vae import VAE
-from ringdit.sampling import Codecs, SampleRequests, SampleWriter
+from ringdit.sampling import SampleRequests, SampleWriter
 from ringdit.sampling.predict import SamplingModule
+from ringdit.sampling.writer import write_sample
 from ringdit.spec import InferSpec
 from ringdit.training.callbacks import LoadLoraAdapter, log_samples
 from ringdit.training.loggers import finish_runs
@@ -177,9 +176,8 @@ def run(trainer, module, requests, spec: InferSpec) -> Path:
             if group is not None and trainer.is_global_zero:
                 log.info("decoding each sample's VAE tiles over the %d ranks", trainer.world_size)
             with user_errors(), sigterm_stops_at_once("the VAE decode", kept):  # nothing else would be lost
-                vae = VAE(output.vae, output.vae_subfolder, device=str(trainer.strategy.root_device),
-                          tile=output.vae_tile, tile_setting="vae_tile")
-                with module.sampler.using(codecs=Codecs.of_data(spec.data, vae=vae)) as decoding:
+                codecs = output_codecs(spec.data, output, str(trainer.strategy.root_device))  # the VAE, the sound's
+                with module.sampler.using(codecs=codecs) as decoding:
                     written = decode_written(files, decoding, output, group=group)
             if trainer.is_global_zero:
                 log.info("decoded with vae=%s: %s", output.vae, ", ".join(p.name for p in written))
@@ -204,7 +202,7 @@ def log_written_samples(spec: InferSpec) -> None:
         images = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in pictures]) if pictures else None
     videos = sorted(out.glob("sample-*.mp4"))
     if images is not None and images.ndim == 5 and len(videos) != len(images):
-        videos = [write_mp4(video, out / f"sample-{i:03d}.mp4", spec.output.fps) for i, video in enumerate(images)]
+        videos = [write_sample(video, out / f"sample-{i:03d}.mp4", spec.output.fps) for i, video in enumerate(images)]
     if images is None and not videos:
         log.warning("logger: nothing to log in %s: latent samples need vae= to become pictures", out)
         return

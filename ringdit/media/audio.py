@@ -3,27 +3,48 @@ vocoder), as ``LTX2Pipeline`` decodes them, and the check that an audio VAE fits
 
     waveform = decode_audio(latents, audio_vae, vocoder)   # (B, channels, samples), at vocoder_rate(vocoder)
     write_mp4(frames, path, fps, audio=(waveform[i], vocoder_rate(vocoder)))  # ringdit.media.writing
+    decoder = AudioDecoder.load("LTX-2")                   # its audio_vae/ and vocoder/ folders
+    sounds = decoder.decode(latents)                       # [(waveform (channels, samples), rate)] one a sample
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from ringdit.common.errors import ConfigError
+from ringdit.common.safe_json import read_json
+from ringdit.media.pretrained import find_folder
 
 Tensor = torch.Tensor
 
+AUDIO_VAE_CLASS = "AutoencoderKLLTX2Audio"
+VOCODER_CLASSES = ("LTX2Vocoder", "LTX2VocoderWithBWE")  # diffusers.pipelines.ltx2's
+MEL_COMPRESSION = 4  # AutoencoderKLLTX2Audio's mel_compression_ratio (its LATENT_DOWNSAMPLE_FACTOR), for a bare config
+
 
 def latent_mel_bins(audio_vae) -> int:
-    """The mel bins of one audio latent frame: the VAE's mel bins over its mel compression (LTX2Pipeline's)."""
-    return audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
+    """The mel bins of one audio latent frame: the VAE's mel bins over its mel compression (LTX2Pipeline's);
+    ``audio_vae``: the model, or its config (a dict: its config.json)."""
+    config = audio_vae if isinstance(audio_vae, dict) else audio_vae.config
+    return config["mel_bins"] // getattr(audio_vae, "mel_compression_ratio", MEL_COMPRESSION)
 
 
-def check_audio_vae(audio_vae, config: dict, setting: str = "audio_vae") -> None:
-    """A ConfigError unless ``audio_vae`` (an ``AutoencoderKLLTX2Audio``) decodes the audio latents of a transformer of
-    ``config``: the same sample rate and mel hop (the model's audio RoPE times its tokens in seconds of them), and
-    latent channels x mel bins = audio_in_channels."""
-    vae, rate, hop = audio_vae.config, config["audio_sampling_rate"], config["audio_hop_length"]
+def check_audio_vae(audio_vae, config: dict, setting: str = "audio_vae", data: dict | None = None) -> None:
+    """A ConfigError unless ``audio_vae`` (an ``AutoencoderKLLTX2Audio``, or its config.json as a dict) decodes the
+    audio latents of a transformer of ``config``: the sample rate the data's sound was encoded at (``data``'s
+    ``audio_vae`` record, where prepare wrote one), the model's sample rate and mel hop (its audio RoPE times its
+    tokens in seconds of them), and latent channels x mel bins = audio_in_channels."""
+    vae = _Config(audio_vae if isinstance(audio_vae, dict) else dict(audio_vae.config))
+    rate, hop = config["audio_sampling_rate"], config["audio_hop_length"]
+    recorded = (data or {}).get("audio_vae") or {}
+    if recorded.get("sample_rate") is not None and vae.sample_rate != recorded["sample_rate"]:
+        name = setting.split("=")[0]
+        raise ConfigError(f"{setting}: the audio VAE works at {vae.sample_rate} Hz but the data's sound was encoded "
+                          f"at {recorded['sample_rate']} Hz (with {recorded.get('path')}): it would decode another "
+                          f"sound; use the audio VAE the data were prepared with, {name}={recorded.get('path')}")
     if vae.sample_rate != rate or vae.mel_hop_length != hop:
         raise ConfigError(f"{setting}: the audio VAE works at {vae.sample_rate} Hz with a mel hop of "
                           f"{vae.mel_hop_length}, the model's audio at {rate} Hz with a hop of {hop} "
@@ -54,3 +75,98 @@ def decode_audio(latents: Tensor, audio_vae, vocoder) -> Tensor:
 def vocoder_rate(vocoder) -> int:
     """The sample rate of the vocoder's waveform."""
     return int(vocoder.config.output_sampling_rate)
+
+
+class _Config(dict):
+    """A config.json's dict read by attribute, as a diffusers model's ``config`` is."""
+
+    __getattr__ = dict.__getitem__
+
+
+def audio_decoder_folders(path, audio_vae_subfolder: str | None = "audio_vae", vocoder_subfolder: str = "vocoder",
+                          setting: str = "audio_vae") -> tuple[Path, Path]:
+    """(the audio VAE's folder, the vocoder's) of ``path``: an LTX-2 pipeline folder with both subfolders, or the
+    audio VAE's own folder with the vocoder's beside it; their configs' classes checked (nothing loaded)."""
+    folder = find_folder(path, audio_vae_subfolder or ".", "config.json", setting)
+    _check_class(folder, (AUDIO_VAE_CLASS,), path, setting)
+    root = Path(str(path)).expanduser()
+    for vocoder in (root / vocoder_subfolder, folder.parent / vocoder_subfolder):
+        if (vocoder / "config.json").is_file():
+            _check_class(vocoder, VOCODER_CLASSES, path, setting)
+            return folder, vocoder
+    raise ConfigError(f"{setting}={path}: no vocoder beside the audio VAE (no config.json in "
+                      f"{root / vocoder_subfolder} or {folder.parent / vocoder_subfolder}); give the LTX-2 pipeline "
+                      f"folder, which holds audio_vae/ and vocoder/")
+
+
+def _check_class(folder: Path, classes: tuple[str, ...], path, setting: str) -> dict:
+    config = read_json(folder / "config.json", f"{setting}={path}: {folder / 'config.json'}", kind=dict,
+                       fix="save it with save_pretrained")
+    if config.get("_class_name") not in classes:
+        raise ConfigError(f"{setting}={path}: {folder / 'config.json'} describes {config.get('_class_name')!r}, not "
+                          f"{' or '.join(classes)}; give the LTX-2 pipeline folder (its audio_vae/ and vocoder/)")
+    return config
+
+
+def sampling_audio_vae(path, audio_vae_subfolder: str | None, vocoder_subfolder: str, data: dict,
+                       model_config: dict | None, setting: str = "audio_vae") -> str | None:
+    """A sampling run's ``audio_vae`` (infer.py, the server, the previews), checked before anything is sampled:
+    the given folder, else the audio VAE the data's sound was encoded with (prepare's ``audio_vae`` record) when that
+    folder is here, else None (the videos are written silent). ``model_config``: the transformer's config of a model
+    that samples sound (None: one that samples none, for which a given folder is refused)."""
+    if model_config is None:
+        if path:
+            raise ConfigError(f"{setting}={path}: this model samples no sound (only LTX-2 generates audio with its "
+                              f"video); drop {setting}=")
+        return None
+    folder = path or (data.get("audio_vae") or {}).get("path")
+    if not path and not (folder and Path(folder).is_dir()):
+        return None
+    vae_folder, _ = audio_decoder_folders(folder, audio_vae_subfolder, vocoder_subfolder, setting)
+    check_audio_vae(audio_vae_config(vae_folder), model_config, f"{setting}={folder}", data)
+    return str(folder)
+
+
+def audio_vae_config(folder: Path) -> dict:
+    """The audio VAE's config.json (``audio_decoder_folders``' first folder)."""
+    return read_json(folder / "config.json", str(folder / "config.json"), kind=dict,
+                     fix="save it with save_pretrained")
+
+
+class AudioDecoder:
+    """LTX-2's audio VAE and vocoder: sampled audio latents -> each sample's waveform, as LTX2Pipeline decodes."""
+
+    def __init__(self, audio_vae, vocoder):
+        self.audio_vae, self.vocoder = audio_vae, vocoder
+
+    @classmethod
+    def load(cls, path, audio_vae_subfolder: str | None = "audio_vae", vocoder_subfolder: str = "vocoder", *,
+             device="cpu", dtype: torch.dtype = torch.float32, setting: str = "audio_vae") -> AudioDecoder:
+        """Both from local diffusers folders (``audio_decoder_folders``), safetensors only (a pickled .bin can run
+        code, and infer.py may take the folder from a checkpoint's data)."""
+        import diffusers  # here: diffusers' pipelines load only where sound is decoded
+        from diffusers.pipelines import ltx2
+
+        vae_folder, vocoder_folder = audio_decoder_folders(path, audio_vae_subfolder, vocoder_subfolder, setting)
+        vocoder_class = getattr(ltx2, audio_vae_config(vocoder_folder)["_class_name"])
+        try:
+            audio_vae = diffusers.AutoencoderKLLTX2Audio.from_pretrained(str(vae_folder), torch_dtype=dtype,
+                                                                         use_safetensors=True)
+            vocoder = vocoder_class.from_pretrained(str(vocoder_folder), torch_dtype=dtype, use_safetensors=True)
+        except (OSError, ValueError, RuntimeError) as error:
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ConfigError(f"{setting}={path}: cannot load the audio VAE / vocoder ({first}); save them with "
+                              f"save_pretrained (safetensors)") from None
+        return cls(audio_vae.to(device).eval().requires_grad_(False), vocoder.to(device).eval().requires_grad_(False))
+
+    @property
+    def rate(self) -> int:
+        return vocoder_rate(self.vocoder)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> list[tuple[np.ndarray, int]]:
+        """Audio latents ``(N, C, L, M)`` or sampling's ``(N, 1, L, C * M)`` -> each sample's (waveform float32
+        (channels, samples) in [-1, 1], sample rate), one sample at a time."""
+        device = next(self.audio_vae.parameters()).device
+        return [(decode_audio(sample[None].to(device), self.audio_vae, self.vocoder)[0].float().cpu().numpy(),
+                 self.rate) for sample in latents]

@@ -301,12 +301,27 @@ def encode_prompts(prompts: list[str], negative_prompt: str | None, text_encoder
                           pooled_tokenizer=pooled_tokenizer, max_pooled_len=max_pooled_len, masked=masked,
                           prompt_template=prompt_template, glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer,
                           clean=clean)
-    if encoder.dim != text_dim:
-        raise ConfigError(f"text_encoder={text_encoder} gives {encoder.dim}-dim states but the model was trained on "
-                          f"{text_dim}-dim text; pass the text encoder the training data was prepared with")
+    check_text_width(encoder, text_encoder, text_dim)
     if isinstance(prompts, str) or not prompts:
         raise ConfigError(f"prompts must be a non-empty list of strings, got {prompts!r}; e.g. prompts='[a red fox]'")
     return encoder([str(p) for p in prompts]), encoder([negative_prompt or ""])
+
+
+def data_text_encoder(data: dict, text_encoder: str | Path, tokenizer: str | Path | None = None, *,
+                      device: str | torch.device = "cpu") -> TextEncoder:
+    """The text encoder that reads prompts for a model trained on ``data`` (its ``describe()``): ``text_encoder`` /
+    ``tokenizer`` set up as the data's prompts were encoded (``encoder_settings`` of its ``text_encoder`` record: the
+    pooled encoder, the masking, a template, the glyph encoder), at the data's text length, its width checked."""
+    encoder = TextEncoder(text_encoder, tokenizer, max_len=data["text_len"], device=device,
+                          **encoder_settings(data.get("text_encoder") or {}))
+    check_text_width(encoder, text_encoder, data["text_dim"])
+    return encoder
+
+
+def check_text_width(encoder: TextEncoder, text_encoder, text_dim: int) -> None:
+    if encoder.dim != text_dim:
+        raise ConfigError(f"text_encoder={text_encoder} gives {encoder.dim}-dim states but the model was trained on "
+                          f"{text_dim}-dim text; pass the text encoder the training data was prepared with")
 
 
 def pipeline_cleans_prompts(encoder_folder: Path) -> bool:

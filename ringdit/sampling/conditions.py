@@ -16,8 +16,9 @@ from ringdit.common.errors import ConfigError
 from ringdit.media.control_pixels import encode_control, encode_reference
 from ringdit.media.frames import open_image
 from ringdit.media.image_condition import first_frame_inputs
-from ringdit.media.text import encode_prompts, encoder_settings
+from ringdit.media.text import data_text_encoder
 from ringdit.models.conditioning import CONTROL_KEY, REFERENCE_KEY
+from ringdit.sampling.sampler import Codecs
 from ringdit.spec import InferSpec
 
 log = logging.getLogger("ringdit.infer")
@@ -118,13 +119,12 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
                  spec.num_samples, len(conditioning.prompts), spec.num_samples, len(conditioning.prompts))
     negatives = conditioning.negative_prompts[:len(texts)]
     own = [text for text in dict.fromkeys(negatives) if text]  # a prompt file's, each once
-    encoded, negative = encode_prompts(texts + own, conditioning.negative_prompt, conditioning.text_encoder,
-                                       conditioning.tokenizer, text_len=data_info["text_len"],
-                                       text_dim=data_info["text_dim"],
-                                       device="cuda" if torch.cuda.is_available() else "cpu",
-                                       # as the data were prepared: Flux's CLIP pooled encoder, the masking, a template,
-                                       # HunyuanVideo 1.5's glyph encoder
-                                       **encoder_settings(data_info.get("text_encoder") or {}))
+    # the codecs' encoding, as the previews and the server encode theirs (here before any rank starts: no sampler
+    # yet); the encoder as the data were prepared (Flux's CLIP pooled encoder, the masking, a template, HunyuanVideo
+    # 1.5's glyph encoder)
+    codecs = Codecs(text_encoder=data_text_encoder(data_info, conditioning.text_encoder, conditioning.tokenizer,
+                                                   device="cuda" if torch.cuda.is_available() else "cpu"))
+    encoded, negative = codecs.encode(texts + own), codecs.encode([conditioning.negative_prompt or ""])
     check_prompt_shape("prompts", encoded, data_info)  # the glyph text too: its encoder's folder may have changed
     picked = [i % len(texts) for i in range(spec.num_samples)]
     if conditioning.prompts:
@@ -135,7 +135,7 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
         rows = [len(texts) + own.index(negatives[i]) if negatives[i] else 0 for i in picked]
         per_sample = ({key: value[rows] for key, value in encoded.items()},
                       torch.tensor([bool(negatives[i]) for i in picked]))
-    # a pipeline folder's unconditional half is the empty prompt it encodes (encode_prompts' negative then)
+    # a pipeline folder's unconditional half is the empty prompt it encodes
     return conditions, captions, negative if conditioning.negative_prompt or spec.pipeline else None, per_sample
 
 

@@ -11,13 +11,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
 
 from ringdit.common.errors import ConfigError
+from ringdit.media.audio import AudioDecoder
 from ringdit.media.decode import DEFAULT_FPS, shared_latents, stored_fps
-from ringdit.media.writing import write_media
-from ringdit.sampling.sampler import Sampler
+from ringdit.media.vae import VAE
+from ringdit.models.conditioning import AUDIO_KEY
+from ringdit.sampling.sampler import Codecs, Sampler
 from ringdit.sampling.writer import write_pixels
+
+
+def output_codecs(data: dict, output, device, text_encoder=None) -> Codecs:
+    """The decoders of a sampling run's ``output`` (a ``ringdit.spec.OutputSpec``): its VAE (None without
+    ``output.vae``) and, for a model that samples sound with its video, the audio VAE and vocoder (``audio_vae``)."""
+    vae = VAE(output.vae, output.vae_subfolder, device=device, tile=output.vae_tile, tile_setting="vae_tile") \
+        if output.vae else None
+    audio = AudioDecoder.load(output.audio_vae, output.audio_vae_subfolder, output.vocoder_subfolder,
+                              device=device) if output.audio_vae else None
+    return Codecs.of_data(data, text_encoder, vae, audio)
 
 
 def decode_group():
@@ -42,8 +55,10 @@ def decode_written(files: list[Path], sampler: Sampler, output, group=None) -> l
     """Decode infer.py's written samples with ``sampler``'s VAE (``Sampler.decode``; ``output``: the run's
     ``OutputSpec``): samples.npz into samples.png / .gif and sample-000.png / .mp4 ... as ``python -m
     ringdit.media.decode`` writes them, or each shape's samples-<name>.npz into its grid samples-<name>.png / .gif and
-    its samples' files, named by their numbers (the npz's ``index``). ``group`` (``decode_group``): every rank calls
-    this and decodes its share of the tiles; rank 0 reads the files and writes the pictures (the others return [])."""
+    its samples' files, named by their numbers (the npz's ``index``); a video's sound (the npz's ``audio``, LTX-2)
+    decoded with the sampler's audio VAE and vocoder into its MP4's sound track. ``group`` (``decode_group``): every
+    rank calls this and decodes its share of the tiles; rank 0 reads the files and writes the pictures (the others
+    return [])."""
     written = []
     for file in files:
         whole = len(files) == 1 and file.name == "samples.npz"
@@ -54,9 +69,12 @@ def decode_written(files: list[Path], sampler: Sampler, output, group=None) -> l
             raise ConfigError(str(error)) from None
         if pixels is None:  # a rank other than the group's first: its tiles are decoded, rank 0 writes
             continue
+        with np.load(file, allow_pickle=False) as stored:  # rank 0's file: the sound sampled with the video
+            sounds = sampler.sounds({AUDIO_KEY: stored[AUDIO_KEY]}) if AUDIO_KEY in stored.files else None
         if whole:  # videos: the rate infer.py wrote beside them (the model's), else 16
             fps = output.fps or (stored_fps(file) or DEFAULT_FPS if pixels.ndim == 5 else None)
-            written += write_media(pixels, file.parent, fps=fps)
+            written += write_pixels(pixels, file.parent, fps=fps, sounds=sounds)
         else:
-            written += write_pixels(pixels, file.parent, stem=file.stem, indices=indices, fps=output.fps)
+            written += write_pixels(pixels, file.parent, stem=file.stem, indices=indices, fps=output.fps,
+                                    sounds=sounds)
     return written

@@ -21,9 +21,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from ringdit.common.errors import ConfigError
 from ringdit.diffusion.pipeline import SamplingPipeline
+from ringdit.media.audio import AudioDecoder
 from ringdit.media.decode import decode_latents, latents_normalised
 from ringdit.media.images import to_uint8
+from ringdit.models.conditioning import AUDIO_KEY
 from ringdit.parallel import ParallelDims
 
 Tensor = torch.Tensor
@@ -40,11 +43,23 @@ class Codecs:
     text_encoder: Callable[[list[str]], dict] | None = None
     vae: Any = None
     normalised: bool = True
+    audio: AudioDecoder | None = None  # LTX-2's audio VAE + vocoder: the sound sampled beside the video
 
     @classmethod
-    def of_data(cls, data: dict, text_encoder=None, vae=None) -> Codecs:
+    def of_data(cls, data: dict, text_encoder=None, vae=None, audio: AudioDecoder | None = None) -> Codecs:
         """The codecs of a model trained on ``data`` (its ``describe()``)."""
-        return cls(text_encoder, vae, latents_normalised(data))
+        return cls(text_encoder, vae, latents_normalised(data), audio)
+
+    def encode(self, prompts: list[str]) -> dict[str, Tensor]:
+        """``prompts`` -> the model's text conditions ``(N, ...)``, encoded with the text encoder its data were: the
+        one way prompts become conditions (infer.py's, before any rank starts; ``Sampler.encode`` for the previews,
+        the server and ``ringdit.load``)."""
+        if self.text_encoder is None:
+            raise ValueError("this sampler has no text encoder to encode prompts with (Codecs.text_encoder)")
+        if isinstance(prompts, str) or not prompts:
+            raise ConfigError(f"prompts must be a non-empty list of strings, got {prompts!r}; e.g. "
+                              f"prompts='[a red fox]'")
+        return self.text_encoder([str(prompt) for prompt in prompts])
 
 
 class Sampler:
@@ -54,7 +69,7 @@ class Sampler:
     the negative prompt's conditioning (text models) that calls guide away from unless they give their own (None:
     the empty prompt, the model's null condition); ``weights``: ``weights(use_ema)``, a context manager yielding the
     model with the weights worth sampling (a training module's EMA swapped in; None: ``model`` as it is);
-    ``codecs``: its text encoder and VAE (``encode``, ``to_pixels``)."""
+    ``codecs``: its text encoder, VAE and audio decoder (``encode``, ``to_pixels``, ``sounds``)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, pipeline: SamplingPipeline, device, *,
                  step_cache: Any = None, negative: dict | None = None,
@@ -104,16 +119,28 @@ class Sampler:
 
         Collective under sequence parallelism: every rank of the group must call it with the same arguments.
         """
+        return self.generate_joint(condition, seeds, use_ema=use_ema, negative=negative, shape=shape,
+                                   **overrides)[0]
+
+    @torch.no_grad()
+    def generate_joint(self, condition, seeds: list[int], *, use_ema: bool = True, negative: dict | None = None,
+                       shape: tuple[int, ...] | None = None, **overrides: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """``generate``'s samples and those of the latents the model denoises beside them (``{}`` for none; LTX-2:
+        ``{"audio": (N, 1, L, C_a * M)}`` on the audio VAE's normalised scale). Collective, as ``generate``."""
         with self.weights(use_ema) as model:
-            return self.pipeline.generate(model, condition, seeds, dims=self.dims, device=self.device,
-                                          negative=self.negative if negative is None else negative, shape=shape,
-                                          overrides=overrides, step_cache=self.step_cache)
+            return self.pipeline.generate_joint(model, condition, seeds, dims=self.dims, device=self.device,
+                                                negative=self.negative if negative is None else negative,
+                                                shape=shape, overrides=overrides, step_cache=self.step_cache)
+
+    @property
+    def joint(self) -> bool:
+        """The model denoises latents beside its samples (LTX-2's sound): sample with ``generate_joint``."""
+        return bool(getattr(self.model, "joint_latents", ()))
 
     def encode(self, prompts: list[str]) -> dict[str, Tensor]:
-        """``prompts`` -> the model's text conditions ``(N, ...)``, encoded with the text encoder its data were."""
-        if self.codecs.text_encoder is None:
-            raise ValueError("this sampler has no text encoder to encode prompts with (Codecs.text_encoder)")
-        return self.codecs.text_encoder(list(prompts))
+        """``prompts`` -> the model's text conditions ``(N, ...)``, encoded with the text encoder its data were
+        (``Codecs.encode``)."""
+        return self.codecs.encode(prompts)
 
     def to_pixels(self, samples: Tensor, group=None) -> np.ndarray | None:
         """Samples ``(N, C, [T,] H, W)`` (``generate``'s) -> uint8 ``(N, [T,] H, W, C)``: pixels as they are; latents
@@ -123,6 +150,14 @@ class Sampler:
         if self.pixels:
             return to_uint8(samples).numpy()
         return self.decode(samples.float().cpu() / self.pipeline.latent_scale, group)
+
+    def sounds(self, joint: dict[str, Tensor]) -> list[tuple[np.ndarray, int]] | None:
+        """Each sample's sound from ``generate_joint``'s joint latents (their ``audio``, as samples.npz holds it):
+        (waveform float32 (channels, samples), sample rate) one a sample, decoded with this sampler's audio VAE and
+        vocoder; None where the samples have no sound or there is no audio decoder (the video is written alone)."""
+        if AUDIO_KEY not in joint or self.codecs.audio is None:
+            return None
+        return self.codecs.audio.decode(torch.as_tensor(joint[AUDIO_KEY]).float())
 
     def decode(self, latents: Tensor, group=None) -> np.ndarray | None:
         """Latents ``(N, C, [T,] H, W)`` on the VAE's own scale (as samples.npz holds them) -> uint8 ``(N, [T,] H, W,
@@ -141,14 +176,16 @@ class Sampler:
     def sample_batch(self, condition, seeds: list[int], extra: dict) -> dict[str, Tensor]:
         """One batch of ``ringdit.sampling.SampleRequests``: ``extra`` holds its sample ``shape`` (one per batch:
         ``ShapeBatches``) and, from a prompt file, each sample's ``negative`` prompt where ``negative_given``.
-        Returns ``images`` (uint8) for pixels, else ``latents`` (float32) on the VAE's own scale."""
+        Returns ``images`` (uint8) for pixels, else ``latents`` (float32) on the VAE's own scale; with the sound a
+        joint model samples beside them, its ``audio`` latents (float32, the audio VAE's normalised scale)."""
         negative = self.negatives(extra["negative"], extra["negative_given"]) if "negative" in extra else None
         shape = tuple(int(s) for s in extra["shape"][0].tolist()) if "shape" in extra else None
-        samples = self.generate(condition, seeds, negative=negative, shape=shape)
+        samples, joint = self.generate_joint(condition, seeds, negative=negative, shape=shape)
+        sound = {AUDIO_KEY: joint[AUDIO_KEY].float()} if AUDIO_KEY in joint else {}
         if self.pixels:
-            return {"images": to_uint8(samples)}
+            return {"images": to_uint8(samples), **sound}
         # back to the VAE's own scale (data.scale multiplied it in): ready to decode
-        return {"latents": samples.float() / self.pipeline.latent_scale}
+        return {"latents": samples.float() / self.pipeline.latent_scale, **sound}
 
     def negatives(self, rows: dict[str, Tensor], given: Tensor) -> dict[str, Tensor]:
         """Each sample's negative prompt: its own where ``given``, else this sampler's (negative_prompt=), else the

@@ -1,5 +1,8 @@
-"""Collecting the samples from every rank into files after ``predict`` (``SampleWriter``: one set of files per shape
-when the shapes differ; the finished batches when SIGTERM stops sampling), and writing pixels as grids and files."""
+"""The one way samples become files: collecting the samples from every rank after ``predict`` into samples.npz
+(``SampleWriter``: one set of files per shape when the shapes differ; the finished batches when SIGTERM stops
+sampling), and writing pixels as grids and files (``write_pixels``; one sample's file: ``write_sample``) -- PNG for
+an image, MP4 for a video, with its AAC sound track where the sample has sound (LTX-2). infer.py, the preview grids
+and the server write through these."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from ringdit.common.atomic import atomic_write
 from ringdit.media.images import save_samples, to_image, write_gif
-from ringdit.media.writing import write_media, write_mp4
+from ringdit.media.writing import write_mp4
+from ringdit.models.conditioning import AUDIO_KEY
 from ringdit.commands.preemption import Preempted
 from ringdit.sampling.sizes import Shape
 
@@ -20,7 +24,9 @@ from ringdit.sampling.sizes import Shape
 class SampleWriter(L.Callback):
     """Collect every rank's samples after ``predict`` and write ``samples.png`` (video: ``samples.gif`` plus
     ``sample-000.mp4`` / ``.gif`` ... each) and
-    ``samples.npz`` (``images`` uint8 ``(N, [T,] H, W, C)``, ``labels`` int64 ``(N,)``) into ``output_dir``.
+    ``samples.npz`` (``images`` uint8 ``(N, [T,] H, W, C)``, ``labels`` int64 ``(N,)``) into ``output_dir``. A model
+    that samples sound beside its video (LTX-2) adds ``audio`` float32 ``(N, 1, L, C_a * M)``: the audio latents on
+    the audio VAE's normalised scale, decoded to the MP4s' sound track with infer.py's audio VAE and vocoder.
 
     A model trained on latents (data=latents) gets ``samples.npz`` with ``latents`` float32 ``(N, C, [T,] H, W)``
     in its VAE's scale instead, and no picture: decode them with the VAE that encoded the data. Text-conditioned
@@ -88,6 +94,8 @@ class SampleWriter(L.Callback):
             contents = {kind: samples}
             if "labels" in gathered:  # class-conditional models
                 contents["labels"] = gathered["labels"].reshape(-1)[order].numpy().astype(np.int64)
+            if AUDIO_KEY in gathered:  # the sound sampled beside the video (LTX-2): latents, decoded with the video
+                contents[AUDIO_KEY] = gathered[AUDIO_KEY].reshape(-1, *local[AUDIO_KEY].shape[1:])[order].numpy()
             if self.captions is not None:  # text-conditioned models: the prompt of each sample (all, or those finished)
                 contents["captions"] = np.array([self.captions[i] for i in indices])
             if shape is None:
@@ -115,7 +123,7 @@ class SampleWriter(L.Callback):
         if kind != "images":
             return [npz]
         if indices is None and samples.ndim == 5:  # videos: the grid as a GIF, and each as MP4 + GIF
-            return [*write_media(samples, self.output_dir, fps=self.fps), npz]
+            return [*write_pixels(samples, self.output_dir, stem=stem, fps=self.fps), npz]
         columns = self.columns or min(len(samples), 10) if samples.ndim == 4 else None
         return [*write_pixels(samples, self.output_dir, stem=stem, indices=indices, fps=self.fps, columns=columns,
                               each=samples.ndim == 5), npz]
@@ -149,22 +157,41 @@ def _sample_shape(outputs: dict) -> Shape:
     return tuple(outputs["latents"].shape[2:])
 
 
-def write_pixels(pixels: np.ndarray, out_dir: Path, *, stem: str, indices: list[int], fps: int = 16,
-                 columns: int | None = None, each: bool = True) -> list[Path]:
+def write_pixels(pixels: np.ndarray, out_dir: Path, *, stem: str = "samples", indices: list[int] | None = None,
+                 fps: int = 16, columns: int | None = None, each: bool = True,
+                 sounds: list[tuple[np.ndarray, int]] | None = None) -> list[Path]:
     """uint8 ``(N, H, W, C)`` images or ``(N, T, H, W, C)`` videos of one shape: the grid ``stem``.png / .gif and,
     with ``each``, ``sample-<i>.png`` (images) or ``.mp4`` + ``.gif`` (videos) named by ``indices`` (the sample
-    numbers)."""
+    numbers; None: their positions); ``sounds``: each video's (waveform (channels, samples), rate), its MP4's sound
+    track (None: silent)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [save_samples(pixels, out / stem, columns=columns, fps=fps)]
-    for i, sample in zip(indices, pixels) if each else ():
+    indices = range(len(pixels)) if indices is None else indices
+    for n, (i, sample) in enumerate(zip(indices, pixels) if each else ()):
         name = out / f"sample-{i:03d}"
         if pixels.ndim == 4:
-            to_image(sample).save(name.with_suffix(".png"))
-            written.append(name.with_suffix(".png"))
+            written.append(write_sample(sample, name.with_suffix(".png")))
         else:
-            written += [write_mp4(sample, name.with_suffix(".mp4"), fps), write_gif(sample, name.with_suffix(".gif"), fps)]
+            written += [write_sample(sample, name.with_suffix(".mp4"), fps, sounds[n] if sounds else None),
+                        write_gif(sample, name.with_suffix(".gif"), fps)]
     return written
+
+
+def write_sample(pixels: np.ndarray, path: Path, fps: int | None = None,
+                 sound: tuple[np.ndarray, int] | None = None) -> Path:
+    """One sample's file at ``path``, whole or not there (written beside it and renamed): uint8 ``(H, W, C)`` as a
+    PNG, ``(T, H, W, C)`` as an H.264 MP4 at ``fps`` with ``sound`` = (waveform (channels, samples), rate) as its AAC
+    track (None: silent)."""
+    path = Path(path)
+    if pixels.ndim == 3:
+        with atomic_write(path) as partial:
+            to_image(pixels).save(partial, format="PNG")
+        return path
+    partial = path.with_name(f"{path.stem}.partial{path.suffix}")  # PyAV picks the container by the suffix
+    write_mp4(pixels, partial, fps or 16, audio=sound)
+    partial.replace(path)
+    return path
 
 
 def _requested_samples(trainer) -> int:

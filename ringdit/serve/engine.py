@@ -18,9 +18,7 @@ layout, FSDP and the precision once; the models stay resident between requests.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
-import os
 import tempfile
 import threading
 import time
@@ -31,11 +29,9 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from ringdit.caching import CacheSettings, StepCache
-from ringdit.common.atomic import atomic_write
+from ringdit.media.audio import AudioDecoder
 from ringdit.media.image_condition import first_frame_inputs
 from ringdit.media.control_pixels import encode_control, encode_reference
-from ringdit.media.images import to_image
-from ringdit.media.writing import write_mp4
 from ringdit.models.conditioning import CONTROL_KEY, REFERENCE_KEY, text_conditioned
 from ringdit.common.seeding import Stream, seed_of
 from ringdit.sampling import resolve_labels
@@ -45,6 +41,7 @@ from ringdit.spec.control import control_family
 from ringdit.spec.infer import image_kind
 from ringdit.sampling.predict import SamplingModule
 from ringdit.sampling.sampler import Codecs, Sampler
+from ringdit.sampling.writer import write_sample
 
 log = logging.getLogger("ringdit.serve")
 
@@ -239,13 +236,15 @@ class Engine:
         total = command["evaluations"]
         for job in self._running:
             job.total_evaluations = total
-        samples = None
+        samples, joint = None, {}
         began = time.monotonic()
         try:
             with self.adapters.applied(command["loras"]), self._watching(module), \
                     module.sampler.using(step_cache=cache) as sampler:  # this batch's step cache
-                samples = sampler.generate(command["condition"], command["seeds"], negative=command["negative"],
-                                           shape=command["shape"], **command["overrides"])
+                # with the sound a joint model samples beside the video (LTX-2's audio latents)
+                samples, joint = sampler.generate_joint(command["condition"], command["seeds"],
+                                                        negative=command["negative"], shape=command["shape"],
+                                                        **command["overrides"])
         except Cancelled:
             pass
         finally:
@@ -255,7 +254,7 @@ class Engine:
         if rank0:
             self.samples += len(command["seeds"])
             try:
-                self.rank0.deliver(self._running, command, samples, module.sampler)
+                self.rank0.deliver(self._running, command, samples, module.sampler, joint)
             finally:
                 if self.queue.metrics is not None and self._running:
                     self.queue.metrics.batch_seconds.labels(self._running[0].request.kind).observe(
@@ -298,14 +297,18 @@ class Engine:
 
 class Rank0:
     """Rank 0's own part: turning jobs into a command (prompts encoded by rank 0's sampler, first frames encoded,
-    seeds drawn) and the samples into files (decoded by the sampler). ``codecs``: the text encoder and the VAE, held
-    resident by rank 0's sampler."""
+    seeds drawn) and the samples into files (decoded by the sampler, written by ``ringdit.sampling.writer`` as
+    infer.py writes them). ``codecs``: the text encoder, the VAE and (a model that samples sound) the audio VAE and
+    vocoder, held resident by rank 0's sampler."""
 
     def __init__(self, spec, files_dir: Path, timeout_s: float, text_encoder=None, vae=None,
                  cache_settings: dict | None = None):
         # cache_settings: kind -> CacheSettings that requests may pick (their threshold replaces its own)
         self.spec, self.files_dir, self.timeout_s = spec, files_dir, timeout_s
-        self.codecs = Codecs.of_data(spec.data, text_encoder, vae)  # handed to rank 0's sampler
+        output = spec.output  # LTX-2's sound: its audio VAE and vocoder (audio_vae=), checked by the spec
+        audio = AudioDecoder.load(output.audio_vae, output.audio_vae_subfolder, output.vocoder_subfolder,
+                                  device=vae.device if vae is not None else "cpu") if output.audio_vae else None
+        self.codecs = Codecs.of_data(spec.data, text_encoder, vae, audio)  # handed to rank 0's sampler
         self.cache_settings = cache_settings or {}
 
     def sample_command(self, jobs: list[Job], sampler: Sampler) -> dict:
@@ -370,14 +373,17 @@ class Rank0:
             rows.append(encoded.expand(request.n, *encoded.shape[1:]))
         return torch.cat(rows)
 
-    def deliver(self, jobs: list[Job], command: dict, samples: torch.Tensor | None, sampler: Sampler) -> None:
-        """Each job's samples as files (PNG per image, MP4 per video); its state finished."""
+    def deliver(self, jobs: list[Job], command: dict, samples: torch.Tensor | None, sampler: Sampler,
+                joint: dict | None = None) -> None:
+        """Each job's samples as files (PNG per image, MP4 per video, with its sound where the model samples one:
+        ``joint``, ``generate_joint``'s); its state finished."""
         if samples is None:  # cancelled together
             for job in jobs:
                 job.finish(CANCELLED, "cancelled", code=499)
             return
         try:
             pixels = sampler.to_pixels(samples)  # uint8 (N, [T,] H, W, C)
+            sounds = sampler.sounds(joint or {})  # [(waveform, rate)] one a sample, or None: silent
         except Exception as error:  # noqa: BLE001 - the jobs fail with it; the server goes on
             log.exception("decoding a batch failed")
             for job in jobs:
@@ -386,12 +392,14 @@ class Rank0:
         start = 0
         for job in jobs:
             own = pixels[start:start + job.request.n]
+            own_sounds = sounds[start:start + job.request.n] if sounds else [None] * len(own)
             start += job.request.n
             if job.cancel_requested:
                 job.finish(CANCELLED, "cancelled", code=499)
                 continue
             try:
-                job.files = [self.write(job, i, frames) for i, frames in enumerate(own)]
+                job.files = [self.write(job, i, frames, sound)
+                             for i, (frames, sound) in enumerate(zip(own, own_sounds))]
             except OSError as error:  # a full disk: this job fails, the server goes on
                 job.finish(FAILED, f"writing its files failed: {error}")
                 continue
@@ -399,19 +407,11 @@ class Rank0:
             log.info("%s: %d %s(s) %s in %.1f s", job.id, job.request.n, job.request.kind,
                      "x".join(map(str, job.request.size)), time.time() - job.created)
 
-    def write(self, job: Job, index: int, pixels) -> Path:
-        if pixels.ndim == 4 and job.request.last_frame:  # an image edit (POST /v1/images/edits): the video's end
+    def write(self, job: Job, index: int, pixels, sound: tuple | None = None) -> Path:
+        """One sample's file, as infer.py writes its samples (``write_sample``: whole or not there): a video's MP4
+        (with ``sound`` as its AAC track), an image's PNG; an image edit (POST /v1/images/edits) is the video's last
+        frame."""
+        if pixels.ndim == 4 and job.request.last_frame:
             pixels = pixels[-1]
-        elif pixels.ndim == 4:  # (T, H, W, C): a video
-
-            path = self.files_dir / f"{job.id}-{index}.mp4"
-            partial = path.with_suffix(".partial.mp4")  # PyAV picks the container by the suffix
-            write_mp4(pixels, partial, fps=self.spec.output.fps)
-            os.replace(partial, path)  # whole, or not there
-            return path
-        path = self.files_dir / f"{job.id}-{index}.png"
-        buffer = io.BytesIO()
-        to_image(pixels).save(buffer, format="PNG")
-        with atomic_write(path) as tmp:
-            Path(tmp).write_bytes(buffer.getvalue())
-        return path
+        suffix = ".mp4" if pixels.ndim == 4 else ".png"
+        return write_sample(pixels, self.files_dir / f"{job.id}-{index}{suffix}", self.spec.output.fps, sound)

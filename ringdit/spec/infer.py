@@ -23,6 +23,7 @@ from ringdit.checkpoints.weights import WEIGHT_CHOICES
 from ringdit.checkpoints.lora_formats import LoraFile, lora_file_entries
 from ringdit.diffusion.samplers import is_guided
 from ringdit.common.errors import ConfigError, require_choice, require_count, require_number, require_seed
+from ringdit.media.audio import sampling_audio_vae
 from ringdit.media.decode import sampling_vae
 from ringdit.media.frames import UnreadableImage, decoded, open_image, upright_size
 from ringdit.models.conditioning import text_conditioned
@@ -240,6 +241,9 @@ class OutputSpec:
     vae_subfolder: str | None
     vae_tile: int | None     # spatial tile in pixels for decoding; None: diffusers' default
     fps: int | None          # videos' frames per second: fps=, else the model's own (None: an image model)
+    audio_vae: str | None = None  # a model that samples sound (LTX-2): its audio VAE + vocoder folder, checked
+    audio_vae_subfolder: str | None = "audio_vae"
+    vocoder_subfolder: str = "vocoder"
 
 
 @dataclass(frozen=True)
@@ -329,6 +333,13 @@ class InferSpec:
         lora_files = lora_file_entries(cfg.get("lora"), meta_model)  # lora=[...]: read and checked, not yet applied
         if cache.kind == "teacache":  # the polynomial this model needs, found (or refused) before anything starts
             cache = replace(cache, coefficients=teacache_coefficients(cache, meta_model, ckpt_path))
+        # the sound's decoder: refused in one line (another sample rate, another model) before anything is sampled
+        sound = "audio" in getattr(meta_model, "joint_latents", ())
+        output = replace(output, audio_vae=sampling_audio_vae(
+            cfg.get("audio_vae"), cfg.get("audio_vae_subfolder", "audio_vae"), cfg.get("vocoder_subfolder", "vocoder"),
+            info["data"], dict(meta_model.transformer.config) if sound else None),
+            audio_vae_subfolder=cfg.get("audio_vae_subfolder", "audio_vae"),
+            vocoder_subfolder=cfg.get("vocoder_subfolder", "vocoder"))
         del state, meta_model
         shape = sizes.shape(_plain(cfg.get("size")), cfg.get("frames"))
         sampling = {**info.get("sampling", {}), **overrides}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -13,17 +14,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import OmegaConf
 
 from ringdit.checkpoints.weights import read_weights
+from ringdit.media.audio import AudioDecoder, sampling_audio_vae
 from ringdit.media.decode import sampling_vae
 from ringdit.media.images import grid_image, save_samples
-from ringdit.media.text import encode_prompts, encoder_settings
+from ringdit.media.text import data_text_encoder
 from ringdit.media.vae import VAE
 from ringdit.models.lora import adapter_state, load_adapter, load_null_condition
-from ringdit.media.writing import write_mp4
 from ringdit.diffusion.pipeline import in_micro_batches
 from ringdit.common.errors import ConfigError, require_count, require_number, require_seed
-from ringdit.models.conditioning import CONTROL_KEY, text_conditioned
+from ringdit.models.conditioning import AUDIO_KEY, CONTROL_KEY, text_conditioned
 from ringdit.sampling import (FPS_HINT, Codecs, PromptLine, Sampler, SampleSizes, frame_rate, patch_shape,
                               read_prompt_file, size_pair)
+from ringdit.sampling.writer import write_sample
 from ringdit.common.seeding import Stream, seed_of
 
 SETTING = "callbacks.sample_grid"
@@ -99,7 +101,9 @@ class SampleGrid(L.Callback):
     are comparable across steps. Models trained on latents are previewed through their VAE (``vae``, else the one
     the data was prepared with, when that folder is here), each sample's tiles decoded over the ranks that sampled
     it, as infer.py decodes. Loggers get images as images and videos as MP4 videos (``samples/step_N/``), each
-    captioned with its prompt or class.
+    captioned with its prompt or class; a model that samples sound with its video (LTX-2) gets it as the MP4s' AAC
+    track, decoded with ``audio_vae`` (its audio VAE and vocoder folder; None: the one the data was prepared with,
+    when that folder is here, else the videos are silent).
 
     ``size`` ``[H, W]`` / ``frames`` (videos): the grid's sample shape, in the units of infer.py's ``size`` /
     ``frames`` (``ringdit.sampling.SampleSizes``: pixels and video frames when the data records its VAE, else the
@@ -119,13 +123,16 @@ class SampleGrid(L.Callback):
                  steps: int | None = None, cfg_scale: float | None = None, seed: int = 0,
                  size: list[int] | None = None, frames: int | None = None, vae: str | None = None,
                  vae_subfolder: str | None = "vae", fps: int | None = None, prompt_file: str | None = None,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, audio_vae: str | None = None,
+                 audio_vae_subfolder: str | None = "audio_vae", vocoder_subfolder: str = "vocoder"):
         require_count("callbacks.sample_grid.every_n_steps", every_n_steps)
         for key, value in (("per_class", per_class), ("max_classes", max_classes)):
             require_count(f"{SETTING}.{key}", value)
         require_count(f"{SETTING}.fps", fps, optional=True, hint=FPS_HINT)
         require_count(f"{SETTING}.batch_size", batch_size, optional=True, hint=BATCH_HINT)
         self.vae_setting, self.vae_subfolder, self.fps, self.batch_size = vae, vae_subfolder, fps, batch_size
+        self.audio_setting = (audio_vae, audio_vae_subfolder, vocoder_subfolder)
+        self._audio = None  # the audio decoder, loaded at the first preview of a model that samples sound
         self.prompt_file = prompt_file
         self.lines = read_preview_prompts(prompt_file) if prompt_file else None
         self.line_shapes: list = []  # each prompt line's sample shape in the data's cells (None: the grid's)
@@ -180,6 +187,7 @@ class SampleGrid(L.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.check_shape(pl_module.hparams.data, patch_shape(pl_module.model))  # before the first step
+        self.preview_audio(pl_module)  # an audio VAE of another sample rate: refused before the first step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -196,18 +204,19 @@ class SampleGrid(L.Callback):
         vae = self.preview_vae(data) if "latent_scale" in data else None
         if "latent_scale" in data and vae is None:
             return None  # latents without their VAE cannot be looked at (said once, by preview_vae)
-        sampler = preview_sampler(pl_module, vae)
+        sampler = preview_sampler(pl_module, vae, self.preview_audio(pl_module))
         # latents: every rank decodes its share of each sample's tiles (they all sampled the same latents), rank 0
         # gets the pixels
         group = dist.group.WORLD if not sampler.pixels and dist.is_available() and dist.is_initialized() \
             and trainer.world_size > 1 else None
-        rows = self.rows(trainer, pl_module)
+        rows = self.rows(trainer, pl_module, sampler)
         shapes = {row["shape"] for row in rows}
-        images, captions = [], []
+        images, sounds, captions = [], [], []
         for row in rows:
-            samples = in_micro_batches(sampler.generate, row["condition"], row["seeds"], self.batch_size,
-                                       negative=row["negative"], shape=row["shape"], **row["overrides"])
+            samples, joint = joint_in_micro_batches(sampler, row["condition"], row["seeds"], self.batch_size,
+                                                    negative=row["negative"], shape=row["shape"], **row["overrides"])
             images.append(sampler.to_pixels(samples, group) if not sampler.pixels or trainer.is_global_zero else None)
+            sounds += (sampler.sounds(joint) if trainer.is_global_zero else None) or [None] * len(samples)
             captions += row["captions"]
         if not trainer.is_global_zero:
             return None
@@ -221,9 +230,9 @@ class SampleGrid(L.Callback):
                               columns=self.per_class, fps=self.frame_rate(pl_module) or 8)
                  for i, grid in enumerate(images)]
         videos = []
-        if images[0].ndim == 5:  # (N, T, H, W, C): each one an MP4 too, which the loggers upload
+        if images[0].ndim == 5:  # (N, T, H, W, C): each one an MP4 too (with its sound), which the loggers upload
             stem.mkdir(parents=True, exist_ok=True)
-            videos = [write_mp4(video, stem / f"{i:03d}.mp4", self.frame_rate(pl_module))
+            videos = [write_sample(video, stem / f"{i:03d}.mp4", self.frame_rate(pl_module), sounds[i])
                       for i, video in enumerate(v for grid in images for v in grid)]
         for grid in images if len(images) == 1 else []:
             log_samples(trainer.loggers, grid, captions, step, videos=videos, columns=self.per_class)
@@ -236,14 +245,14 @@ class SampleGrid(L.Callback):
         """The previews' frames per second: ``fps``, else the model's own."""
         return frame_rate(f"{SETTING}.fps", self.fps, pl_module.hparams.model)
 
-    def rows(self, trainer: L.Trainer, pl_module) -> list[dict]:
+    def rows(self, trainer: L.Trainer, pl_module, sampler: Sampler) -> list[dict]:
         """What the preview samples, in calls of one shape and settings each: its ``condition``, ``seeds``,
         ``captions`` (one a sample), ``shape``, ``negative`` (None: the empty prompt) and sampling ``overrides``. The
         held-out prompts or classes are one call (``per_class`` samples each); a prompt file's lines one each, with
         their own size, seed and settings."""
         overrides = {"steps": self.steps, "cfg_scale": self.cfg_scale}
         if self.lines is not None:
-            conditions, negatives = self.encoded_prompts(pl_module.hparams.data)
+            conditions, negatives = self.encoded_prompts(pl_module.hparams.data, sampler)
             rows, cell = [], 0
             for i, line in enumerate(self.lines[:self.max_classes]):
                 seed = line.options.get("seed")
@@ -271,24 +280,39 @@ class SampleGrid(L.Callback):
                                                                        for _ in range(self.per_class)],
                  "negative": None, "shape": self.shape, "overrides": overrides}]  # one call, in micro-batches
 
-    def encoded_prompts(self, data_info: dict) -> tuple[dict, list]:
-        """The prompt file's lines encoded once, with the data's text encoder as its prompts were (on the GPU where
-        there is one: at the first preview the optimizer's state is not yet allocated): the conditions ``(lines,
-        ...)`` and each line's negative prompt ``(1, ...)`` or None (the empty prompt)."""
+    def encoded_prompts(self, data_info: dict, sampler: Sampler) -> tuple[dict, list]:
+        """The prompt file's lines encoded once by ``sampler`` (``Sampler.encode``) with the data's text encoder as
+        its prompts were (on the GPU where there is one: at the first preview the optimizer's state is not yet
+        allocated; the encoder is let go once they are encoded): the conditions ``(lines, ...)`` and each line's
+        negative prompt ``(1, ...)`` or None (the empty prompt)."""
         if self._prompts is None:
             described = data_info["text_encoder"]
             texts = [line.prompt for line in self.lines]
             own = [text for text in dict.fromkeys(line.negative_prompt for line in self.lines) if text]
-            encoded, _ = encode_prompts(texts + own, None, described["path"], described.get("tokenizer"),
-                                        text_len=data_info["text_len"], text_dim=data_info["text_dim"],
-                                        device="cuda" if torch.cuda.is_available() else "cpu",
-                                        **encoder_settings(described))
-            encoded = {key: value.cpu() for key, value in encoded.items()}
+            encoder = data_text_encoder(data_info, described["path"], described.get("tokenizer"),
+                                        device="cuda" if torch.cuda.is_available() else "cpu")
+            with sampler.using(codecs=replace(sampler.codecs, text_encoder=encoder)) as encoding:
+                encoded = {key: value.cpu() for key, value in encoding.encode(texts + own).items()}
             negatives = [None if not line.negative_prompt else
                          {key: value[len(texts) + own.index(line.negative_prompt)][None] for key, value in
                           encoded.items()} for line in self.lines]
             self._prompts = ({key: value[:len(texts)] for key, value in encoded.items()}, negatives)
         return self._prompts
+
+    def preview_audio(self, pl_module) -> AudioDecoder | None:
+        """The audio VAE and vocoder a model that samples sound (LTX-2) previews its sound with (``audio_vae``, else
+        the data's when its folder is here), checked and loaded once; None: silent previews."""
+        if self._audio is None:
+            model = pl_module.model
+            sound = AUDIO_KEY in getattr(model, "joint_latents", ())
+            path, subfolder, vocoder = self.audio_setting
+            folder = sampling_audio_vae(path, subfolder, vocoder, pl_module.hparams.data,
+                                        dict(model.transformer.config) if sound else None,
+                                        setting=f"{SETTING}.audio_vae")
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._audio = AudioDecoder.load(folder, subfolder, vocoder, device=device,
+                                            setting=f"{SETTING}.audio_vae") if folder else False
+        return self._audio or None
 
     def preview_vae(self, data_info: dict):
         """The VAE latent previews decode with (``vae``, else the data's when its folder is here), loaded once;
@@ -306,14 +330,30 @@ class SampleGrid(L.Callback):
         return self._codec or None
 
 
-def preview_sampler(pl_module, vae=None) -> Sampler:
+def preview_sampler(pl_module, vae=None, audio: AudioDecoder | None = None) -> Sampler:
     """The previews' own sampler: the training module's model with its EMA weights swapped in while it samples
     (``DiffusionModule.ema_weights``), the run's sampling settings, no step cache, the empty prompt as the
-    negative unless a row gives its own; ``vae`` decodes a latent model's samples (``Sampler.to_pixels``)."""
+    negative unless a row gives its own; ``vae`` decodes a latent model's samples (``Sampler.to_pixels``), ``audio``
+    the sound a model samples with them (``Sampler.sounds``)."""
     data = pl_module.hparams.data
     return Sampler.for_run(pl_module.model, pl_module.objective, pl_module.hparams.get("sampling"), data,
                            dims=pl_module.parallel_dims, device=pl_module.device, weights=pl_module.ema_weights,
-                           codecs=Codecs.of_data(data, vae=vae))
+                           codecs=Codecs.of_data(data, vae=vae, audio=audio))
+
+
+def joint_in_micro_batches(sampler: Sampler, condition, seeds: list[int], batch_size: int | None,
+                           **keywords) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``Sampler.generate_joint`` over micro-batches (``in_micro_batches``): the samples and the latents the model
+    samples beside them (LTX-2's sound), each concatenated."""
+    joints = []
+
+    def generate(*arguments, **given):
+        samples, joint = sampler.generate_joint(*arguments, **given)
+        joints.append(joint)
+        return samples
+
+    samples = in_micro_batches(generate, condition, seeds, batch_size, **keywords)
+    return samples, {key: torch.cat([joint[key] for joint in joints]) for key in joints[0]}
 
 
 def log_samples(loggers, images, captions: list[str], step: int | None, *, videos: list[Path] = (),
