@@ -50,52 +50,54 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ringdit.commands.cli import hydra_main, user_errors
+from ringdit.commands.task import Task, command
 from ringdit.common.errors import ConfigError, require_number
 
 FORMATS = ("ringdit", "diffusers", "comfyui")
 LORA_FORMATS = ("diffusers", "comfyui")  # a LoRA adapter's: diffusers' pytorch_lora_weights, or ComfyUI's
 
 
-@hydra_main("export")  # conf/export.yaml
-def export(cfg: DictConfig) -> None:
-    with user_errors():  # a wrong setting or checkpoint (CheckpointError): one line, exit code 2
-        if cfg.weights not in ("ema", "model"):
-            raise ConfigError(f"weights must be ema or model, got {cfg.weights!r}")
-        for name in ("lora", "merge", "overwrite"):
-            if not isinstance(cfg[name], bool):
-                raise ConfigError(f"{name} must be true or false, got {cfg[name]!r}")
-        if cfg.format is not None and cfg.format not in FORMATS:
-            raise ConfigError(f"format={cfg.format!r} is not one of {', '.join(FORMATS)}: ringdit writes one "
-                              f".safetensors file with the run's configs, diffusers a pipeline folder (or, with "
-                              f"lora=true, diffusers' LoRA file), comfyui a LoRA file with ComfyUI's layer names")
-        merge = cfg.merge  # a LoRA run's adapter fused into its base: a whole model, in a model format
-        if merge:
-            require_number("merge_strength", cfg.merge_strength)
-            if cfg.format == "comfyui":
-                raise ConfigError("merge=true format=comfyui: a merged LoRA is a whole model, written as "
-                                  "format=ringdit (one .safetensors) or format=diffusers (a pipeline folder); "
-                                  "ComfyUI's format is the adapter's alone: drop merge=true")
-        lora = cfg.lora or cfg.format == "comfyui" or merge  # comfyui is a LoRA format only
-        fmt = cfg.format or ("diffusers" if lora and not merge else "ringdit")
-        if lora and not merge and fmt not in LORA_FORMATS:
-            raise ConfigError(f"lora=true format={fmt}: a LoRA adapter exports as format=diffusers (diffusers' "
-                              f"pytorch_lora_weights.safetensors) or format=comfyui, not as a {fmt} model file; "
-                              f"add merge=true for the base with the adapter fused in")
-        if cfg.base is not None and not merge and (lora or fmt != "diffusers"):
-            raise ConfigError(f"base={cfg.base} names the pipeline a format=diffusers model export copies; "
-                              f"{'a LoRA export' if lora else f'format={fmt}'} takes none: drop base=")
-        ckpt = Path(str(cfg.ckpt_path))
-        suffix = "_merged" if merge else ""
-        out = cfg.out if cfg.out is not None else str(
-            ckpt.with_name(f"{ckpt.stem}_lora") if lora and not merge else
-            ckpt.with_name(f"{ckpt.stem}{suffix}_diffusers") if fmt == "diffusers" else
-            ckpt.with_name(f"{ckpt.stem}{suffix}.safetensors"))
-        # start-up time: the checkpoint side loads torch, the models and peft; --help and the settings' checks above
-        # answer without them
-        from ringdit.checkpoints.exporting import write_export
+# SIGTERM: the export stops where it is; out= is replaced only by a whole export (written aside, then renamed)
+@command("export", doing="the export", kept="out= is as it was (it is replaced only once the export is whole); run "
+                                              "the same command again")  # conf/export.yaml
+def export(cfg: DictConfig, task: Task) -> None:
+    if cfg.weights not in ("ema", "model"):
+        raise ConfigError(f"weights must be ema or model, got {cfg.weights!r}")
+    for name in ("lora", "merge", "overwrite"):
+        if not isinstance(cfg[name], bool):
+            raise ConfigError(f"{name} must be true or false, got {cfg[name]!r}")
+    if cfg.format is not None and cfg.format not in FORMATS:
+        raise ConfigError(f"format={cfg.format!r} is not one of {', '.join(FORMATS)}: ringdit writes one "
+                          f".safetensors file with the run's configs, diffusers a pipeline folder (or, with "
+                          f"lora=true, diffusers' LoRA file), comfyui a LoRA file with ComfyUI's layer names")
+    merge = cfg.merge  # a LoRA run's adapter fused into its base: a whole model, in a model format
+    if merge:
+        require_number("merge_strength", cfg.merge_strength)
+        if cfg.format == "comfyui":
+            raise ConfigError("merge=true format=comfyui: a merged LoRA is a whole model, written as "
+                              "format=ringdit (one .safetensors) or format=diffusers (a pipeline folder); "
+                              "ComfyUI's format is the adapter's alone: drop merge=true")
+    lora = cfg.lora or cfg.format == "comfyui" or merge  # comfyui is a LoRA format only
+    fmt = cfg.format or ("diffusers" if lora and not merge else "ringdit")
+    if lora and not merge and fmt not in LORA_FORMATS:
+        raise ConfigError(f"lora=true format={fmt}: a LoRA adapter exports as format=diffusers (diffusers' "
+                          f"pytorch_lora_weights.safetensors) or format=comfyui, not as a {fmt} model file; "
+                          f"add merge=true for the base with the adapter fused in")
+    if cfg.base is not None and not merge and (lora or fmt != "diffusers"):
+        raise ConfigError(f"base={cfg.base} names the pipeline a format=diffusers model export copies; "
+                          f"{'a LoRA export' if lora else f'format={fmt}'} takes none: drop base=")
+    ckpt = Path(str(cfg.ckpt_path))
+    suffix = "_merged" if merge else ""
+    out = cfg.out if cfg.out is not None else str(
+        ckpt.with_name(f"{ckpt.stem}_lora") if lora and not merge else
+        ckpt.with_name(f"{ckpt.stem}{suffix}_diffusers") if fmt == "diffusers" else
+        ckpt.with_name(f"{ckpt.stem}{suffix}.safetensors"))
+    # start-up time: the checkpoint side loads torch, the models and peft; --help and the settings' checks above
+    # answer without them
+    from ringdit.checkpoints.exporting import write_export
 
-        written, note = write_export(cfg, ckpt, out, fmt=fmt, lora=lora, merge=merge)
+    written, note = write_export(cfg, ckpt, out, fmt=fmt, lora=lora, merge=merge)  # a wrong checkpoint: one line
+    task.start()
     what = f"model with its LoRA adapter fused at strength {cfg.merge_strength:g}" if merge else \
         "LoRA adapter" if lora else "model and configs"
     print(f"wrote the {cfg.weights} weights' {what} to {written}")

@@ -44,42 +44,40 @@ def _stopped_before_start(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
-if __name__ == "__main__":  # until ringdit.commands.preemption (a slow import) takes over in main(): nothing started
+if __name__ == "__main__":  # until the command's wrapper (ringdit.commands.task) takes over in main(): nothing started
     signal.signal(signal.SIGTERM, _stopped_before_start)
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from ringdit.commands.cli import hydra_main, user_errors  # noqa: E402
+from ringdit.commands.task import Task, command  # noqa: E402
 from ringdit.common.errors import ConfigError  # noqa: E402
 
 log = logging.getLogger("ringdit.prepare")
 
 
-@hydra_main("prepare")  # conf/prepare.yaml
-def main(cfg: DictConfig) -> None:
+@command("prepare", doing="preparing")  # conf/prepare.yaml
+def main(cfg: DictConfig, task: Task) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     settings = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left: one line
-    # start-up time: Lightning (the SIGTERM handling's) load after --help and the settings' checks
-    from ringdit.commands.preemption import sigterm_stops_at_once, stop_on_sigterm
-
     # SIGTERM: this rank stops where it is, or right after the shard it is writing; exit code 143 (module docstring)
-    with user_errors(), stop_on_sigterm(logger=log), sigterm_stops_at_once(*preempted(settings["out"])):
-        # start-up time: torch and the encoders load after --help and the settings' checks
-        from ringdit.media.encode_folder import encode_folder
+    task.stopping(*preempted(settings["out"]))
+    # start-up time: torch and the encoders load after --help and the settings' checks
+    from ringdit.media.encode_folder import encode_folder
 
-        report = encode_folder(**settings)  # a wrong setting or input: one line, exit code 2
-        if (report.tile_batches is None and not report.samples and not report.shards_skipped
-                and not report.texts_encoded and world_of() == 1):
-            # every file unreadable, too short or missing: not a success
-            if report.too_short and not report.unreadable and not report.missing:  # the window is what is wrong
-                resampled = f", source_fps={settings['source_fps']}" if settings.get("source_fps") else ""
-                raise ConfigError(f"frames={settings['frames']}: the window is longer than every clip of input="
-                                  f"{settings['input']} ({len(report.too_short)} clips, e.g. "
-                                  f"{Path(report.too_short[0]).name}, at frame_stride={settings['frame_stride']}"
-                                  f"{resampled}); pass a smaller frames= (1 + k * the VAE's temporal factor, e.g. frames=1), or "
-                                  f"longer clips")
-            raise ConfigError(f"input={settings['input']}: nothing was prepared -- {report.summary()}; fix or "
-                              f"replace those files, or lower frames= / the buckets for short clips")
+    report = encode_folder(**settings)  # a wrong setting or input: one line, exit code 2
+    if (report.tile_batches is None and not report.samples and not report.shards_skipped
+            and not report.texts_encoded and world_of() == 1):
+        # every file unreadable, too short or missing: not a success
+        if report.too_short and not report.unreadable and not report.missing:  # the window is what is wrong
+            resampled = f", source_fps={settings['source_fps']}" if settings.get("source_fps") else ""
+            raise ConfigError(f"frames={settings['frames']}: the window is longer than every clip of input="
+                              f"{settings['input']} ({len(report.too_short)} clips, e.g. "
+                              f"{Path(report.too_short[0]).name}, at frame_stride={settings['frame_stride']}"
+                              f"{resampled}); pass a smaller frames= (1 + k * the VAE's temporal factor, e.g. frames=1), or "
+                              f"longer clips")
+        raise ConfigError(f"input={settings['input']}: nothing was prepared -- {report.summary()}; fix or "
+                          f"replace those files, or lower frames= / the buckets for short clips")
+    task.start()
     print(report.summary(), flush=True)
 
 

@@ -21,7 +21,7 @@ from ringdit.caching.cache import StepCache
 from ringdit.caching.cache_settings import COEFFICIENTS_FILE, CacheSettings, model_fingerprint
 from ringdit.checkpoints.location import checked_output
 from ringdit.checkpoints.loading import safe_torch_load
-from ringdit.commands.cli import hydra_main, user_errors
+from ringdit.commands.task import Task, command
 from ringdit.diffusion.pipeline import SamplingPipeline
 from ringdit.common.errors import ConfigError, require_choice, require_count, require_number
 from ringdit.models.conditioning import text_conditioned
@@ -60,38 +60,38 @@ def load_for_sampling(ckpt_path: str, weights: str = "ema", hparams: dict | None
     return Sampler(model.eval(), ParallelDims(), pipeline, torch.device("cpu"))
 
 
-@hydra_main("calibrate")  # conf/calibrate.yaml
-def calibrate_command(cfg: DictConfig) -> None:
+@command("calibrate", doing="calibrating")  # conf/calibrate.yaml; SIGTERM: stops, nothing written (written last)
+def calibrate_command(cfg: DictConfig, task: Task) -> None:
     """Fit TeaCache's rescaling polynomial for a checkpoint and write it beside it (teacache.json)."""
-    with user_errors():  # a wrong setting or checkpoint (CheckpointError): one line, exit code 2
-        require_count("num_samples", cfg.num_samples, hint="each sample adds one point per step to the fit")
-        sampling = cfg.diffusion.sampling
-        require_count("diffusion.sampling.steps", sampling.steps, optional=True)
-        require_number("diffusion.sampling.cfg_scale", sampling.cfg_scale, low=0, optional=True)
-        require_choice("weights", cfg.weights, ("ema", "model"))
-        ckpt = Path(str(cfg.ckpt_path)).expanduser()
-        if not ckpt.is_file():
-            raise ConfigError(f"ckpt_path={cfg.ckpt_path} is not a file; give a training run's .ckpt (e.g. "
-                              f"outputs/train/runs/<run>/checkpoints/last.ckpt)")
-        out = Path(str(cfg.out)).expanduser() if cfg.out is not None else ckpt.parent / COEFFICIENTS_FILE
-        if out.is_dir():
-            raise ConfigError(f"out={cfg.out} is a folder; give the file to write (e.g. out={out / COEFFICIENTS_FILE})")
-        if not isinstance(cfg.overwrite, bool):
-            raise ConfigError(f"overwrite must be true or false, got {cfg.overwrite!r}")
-        checked_output(out, folder=False, what="calibrate", overwrite=cfg.overwrite, source=ckpt)
-        hparams = safe_torch_load(str(ckpt), mmap=True)["hyper_parameters"]
-        family = control_family(hparams["model"])
-        if family is not None:  # its samples need a control video, and calibration samples the empty prompt alone
-            raise ConfigError(f"ckpt_path={cfg.ckpt_path} is a control-video model (model.family={family.name}): "
-                              f"calibration samples the empty prompt without a control video, which it needs; "
-                              f"calibrating control-video models is not supported yet")
-        sampler = load_for_sampling(str(ckpt), weights=cfg.weights, hparams=hparams)
-        seeds = list(range(cfg.num_samples))
-        if text_conditioned(hparams["data"]):  # no prompts at hand: the empty prompt's trajectories (a fit of the
-            condition = sampler.model.null_condition(cfg.num_samples)  # dynamics)
-        else:
-            condition = torch.arange(cfg.num_samples) % hparams["data"]["num_classes"]
-        coefficients = calibrate(sampler, condition, seeds, steps=sampling.steps, cfg_scale=sampling.cfg_scale)
+    require_count("num_samples", cfg.num_samples, hint="each sample adds one point per step to the fit")
+    sampling = cfg.diffusion.sampling
+    require_count("diffusion.sampling.steps", sampling.steps, optional=True)
+    require_number("diffusion.sampling.cfg_scale", sampling.cfg_scale, low=0, optional=True)
+    require_choice("weights", cfg.weights, ("ema", "model"))
+    ckpt = Path(str(cfg.ckpt_path)).expanduser()
+    if not ckpt.is_file():
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} is not a file; give a training run's .ckpt (e.g. "
+                          f"outputs/train/runs/<run>/checkpoints/last.ckpt)")
+    out = Path(str(cfg.out)).expanduser() if cfg.out is not None else ckpt.parent / COEFFICIENTS_FILE
+    if out.is_dir():
+        raise ConfigError(f"out={cfg.out} is a folder; give the file to write (e.g. out={out / COEFFICIENTS_FILE})")
+    if not isinstance(cfg.overwrite, bool):
+        raise ConfigError(f"overwrite must be true or false, got {cfg.overwrite!r}")
+    checked_output(out, folder=False, what="calibrate", overwrite=cfg.overwrite, source=ckpt)
+    hparams = safe_torch_load(str(ckpt), mmap=True)["hyper_parameters"]
+    family = control_family(hparams["model"])
+    if family is not None:  # its samples need a control video, and calibration samples the empty prompt alone
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} is a control-video model (model.family={family.name}): "
+                          f"calibration samples the empty prompt without a control video, which it needs; "
+                          f"calibrating control-video models is not supported yet")
+    sampler = load_for_sampling(str(ckpt), weights=cfg.weights, hparams=hparams)
+    seeds = list(range(cfg.num_samples))
+    if text_conditioned(hparams["data"]):  # no prompts at hand: the empty prompt's trajectories (a fit of the
+        condition = sampler.model.null_condition(cfg.num_samples)  # dynamics)
+    else:
+        condition = torch.arange(cfg.num_samples) % hparams["data"]["num_classes"]
+    coefficients = calibrate(sampler, condition, seeds, steps=sampling.steps, cfg_scale=sampling.cfg_scale)
+    task.start()
     record = {"coefficients": coefficients, "model": list(model_fingerprint(sampler.model)), "ckpt_path": str(ckpt),
               "num_samples": cfg.num_samples}
     with atomic_write(out) as tmp:

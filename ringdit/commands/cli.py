@@ -55,12 +55,18 @@ def user_errors(*kinds: type[BaseException]):
     try:
         yield
     except kinds or SETTINGS_ERRORS as error:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        message = str(error).strip()
-        if isinstance(error, InstantiationException) and error.__cause__ is not None:
-            message = f"{message.splitlines()[0]} {error.__cause__}"
-        _exit_with(message)
+        exit_with_one_line(error)
+
+
+def exit_with_one_line(error: BaseException) -> None:
+    """The one line of a settings error (a Hydra instantiation's with its cause) and exit code 2; re-raised when
+    ``HYDRA_FULL_ERROR=1`` asks for the traceback. Call it in an ``except``."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    message = str(error).strip()
+    if isinstance(error, InstantiationException) and error.__cause__ is not None:
+        message = f"{message.splitlines()[0]} {error.__cause__}"
+    _exit_with(message)
 
 
 # ---- Hydra's own errors (composition, overrides, ???, the run folder) as one line and exit code 2 -----------------
@@ -164,7 +170,8 @@ def hydra_main(config_name: str):
                 os.environ[FULL_ERROR] = "1"  # an error leaving the task: Hydra re-raises it to entry
 
         main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(run_task)
-        doc = inspect.cleandoc(task.__globals__.get("__doc__") or "").replace("$", "$$")  # for --help
+        # for --help: the command module's docstring (a task wrapped by ringdit.commands.task: its own module's)
+        doc = inspect.cleandoc(inspect.unwrap(task).__globals__.get("__doc__") or "").replace("$", "$$")
 
         @functools.wraps(task)
         def entry(argv: list[str] | None = None) -> None:

@@ -13,15 +13,16 @@ only the launching process), all of them keep what is finished and stop together
 - work of one process alone, where stopping anywhere loses nothing that is kept (loading models, encoding a shard
   that is written only when complete, decoding files that can be decoded again): ``sigterm_stops_at_once`` stops it
   where it is, except inside ``sigterm_waits`` (writing a file), which finishes first.
+
+The flag, ``Preempted``, stopping at once and ``handling_sigterm`` are ``ringdit.commands.sigterm``'s (no torch: a
+command checks its settings before torch loads); this module adds the ranks' step boundary, for a trainer's work.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Callable
@@ -29,94 +30,19 @@ from typing import Callable
 import lightning as L
 import torch
 
-from ringdit.commands.launcher import mark_launcher, spawned_by_launcher, unmark_launcher
+from ringdit.commands.launcher import mark_launcher, unmark_launcher
+# the SIGTERM core (no torch), named here too for the code that stops work of one process
+from ringdit.commands.sigterm import (PREEMPTED_EXIT_CODE, Preempted, SigtermScope, _install, _on_sigterm,  # noqa: F401
+                                      handling_sigterm, requested, sigterm_stops_at_once, sigterm_waits,
+                                      stop_if_sigterm)
 
 log = logging.getLogger("ringdit.train")
-
-PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # 143: what shells and schedulers read as "terminated by SIGTERM"
-
-
-class Preempted(BaseException):
-    """Every rank stopped after SIGTERM where nothing was half-written. A ``BaseException``, as KeyboardInterrupt:
-    code that catches ``Exception`` (e.g. to skip an unreadable file) must not take it for a failure of its own.
-
-    Training: at optimizer ``step``; ``checkpoint`` holds that step (None: nothing was saved). Elsewhere: ``what`` was
-    stopped, and ``kept`` says what was kept (one phrase of the log line); whoever keeps the work may fill it in, as
-    the prediction writer does in ``on_exception``."""
-
-    def __init__(self, step: int | None = None, checkpoint: str | None = None, *, what: str = "training",
-                 kept: str | Callable[[], str] | None = None):
-        super().__init__(f"stopped by SIGTERM at step {step}" if step is not None else f"{what} stopped by SIGTERM")
-        self.step, self.checkpoint, self.what, self.kept = step, checkpoint, what, kept
-
-    def report(self) -> str:
-        if self.step is not None:
-            where = f"checkpoint {self.checkpoint}" if self.checkpoint else "no checkpoint (callbacks=none)"
-            resume = f"resume with ckpt_path=last (or ckpt_path={self.checkpoint})" if self.checkpoint else \
-                "nothing to resume from"
-            return f"preempted: SIGTERM stopped every rank at step {self.step} with {where}; {resume}; exit code " \
-                   f"{PREEMPTED_EXIT_CODE}"
-        kept = self.kept() if callable(self.kept) else self.kept
-        return f"preempted: SIGTERM stopped {self.what}; {kept or 'nothing was kept'}; exit code {PREEMPTED_EXIT_CODE}"
-
-
-_requested = False
-_at_once: tuple[str, str | Callable[[], str]] | None = None  # (what, kept) while SIGTERM stops this process at once
-
-
-def _on_sigterm(signum, frame) -> None:  # a flag: the ranks act on it together, at a step boundary
-    global _requested
-    first, _requested = not _requested, True
-    if _at_once is not None and first:  # work of this process alone, nothing half-kept: stop right here (once)
-        raise Preempted(what=_at_once[0], kept=_at_once[1])
-    if first:
-        print(f"SIGTERM received (pid {os.getpid()}): stopping at the next step, keeping what is finished",
-              file=sys.stderr, flush=True)
-
-
-def _install() -> None:
-    if threading.current_thread() is threading.main_thread():  # elsewhere Python refuses handlers: none then
-        signal.signal(signal.SIGTERM, _on_sigterm)
-
-
-def stop_if_sigterm(what: str, kept: str | Callable[[], str]) -> None:
-    """A boundary of work that is this process's alone (no other rank waits on it): stop here after SIGTERM."""
-    if _requested:
-        raise Preempted(what=what, kept=kept)
-
-
-@contextlib.contextmanager
-def sigterm_stops_at_once(what: str, kept: str | Callable[[], str]):
-    """Inside (in ``stop_on_sigterm``), SIGTERM stops this process where it is: for work of this process alone that
-    keeps nothing half-done (``kept``: what is kept then; a callable is asked when the line is written). Writing a
-    file goes in ``sigterm_waits``."""
-    global _at_once
-    stop_if_sigterm(what, kept)
-    outer, _at_once = _at_once, (what, kept)
-    try:
-        yield
-    finally:
-        _at_once = outer
-
-
-@contextlib.contextmanager
-def sigterm_waits():
-    """A part that must not be cut short (writing a file): a SIGTERM that comes meanwhile stops the process right
-    after it (inside ``sigterm_stops_at_once``; elsewhere, at the next step boundary as always)."""
-    global _at_once
-    held, _at_once = _at_once, None
-    try:
-        yield
-    finally:
-        _at_once = held
-    if held is not None:
-        stop_if_sigterm(*held)
 
 
 def _vote(strategy, working: bool = True) -> tuple[bool, bool]:
     """One reduce over every rank through the strategy (DDP / FSDP: a barrier and an all-reduce, ~0.6 ms with gloo
     on 2 CPU ranks): (has any rank had SIGTERM, is any rank still working)."""
-    votes = torch.tensor([int(_requested), int(working)], device=strategy.root_device)
+    votes = torch.tensor([int(requested()), int(working)], device=strategy.root_device)
     votes = strategy.reduce(votes, reduce_op="sum")  # a single process: as it is
     return bool(votes[0] > 0), bool(votes[1] > 0)
 
@@ -234,38 +160,36 @@ def keep_sigterm_handler(trainer: L.Trainer, install: Callable[[], None] = _inst
 @contextlib.contextmanager
 def stop_on_sigterm(trainer: L.Trainer | None = None, logger: logging.Logger | None = None):
     """Run ``trainer.fit`` / ``trainer.predict`` inside (or, without a trainer, work of one process that uses
-    ``sigterm_stops_at_once`` / ``stop_if_sigterm``): adds ``StopOnSigterm``, handles SIGTERM from now on (also while
-    ranks start), and turns ``Preempted`` into the log line and exit code 143. Ranks spawned by Lightning's launcher
-    exit 0 (the launcher carries the run's exit code; a non-zero child would make Lightning kill the launcher before
-    it has reported). A SIGTERM after the last step boundary stops nothing: the work has finished, exit code 0 (with
-    a line that says so). On leaving, the previous SIGTERM handler is back."""
-    global _requested, _at_once
-    previous = signal.getsignal(signal.SIGTERM)
-    _install()
-    marked = False
-    if trainer is not None:
-        marked = mark_launcher()
-        trainer.callbacks.append(StopOnSigterm())
-        keep_sigterm_handler(trainer)
-    try:
-        yield
-        if _requested:
-            (logger or log).warning("SIGTERM came after the last step boundary: the work had finished, nothing was "
-                                    "stopped")
-    except Preempted as stop:
-        if spawned_by_launcher():
-            sys.exit(0)
-        if trainer is None or trainer.is_global_zero:
-            (logger or log).warning(stop.report())
+    ``sigterm_stops_at_once`` / ``stop_if_sigterm``): ``handling_sigterm`` with the trainer's ranks stopping together
+    (``stop_ranks_together``). The commands get this from their wrapper (``ringdit.commands.task``)."""
+    with handling_sigterm(logger or log) as scope:
         if trainer is not None:
-            _wait_for_spawned_ranks(trainer)
-        sys.exit(PREEMPTED_EXIT_CODE)
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        _requested, _at_once = False, None
-        if marked:  # a train.py this process starts later launches its own ranks (it exited 0 on SIGTERM, as a rank)
-            unmark_launcher()
+            stop_ranks_together(scope, trainer)
+        yield scope
+
+
+def stop_ranks_together(scope: SigtermScope, trainer: L.Trainer) -> None:
+    """From now on in ``scope``, SIGTERM sets the flag that ``StopOnSigterm`` (added to ``trainer``) has every rank act
+    on at its next step boundary; global rank 0 writes the line, after the ranks it spawned have ended. The ranks this
+    process spawns know it for their launcher until the scope ends."""
+    if mark_launcher():  # a train.py this process starts later launches its own ranks (it exited 0 on SIGTERM, as a
+        scope.on_leave.append(unmark_launcher)  # rank)
+    trainer.callbacks.append(StopOnSigterm())
+    keep_sigterm_handler(trainer)
+    scope.reports = lambda: trainer.is_global_zero
+    scope.before_exit.append(lambda: _wait_for_spawned_ranks(trainer))
+
+
+def drain_on_sigterm(trainer: L.Trainer, drain: Callable[[], None]) -> None:
+    """From now on (until the scope ends), SIGTERM calls ``drain`` instead (a server finishes its running batch and
+    exits 0), Lightning's handler kept away from ``trainer``'s run."""
+
+    def install() -> None:
+        if threading.current_thread() is threading.main_thread():  # elsewhere Python refuses handlers
+            signal.signal(signal.SIGTERM, lambda *_: drain())
+
+    install()
+    keep_sigterm_handler(trainer, install)  # not Lightning's: under DDP it would kill the other ranks at once
 
 
 def _wait_for_spawned_ranks(trainer: L.Trainer, timeout_s: float = 60.0) -> None:

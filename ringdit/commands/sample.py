@@ -77,18 +77,17 @@ from torch.utils.data import DataLoader
 
 from ringdit.caching import StepCache
 from ringdit.checkpoints.lora_formats import read_lora_stack
-from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
+from ringdit.commands.cli import register_resolvers, user_errors
 from ringdit.models.lora import adapted_modules, stack_adapters
 from ringdit.sampling.conditions import sample_conditions
 from ringdit.sampling.decoding import decode_group, decode_written, output_codecs, shared_files
-from ringdit.commands.preemption import sigterm_stops_at_once, stop_on_sigterm
-from ringdit.commands.run_folder import claim_run_folder
+from ringdit.commands.sigterm import sigterm_stops_at_once
+from ringdit.commands.task import Task, command
 from ringdit.sampling import SampleRequests, SampleWriter
 from ringdit.sampling.predict import SamplingModule
 from ringdit.sampling.writer import write_sample
 from ringdit.spec import InferSpec
 from ringdit.training.callbacks import LoadLoraAdapter, log_samples
-from ringdit.training.loggers import finish_runs
 from ringdit.training.parallel_strategy import build_strategy
 
 log = logging.getLogger("ringdit.infer")
@@ -122,7 +121,6 @@ def prepare(cfg: DictConfig):
             f"{spec.sizes.name(shape)} ({'x'.join(map(str, shape))} cells)" for shape in shapes))
     # batches of one shape each, at most batch_size (Lightning splits the requests over the data-parallel ranks)
     requests = DataLoader(requests, batch_sampler=requests.batches(spec.batch_size))
-    claim_run_folder(spec.output_dir, "infer")  # last: every check has passed
     return trainer, module, requests, spec
 
 
@@ -141,52 +139,53 @@ class StackLoraFiles(L.Callback):
             log.info("stacked %s", ", ".join(f"{file.paths[0]} at strength {file.strength:g}" for file in self.files))
 
 
+@command("infer", doing="sampling")
+def main(cfg: DictConfig, task: Task) -> Path:
+    trainer, module, requests, spec = prepare(cfg)
+    task.claim(spec.output_dir)  # last: every check has passed
+    # SIGTERM: every rank stops at the next sampler step, the finished batches are written, exit code 143
+    task.start(trainer=trainer)
+    return run(trainer, module, requests, spec, task.loggers)
+
+
 def sample(cfg: DictConfig) -> Path:
     """Sample as ``python infer.py`` does, with ``cfg`` (``ringdit.config("infer", [...])``), in this process;
     returns the run folder (samples.npz, the pictures and videos). A mistake in the settings raises
     ``ringdit.common.errors.ConfigError`` before anything is built."""
-    return run(*prepare(cfg))
+    return main.run(cfg)
 
 
-@hydra_main("infer")
-def main(cfg: DictConfig) -> None:
-    with user_errors():  # a mistake in the settings: one line, exit code 2
-        prepared = prepare(cfg)
-    run(*prepared)
-
-
-def run(trainer, module, requests, spec: InferSpec) -> Path:
-    """Sample the prepared run's requests, decode them (latent models) and log them (logger=wandb)."""
+def run(trainer, module, requests, spec: InferSpec, loggers: list) -> Path:
+    """Sample the prepared run's requests, decode them (latent models) and log them (logger=wandb: the loggers made
+    are added to ``loggers``, the task's, whose wandb runs the wrapper finishes)."""
     output = spec.output
-    # SIGTERM: every rank stops at the next sampler step, the finished batches are written, exit code 143
-    with stop_on_sigterm(trainer, logger=log):
-        trainer.predict(module, dataloaders=requests, return_predictions=False)
-        cache = module.sampler.step_cache
-        if cache is not None and trainer.is_global_zero:
-            counts = cache.counts
-            log.info("cache=%s threshold=%g: %d of %d model evaluations ran every block (%d reused the cache)",
-                     spec.cache.kind, spec.cache.threshold, counts.full, counts.evaluations, counts.reused)
-        writer = next(c for c in trainer.callbacks if isinstance(c, SampleWriter))
-        group = decode_group() if output.vae else None
-        files = shared_files(writer.npz_files, group)
-        if output.vae and files and (group is not None or trainer.is_global_zero):
-            samples = files[0] if len(files) == 1 else f"{Path(spec.output_dir)}/samples-*.npz"
-            kept = f"every sample is in {samples} (decoded files may be incomplete); decode them with python -m " \
-                   f"ringdit.media.decode {samples} vae={output.vae}"
-            if group is not None and trainer.is_global_zero:
-                log.info("decoding each sample's VAE tiles over the %d ranks", trainer.world_size)
-            with user_errors(), sigterm_stops_at_once("the VAE decode", kept):  # nothing else would be lost
-                codecs = output_codecs(spec.data, output, str(trainer.strategy.root_device))  # the VAE, the sound's
-                with module.sampler.using(codecs=codecs) as decoding:
-                    written = decode_written(files, decoding, output, group=group)
-            if trainer.is_global_zero:
-                log.info("decoded with vae=%s: %s", output.vae, ", ".join(p.name for p in written))
-        if trainer.is_global_zero and spec.loggers:
-            log_written_samples(spec)
+    trainer.predict(module, dataloaders=requests, return_predictions=False)
+    cache = module.sampler.step_cache
+    if cache is not None and trainer.is_global_zero:
+        counts = cache.counts
+        log.info("cache=%s threshold=%g: %d of %d model evaluations ran every block (%d reused the cache)",
+                 spec.cache.kind, spec.cache.threshold, counts.full, counts.evaluations, counts.reused)
+    writer = next(c for c in trainer.callbacks if isinstance(c, SampleWriter))
+    group = decode_group() if output.vae else None
+    files = shared_files(writer.npz_files, group)
+    if output.vae and files and (group is not None or trainer.is_global_zero):
+        samples = files[0] if len(files) == 1 else f"{Path(spec.output_dir)}/samples-*.npz"
+        kept = f"every sample is in {samples} (decoded files may be incomplete); decode them with python -m " \
+               f"ringdit.media.decode {samples} vae={output.vae}"
+        if group is not None and trainer.is_global_zero:
+            log.info("decoding each sample's VAE tiles over the %d ranks", trainer.world_size)
+        with user_errors(), sigterm_stops_at_once("the VAE decode", kept):  # nothing else would be lost
+            codecs = output_codecs(spec.data, output, str(trainer.strategy.root_device))  # the VAE, the sound's
+            with module.sampler.using(codecs=codecs) as decoding:
+                written = decode_written(files, decoding, output, group=group)
+        if trainer.is_global_zero:
+            log.info("decoded with vae=%s: %s", output.vae, ", ".join(p.name for p in written))
+    if trainer.is_global_zero and spec.loggers:
+        log_written_samples(spec, loggers)
     return Path(spec.output_dir)
 
 
-def log_written_samples(spec: InferSpec) -> None:
+def log_written_samples(spec: InferSpec, loggers: list) -> None:
     """``logger=wandb``: the samples this run wrote -- samples.npz's pictures, or a latent model's decoded files --
     logged to a new wandb run (offline when there is no API key or network), each captioned with its prompt or
     class; videos as MP4 files (written here for pixel-space videos, which infer.py otherwise keeps as a GIF grid)."""
@@ -209,10 +208,10 @@ def log_written_samples(spec: InferSpec) -> None:
     count = len(videos) or len(images)
     captions = [str(c) for c in npz["captions"]] if "captions" in npz else \
         [str(label) for label in npz["labels"]] if "labels" in npz else [f"sample {i}" for i in range(count)]
-    loggers = [hydra.utils.instantiate(config) for config in spec.loggers]
-    for logger in loggers:
+    made = [hydra.utils.instantiate(config) for config in spec.loggers]
+    loggers.extend(made)  # their runs' files complete on disk whatever happens (offline: ready for wandb sync)
+    for logger in made:
         logger.log_hyperparams({"ckpt_path": spec.ckpt_path, "num_samples": spec.num_samples, **spec.sampling})
-    log_samples(loggers, images, captions[:count], step=0, videos=videos)
-    for logger in loggers:
+    log_samples(made, images, captions[:count], step=0, videos=videos)
+    for logger in made:
         logger.finalize("success")
-    finish_runs(loggers)  # the runs' files complete on disk (offline: ready for wandb sync)

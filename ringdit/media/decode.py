@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.commands.cli import hydra_main, user_errors
+from ringdit.commands.task import Task, command
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.images import to_uint8
 from ringdit.media.vae import VAE, vae_folder
@@ -200,12 +200,14 @@ def _quoted(value: str) -> str:
     return f"'{escaped}'"
 
 
-@hydra_main("decode")  # conf/decode.yaml
-def decode_command(cfg: DictConfig) -> None:
+# SIGTERM: decoding stops where it is; the latents are read only, so the same command decodes them again
+@command("decode", doing="decoding", kept="the samples are as they were (decoded files may be incomplete); run the "
+                                          "same command again")  # conf/decode.yaml
+def decode_command(cfg: DictConfig, task: Task) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     settings = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left: one line
-    with user_errors():
-        written = decode_samples(**settings)
+    written = decode_samples(**settings)  # a wrong setting or file: one line, exit code 2
+    task.start()
     print(f"wrote {len(written)} files: {', '.join(str(p) for p in written[:4])}{' ...' if len(written) > 4 else ''}")
 
 

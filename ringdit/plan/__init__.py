@@ -40,7 +40,8 @@ import sys
 
 from omegaconf import DictConfig
 
-from ringdit.commands.cli import hydra_main, user_errors
+from ringdit.commands.cli import user_errors
+from ringdit.commands.task import Task, command
 from ringdit.plan.preset import expand_experiment, preset_overrides, preset_run_line
 from ringdit.plan.report import format_plan, recommend, train_command
 from ringdit.plan.search import candidates, check_fixed_degrees
@@ -51,13 +52,13 @@ from ringdit.costs.previews import planned_preview_line
 _planned_preset: list[str] = []  # main's experiment=<name>, for the run line (Hydra composes the planner's own settings)
 
 
-@hydra_main("plan")  # conf/plan.yaml
-def plan(cfg: DictConfig) -> None:
-    with user_errors():  # a wrong setting: one line, exit code 2
-        hardware, layout, setup, strategies, checkpointing, options, fixed = settings(cfg)
-        size, model_line = planned_model(cfg)
-        check_fixed_degrees(size, hardware.gpus, fixed)
-        found = candidates(size, layout, setup, hardware, strategies, checkpointing, options, fixed)
+@command("plan", doing="planning")  # conf/plan.yaml; SIGTERM stops it where it is: nothing is written
+def plan(cfg: DictConfig, task: Task) -> None:
+    hardware, layout, setup, strategies, checkpointing, options, fixed = settings(cfg)
+    size, model_line = planned_model(cfg)
+    check_fixed_degrees(size, hardware.gpus, fixed)
+    found = candidates(size, layout, setup, hardware, strategies, checkpointing, options, fixed)
+    task.start()
     print(format_plan(found, hardware, layout, setup, size, model_line, cfg.show))
     best, _ = recommend(found, hardware)
     if best is not None:

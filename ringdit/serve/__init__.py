@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -29,9 +28,8 @@ from omegaconf import DictConfig
 
 from ringdit import _settings_of  # the package's parent: loaded (whole) before any of its modules
 from ringdit.caching import CacheSettings
-from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
-from ringdit.commands.preemption import keep_sigterm_handler
-from ringdit.commands.run_folder import claim_run_folder
+from ringdit.commands.cli import register_resolvers
+from ringdit.commands.task import Task, command, run_task
 from ringdit.common.atomic import atomic_write
 from ringdit.common.errors import ConfigError
 from ringdit.media.text import TextEncoder, encoder_settings
@@ -51,6 +49,7 @@ from ringdit.training.parallel_strategy import build_strategy
 log = logging.getLogger("ringdit.serve")
 
 FAILED_EXIT_CODE = 1
+SERVING = "serving"  # what a SIGTERM before the server is up stops (after: it drains)
 
 
 class Server:
@@ -209,27 +208,20 @@ def check_servable(spec) -> None:
                           f"the requests' prompts; give text_encoder=<the folder the data was encoded with>")
 
 
+def serve_task(cfg: DictConfig, task: Task) -> int:
+    """Check, build and run the server of ``cfg`` (``conf/serve.yaml``); its exit code."""
+    server = Server(cfg)
+    task.claim(server.spec.output_dir)
+    server.build()
+    # SIGTERM: rank 0 drains; the other ranks (torchrun signals every rank) wait for its stop
+    task.start(trainer=server.trainer, drain=lambda: server.drain() if server.trainer.global_rank == 0 else None)
+    return server.run()
+
+
 def serve(cfg: DictConfig) -> int:
     """Check, build and run the server of ``cfg`` (``conf/serve.yaml``); its exit code. The Python API of
-    ``python -m ringdit.serve``."""
-    with user_errors():
-        server = Server(cfg)
-        claim_run_folder(server.spec.output_dir, "serve")
-        server.build()
-
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def install() -> None:  # rank 0 drains; the other ranks (torchrun signals every rank) wait for its stop
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: server.drain() if server.trainer.global_rank == 0 else None)
-
-    install()
-    keep_sigterm_handler(server.trainer, install)  # not Lightning's: under DDP it would kill the other ranks at once
-    try:
-        return server.run()
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    ``python -m ringdit.serve``: a mistake in the settings raises ``ringdit.common.errors.ConfigError``."""
+    return run_task(serve_task, cfg, name="serve", doing=SERVING, one_line=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -237,17 +229,19 @@ def main(argv: list[str] | None = None) -> None:
     _command(argv)
 
 
-def _run_command(cfg: DictConfig) -> None:
-    code = serve(cfg)
+@command("serve", doing=SERVING)
+def _run_command(cfg: DictConfig, task: Task) -> int:
+    code = serve_task(cfg, task)
     if code:  # a rank is gone: the process group cannot be torn down, and nothing is left to finish
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    return code
 
 
 def _command(argv):
     register_resolvers()
-    return hydra_main("serve")(_run_command)(argv)
+    return _run_command(argv)
 
 
 class _CallablePackage(types.ModuleType):

@@ -93,15 +93,6 @@ def wandb_logger(save_dir: str, project: str = "ringdit", name: str | None = Non
     return WandbLogger(save_dir=save_dir, project=project, name=name, offline=mode == "offline", **kwargs)
 
 
-def finish_runs(loggers) -> None:
-    """End the wandb runs ``loggers`` opened in this process: their files are complete on disk (offline: ready for
-    ``wandb sync``), and a next run in the same process (a notebook's second ``ringdit.train``) starts its own run
-    instead of logging into this one (wandb keeps one run per process until it is finished)."""
-    for logger in loggers:
-        if isinstance(logger, WandbLogger) and logger._experiment is not None:
-            logger._experiment.finish()
-
-
 class _AppendingWriter(ExperimentWriter):
     def _check_log_dir_exists(self) -> None:
         """Keep an existing ``metrics.csv`` (Lightning's writer deletes it) and continue its columns."""

@@ -20,14 +20,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ringdit.commands.preemption import stop_on_sigterm
 from ringdit.common.atomic import DiskFullError
-from ringdit.commands.cli import hydra_main, register_resolvers, user_errors
+from ringdit.commands.cli import register_resolvers
+from ringdit.commands.task import Task, command
 from ringdit.common.errors import NonFiniteLossError
-from ringdit.commands.run_folder import claim_run_folder
 from ringdit.spec import TrainSpec
 from ringdit.training import DiffusionModule, DistillationModule
-from ringdit.training.loggers import finish_runs
 from ringdit.training.parallel_strategy import build_strategy
 
 log = logging.getLogger("ringdit.train")
@@ -74,9 +72,6 @@ def prepare(cfg: DictConfig):
         spec.trainer.config, strategy=strategy, callbacks=callbacks, logger=loggers or False, **clip,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # callbacks=none: no files
     )
-    claim_run_folder(spec.output_dir, "train", resumes=plan.ckpt_path)  # last: every check has passed
-    for logger in trainer.loggers:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))  # the composed config, as the record
     if trainer.is_global_zero:
         log.info("DiT %s on %s, %d tokens per sample; ring %d x ulysses %d x dp %d; attention %s",
                  {k: v for k, v in spec.model.config.items() if k != "_target_"}, type(spec.data.module).__name__,
@@ -85,28 +80,23 @@ def prepare(cfg: DictConfig):
     return trainer, module, spec.data.module, plan.ckpt_path
 
 
-def train(cfg: DictConfig) -> Path:
-    """Train or fine-tune as ``python train.py`` does, with ``cfg`` (``ringdit.config("train", [...])``), in this
-    process (a layout of several ranks starts them as the command does); returns the run folder. A mistake in the
-    settings raises ``ringdit.common.errors.ConfigError`` before anything is built."""
-    return fit(cfg, *prepare(cfg))
-
-
-def fit(cfg: DictConfig, trainer, module, datamodule, ckpt_path) -> Path:
+@command("train", doing="training")
+def main(cfg: DictConfig, task: Task) -> Path:
+    trainer, module, datamodule, ckpt_path = prepare(cfg)
+    task.claim(cfg.paths.output_dir, resumes=ckpt_path)  # last: every check has passed
+    for logger in trainer.loggers:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))  # the composed config, as the record
     # SIGTERM: every rank stops after the step with a checkpoint, exit code 143; a non-finite loss or a disk that
     # fills while a checkpoint is written: one line, exit code 2; anything else is a fault: traceback
-    try:
-        with user_errors(NonFiniteLossError, DiskFullError), stop_on_sigterm(trainer):
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    finally:  # stopped or not: the wandb run's files complete, and the next run in this process gets its own
-        finish_runs(trainer.loggers)
+    task.start(trainer=trainer, loggers=trainer.loggers, errors=(NonFiniteLossError, DiskFullError))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         log.info("outputs in %s (checkpoints/last.ckpt, samples/)", cfg.paths.output_dir)
     return Path(cfg.paths.output_dir)
 
 
-@hydra_main("train")
-def main(cfg: DictConfig) -> None:
-    with user_errors():  # a mistake in the settings: one line, exit code 2
-        prepared = prepare(cfg)
-    fit(cfg, *prepared)
+def train(cfg: DictConfig) -> Path:
+    """Train or fine-tune as ``python train.py`` does, with ``cfg`` (``ringdit.config("train", [...])``), in this
+    process (a layout of several ranks starts them as the command does); returns the run folder. A mistake in the
+    settings raises ``ringdit.common.errors.ConfigError`` before anything is built."""
+    return main.run(cfg)
