@@ -48,6 +48,72 @@ def tiny_pipeline(reference):
                                   tokenizer=None, connectors=connectors, transformer=reference, vocoder=None)
 
 
+STEPS, SHAPE = 3, (3, 4, 4)  # 3 Euler steps of a 3 x 4 x 4 latent video
+
+
+def models_and_pipeline():
+    """(ringdit's tiny LTX-2 with the unmodified diffusers model's random weights, float64; LTX2Pipeline around that
+    model)."""
+    import diffusers
+
+    from ringdit.models.diffusers import DiffusersTransformer
+
+    torch.manual_seed(0)
+    reference = diffusers.LTX2VideoTransformer3DModel.from_config(architecture("ltx2_tiny")).double()
+    model = DiffusersTransformer("ltx2", config=architecture("ltx2_tiny"), input_size=SHAPE, in_channels=4,
+                                 text_len=TEXT_LEN, text_dim=16)
+    model.transformer.load_state_dict(reference.state_dict())
+    return model.double(), tiny_pipeline(reference)
+
+
+def noise_of(seeds):
+    """What generate_joint draws for ``seeds``: the video's noise, then the audio's (the packed (B, 1, L, 4))."""
+    from ringdit.diffusion import draw_noise, noise_generators
+    from ringdit.models.diffusers.ltx2 import audio_frames
+
+    generators = noise_generators(seeds)
+    noise = draw_noise((4, *SHAPE), generators)
+    return noise, draw_noise((1, audio_frames(architecture("ltx2_tiny"), SHAPE[0]), 4), generators)
+
+
+def pipeline_latents(pipe, noise, audio_noise, scale: float, **prompts):
+    """LTX2Pipeline's loop (its LTX-2.0 settings: no STG, no modality guidance, no rescale; guidance ``scale`` for
+    the video and the audio) -> (video latents, audio latents packed (B, L, 4))."""
+    with torch.no_grad(), float64_kept():
+        expected, expected_audio = pipe(
+            **prompts, latents=noise, audio_latents=audio_noise[:, 0], height=4 * 32, width=4 * 32,
+            num_frames=(SHAPE[0] - 1) * 8 + 1, frame_rate=24.0, num_inference_steps=STEPS, guidance_scale=scale,
+            stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=scale, audio_stg_scale=0.0,
+            audio_modality_scale=1.0, audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None,
+            use_cross_timestep=False, output_type="latent", return_dict=False)
+    return expected, expected_audio.transpose(1, 2).flatten(2)  # (B, 2, L, 2) -> the packed (B, L, 4)
+
+
+def ringdit_latents(model, cond: dict, seeds, scale: float):
+    """``SamplingPipeline.generate_joint`` with LTX-2's flow-matching Euler scheduler and dynamic shift ->
+    (video latents, {"audio": (B, 1, L, 4)})."""
+    from ringdit.diffusion import FlowMatching
+    from ringdit.diffusion.pipeline import SamplingPipeline
+    from ringdit.parallel import ParallelDims
+
+    pipeline = SamplingPipeline.for_run(
+        FlowMatching(shift="resolution", resolution={"base_tokens": 1024, "max_tokens": 4096, "base_shift": 0.95,
+                                                     "max_shift": 2.05}),
+        {"sampler": "flow_euler", "steps": STEPS, "shift": "resolution", "cfg_scale": scale},
+        {"image_size": list(SHAPE), "latent_scale": 1.0, "conditioning": "text"})
+    with float64_kept():
+        return pipeline.generate_joint(parallelize(model), cond, seeds, dims=ParallelDims(),
+                                       device=torch.device("cpu"), shape=SHAPE)
+
+
+def assert_equal_latents(samples, joint, expected, expected_audio, what: str) -> None:
+    """The video and the audio latents within 1e-10 of the largest value (the error printed with ``-s``)."""
+    for name, got, want in (("video", samples, expected), ("audio", joint["audio"][:, 0], expected_audio)):
+        error = (got.double() - want.double()).abs().max() / want.abs().max()
+        print(f"{what} {name}: {error.item():.3e} of the largest value")
+        assert error <= 1e-10, (name, error)
+
+
 def test_sampling_video_and_audio_equals_ltx2_pipelines_loop():
     """3 Euler steps of a 3 x 4 x 4 latent video (48 tokens, 17 pixel frames at 24 fps: 18 audio latent frames),
     guidance 1 (the pipeline guides in x0 space: another rounding than guiding the velocity). float64, <= 1e-10 of
@@ -55,51 +121,17 @@ def test_sampling_video_and_audio_equals_ltx2_pipelines_loop():
     (``noise_pred.float()``, and ringdit with it: ``PipelineTimesteps.float32_prediction``), where a 1e-16 difference
     of the two sides' attention kernels flips an element's rounding now and then (6.5e-8 of the largest value after 3
     steps, measured); kept in float64, the loops compare at float64 precision."""
-    import diffusers
-
-    from ringdit.diffusion import FlowMatching, draw_noise, noise_generators
-    from ringdit.diffusion.pipeline import SamplingPipeline
-    from ringdit.models.diffusers import DiffusersTransformer
-    from ringdit.models.diffusers.ltx2 import audio_frames
-    from ringdit.parallel import ParallelDims
-
-    steps, seeds, shape = 3, [3], (3, 4, 4)
-    config = architecture("ltx2_tiny")
-    torch.manual_seed(0)
-    reference = diffusers.LTX2VideoTransformer3DModel.from_config(config).double()
-    model = DiffusersTransformer("ltx2", config=config, input_size=shape, in_channels=4, text_len=TEXT_LEN,
-                                 text_dim=16)
-    model.transformer.load_state_dict(reference.state_dict())
-    pipe = tiny_pipeline(reference)
+    seeds = [3]
+    model, pipe = models_and_pipeline()
     g = torch.Generator().manual_seed(5)
     states = torch.randn(1, TEXT_LEN, 32, generator=g, dtype=torch.float64)  # (B, L, caption_channels x 2 layers)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1]])  # Gemma pads on the left
-    audio_len = audio_frames(config, shape[0])
-    generators = noise_generators(seeds)
-    noise = draw_noise((4, *shape), generators)  # what generate_joint draws: the video's noise, then the audio's
-    audio_noise = draw_noise((1, audio_len, 4), generators)
+    noise, audio_noise = noise_of(seeds)
     with torch.no_grad(), float64_kept():
         video_text, audio_text, text_mask = pipe.connectors(states, mask)
-        expected, expected_audio = pipe(
-            prompt_embeds=states, prompt_attention_mask=mask, latents=noise, audio_latents=audio_noise[:, 0],
-            height=4 * 32, width=4 * 32, num_frames=(shape[0] - 1) * 8 + 1, frame_rate=24.0,
-            num_inference_steps=steps, guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0,
-            audio_guidance_scale=1.0, audio_stg_scale=0.0, audio_modality_scale=1.0, audio_guidance_rescale=0.0,
-            spatio_temporal_guidance_blocks=None, use_cross_timestep=False, output_type="latent", return_dict=False)
-    expected_audio = expected_audio.transpose(1, 2).flatten(2)  # (B, 2, L, 2) -> the packed (B, L, 4)
-    pipeline = SamplingPipeline.for_run(
-        FlowMatching(shift="resolution", resolution={"base_tokens": 1024, "max_tokens": 4096, "base_shift": 0.95,
-                                                     "max_shift": 2.05}),
-        {"sampler": "flow_euler", "steps": steps, "shift": "resolution", "cfg_scale": 1.0},
-        {"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"})
+    expected = pipeline_latents(pipe, noise, audio_noise, 1.0, prompt_embeds=states, prompt_attention_mask=mask)
     cond = {"text": video_text, "audio_text": audio_text, "text_mask": text_mask.bool()}
-    model = parallelize(model.double())
-    with float64_kept():
-        samples, joint = pipeline.generate_joint(model, cond, seeds, dims=ParallelDims(),
-                                                 device=torch.device("cpu"), shape=shape)
-    for name, got, want in (("video", samples, expected), ("audio", joint["audio"][:, 0], expected_audio)):
-        scale = want.abs().max()
-        assert (got.double() - want.double()).abs().max() <= 1e-10 * scale, (name, (got - want).abs().max() / scale)
+    assert_equal_latents(*ringdit_latents(model, cond, seeds, 1.0), *expected, "unguided")
 
 
 def test_guided_sampling_equals_ltx2_pipelines_loop_with_the_models_empty_prompt():
@@ -107,59 +139,22 @@ def test_guided_sampling_equals_ltx2_pipelines_loop_with_the_models_empty_prompt
     space (``convert_velocity_to_x0``, the delta formulation, back to velocity); ringdit guides the velocity with the
     connectors' negative outputs as the model's empty prompt (``set_null_condition``: its ``null_audio_text`` too).
     x0 = x - sigma v is affine in v with weights that sum to one, so both are the same guidance: float64, <= 1e-10 of
-    the largest value, for the video and the audio latents."""
-    import diffusers
-
-    from ringdit.diffusion import FlowMatching, draw_noise, noise_generators
-    from ringdit.diffusion.pipeline import SamplingPipeline
-    from ringdit.models.diffusers import DiffusersTransformer
-    from ringdit.models.diffusers.ltx2 import audio_frames
-    from ringdit.parallel import ParallelDims
-
-    steps, seeds, shape, scale = 3, [3, 8], (3, 4, 4), 3.0
-    config = architecture("ltx2_tiny")
-    torch.manual_seed(0)
-    reference = diffusers.LTX2VideoTransformer3DModel.from_config(config).double()
-    model = DiffusersTransformer("ltx2", config=config, input_size=shape, in_channels=4, text_len=TEXT_LEN,
-                                 text_dim=16)
-    model.transformer.load_state_dict(reference.state_dict())
-    pipe = tiny_pipeline(reference)
+    the largest value (measured 6.3e-16 / 4.1e-16), for the video and the audio latents of two prompts."""
+    seeds, scale = [3, 8], 3.0
+    model, pipe = models_and_pipeline()
     g = torch.Generator().manual_seed(5)
     states = torch.randn(2, TEXT_LEN, 32, generator=g, dtype=torch.float64)  # two prompts
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]])  # Gemma pads on the left
     negative = torch.randn(1, TEXT_LEN, 32, generator=g, dtype=torch.float64)  # the empty prompt's states
     negative_mask = torch.tensor([[0, 0, 0, 0, 0, 1]])
-    audio_len = audio_frames(config, shape[0])
-    generators = noise_generators(seeds)
-    noise = draw_noise((4, *shape), generators)
-    audio_noise = draw_noise((1, audio_len, 4), generators)
+    noise, audio_noise = noise_of(seeds)
     with torch.no_grad(), float64_kept():
         video_text, audio_text, text_mask = pipe.connectors(states, mask)
         null_video, null_audio, null_mask = pipe.connectors(negative, negative_mask)
-        expected, expected_audio = pipe(
-            prompt_embeds=states, prompt_attention_mask=mask, negative_prompt_embeds=negative.expand(2, -1, -1),
-            negative_prompt_attention_mask=negative_mask.expand(2, -1), latents=noise,
-            audio_latents=audio_noise[:, 0], height=4 * 32, width=4 * 32, num_frames=(shape[0] - 1) * 8 + 1,
-            frame_rate=24.0, num_inference_steps=steps, guidance_scale=scale, stg_scale=0.0, modality_scale=1.0,
-            guidance_rescale=0.0, audio_guidance_scale=scale, audio_stg_scale=0.0, audio_modality_scale=1.0,
-            audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None, use_cross_timestep=False,
-            output_type="latent", return_dict=False)
-    expected_audio = expected_audio.transpose(1, 2).flatten(2)  # (B, 2, L, 2) -> the packed (B, L, 4)
-    model.double().set_null_condition({"text": null_video[0], "audio_text": null_audio[0],
-                                       "text_mask": null_mask[0].bool()})
+    expected = pipeline_latents(pipe, noise, audio_noise, scale, prompt_embeds=states, prompt_attention_mask=mask,
+                                negative_prompt_embeds=negative.expand(2, -1, -1),
+                                negative_prompt_attention_mask=negative_mask.expand(2, -1))
+    model.set_null_condition({"text": null_video[0], "audio_text": null_audio[0], "text_mask": null_mask[0].bool()})
     assert torch.equal(model.null_condition(2)["audio_text"][0], null_audio[0])  # not the video's states
-    pipeline = SamplingPipeline.for_run(
-        FlowMatching(shift="resolution", resolution={"base_tokens": 1024, "max_tokens": 4096, "base_shift": 0.95,
-                                                     "max_shift": 2.05}),
-        {"sampler": "flow_euler", "steps": steps, "shift": "resolution", "cfg_scale": scale},
-        {"image_size": list(shape), "latent_scale": 1.0, "conditioning": "text"})
     cond = {"text": video_text, "audio_text": audio_text, "text_mask": text_mask.bool()}
-    model = parallelize(model)
-    with float64_kept():
-        samples, joint = pipeline.generate_joint(model, cond, seeds, dims=ParallelDims(),
-                                                 device=torch.device("cpu"), shape=shape)
-    for name, got, want in (("video", samples, expected), ("audio", joint["audio"][:, 0], expected_audio)):
-        scale_of = want.abs().max()
-        error = (got.double() - want.double()).abs().max() / scale_of
-        print(f"guided {name}: {error.item():.3e} of the largest value")
-        assert error <= 1e-10, (name, error)
+    assert_equal_latents(*ringdit_latents(model, cond, seeds, scale), *expected, "guided")
