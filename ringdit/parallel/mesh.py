@@ -57,14 +57,17 @@ class ParallelDims:
     mesh: DeviceMesh | None = None
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh, *, cfg_parallel: bool = False,
-                  timeout: datetime.timedelta | None = None) -> ParallelDims:
-        """This rank's view of ``mesh`` (dims ``("dp", "ring", "ulysses")``).
+    def build(cls, ring: int, ulysses: int, *, device_type: str = "cpu", cfg_parallel: bool = False,
+              timeout: datetime.timedelta | None = None) -> ParallelDims:
+        """The ``(dp, ring, ulysses)`` mesh of these (checked) degrees over the default process group, dp the rest of
+        the world, and this rank's place in it (torchtitan's ``ParallelDims.build_mesh``): the degrees go down into
+        the mesh and come along with it, never read back from its shape.
 
-        Collective: every rank of the mesh must call it with the same arguments (the SP and CFG groups are created
-        here, for every rank in the same order).
+        Collective: every rank of the default group must call it with the same arguments (the SP and CFG groups are
+        created here, for every rank in the same order).
         """
-        dp, ring, ulysses = mesh.shape  # the sizes of MESH_DIMS, in that order
+        dp = dist.get_world_size() // (ring * ulysses)
+        mesh = build_mesh(ring, ulysses, device_type=device_type, timeout=timeout)
         dp_rank, ring_rank, ulysses_rank = (mesh.get_local_rank(name) for name in MESH_DIMS)
         ranks = mesh.mesh.reshape(dp, ring * ulysses)  # (dp, sp) global ranks: row d is replica d's SP group
         sp_group = None
@@ -185,6 +188,6 @@ def init_sequence_parallel(
         check_degrees(ring_degree, ulysses_degree, 1)
         return ParallelDims()
     check_degrees(ring_degree, ulysses_degree, dist.get_world_size())
-    mesh = build_mesh(ring_degree, ulysses_degree, device_type=device_type, timeout=timeout)
-    return ParallelDims.from_mesh(mesh, cfg_parallel=cfg_parallel, timeout=timeout)
+    return ParallelDims.build(ring_degree, ulysses_degree, device_type=device_type, cfg_parallel=cfg_parallel,
+                              timeout=timeout)
 
