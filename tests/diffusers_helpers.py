@@ -1,12 +1,14 @@
 """What the diffusers-model test modules share to compare ringdit's model with the unmodified diffusers model: the
 (ring, ulysses) layouts on 4 ranks, a forward and backward that collects the output and every parameter gradient, the
-comparison with its tolerances, float64 kept through a model's float32 casts, Wan 2.2 TI2V's per-token timesteps, and a
-recorder of a transformer's calls."""
+comparison with its tolerances, float64 kept through a model's float32 casts, Wan 2.2 TI2V's per-token timesteps, a
+recorder of a transformer's calls, and the in-rank check that SGD steps under DDP / FSDP / LoRA equal one process."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
+import pytest
 import torch
 
 from tests.helpers import assert_same_numbers
@@ -66,6 +68,70 @@ def sgd_steps(module, model, x0, cond, steps: int, lr: float, *, average: bool):
     weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for name, p in model.named_parameters() if p.requires_grad}
     return losses, weights
+
+
+def training_module(shape, objective: dict | None = None, sampler: str = "euler"):
+    """The ``DiffusionModule`` whose ``diffusion_loss`` the SGD checks step: flow matching unless ``objective`` says
+    otherwise, on data of latent ``shape`` ``([T,] H, W)``."""
+    from ringdit.training import DiffusionModule
+
+    return DiffusionModule(model={}, objective=objective or {"_target_": "ringdit.diffusion.FlowMatching"},
+                           data={"image_size": list(shape), "latent_scale": 1.0},
+                           sampling={"sampler": sampler, "steps": 2, "cfg_scale": 1.0, "shift": 1.0})
+
+
+def video_audio_batch(shape, audio_shape, text_len: int):
+    """(module, x0, cond): ``training_module`` and a fixed batch of 2 for a family that denoises sound with the video
+    (LTX-2, MiniMax-H3): latents of ``shape``, text states (16 wide) whose first prompt has 5 real tokens, audio
+    latents of ``audio_shape``."""
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(2, 4, *shape, generator=g)
+    mask = torch.ones(2, text_len, dtype=torch.bool)
+    mask[0, 5:] = False
+    cond = {"text": torch.randn(2, text_len, 16, generator=g), "text_mask": mask,
+            "audio": torch.randn(2, *audio_shape, generator=g)}
+    return training_module(shape), x0, cond
+
+
+def sgd_run(model_config: dict, batch, steps: int, lr: float, dims=None, shard=None, lora=None):
+    """(losses, weights) of ``steps`` SGD steps of the model ``model_config`` builds (seed 7) on ``batch()``'s
+    (module, x0, cond) through ``DiffusionModule.diffusion_loss`` (t, noise and the condition drop drawn per sample),
+    gradients averaged over the ranks as DDP does (FSDP reduces its own)."""
+    from ringdit.models.build import build_model
+
+    model, _ = build_model(model_config, dims=dims, shard=shard, lora=lora, seed=7)
+    module, x0, cond = batch()
+    return sgd_steps(module, model, x0, cond, steps, lr, average=shard is None and dims is not None)
+
+
+def check_sgd_layouts(world: int, model_config: dict, batch, steps: int, lr: float, *,
+                      fsdp=((1, 2),), check=None) -> None:
+    """In each of ``world`` ranks: ``sgd_run``'s losses and weights at ring 2 under DDP, under FSDP at each (ring,
+    ulysses) of ``fsdp`` and with LoRA (rank 4) at ring 2 equal one process's (run in this rank), and LoRA trains only
+    the adapters; ``check(name, kind, weights)`` adds a family's own assertions (kind: ``full`` or ``lora``)."""
+    from ringdit.parallel import build_shard_mesh, init_sequence_parallel
+    from ringdit.training.fsdp import shard_model
+
+    lora = {"rank": 4, "alpha": 8}
+    run = functools.partial(sgd_run, model_config, batch, steps, lr)
+    references = {"full": run(), "lora": run(lora=lora)}  # one process, in this rank
+    runs = {"ddp ring 2": ("full", dict(dims=init_sequence_parallel(2, 1)))}
+    for ring, ulysses in fsdp:  # every block a unit (every block of each list)
+        name = f"fsdp ring {ring}" if ulysses == 1 else f"fsdp ulysses {ulysses}" if ring == 1 \
+            else f"fsdp ring {ring} x ulysses {ulysses}"
+        runs[name] = ("full", dict(dims=init_sequence_parallel(ring, ulysses),
+                                   shard=functools.partial(shard_model, mesh=build_shard_mesh(world))))
+    runs["lora ring 2"] = ("lora", dict(dims=init_sequence_parallel(2, 1), lora=lora))
+    for name, (kind, options) in runs.items():
+        losses, weights = run(**options)
+        ref_losses, ref_weights = references[kind]
+        # float32 (as train.py runs): a layout reorders sums only (tests/test_diffusers_training.py's tolerance)
+        assert losses == pytest.approx(ref_losses, rel=1e-5), name
+        assert_same_numbers(weights, ref_weights, atol=1e-5, where=name)
+        if kind == "lora":  # only adapters train
+            assert weights and all("lora_" in key for key in weights), sorted(weights)[:3]
+        if check is not None:
+            check(name, kind, weights)
 
 
 def per_token_timesteps(shape, t):

@@ -7,7 +7,6 @@ infer.py on experiment=cogvideox_tiny; one-line refusals before spawning."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
-from tests.diffusers_helpers import LAYOUTS, ddp_average, forward_backward, sgd_steps
+from tests.diffusers_helpers import LAYOUTS, check_sgd_layouts, ddp_average, forward_backward, training_module
 from tests.distributed import run_ranks
 from tests.helpers import architecture, assert_same_numbers
 
@@ -110,43 +109,16 @@ MODEL = {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": 
 STEPS, LR = 2, 0.5
 
 
-def sgd_run(dims=None, shard=None, lora=None):
-    """(losses, weights) of STEPS SGD steps on a fixed batch through DiffusionModule.diffusion_loss (t, noise and the
-    condition drop drawn per sample), gradients averaged over the ranks as DDP does (FSDP reduces its own)."""
-    from ringdit.models.build import build_model
-    from ringdit.training import DiffusionModule
-
-    model, _ = build_model(MODEL, dims=dims, shard=shard, lora=lora, seed=7)
-    module = DiffusionModule(model={}, objective=OBJECTIVE, data={"image_size": list(SHAPE), "latent_scale": 1.0},
-                             sampling={"sampler": "ddim", "steps": 2, "cfg_scale": 1.0, "shift": 1.0})
+def batch():
+    """(module, x0, cond): the DiffusionModule with CogVideoX's objective, a fixed batch."""
     g = torch.Generator().manual_seed(11)
     x0 = torch.randn(2, 4, *SHAPE, generator=g)
     cond = {"text": torch.randn(2, TEXT_LEN, 16, generator=g)}
-    return sgd_steps(module, model, x0, cond, STEPS, LR, average=shard is None and dims is not None)
+    return training_module(SHAPE, OBJECTIVE, sampler="ddim"), x0, cond
 
 
 def check_training(rank, world):
-    from ringdit.parallel import build_shard_mesh
-    from ringdit.training.fsdp import shard_model
-
-    lora = {"rank": 4, "alpha": 8}
-    references = {"full": sgd_run(), "lora": sgd_run(lora=lora)}  # one process, in this rank
-    runs = {
-        "ddp ring 2": ("full", dict(dims=init_sequence_parallel(2, 1))),
-        "fsdp ring 2": ("full", dict(dims=init_sequence_parallel(2, 1),
-                                     shard=functools.partial(shard_model, mesh=build_shard_mesh(world)))),
-        "fsdp ulysses 2": ("full", dict(dims=init_sequence_parallel(1, 2),
-                                        shard=functools.partial(shard_model, mesh=build_shard_mesh(world)))),
-        "lora ring 2": ("lora", dict(dims=init_sequence_parallel(2, 1), lora=lora)),
-    }
-    for name, (kind, options) in runs.items():
-        losses, weights = sgd_run(**options)
-        ref_losses, ref_weights = references[kind]
-        # float32 (as train.py runs): a ring reorders sums only (tests/test_diffusers_training.py's tolerance)
-        assert losses == pytest.approx(ref_losses, rel=1e-5), name
-        assert_same_numbers(weights, ref_weights, atol=1e-5, where=name)
-        if kind == "lora":
-            assert weights and all("lora_" in key for key in weights), sorted(weights)[:3]  # only adapters train
+    check_sgd_layouts(world, MODEL, batch, STEPS, LR, fsdp=((2, 1), (1, 2)))
 
 
 def test_cogvideox_sgd_steps_equal_one_process_under_ddp_fsdp_and_lora():

@@ -7,15 +7,13 @@ built, and the refusal's advice trains."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
 import torch
 
 from ringdit.models.diffusers.minimax_h3 import packed_layout
-from ringdit.parallel import init_sequence_parallel
-from tests.diffusers_helpers import sgd_steps
+from tests.diffusers_helpers import check_sgd_layouts, video_audio_batch
 from tests.distributed import run_ranks
 from tests.helpers import architecture, assert_same_numbers, logged_losses, run
 
@@ -29,18 +27,7 @@ STEPS, LR = 2, 0.5
 
 
 def module_and_batch():
-    from ringdit.training import DiffusionModule
-
-    module = DiffusionModule(model={}, objective={"_target_": "ringdit.diffusion.FlowMatching"},
-                             data={"image_size": list(SHAPE), "latent_scale": 1.0},
-                             sampling={"sampler": "euler", "steps": 2, "cfg_scale": 1.0, "shift": 1.0})
-    g = torch.Generator().manual_seed(11)
-    x0 = torch.randn(2, 4, *SHAPE, generator=g)
-    mask = torch.ones(2, TEXT_LEN, dtype=torch.bool)
-    mask[0, 5:] = False
-    cond = {"text": torch.randn(2, TEXT_LEN, 16, generator=g), "text_mask": mask,
-            "audio": torch.randn(2, *AUDIO_SHAPE, generator=g)}
-    return module, x0, cond
+    return video_audio_batch(SHAPE, AUDIO_SHAPE, TEXT_LEN)
 
 
 def test_the_loss_is_the_video_and_the_audio_flow_matching_errors_through_the_unmodified_model():
@@ -87,40 +74,16 @@ def test_the_loss_is_the_video_and_the_audio_flow_matching_errors_through_the_un
     assert_same_numbers(loss.detach(), expected, of_max=1e-6, where="joint loss")
 
 
-def sgd_run(dims=None, shard=None, lora=None):
-    """(losses, weights) of STEPS SGD steps on a fixed batch through DiffusionModule.diffusion_loss (t, noise and the
-    condition drop drawn per sample), gradients averaged over the ranks as DDP does (FSDP reduces its own)."""
-    from ringdit.models.build import build_model
-
-    model, _ = build_model(MODEL, dims=dims, shard=shard, lora=lora, seed=7)
-    module, x0, cond = module_and_batch()
-    return sgd_steps(module, model, x0, cond, STEPS, LR, average=shard is None and dims is not None)
+def refiner_swiglu_and_audio_train(name, kind, weights):
+    if kind == "lora":  # DiffSynth's targets, attention and SwiGLU, the refiner's too
+        assert any(".token_refiner." in key for key in weights), sorted(weights)[:3]
+        assert any(".ff.net.0.proj." in key for key in weights) and any(".ff.net.2." in key for key in weights)
+    else:  # the audio head trains: the audio's error reaches it
+        assert "transformer.audio_proj_out.weight" in weights, name
 
 
 def check_training(rank, world):
-    from ringdit.parallel import build_shard_mesh
-    from ringdit.training.fsdp import shard_model
-
-    lora = {"rank": 4, "alpha": 8}
-    references = {"full": sgd_run(), "lora": sgd_run(lora=lora)}  # one process, in this rank
-    runs = {
-        "ddp ring 2": ("full", dict(dims=init_sequence_parallel(2, 1))),
-        "fsdp ulysses 2": ("full", dict(dims=init_sequence_parallel(1, 2),  # every block of both lists a unit
-                                        shard=functools.partial(shard_model, mesh=build_shard_mesh(world)))),
-        "lora ring 2": ("lora", dict(dims=init_sequence_parallel(2, 1), lora=lora)),
-    }
-    for name, (kind, options) in runs.items():
-        losses, weights = sgd_run(**options)
-        ref_losses, ref_weights = references[kind]
-        # float32 (as train.py runs): a layout reorders sums only (tests/test_diffusers_training.py's tolerance)
-        assert losses == pytest.approx(ref_losses, rel=1e-5), name
-        assert_same_numbers(weights, ref_weights, atol=1e-5, where=name)
-        if kind == "lora":  # only adapters train: DiffSynth's targets, attention and SwiGLU, the refiner's too
-            assert weights and all("lora_" in key for key in weights), sorted(weights)[:3]
-            assert any(".token_refiner." in key for key in weights), sorted(weights)[:3]
-            assert any(".ff.net.0.proj." in key for key in weights) and any(".ff.net.2." in key for key in weights)
-        else:  # the audio head trains: the audio's error reaches it
-            assert "transformer.audio_proj_out.weight" in weights, name
+    check_sgd_layouts(world, MODEL, module_and_batch, STEPS, LR, check=refiner_swiglu_and_audio_train)
 
 
 def test_minimax_h3_sgd_steps_equal_one_process_under_ddp_fsdp_and_lora():

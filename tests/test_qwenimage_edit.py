@@ -7,7 +7,6 @@ Qwen-Image-Edit-2511's per-token modulation (zero_cond_t); a reference that does
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
-from tests.diffusers_helpers import LAYOUTS, ddp_average, float64_kept, forward_backward, sgd_steps
+from tests.diffusers_helpers import LAYOUTS, check_sgd_layouts, ddp_average, float64_kept, forward_backward, training_module
 from tests.distributed import run_ranks
 from tests.helpers import architecture, assert_same_numbers
 
@@ -117,44 +116,17 @@ MODEL = {"_target_": "ringdit.models.diffusers.DiffusersTransformer", "family": 
 STEPS, LR = 2, 0.5
 
 
-def sgd_run(dims=None, shard=None, lora=None):
-    """(losses, weights) of STEPS SGD steps on a fixed batch through DiffusionModule.diffusion_loss (t, noise and the
-    condition drop drawn per sample), gradients averaged over the ranks as DDP does (FSDP reduces its own)."""
-    from ringdit.models.build import build_model
-    from ringdit.training import DiffusionModule
-
-    model, _ = build_model(MODEL, dims=dims, shard=shard, lora=lora, seed=7)
-    module = DiffusionModule(model={}, objective={"_target_": "ringdit.diffusion.FlowMatching"},
-                             data={"image_size": list(SHAPE), "latent_scale": 1.0},
-                             sampling={"sampler": "euler", "steps": 2, "cfg_scale": 1.0, "shift": 1.0})
+def batch():
     g = torch.Generator().manual_seed(11)
     x0 = torch.randn(2, 4, *SHAPE, generator=g)
     mask = torch.tensor([[True] * TEXT_LEN, [True, True, False, False, False]])
     cond = {"text": torch.randn(2, TEXT_LEN, 16, generator=g) * mask[..., None], "text_mask": mask,
             "reference": torch.randn(2, 4, *REFERENCE, generator=g)}
-    return sgd_steps(module, model, x0, cond, STEPS, LR, average=shard is None and dims is not None)
+    return training_module(SHAPE), x0, cond
 
 
 def check_training(rank, world):
-    from ringdit.parallel import build_shard_mesh
-    from ringdit.training.fsdp import shard_model
-
-    lora = {"rank": 4, "alpha": 8}
-    references = {"full": sgd_run(), "lora": sgd_run(lora=lora)}  # one process, in this rank
-    runs = {
-        "ddp ring 2": ("full", dict(dims=init_sequence_parallel(2, 1))),
-        "fsdp ulysses 2": ("full", dict(dims=init_sequence_parallel(1, 2),
-                                        shard=functools.partial(shard_model, mesh=build_shard_mesh(world)))),
-        "lora ring 2": ("lora", dict(dims=init_sequence_parallel(2, 1), lora=lora)),
-    }
-    for name, (kind, options) in runs.items():
-        losses, weights = sgd_run(**options)
-        ref_losses, ref_weights = references[kind]
-        # float32 (as train.py runs): a layout reorders sums only (tests/test_diffusers_training.py's tolerance)
-        assert losses == pytest.approx(ref_losses, rel=1e-5), name
-        assert_same_numbers(weights, ref_weights, atol=1e-5, where=name)
-        if kind == "lora":  # only adapters train
-            assert weights and all("lora_" in key for key in weights), sorted(weights)[:3]
+    check_sgd_layouts(world, MODEL, batch, STEPS, LR)
 
 
 def test_qwenimage_edit_sgd_steps_equal_one_process_under_ddp_fsdp_and_lora():
