@@ -48,19 +48,18 @@ NOTHING_TO_KEEP = "nothing to keep"
 class Task:
     """One run of a command, as its work tells the wrapper what it does (see the module's docstring)."""
 
-    def __init__(self, name: str, doing: str, scope: SigtermScope, *, one_line: bool):
-        self.name, self.doing, self.scope = name, doing, scope
-        self.log = scope.logger
+    def __init__(self, name: str, *, one_line: bool):
+        self.name = name
         self.errors: tuple[type[BaseException], ...] = SETTINGS_ERRORS if one_line else ()
         self.loggers: list = []  # finished in the wrapper's ``finally``
-        self.started = False
+        self.scope: SigtermScope | None = None  # the wrapper's, while the work runs
 
     def claim(self, run_folder: str | Path, *, resumes: str | None = None) -> None:
         """This run's folder: refused (a settings error) when it holds a run of this command, unless ``resumes`` (a
         checkpoint) lies in it; marked as this run's otherwise. Call it once every other check has passed."""
         claim_run_folder(run_folder, self.name, resumes=resumes)
         if first_process():
-            self.log.info("%s: run folder %s", self.name, Path(run_folder).expanduser().resolve())
+            self.scope.logger.info("%s: run folder %s", self.name, Path(run_folder).expanduser().resolve())
 
     def stopping(self, what: str, kept: str | Callable[[], str] | None = None) -> None:
         """From now on, SIGTERM stops this process where it is, saying it stopped ``what`` and kept ``kept`` (a
@@ -73,7 +72,6 @@ class Task:
         ``loggers``' wandb runs are finished whatever happens; SIGTERM stops ``trainer``'s ranks together at their
         next step boundary, or calls ``drain`` (with ``trainer``: Lightning's own handler kept away), or else still
         stops this process at once."""
-        self.started = True
         self.errors = tuple(errors)
         self.loggers.extend(loggers)
         if trainer is None and drain is None:
@@ -92,20 +90,18 @@ class Task:
 def run_task(work: Callable, cfg, *, name: str, doing: str, kept: str = NOTHING_TO_KEEP, one_line: bool):
     """``work(cfg, task)`` in the wrapper; its result. ``one_line``: the command line's (a settings mistake ends the
     process with its one line, exit code 2), else the Python API's (it is raised)."""
-    tasks: list[Task] = []
+    task = Task(name, one_line=one_line)
     try:
-        with handling_sigterm(logging.getLogger(f"ringdit.{name}")) as scope:
-            tasks.append(Task(name, doing, scope, one_line=one_line))
-            tasks[0].stopping(doing, kept)  # the settings phase: nothing is written yet
-            return work(cfg, tasks[0])
+        with handling_sigterm(logging.getLogger(f"ringdit.{name}")) as task.scope:
+            task.stopping(doing, kept)  # the settings phase: nothing is written yet
+            return work(cfg, task)
     except Exception as error:  # noqa: BLE001 - what is not the user's to fix is raised again, in full
         # OmegaConf's own (a value that does not resolve) are hydra_main's, which names the key
-        if tasks and isinstance(error, tasks[0].errors) and not isinstance(error, OmegaConfBaseException):
+        if isinstance(error, task.errors) and not isinstance(error, OmegaConfBaseException):
             exit_with_one_line(error)
         raise
     finally:  # after the SIGTERM handler is back, as the process ends: failed, stopped (exit 143) or done
-        if tasks:
-            finish_runs(tasks[0].loggers)
+        finish_runs(task.loggers)
 
 
 def finish_runs(loggers) -> None:
