@@ -11,7 +11,7 @@ from torch import nn
 from ringdit.models import repeated_blocks
 from ringdit.models.build import build_model
 from ringdit.models.fp8 import block_linears
-from ringdit.models.lora import BASE_LAYERS, adapted_modules, lora_enabled, unmatched_targets
+from ringdit.models.lora import BASE_LAYERS, adapted_modules, lora_enabled, matches_targets, unmatched_targets
 from ringdit.parallel import ParallelDims
 from ringdit.parallel.layout import Layout
 from ringdit.costs.estimate import MemoryEstimate, ModelSize, Setup, estimate_memory
@@ -51,10 +51,11 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
 
 def sequence_streams(meta_model: nn.Module) -> tuple[str, ...]:
     """The streams in the one sequence the model's plan splits, beside the grid's tokens: those its plan packs after
-    the tokens (Qwen-Image-Edit's reference) and those its forward packs itself (MiniMax-H3's audio rows: the plan's
-    ``forward_packed``)."""
-    plan = meta_model.parallel_plan
-    return (*(plan.packed.streams if plan.packed is not None else ()), *plan.forward_packed)
+    the tokens (Qwen-Image-Edit's reference) and those its forward packs itself (MiniMax-H3's audio rows: its family's
+    ``sequence_streams``)."""
+    packed = meta_model.parallel_plan.packed
+    family = getattr(meta_model, "family", None)
+    return (*(packed.streams if packed is not None else ()), *getattr(family, "sequence_streams", ()))
 
 
 def _architecture(config: dict, meta_model: nn.Module) -> tuple[int, int, int] | None:
@@ -73,7 +74,8 @@ def _architecture(config: dict, meta_model: nn.Module) -> tuple[int, int, int] |
 
 def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     """(the adapters' parameters, the base weights ``lora.base_dtype`` casts): rank x (in + out) for each Linear whose
-    name ends with a target (peft's rule; the model's default ``lora_targets`` when the settings name none), and the
+    name a target selects (``matches_targets``; the model's default ``lora_targets`` when the settings name none),
+    and the
     weights and biases of every Linear / Conv layer of the model (``ringdit.models.lora.hold_base_in`` casts them all, adapted
     or not, as they are all frozen); (0, 0) when LoRA is off."""
     if not lora_enabled(lora):
@@ -81,7 +83,7 @@ def lora_parameters(model: nn.Module, lora: dict | None) -> tuple[int, int]:
     targets = lora.get("targets") or model.lora_targets
     targets = [targets] if isinstance(targets, str) else list(targets)
     adapted = [module for root in adapted_modules(model) for name, module in root.named_modules()
-               if isinstance(module, nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)]
+               if isinstance(module, nn.Linear) and matches_targets(name, targets)]
     if not adapted:  # training would refuse them (peft finds no module): a plan without the adapters misleads
         raise unmatched_targets(targets, model, adapted_modules(model))
     return (sum(lora["rank"] * (layer.in_features + layer.out_features) for layer in adapted),
@@ -97,7 +99,7 @@ def untargeted_linear_inputs(model: nn.Module, blocks: list[nn.Module]) -> int:
     and is left out."""
     targets = tuple(model.lora_targets or ())
     total = sum(layer.in_features for block in blocks for name, layer in block.named_modules()
-                if isinstance(layer, nn.Linear) and not any(name == t or name.endswith(f".{t}") for t in targets)
+                if isinstance(layer, nn.Linear) and not matches_targets(name, targets)
                 and "adaLN" not in name and "norm" not in name)
     return total // max(len(blocks), 1)
 

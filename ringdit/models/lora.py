@@ -2,6 +2,11 @@
 
     python train.py init_from=weights.safetensors lora.rank=16                  # DiT: attention + MLP projections
     python train.py experiment=wan_tiny lora.rank=16 lora.targets=[to_q,to_v]   # diffusers: module name suffixes
+    python train.py model=wan_vace_tiny lora.rank=16 'lora.targets=[vace_blocks.*.attn1.to_q]'  # path patterns
+
+A target is a suffix of module paths (``to_q``, ``attn1.to_q``: peft's rule), or a path pattern in which ``*`` stands
+for one name of the path (a block's index: ``vace_blocks.*.attn1.to_q`` adapts the VACE blocks' and not the main
+blocks'), also matched as a suffix (``target_pattern``).
 
 Adapters are injected with ``peft.inject_adapter_in_model`` into the model itself (a DiT) or its diffusers
 transformer (``model.transformer``, with diffusers' own ``add_adapter``), so the model keeps its class and forward;
@@ -23,7 +28,9 @@ An fp8 base (``lora.base_dtype=float8_e4m3fn`` or ``float8_e5m2``): ``ringdit.mo
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 import types
 from pathlib import Path
 
@@ -59,7 +66,8 @@ def lora_enabled(lora: dict | None) -> bool:
 def check_lora_settings(lora: dict | None) -> None:
     """The ``lora`` settings are ones that train something: a rank of 0 (off) or more, never a negative one that
     would quietly mean a full fine-tune; a scale alpha / rank that is not zero (adapters scaled by 0 learn nothing);
-    a dropout probability below 1; targets as module-name suffixes; a base dtype ringdit knows (or null)."""
+    a dropout probability below 1; targets as module-name suffixes or path patterns; a base dtype ringdit knows (or
+    null)."""
     lora = lora or {}
     require_count("lora.rank", lora.get("rank", 0), minimum=0, hint="0 disables LoRA, > 0 is the adapters' rank")
     if not lora_enabled(lora):
@@ -91,7 +99,41 @@ def check_lora_settings(lora: dict | None) -> None:
     if targets is not None and (not isinstance(names, (list, tuple)) or not names
                                 or not all(isinstance(n, str) and n for n in names)):
         raise ConfigError(f"lora.targets must be null (the default projections) or module-name suffixes such as "
-                          f"[to_q,to_v], got {targets!r}")
+                          f"[to_q,to_v] or path patterns such as [vace_blocks.*.attn1.to_q], got {targets!r}")
+
+
+def target_pattern(target: str) -> str:
+    """The regular expression (``re.fullmatch`` over a module's path) of one ``lora.targets`` entry: its path as a
+    suffix of the module's, each ``*`` one name of the path (or the rest of one: ``to_*``)."""
+    return r"(?:.*\.)?" + r"[^.]+".join(re.escape(part) for part in target.split("*"))
+
+
+def matches_targets(name: str, targets) -> bool:
+    """Whether the module at path ``name`` is one ``targets`` select (suffixes, ``*`` patterns: ``target_pattern``)."""
+    targets = [targets] if isinstance(targets, str) else targets
+    return any(re.fullmatch(target_pattern(target), name) for target in targets)
+
+
+def peft_targets(targets: list[str]) -> list[str] | str:
+    """peft's ``target_modules`` for ``targets``: the list itself where all are suffixes (peft's own rule), else one
+    regular expression that peft matches against each module's whole path."""
+    if not any("*" in target for target in targets):
+        return targets
+    return "|".join(f"(?:{target_pattern(target)})" for target in targets)
+
+
+def check_patterns_select(targets, model: nn.Module, roots) -> None:
+    """Each ``*`` pattern of ``targets`` selects a linear layer of ``roots`` (the adapted transformers of ``model``;
+    peft refuses only targets that select nothing at all): else a ``ConfigError`` with the layers' paths most like it,
+    their indices starred: patterns that would."""
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    names = [name for root in roots for name, module in root.named_modules() if isinstance(module, nn.Linear)]
+    for target in targets:
+        if "*" in target and not any(matches_targets(name, [target]) for name in names):
+            starred = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in names))
+            closest = difflib.get_close_matches(target, starred, n=4, cutoff=0)  # the paths most like the pattern
+            raise ConfigError(f"lora.targets: {target} selects no linear layer of {type(model).__name__} (* stands for "
+                              f"one name of a module's path); its layers' paths are such as {closest}")
 
 
 def resolve_base_dtype(name) -> torch.dtype | None:
@@ -123,9 +165,10 @@ def lora_config(model: nn.Module, rank: int, alpha: float | None = None, targets
         from peft import LoHaConfig, LoKrConfig
 
         kind = LoHaConfig if type == "loha" else LoKrConfig
-        return kind(r=rank, alpha=alpha if alpha is not None else rank, target_modules=targets, rank_dropout=dropout,
+        return kind(r=rank, alpha=alpha if alpha is not None else rank, target_modules=peft_targets(targets),
+                    rank_dropout=dropout,
                     init_weights=True)
-    return LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, target_modules=targets,
+    return LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, target_modules=peft_targets(targets),
                       lora_dropout=dropout, init_lora_weights=True, use_dora=type == "dora")
 
 
@@ -146,6 +189,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=No
     """
 
     config = lora_config(model, rank, alpha, targets, dropout, type)
+    check_patterns_select(targets if targets is not None else model.lora_targets, model, adapted_modules(model))
     model.requires_grad_(False)
     for root in adapted_modules(model):
         _inject(root, config, model)
@@ -167,7 +211,8 @@ def _inject(root: nn.Module, config, model: nn.Module) -> None:
         else:
             inject_adapter_in_model(config, root, adapter_name=ADAPTER_NAME)
     except ValueError:  # peft: "Target modules {...} not found in the base model"
-        raise unmatched_targets(sorted(config.target_modules), model, [root]) from None
+        targets = config.target_modules
+        raise unmatched_targets([targets] if isinstance(targets, str) else sorted(targets), model, [root]) from None
 
 
 def unmatched_targets(targets: list[str], model: nn.Module, roots: list[nn.Module]) -> ConfigError:
