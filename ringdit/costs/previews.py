@@ -131,8 +131,7 @@ def sample_tokens(meta_model, shape: tuple[int, ...]) -> int:
     (``Family.stream_tokens``: Qwen-Image-Edit's reference image, as many tokens as the image's). A stream through
     blocks of its own (Wan VACE's control video) is counted where the planner counts it: in the model's depth."""
     grid = tuple(s // p for s, p in zip(shape, meta_model.patch_shape))
-    family = getattr(meta_model, "family", None)  # a diffusers model's; the DiT has no streams
-    streams = family.stream_tokens(meta_model.transformer.config, grid) if family is not None else {}
+    streams = meta_model.stream_tokens_at(grid)  # {stream: tokens} at that grid (the DiT: none)
     # the streams the plan packs after the tokens, and those the model's forward packs itself (MiniMax-H3's audio
     # rows): the planner's sequence streams
     return math.prod(grid) + sum(streams.get(name, 0) for name in sequence_streams(meta_model))

@@ -104,6 +104,9 @@ class DiffusionModel(Protocol):
     def joint_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """{joint latent key: its per-sample shape} for samples of ``shape`` (``KindDefaults``: none)."""
 
+    def stream_tokens_at(self, grid: tuple[int, ...]) -> dict[str, int]:
+        """``stream_tokens`` beside the token ``grid`` (``KindDefaults``: none)."""
+
     def loss_weights(self, x0: Tensor) -> Tensor | None:
         """Weights (broadcast to ``x0``) of the latents the loss covers; None: all (``KindDefaults``)."""
 
@@ -143,6 +146,9 @@ class KindDefaults:
     _ringdit_sequence = None
 
     def joint_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def stream_tokens_at(self, grid: tuple[int, ...]) -> dict[str, int]:
         return {}
 
     def loss_weights(self, x0: Tensor) -> Tensor | None:

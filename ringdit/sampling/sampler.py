@@ -135,7 +135,7 @@ class Sampler:
     @property
     def joint(self) -> bool:
         """The model denoises latents beside its samples (LTX-2's sound): sample with ``generate_joint``."""
-        return bool(getattr(self.model, "joint_latents", ()))
+        return bool(self.model.joint_latents)
 
     def encode(self, prompts: list[str]) -> dict[str, Tensor]:
         """``prompts`` -> the model's text conditions ``(N, ...)``, encoded with the text encoder its data were

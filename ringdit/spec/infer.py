@@ -334,7 +334,7 @@ class InferSpec:
         if cache.kind == "teacache":  # the polynomial this model needs, found (or refused) before anything starts
             cache = replace(cache, coefficients=teacache_coefficients(cache, meta_model, ckpt_path))
         # the sound's decoder: refused in one line (another sample rate, another model) before anything is sampled
-        sound = "audio" in getattr(meta_model, "joint_latents", ())
+        sound = "audio" in meta_model.joint_latents
         output = replace(output, audio_vae=sampling_audio_vae(
             cfg.get("audio_vae"), cfg.get("audio_vae_subfolder", "audio_vae"), cfg.get("vocoder_subfolder", "vocoder"),
             info["data"], dict(meta_model.transformer.config) if sound else None),

@@ -304,7 +304,7 @@ class SampleGrid(L.Callback):
         the data's when its folder is here), checked and loaded once; None: silent previews."""
         if self._audio is None:
             model = pl_module.model
-            sound = AUDIO_KEY in getattr(model, "joint_latents", ())
+            sound = AUDIO_KEY in model.joint_latents
             path, subfolder, vocoder = self.audio_setting
             folder = sampling_audio_vae(path, subfolder, vocoder, pl_module.hparams.data,
                                         dict(model.transformer.config) if sound else None,

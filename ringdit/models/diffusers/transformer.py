@@ -287,7 +287,11 @@ class DiffusersTransformer(KindDefaults, nn.Module):
     def stream_tokens(self) -> dict[str, int]:
         """{stream: tokens per sample} of the streams its attention sees beside ``default_grid``'s tokens
         (``Family.stream_tokens``: Qwen-Image-Edit's reference image, Wan VACE's control video)."""
-        return self.family.stream_tokens(self.transformer.config, self.default_grid)
+        return self.stream_tokens_at(self.default_grid)
+
+    def stream_tokens_at(self, grid: tuple[int, ...]) -> dict[str, int]:
+        """``stream_tokens`` beside a token grid other than ``default_grid`` (a preview's size)."""
+        return self.family.stream_tokens(self.transformer.config, grid)
 
     @property
     def patch_shape(self) -> tuple[int, ...]:
