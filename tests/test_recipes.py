@@ -45,6 +45,10 @@ TWINS = {
     "qwenimage_edit_2511_lora": ["model=qwenimage_edit_tiny", "data.frames=0", "data.channels=4", "data.text_dim=16",
                                  "data.reference=true", "+model.config.zero_cond_t=true"],
     "wan21_vace_1_3b_lora": ["model=wan_vace_tiny", "data.control=72"],
+    "ltx2_lora": ["model=ltx2_tiny", "data.audio=[2,5,2]"],
+    # its sizes are latent cells (data.latent=false), which synthetic latents are already: 3 = 5 x 0 + 3 frames
+    "minimax_h3_lora": ["model=minimax_h3_tiny", "data.audio=[2,3,8]", "data.frames=3", "data.size=6",
+                        "~data.latent"],
 }
 # the recipe pages of the presets (dit.md: the original class-conditional checkpoints, no preset; index.md: the list)
 PAGES = sorted(page for page in (REPO / "docs" / "recipes").glob("*.md") if page.name not in ("index.md", "dit.md"))

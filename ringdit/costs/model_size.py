@@ -51,11 +51,10 @@ def model_size(config: dict, meta_model: nn.Module, lora: dict | None = None) ->
 
 def sequence_streams(meta_model: nn.Module) -> tuple[str, ...]:
     """The streams in the one sequence the model's plan splits, beside the grid's tokens: those its plan packs after
-    the tokens (Qwen-Image-Edit's reference) and those its forward packs itself (MiniMax-H3's audio rows: its family's
-    ``sequence_streams``)."""
-    packed = meta_model.parallel_plan.packed
-    family = getattr(meta_model, "family", None)
-    return (*(packed.streams if packed is not None else ()), *getattr(family, "sequence_streams", ()))
+    the tokens (Qwen-Image-Edit's reference) and those its forward packs itself (MiniMax-H3's audio rows: the plan's
+    ``forward_packed``)."""
+    plan = meta_model.parallel_plan
+    return (*(plan.packed.streams if plan.packed is not None else ()), *plan.forward_packed)
 
 
 def _architecture(config: dict, meta_model: nn.Module) -> tuple[int, int, int] | None:

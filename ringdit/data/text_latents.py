@@ -66,12 +66,16 @@ class TextLatentsDataModule(ImageDataModule):
     def __init__(self, path: str | None = None, batch_size: int = 8, num_workers: int = 0,
                  val_fraction: float | None = None, val_batches: int = 4, seed: int = 0, check_values: bool = True,
                  tokens_per_batch: int | None = None, size: list | int | None = None, frames: int | None = None,
-                 datasets: list | None = None, eval: str | list | None = None):  # noqa: A002 - the setting's name
+                 datasets: list | None = None, eval: str | list | None = None,  # noqa: A002 - the setting's name
+                 latent: bool = True):
         """``check_values``: read every value once now (train.py: in the launching process, before any rank
         starts; not again in the ranks Lightning spawns) and refuse NaN / Inf; False skips that scan (a reader that
         only wants a few prompts, such as infer.py's held-out prompts). ``size`` / ``frames``: the clips' size the
         run was planned for (a recipe's prepare size; ``python -m ringdit.plan experiment=...`` lays it out): a
         prepared bucket with more pixels is refused, since the layout and memory were chosen for this size.
+        ``latent`` False: ``size`` / ``frames`` are the model's latent cells, not pixels (a model whose VAE no one factor
+        describes, MiniMax-H3's: the planner lays it out in latent cells); the prepared buckets, in pixels, are then
+        not compared with them.
         ``datasets`` / ``eval``: several folders with repeats or weights, an evaluation set (ringdit/data/datasets.py);
         ``val_fraction`` None: 0 with an evaluation set, else 0.05."""
         entries, eval_paths = parse_datasets(path, datasets), parse_eval(eval)
@@ -83,7 +87,8 @@ class TextLatentsDataModule(ImageDataModule):
                            [entry.path for entry in entries] + eval_paths, folders)
         self.shards = [shard for folder in folders for shard in folder]  # rows: the training folders', then eval's
         for folder_path, folder in zip([entry.path for entry in entries] + eval_paths, folders):
-            _check_planned_size(folder_path, folder, size, frames)
+            if latent:  # pixels, as prepare records its buckets
+                _check_planned_size(folder_path, folder, size, frames)
         if datasets is not None or eval_paths:  # one data.path without an evaluation set: as before dataset lists
             self.dataset_list = DatasetList(entries, [sum(s.size for s in f) for f in folders[:len(entries)]],
                                             sum(s.size for f in folders[len(entries):] for s in f), eval_paths)

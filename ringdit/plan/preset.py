@@ -48,6 +48,8 @@ def preset_overrides(name: str) -> tuple[list[str], dict]:
     words = [f"model={choices['model']}", *_model_differences(cfg, choices["model"])]
     words += [_word(f"data.{key}", OmegaConf.to_object(cfg.data[key]) if OmegaConf.is_config(cfg.data[key])
                     else cfg.data[key]) for key in ("size", "frames", "batch_size")]
+    if cfg.data.get("latent") is False:  # the sizes are latent cells (MiniMax-H3's preset), as the planner's data.latent
+        words.append("data.latent=false")
     rank = cfg.lora.rank or 0
     words.append(f"lora.rank={rank}")
     if rank:
