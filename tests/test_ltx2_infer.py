@@ -107,8 +107,11 @@ def test_an_audio_vae_of_another_sample_rate_is_refused_before_anything_starts(t
                               f"hydra.run.dir={tmp_path / 'refused'}")
     assert_refused(proc, rf"audio_vae={other}: the audio VAE works at 24000 Hz with a mel hop of 160, the model's "
                          rf"audio at 16000 Hz .*; use the audio VAE of the model's own pipeline", seconds=seconds)
-    # the advice: the model's own pipeline's audio VAE (the test above samples with it); a model without sound
-    # refuses any audio VAE
+    # the previews' audio VAE, refused by train.py before any rank starts
+    proc, seconds = fail_fast("train.py", *RUN, f"callbacks.sample_grid.audio_vae={other}",
+                              f"hydra.run.dir={tmp_path / 'train_refused'}")
+    assert_refused(proc, rf"callbacks.sample_grid.audio_vae={other}: the audio VAE works at 24000 Hz", seconds=seconds)
+    # the advice: the model's own pipeline's audio VAE (trained() previews with it, and it samples here)
     proc, _ = fail_fast("infer.py", f"ckpt_path={ckpt}", f"vae={folder}", f"audio_vae={folder}",
                         "num_samples=1", "diffusion.sampling.steps=1", f"hydra.run.dir={tmp_path / 'advice'}")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,6 +19,6 @@ embeddings only). Needs diffusers, transformers, imageio (+ imageio-ffmpeg / av)
     encode_report.py  EncodeReport: what a prepare wrote and left out, its summary line
     image_condition.py  encode_image_condition: first frames -> image-to-video conditioning (prepare and infer)
     control.py        encode_control: a control clip -> a control-video model's control latents (infer control=)
-    writing.py        write_media: decoded samples -> PNG grid + PNGs, MP4 + GIF (ringdit.media.images writes PNG / GIF)
+    writing.py        write_pixels / write_sample: decoded samples -> PNG grid + PNGs, MP4 (with sound) + GIF
     decode.py         decode_samples; python -m ringdit.media.decode (conf/decode.yaml): samples.npz latents -> media
 """

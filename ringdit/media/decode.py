@@ -29,7 +29,7 @@ from ringdit.commands.task import Task, command
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.images import to_uint8
 from ringdit.media.vae import VAE, vae_folder
-from ringdit.media.writing import write_media
+from ringdit.media.writing import write_pixels
 from ringdit.models.conditioning import text_conditioned
 
 log = logging.getLogger("ringdit.media.decode")
@@ -88,7 +88,7 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
         return []
     if fps is None and pixels.ndim == 5:  # videos: the rate infer.py wrote beside them (the model's), else 16
         fps = stored_fps(samples) or DEFAULT_FPS
-    return write_media(pixels, target or Path(str(samples)).expanduser().parent, fps=fps)
+    return write_pixels(pixels, target or Path(str(samples)).expanduser().parent, fps=fps)
 
 
 DEFAULT_FPS = 16  # samples.npz files without their rate (written before infer.py stored it): Wan 2.1's

@@ -1,8 +1,11 @@
-"""Decoded samples to files: images as a PNG grid plus one PNG each, videos as MP4 (H.264 via PyAV) plus GIF.
+"""Decoded samples to files: images as a PNG grid plus one PNG each, videos as MP4 (H.264 via PyAV, with an AAC
+sound track where the sample has sound) plus GIF -- the one writer of infer.py, the previews, the server and
+``python -m ringdit.media.decode``.
 
-    write_media(pixels, out_dir)   # pixels uint8 (N, H, W, C) or (N, T, H, W, C)
+    write_pixels(pixels, out_dir)   # pixels uint8 (N, H, W, C) or (N, T, H, W, C)
     -> samples.png + sample-000.png ...              (images)
     -> samples.gif + sample-000.mp4 + sample-000.gif (videos; the grid as an animated GIF, as infer.py writes it)
+    write_sample(video, path, fps, sound=(waveform, rate))   # one sample's file, whole or not there
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ringdit.common.atomic import atomic_write
 from ringdit.media.images import save_samples, to_image, write_gif
 
 
@@ -63,17 +67,38 @@ def _mux_audio(container, stream, waveform: np.ndarray, rate: int) -> None:
     container.mux(stream.encode())  # flush the encoder's delayed frames
 
 
-def write_media(pixels: np.ndarray, out_dir: str | Path, fps: int = 16, prefix: str = "sample") -> list[Path]:
-    """Write every sample and a grid into ``out_dir``; returns the paths written."""
+def write_pixels(pixels: np.ndarray, out_dir: Path, *, stem: str = "samples", indices: list[int] | None = None,
+                 fps: int = 16, columns: int | None = None, each: bool = True,
+                 sounds: list[tuple[np.ndarray, int]] | None = None) -> list[Path]:
+    """uint8 ``(N, H, W, C)`` images or ``(N, T, H, W, C)`` videos of one shape: the grid ``stem``.png / .gif and,
+    with ``each``, ``sample-<i>.png`` (images) or ``.mp4`` + ``.gif`` (videos) named by ``indices`` (the sample
+    numbers; None: their positions); ``sounds``: each video's (waveform (channels, samples), rate), its MP4's sound
+    track (None: silent)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = [save_samples(pixels, out / "samples", fps=fps)]  # the grid: samples.png, or samples.gif for videos
-    for i, sample in enumerate(pixels):
-        name = out / f"{prefix}-{i:03d}"
+    written = [save_samples(pixels, out / stem, columns=columns, fps=fps)]
+    indices = range(len(pixels)) if indices is None else indices
+    for n, (i, sample) in enumerate(zip(indices, pixels) if each else ()):
+        name = out / f"sample-{i:03d}"
         if pixels.ndim == 4:
-            to_image(sample).save(name.with_suffix(".png"))
-            written.append(name.with_suffix(".png"))
+            written.append(write_sample(sample, name.with_suffix(".png")))
         else:
-            written += [write_mp4(sample, name.with_suffix(".mp4"), fps),
+            written += [write_sample(sample, name.with_suffix(".mp4"), fps, sounds[n] if sounds else None),
                         write_gif(sample, name.with_suffix(".gif"), fps)]
     return written
+
+
+def write_sample(pixels: np.ndarray, path: Path, fps: int | None = None,
+                 sound: tuple[np.ndarray, int] | None = None) -> Path:
+    """One sample's file at ``path``, whole or not there (written beside it and renamed): uint8 ``(H, W, C)`` as a
+    PNG, ``(T, H, W, C)`` as an H.264 MP4 at ``fps`` with ``sound`` = (waveform (channels, samples), rate) as its AAC
+    track (None: silent)."""
+    path = Path(path)
+    if pixels.ndim == 3:
+        with atomic_write(path) as partial:
+            to_image(pixels).save(partial, format="PNG")
+        return path
+    partial = path.with_name(f"{path.stem}.partial{path.suffix}")  # PyAV picks the container by the suffix
+    write_mp4(pixels, partial, fps or 16, audio=sound)
+    partial.replace(path)
+    return path

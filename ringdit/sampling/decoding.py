@@ -1,5 +1,6 @@
-"""infer.py's decoding after sampling: every rank of the run decodes its share of each written sample's VAE tiles
-(``ringdit.media.parallel_vae``) and rank 0 writes the pictures and videos beside the samples' .npz files.
+"""The codecs of a sampling run (``spec_codecs``, ``output_codecs``: the text encoder, the VAE, the audio VAE and
+vocoder), and infer.py's decoding after sampling: every rank of the run decodes its share of each written sample's
+VAE tiles (``ringdit.media.parallel_vae``) and rank 0 writes the pictures and videos beside the samples' .npz files.
 
 The sampling side's files (samples.npz, the grids, each sample's file) are written by ``SampleWriter`` and here,
 the latents decoded by the run's ``Sampler`` (``Sampler.decode``, as the server, the previews and ``ringdit.load``
@@ -17,8 +18,9 @@ import torch.distributed as dist
 from ringdit.common.errors import ConfigError
 from ringdit.media.audio import AudioDecoder
 from ringdit.media.decode import DEFAULT_FPS, shared_latents, stored_fps
+from ringdit.media.text import data_text_encoder
 from ringdit.media.vae import VAE
-from ringdit.models.conditioning import AUDIO_KEY
+from ringdit.models.conditioning import AUDIO_KEY, text_conditioned
 from ringdit.sampling.sampler import Codecs, Sampler
 from ringdit.sampling.writer import write_pixels
 
@@ -31,6 +33,15 @@ def output_codecs(data: dict, output, device, text_encoder=None) -> Codecs:
     audio = AudioDecoder.load(output.audio_vae, output.audio_vae_subfolder, output.vocoder_subfolder,
                               device=device) if output.audio_vae else None
     return Codecs.of_data(data, text_encoder, vae, audio)
+
+
+def spec_codecs(spec, device) -> Codecs:
+    """The codecs of a sampling run (a ``ringdit.spec.InferSpec``: the server's rank 0, ``ringdit.load``): the text
+    encoder a text model's prompts are encoded with, where one is known (``data_text_encoder``: as the data's were,
+    its width checked), and ``output_codecs``' decoders."""
+    encoder = data_text_encoder(spec.data, spec.conditioning.text_encoder, spec.conditioning.tokenizer, device=device) \
+        if text_conditioned(spec.data) and spec.conditioning.text_encoder else None
+    return output_codecs(spec.data, spec.output, device, encoder)
 
 
 def decode_group():

@@ -27,12 +27,11 @@ from ringdit.common.errors import ConfigError, require_choice, require_count, re
 from ringdit.common.seeding import Stream, seed_of
 from ringdit.diffusion.pipeline import SamplingPipeline
 from ringdit.media.images import to_image
-from ringdit.media.text import TextEncoder, encoder_settings
-from ringdit.media.vae import VAE
 from ringdit.models.build import build_model
 from ringdit.models.conditioning import text_conditioned
 from ringdit.models.lora import adapter_state, load_adapter, load_null_condition
 from ringdit.parallel import ParallelDims
+from ringdit.sampling.decoding import spec_codecs
 from ringdit.sampling.predict import checkpoint_weights
 from ringdit.sampling.requests import resolve_labels
 from ringdit.sampling.sampler import Codecs, Sampler
@@ -82,7 +81,7 @@ def load(ckpt_path: str | Path, *, device: str | torch.device | None = None, wei
         load_adapter(model, adapter_state(state))
         load_null_condition(model, state)
     model = model.to(device).eval()
-    codecs = Codecs.of_data(spec.data, *_encoders(spec, device))
+    codecs = spec_codecs(spec, device)  # the text encoder, the VAE (and an LTX-2's audio VAE + vocoder)
     return ResidentSampler(model, ParallelDims(), hydra.utils.instantiate(spec.objective), spec, device, codecs,
                            default_size=(size, frames))
 
@@ -190,16 +189,3 @@ def _device(device) -> torch.device:
     if chosen.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r}: no GPU is visible to this process; pass device='cpu'")
     return chosen
-
-
-def _encoders(spec: InferSpec, device: torch.device) -> tuple:
-    """(the text encoder, the VAE) of the spec's model, each None where the model needs none or none is known."""
-    text_encoder = vae = None
-    if text_conditioned(spec.data) and spec.conditioning.text_encoder:
-        text_encoder = TextEncoder(spec.conditioning.text_encoder, spec.conditioning.tokenizer,
-                                   max_len=spec.data["text_len"], device=device,
-                                   **encoder_settings(spec.data.get("text_encoder") or {}))
-    if "latent_scale" in spec.data and spec.output.vae:
-        output = spec.output
-        vae = VAE(output.vae, output.vae_subfolder, device=device, tile=output.vae_tile, tile_setting="vae_tile")
-    return text_encoder, vae

@@ -1,8 +1,9 @@
 """The one way samples become files: collecting the samples from every rank after ``predict`` into samples.npz
 (``SampleWriter``: one set of files per shape when the shapes differ; the finished batches when SIGTERM stops
-sampling), and writing pixels as grids and files (``write_pixels``; one sample's file: ``write_sample``) -- PNG for
-an image, MP4 for a video, with its AAC sound track where the sample has sound (LTX-2). infer.py, the preview grids
-and the server write through these."""
+sampling), and writing pixels as grids and files (``write_pixels``; one sample's file: ``write_sample``; both from
+``ringdit.media.writing``, which ``python -m ringdit.media.decode`` writes with too) -- PNG for an image, MP4 for a
+video, with its AAC sound track where the sample has sound (LTX-2). infer.py, the preview grids and the server write
+through these."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ringdit.common.atomic import atomic_write
-from ringdit.media.images import save_samples, to_image, write_gif
-from ringdit.media.writing import write_mp4
+from ringdit.media.writing import write_pixels, write_sample  # noqa: F401 - the sampling side's writer, here too
 from ringdit.models.conditioning import AUDIO_KEY
 from ringdit.commands.preemption import Preempted
 from ringdit.sampling.sizes import Shape
@@ -155,43 +155,6 @@ def _sample_shape(outputs: dict) -> Shape:
     if "images" in outputs:
         return tuple(outputs["images"].shape[1:-1])
     return tuple(outputs["latents"].shape[2:])
-
-
-def write_pixels(pixels: np.ndarray, out_dir: Path, *, stem: str = "samples", indices: list[int] | None = None,
-                 fps: int = 16, columns: int | None = None, each: bool = True,
-                 sounds: list[tuple[np.ndarray, int]] | None = None) -> list[Path]:
-    """uint8 ``(N, H, W, C)`` images or ``(N, T, H, W, C)`` videos of one shape: the grid ``stem``.png / .gif and,
-    with ``each``, ``sample-<i>.png`` (images) or ``.mp4`` + ``.gif`` (videos) named by ``indices`` (the sample
-    numbers; None: their positions); ``sounds``: each video's (waveform (channels, samples), rate), its MP4's sound
-    track (None: silent)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = [save_samples(pixels, out / stem, columns=columns, fps=fps)]
-    indices = range(len(pixels)) if indices is None else indices
-    for n, (i, sample) in enumerate(zip(indices, pixels) if each else ()):
-        name = out / f"sample-{i:03d}"
-        if pixels.ndim == 4:
-            written.append(write_sample(sample, name.with_suffix(".png")))
-        else:
-            written += [write_sample(sample, name.with_suffix(".mp4"), fps, sounds[n] if sounds else None),
-                        write_gif(sample, name.with_suffix(".gif"), fps)]
-    return written
-
-
-def write_sample(pixels: np.ndarray, path: Path, fps: int | None = None,
-                 sound: tuple[np.ndarray, int] | None = None) -> Path:
-    """One sample's file at ``path``, whole or not there (written beside it and renamed): uint8 ``(H, W, C)`` as a
-    PNG, ``(T, H, W, C)`` as an H.264 MP4 at ``fps`` with ``sound`` = (waveform (channels, samples), rate) as its AAC
-    track (None: silent)."""
-    path = Path(path)
-    if pixels.ndim == 3:
-        with atomic_write(path) as partial:
-            to_image(pixels).save(partial, format="PNG")
-        return path
-    partial = path.with_name(f"{path.stem}.partial{path.suffix}")  # PyAV picks the container by the suffix
-    write_mp4(pixels, partial, fps or 16, audio=sound)
-    partial.replace(path)
-    return path
 
 
 def _requested_samples(trainer) -> int:

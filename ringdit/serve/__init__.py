@@ -32,9 +32,8 @@ from ringdit.commands.cli import register_resolvers
 from ringdit.commands.task import Task, command, run_task
 from ringdit.common.atomic import atomic_write
 from ringdit.common.errors import ConfigError
-from ringdit.media.text import TextEncoder, encoder_settings
-from ringdit.media.vae import VAE
 from ringdit.models.conditioning import text_conditioned
+from ringdit.sampling.decoding import spec_codecs
 from ringdit.serve.engine import Commands, Control, Engine, Rank0, ServingModule
 from ringdit.serve.jobs import JobQueue
 from ringdit.serve.metrics import Metrics
@@ -93,20 +92,13 @@ class Server:
 
         spec = self.spec
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        text_encoder = vae = None
-        if text_conditioned(spec.data):
-            text_encoder = TextEncoder(spec.conditioning.text_encoder, spec.conditioning.tokenizer,
-                                       max_len=spec.data["text_len"], device=device,
-                                       **encoder_settings(spec.data.get("text_encoder") or {}))
-        if "latent_scale" in spec.data:
-            output = spec.output
-            vae = VAE(output.vae, output.vae_subfolder, device=device, tile=output.vae_tile, tile_setting="vae_tile")
+        # the text encoder, the VAE (check_servable: both known where the model needs them), LTX-2's audio decoder
+        codecs = spec_codecs(spec, device)
         caches = {"fbcache": CacheSettings(kind="fbcache", threshold=0.1)}
         if spec.cache.kind == "teacache" and spec.cache.coefficients:  # resolved for this model by the spec
             caches["teacache"] = spec.cache
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        return Rank0(spec, self.files_dir, self.settings.request_timeout_s, text_encoder=text_encoder, vae=vae,
-                     cache_settings=caches)
+        return Rank0(spec, self.files_dir, self.settings.request_timeout_s, codecs, cache_settings=caches)
 
     # ---- running ------------------------------------------------------------------------------------------------
     def run(self) -> int:

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from ringdit.caching import CacheSettings, StepCache
-from ringdit.media.audio import AudioDecoder
 from ringdit.media.image_condition import first_frame_inputs
 from ringdit.media.control_pixels import encode_control, encode_reference
 from ringdit.models.conditioning import CONTROL_KEY, REFERENCE_KEY, text_conditioned
@@ -301,14 +300,11 @@ class Rank0:
     infer.py writes them). ``codecs``: the text encoder, the VAE and (a model that samples sound) the audio VAE and
     vocoder, held resident by rank 0's sampler."""
 
-    def __init__(self, spec, files_dir: Path, timeout_s: float, text_encoder=None, vae=None,
+    def __init__(self, spec, files_dir: Path, timeout_s: float, codecs: Codecs = Codecs(),
                  cache_settings: dict | None = None):
         # cache_settings: kind -> CacheSettings that requests may pick (their threshold replaces its own)
         self.spec, self.files_dir, self.timeout_s = spec, files_dir, timeout_s
-        output = spec.output  # LTX-2's sound: its audio VAE and vocoder (audio_vae=), checked by the spec
-        audio = AudioDecoder.load(output.audio_vae, output.audio_vae_subfolder, output.vocoder_subfolder,
-                                  device=vae.device if vae is not None else "cpu") if output.audio_vae else None
-        self.codecs = Codecs.of_data(spec.data, text_encoder, vae, audio)  # handed to rank 0's sampler
+        self.codecs = codecs  # handed to rank 0's sampler (ringdit.sampling.decoding.spec_codecs)
         self.cache_settings = cache_settings or {}
 
     def sample_command(self, jobs: list[Job], sampler: Sampler) -> dict:

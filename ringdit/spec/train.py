@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from ringdit.media.audio import sampling_audio_vae
 from ringdit.common.errors import ConfigError, require_count, require_number, require_seed
 from ringdit.costs import Setup, check_memory, memory_setup
 from ringdit.costs.previews import check_run_previews
@@ -108,6 +109,7 @@ class TrainSpec:
         model, meta_model = ModelSpec.from_data(cfg.model, data.info, layout.ulysses_degree)
         data.module.set_patch_shape(meta_model.patch_shape)  # the bucket's token counts: tokens_per_batch
         check_preview_shapes(trainer.callbacks, data.info, meta_model.patch_shape)
+        check_preview_audio(trainer.callbacks, data.info, meta_model)
         model_guidance = check_model_guidance(
             OmegaConf.to_container(cfg.diffusion, resolve=True).get("model_guidance"), meta_model,
             None if (cfg.get("distill") or {}).get("method", "none") == "none" else cfg.distill.method)
@@ -134,6 +136,18 @@ class TrainSpec:
                    output_dir=cfg.paths.output_dir, layout=layout, trainer=trainer, data=data, model=model,
                    objective=objective, expert=expert, sampling=sampling, optimizer=optimizer, checkpoint=checkpoint,
                    distill=distill, memory=memory, model_guidance=model_guidance)
+
+
+def check_preview_audio(callbacks: tuple[dict, ...], data_info: dict, meta_model) -> None:
+    """A preview grid's ``audio_vae`` of another sample rate than the data's sound or the model's, or for a model
+    without sound: a ConfigError now, not in the ranks (``ringdit.media.audio.sampling_audio_vae``)."""
+    for config in callbacks:
+        if str(config.get("_target_", "")).endswith("SampleGrid") and config.get("audio_vae"):
+            sound = "audio" in getattr(meta_model, "joint_latents", ())
+            sampling_audio_vae(config["audio_vae"], config.get("audio_vae_subfolder", "audio_vae"),
+                               config.get("vocoder_subfolder", "vocoder"), data_info,
+                               dict(meta_model.transformer.config) if sound else None,
+                               setting="callbacks.sample_grid.audio_vae")
 
 
 def check_preview_shapes(callbacks: tuple[dict, ...], data_info: dict, patch: tuple[int, ...]) -> None:
