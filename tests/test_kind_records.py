@@ -119,12 +119,16 @@ def duck_typing(path: Path, members: frozenset[str], allowed: dict = NOT_A_MODEL
     return found
 
 
+def found_outside(check, *args) -> str:
+    """``check(path, *args)``'s findings in every module outside the kinds, one a line."""
+    return "\n".join(line for path in outside_kinds() for line in check(path, *args))
+
+
 def test_no_duck_typing_of_a_model_outside_the_kinds():
-    members = model_members()
-    found = [line for path in outside_kinds() for line in duck_typing(path, members)]
+    found = found_outside(duck_typing, model_members())
     assert not found, ("a model's member asked whether it exists outside ringdit/models/ (make it a member of "
                        "ringdit.models.protocol.DiffusionModel with a default on KindDefaults, and call it plainly; "
-                       "an object that is no model goes in NOT_A_MODEL with what it is):\n" + "\n".join(found))
+                       "an object that is no model goes in NOT_A_MODEL with what it is):\n" + found)
 
 
 @pytest.mark.parametrize("source", [
@@ -150,11 +154,10 @@ def test_the_duck_typing_check_passes_plain_calls_and_non_members(tmp_path):
 
 
 def test_no_kind_names_or_conditioning_tests_outside_the_kinds():
-    names = kind_names()
-    found = [line for path in outside_kinds() for line in findings(path, names)]
+    found = found_outside(findings, kind_names())
     assert not found, ("model-kind facts decided outside ringdit/models/ (put the fact on the kind record -- Family, "
                        "the DiT, VaeKind -- and ask it; search the family registry with its own functions in "
-                       "ringdit/models/diffusers/families.py):\n" + "\n".join(found))
+                       "ringdit/models/diffusers/families.py):\n" + found)
 
 
 @pytest.mark.parametrize("source, expected", [
