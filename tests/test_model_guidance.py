@@ -160,3 +160,18 @@ def test_refused_with_distillation_and_the_advice_works(tmp_path):
                                                     f"init_from={teacher}", "diffusion.model_guidance=[1,4]"],
                                    r"distill=dmd2 trains with its own losses; set diffusion.model_guidance=null")
     assert prepare_train([*DIGITS, "model.guidance_embed=true", "diffusion.model_guidance=[1,4]"], tmp_path / "run")
+
+
+def test_a_guidance_scale_the_dit_would_not_be_fed_is_refused():
+    """infer.py's model.guidance reaches a text model's conditioning, not the DiT: a DiT with a guidance input samples
+    at the scale its run recorded, and another one is refused in one line (the same one passes)."""
+    from ringdit.common.errors import ConfigError
+    from ringdit.models import DiT
+
+    config = {"guidance_embed": True, "guidance": 2.0, "class_dropout_prob": 0.1}
+    DiT.check_guidance(config, {"guidance": 2.0})
+    with pytest.raises(ConfigError, match=r"model.guidance=3.0: a DiT with a guidance input samples at the scale its "
+                                          r"run recorded, model.guidance=2; leave it unset"):
+        DiT.check_guidance(config, {"guidance": 3.0})
+    with pytest.raises(ConfigError, match="the DiT has none"):
+        DiT.check_guidance({"class_dropout_prob": 0.1}, {"guidance": 3.0})

@@ -343,6 +343,12 @@ class DiT(KindDefaults, nn.Module):
             raise ConfigError(f"model.guidance={sampling['guidance']!r} is the guidance embedding's value of a "
                               f"guidance-distilled model (Flux-dev); the DiT has none and would ignore it: leave it "
                               f"unset, and set the strength of classifier-free guidance with {prefix}cfg_scale")
+        recorded = float(config.get("guidance") or 1.0)
+        if sampling.get("guidance") is not None and float(sampling["guidance"]) != recorded:
+            # the sampling pipeline hands the scale to a text model's conditioning; the DiT reads it from its config
+            raise ConfigError(f"model.guidance={sampling['guidance']!r}: a DiT with a guidance input samples at the "
+                              f"scale its run recorded, model.guidance={recorded:g}; leave it unset here, or sample "
+                              f"other scales with benchmarks/digits_guidance.py --scales")
         cfg_scale = sampling.get("cfg_scale")
         if cfg_scale is not None and cfg_scale != 1.0 and not config.get("class_dropout_prob", 0.1) > 0:
             raise ConfigError(f"{prefix}cfg_scale={cfg_scale} needs a model trained with label dropout (a null class), "
