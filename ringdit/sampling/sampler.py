@@ -132,11 +132,6 @@ class Sampler:
                                                 negative=self.negative if negative is None else negative,
                                                 shape=shape, overrides=overrides, step_cache=self.step_cache)
 
-    @property
-    def joint(self) -> bool:
-        """The model denoises latents beside its samples (LTX-2's sound): sample with ``generate_joint``."""
-        return bool(self.model.joint_latents)
-
     def encode(self, prompts: list[str]) -> dict[str, Tensor]:
         """``prompts`` -> the model's text conditions ``(N, ...)``, encoded with the text encoder its data were
         (``Codecs.encode``)."""
