@@ -14,7 +14,7 @@ import torch
 
 from ringdit.common.errors import ConfigError
 from ringdit.media.folder import IMAGE_SUFFIXES, VIDEO_SUFFIXES
-from ringdit.media.frames import image_pixels, probe, read_video
+from ringdit.media.frames import image_pixels, open_image, probe, read_video
 from ringdit.media.vae import VAE
 from ringdit.models.diffusers.wan_vace import control_condition
 
@@ -111,6 +111,15 @@ def find_references(reference, items: list) -> dict[Path, Path]:
                               f"{width}:{height} (it is read at its image's size)")
         found[item.path] = path
     return found
+
+
+def reference_image(path: Path):
+    """A reference image as the edit pipelines take it for their prompt: the file, turned upright (as infer.py's
+    ``image=`` is read), in RGB (PIL)."""
+    from PIL import ImageOps
+
+    with open_image(path) as opened:
+        return ImageOps.exif_transpose(opened).convert("RGB")
 
 
 def encode_reference(pictures, *, vae: str, size: tuple[int, int], device: str | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from ringdit.media.audio_latents import AudioLatentEncoder, audio_vae_folder, ch
 from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.buckets import Bucket, make_buckets, parse_buckets
-from ringdit.media.control_pixels import find_controls, find_references
+from ringdit.media.control_pixels import find_controls, find_references, reference_image
 from ringdit.media.clip_placement import bucket_size, clip_windows, place_files, plan_shards
 from ringdit.media.encode_report import EncodeReport
 from ringdit.media.folder import MediaItem, list_media
@@ -220,7 +220,9 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
     out_dir.mkdir(parents=True, exist_ok=True)
     mine = range(rank, len(shards), world_size)
     pending = [i for i in mine if not shard_path(out_dir, i).exists()]
-    null = {key: value[0] for key, value in encoder([""]).items()}  # the empty prompt: (L, D), (L,)[, (P,), ...]
+    # the empty prompt: (L, D), (L,)[, (P,), ...]; an edit pipeline's template: its text alone (one null cannot hold
+    # the empty prompt with each reference image, as the pipeline encodes its negative prompt)
+    null = {key: value[0] for key, value in encoder.without_images([""]).items()}
     described = {"vae": json.dumps(codec.describe()),  # the text's dtype too: another re-encodes only the text
                  "text_encoder": json.dumps({**encoder.describe(), "dtype": str(text_store).removeprefix("torch.")})}
     root = Path(str(settings.input)).expanduser()
@@ -296,7 +298,8 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
                 continue
             pixels = torch.stack([pixels for _, pixels in loaded])  # (B, 3, [T,] H, W)
             latents = encode(pixels)  # (B, C, [T',] H', W')
-            cond = encoder([item.caption for item, _ in loaded])
+            cond = encoder([item.caption for item, _ in loaded],  # an edit template: each with its reference image
+                           [reference_image(references[item.path]) for item, _ in loaded] if encoder.edit else None)
             if masks is not None:
                 cond[MASK_KEY] = torch.stack([latent_mask(mask, tuple(latents.shape[2:]), codec.temporal)
                                               for mask in mask_pixels])

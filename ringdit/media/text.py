@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from ringdit.common.errors import ConfigError, require_count
+from ringdit.media.edit_prompt import EDIT_PIPELINES, EditPromptEncoder, edit_template
 from ringdit.media.glyph import GlyphEncoder
 from ringdit.media.pretrained import ENCODERS, REMOTE_CODE, find_folder
 from ringdit.models.diffusers.families import chat_templates
@@ -59,8 +60,11 @@ def chat_template(name: str | None) -> ChatTemplate | None:
     if name is None:
         return None
     templates = chat_templates()
+    if name in EDIT_PIPELINES:  # an edit pipeline's: Qwen-Image's encoder and template, the prompt with its image
+        return templates["qwenimage"]()
     if name not in templates:
-        raise ConfigError(f"prompt_template={name!r} is not one of {', '.join(templates)}; pass the family whose "
+        raise ConfigError(f"prompt_template={name!r} is not one of {', '.join([*templates, *EDIT_PIPELINES])}; pass "
+                          f"the family whose "
                           f"pipeline's text encoder you give (its chat template), or null for an encoder that takes "
                           f"the prompt as it is (T5, UMT5, CLIP)")
     return templates[name]()
@@ -105,7 +109,7 @@ class TextEncoder:
                  max_pooled_len: int = 77, masked: bool | None = None,
                  prompt_template: str | None = None, glyph_encoder: str | Path | None = None,
                  glyph_tokenizer: str | Path | None = None, settings: tuple[str, str, str] = TEXT_SETTINGS,
-                 clean: bool | None = None):
+                 clean: bool | None = None, processor: str | Path | None = None):
         import transformers
 
         setting, tokenizer_setting, length_setting = settings
@@ -182,6 +186,14 @@ class TextEncoder:
         if glyph_encoder is not None:  # the pipeline's second encoder, over the prompt's quoted text
             self.glyph_encoder = GlyphEncoder(glyph_encoder, glyph_tokenizer, device=device, dtype=dtype,
                                               load=TextEncoder)  # its ByT5 loads as any text encoder does
+        self.edit = None
+        if prompt_template in EDIT_PIPELINES:  # each prompt with its reference image (ringdit.media.edit_prompt)
+            self.edit = EditPromptEncoder(self, processor or folder.parent / "processor",
+                                          edit_template(prompt_template))
+        elif processor is not None:
+            raise ConfigError(f"processor={processor} is the image processor of an edit pipeline's prompts, but "
+                              f"prompt_template={prompt_template}; pass prompt_template=qwenimage_edit (or "
+                              f"qwenimage_edit_plus), or drop processor")
 
     def _check_template(self, model_type: str, config: dict, given: str) -> None:
         """One-line errors, before the weights load, for a chat model without its template, a template with another
@@ -203,7 +215,20 @@ class TextEncoder:
                               f"own text encoder")
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def __call__(self, prompts: list[str], images: list | None = None) -> dict[str, torch.Tensor]:
+        """{"text", "text_mask"[, "pooled", glyph text]} of ``prompts``; ``images``: one PIL reference image a prompt,
+        which an edit pipeline's template (``prompt_template=qwenimage_edit``) encodes with it."""
+        if (images is None) != (self.edit is None):
+            raise ValueError(f"prompt_template={self.template_name} encodes each prompt with its reference image: "
+                             f"give one a prompt" if self.edit is not None else
+                             f"prompt_template={self.template_name} encodes the prompts alone, without images")
+        if self.edit is not None:
+            return self.edit([str(prompt) for prompt in prompts], images)
+        return self.without_images(prompts)
+
+    def without_images(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """``prompts`` through the template alone, also with an edit pipeline's (Qwen-Image's prompt string): the
+        empty prompt a data set keeps as its null condition."""
         if self.clean:  # as WanPipeline's encode_prompt: HTML entities, runs of whitespace (and ftfy where installed)
             from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
@@ -267,6 +292,8 @@ class TextEncoder:
             info["pooled_encoder"] = {key: pooled[key] for key in ("class", "path", "tokenizer", "max_len", "dim")}
         if self.glyph_encoder is not None:
             info["glyph_encoder"] = self.glyph_encoder.describe()
+        if self.edit is not None:
+            info["processor"] = str(self.edit.folder.resolve())
         return info
 
 def word_level_tokenizer(words: list[str] | tuple[str, ...]):
@@ -355,4 +382,6 @@ def encoder_settings(described: dict) -> dict:
                         max_pooled_len=pooled.get("max_len", 77))
     if glyph:
         settings.update(glyph_encoder=glyph["path"], glyph_tokenizer=glyph.get("tokenizer"))
+    if described.get("processor"):  # an edit pipeline's prompts, encoded with their reference images
+        settings["processor"] = described["processor"]
     return settings

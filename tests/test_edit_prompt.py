@@ -1,0 +1,185 @@
+"""``prompt_template=qwenimage_edit`` / ``qwenimage_edit_plus``: each prompt encoded with its reference image through
+Qwen2.5-VL, equal to ``QwenImageEditPipeline.encode_prompt`` / ``QwenImageEditPlusPipeline.encode_prompt`` on a tiny
+random Qwen2_5_VLForConditionalGeneration (a vision tower of one block) and its processor.
+
+The pipelines' processor is transformers' own ``Qwen2VLProcessor``, built here from the folder's tokenizer and image
+processor; transformers 5 checks its video processor's class, which needs torchvision (not installed), so the check is
+skipped for that one absent argument while the processor is built (``vl_processor``): its ``__call__`` is
+unchanged."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ringdit.common.errors import ConfigError
+from ringdit.media.edit_prompt import edit_template
+from ringdit.media.text import TextEncoder, encoder_settings
+from tests.helpers import WORDS
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+VISION = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+PROMPTS = ["a red fox", "a blue cat running sky green field", ""]
+
+
+def tiny_tokenizer():
+    """Qwen-Image-Edit's prompt strings split as Qwen's BPE splits them at the templates: the special and vision
+    tokens whole, each word, punctuation mark and newline one token; no special tokens added."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *VISION]
+    text = "".join(edit_template(name).text + edit_template(name).picture for name in ("qwenimage_edit",
+                                                                                      "qwenimage_edit_plus"))
+    pieces = sorted(set(re.findall(r"\w+|[^\w\s]|\n", re.sub(r"<\|\w+\|>", " ", text))) - set(WORDS))
+    vocab = {word: i for i, word in enumerate([*special, *WORDS, *pieces])}
+    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]|\n"), behavior="removed", invert=True)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", unk_token="<unk>",
+                                   additional_special_tokens=special[1:]), vocab
+
+
+@pytest.fixture(scope="module")
+def edit_folder(tmp_path_factory) -> Path:
+    """A Qwen-Image-Edit-shaped folder: text_encoder/ (a tiny random Qwen2_5_VLForConditionalGeneration whose image
+    token is the tokenizer's), tokenizer/ and processor/ (a Qwen2VLImageProcessor of 14-pixel patches merged 2 x 2,
+    at most 112 x 112 pixels: a few image tokens)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    root = tmp_path_factory.mktemp("qwenimage_edit")
+    tokenizer, vocab = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(vocab), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
+                     "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 16,
+                       "fullatt_block_indexes": [0]},
+        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"])
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(root / "text_encoder")
+    tokenizer.save_pretrained(root / "tokenizer")
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(root / "processor")
+    return root
+
+
+def vl_processor(encoder: TextEncoder):
+    """transformers' Qwen2VLProcessor of the folder's tokenizer and image processor, built without a video processor
+    (see the module docstring)."""
+    from transformers import Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = (
+        lambda self, name, value: None if name == "video_processor" and value is None else check(self, name, value))
+    try:
+        return Qwen2VLProcessor(image_processor=encoder.edit.image_processor, tokenizer=encoder.tokenizer,
+                                video_processor=None)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def images(count: int):
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    sizes = [(96, 64), (64, 64), (40, 100)]  # (W, H): each its own aspect ratio
+    return [Image.fromarray((rng.rand(h, w, 3) * 255).astype(np.uint8)) for w, h in sizes[:count]]
+
+
+@pytest.mark.parametrize("name, pipeline", [("qwenimage_edit", "QwenImageEditPipeline"),
+                                            ("qwenimage_edit_plus", "QwenImageEditPlusPipeline")])
+def test_prompts_with_their_reference_images_are_the_pipelines(edit_folder, name, pipeline):
+    """Each sample's states equal what the pipeline's call encodes for its prompt and image (one call each: the
+    pipeline names every image it is given in every prompt; stopped once it has encoded them), on its real tokens; zero after them up to max_text_len; the
+    mask the real tokens; the settings recorded for infer.py give the same encoder back."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    encoder = TextEncoder(edit_folder, max_len=40, prompt_template=name)
+    pictures = images(len(PROMPTS))
+    cond = encoder(PROMPTS, pictures)
+    pipe = getattr(diffusers, pipeline)(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
+                                        text_encoder=encoder.model, tokenizer=encoder.tokenizer,
+                                        processor=vl_processor(encoder), transformer=None)
+    encoded = []  # what the pipeline's own call encodes: the prompt with the image as it resizes it
+
+    def encode_then_stop(*args, **kwargs):  # the call's prompt encoding, then no denoising (no VAE, no transformer)
+        encoded.append(type(pipe).encode_prompt(pipe, *args, **kwargs))
+        raise StopIteration
+
+    pipe.encode_prompt = encode_then_stop
+    assert cond["text"].shape == (3, 40, 16)
+    for i, (prompt, picture) in enumerate(zip(PROMPTS, pictures)):
+        with torch.no_grad(), pytest.raises(StopIteration):
+            pipe(image=picture, prompt=prompt, num_inference_steps=1, output_type="latent")
+        embeds, mask = encoded[-1]
+        length = embeds.shape[1]
+        assert mask is None or mask.all()  # one prompt: every state real
+        assert cond["text_mask"][i].tolist() == [True] * length + [False] * (40 - length)
+        torch.testing.assert_close(cond["text"][i, :length], embeds[0].float(), rtol=1e-5, atol=1e-6)
+        assert not cond["text"][i, length:].any()
+    # the images matter: another image, other states
+    other = encoder(PROMPTS[:1], pictures[1:2])
+    assert not torch.allclose(other["text"][0], cond["text"][0])
+    described = encoder.describe()
+    assert described["prompt_template"] == name and described["processor"]
+    again = TextEncoder(edit_folder, max_len=40, **encoder_settings(described))
+    torch.testing.assert_close(again(PROMPTS, pictures)["text"], cond["text"])
+
+
+def test_an_edit_template_needs_the_images_and_room_for_them(edit_folder):
+    encoder = TextEncoder(edit_folder, max_len=40, prompt_template="qwenimage_edit")
+    with pytest.raises(ValueError, match="encodes each prompt with its reference image"):
+        encoder(PROMPTS)
+    short = TextEncoder(edit_folder, max_len=4, prompt_template="qwenimage_edit")
+    with pytest.raises(ConfigError, match=r"max_text_len=4 is shorter than the prompt 'a red fox' with its reference "
+                                          r"image \((\d+) tokens, \d+ of the image, as QwenImageEditPipeline encodes "
+                                          r"them\); pass max_text_len=\1 or more") as refusal:
+        short(PROMPTS[:1], images(1))
+    needed = int(re.search(r"pass max_text_len=(\d+)", str(refusal.value)).group(1))
+    TextEncoder(edit_folder, max_len=needed, prompt_template="qwenimage_edit")(PROMPTS[:1], images(1))
+
+
+def test_prepare_encodes_each_caption_with_its_reference_image(models, edit_folder, tmp_path, capsys):
+    """prepare prompt_template=qwenimage_edit reference=<folder>: each shard row's text is its caption encoded with its
+    own reference image (the encoder proven equal to the pipeline's above); without reference= it is refused in one
+    line before any model loads, and its advice works."""
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from ringdit.data.text_latent_shards import text_file
+    from ringdit.prepare import main as prepare
+
+    pictures, captions = images(2), ["a red fox", "a blue cat"]
+    folder, references = tmp_path / "images", tmp_path / "references"
+    folder.mkdir()
+    references.mkdir()
+    for i, (picture, caption) in enumerate(zip(pictures, captions)):
+        picture.save(references / f"{i}.png")
+        picture.resize((picture.width // 4 * 4, picture.height // 4 * 4)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(caption)
+    settings = [f"input={folder}", f"vae={models['flux']}", f"text_encoder={edit_folder}", "size=16",
+                "max_text_len=40", "prompt_template=qwenimage_edit"]
+    with pytest.raises(SystemExit) as refused:
+        prepare([*settings, f"out={tmp_path / 'refused'}"])
+    assert refused.value.code == 2
+    assert re.search(r"^Error: prompt_template=qwenimage_edit encodes each caption with its reference image, as "
+                     r"QwenImageEditPipeline does, but reference= is not set; pass reference=<folder of reference "
+                     r"images>", capsys.readouterr().err, re.M)
+    prepare([*settings, f"out={tmp_path / 'data'}", f"reference={references}"])
+    path = next((tmp_path / "data").glob("shard-*.safetensors"))
+    shard = load_file(text_file(path)) if text_file(path).exists() else load_file(path)  # the text's own file
+    with Image.open(references / "0.png") as first, Image.open(references / "1.png") as second:
+        expected = TextEncoder(edit_folder, max_len=40, prompt_template="qwenimage_edit")(
+            captions, [first.convert("RGB"), second.convert("RGB")])
+    # the shard's rows: its files in order
+    torch.testing.assert_close(shard["text"].float(), expected["text"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(shard["text_mask"].bool(), expected["text_mask"])
