@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from tests.helpers import assert_same_numbers
+from tests.helpers import architecture, assert_same_numbers
 
 LAYOUTS = [(2, 1), (4, 1), (1, 2), (2, 2)]  # (ring, ulysses) on 4 ranks
 
@@ -29,6 +29,15 @@ def assert_matches_diffusers(out, grads, ref_out, ref_grads, where=""):
     ~1e-6 measured), every gradient within 1e-4 of its own largest entry (a sum over tokens, rounded more)."""
     assert_same_numbers(out, ref_out, atol=1e-5, where=f"{where} output")
     assert_same_numbers(grads, ref_grads, of_max=1e-4, where=f"{where} gradient")
+
+
+def assert_matches_in_float64(got, expected, where=""):
+    """(out, grads) against the reference's, float64 on both sides, where what is left is the order of sums (other
+    GEMM shapes, the ring's merges): the prediction within 1e-13, every gradient within 1e-12 of the largest."""
+    (out, grads), (ref_out, ref_grads) = got, expected
+    assert_same_numbers(out, ref_out, atol=1e-13, where=f"{where} output")
+    largest = max(grad.abs().max() for grad in ref_grads.values() if grad is not None)
+    assert_same_numbers(grads, ref_grads, atol=1e-12 * largest, where=f"{where} gradient")
 
 
 def ddp_average(grads: dict) -> dict:
@@ -91,6 +100,36 @@ def video_audio_batch(shape, audio_shape, text_len: int):
     cond = {"text": torch.randn(2, text_len, 16, generator=g), "text_mask": mask,
             "audio": torch.randn(2, *audio_shape, generator=g)}
     return training_module(shape), x0, cond
+
+
+def joint_loss_draws(model_config: dict, reference_class: str, preset: str, batch, tokens: int):
+    """One process, float64, for a family that denoises sound with the video: (loss, reference, x0, cond, t, noise,
+    audio_noise, x_t, audio_t) -- the module's loss on ``batch()``'s (module, x0, cond) with seeds 3 and 4 and no
+    condition drop, the unmodified diffusers ``reference_class`` of ``conf/model/<preset>`` holding the model's
+    weights, and the draws the loss made in its order (each sample's time over ``tokens`` tokens, the video's noise,
+    the condition drop's, the audio's noise) with the latents they noise."""
+    import diffusers
+
+    from ringdit.diffusion import draw_noise
+    from ringdit.models.build import build_model
+
+    model, _ = build_model({**model_config, "condition_dropout_prob": 0.0}, seed=7)
+    model.double()
+    reference = getattr(diffusers, reference_class).from_config(architecture(preset)).double()
+    reference.load_state_dict(model.transformer.state_dict())
+    module, x0, cond = batch()
+    x0, cond = x0.double(), {k: v.double() if v.is_floating_point() else v for k, v in cond.items()}
+    seeds = [3, 4]
+    loss = module.diffusion_loss(model, x0, cond, [torch.Generator().manual_seed(s) for s in seeds])
+
+    generators = [torch.Generator().manual_seed(s) for s in seeds]  # the same draws, in the module's order
+    t = torch.cat([module.objective.sample_time(1, g, tokens) for g in generators]).double()
+    noise = draw_noise(x0.shape[1:], generators, dtype=torch.float64)
+    [torch.rand(1, generator=g) for g in generators]  # the condition drop's draws
+    audio_noise = draw_noise(cond["audio"].shape[1:], generators, dtype=torch.float64)
+    x_t = (1 - t.view(-1, 1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1, 1) * noise  # (B, C, T, H, W)
+    audio_t = (1 - t.view(-1, 1, 1, 1)) * cond["audio"] + t.view(-1, 1, 1, 1) * audio_noise
+    return loss, reference, x0, cond, t, noise, audio_noise, x_t, audio_t
 
 
 def sgd_run(model_config: dict, batch, steps: int, lr: float, dims=None, shard=None, lora=None):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ringdit.models.diffusers.minimax_h3 import packed_layout
-from tests.diffusers_helpers import check_sgd_layouts, video_audio_batch
+from tests.diffusers_helpers import check_sgd_layouts, joint_loss_draws, video_audio_batch
 from tests.distributed import run_ranks
 from tests.helpers import architecture, assert_same_numbers, logged_losses, run
 
@@ -34,28 +34,10 @@ def test_the_loss_is_the_video_and_the_audio_flow_matching_errors_through_the_un
     """One process, float64: the module's loss equals the sum of the two mean squared errors computed here with the
     diffusers model called directly on the pipeline's packing of the same draws (the sample's time, the video's
     noise, then the audio's): timestep 1 - sigma, the velocities pointing to the data."""
-    import diffusers
     from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
-    from ringdit.diffusion import draw_noise
-    from ringdit.models.build import build_model
-
-    model, _ = build_model({**MODEL, "condition_dropout_prob": 0.0}, seed=7)
-    model.double()
-    reference = diffusers.MiniMaxH3Transformer3DModel.from_config(architecture("minimax_h3_tiny")).double()
-    reference.load_state_dict(model.transformer.state_dict())
-    module, x0, cond = module_and_batch()
-    x0, cond = x0.double(), {k: v.double() if v.is_floating_point() else v for k, v in cond.items()}
-    seeds = [3, 4]
-    loss = module.diffusion_loss(model, x0, cond, [torch.Generator().manual_seed(s) for s in seeds])
-
-    generators = [torch.Generator().manual_seed(s) for s in seeds]  # the same draws, in the module's order
-    t = torch.cat([module.objective.sample_time(1, g, 9) for g in generators]).double()
-    noise = draw_noise(x0.shape[1:], generators, dtype=torch.float64)
-    [torch.rand(1, generator=g) for g in generators]  # the condition drop's draws
-    audio_noise = draw_noise(cond["audio"].shape[1:], generators, dtype=torch.float64)
-    x_t = (1 - t.view(-1, 1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1, 1) * noise
-    audio_t = (1 - t.view(-1, 1, 1, 1)) * cond["audio"] + t.view(-1, 1, 1, 1) * audio_noise
+    loss, reference, x0, cond, t, noise, audio_noise, x_t, audio_t = joint_loss_draws(
+        MODEL, "MiniMaxH3Transformer3DModel", "minimax_h3_tiny", module_and_batch, 9)
     video_errors, audio_errors = [], []
     layout = packed_layout(TEXT_LEN, SHAPE, 3, (1, 2, 2))  # the batch's longest prompt: 7 rows, the first's last 2 0
     for i in range(2):

@@ -14,17 +14,16 @@ import torch
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
-from tests.diffusers_helpers import LAYOUTS, check_sgd_layouts, ddp_average, float64_kept, forward_backward, training_module
+from tests.diffusers_helpers import (LAYOUTS, assert_matches_in_float64, check_sgd_layouts, ddp_average, float64_kept,
+                                     forward_backward, training_module)
 from tests.distributed import run_ranks
-from tests.helpers import architecture, assert_same_numbers
+from tests.helpers import architecture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SHAPE, REFERENCE = (6, 6), (10, 10)  # (H, W) latents: 9 and 25 tokens of 2 x 2 patches, padded on every layout
 TEXT_LEN = 5
 T = torch.tensor([30.0, 810.0], dtype=torch.float64)
-# float64 on both sides: what is left is the order of sums (other GEMM shapes, the ring's merges)
-OUT_ATOL, GRAD_OF_LARGEST = 1e-13, 1e-12
 
 
 def edit_case(zero_cond_t=False, seed=0, dims=None):
@@ -72,19 +71,13 @@ def run_both(zero_cond_t=False, dims=None):
     return got, expected
 
 
-def assert_matches(got, expected, where=""):
-    (out, grads), (ref_out, ref_grads) = got, expected
-    assert_same_numbers(out, ref_out, atol=OUT_ATOL, where=f"{where} output")
-    largest = max(grad.abs().max() for grad in ref_grads.values() if grad is not None)
-    assert_same_numbers(grads, ref_grads, atol=GRAD_OF_LARGEST * largest, where=f"{where} gradient")
-
-
 def check_layouts(rank, world):
     # Qwen-Image-Edit (2508 / 2509) and -2511 (zero_cond_t) alternate: each on a ring-only layout and one with Ulysses
     for (ring, ulysses), zero_cond_t in zip(LAYOUTS, (False, True, False, True)):
         (out, grads), expected = run_both(zero_cond_t, dims=init_sequence_parallel(ring, ulysses))
         ddp_average(grads)  # DDP's average over the dp x sp ranks
-        assert_matches((out, grads), expected, f"ring {ring} x ulysses {ulysses}, zero_cond_t={zero_cond_t}")
+        assert_matches_in_float64((out, grads), expected,
+                                  f"ring {ring} x ulysses {ulysses}, zero_cond_t={zero_cond_t}")
 
 
 def test_qwenimage_edit_matches_the_edit_pipelines_call_under_every_layout():
@@ -93,7 +86,7 @@ def test_qwenimage_edit_matches_the_edit_pipelines_call_under_every_layout():
 
 @pytest.mark.parametrize("zero_cond_t", [False, True], ids=["edit", "edit-2511"])
 def test_qwenimage_edit_one_process_equals_the_edit_pipelines_call(zero_cond_t):
-    assert_matches(*run_both(zero_cond_t), f"one process, zero_cond_t={zero_cond_t}")
+    assert_matches_in_float64(*run_both(zero_cond_t), f"one process, zero_cond_t={zero_cond_t}")
 
 
 def test_a_missing_or_unfitting_reference_is_refused():

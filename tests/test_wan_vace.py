@@ -15,7 +15,8 @@ import torch
 
 from ringdit.models import parallelize
 from ringdit.parallel import init_sequence_parallel
-from tests.diffusers_helpers import LAYOUTS, check_sgd_layouts, ddp_average, float64_kept, forward_backward, training_module
+from tests.diffusers_helpers import (LAYOUTS, assert_matches_in_float64, check_sgd_layouts, ddp_average, float64_kept,
+                                     forward_backward, training_module)
 from tests.distributed import run_ranks
 from tests.helpers import architecture, assert_same_numbers
 
@@ -23,8 +24,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SHAPE = (3, 6, 6)  # (T, H, W) latents: 27 tokens of Wan's 1x2x2 patches, padded on every layout
 TEXT_LEN, CONTROL_CHANNELS = 7, 72  # wan_vace_tiny's vace_in_channels
-# float64 on both sides: what is left is the order of sums (other GEMM shapes, the ring's merges)
-OUT_ATOL, GRAD_OF_LARGEST = 1e-13, 1e-12
 
 
 SCALE = torch.tensor([1.0, 0.5], dtype=torch.float64)  # the pipeline's conditioning_scale, one per VACE layer
@@ -62,20 +61,13 @@ def run_both(reference, model, x, text, control, dout):
     return got, expected
 
 
-def assert_matches(got, expected, where=""):
-    (out, grads), (ref_out, ref_grads) = got, expected
-    assert_same_numbers(out, ref_out, atol=OUT_ATOL, where=f"{where} output")
-    largest = max(grad.abs().max() for grad in ref_grads.values() if grad is not None)
-    assert_same_numbers(grads, ref_grads, atol=GRAD_OF_LARGEST * largest, where=f"{where} gradient")
-
-
 def check_layouts(rank, world):
     for ring, ulysses in LAYOUTS:
         reference, model, inputs, dout = vace_case(dims=init_sequence_parallel(ring, ulysses))
         with float64_kept():
             (out, grads), expected = run_both(reference, model, *inputs, dout)
         ddp_average(grads)  # DDP's average over the dp x sp ranks
-        assert_matches((out, grads), expected, f"ring {ring} x ulysses {ulysses}")
+        assert_matches_in_float64((out, grads), expected, f"ring {ring} x ulysses {ulysses}")
 
 
 def test_wan_vace_matches_unmodified_diffusers_under_every_layout():
@@ -84,7 +76,7 @@ def test_wan_vace_matches_unmodified_diffusers_under_every_layout():
 
 def test_wan_vace_one_process_equals_diffusers():
     reference, model, inputs, dout = vace_case()
-    assert_matches(*run_both(reference, model, *inputs, dout), "one process")
+    assert_matches_in_float64(*run_both(reference, model, *inputs, dout), "one process")
 
 
 # ---- training: DiffusionModule's loss and SGD steps in the ranks ---------------------------------------------------
