@@ -26,7 +26,7 @@ from ringdit.common.errors import ConfigError, require_choice, require_count, re
 from ringdit.media.audio import sampling_audio_vae
 from ringdit.media.decode import sampling_vae
 from ringdit.media.frames import UnreadableImage, decoded, open_image, upright_size
-from ringdit.models.conditioning import text_conditioned
+from ringdit.models.conditioning import AUDIO_KEY, text_conditioned
 from ringdit.sampling import FPS_HINT, SampleSizes, frame_rate, patch_shape, read_prompt_file, resolve_labels
 from ringdit.spec.control import ControlInput
 from ringdit.spec.checkpoint import LoraBase, check_weights_file, read_weights_file, resolve_sampling_ckpt
@@ -334,7 +334,7 @@ class InferSpec:
         if cache.kind == "teacache":  # the polynomial this model needs, found (or refused) before anything starts
             cache = replace(cache, coefficients=teacache_coefficients(cache, meta_model, ckpt_path))
         # the sound's decoder: refused in one line (another sample rate, another model) before anything is sampled
-        sound = "audio" in meta_model.joint_latents
+        sound = AUDIO_KEY in meta_model.joint_latents
         output = replace(output, audio_vae=sampling_audio_vae(
             cfg.get("audio_vae"), cfg.get("audio_vae_subfolder", "audio_vae"), cfg.get("vocoder_subfolder", "vocoder"),
             info["data"], dict(meta_model.transformer.config) if sound else None),

@@ -16,6 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ringdit.media.audio import sampling_audio_vae
+from ringdit.models.conditioning import AUDIO_KEY
 from ringdit.common.errors import ConfigError, require_count, require_number, require_seed
 from ringdit.costs import Setup, check_memory, memory_setup
 from ringdit.costs.previews import check_run_previews
@@ -143,7 +144,7 @@ def check_preview_audio(callbacks: tuple[dict, ...], data_info: dict, meta_model
     without sound: a ConfigError now, not in the ranks (``ringdit.media.audio.sampling_audio_vae``)."""
     for config in callbacks:
         if str(config.get("_target_", "")).endswith("SampleGrid") and config.get("audio_vae"):
-            sound = "audio" in getattr(meta_model, "joint_latents", ())
+            sound = AUDIO_KEY in meta_model.joint_latents
             sampling_audio_vae(config["audio_vae"], config.get("audio_vae_subfolder", "audio_vae"),
                                config.get("vocoder_subfolder", "vocoder"), data_info,
                                dict(meta_model.transformer.config) if sound else None,
