@@ -57,6 +57,11 @@ Loss masks (``mask_path``, diffusion-pipe's): each clip's mask -- an image or vi
     folder, of its size -- read as the clip is (the same bucket, crop and frames) and averaged onto its latents' grid
     (ringdit/media/masks.py), stored as ``loss_mask`` (N, 1, [T',] H', W'); a clip without one trains everywhere (all
     ones). A resume with masks of shards prepared without them (or the other way round) is refused.
+Sound (``audio_vae``, LTX-2's audio VAE): each clip's window of sound, resampled by PyAV to the VAE's rate, as LTX-2's
+    log-mel spectrogram through ``AutoencoderKLLTX2Audio`` into ``audio`` (N, C_audio, L, mel bins), normalised and
+    counted as LTX2Pipeline does (ringdit/media/audio_latents.py); the shards record the audio VAE (``audio_vae``
+    metadata). A file without a sound track, or clips of several frame rates without ``source_fps``, is refused
+    before any model loads.
 """
 
 from __future__ import annotations
