@@ -151,7 +151,8 @@ def test_an_edit_template_needs_the_images_and_room_for_them(edit_folder):
 def test_prepare_encodes_each_caption_with_its_reference_image(models, edit_folder, tmp_path, capsys):
     """prepare prompt_template=qwenimage_edit reference=<folder>: each shard row's text is its caption encoded with its
     own reference image (the encoder proven equal to the pipeline's above); without reference= it is refused in one
-    line before any model loads, and its advice works."""
+    line before any model loads, and its advice works; changed captions (which prepare re-encodes alone) are refused
+    in one line, whose advice works."""
     from PIL import Image
     from safetensors.torch import load_file
 
@@ -183,3 +184,11 @@ def test_prepare_encodes_each_caption_with_its_reference_image(models, edit_fold
     # the shard's rows: its files in order
     torch.testing.assert_close(shard["text"].float(), expected["text"], rtol=1e-5, atol=1e-6)
     assert torch.equal(shard["text_mask"].bool(), expected["text_mask"])
+    # new captions: the text alone cannot be encoded again (each caption needs its image): one line; a new out= works
+    (folder / "1.txt").write_text("a green cat")
+    with pytest.raises(SystemExit):
+        prepare([*settings, f"out={tmp_path / 'data'}", f"reference={references}"])
+    assert re.search(r"^Error: out=.*data: the captions of shard-\S+ changed, but prompt_template=qwenimage_edit "
+                     r"encodes each with its reference image, which re-encoding only the text does not read; prepare "
+                     r"into a new out= folder$", capsys.readouterr().err, re.M)
+    prepare([*settings, f"out={tmp_path / 'new'}", f"reference={references}"])

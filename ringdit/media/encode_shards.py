@@ -233,6 +233,10 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
         if captions is None:
             report.shards_skipped += 1
             continue
+        if encoder.edit is not None:  # its captions changed: each would be encoded again with its reference image
+            raise ConfigError(f"out={settings.out}: the captions of {path.name} changed, but prompt_template="
+                              f"{settings.prompt_template} encodes each with its reference image, which re-encoding "
+                              f"only the text does not read; prepare into a new out= folder")
         with sigterm_waits():
             rewrite_text(path, captions, encoder, null, described["text_encoder"], text_store, settings.batch_size)
         report.texts_encoded += 1
