@@ -98,6 +98,18 @@ def test_infer_writes_each_video_with_its_sound_and_the_audio_latents(trained, l
     assert np.isfinite(audio).all() and np.abs(audio).max() > 0
     for i in range(2):
         assert sound_of(tmp_path / f"sample-{i:03d}.mp4") == (5, "aac", 16000)
+    # decoded again later, as python -m ringdit.media.decode does, with the sound
+    from ringdit.common.errors import ConfigError
+    from ringdit.media.decode import decode_samples
+    from ringdit.media.decode import main as decode
+
+    decode([str(tmp_path / "samples.npz"), f"vae={folder}", f"audio_vae={folder}", f"out={tmp_path / 'later'}",
+            f"hydra.run.dir={tmp_path / 'decode'}"])
+    assert sound_of(tmp_path / "later" / "sample-001.mp4") == (5, "aac", 16000)
+    np.savez(tmp_path / "silent.npz", latents=latents)  # a model without sound: nothing for audio_vae= to decode
+    with pytest.raises(ConfigError, match=r"audio_vae=.*: samples=.*silent.npz holds no 'audio' latents \(its model "
+                                          r"samples no sound\); drop audio_vae="):
+        decode_samples(tmp_path / "silent.npz", folder, audio_vae=folder)
 
 
 def test_an_audio_vae_of_another_sample_rate_is_refused_before_anything_starts(trained, ltx2_folders, tmp_path):

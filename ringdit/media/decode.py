@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringdit.commands.task import Task, command
 from ringdit.common.errors import ConfigError, require_count
+from ringdit.media.audio import AudioDecoder
 from ringdit.media.images import to_uint8
 from ringdit.media.vae import VAE, vae_folder
 from ringdit.media.writing import write_pixels
@@ -62,9 +63,11 @@ def decode_latents(latents: torch.Tensor, vae: VAE, normalised: bool = True, gro
 
 def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None = None, *,
                    vae_subfolder: str | None = "vae", fps: int | None = None, tiling: bool = True, tile: int | None = None,
-                   device: str = "cpu", normalised: bool = True, group=None, tile_setting: str = "tile"
-                   ) -> list[Path]:
-    """samples.npz (its ``latents``) -> media files in ``out`` (default: samples.npz's folder). ``normalised``:
+                   device: str = "cpu", normalised: bool = True, group=None, tile_setting: str = "tile",
+                   audio_vae: str | Path | None = None, audio_vae_subfolder: str | None = "audio_vae",
+                   vocoder_subfolder: str = "vocoder") -> list[Path]:
+    """samples.npz (its ``latents``) -> media files in ``out`` (default: samples.npz's folder); with ``audio_vae``
+    (LTX-2's audio VAE and vocoder folder) the npz's ``audio`` latents become each MP4's sound track. ``normalised``:
     the latents are as prepare stores them (data=text_latents); false for data=latents, whose samples are the raw
     VAE latents (infer.py already divides by data.scale). ``group``: a process group whose ranks all call this
     (infer.py's sampling ranks): its rank 0 reads the file and sends the latents to the others, the tiles are
@@ -76,6 +79,7 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
     require_count(tile_setting, tile, optional=True,
                   hint=f"the VAE's spatial tile size in pixels, e.g. {tile_setting}=256")
     latents, _ = shared_latents(samples, group)
+    sound = stored_audio(samples, audio_vae) if audio_vae else None  # read (and refused) before the VAE loads
     target = Path(str(out)).expanduser() if out else None
     if target is not None and target.exists() and not target.is_dir():
         raise ConfigError(f"out={out} is a file; pass a folder to write the pictures / videos into")
@@ -88,7 +92,19 @@ def decode_samples(samples: str | Path, vae: str | Path, out: str | Path | None 
         return []
     if fps is None and pixels.ndim == 5:  # videos: the rate infer.py wrote beside them (the model's), else 16
         fps = stored_fps(samples) or DEFAULT_FPS
-    return write_pixels(pixels, target or Path(str(samples)).expanduser().parent, fps=fps)
+    sounds = AudioDecoder.load(audio_vae, audio_vae_subfolder, vocoder_subfolder, device=device).decode(sound) \
+        if sound is not None else None
+    return write_pixels(pixels, target or Path(str(samples)).expanduser().parent, fps=fps, sounds=sounds)
+
+
+def stored_audio(samples: str | Path, audio_vae) -> torch.Tensor:
+    """The ``audio`` latents infer.py stored for a model that samples sound (LTX-2), float32 (N, 1, L, C x M); a
+    ConfigError where there are none."""
+    with np.load(Path(str(samples)).expanduser(), allow_pickle=False) as stored:
+        if "audio" not in stored.files:
+            raise ConfigError(f"audio_vae={audio_vae}: samples={samples} holds no 'audio' latents (its model samples "
+                              f"no sound); drop audio_vae=")
+        return torch.from_numpy(stored["audio"].astype(np.float32, copy=False))
 
 
 DEFAULT_FPS = 16  # samples.npz files without their rate (written before infer.py stored it): Wan 2.1's
