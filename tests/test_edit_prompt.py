@@ -146,6 +146,22 @@ def test_an_edit_template_needs_the_images_and_room_for_them(edit_folder):
         short(PROMPTS[:1], images(1))
     needed = int(re.search(r"pass max_text_len=(\d+)", str(refusal.value)).group(1))
     TextEncoder(edit_folder, max_len=needed, prompt_template="qwenimage_edit")(PROMPTS[:1], images(1))
+    with pytest.raises(ConfigError, match=r"processor=.* is the image processor of an edit pipeline's prompts, but "
+                                          r"prompt_template=qwenimage; pass prompt_template=qwenimage_edit"):
+        TextEncoder(edit_folder, max_len=40, prompt_template="qwenimage", processor=edit_folder / "processor")
+    TextEncoder(edit_folder, max_len=40, prompt_template="qwenimage_edit", processor=edit_folder / "processor")
+
+
+def test_a_tokenizer_without_the_encoders_image_token_is_refused(edit_folder, tmp_path):
+    """Qwen-Image's text-only tokenizer (no vision tokens) with the edit encoder: one line; the folder's own works."""
+    from tests.helpers import qwen_tokenizer
+
+    qwen_tokenizer(edit_template("qwenimage_edit").text)[0].save_pretrained(tmp_path / "tokenizer")
+    with pytest.raises(ConfigError, match=r"the tokenizer's <\|image_pad\|> is id \d+ but the text encoder's "
+                                          r"image_token_id is \d+; pass the edit pipeline's own text_encoder/, "
+                                          r"tokenizer/ and processor/"):
+        TextEncoder(edit_folder, tmp_path / "tokenizer", max_len=40, prompt_template="qwenimage_edit")
+    TextEncoder(edit_folder, edit_folder / "tokenizer", max_len=40, prompt_template="qwenimage_edit")
 
 
 def test_prepare_encodes_each_caption_with_its_reference_image(models, edit_folder, tmp_path, capsys):
