@@ -34,6 +34,12 @@ the front latent frames it added (``latents[:, additional_frames:]``). Other fra
 naming the nearest good ones (``check_frames``). (AutoencoderKLCogVideoX is CogVideoX 1.0's VAE as well, whose
 transformer has no temporal patch; ringdit trains the 1.5 layout only, so the pad is always made.)
 
+AutoencoderKLMiniMaxH3 (MiniMax-H3's): shift = latents_mean, scale = 1 / latents_std from its config (its modular
+pipeline's ``encode_vae_condition`` / decode step); its pixels are ImageNet-normalised [0, 1] ((x - mean) / std with
+ImageNet's mean and std, the pipeline's ``pixel_mean`` / ``pixel_std``), which ``encode`` / ``decode`` convert from /
+to [-1, 1]; it encodes 17-frame chunks into 5 latent frames and drops 3 at the end, so it takes 17n + 5 frames
+(5n + 2 latent frames; ``frame_rule``, the kind's ``chunks``).
+
 ``VAE.describe()`` records the class, shift, scale and patch (a JSON dict stored as the ``vae`` metadata key of every
 shard) so that decoding can invert the normalisation without guessing.
 
@@ -59,6 +65,8 @@ from ringdit.models.diffusers.folders import check_config_values, check_weights_
 from ringdit.models.frame_rule import FrameRule
 from ringdit.models.vaes import VAE_KINDS
 
+# AutoencoderKLMiniMaxH3's pixel convention (MiniMaxH3ModularPipeline.pixel_mean / pixel_std): ImageNet's
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def vae_folder(path: str | Path, subfolder: str | None = "vae", setting: str = "vae") -> Path:
@@ -154,6 +162,9 @@ class VAE:
         if tiles_by == "overlap":  # overlap factors, no strides: stride 3/4 as below (CogVideoX's)
             return dict(tile_sample_min_height=tile, tile_sample_min_width=tile, tile_overlap_factor_height=0.25,
                         tile_overlap_factor_width=0.25)
+        if tiles_by == "min_overlap":  # tile sizes and minimum overlaps (AutoencoderKLMiniMaxH3's): a quarter
+            return dict(tile_sample_min_height=tile, tile_sample_min_width=tile,
+                        tile_sample_min_overlap_height=tile // 4, tile_sample_min_overlap_width=tile // 4)
         if tiles_by == "strides":  # overlapping tiles: stride 3/4 of the tile, blended in the overlap
             stride = max(self.spatial, tile * 3 // 4)
             return dict(tile_sample_min_height=tile, tile_sample_min_width=tile,
@@ -165,8 +176,16 @@ class VAE:
     @property
     def frame_rule(self) -> FrameRule:
         """The frame counts this VAE's clips come back from: 1 + k x temporal (1, 5, 9, ... for Wan); CogVideoX's
-        (its latents padded to pairs) every other of those, 1 + 8k."""
-        return FrameRule(self.temporal, self.frame_pad or 1)
+        (its latents padded to pairs) every other of those, 1 + 8k; MiniMax-H3's (chunked) 17n + 5."""
+        return FrameRule(self.temporal, self.frame_pad or 1, **self.chunk_geometry())
+
+    def chunk_geometry(self) -> dict:
+        """A chunked VAE's (``VaeKind.chunks``) frames per chunk, latent frames per chunk and latent frames dropped
+        at the end, as ``FrameRule`` takes them; {} for the others."""
+        if not self.kind.chunks:
+            return {}
+        return dict(chunk=int(self.model.config.clip_length), chunk_latents=int(self.model.tokens_chunk_size),
+                    chunk_drop=int(self.model.config.token_drop))
 
     def check_frames(self, frames: int, setting: str = "frames") -> None:
         """A ``ConfigError`` (one line: ``setting``, the value, the rule, the nearest good counts) where clips of
@@ -185,9 +204,9 @@ class VAE:
 
         if self.is_video and pixels.ndim == 4:
             pixels = pixels[:, :, None]  # (B, 3, 1, H, W)
-        if self.frame_pad:  # before any rank starts encoding: every rank of a group refuses alike
-            self.check_frames(pixels.shape[2])
-        pixels = pixels.to(self.device, self.dtype)
+        if self.frame_pad or (self.kind.chunks and pixels.shape[2] > 1):  # before any rank starts encoding: every
+            self.check_frames(pixels.shape[2])  # rank of a group refuses alike (a chunked VAE's image: one frame)
+        pixels = self._to_vae_pixels(pixels.to(self.device, self.dtype))
         if _parallel(group):
             moments = parallel_encode(self.model, pixels, group, dst)
             if moments is None:
@@ -224,8 +243,22 @@ class VAE:
             raw = latents
         if _parallel(group):
             pixels = parallel_decode(self.model, raw.to(self.dtype), group, dst)
-            return None if pixels is None else pixels.float().clamp(-1, 1).cpu()
-        return self.model.decode(raw.to(self.dtype)).sample.float().clamp(-1, 1).cpu()
+            return None if pixels is None else self._from_vae_pixels(pixels.float()).clamp(-1, 1).cpu()
+        return self._from_vae_pixels(self.model.decode(raw.to(self.dtype)).sample.float()).clamp(-1, 1).cpu()
+
+    def _to_vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[-1, 1] -> the pixels the VAE takes: the same, or ImageNet-normalised [0, 1] (``VaeKind.pixels``)."""
+        if self.kind.pixels != "imagenet":
+            return pixels
+        mean, std = (torch.tensor(v, dtype=pixels.dtype, device=pixels.device) for v in (IMAGENET_MEAN, IMAGENET_STD))
+        return ((pixels + 1) / 2 - self._view(mean, pixels)) / self._view(std, pixels)  # (B, 3, [T,] H, W)
+
+    def _from_vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``_to_vae_pixels``: the VAE's decoded pixels in [-1, 1] (before the clamp)."""
+        if self.kind.pixels != "imagenet":
+            return pixels
+        mean, std = (torch.tensor(v, dtype=pixels.dtype, device=pixels.device) for v in (IMAGENET_MEAN, IMAGENET_STD))
+        return (pixels * self._view(std, pixels) + self._view(mean, pixels)) * 2 - 1
 
     @staticmethod
     def _view(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -237,7 +270,8 @@ class VAE:
                 "scale": self.scale.tolist(), "spatial_compression": self.spatial,
                 "temporal_compression": self.temporal if self.is_video else None,
                 "latent_channels": self.channels, "patch": self.patch,
-                **({"frame_pad": self.frame_pad} if self.frame_pad else {})}
+                **({"frame_pad": self.frame_pad} if self.frame_pad else {}),
+                **({"chunks": self.chunk_geometry()} if self.kind.chunks else {})}
 
 
 

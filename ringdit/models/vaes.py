@@ -20,12 +20,19 @@ class VaeKind:
     pipeline: str = ""     # the diffusers pipeline whose latent handling this follows, where messages name it
     # how its enable_tiling takes a tile size (ringdit.media.vae's tile=): "strides" (tile_sample_min_* and strides,
     # 3/4 of the tile), "sizes" (sample and latent tile sizes, its own overlap), "overlap" (sample tile sizes and
-    # overlap factors of a quarter), "attributes" (AutoencoderKL's tile_sample_min_size / tile_latent_min_size);
+    # overlap factors of a quarter), "attributes" (AutoencoderKL's tile_sample_min_size / tile_latent_min_size),
+    # "min_overlap" (sample tile sizes and minimum overlaps of a quarter: AutoencoderKLMiniMaxH3's);
     # None: by whether it is a video VAE, "strides" or "attributes"
     tile_setting: str | None = None
     # AutoencoderKLWan's decoding: its decoder takes first_chunk, its pixels may be patchified (config.patch_size:
     # Wan 2.2's) and its decode clamps to [-1, 1] -- what ringdit.media.parallel_vae repeats per tile
     first_chunk: bool = False
+    # AutoencoderKLMiniMaxH3's time: clip_length-frame chunks of tokens_chunk_size latent frames, token_drop of them
+    # dropped at the end (17n + 5 frames -> 5n + 2 latent frames: ringdit.models.frame_rule's chunk rule)
+    chunks: bool = False
+    # the pixels its encode takes and its decode gives: "signed" ([-1, 1]) or "imagenet" (AutoencoderKLMiniMaxH3's
+    # ImageNet-normalised [0, 1]: (x - mean) / std with the ImageNet mean and std, as its modular pipeline encodes)
+    pixels: str = "signed"
 
     @property
     def tiles_by(self) -> str:
@@ -39,6 +46,9 @@ VAE_KINDS = {kind.class_name: kind for kind in (
     VaeKind("AutoencoderKLLTXVideo", video=True),
     VaeKind("AutoencoderKLLTX2Video", video=True),  # LTX-2's: LTX-Video's latents_mean / std and tiling, 8x / 32x
     VaeKind("AutoencoderKLHunyuanVideo15", video=True, tile_setting="sizes"),
+    # MiniMax-H3's: its enable_tiling takes tile sizes and minimum overlaps ("min_overlap"); tiling on by default
+    VaeKind("AutoencoderKLMiniMaxH3", video=True, tile_setting="min_overlap", chunks=True, pixels="imagenet",
+            pipeline="MiniMaxH3ModularPipeline"),
     VaeKind("AutoencoderKLCogVideoX", video=True, frame_pad=2, tile_setting="overlap"),
     VaeKind("AutoencoderKL", video=False, tiles="image"),
     VaeKind("AutoencoderKLFlux2", video=False, tiles="image", latent_patch=2,  # tiles: AutoencoderKL's code
