@@ -35,6 +35,8 @@ from ringdit.media.pretrained import find_folder
 Tensor = torch.Tensor
 
 AUDIO_VAE_CLASS = "AutoencoderKLLTX2Audio"
+# the audio VAEs prepare encodes with: LTX-2's (here) and MiniMax-H3's (ringdit.media.minimax_audio, its waveform VAE)
+AUDIO_VAE_CLASSES = (AUDIO_VAE_CLASS, "AutoencoderKLMiniMaxH3Audio")
 N_FFT = 1024  # LTX-2's audio processor: n_fft = win_length = 1024 at 16 kHz, hop 160 (the VAE's)
 LOG_FLOOR = 1e-5  # its log-mel floor: log(clamp(mel, min=1e-5))
 
@@ -137,16 +139,23 @@ def latent_audio_frames(seconds: float, rate: int, hop: int, compression: int) -
 
 
 def audio_vae_folder(path, subfolder: str | None = "audio_vae", setting: str = "audio_vae") -> Path:
-    """The folder of LTX-2's audio VAE given as ``path`` (a pipeline folder with ``subfolder``, or its own), its
-    config read and its class checked (nothing loaded); a ConfigError line otherwise."""
+    """The folder of an audio VAE of ``AUDIO_VAE_CLASSES`` (LTX-2's, MiniMax-H3's) given as ``path`` (a pipeline
+    folder with ``subfolder``, or its own), its config read and its class checked (nothing loaded); a ConfigError
+    line otherwise."""
     folder = find_folder(path, subfolder or ".", "config.json", setting)
     config = read_json(folder / "config.json", f"{setting}={path}: {folder / 'config.json'}", kind=dict,
                        fix="save the audio VAE with save_pretrained")
-    if config.get("_class_name") != AUDIO_VAE_CLASS:
+    if config.get("_class_name") not in AUDIO_VAE_CLASSES:
         raise ConfigError(f"{setting}={path}: {folder / 'config.json'} describes {config.get('_class_name')!r}, "
-                          f"not LTX-2's audio VAE ({AUDIO_VAE_CLASS}); give the LTX-2 pipeline folder (its "
-                          f"audio_vae/) or the audio VAE's own folder")
+                          f"not an audio VAE prepare encodes with ({', '.join(AUDIO_VAE_CLASSES)}); give the LTX-2 "
+                          f"or MiniMax-H3 pipeline folder (its audio_vae/) or the audio VAE's own folder")
     return folder
+
+
+def audio_vae_class(folder: Path) -> str:
+    """The class an ``audio_vae_folder``'s config.json names (checked there)."""
+    return read_json(folder / "config.json", str(folder / "config.json"), kind=dict,
+                     fix="save the audio VAE with save_pretrained")["_class_name"]
 
 
 class AudioLatentEncoder:

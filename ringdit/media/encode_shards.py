@@ -15,7 +15,7 @@ import torch
 
 from ringdit.commands.preemption import sigterm_waits
 from ringdit.data.text_latent_shards import MASK_KEY, TEXT_KEYS, save_tensors
-from ringdit.media.audio_latents import AudioLatentEncoder, audio_vae_folder, check_audio_tracks
+from ringdit.media.audio_latents import AudioLatentEncoder, audio_vae_class, audio_vae_folder, check_audio_tracks
 from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.buckets import Bucket, make_buckets, parse_buckets
@@ -26,6 +26,7 @@ from ringdit.media.folder import MediaItem, list_media
 from ringdit.media.frames import TooShort, read_frames, read_image, to_image
 from ringdit.media.image_condition import ImageEncoder, first_frame_condition
 from ringdit.media.masks import find_masks, latent_mask
+from ringdit.media.minimax_audio import AUDIO_VAE_CLASS as MINIMAX_AUDIO_VAE, MiniMaxAudioEncoder
 from ringdit.media.prepare_ranks import TileGroup, default_device
 from ringdit.media.retext import rewrite_text, sample_name, stale_captions, write_text
 from ringdit.media.shard_plan import PLAN, check_plan, check_resumed_task, shard_path
@@ -212,8 +213,7 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
                           pooled_tokenizer=settings.pooled_tokenizer, max_pooled_len=settings.max_pooled_len,
                           masked=settings.masked_text, prompt_template=settings.prompt_template,
                           glyph_encoder=settings.glyph_encoder, glyph_tokenizer=settings.glyph_tokenizer)
-    sound = (AudioLatentEncoder(settings.audio_vae, settings.audio_vae_subfolder, device=device, dtype=store)
-             if settings.audio_vae else None)
+    sound = audio_encoder(settings, device, store) if settings.audio_vae else None
     clip = (ImageEncoder(settings.image_encoder, settings.image_processor, device=device, dtype=store)
             if settings.image_encoder else None)
 
@@ -315,7 +315,8 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
             if sound is not None:  # each window's sound over its frames' time (ringdit/media/audio_latents.py)
                 cond[AUDIO_KEY] = torch.stack([
                     sound.encode_clip(item.path, clock.source_index(item.start), bucket.frames * clock.step,
-                                      clock.source_fps) for item, _ in loaded])  # (B, C_a, L, M)
+                                      clock.source_fps) for item, _ in loaded])  # LTX-2 (B, C_a, L, M);
+                #                                                        MiniMax-H3 (B, 2, L, C_a)
             if settings.task == "i2v":  # the first frame's conditioning, its encodes by the same VAE path as the clips'
                 cond.update(first_frame_condition(encode, pixels[:, :, 0], bucket.frames))
                 if clip is not None:  # CLIP sees the first frame as the bucket shows it (the same 8-bit RGB)
@@ -351,3 +352,12 @@ def encode_shards(settings: FolderSettings, tiles: TileGroup | None) -> EncodeRe
     bar.close()
     report.seconds = time.perf_counter() - start
     return report
+
+
+def audio_encoder(settings: FolderSettings, device, dtype: torch.dtype):
+    """The encoder of ``audio_vae=``'s class: LTX-2's (log-mel, ringdit.media.audio_latents) or MiniMax-H3's
+    (waveform, ringdit.media.minimax_audio)."""
+    folder = audio_vae_folder(settings.audio_vae, settings.audio_vae_subfolder)
+    if audio_vae_class(folder) == MINIMAX_AUDIO_VAE:
+        return MiniMaxAudioEncoder(folder, device=device, dtype=dtype)
+    return AudioLatentEncoder(settings.audio_vae, settings.audio_vae_subfolder, device=device, dtype=dtype)
