@@ -19,7 +19,7 @@ import torch
 
 from ringdit.common.errors import ConfigError
 from ringdit.media.edit_prompt import edit_template
-from ringdit.media.text import TextEncoder, encoder_settings
+from ringdit.media.text import TextEncoder, chat_template, encoder_settings
 from tests.helpers import WORDS
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -35,8 +35,8 @@ def tiny_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *VISION]
-    text = "".join(edit_template(name).text + edit_template(name).picture for name in ("qwenimage_edit",
-                                                                                      "qwenimage_edit_plus"))
+    templates = [edit_template(chat_template(name)) for name in ("qwenimage_edit", "qwenimage_edit_plus")]
+    text = "".join(template.text + template.picture for template in templates)
     pieces = sorted(set(re.findall(r"\w+|[^\w\s]|\n", re.sub(r"<\|\w+\|>", " ", text))) - set(WORDS))
     vocab = {word: i for i, word in enumerate([*special, *WORDS, *pieces])}
     tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
@@ -156,7 +156,7 @@ def test_a_tokenizer_without_the_encoders_image_token_is_refused(edit_folder, tm
     """Qwen-Image's text-only tokenizer (no vision tokens) with the edit encoder: one line; the folder's own works."""
     from tests.helpers import qwen_tokenizer
 
-    qwen_tokenizer(edit_template("qwenimage_edit").text)[0].save_pretrained(tmp_path / "tokenizer")
+    qwen_tokenizer(edit_template(chat_template("qwenimage_edit")).text)[0].save_pretrained(tmp_path / "tokenizer")
     with pytest.raises(ConfigError, match=r"the tokenizer's <\|image_pad\|> is id \d+ but the text encoder's "
                                           r"image_token_id is \d+; pass the edit pipeline's own text_encoder/, "
                                           r"tokenizer/ and processor/"):

@@ -1,7 +1,9 @@
 """Samplers from diffusers' flow schedulers, through their own classes: ``sampler=flow_euler``
 (``FlowMatchEulerDiscreteScheduler``: Flux's, LTX-Video's, HunyuanVideo 1.5's), ``unipc`` (``UniPCMultistepScheduler``
 with flow sigmas: Wan's and SkyReels-V2's), ``dpmpp`` (``DPMSolverMultistepScheduler`` with flow sigmas,
-DPM-Solver++) and ``minimax_h3`` (``MiniMaxH3Scheduler``: MiniMax-H3's, in its own conventions, ``CLEAN_TIME``). They step a flow-matching model (velocity, ``noise - x0``) exactly as the model family's diffusers
+DPM-Solver++), and a family's own where its pipeline steps another (``Family.scheduler``, registered under the
+family's name by the families' registry: ``sampler=minimax_h3`` is ``MiniMaxH3Scheduler``, in its own conventions,
+``CLEAN_TIME``). They step a flow-matching model (velocity, ``noise - x0``) exactly as the model family's diffusers
 pipeline steps it, so that a sample equals the pipeline's for the same initial latents, prompt and scheduler.
 
 Their configuration (``scheduler_config``) is the pipeline folder's ``scheduler/scheduler_config.json`` when the model
@@ -30,12 +32,12 @@ from ringdit.diffusion.objectives import resolution_mu
 
 Tensor = torch.Tensor
 
-# sampler= name -> the diffusers scheduler class that samples with it
+# sampler= name -> the diffusers scheduler class that samples with it: the flow schedulers any family steps, and each
+# family's own (register_scheduler, from its record's ``scheduler``)
 SCHEDULERS = {
     "flow_euler": "FlowMatchEulerDiscreteScheduler",
     "unipc": "UniPCMultistepScheduler",
     "dpmpp": "DPMSolverMultistepScheduler",
-    "minimax_h3": "MiniMaxH3Scheduler",
 }
 # schedulers in MiniMax-H3's conventions: timesteps 1 - sigma (1 = clean), a data-ward velocity (x0 - noise) stepped,
 # and set_timesteps(n) counting the terminal sigma 0 among its n grid points (n - 1 model calls); ringdit's model time
@@ -65,6 +67,14 @@ class PipelineTimesteps:
     sigmas: str | None = None
     drops_for_flow_sigmas: bool = False
     float32_prediction: bool = False
+
+
+def register_scheduler(sampler: str, class_name: str) -> None:
+    """``sampler=<sampler>`` steps diffusers' ``class_name``: a model family's own scheduler, registered by the
+    families' registry from its record (this module sits below the kinds and cannot read them)."""
+    if SCHEDULERS.get(sampler, class_name) != class_name:
+        raise ValueError(f"sampler={sampler} is already {SCHEDULERS[sampler]}, not {class_name}")
+    SCHEDULERS[sampler] = class_name
 
 
 def is_scheduler_sampler(sampler) -> bool:
@@ -279,4 +289,4 @@ def float32_default():
 
 
 __all__ = ["CLEAN_TIME", "SCHEDULERS", "PipelineTimesteps", "build_scheduler", "check_flow_scheduler", "dynamic_mu",
-           "is_scheduler_sampler", "sample_with_scheduler", "scheduler_class", "scheduler_config", "set_timesteps"]
+           "is_scheduler_sampler", "register_scheduler", "sample_with_scheduler", "scheduler_class", "scheduler_config", "set_timesteps"]

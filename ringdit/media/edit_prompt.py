@@ -16,7 +16,8 @@
 
 The processor's expansion is done here rather than by ``Qwen2VLProcessor`` itself, which transformers builds only with
 its video processor (torchvision); the image processor is the folder's own. The templates, the drop and the image
-areas are read from diffusers' code when used (``edit_template``), so that they cannot drift.
+areas are read from diffusers' code when used (``edit_template``), so that they cannot drift; which pipeline a
+``prompt_template`` name encodes as is its family's fact (``ChatTemplate.edit_pipeline`` of Qwen-Image-Edit's record).
 
 ``text`` is then ``(N, max_len, D)`` zero after each sample's real tokens and ``text_mask`` the real tokens, as
 ``TextEncoder`` stores every template; a prompt with its image longer than ``max_len`` is refused (the pipelines cut
@@ -35,9 +36,8 @@ import torch
 
 from ringdit.common.errors import ConfigError
 from ringdit.media.pretrained import find_folder
+from ringdit.models.diffusers.family import ChatTemplate
 
-# prompt_template= name -> the diffusers pipeline whose prompt encoding it is
-EDIT_PIPELINES = {"qwenimage_edit": "QwenImageEditPipeline", "qwenimage_edit_plus": "QwenImageEditPlusPipeline"}
 IMAGE_TOKEN = "<|image_pad|>"
 
 
@@ -64,11 +64,12 @@ def _assigned_constants(function) -> dict:
     return found
 
 
-def edit_template(name: str) -> EditTemplate:
-    """The prompt encoding of the edit pipeline ``name`` (``EDIT_PIPELINES``), read from its code."""
+def edit_template(chat: ChatTemplate) -> EditTemplate:
+    """The prompt encoding of the edit pipeline of ``chat`` (a family's ``ChatTemplate`` whose ``edit_pipeline`` is
+    set: Qwen-Image-Edit's), read from that pipeline's code."""
     import diffusers
 
-    pipeline = getattr(diffusers, EDIT_PIPELINES[name])
+    name, pipeline = chat.name, getattr(diffusers, chat.edit_pipeline)
     module = inspect.getmodule(pipeline)
     constants = _assigned_constants(pipeline.__init__)
     encode = _assigned_constants(pipeline._get_qwen_prompt_embeds)

@@ -78,7 +78,6 @@ from ringdit.media.encode_shards import FolderSettings, encode_shards
 from ringdit.media.image_condition import image_encoder_folders
 from ringdit.media.prepare_ranks import TileGroup, default_device, rank_and_world
 from ringdit.media.shard_plan import PLAN, PLAN_FORMAT, check_plan, check_resumed_task, shard_path
-from ringdit.media.edit_prompt import EDIT_PIPELINES
 from ringdit.media.text import chat_template, check_glyph_settings, check_pooled_settings
 from ringdit.media.vae import usable_device
 
@@ -131,10 +130,10 @@ def encode_folder(input: str, out: str, vae: str, text_encoder: str, tokenizer: 
     check_task(task, image_encoder, image_processor)  # before any work, on every rank alike
     device = str(usable_device(device or default_device()))  # meta, or a GPU this machine lacks: one line
     check_pooled_settings(pooled_encoder, pooled_tokenizer, masked_text)
-    chat_template(prompt_template)  # a name it does not know: one line, before any work
-    if prompt_template in EDIT_PIPELINES and not reference:  # the captions are encoded with their reference images
+    template = chat_template(prompt_template)  # a name it does not know: one line, before any work
+    if template is not None and template.edit_pipeline and not reference:  # captions encoded with their images
         raise ConfigError(f"prompt_template={prompt_template} encodes each caption with its reference image, as "
-                          f"{EDIT_PIPELINES[prompt_template]} does, but reference= is not set; pass reference=<folder "
+                          f"{template.edit_pipeline} does, but reference= is not set; pass reference=<folder "
                           f"of reference images>, or prompt_template=qwenimage for the captions alone")
     check_glyph_settings(glyph_encoder, glyph_tokenizer, prompt_template)
     if not isinstance(parallel_vae, bool):

@@ -244,7 +244,8 @@ def check_joint_shift(model_cfg: dict, sampling: dict, prefix: str = "") -> None
     joint_shift = sampling.get("joint_shift")
     if joint_shift is None:
         return
-    keys = model_class(model_cfg).sampling_defaults(model_cfg).get("joint_latents", ())
+    defaults = model_class(model_cfg).sampling_defaults(model_cfg)
+    keys, own = defaults.get("joint_latents", ()), defaults.get("scheduler")
     example = f"{prefix}joint_shift={{{keys[0] if keys else 'audio'}: 3.0}}"
     if not isinstance(joint_shift, dict) or not joint_shift:
         raise ConfigError(f"{prefix}joint_shift={joint_shift!r} is not a shift per joint latent: give e.g. {example}, "
@@ -260,7 +261,8 @@ def check_joint_shift(model_cfg: dict, sampling: dict, prefix: str = "") -> None
     if not is_scheduler_sampler(sampling.get("sampler")):
         raise ConfigError(f"{prefix}joint_shift steps {', '.join(joint_shift)} on a schedule of its own, which only "
                           f"diffusers' scheduler samplers do, but {prefix}sampler={sampling.get('sampler')}; use "
-                          f"{prefix}sampler=minimax_h3 (MiniMax-H3's pipeline's) or flow_euler, or leave "
+                          + (f"{prefix}sampler={own} (its pipeline's scheduler) or " if own else "")
+                          + f"{prefix}sampler={' / '.join(name for name in SCHEDULERS if name != own)}, or leave "
                           f"{prefix}joint_shift null")
 
 

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ringdit.diffusion.schedulers import register_scheduler
 from ringdit.models.diffusers.cogvideox import COGVIDEOX15
 from ringdit.models.diffusers.family import ChatTemplate, Family, PipelineTimesteps
 from ringdit.models.diffusers.flux2 import FLUX2
@@ -239,6 +240,9 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (WAN, WAN22_TI2
                                                                    QWENIMAGE_EDIT, HUNYUAN_VIDEO15,
                                                                    HUNYUAN_VIDEO15_I2V, SKYREELS_V2, LTX_VIDEO, FLUX2,
                                                                    COGVIDEOX15, WAN_VACE, LTX2, MINIMAX_H3)}
+for _family in FAMILIES.values():  # sampler=<family> steps its pipeline's own scheduler (MiniMax-H3's)
+    if _family.scheduler is not None:
+        register_scheduler(_family.name, _family.scheduler)
 
 
 def get_family(name: str) -> Family:
@@ -278,7 +282,14 @@ def chat_templates() -> dict[str, Callable[[], ChatTemplate]]:
     for name, family in FAMILIES.items():
         if family.chat_template is not None and family.chat_template not in templates.values():
             templates[name] = family.chat_template
+        templates.update(family.chat_variants)  # Qwen-Image-Edit's qwenimage_edit_plus
     return templates
+
+
+def edit_templates() -> list[str]:
+    """The ``prompt_template`` names whose pipelines encode each prompt with its reference image
+    (``ChatTemplate.edit_pipeline``), for the advice of a refusal."""
+    return [name for name, template in chat_templates().items() if template().edit_pipeline]
 
 
 def with_original_lora_names() -> list[str]:

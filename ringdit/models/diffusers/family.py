@@ -38,6 +38,10 @@ class ChatTemplate:
     # the pipeline's own prompt string around the prompt ("...{}...", the system message in it), tokenized as it is
     # rather than through the tokenizer's chat template (Qwen-Image's prompt_template_encode); None: the chat template
     text: str | None = None
+    # the diffusers pipeline that encodes each prompt together with its reference image through this encoder
+    # (QwenImageEditPipeline: ringdit.media.edit_prompt reads its prompt string and crop from that pipeline's code);
+    # None: the prompt alone
+    edit_pipeline: str | None = None
 
     def messages(self, prompts: list[str]) -> list[list[dict]]:
         """The chats the pipeline tokenizes, one a prompt."""
@@ -122,6 +126,13 @@ class Family:
     # its pipeline's chat template around the prompt (prompt_template=<family>), its constants read from diffusers'
     # own code when called, so that they cannot drift; None: the text encoder takes the prompt as it is (T5, UMT5)
     chat_template: Callable[[], ChatTemplate] | None = None
+    # further prompt_template= names its pipelines encode prompts by, beyond the family's own name (Qwen-Image-Edit's
+    # qwenimage_edit_plus: QwenImageEditPlusPipeline's prompt with its picture); {}: none
+    chat_variants: Mapping[str, Callable[[], ChatTemplate]] = field(default_factory=dict, hash=False)
+    # the diffusers scheduler class its pipeline steps where that is none of the flow samplers' (MiniMax-H3's
+    # MiniMaxH3Scheduler, in its own time conventions): sampler=<family name> steps it (ringdit.diffusion.schedulers);
+    # None: the family samples with the generic ones (flow_euler, unipc, dpmpp)
+    scheduler: str | None = None
     # conditioning keys of latents the model denoises together with the video (LTX-2's ``audio``): training noises
     # each at the sample's time and adds its own mean squared error; the forward then returns ``(prediction,
     # {key: its prediction})``. (): the model predicts the latents ``x`` alone

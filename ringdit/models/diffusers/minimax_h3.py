@@ -192,6 +192,7 @@ MINIMAX_H3 = Family(
     ),
     forward=_minimax_h3_joint_forward,
     # its loop steps MiniMaxH3Scheduler (sampler=minimax_h3) on the prediction rounded to float32 (``.float()``)
+    scheduler="MiniMaxH3Scheduler",
     pipeline_timesteps=PipelineTimesteps(float32_prediction=True),
     joint_latents=(AUDIO,),  # the sound: noised with the video, predicted, in the loss
     audio_frame=lambda config: (STEREO, config["audio_in_channels"]),  # one latent frame: (2, C_a)

@@ -29,14 +29,16 @@ size. Classifier-free guidance keeps it in the unconditional prediction (the pip
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from math import prod
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ringdit.models.conditioning import REFERENCE_KEY as REFERENCE  # the reference latents' key, the stream's name
-from ringdit.models.diffusers.family import Family
+from ringdit.models.diffusers.family import ChatTemplate, Family
 from ringdit.models.diffusers.packing import pack_latents, unpack_latents
 from ringdit.models.parallel_plan import TEXT, TOKENS, PackedStreams, ParallelPlan
 
@@ -85,6 +87,12 @@ def _qwenimage_edit_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond: 
     return unpack_latents(out[:, : tokens.shape[1]], height, width)  # the image's tokens: the pipelines' slice
 
 
+def _edit_chat_template(base: Callable[[], ChatTemplate], name: str, pipeline: str) -> ChatTemplate:
+    """``base`` (Qwen-Image's Qwen2.5-VL and its template) as the edit pipeline ``pipeline`` encodes a prompt: with its
+    reference image (ringdit.media.edit_prompt reads the pipeline's own prompt string and crop from its code)."""
+    return replace(base(), name=name, edit_pipeline=pipeline)
+
+
 def edit_family(qwenimage: Family) -> Family:
     """Qwen-Image-Edit's family: QwenImage's (its geometry, text encoder recipe, scheduler, LoRA names) with the
     reference packed after the image tokens."""
@@ -92,6 +100,12 @@ def edit_family(qwenimage: Family) -> Family:
     return replace(
         qwenimage,
         name="qwenimage_edit",
+        # prompt_template=qwenimage_edit / qwenimage_edit_plus: each caption with its reference image, as
+        # QwenImageEditPipeline / QwenImageEditPlusPipeline (Qwen-Image-Edit-2509 / 2511) encode it
+        chat_template=functools.partial(_edit_chat_template, qwenimage.chat_template, "qwenimage_edit",
+                                        "QwenImageEditPipeline"),
+        chat_variants={"qwenimage_edit_plus": functools.partial(
+            _edit_chat_template, qwenimage.chat_template, "qwenimage_edit_plus", "QwenImageEditPlusPipeline")},
         plan=replace(
             base,
             # Qwen-Image-Edit-2511's per-token modulation index (B, S + S_ref), handed whole to every block (by name,

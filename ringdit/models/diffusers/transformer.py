@@ -395,10 +395,12 @@ class DiffusersTransformer(KindDefaults, nn.Module):
     def sampling_defaults(config: dict) -> dict:
         """The flow objective's settings a run leaves unset, as the family's pipeline fixes them: the resolution
         shift's constants (``diffusion.objective.resolution``) and the last sampling time (``shift_terminal``); the
-        latents it denoises with the video (``joint_latents``: what ``diffusion.sampling.joint_shift`` may name)."""
+        latents it denoises with the video (``joint_latents``: what ``diffusion.sampling.joint_shift`` may name); the
+        sampler of its pipeline's own scheduler (``scheduler``: the family's name where ``Family.scheduler`` is set,
+        else None)."""
         family = get_family(config["family"])
         return {"resolution": family.resolution_shift, "shift_terminal": family.shift_terminal,
-                "joint_latents": family.joint_latents}
+                "joint_latents": family.joint_latents, "scheduler": family.name if family.scheduler else None}
 
     @property
     def takes_guidance(self) -> bool:
