@@ -17,7 +17,11 @@ and every training step reads one bucket; see ringdit/data/steps.py):
                        where the prompt quotes nothing (HunyuanVideo15Pipeline's encoder_hidden_states_2)
     glyph_text_mask  bool  (N, G)  True on its real tokens; all False where the prompt quotes nothing (with
                        glyph_text, always both)
-    null_text, null_text_mask, null_pooled, null_glyph_text, null_glyph_text_mask   (1, ...)   the EMPTY prompt's
+    audio_text  float  (N, L, D_a)  LTX-2's audio prompt states (optional; prepare's prompt_template=ltx2): its text
+                       connectors' audio output, beside their video output in ``text``; ``text_mask`` is the mask of
+                       both, as LTX2Pipeline hands it to the transformer
+    null_text, null_text_mask, null_pooled, null_glyph_text, null_glyph_text_mask, null_audio_text   (1, ...)   the
+                       EMPTY prompt's
                        embedding, used for the condition drop of classifier-free guidance and as the default negative
                        prompt (optional: zeros, all masked, if absent)
 
@@ -99,7 +103,8 @@ IMAGE_OF = {"image_latents": "the first frame encoded alone as a 1-frame video (
             "reference": "a reference image's latents at the image's size (Qwen-Image-Edit: the latents' shape)"}
 MASK_KEY = "loss_mask"  # a masked loss's weights, optional, per sample (ringdit.media.masks writes them)
 TEXT_DIR = "text"  # prepare's text cache: the text of shard-i.safetensors in text/shard-i.safetensors beside it
-TEXT_KEYS = ("text", "text_mask", "pooled", *GLYPH_KEYS, *NULL_KEYS.values())  # what a text file holds
+AUDIO_TEXT = "audio_text"  # LTX-2's audio prompt states, optional, per sample: (N, L, D_a)
+TEXT_KEYS = ("text", "text_mask", "pooled", *GLYPH_KEYS, AUDIO_TEXT, *NULL_KEYS.values())  # what a text file holds
 
 Tensor = torch.Tensor
 
@@ -108,12 +113,15 @@ def write_text_latents(path: str | Path, latents: Tensor, text: Tensor, text_mas
                        pooled: Tensor | None = None, null: dict[str, Tensor] | None = None,
                        captions: list[str] | None = None, metadata: dict[str, str] | None = None,
                        image: dict[str, Tensor] | None = None, glyph: dict[str, Tensor] | None = None,
-                       loss_mask: Tensor | None = None) -> Path:
+                       loss_mask: Tensor | None = None, audio_text: Tensor | None = None) -> Path:
     """Write one shard (see the module docstring); ``null`` holds the empty prompt's ``text`` (L, D) [, mask, pooled,
     glyph_text (G, D_g), glyph_text_mask (G,)]; ``metadata`` adds string keys (prepare records ``vae``: the VAE's class
     and normalisation, as JSON); ``image`` the image-to-video and control conditioning, ``SAMPLE_KEYS`` (N, ...)
-    each; ``glyph`` the glyph text, ``GLYPH_KEYS`` (N, ...) both; ``loss_mask`` the loss's weights (N, 1, [T,] H, W)."""
+    each; ``glyph`` the glyph text, ``GLYPH_KEYS`` (N, ...) both; ``loss_mask`` the loss's weights (N, 1, [T,] H, W);
+    ``audio_text`` LTX-2's audio prompt states (N, L, D_a)."""
     tensors = {"latents": latents, "text": text}
+    if audio_text is not None:
+        tensors[AUDIO_TEXT] = audio_text
     if text_mask is not None:
         tensors["text_mask"] = text_mask.bool()
     if pooled is not None:
@@ -219,6 +227,7 @@ class Shard:
                 raise ConfigError(f"{where}: {key} has shape {shape}; expected {wanted} (write the shard with "
                                   f"write_text_latents(..., null=...))")
         self.check_glyph()
+        self.check_audio_text()
         self.check_images()
         self.check_loss_mask()
 
@@ -256,6 +265,22 @@ class Shard:
             if not fits or (states and self.dtypes[key] not in FLOAT_DTYPES):
                 raise ConfigError(f"{where}: {key} is {self.dtypes[key]} {shape}; expected {'float ' if states else ''}"
                                   f"{wanted} (None = any), {NULL_OF.get(key, 'the glyph text of each sample')}")
+
+    def check_audio_text(self) -> None:
+        """LTX-2's audio prompt states, where present: float (N, L, D_a) on the text's tokens, and the empty prompt's
+        (1, L, D_a) only beside them."""
+        where, (count, length) = f"data.path: {self.path}", self.shapes["text"][:2]
+        audio = self.shapes.get(AUDIO_TEXT)
+        for key, wanted in ((AUDIO_TEXT, (count, length, None)),
+                            (NULL_KEYS[AUDIO_TEXT], (1, length, audio[2]) if audio else (1, length, None))):
+            shape = self.shapes.get(key)
+            if shape is None:
+                continue
+            fits = len(shape) == 3 and all(w is None or s == w for s, w in zip(shape, wanted))
+            if not fits or self.dtypes[key] not in FLOAT_DTYPES:
+                raise ConfigError(f"{where}: {key} is {self.dtypes[key]} {shape}; expected float {wanted} (None = "
+                                  f"any), {NULL_OF.get(key, 'the audio prompt states of each sample')} on the text's "
+                                  f"{length} tokens (prepare's prompt_template=ltx2 writes both)")
 
     @property
     def image_keys(self) -> tuple[str, ...]:
@@ -365,6 +390,8 @@ def condition_of(values: dict[str, Tensor], row: int) -> dict[str, Tensor]:
     if "glyph_text" in values:
         cond["glyph_text"] = values["glyph_text"][row].float()
         cond["glyph_text_mask"] = values["glyph_text_mask"][row].bool()
+    if AUDIO_TEXT in values:  # LTX-2's audio prompt states (L, D_a)
+        cond[AUDIO_TEXT] = values[AUDIO_TEXT][row].float()
     for key in (*SAMPLE_KEYS, MASK_KEY):
         if key in values:
             cond[key] = values[key][row].float()
@@ -415,7 +442,8 @@ def read_prompts(path: str, setting: str = "text_embeds") -> tuple[dict[str, Ten
             keys = set(f.keys())
             if "text" not in keys:
                 raise ValueError(f"{setting}={path} has no tensor 'text' (it holds {sorted(keys)})")
-            values = {key: f.get_tensor(key) for key in ("text", "text_mask", "pooled", *GLYPH_KEYS) if key in keys}
+            values = {key: f.get_tensor(key) for key in ("text", "text_mask", "pooled", *GLYPH_KEYS, AUDIO_TEXT)
+                      if key in keys}
             metadata = f.metadata() or {}
     except SafetensorError as error:
         raise ValueError(f"{setting}={path} is not a readable .safetensors file ({error})") from None

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from ringdit.data.base import ImageDataModule
 from ringdit.data.datasets import DatasetList, parse_datasets, parse_eval, resolve_val_fraction
 from ringdit.data.latents import checked_data_path
-from ringdit.data.text_latent_shards import LAYOUT, MASK_KEY, Shard, condition_of
+from ringdit.data.text_latent_shards import AUDIO_TEXT, LAYOUT, MASK_KEY, Shard, condition_of
 from ringdit.data.text_latent_shards import read_prompts, write_text_latents  # noqa: F401 - importable from here too
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.commands.launcher import spawned_by_launcher
@@ -55,8 +55,8 @@ class TextLatentRows(Dataset):
             raise IndexError(index)
         shard_index = bisect.bisect_right(self.starts, index) - 1
         shard, row = self.shards[shard_index], index - self.starts[shard_index]
-        values = shard.read(("latents", "text", "text_mask", "pooled", *GLYPH_KEYS, *SAMPLE_KEYS, MASK_KEY), row,
-                            row + 1)
+        values = shard.read(("latents", "text", "text_mask", "pooled", *GLYPH_KEYS, AUDIO_TEXT, *SAMPLE_KEYS,
+                             MASK_KEY), row, row + 1)
         return values["latents"][0].float(), condition_of(values, 0)
 
 
@@ -123,6 +123,8 @@ class TextLatentsDataModule(ImageDataModule):
             info["glyph_len"], info["glyph_dim"] = self.glyph_shape
         if self.shards[0].image_keys:  # image-to-video conditioning (every shard holds the same: _check_mixable)
             info["image_keys"] = list(self.shards[0].image_keys)
+        if AUDIO_TEXT in self.shards[0].shapes:  # LTX-2's audio prompt states (N, L, D_a): their width
+            info["audio_text_dim"] = self.shards[0].shapes[AUDIO_TEXT][2]
         # by prepare: how to decode and encode prompts, images; the audio VAE the sound was encoded with
         for key in ("vae", "text_encoder", "image_encoder", "audio_vae"):
             if key in self.shards[0].metadata:
@@ -166,6 +168,7 @@ def _check_mixable(path, shards: list[Shard]) -> None:
     for shard in shards[1:]:
         (channels, dims), text, pooled, glyph = shard.layout()
         (channels0, dims0), text0, pooled0, glyph0 = first.layout()
+        audio0, audio = (s.shapes[AUDIO_TEXT][1:] if AUDIO_TEXT in s.shapes else None for s in (first, shard))
         what = ("latent channels", channels0, channels) if channels != channels0 else \
             ("latent dims (image vs video)", dims0, dims) if dims != dims0 else \
             ("text (L, D)", text0, text) if text != text0 else \
@@ -174,7 +177,8 @@ def _check_mixable(path, shards: list[Shard]) -> None:
             ("image conditioning", list(first.image_keys), list(shard.image_keys)) \
             if shard.image_keys != first.image_keys else \
             ("a loss mask", MASK_KEY in first.shapes, MASK_KEY in shard.shapes) \
-            if (MASK_KEY in shard.shapes) != (MASK_KEY in first.shapes) else None
+            if (MASK_KEY in shard.shapes) != (MASK_KEY in first.shapes) else \
+            ("audio prompt states (L, D_a)", audio0, audio) if audio != audio0 else None
         if what is not None:
             fix = ("store images as 1-frame videos (N, C, 1, H, W) for a video model (prepare does)"
                    if what[0].startswith("latent dims") else

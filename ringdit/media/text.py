@@ -45,6 +45,7 @@ import torch
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.edit_prompt import EditPromptEncoder, edit_template
 from ringdit.media.glyph import GlyphEncoder
+from ringdit.media.ltx2_prompt import LTX2_TEMPLATE, LTX2Connectors, check_ltx2_encoder
 from ringdit.media.pretrained import ENCODERS, REMOTE_CODE, find_folder
 from ringdit.models.diffusers.families import chat_templates, edit_templates
 from ringdit.models.diffusers.family import ChatTemplate
@@ -57,11 +58,12 @@ POOLED_SETTINGS = ("pooled_encoder", "pooled_tokenizer", "max_pooled_len")
 
 def chat_template(name: str | None) -> ChatTemplate | None:
     """The ``ChatTemplate`` of the pipeline of family ``name`` (its ``Family.chat_template``)."""
-    if name is None:
+    if name is None or name == LTX2_TEMPLATE:  # LTX-2's: no chat; Gemma 3 + its connectors (media/ltx2_prompt.py)
         return None
     templates = chat_templates()
     if name not in templates:
-        raise ConfigError(f"prompt_template={name!r} is not one of {', '.join(templates)}; pass "
+        names = ", ".join([*templates, LTX2_TEMPLATE])
+        raise ConfigError(f"prompt_template={name!r} is not one of {names}; pass "
                           f"the family whose "
                           f"pipeline's text encoder you give (its chat template), or null for an encoder that takes "
                           f"the prompt as it is (T5, UMT5, CLIP)")
@@ -123,7 +125,10 @@ class TextEncoder:
         if model_type not in ENCODERS:
             raise ConfigError(f"{setting}={text_encoder}: model_type {model_type!r} is not a supported text encoder "
                               f"({', '.join(sorted(ENCODERS))}); pass a T5, UMT5 or CLIP text model folder")
+        check_ltx2_encoder(model_type, prompt_template, f"{setting}={text_encoder}")
         self._check_template(model_type, config, f"{setting}={text_encoder}")
+        self.ltx2 = (LTX2Connectors(folder, config, max_len, f"{setting}={text_encoder}", device=device, dtype=dtype)
+                     if prompt_template == LTX2_TEMPLATE else None)  # LTX-2: Gemma's states through its connectors
         # safetensors only, their headers checked first: a pickled .bin can run code, and infer.py may take this
         # folder from a checkpoint; a truncated file fails here in one line
         check_weights_folder(folder, setting=setting, value=text_encoder, class_name=ENCODERS[model_type],
@@ -171,6 +176,8 @@ class TextEncoder:
         self.dim = int(getattr(text_config, "d_model", None) or text_config.hidden_size)
         if self.template is not None:  # the template's layers joined per token
             self.dim *= len(self.template.layers)
+        if self.ltx2 is not None:  # the video connector's states
+            self.dim = self.ltx2.dim
         self.pooled_encoder = None
         if pooled_encoder is not None:
             self.pooled_encoder = TextEncoder(pooled_encoder, pooled_tokenizer, max_len=max_pooled_len,
@@ -230,6 +237,8 @@ class TextEncoder:
             from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
             prompts = [prompt_clean(prompt) for prompt in prompts]
+        if self.ltx2 is not None:  # + audio_text (N, L, D_a)
+            return self.ltx2(self.model, self.tokenizer, prompts, self.max_len, self.device)
         cond = self._templated(prompts) if self.template is not None else self._plain(prompts)
         if self.glyph_encoder is not None:  # + glyph_text (N, G, D_byt5), glyph_text_mask (N, G)
             cond.update(self.glyph_encoder(prompts))
@@ -291,6 +300,8 @@ class TextEncoder:
             info["glyph_encoder"] = self.glyph_encoder.describe()
         if self.edit is not None:
             info["processor"] = str(self.edit.folder.resolve())
+        if self.ltx2 is not None:
+            info["connectors"] = str(self.ltx2.folder.resolve())
         return info
 
 def word_level_tokenizer(words: list[str] | tuple[str, ...]):

@@ -109,6 +109,11 @@ def check_audio_data(config: dict, family: Family, data: dict) -> None:
                           f"'audio' latents (N, channels, L, features) beside the clips'; give data that hold them, "
                           f"e.g. data=synthetic_text_latents data.audio={example}")
     check_audio_rate(config, data)
+    if data.get("audio_text_dim") and "audio_text" not in family.condition_keys:
+        raise ConfigError(f"the data hold audio prompt states (audio_text, {data['audio_text_dim']} wide: LTX-2's text "
+                          f"connectors' audio output), which model.family={family.name} does not read; prepare the "
+                          f"captions with this model's own text encoder (without prompt_template=ltx2), or train "
+                          f"model=ltx2")
     if AUDIO_KEY in keys and AUDIO_KEY not in family.joint_latents + family.condition_keys:
         raise ConfigError(f"the data hold the clips' 'audio' latents, but model.family={family.name} generates no "
                           f"sound: it would train on the video alone; train an audio-video model (model=ltx2), or "
