@@ -14,6 +14,7 @@ ENCODERS = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel", "clip_text_model
             "clip": "CLIPTextModel", "clip_text_with_projection": "CLIPTextModel",
             "qwen2_5_vl_text": "Qwen2_5_VLTextModel",  # HunyuanVideo 1.5's, with prompt_template=hunyuan_video15
             "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",  # Qwen-Image's, with prompt_template=qwenimage
+            "qwen3_vl": "Qwen3VLForConditionalGeneration",  # MiniMax-H3's, with prompt_template=minimax_h3
             "mistral3": "Mistral3ForConditionalGeneration",  # Flux.2's, with prompt_template=flux2
             "gemma3": "Gemma3ForConditionalGeneration"}  # LTX-2's, with prompt_template=ltx2 (its connectors)
 
