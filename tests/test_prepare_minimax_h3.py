@@ -3,8 +3,8 @@ latents from ``AutoencoderKLMiniMaxH3`` (tests/test_minimax_h3_vae.py), its soun
 VAE's 32 kHz stereo and encoded channel by channel by the mono ``AutoencoderKLMiniMaxH3Audio`` as
 MiniMaxH3ModularPipeline encodes a reference soundtrack (posterior mean, ``(latents - mean) / std``, channel-major),
 L = round(frames / 24 x 40) latents as the pipeline counts them; the shards train ``model=minimax_h3_tiny`` through
-train.py. Tiny random VAEs; the captions here go through a tiny T5 (MiniMax-H3's Qwen3-VL prompt encoding is not in
-prepare yet)."""
+train.py. Tiny random VAEs and Qwen3-VL (``prompt_template=minimax_h3``: its hidden_states[50] of the bare caption,
+tests/test_minimax_h3_prompt.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ pytest.importorskip("av")
 from ringdit.media.audio_latents import read_waveform  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from tests.helpers import WORDS, logged_losses, read_prepared, run  # noqa: E402
+from tests.test_minimax_h3_prompt import tiny_qwen3_vl  # noqa: E402
 from tests.test_minimax_h3_vae import tiny_vae  # noqa: E402
 
 RATE, FPS, FRAMES, SIZE = 22050, 24, 22, 32  # the clips' sound (resampled to 32 kHz) and video: 7 x 4 x 4 latents
@@ -45,19 +46,15 @@ def tiny_audio_vae(folder: Path):
 
 @pytest.fixture(scope="module")
 def minimax(tmp_path_factory) -> tuple[Path, object, Path]:
-    """A pipeline-shaped MiniMax-H3 folder (vae/, audio_vae/, a tiny T5 of 16 features: minimax_h3_tiny's text_dim,
-    its tokenizer) and 4 random clips of 22 frames with a two-tone stereo sound track each (its pitch by seed)."""
-    from transformers import T5Config, T5EncoderModel
-
-    from ringdit.media.text import word_level_tokenizer
+    """A pipeline-shaped MiniMax-H3 folder (vae/, audio_vae/, a tiny Qwen3-VL text_encoder/ of 16 features:
+    minimax_h3_tiny's text_dim, tokenizer/) and 4 random clips of 22 frames with a two-tone stereo sound track each
+    (its pitch by seed)."""
     from ringdit.media.writing import write_mp4
 
     root = tmp_path_factory.mktemp("minimax") / "MiniMax-H3"
     tiny_vae(root / "vae")
     audio = tiny_audio_vae(root / "audio_vae")
-    T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1, num_heads=2)
-                   ).save_pretrained(root / "text_encoder")
-    word_level_tokenizer(WORDS).save_pretrained(root / "tokenizer")
+    tiny_qwen3_vl(root)
     clips = tmp_path_factory.mktemp("clips")
     rng = np.random.default_rng(0)
     t = np.arange(RATE) / RATE
@@ -65,13 +62,13 @@ def minimax(tmp_path_factory) -> tuple[Path, object, Path]:
         wave = np.stack([np.sin(2 * np.pi * (220 + 110 * seed) * t), np.sin(2 * np.pi * (330 + 55 * seed) * t)]) / 2
         frames = rng.integers(0, 256, (FPS, SIZE, SIZE, 3), dtype=np.uint8)  # one second
         write_mp4(frames, clips / f"clip{seed}.mp4", fps=FPS, audio=(wave, RATE))
-        (clips / f"clip{seed}.txt").write_text(" ".join(WORDS[seed] for _ in range(3)))
+        (clips / f"clip{seed}.txt").write_text(" ".join(WORDS[5 + seed] for _ in range(3)))
     return root, audio, clips
 
 
 def prepare(root: Path, clips: Path, out: Path):
     return encode_folder(str(clips), str(out), str(root), str(root), size=SIZE, frames=FRAMES, max_text_len=8,
-                         audio_vae=str(root), progress=False)
+                         audio_vae=str(root), prompt_template="minimax_h3", progress=False)
 
 
 def test_prepare_stores_the_audio_latents_as_the_pipeline_encodes_a_soundtrack(minimax, tmp_path):
@@ -89,6 +86,8 @@ def test_prepare_stores_the_audio_latents_as_the_pipeline_encodes_a_soundtrack(m
     length = audio_latent_num_frames(FRAMES)
     assert length == audio_frames(7) == 37
     assert tensors["latents"].shape == (4, 4, 7, 4, 4) and tensors["audio"].shape == (4, 2, length, 8)
+    assert tensors["text"].shape == (4, 8, 16) and json.loads(metadata["text_encoder"])["prompt_template"] == \
+        "minimax_h3"
     recorded = json.loads(metadata["audio_vae"])
     assert (recorded["class"], recorded["sample_rate"], recorded["hop_length"]) == ("AutoencoderKLMiniMaxH3Audio",
                                                                                     32000, 800)

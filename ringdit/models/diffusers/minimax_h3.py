@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ringdit.models.conditioning import AUDIO_KEY as AUDIO  # the soundtrack's latents (B, 2, L, C_a)
-from ringdit.models.diffusers.family import Family, PipelineTimesteps
+from ringdit.models.diffusers.family import ChatTemplate, Family, PipelineTimesteps
 from ringdit.models.parallel_plan import ParallelPlan
 
 Tensor = torch.Tensor
@@ -177,6 +177,18 @@ def _minimax_h3_joint_forward(transformer: nn.Module, x: Tensor, t: Tensor, cond
     return video, {AUDIO: sound}
 
 
+def _chat_template() -> ChatTemplate:
+    """MiniMaxH3ModularPipeline's ``t2va`` prompt encoding (MiniMaxH3TextEncoderStep): the prompt verbatim -- no chat
+    template, no special tokens, no system message -- through Qwen3-VL, its hidden states after decoder layer
+    ``text_encoder_layer`` (50, read from the pipeline), every real token kept (prepare pads a batch to max_len: the
+    states after the real tokens zeroed and text_mask marking them, which the forward drops)."""
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
+
+    layer = int(MiniMaxH3ModularPipeline.text_encoder_layer.fget(None))  # a constant property: 50
+    return ChatTemplate("minimax_h3", "", 0, (layer,), masked=True, generation_prompt=False,
+                        model_types=("qwen3_vl",), text="{}")
+
+
 MINIMAX_H3 = Family(
     name="minimax_h3",
     model_class="MiniMaxH3Transformer3DModel",
@@ -206,6 +218,7 @@ MINIMAX_H3 = Family(
     vae_factors=(4, 16),
     fps=FPS,
     condition_keys=("text", "text_mask", AUDIO, AUDIO_TIME),
+    chat_template=_chat_template,  # prompt_template=minimax_h3: Qwen3-VL's hidden_states[50] of the bare prompt
     text_dim="text_dim",
     patch_shape=lambda config: tuple(config["patch_size"]),
     # DiffSynth-Studio's MiniMax-H3 LoRA scripts (examples/minimax_h3/model_training/lora/MiniMax-H3-FL2VA.sh:
