@@ -126,3 +126,16 @@ def test_prepare_refuses_a_length_the_vae_cannot_take_and_the_advice_works(minim
     clip = sorted(clips.glob("*.mp4"))[1]
     pixels = read_frames(clip, SIZE, SIZE, list(range(FRAMES)), "the clip")[None]  # (1, 3, 22, 32, 32)
     torch.testing.assert_close(tensors["latents"][1:2], VAE(root).encode(pixels), rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_sizes_follow_the_chunk_rule(minimax):
+    """infer.py's sizes for data of this VAE (its shards' vae record): 7 latent frames are 22 video frames, frames=22
+    samples 7 latent frames, frames=21 is refused naming the nearest valid counts 5 and 22."""
+    from ringdit.sampling.sizes import SampleSizes
+
+    root, _, _ = minimax
+    sizes = SampleSizes.of({"image_size": [7, 4, 4], "vae": VAE(root).describe()}, patch=(1, 2, 2))
+    assert sizes.user_size((7, 4, 4)) == ([32, 32], 22) and sizes.user_size((2, 4, 4)) == ([32, 32], 5)
+    assert sizes.shape(frames=22)[0] == 7 and sizes.shape(frames=39)[0] == 12
+    with pytest.raises(ConfigError, match="frames=21 .*17 x n \\+ 5.*nearest valid counts are 5 and 22"):
+        sizes.shape(frames=21)

@@ -46,6 +46,10 @@ class SampleSizes:
     # latent frames stored in front, copies of the first, that decoding drops (CogVideoX's VAE: its data records
     # frame_pad 2, the latents padded to an even count); 0: the latents are the VAE's frames as they are
     frame_pad: int = 0
+    # a chunked VAE's frame rule (AutoencoderKLMiniMaxH3's, its data's ``vae`` record ``chunks``): (chunk,
+    # chunk_latents, chunk_drop) as ringdit.models.frame_rule.FrameRule takes them, 17n + 5 frames are 5n + 2 latent
+    # frames; None: none
+    chunks: tuple[int, int, int] | None = None
 
     @classmethod
     def of(cls, data_info: dict, patch, max_grid=None) -> SampleSizes:
@@ -58,7 +62,8 @@ class SampleSizes:
             return cls(default, patch, max_grid=max_grid)
         spatial, temporal = vae.get("spatial_compression"), vae.get("temporal_compression")
         return cls(default, patch, spatial=int(spatial or 1), temporal=int(temporal or 1), pixels=spatial is not None,
-                   max_grid=max_grid, frame_pad=int(vae.get("frame_pad") or 0))
+                   max_grid=max_grid, frame_pad=int(vae.get("frame_pad") or 0),
+                   chunks=tuple(int(vae["chunks"][key]) for key in CHUNK_KEYS) if vae.get("chunks") else None)
 
     @property
     def video(self) -> bool:
@@ -69,6 +74,9 @@ class SampleSizes:
         height, width = (s * self.spatial for s in shape[-2:])
         decoded = shape[0] - max(self.frame_pad - 1, 0) if len(shape) == 3 else None  # the pad is dropped
         frames = (decoded - 1) * self.temporal + 1 if decoded is not None else None
+        if decoded is not None and self.chunks:  # chunk_latents x n + (chunk_latents - drop) latents: chunk x n + ...
+            chunk, per, drop = self.chunks
+            frames = ((decoded + drop) // per - 1) * chunk + per
         return [height, width], frames
 
     def name(self, shape: Shape) -> str:
@@ -150,9 +158,11 @@ class SampleSizes:
     def _latent_frames(self, frames, where: str, setting: str) -> int:
         """The stored latent frames for ``frames`` (video frames; the cells without a VAE): the model's frame rule
         (``ringdit.models.frame_rule``) for the data's VAE and the model's temporal patch."""
-        return FrameRule(self.temporal, max(self.frame_pad, 1), self.patch[0]).check(f"{where}{setting}", frames)
+        return FrameRule(self.temporal, max(self.frame_pad, 1), self.patch[0], **dict(zip(CHUNK_KEYS, self.chunks or ()))).check(
+            f"{where}{setting}", frames)
 
 
+CHUNK_KEYS = ("chunk", "chunk_latents", "chunk_drop")  # a chunked VAE's record, FrameRule's fields
 FPS_HINT = "the frames per second videos are written at; null: the model's own (its pipeline's rate)"
 
 
