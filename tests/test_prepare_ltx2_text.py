@@ -71,10 +71,17 @@ def save_gemma_and_connectors(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def gemma_ltx2(ltx2, tmp_path_factory) -> Path:
-    """The tiny LTX-2 pipeline folder (its video and audio VAEs) with Gemma 3, its tokenizer and the connectors."""
+    """The tiny LTX-2 pipeline folder (its video and audio VAEs) with Gemma 3, its tokenizer, the connectors and a
+    vocoder."""
     root = tmp_path_factory.mktemp("ltx2_gemma") / "LTX-2"
+    from diffusers.pipelines.ltx2 import LTX2Vocoder
+
     shutil.copytree(ltx2[0], root, ignore=shutil.ignore_patterns("text_encoder", "tokenizer"))
     save_gemma_and_connectors(root)
+    # a vocoder of the audio VAE's 2 channels x 8 mel bins: infer.py decodes the sound with the data's audio VAE
+    LTX2Vocoder(in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+                upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+                output_sampling_rate=16000).save_pretrained(root / "vocoder")
     return root
 
 
@@ -153,14 +160,16 @@ def test_prepare_stores_the_video_and_audio_prompt_states_as_ltx2pipeline_encode
     assert not torch.allclose(tensors["audio_text"][0], tensors["audio_text"][1])
 
 
-def test_ltx2_trains_on_each_samples_audio_prompt_states_and_infer_encodes_them(gemma_ltx2, captioned, tmp_path):
+def test_ltx2_trains_on_each_samples_audio_prompt_states_and_infer_encodes_them(gemma_ltx2, captioned, tmp_path,
+                                                                                  monkeypatch):
     """The data module hands each sample's audio_text (not the empty prompt's) to the model, which keeps it for its
     audio stream (model_condition); the empty prompt's audio states become the model's null_audio_text; train.py
     trains model=ltx2_tiny 2 steps on them (finite losses); infer.py's prompt encoder (data_text_encoder, from the
-    data's record) gives the same states for a caption."""
+    data's record) gives the same states for a caption, and infer.py samples with its prompt's and the empty prompt's
+    audio states (guidance's two halves)."""
     from ringdit.data.text_latents import TextLatentsDataModule
     from ringdit.media.text import data_text_encoder
-    from ringdit.models.diffusers import DiffusersTransformer
+    from ringdit.models.diffusers import DiffusersTransformer, ltx2
 
     prepare(gemma_ltx2, captioned, tmp_path / "data")
     tensors, _ = read_prepared(tmp_path / "data" / "shard-00000.safetensors")
@@ -176,13 +185,41 @@ def test_ltx2_trains_on_each_samples_audio_prompt_states_and_infer_encodes_them(
     torch.testing.assert_close(model.null_audio_text[0], tensors["null_audio_text"][0].float())
 
     run("train.py", tmp_path / "run", "model=ltx2_tiny", "data=text_latents", f"data.path={tmp_path / 'data'}",
-        "data.batch_size=2", "data.val_fraction=0", "trainer.max_steps=2", "logger=csv", "callbacks=none",
-        "trainer.log_every_n_steps=1")
+        "data.batch_size=2", "data.val_fraction=0", "trainer.max_steps=2", "logger=csv", "trainer.log_every_n_steps=1",
+        "~callbacks.sample_grid")  # no previews (time): infer.py samples below
     losses = logged_losses(tmp_path / "run")
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses.values()), losses
 
     encoded = data_text_encoder(described, described["text_encoder"]["path"])([CAPTIONS[2]])
     torch.testing.assert_close(encoded["audio_text"][0], tensors["audio_text"][2].float(), rtol=1e-5, atol=1e-5)
+
+    # infer.py (in this process): its prompt and the empty prompt reach the model with their audio states
+    seen = []
+    forward = ltx2.ltx2_forward
+    monkeypatch.setattr(ltx2, "ltx2_forward", lambda *a, **k: seen.append(a[5].get("audio_text")) or forward(*a, **k))
+    run("infer.py", tmp_path / "infer", f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}",
+        f"prompts=[{CAPTIONS[2]}]", "num_samples=1", "diffusion.sampling.steps=2", "diffusion.sampling.cfg_scale=2",
+        f"vae={decoder(tmp_path / 'decoder')}")
+    assert (tmp_path / "infer" / "samples.npz").is_file() and seen and all(a is not None for a in seen)
+    pair = seen[0].float().cpu()  # guidance's batch: the prompt and the empty prompt, each with its own audio states
+    expected = (tensors["audio_text"][2].float(), tensors["null_audio_text"][0].float())
+    matched = {i for row in pair for i, e in enumerate(expected) if torch.allclose(row, e, atol=1e-5)}
+    assert pair.shape == (2, TEXT_LEN, 16) and matched == {0, 1}
+
+
+def decoder(folder: Path) -> Path:
+    """A tiny LTX-2 video VAE of 4 latent channels that decodes (the one of diffusers' LTX-2 tests, as
+    test_ltx2_infer.py's): infer.py writes its samples through it."""
+    import diffusers
+
+    torch.manual_seed(0)
+    diffusers.AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
+        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
+        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=1, patch_size_t=1,
+        encoder_causal=True, decoder_causal=False).save_pretrained(folder)
+    return folder
 
 
 def _tiny_config() -> dict:
