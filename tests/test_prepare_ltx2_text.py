@@ -269,3 +269,22 @@ def test_audio_prompt_states_for_a_model_that_does_not_read_them_are_refused(tmp
                    r"the data hold audio prompt states \(audio_text, 16 wide.*model.family=wan does not read")
     write_text_latents(tmp_path / "without" / "shard-00000.safetensors", latents, text)
     prepare_train([*common, f"data.path={tmp_path / 'without'}", "logger=none"], tmp_path / "run")
+
+
+def test_shards_with_and_without_audio_prompt_states_are_refused_naming_both(tmp_path):
+    """A folder whose shards hold audio_text in one and none in another (captions encoded with two text encoders):
+    one line naming both shards, before anything is built; the same folder without the stray shard trains."""
+    from ringdit.data.text_latent_shards import write_text_latents
+    from tests.helpers import prepare_train
+    from tests.test_prepare_ltx2 import assert_refused
+
+    common = ["model=ltx2_tiny", "data=text_latents", "data.batch_size=2"]
+    folder = tmp_path / "mixed"
+    for index, audio_text in enumerate((torch.randn(4, 8, 16), None)):
+        write_text_latents(folder / f"shard-0000{index}.safetensors", torch.randn(4, 4, 3, 4, 4), torch.randn(4, 8, 16),
+                           image={"audio": torch.randn(4, 2, 5, 2)}, audio_text=audio_text)
+    assert_refused(tmp_path / "a", [*common, f"data.path={folder}"],
+                   r"shard-00001\.safetensors has audio prompt states \(L, D_a\) None but shard-00000\.safetensors "
+                   r"has \(8, 16\)")
+    (folder / "shard-00001.safetensors").unlink()
+    prepare_train([*common, f"data.path={folder}", "logger=none"], tmp_path / "run")
