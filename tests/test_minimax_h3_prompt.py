@@ -16,7 +16,24 @@ pytest.importorskip("transformers")
 
 from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.text import TextEncoder  # noqa: E402
-from tests.test_edit_prompt import tiny_tokenizer  # noqa: E402
+from tests.helpers import WORDS  # noqa: E402
+
+VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # Qwen3-VL's config names them
+
+
+def tiny_tokenizer():
+    """A word-level fast tokenizer with Qwen's special and vision tokens, each word one token, adding no special
+    tokens (as Qwen2TokenizerFast), padding on the right."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *VISION]
+    vocab = {word: i for i, word in enumerate([*special, *WORDS])}
+    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]"), behavior="removed", invert=True)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", unk_token="<unk>",
+                                   additional_special_tokens=special[1:]), vocab
 
 
 def tiny_qwen3_vl(root: Path) -> None:
@@ -65,8 +82,6 @@ def test_text_states_are_the_pipelines_prompt_encoding(qwen3_vl):
     from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
 
-    from tests.helpers import WORDS
-
     encoder = TextEncoder(qwen3_vl, max_len=12, prompt_template="minimax_h3")
     prompts = [WORDS[5], " ".join(WORDS[6:9])]  # words (the first are special tokens)
     out = encoder(prompts)
@@ -87,8 +102,6 @@ def test_text_states_are_the_pipelines_prompt_encoding(qwen3_vl):
 def test_the_template_refuses_another_encoder(qwen3_vl, tmp_path):
     """prompt_template=minimax_h3 with a T5: one line naming the template and the encoder it needs."""
     from transformers import T5Config, T5EncoderModel
-
-    from tests.helpers import WORDS
 
     T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1, num_heads=2)
                    ).save_pretrained(tmp_path / "t5")
