@@ -288,3 +288,21 @@ def test_shards_with_and_without_audio_prompt_states_are_refused_naming_both(tmp
                    r"has \(8, 16\)")
     (folder / "shard-00001.safetensors").unlink()
     prepare_train([*common, f"data.path={folder}", "logger=none"], tmp_path / "run")
+
+
+def test_a_changed_caption_re_encodes_its_audio_prompt_states_too(gemma_ltx2, captioned, tmp_path):
+    """prepare run again after a caption changed: only the text file is written again (ringdit/media/retext.py), its
+    video and audio prompt states both those of the new caption, as LTX2Pipeline encodes it."""
+    folder = tmp_path / "clips"
+    shutil.copytree(captioned, folder)
+    prepare(gemma_ltx2, folder, tmp_path / "out")
+    before, _ = read_prepared(tmp_path / "out" / "shard-00000.safetensors")
+    first = sorted(folder.glob("*.mp4"))[0]
+    first.with_suffix(".txt").write_text("a blue sky")
+    prepare(gemma_ltx2, folder, tmp_path / "out")
+    after, _ = read_prepared(tmp_path / "out" / "shard-00000.safetensors")
+    video, audio, _ = pipeline_states(pipeline(gemma_ltx2, torch.float32), ["a blue sky"])
+    torch.testing.assert_close(after["text"][0], video[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after["audio_text"][0], audio[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(after["audio_text"][0], before["audio_text"][0])
+    assert torch.equal(after["audio_text"][1:], before["audio_text"][1:]) and torch.equal(after["audio"], before["audio"])
