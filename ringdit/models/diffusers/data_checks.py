@@ -109,6 +109,7 @@ def check_audio_data(config: dict, family: Family, data: dict) -> None:
                           f"'audio' latents (N, channels, L, features) beside the clips'; give data that hold them, "
                           f"e.g. data=synthetic_text_latents data.audio={example}")
     check_audio_rate(config, data)
+    check_audio_latent_rate(family, data)
     if data.get("audio_text_dim") and "audio_text" not in family.condition_keys:
         raise ConfigError(f"the data hold audio prompt states (audio_text, {data['audio_text_dim']} wide: LTX-2's text "
                           f"connectors' audio output), which model.family={family.name} does not read; prepare the "
@@ -148,3 +149,21 @@ def check_audio_rate(config: dict, data: dict) -> None:
                           f"{arch.get('audio_hop_length')}: the sound would play at another speed than the video; "
                           f"prepare the clips again with the audio VAE of the model's own pipeline (audio_vae=), or "
                           f"train a model of that rate")
+
+
+def check_audio_latent_rate(family: Family, data: dict) -> None:
+    """Audio latents that prepare encoded (its ``audio_vae`` record) at the family's ``audio_latent_rate`` (MiniMax-H3
+    times 40 audio latents a second against its video): another rate would play the sound at another speed."""
+    audio_vae = data.get("audio_vae")
+    if not audio_vae or family.audio_latent_rate is None:
+        return
+    rate, hop = audio_vae.get("sample_rate"), audio_vae.get("hop_length")
+    per_second = rate / hop if rate and hop else None  # no hop_length: an audio VAE of mel frames (LTX-2's)
+    if per_second != family.audio_latent_rate:
+        where = (data.get("source") or {}).get("path", "data.path")
+        encoded = f"{per_second:g} latents a second" if per_second else "mel frames"
+        raise ConfigError(f"data.path={where}: the audio latents were encoded by {audio_vae.get('class')} at {rate} "
+                          f"Hz ({encoded}; {audio_vae.get('path')}), but model.family={family.name} times its sound "
+                          f"at {family.audio_latent_rate:g} latents a second: the sound would play at another speed "
+                          f"than the video; prepare the clips again with the audio VAE of the model's own pipeline "
+                          f"(audio_vae=)")

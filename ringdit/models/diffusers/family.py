@@ -144,6 +144,10 @@ class Family:
     # what a refusal of data without audio advises (data.audio=[channels, frames, features]); None: LTX-2's audio VAE
     # (channels x mel bins = audio_in_channels, 16 bins from 128 channels up)
     audio_frame: Callable[[dict], tuple[int, int]] | None = None
+    # the audio latents a second its sound is timed at (MiniMax-H3's 40); prepared audio whose VAE gives another rate
+    # (its ``audio_vae`` record: sample_rate / hop_length) is refused; None: not checked here (LTX-2's is, by its
+    # config's audio_sampling_rate)
+    audio_latent_rate: float | None = None
     # installs the family's own attention processors on a freshly built transformer, for a model whose diffusers
     # processors call PyTorch attention directly (ringdit routes diffusers' dispatch_attention_fn only): they must
     # compute what the model's own do (CogVideoX's); None: the model's processors already dispatch
