@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ pytest.importorskip("av")
 
 from ringdit.media.audio_latents import read_waveform  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
-from tests.helpers import WORDS, logged_losses, read_prepared, run  # noqa: E402
+from tests.helpers import WORDS, logged_losses, prepare_train, read_prepared, run  # noqa: E402
 from tests.test_minimax_h3_prompt import tiny_qwen3_vl  # noqa: E402
 from tests.test_minimax_h3_vae import tiny_vae  # noqa: E402
 
@@ -30,7 +32,7 @@ RATE, FPS, FRAMES, SIZE = 22050, 24, 22, 32  # the clips' sound (resampled to 32
 AUDIO_MEAN, AUDIO_STD = [0.1 * i for i in range(8)], [0.5 + 0.1 * i for i in range(8)]
 
 
-def tiny_audio_vae(folder: Path):
+def tiny_audio_vae(folder: Path, sampling_rate: int = 32000):
     """MiniMax-H3's audio VAE, tiny and random: 8 latent channels (model=minimax_h3_tiny's audio_in_channels), the
     released hop of 800 samples at 32 kHz in three strides, its latents_mean / std away from 0 / 1."""
     from diffusers import AutoencoderKLMiniMaxH3Audio
@@ -39,7 +41,7 @@ def tiny_audio_vae(folder: Path):
     model = AutoencoderKLMiniMaxH3Audio(
         encoder_dim=4, encoder_rates=(8, 10, 10), latent_dim=16, latent_channels=8, num_attention_heads=2,
         decoder_dim=16, decoder_rates=(8, 10, 10), decoder_kernel_sizes=(16, 20, 20), resblock_kernel_sizes=(3,),
-        resblock_dilation_sizes=((1,),), latents_mean=AUDIO_MEAN, latents_std=AUDIO_STD)
+        resblock_dilation_sizes=((1,),), latents_mean=AUDIO_MEAN, latents_std=AUDIO_STD, sampling_rate=sampling_rate)
     model.save_pretrained(folder)
     return model.eval()
 
@@ -110,3 +112,22 @@ def test_prepared_shards_train_minimax_h3_tiny_through_train_py(minimax, tmp_pat
         "trainer.log_every_n_steps=1")
     losses = logged_losses(tmp_path / "run")
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses.values()), losses
+
+
+def test_audio_of_another_latent_rate_is_refused_before_any_rank_and_the_advice_works(minimax, tmp_path):
+    """Shards whose sound an audio VAE at 16 kHz encoded (20 latents a second) for MiniMax-H3 (40): one line naming the
+    data, the rates and the advice, from train.py's checks before any rank starts; prepared again with the model's
+    own 32 kHz audio VAE (the advice), the same model takes them."""
+    root, _, clips = minimax
+    other = tmp_path / "MiniMax-H3-16k"
+    shutil.copytree(root, other, ignore=shutil.ignore_patterns("audio_vae"))
+    tiny_audio_vae(other / "audio_vae", sampling_rate=16000)
+    prepare(other, clips, tmp_path / "data16")
+    common = ["model=minimax_h3_tiny", "data=text_latents", "data.batch_size=2", "data.val_fraction=0"]
+    with pytest.raises(ValueError) as raised:
+        prepare_train([*common, f"data.path={tmp_path / 'data16'}"], tmp_path / "refused")
+    message = f"{raised.value} {raised.value.__cause__}"
+    assert re.search(r"data16: the audio latents were encoded by AutoencoderKLMiniMaxH3Audio at 16000 Hz \(20 "
+                     r"latents a second.*at 40 latents a second.*audio VAE of the model's own pipeline", message), message
+    prepare(root, clips, tmp_path / "data32")
+    prepare_train([*common, f"data.path={tmp_path / 'data32'}", "logger=none"], tmp_path / "run")

@@ -48,6 +48,7 @@ Tensor = torch.Tensor
 
 AUDIO_TIME = "audio_time"  # the audio's model time (B,) in 0..1000, sigma x 1000; absent: the video's
 STEREO = 2  # MINIMAX_H3_AUDIO_CHANNELS: the soundtrack's channels, packed channel-major
+AUDIO_RATE = 40  # MINIMAX_H3_AUDIO_LATENTS_PER_SECOND: its audio VAE's latents a second (32 kHz / 800)
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # the modality tags of the packed rows (the model's AdaLN table order)
 FPS = 24  # MINIMAX_H3_FPS: its videos play at it, and its rotary time axis counts at it
 
@@ -127,7 +128,7 @@ def audio_frames(latent_frames: int) -> int:
     second at 24 fps (``audio_latent_num_frames``)."""
     chunks, rest = divmod(latent_frames - 2, 5)
     frames = 17 * chunks + 5 if rest == 0 and chunks >= 0 else round(latent_frames * 17 / 5)
-    return max(1, round(frames / FPS * 40))
+    return max(1, round(frames / FPS * AUDIO_RATE))
 
 
 def _joint_shapes(config: dict, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -208,6 +209,7 @@ MINIMAX_H3 = Family(
     pipeline_timesteps=PipelineTimesteps(float32_prediction=True),
     joint_latents=(AUDIO,),  # the sound: noised with the video, predicted, in the loss
     audio_frame=lambda config: (STEREO, config["audio_in_channels"]),  # one latent frame: (2, C_a)
+    audio_latent_rate=AUDIO_RATE,  # prepared sound of another rate is refused (data_checks.check_audio_latent_rate)
     joint_shapes=_joint_shapes,
     # its audio rows, both stereo channels' latent frames, packed with the video's into the one sequence the ranks split
     # (the text's rows too, which the planner does not count); the grid's T is in temporal patches
