@@ -1,11 +1,6 @@
 """``prompt_template=qwenimage_edit`` / ``qwenimage_edit_plus``: each prompt encoded with its reference image through
 Qwen2.5-VL, equal to ``QwenImageEditPipeline.encode_prompt`` / ``QwenImageEditPlusPipeline.encode_prompt`` on a tiny
-random Qwen2_5_VLForConditionalGeneration (a vision tower of one block) and its processor.
-
-The pipelines' processor is transformers' own ``Qwen2VLProcessor``, built here from the folder's tokenizer and image
-processor; transformers 5 checks its video processor's class, which needs torchvision (not installed), so the check is
-skipped for that one absent argument while the processor is built (``vl_processor``): its ``__call__`` is
-unchanged."""
+random Qwen2_5_VLForConditionalGeneration (a vision tower of one block) and its processor (``tests.edit_helpers``)."""
 
 from __future__ import annotations
 
@@ -13,118 +8,39 @@ import os
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from ringdit.common.errors import ConfigError
 from ringdit.media.edit_prompt import edit_template
 from ringdit.media.text import TextEncoder, chat_template, encoder_settings
-from tests.helpers import WORDS
+from tests.edit_helpers import images, pipeline_encoding, save_edit_folder
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-VISION = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 PROMPTS = ["a red fox", "a blue cat running sky green field", ""]
-
-
-def tiny_tokenizer():
-    """Qwen-Image-Edit's prompt strings split as Qwen's BPE splits them at the templates: the special and vision
-    tokens whole, each word, punctuation mark and newline one token; no special tokens added."""
-    from tokenizers import Regex, Tokenizer, pre_tokenizers
-    from tokenizers import models as tokenizer_models
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *VISION]
-    templates = [edit_template(chat_template(name)) for name in ("qwenimage_edit", "qwenimage_edit_plus")]
-    text = "".join(template.text + template.picture for template in templates)
-    pieces = sorted(set(re.findall(r"\w+|[^\w\s]|\n", re.sub(r"<\|\w+\|>", " ", text))) - set(WORDS))
-    vocab = {word: i for i, word in enumerate([*special, *WORDS, *pieces])}
-    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]|\n"), behavior="removed", invert=True)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", unk_token="<unk>",
-                                   additional_special_tokens=special[1:]), vocab
 
 
 @pytest.fixture(scope="module")
 def edit_folder(tmp_path_factory) -> Path:
-    """A Qwen-Image-Edit-shaped folder: text_encoder/ (a tiny random Qwen2_5_VLForConditionalGeneration whose image
-    token is the tokenizer's), tokenizer/ and processor/ (a Qwen2VLImageProcessor of 14-pixel patches merged 2 x 2,
-    at most 112 x 112 pixels: a few image tokens)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
-
-    root = tmp_path_factory.mktemp("qwenimage_edit")
-    tokenizer, vocab = tiny_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        text_config={"vocab_size": len(vocab), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
-                     "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 16,
-                       "fullatt_block_indexes": [0]},
-        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
-        vision_start_token_id=vocab["<|vision_start|>"])
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(root / "text_encoder")
-    tokenizer.save_pretrained(root / "tokenizer")
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112, patch_size=14, merge_size=2,
-                             temporal_patch_size=2).save_pretrained(root / "processor")
-    return root
-
-
-def vl_processor(encoder: TextEncoder):
-    """transformers' Qwen2VLProcessor of the folder's tokenizer and image processor, built without a video processor
-    (see the module docstring)."""
-    from transformers import Qwen2VLProcessor
-    from transformers.processing_utils import ProcessorMixin
-
-    check = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = (
-        lambda self, name, value: None if name == "video_processor" and value is None else check(self, name, value))
-    try:
-        return Qwen2VLProcessor(image_processor=encoder.edit.image_processor, tokenizer=encoder.tokenizer,
-                                video_processor=None)
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
-
-
-def images(count: int):
-    from PIL import Image
-
-    rng = np.random.RandomState(0)
-    sizes = [(96, 64), (64, 64), (40, 100)]  # (W, H): each its own aspect ratio
-    return [Image.fromarray((rng.rand(h, w, 3) * 255).astype(np.uint8)) for w, h in sizes[:count]]
+    return save_edit_folder(tmp_path_factory.mktemp("qwenimage_edit"))
 
 
 @pytest.mark.parametrize("name, pipeline", [("qwenimage_edit", "QwenImageEditPipeline"),
                                             ("qwenimage_edit_plus", "QwenImageEditPlusPipeline")])
 def test_prompts_with_their_reference_images_are_the_pipelines(edit_folder, name, pipeline):
     """Each sample's states equal what the pipeline's call encodes for its prompt and image (one call each: the
-    pipeline names every image it is given in every prompt; stopped once it has encoded them), on its real tokens; zero after them up to max_text_len; the
-    mask the real tokens; the settings recorded for infer.py give the same encoder back."""
-    import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
+    pipeline names every image it is given in every prompt; stopped once it has encoded them), on its real tokens;
+    zero after them up to max_text_len; the mask the real tokens; the settings recorded for infer.py give the same
+    encoder back."""
     encoder = TextEncoder(edit_folder, max_len=40, prompt_template=name)
     pictures = images(len(PROMPTS))
     cond = encoder(PROMPTS, pictures)
-    pipe = getattr(diffusers, pipeline)(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
-                                        text_encoder=encoder.model, tokenizer=encoder.tokenizer,
-                                        processor=vl_processor(encoder), transformer=None)
-    encoded = []  # what the pipeline's own call encodes: the prompt with the image as it resizes it
-
-    def encode_then_stop(*args, **kwargs):  # the call's prompt encoding, then no denoising (no VAE, no transformer)
-        encoded.append(type(pipe).encode_prompt(pipe, *args, **kwargs))
-        raise StopIteration
-
-    pipe.encode_prompt = encode_then_stop
     assert cond["text"].shape == (3, 40, 16)
     for i, (prompt, picture) in enumerate(zip(PROMPTS, pictures)):
-        with torch.no_grad(), pytest.raises(StopIteration):
-            pipe(image=picture, prompt=prompt, num_inference_steps=1, output_type="latent")
-        embeds, mask = encoded[-1]
-        length = embeds.shape[1]
-        assert mask is None or mask.all()  # one prompt: every state real
+        embeds = pipeline_encoding(encoder, pipeline, prompt, picture)
+        length = len(embeds)
         assert cond["text_mask"][i].tolist() == [True] * length + [False] * (40 - length)
-        torch.testing.assert_close(cond["text"][i, :length], embeds[0].float(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cond["text"][i, :length], embeds, rtol=1e-5, atol=1e-6)
         assert not cond["text"][i, length:].any()
     # the images matter: another image, other states
     other = encoder(PROMPTS[:1], pictures[1:2])

@@ -30,23 +30,28 @@ def sample_conditions(spec: InferSpec) -> tuple[list | dict, list[str] | None, d
     or None: see ``text_conditions``)."""
     if spec.conditioning.labels is not None:
         return list(spec.conditioning.labels), None, None, None
-    conditions, captions, negative, per_sample = text_conditions(spec)
+    pictures = image_pictures(spec)
+    count = spec.num_samples
+    each = [pictures[i % len(pictures)] for i in range(count)] if pictures else None  # sample i: image i % n
+    conditions, captions, negative, per_sample = text_conditions(spec, each)
     if spec.image is not None:  # image-to-video: the given first frames (else the held-out prompts' own)
-        conditions = {**conditions, **image_conditions(spec, spec.num_samples)}
+        conditions = {**conditions, **image_conditions(spec, pictures, count)}
     if spec.control is not None:  # a control-video model: the given control clip, for every sample
         conditions = {**conditions, CONTROL_KEY: control_conditions(spec, spec.num_samples)}
     return conditions, captions, negative, per_sample
 
 
-def text_conditions(spec: InferSpec) -> tuple[dict, list[str], dict | None, tuple | None]:
+def text_conditions(spec: InferSpec, pictures: list | None = None) -> tuple[dict, list[str], dict | None,
+                                                                            tuple | None]:
     """A text model's (conditions cycled to num_samples, captions, negative (1, ...) or None for the empty prompt,
     per-sample negatives or None: (each sample's negative prompt (N, ...), whether it has its own (N,)), from a
-    prompt file's negative_prompt keys)."""
+    prompt file's negative_prompt keys, or each sample's reference picture for an edit encoder). ``pictures``: each
+    sample's ``image=`` picture, which an edit model's encoder reads with its prompts."""
     conditioning = spec.conditioning
     negative = per_sample = None
     conditions, captions = text_prompts(spec)
     if conditioning.prompts or conditioning.negative_prompt:
-        conditions, captions, negative, per_sample = encoded_prompts(spec, conditions, captions)
+        conditions, captions, negative, per_sample = encoded_prompts(spec, conditions, captions, pictures)
     if conditioning.negative_text_embeds:
         negative_prompts, _ = read_prompts(conditioning.negative_text_embeds, "negative_text_embeds")
         negative = {key: value[:1] for key, value in negative_prompts.items()}  # the first row
@@ -54,16 +59,23 @@ def text_conditions(spec: InferSpec) -> tuple[dict, list[str], dict | None, tupl
     return conditions, captions, negative, per_sample
 
 
-def image_conditions(spec: InferSpec, count: int) -> dict[str, torch.Tensor]:
-    """``image=``'s first-frame conditioning of ``count`` samples (sample i: image i % len(files)), read upright as
-    prepare reads frames (``ringdit.media.image_condition.first_frame_inputs``)."""
+def image_pictures(spec: InferSpec) -> list | None:
+    """``image=``'s pictures, one a file, read upright as prepare reads frames; None without ``image=``."""
     from PIL import ImageOps
 
-    image = spec.image
+    if spec.image is None:
+        return None
     pictures = []
-    for file in image.files:  # each was opened and its aspect ratio checked by the spec
+    for file in spec.image.files:  # each was opened and its aspect ratio checked by the spec
         with open_image(file) as opened:  # upright as stored (a phone photo's EXIF rotation), as prepare reads it
             pictures.append(ImageOps.exif_transpose(opened).convert("RGB"))
+    return pictures
+
+
+def image_conditions(spec: InferSpec, pictures: list, count: int) -> dict[str, torch.Tensor]:
+    """``image=``'s first-frame conditioning of ``count`` samples (sample i: picture i % len(pictures), each file's
+    picture from ``image_pictures``), as ``ringdit.media.image_condition.first_frame_inputs`` encodes them."""
+    image = spec.image
     picked = [i % len(pictures) for i in range(count)]
     if image.kind == "reference":  # an edit model: the reference image's latents, as prepare reference= encodes them
         return {REFERENCE_KEY: encode_reference(pictures, vae=spec.output.vae, size=image.size)[picked]}
@@ -108,10 +120,11 @@ def text_prompts(spec: InferSpec) -> tuple[dict, list[str]]:
     return prompts, captions
 
 
-def encoded_prompts(spec: InferSpec, conditions, captions):
+def encoded_prompts(spec: InferSpec, conditions, captions, pictures: list | None = None):
     """``prompts`` (or a prompt file's) / ``negative_prompt`` encoded with the spec's text encoder (the data's unless
     ``text_encoder=``), in one pass with a prompt file's own negative prompts: (conditions cycled to num_samples,
-    captions, negative (1, ...) or None for the empty prompt, per-sample negatives or None; see text_conditions)."""
+    captions, negative (1, ...) or None for the empty prompt, per-sample negatives or None; see text_conditions).
+    An edit model's encoder reads each sample's prompt and negative prompt with its picture (``edit_prompts``)."""
     conditioning, data_info = spec.conditioning, spec.data
     texts = list(conditioning.prompts)[:spec.num_samples] or [""]  # a prompt file's lines past num_samples: unused
     if len(conditioning.prompts) > spec.num_samples:
@@ -124,6 +137,8 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
     # 1.5's glyph encoder)
     codecs = Codecs(text_encoder=data_text_encoder(data_info, conditioning.text_encoder, conditioning.tokenizer,
                                                    device="cuda" if torch.cuda.is_available() else "cpu"))
+    if codecs.takes_images:
+        return edit_prompts(spec, codecs, texts, negatives, pictures, conditions, captions)
     encoded, negative = codecs.encode(texts + own), codecs.encode([conditioning.negative_prompt or ""])
     check_prompt_shape("prompts", encoded, data_info)  # the glyph text too: its encoder's folder may have changed
     picked = [i % len(texts) for i in range(spec.num_samples)]
@@ -137,6 +152,23 @@ def encoded_prompts(spec: InferSpec, conditions, captions):
                       torch.tensor([bool(negatives[i]) for i in picked]))
     # a pipeline folder's unconditional half is the empty prompt it encodes
     return conditions, captions, negative if conditioning.negative_prompt or spec.pipeline else None, per_sample
+
+
+def edit_prompts(spec: InferSpec, codecs: Codecs, texts: list[str], negatives, pictures: list | None, conditions,
+                 captions):
+    """``encoded_prompts`` for an edit model's encoder: sample i's prompt (texts[i % len(texts)]) and its negative
+    prompt (its prompt file's own, else ``negative_prompt``, else the empty prompt) each encoded with sample i's
+    picture, as QwenImageEditPipeline encodes its prompt and its negative prompt with the reference image; every
+    sample's negative is its own (N, ...), so guidance steers each away from its picture's empty prompt."""
+    conditioning, count = spec.conditioning, spec.num_samples
+    picked = [i % len(texts) for i in range(count)]
+    rows = [negatives[i] if i < len(negatives) and negatives[i] else conditioning.negative_prompt or ""
+            for i in picked]
+    negative = codecs.encode(rows, pictures)  # (N, ...): one line if no picture was given
+    if conditioning.prompts:
+        conditions, captions = codecs.encode([texts[i] for i in picked], pictures), [texts[i] for i in picked]
+    check_prompt_shape("prompts", negative, spec.data)
+    return conditions, captions, None, (negative, torch.ones(count, dtype=torch.bool))
 
 
 def check_prompt_shape(setting: str, prompts: dict, data_info: dict) -> None:

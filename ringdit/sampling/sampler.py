@@ -50,16 +50,33 @@ class Codecs:
         """The codecs of a model trained on ``data`` (its ``describe()``)."""
         return cls(text_encoder, vae, latents_normalised(data), audio)
 
-    def encode(self, prompts: list[str]) -> dict[str, Tensor]:
+    @property
+    def takes_images(self) -> bool:
+        """Whether the text encoder encodes each prompt with its reference image (an edit pipeline's template,
+        ``prompt_template=qwenimage_edit``: ``TextEncoder.edit``); a plain callable encodes text alone."""
+        return getattr(self.text_encoder, "edit", None) is not None
+
+    def encode(self, prompts: list[str], images: list | None = None) -> dict[str, Tensor]:
         """``prompts`` -> the model's text conditions ``(N, ...)``, encoded with the text encoder its data were: the
         one way prompts become conditions (infer.py's, before any rank starts; ``Sampler.encode`` for the previews,
-        the server and ``ringdit.load``)."""
+        the server and ``ringdit.load``). ``images``: one PIL picture a prompt, which an edit encoder
+        (``takes_images``) reads with it, as the edit pipelines encode a prompt -- and their negative prompt -- with
+        the sample's reference image; other encoders read the text alone."""
         if self.text_encoder is None:
             raise ValueError("this sampler has no text encoder to encode prompts with (Codecs.text_encoder)")
         if isinstance(prompts, str) or not prompts:
             raise ConfigError(f"prompts must be a non-empty list of strings, got {prompts!r}; e.g. "
                               f"prompts='[a red fox]'")
-        return self.text_encoder([str(prompt) for prompt in prompts])
+        prompts = [str(prompt) for prompt in prompts]
+        if not self.takes_images:
+            return self.text_encoder(prompts)
+        template = self.text_encoder.template_name
+        if images is None or len(images) != len(prompts):
+            raise ConfigError(f"prompts: the data's text encoder (prompt_template={template}) encodes each prompt with "
+                              f"its reference image, but {'no image was' if images is None else f'{len(images)} were'}"
+                              f" given for {len(prompts)} prompts; pass the reference picture (infer.py image=<file>, "
+                              f"the server's images/edits image)")
+        return self.text_encoder(prompts, list(images))
 
 
 class Sampler:
@@ -132,10 +149,10 @@ class Sampler:
                                                 negative=self.negative if negative is None else negative,
                                                 shape=shape, overrides=overrides, step_cache=self.step_cache)
 
-    def encode(self, prompts: list[str]) -> dict[str, Tensor]:
-        """``prompts`` -> the model's text conditions ``(N, ...)``, encoded with the text encoder its data were
-        (``Codecs.encode``)."""
-        return self.codecs.encode(prompts)
+    def encode(self, prompts: list[str], images: list | None = None) -> dict[str, Tensor]:
+        """``prompts`` -> the model's text conditions ``(N, ...)``, encoded with the text encoder its data were, each
+        with its reference picture in ``images`` where that encoder reads one (``Codecs.encode``)."""
+        return self.codecs.encode(prompts, images)
 
     def to_pixels(self, samples: Tensor, group=None) -> np.ndarray | None:
         """Samples ``(N, C, [T,] H, W)`` (``generate``'s) -> uint8 ``(N, [T,] H, W, C)``: pixels as they are; latents

@@ -315,11 +315,15 @@ class Rank0:
         negative = None
         if text_conditioned(data):
             prompts = [job.request.prompt for job in jobs for _ in range(job.request.n)]
-            condition = sampler.encode(prompts)  # (N, L, D) ...
-            # the others: the empty prompt, as trained (a pipeline folder's has no stored encoding: always encoded)
-            if spec.pipeline or any(job.request.negative_prompt for job in jobs):
+            # an edit model's encoder reads each prompt with its sample's reference picture (the pipelines' way)
+            pictures = [job.request.image for job in jobs for _ in range(job.request.n)] \
+                if sampler.codecs.takes_images and first.image is not None else None
+            condition = sampler.encode(prompts, pictures)  # (N, L, D) ...
+            # the others: the empty prompt, as trained (a pipeline folder's has no stored encoding: always encoded;
+            # an edit model's is encoded with each sample's picture, as QwenImageEditPipeline encodes its negative)
+            if spec.pipeline or pictures is not None or any(job.request.negative_prompt for job in jobs):
                 rows = sampler.encode([job.request.negative_prompt or "" for job in jobs
-                                       for _ in range(job.request.n)])
+                                       for _ in range(job.request.n)], pictures)
                 negative = rows
             if first.image is not None:
                 condition = {**condition, **self.first_frames(jobs)}
