@@ -783,3 +783,16 @@ def read_prepared(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             text_metadata = f.metadata() or {}
         metadata.update({key: text_metadata[key] for key in ("captions", "text_encoder") if key in text_metadata})
     return tensors, metadata
+
+
+def sampling_encoding(described: dict, prompts: list[str], *, text_len: int, text_dim: int) -> tuple[dict, dict]:
+    """(the prompts' conditions (N, ...), the empty prompt's (1, ...)) as a sampling run encodes them for a model
+    trained on data whose text encoder ``described`` records (``TextEncoder.describe()``): ``data_text_encoder`` at the
+    data's length and width, through ``Codecs.encode`` -- what infer.py, the previews, the server and ringdit.load
+    call."""
+    from ringdit.media.text import data_text_encoder
+    from ringdit.sampling.sampler import Codecs
+
+    data = {"text_len": text_len, "text_dim": text_dim, "text_encoder": described}
+    codecs = Codecs(text_encoder=data_text_encoder(data, described["path"], described.get("tokenizer")))
+    return codecs.encode(prompts), codecs.encode([""])

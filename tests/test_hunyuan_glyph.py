@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 
 from ringdit.common.errors import ConfigError
 from ringdit.media.encode_folder import encode_folder
-from ringdit.media.text import TextEncoder, encode_prompts, encoder_settings
-from tests.helpers import TEXT_LEN, architecture, save_tiny_hunyuan_video15, write_video
+from ringdit.media.text import TextEncoder
+from tests.helpers import TEXT_LEN, architecture, sampling_encoding, save_tiny_hunyuan_video15, write_video
 
 GLYPH_DIM = 8  # the tiny ByT5's width (tests.helpers.save_tiny_hunyuan_video15): hunyuan_video15_tiny's text_embed_2_dim
 GLYPH_LEN = 256  # the pipeline's glyph tokens
@@ -86,7 +86,7 @@ def test_glyph_text_is_the_pipelines(hunyuan, glyph_data):
     """glyph_text / glyph_text_mask = HunyuanVideo15Pipeline.encode_prompt's prompt_embeds_2 / prompt_embeds_mask_2
     (its quote extraction, ByT5's 256 bytes, every state kept) for captions with and without quoted text, the empty
     prompt's as null_glyph_*; text as before (zero after the real tokens); the shard records the glyph encoder, and
-    encode_prompts with the recorded settings (infer.py's prompts) gives the same."""
+    Codecs.encode with the recorded settings (infer.py.s prompts) gives the same."""
     tensors, metadata = read_shard(glyph_data / "shard-00000.safetensors")
     captions = json.loads(metadata["captions"])
     assert captions == CAPTIONS
@@ -109,8 +109,7 @@ def test_glyph_text_is_the_pipelines(hunyuan, glyph_data):
     assert described["glyph_encoder"] == {
         "class": "T5EncoderModel", "path": str((hunyuan / "text_encoder_2").resolve()),
         "tokenizer": str((hunyuan / "tokenizer_2").resolve()), "max_len": GLYPH_LEN, "dim": GLYPH_DIM}
-    cond, negative = encode_prompts(captions, None, described["path"], described["tokenizer"], text_len=TEXT_LEN,
-                                    text_dim=16, **encoder_settings(described))
+    cond, negative = sampling_encoding(described, captions, text_len=TEXT_LEN, text_dim=16)
     torch.testing.assert_close(cond["glyph_text"], tensors["glyph_text"], rtol=1e-6, atol=1e-6)
     assert torch.equal(cond["glyph_text_mask"], tensors["glyph_text_mask"])
     assert torch.equal(negative["glyph_text"], tensors["null_glyph_text"])

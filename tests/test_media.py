@@ -465,16 +465,20 @@ def test_every_command_is_a_hydra_app(module, tmp_path, capsys, monkeypatch):
     assert list(tmp_path.iterdir()) == [] and "HYDRA_FULL_ERROR" not in os.environ
 
 
-def test_encode_prompts_for_sampling(models):
-    """infer.py's prompt encoding: the model's text length, the empty prompt as default negative, dim checked."""
-    from ringdit.media.text import encode_prompts
+def test_prompts_encoded_for_sampling(models):
+    """A sampling run's prompt encoding (``data_text_encoder`` + ``Codecs.encode``: infer.py's, the server's): the
+    data's text length, the empty prompt as the default negative, the width checked, a prompt list required."""
+    from ringdit.media.text import data_text_encoder
+    from ringdit.sampling.sampler import Codecs
 
-    cond, negative = encode_prompts(["a red fox running", "sky"], None, models["wan"], text_len=TEXT_LEN,
-                                    text_dim=16)
+    codecs = Codecs(text_encoder=data_text_encoder({"text_len": TEXT_LEN, "text_dim": 16}, models["wan"]))
+    cond, negative = codecs.encode(["a red fox running", "sky"]), codecs.encode([""])
     assert cond["text"].shape == (2, TEXT_LEN, 16) and cond["text_mask"].sum(1).tolist() == [5, 2]
     assert negative["text_mask"].sum() == 1  # "" -> </s>
     with pytest.raises(ConfigError, match="gives 16-dim states but the model was trained on 32-dim text"):
-        encode_prompts(["a"], None, models["wan"], text_len=TEXT_LEN, text_dim=32)
+        data_text_encoder({"text_len": TEXT_LEN, "text_dim": 32}, models["wan"])
+    with pytest.raises(ConfigError, match=r"prompts must be a non-empty list of strings, got 'a red fox'"):
+        codecs.encode("a red fox")
 
 
 def test_the_same_frames_are_written_to_the_same_mp4_bytes(tmp_path):

@@ -107,7 +107,7 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
     from ringdit.media.images import to_uint8
     from ringdit.media.decode import decode_latents, decode_samples
     from ringdit.media.frames import read_video
-    from ringdit.media.text import encode_prompts, encoder_settings
+    from tests.helpers import sampling_encoding
     from ringdit.media.vae import VAE
 
     root, model = cogvideox
@@ -142,8 +142,7 @@ def test_prepare_and_decode_cogvideox(cogvideox, models, tmp_path):
     torch.testing.assert_close(tensors["text"], text, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(tensors["null_text"], null_text, rtol=1e-6, atol=1e-6)
     assert tensors["text_mask"].all() and tensors["null_text_mask"].all()
-    cond, negative = encode_prompts(captions, None, described["path"], described["tokenizer"], text_len=TEXT_LEN,
-                                    text_dim=16, **encoder_settings(described))  # infer.py's prompts, as recorded
+    cond, negative = sampling_encoding(described, captions, text_len=TEXT_LEN, text_dim=16)  # infer.py's, as recorded
     torch.testing.assert_close(cond["text"], text, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(negative["text"], null_text, rtol=1e-6, atol=1e-6)
 

@@ -19,8 +19,8 @@ from safetensors import safe_open  # noqa: E402
 
 from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
-from ringdit.media.text import TextEncoder, encode_prompts, encoder_settings  # noqa: E402
-from tests.helpers import TEXT_LEN, read_prepared, save_tiny_qwen, tiny_video_vae  # noqa: E402
+from ringdit.media.text import TextEncoder, encoder_settings  # noqa: E402
+from tests.helpers import TEXT_LEN, read_prepared, sampling_encoding, save_tiny_qwen, tiny_video_vae  # noqa: E402
 
 CLIP_LEN = 16  # the tiny CLIP's positions (Flux's is 77)
 CAPTIONS = ["a red fox", "a blue cat running", "green field"]
@@ -55,7 +55,7 @@ def images(tmp_path) -> Path:
 def test_flux_pair_matches_flux_pipeline(flux, images, tmp_path):
     """text = FluxPipeline's prompt_embeds (T5, unmasked, every state kept), pooled = its pooled_prompt_embeds (CLIP),
     the empty prompt's too; text_mask all True (Flux attends every token); the shard records both encoders, and
-    encode_prompts with the recorded settings (infer.py's prompts) gives the same."""
+    Codecs.encode with the recorded settings (infer.py.s prompts) gives the same."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
@@ -89,8 +89,7 @@ def test_flux_pair_matches_flux_pipeline(flux, images, tmp_path):
     torch.testing.assert_close(tensors["null_pooled"], null_pooled, rtol=1e-6, atol=1e-6)
     assert tensors["text_mask"].all() and tensors["null_text_mask"].all()
 
-    cond, negative = encode_prompts(CAPTIONS, None, described["path"], described["tokenizer"], text_len=TEXT_LEN,
-                                    text_dim=16, **encoder_settings(described))
+    cond, negative = sampling_encoding(described, CAPTIONS, text_len=TEXT_LEN, text_dim=16)
     torch.testing.assert_close(cond["text"], tensors["text"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(cond["pooled"], tensors["pooled"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(negative["pooled"], tensors["null_pooled"], rtol=1e-6, atol=1e-6)
@@ -193,7 +192,8 @@ def test_hunyuan_video15_prompt_template_matches_the_pipeline(tmp_path):
     assert torch.equal(cond["text_mask"], mask.bool())
     torch.testing.assert_close(cond["text"], states * mask[..., None], rtol=1e-6, atol=1e-6)  # same model, fp32
     assert encoder.describe()["prompt_template"] == "hunyuan_video15"
-    with pytest.raises(ConfigError, match=r"prompt_template='qwen3' is not one of qwenimage, hunyuan_video15, flux2"):
+    with pytest.raises(ConfigError, match=r"prompt_template='qwen3' is not one of qwenimage, qwenimage_edit, "
+                                          r"qwenimage_edit_plus, hunyuan_video15, flux2"):
         TextEncoder(folder, max_len=TEXT_LEN, prompt_template="qwen3")
     with pytest.raises(ConfigError, match=r"max_text_len=200 is longer than Qwen2_5_VLTextModel takes \(148 "
                                           r"positions after the template\); pass max_text_len=148 or less"):
@@ -271,7 +271,7 @@ def test_flux2_prepare_matches_flux2_pipeline(flux2, images, tmp_path):
     """prepare vae=FLUX.2 text_encoder=FLUX.2 prompt_template=flux2: text = Flux2Pipeline.encode_prompt's
     prompt_embeds (its system message and chat format, the encoder attending to the real tokens, layers 10, 20, 30
     joined per token: D = 3 x 16, every state kept), the empty prompt's too, text_mask all True; latents = the
-    pipeline's encoded images (unpatchified); the shard records the template, and encode_prompts with the recorded
+    pipeline's encoded images (unpatchified); the shard records the template, and Codecs.encode with the recorded
     settings (infer.py's prompts) gives the same."""
     from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
 
@@ -300,8 +300,7 @@ def test_flux2_prepare_matches_flux2_pipeline(flux2, images, tmp_path):
     assert tensors["text_mask"].all() and tensors["null_text_mask"].all()
     torch.testing.assert_close(tensors["latents"], latents, rtol=1e-6, atol=1e-6)
 
-    cond, negative = encode_prompts(CAPTIONS, None, described["path"], described["tokenizer"], text_len=FLUX2_LEN,
-                                    text_dim=48, **encoder_settings(described))
+    cond, negative = sampling_encoding(described, CAPTIONS, text_len=FLUX2_LEN, text_dim=48)
     torch.testing.assert_close(cond["text"], tensors["text"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(negative["text"], tensors["null_text"], rtol=1e-6, atol=1e-6)
 

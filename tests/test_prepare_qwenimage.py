@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from ringdit.common.errors import ConfigError  # noqa: E402
-from ringdit.media.text import TextEncoder, chat_template, encode_prompts, encoder_settings  # noqa: E402
-from tests.helpers import save_tiny_qwenimage_encoder  # noqa: E402
+from ringdit.media.text import TextEncoder, chat_template, encoder_settings  # noqa: E402
+from tests.helpers import sampling_encoding, save_tiny_qwenimage_encoder  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 TEXT_LEN = 8
@@ -65,7 +65,7 @@ def test_qwenimage_prompt_template_matches_the_pipeline(qwen):
 
 
 def test_infer_and_the_server_encode_as_prepare_did(qwen, models, tmp_path):
-    """prepare records prompt_template=qwenimage in every shard; infer.py (encode_prompts) and the server
+    """prepare records prompt_template=qwenimage in every shard; infer.py (Codecs.encode) and the server
     (TextEncoder with encoder_settings) read it from that record and encode prompts exactly as prepare did."""
     from ringdit.media.encode_folder import encode_folder
     from tests.helpers import read_prepared
@@ -80,8 +80,7 @@ def test_infer_and_the_server_encode_as_prepare_did(qwen, models, tmp_path):
     tensors, metadata = read_prepared(tmp_path / "out" / "shard-00000.safetensors")
     described, stored = json.loads(metadata["text_encoder"]), tensors["text"]
     assert described["prompt_template"] == "qwenimage"
-    cond, negative = encode_prompts(PROMPTS[:2], None, described["path"], described["tokenizer"], text_len=TEXT_LEN,
-                                    text_dim=described["dim"], **encoder_settings(described))
+    cond, negative = sampling_encoding(described, PROMPTS[:2], text_len=TEXT_LEN, text_dim=described["dim"])
     assert torch.equal(cond["text"], stored)
     # the server's encoder, as ringdit.serve builds it from the data's description
     served = TextEncoder(described["path"], described["tokenizer"], max_len=TEXT_LEN, **encoder_settings(described))

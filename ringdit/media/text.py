@@ -318,30 +318,6 @@ def word_level_tokenizer(words: list[str] | tuple[str, ...]):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def encode_prompts(prompts: list[str], negative_prompt: str | None, text_encoder: str | Path,
-                   tokenizer: str | Path | None = None, *, text_len: int, text_dim: int,
-                   device: str | torch.device = "cpu", pooled_encoder: str | Path | None = None,
-                   pooled_tokenizer: str | Path | None = None, max_pooled_len: int = 77,
-                   masked: bool | None = None, prompt_template: str | None = None,
-                   glyph_encoder: str | Path | None = None, glyph_tokenizer: str | Path | None = None,
-                   clean: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """infer.py's prompts: (cond (N, ...), negative (1, ...)) as the model was trained on them.
-
-    ``text_len`` / ``text_dim`` are the training data's (its ``describe()``); the negative prompt defaults to the
-    empty prompt, which is what the condition drop trained the model to read as "no condition". ``pooled_encoder``,
-    ``pooled_tokenizer``, ``max_pooled_len``, ``masked``, ``prompt_template``, ``glyph_encoder``, ``glyph_tokenizer``:
-    as the data were prepared (``encoder_settings`` of the data's ``text_encoder`` description gives them).
-    """
-    encoder = TextEncoder(text_encoder, tokenizer, max_len=text_len, device=device, pooled_encoder=pooled_encoder,
-                          pooled_tokenizer=pooled_tokenizer, max_pooled_len=max_pooled_len, masked=masked,
-                          prompt_template=prompt_template, glyph_encoder=glyph_encoder, glyph_tokenizer=glyph_tokenizer,
-                          clean=clean)
-    check_text_width(encoder, text_encoder, text_dim)
-    if isinstance(prompts, str) or not prompts:
-        raise ConfigError(f"prompts must be a non-empty list of strings, got {prompts!r}; e.g. prompts='[a red fox]'")
-    return encoder([str(p) for p in prompts]), encoder([negative_prompt or ""])
-
-
 def data_text_encoder(data: dict, text_encoder: str | Path, tokenizer: str | Path | None = None, *,
                       device: str | torch.device = "cpu") -> TextEncoder:
     """The text encoder that reads prompts for a model trained on ``data`` (its ``describe()``): ``text_encoder`` /
@@ -376,7 +352,7 @@ def pipeline_cleans_prompts(encoder_folder: Path) -> bool:
 
 
 def encoder_settings(described: dict) -> dict:
-    """``TextEncoder.describe()`` (a shard's ``text_encoder`` metadata) -> the ``encode_prompts`` keywords beyond the
+    """``TextEncoder.describe()`` (a shard's ``text_encoder`` metadata) -> the ``TextEncoder`` keywords beyond the
     text encoder itself that encode prompts as that shard's were: the pooled encoder, the masking, the template, the
     glyph encoder."""
     pooled, glyph = described.get("pooled_encoder") or {}, described.get("glyph_encoder") or {}
