@@ -89,6 +89,14 @@ def images(count: int):
     return [Image.fromarray((rng.rand(h, w, 3) * 255).astype(np.uint8)) for w, h in sizes[:count]]
 
 
+def write_image(path: Path, size: tuple[int, int], seed: int) -> None:
+    """A random RGB image of ``size`` (W, H)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+
+
 def pipeline_encoding(encoder: TextEncoder, pipeline: str, prompt: str, picture) -> torch.Tensor:
     """(L, D) what the diffusers edit ``pipeline``'s own call encodes for ``prompt`` and ``picture`` (its
     ``encode_prompt`` on the image as the call resizes it, with ``encoder``'s Qwen2.5-VL, tokenizer and processor;

@@ -18,18 +18,12 @@ import torch
 from PIL import Image, ImageOps
 
 from ringdit.media.text import TextEncoder
-from tests.edit_helpers import pipeline_encoding, save_edit_folder
+from tests.edit_helpers import pipeline_encoding, save_edit_folder, write_image
 from tests.helpers import compose_config, in_process, run
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 TEXT_LEN = 40
 HF = {"HF_HUB_OFFLINE": "1"}
-
-
-def write_image(path: Path, size: tuple[int, int], seed: int) -> None:
-    """A random RGB image of ``size`` (W, H)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(path)
 
 
 @pytest.fixture(scope="module")

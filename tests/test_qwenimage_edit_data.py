@@ -11,12 +11,7 @@ import torch
 from PIL import Image
 
 from ringdit.common.errors import ConfigError
-
-
-def write_image(path, size, seed):
-    """A random RGB image of ``size`` (W, H)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(path)
+from tests.edit_helpers import write_image
 
 
 def test_prepare_writes_each_images_reference_latents(models, tmp_path):
