@@ -233,8 +233,8 @@ def test_a_text_encoder_that_is_not_ltx2s_is_refused_in_one_line_and_the_advice_
     """prompt_template=ltx2 with a T5 (the pipeline folder's advice: pass LTX-2's own), a Gemma 3 folder without
     connectors/ beside it (pass the pipeline folder), a Gemma 3 without prompt_template=ltx2 (pass it) and a length
     the connectors' 4 registers do not divide (the length named): one line each; each advice prepares."""
-    with pytest.raises(ConfigError, match=r"^prompt_template=ltx2 encodes prompts with LTX-2's "
-                                          r"Gemma3ForConditionalGeneration .* has model_type 't5'; pass the LTX-2 "
+    with pytest.raises(ConfigError, match=r"^prompt_template=ltx2 encodes prompts with its pipeline's "
+                                          r"text encoder \(model_type gemma3\) .* has model_type 't5'; pass the ltx2 "
                                           r"pipeline folder") as raised:
         prepare(gemma_ltx2, captioned, tmp_path / "a", text_encoder=ltx2[0])
     assert "\n" not in str(raised.value)
@@ -244,8 +244,8 @@ def test_a_text_encoder_that_is_not_ltx2s_is_refused_in_one_line_and_the_advice_
     with pytest.raises(ConfigError, match=r"^prompt_template=ltx2: text_encoder=.*gemma has no connectors/ beside its "
                                           r"text encoder .*pass the LTX-2 pipeline folder as text_encoder="):
         prepare(gemma_ltx2, captioned, tmp_path / "b", text_encoder=bare)
-    with pytest.raises(ConfigError, match=r"is Gemma3ForConditionalGeneration, LTX-2's text encoder, .*pass "
-                                          r"prompt_template=ltx2$"):
+    with pytest.raises(ConfigError, match=r"is the text encoder of ltx2's pipeline, whose states go through "
+                                          r"its text connectors; pass prompt_template=ltx2$"):
         prepare(gemma_ltx2, captioned, tmp_path / "c", prompt_template=None)
     with pytest.raises(ConfigError, match=r"^max_text_len=6: LTX-2's connectors replace the padding with 4 learnable "
                                           r"registers .*pass max_text_len=4 "):

@@ -45,9 +45,9 @@ import torch
 from ringdit.common.errors import ConfigError, require_count
 from ringdit.media.edit_prompt import EditPromptEncoder, edit_template
 from ringdit.media.glyph import GlyphEncoder
-from ringdit.media.ltx2_prompt import LTX2_TEMPLATE, LTX2Connectors, check_ltx2_encoder
+from ringdit.media.text_connectors import LTX2Connectors, check_connector_encoder
 from ringdit.media.pretrained import ENCODERS, REMOTE_CODE, find_folder
-from ringdit.models.diffusers.families import chat_templates, edit_templates
+from ringdit.models.diffusers.families import chat_templates, connector_templates, edit_templates
 from ringdit.models.diffusers.family import ChatTemplate
 from ringdit.models.diffusers.folders import check_weights_folder
 from ringdit.common.safe_json import read_json
@@ -58,11 +58,12 @@ POOLED_SETTINGS = ("pooled_encoder", "pooled_tokenizer", "max_pooled_len")
 
 def chat_template(name: str | None) -> ChatTemplate | None:
     """The ``ChatTemplate`` of the pipeline of family ``name`` (its ``Family.chat_template``)."""
-    if name is None or name == LTX2_TEMPLATE:  # LTX-2's: no chat; Gemma 3 + its connectors (media/ltx2_prompt.py)
+    connectors = connector_templates()  # LTX-2's: no chat; Gemma 3 + its connectors (media/text_connectors.py)
+    if name is None or name in connectors:
         return None
     templates = chat_templates()
     if name not in templates:
-        names = ", ".join([*templates, LTX2_TEMPLATE])
+        names = ", ".join([*templates, *connectors])
         raise ConfigError(f"prompt_template={name!r} is not one of {names}; pass "
                           f"the family whose "
                           f"pipeline's text encoder you give (its chat template), or null for an encoder that takes "
@@ -125,10 +126,10 @@ class TextEncoder:
         if model_type not in ENCODERS:
             raise ConfigError(f"{setting}={text_encoder}: model_type {model_type!r} is not a supported text encoder "
                               f"({', '.join(sorted(ENCODERS))}); pass a T5, UMT5 or CLIP text model folder")
-        check_ltx2_encoder(model_type, prompt_template, f"{setting}={text_encoder}")
+        check_connector_encoder(model_type, prompt_template, f"{setting}={text_encoder}")
         self._check_template(model_type, config, f"{setting}={text_encoder}")
         self.ltx2 = (LTX2Connectors(folder, config, max_len, f"{setting}={text_encoder}", device=device, dtype=dtype)
-                     if prompt_template == LTX2_TEMPLATE else None)  # LTX-2: Gemma's states through its connectors
+                     if prompt_template in connector_templates() else None)  # LTX-2: Gemma's states through its connectors
         # safetensors only, their headers checked first: a pickled .bin can run code, and infer.py may take this
         # folder from a checkpoint; a truncated file fails here in one line
         check_weights_folder(folder, setting=setting, value=text_encoder, class_name=ENCODERS[model_type],

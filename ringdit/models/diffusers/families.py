@@ -286,6 +286,12 @@ def chat_templates() -> dict[str, Callable[[], ChatTemplate]]:
     return templates
 
 
+def connector_templates() -> dict[str, str]:
+    """``prompt_template``'s names whose pipelines run the encoder's states through text connectors
+    (``Family.text_connectors``): {the family's name: its text encoder's model_type}."""
+    return {name: family.text_connectors for name, family in FAMILIES.items() if family.text_connectors}
+
+
 def edit_templates() -> list[str]:
     """The ``prompt_template`` names whose pipelines encode each prompt with its reference image
     (``ChatTemplate.edit_pipeline``), for the advice of a refusal."""

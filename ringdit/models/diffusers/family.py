@@ -129,6 +129,10 @@ class Family:
     # further prompt_template= names its pipelines encode prompts by, beyond the family's own name (Qwen-Image-Edit's
     # qwenimage_edit_plus: QwenImageEditPlusPipeline's prompt with its picture); {}: none
     chat_variants: Mapping[str, Callable[[], ChatTemplate]] = field(default_factory=dict, hash=False)
+    # the config.json model_type of the text encoder whose states the pipeline runs through its text connectors
+    # (connectors/ beside text_encoder/: LTX-2's Gemma 3 -> its video and audio prompt states; prompt_template=<the
+    # family's name>, ringdit.media.text_connectors); None: no connectors
+    text_connectors: str | None = None
     # the diffusers scheduler class its pipeline steps where that is none of the flow samplers' (MiniMax-H3's
     # MiniMaxH3Scheduler, in its own time conventions): sampler=<family name> steps it (ringdit.diffusion.schedulers);
     # None: the family samples with the generic ones (flow_euler, unipc, dpmpp)

@@ -165,6 +165,7 @@ LTX2 = Family(
     clip_frames=121,  # LTX2Pipeline's num_frames
     condition_keys=("text", "text_mask", "audio_text", AUDIO, "audio_time"),
     text_dim="caption_channels",
+    text_connectors="gemma3",  # LTX2Pipeline: Gemma3ForConditionalGeneration's states through its LTX2TextConnectors
     latent_channels=lambda config: config["in_channels"] // (config["patch_size_t"] * config["patch_size"] ** 2),
     patch_shape=lambda config: (config["patch_size_t"], config["patch_size"], config["patch_size"]),
     # LTX2Pipeline's calculate_shift defaults (its scheduler config's, read with these fallbacks)

@@ -1,5 +1,5 @@
-"""LTX-2's prompt encoding (``prompt_template=ltx2``): Gemma 3 and the pipeline's text connectors, as ``LTX2Pipeline``
-encodes a prompt.
+"""Prompt encoding through a pipeline's text connectors (``prompt_template=<family>`` of a family whose
+``Family.text_connectors`` names its encoder: LTX-2's Gemma 3), as ``LTX2Pipeline`` encodes a prompt.
 
     LTX2Pipeline._get_gemma_prompt_embeds   the prompt stripped, tokenized to max_len tokens padded on the LEFT (the
                                             tokenizer's pad token, else its eos), Gemma3ForConditionalGeneration's
@@ -25,22 +25,23 @@ import torch
 
 from ringdit.common.errors import ConfigError
 from ringdit.common.safe_json import read_json
+from ringdit.models.diffusers.families import connector_templates
 from ringdit.models.diffusers.folders import check_weights_folder
 
-LTX2_TEMPLATE = "ltx2"  # prompt_template=ltx2
-GEMMA3 = "gemma3"  # the config.json model_type of LTX-2's Gemma3ForConditionalGeneration
 
-
-def check_ltx2_encoder(model_type: str | None, template: str | None, given: str) -> None:
-    """One-line errors before any weights load: Gemma 3 without ``prompt_template=ltx2`` (its states mean nothing
-    without the connectors), and ``prompt_template=ltx2`` with another encoder."""
-    if template == LTX2_TEMPLATE and model_type != GEMMA3:
-        raise ConfigError(f"prompt_template=ltx2 encodes prompts with LTX-2's Gemma3ForConditionalGeneration (model_type "
-                          f"gemma3) and its text connectors, but {given} has model_type {model_type!r}; pass the "
-                          f"LTX-2 pipeline folder (its text_encoder/, tokenizer/ and connectors/)")
-    if template != LTX2_TEMPLATE and model_type == GEMMA3:
-        raise ConfigError(f"{given} is Gemma3ForConditionalGeneration, LTX-2's text encoder, whose states go through "
-                          f"its pipeline's text connectors; pass prompt_template=ltx2")
+def check_connector_encoder(model_type: str | None, template: str | None, given: str) -> None:
+    """One-line errors before any weights load: a connectors family's encoder (LTX-2's Gemma 3) without its
+    ``prompt_template`` (its states mean nothing without the connectors), and that template with another encoder."""
+    templates = connector_templates()  # {prompt_template: the encoder's model_type}
+    if template in templates and model_type != templates[template]:
+        raise ConfigError(f"prompt_template={template} encodes prompts with its pipeline's text encoder (model_type "
+                          f"{templates[template]}) and its text connectors, but {given} has model_type "
+                          f"{model_type!r}; pass the {template} pipeline folder (its text_encoder/, tokenizer/ and "
+                          f"connectors/)")
+    owners = [name for name, encoder in templates.items() if encoder == model_type]
+    if template not in templates and owners:
+        raise ConfigError(f"{given} is the text encoder of {owners[0]}'s pipeline, whose states go through its text "
+                          f"connectors; pass prompt_template={owners[0]}")
 
 
 class LTX2Connectors:
