@@ -33,6 +33,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from ringdit.models import DiT
+from ringdit.models.protocol import KindDefaults
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -688,7 +689,7 @@ def scheduler_sigmas(config: dict, steps: int, mu: float | None = None) -> torch
     return scheduler.sigmas.double()
 
 
-class VelocityIsX(torch.nn.Module):
+class VelocityIsX(KindDefaults, torch.nn.Module):  # the model contract's defaults, as every kind
     """A model whose velocity is its input and that records the sigma of each call: each Euler step then multiplies x
     by 1 + (t_next - t), so a sample over its noise is the product of these over the whole grid, the last step to 0
     included."""

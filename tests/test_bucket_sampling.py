@@ -225,13 +225,13 @@ def test_preview_grids_at_a_chosen_size(monkeypatch):
     grid = SampleGrid("unused", size=[6, 12], per_class=1)
     trainer = SimpleNamespace(global_step=0, is_global_zero=False, loggers=[], datamodule=None)
     grid.on_fit_start(trainer, module)
-    seen, generate = [], SamplingPipeline.generate  # what the preview's Sampler calls
+    seen, generate = [], SamplingPipeline.generate_joint  # what the preview's Sampler calls
 
     def spy(*args, **kwargs):
-        samples = generate(*args, **kwargs)
+        samples, joint = generate(*args, **kwargs)
         seen.append(tuple(samples.shape))
-        return samples
+        return samples, joint
 
-    monkeypatch.setattr(SamplingPipeline, "generate", spy)
+    monkeypatch.setattr(SamplingPipeline, "generate_joint", spy)
     grid.make_grid(trainer, module)
     assert grid.shape == (6, 12) and seen == [(2, 1, 6, 12)]  # a row per class, at the chosen size

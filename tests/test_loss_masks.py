@@ -19,6 +19,7 @@ from ringdit.data.text_latents import MASK_KEY, TextLatentsDataModule, write_tex
 from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.masks import latent_mask  # noqa: E402
+from ringdit.models.protocol import KindDefaults  # noqa: E402
 from tests.helpers import TEXT_LEN  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -176,7 +177,7 @@ def test_shards_with_bad_loss_masks_are_refused(tmp_path):
         TextLatentsDataModule(str(folder))
 
 
-class PerCell(torch.nn.Module):
+class PerCell(KindDefaults, torch.nn.Module):  # the model contract's defaults, as every kind
     """A model whose prediction at each latent cell depends on that cell alone (x_t times a weight): the loss's
     dependence on a cell is then only through its own error."""
 

@@ -31,6 +31,7 @@ from ringdit.checkpoints.optimizer_state import optimizer_state_by_name
 from ringdit.common.dtypes import dtype_named
 from ringdit.common.errors import CheckpointError
 from ringdit.models import repeated_blocks
+from ringdit.models.protocol import KindDefaults
 from ringdit.training.parallel_strategy import SequenceParallelStrategy
 
 # The models' outputs (prediction tokens) are only read out-of-place by the losses and samplers, so the in-place
@@ -158,7 +159,9 @@ def shard_model(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None, 
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    for unit in (*repeated_blocks(model), *model.expert_modules):
+    # a two-expert model's experts; the other modules sharded here (DMD2's GAN head) are no kinds and have none
+    experts = model.expert_modules if isinstance(model, KindDefaults) else ()
+    for unit in (*repeated_blocks(model), *experts):
         fully_shard(unit, **options)
     fully_shard(model, **options)
     return model
