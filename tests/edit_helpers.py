@@ -97,6 +97,16 @@ def write_image(path: Path, size: tuple[int, int], seed: int) -> None:
     Image.fromarray(pixels).save(path)
 
 
+def write_edit_pairs(images: Path, references: Path) -> None:
+    """Four captioned 16x16 images and their 32x32 reference images (what ``prepare reference=`` reads)."""
+    images.mkdir()
+    references.mkdir()
+    for i, caption in enumerate(["a red fox", "a blue cat", "a green field", "a blue sky"]):
+        write_image(images / f"{i}.png", (16, 16), seed=i)
+        write_image(references / f"{i}.png", (32, 32), seed=10 + i)
+        (images / f"{i}.txt").write_text(caption)
+
+
 def pipeline_encoding(encoder: TextEncoder, pipeline: str, prompt: str, picture) -> torch.Tensor:
     """(L, D) what the diffusers edit ``pipeline``'s own call encodes for ``prompt`` and ``picture`` (its
     ``encode_prompt`` on the image as the call resizes it, with ``encoder``'s Qwen2.5-VL, tokenizer and processor;

@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageOps
 
 from ringdit.media.text import TextEncoder
-from tests.edit_helpers import pipeline_encoding, save_edit_folder, write_image
+from tests.edit_helpers import pipeline_encoding, save_edit_folder, write_edit_pairs
 from tests.helpers import compose_config, in_process, run
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -36,12 +36,7 @@ def edit_run(models, tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("edit_sampling")
     encoder = save_edit_folder(root / "encoder")
     images, references, data = root / "images", root / "references", root / "data"
-    images.mkdir()
-    references.mkdir()
-    for i, caption in enumerate(["a red fox", "a blue cat", "a green field", "a blue sky"]):
-        write_image(images / f"{i}.png", (16, 16), seed=i)
-        write_image(references / f"{i}.png", (32, 32), seed=10 + i)
-        (images / f"{i}.txt").write_text(caption)
+    write_edit_pairs(images, references)
     prepare([f"input={images}", f"out={data}", f"vae={models['flux']}", f"text_encoder={encoder}", "size=16",
              f"max_text_len={TEXT_LEN}", "prompt_template=qwenimage_edit", f"reference={references}"])
     run("train.py", root / "run", "model=qwenimage_edit_tiny", "data=text_latents", f"data.path={data}",

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_refused, fail_fast, run
+from tests.ltx2_helpers import save_ltx2_video_vae
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -45,16 +46,8 @@ def save_audio_decoder(folder: Path, sample_rate: int) -> Path:
 def ltx2_folders(tmp_path_factory) -> dict[str, Path]:
     """An LTX-2 pipeline-shaped folder (the tiny video VAE of diffusers' LTX-2 tests: 4 latent channels, 2x; its
     16 kHz audio VAE and vocoder) and one whose audio VAE works at 24 kHz."""
-    import diffusers
-
     root = tmp_path_factory.mktemp("ltx2")
-    torch.manual_seed(0)
-    diffusers.AutoencoderKLLTX2Video(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
-        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
-        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
-        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=1, patch_size_t=1,
-        encoder_causal=True, decoder_causal=False).save_pretrained(root / "ltx2" / "vae")
+    save_ltx2_video_vae(root / "ltx2" / "vae")
     return {"ltx2": save_audio_decoder(root / "ltx2", 16000), "other": save_audio_decoder(root / "other", 24000)}
 
 

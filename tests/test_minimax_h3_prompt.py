@@ -17,43 +17,7 @@ pytest.importorskip("transformers")
 from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.text import TextEncoder  # noqa: E402
 from tests.helpers import WORDS  # noqa: E402
-
-VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # Qwen3-VL's config names them
-
-
-def tiny_tokenizer():
-    """A word-level fast tokenizer with Qwen's special and vision tokens, each word one token, adding no special
-    tokens (as Qwen2TokenizerFast), padding on the right."""
-    from tokenizers import Regex, Tokenizer, pre_tokenizers
-    from tokenizers import models as tokenizer_models
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *VISION]
-    vocab = {word: i for i, word in enumerate([*special, *WORDS])}
-    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]"), behavior="removed", invert=True)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", unk_token="<unk>",
-                                   additional_special_tokens=special[1:]), vocab
-
-
-def tiny_qwen3_vl(root: Path) -> None:
-    """root/text_encoder/ (Qwen3-VL, 51 decoder layers of 16 features: minimax_h3_tiny's text_dim) and
-    root/tokenizer/ (a word-level tokenizer with Qwen's special tokens)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    tokenizer, vocab = tiny_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen3VLConfig(
-        text_config={"vocab_size": len(vocab), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 51,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
-                     "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 16,
-                       "deepstack_visual_indexes": [0]},
-        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
-        vision_start_token_id=vocab["<|vision_start|>"])
-    Qwen3VLForConditionalGeneration(config).save_pretrained(root / "text_encoder")
-    tokenizer.save_pretrained(root / "tokenizer")
-
+from tests.minimax_h3_helpers import tiny_qwen3_vl  # noqa: E402
 
 @pytest.fixture(scope="module")
 def qwen3_vl(tmp_path_factory) -> Path:

@@ -21,27 +21,9 @@ from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.vae import VAE  # noqa: E402
 from ringdit.models.frame_rule import FrameRule  # noqa: E402
 from tests.helpers import WORDS, read_prepared  # noqa: E402
+from tests.minimax_h3_helpers import MEAN, STD, tiny_vae  # noqa: E402
 
 FPS, FRAMES, SIZE = 24, 22, 32  # 22 = 17 + 5 frames -> 7 latent frames; 32 px -> 4 latent cells (8x)
-MEAN, STD = (0.1, -0.2, 0.05, 0.0), (0.5, 1.5, 0.8, 1.2)  # away from 0 / 1 so that the normalisation is seen
-
-
-def tiny_vae(folder: Path):
-    """AutoencoderKLMiniMaxH3, tiny and random: 4 latent channels (model=minimax_h3_tiny's in_channels), 8x in space
-    (each temporal downsampling beside a spatial one, as in the released config), 4x in time, the released
-    clip_length 17 and token_drop 3."""
-    from diffusers import AutoencoderKLMiniMaxH3
-
-    torch.manual_seed(0)
-    model = AutoencoderKLMiniMaxH3(
-        latent_channels=4, block_out_channels=(8, 8, 8), layers_per_block=1, spatial_downsample_factors=(2, 2, 2),
-        temporal_downsample_factors=(1, 2, 2), norm_num_groups=4, decoder_num_layers=1,
-        decoder_num_attention_heads=2, decoder_attention_head_dim=8, decoder_num_register_tokens=1,
-        decoder_ffn_mult=1, latents_mean=MEAN, latents_std=STD)
-    model.save_pretrained(folder)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def minimax(tmp_path_factory) -> tuple[Path, object, Path]:
     """A pipeline-shaped folder (vae/, a tiny T5 text encoder and its tokenizer) and a folder of 4 random clips."""

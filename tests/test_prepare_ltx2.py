@@ -24,72 +24,9 @@ pytest.importorskip("av")
 from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.audio_latents import N_FFT, log_mel, read_waveform  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
-from tests.helpers import WORDS, logged_losses, prepare_train, read_prepared, run  # noqa: E402
-
-RATE, FPS, FRAMES, SIZE = 22050, 24, 17, 64  # the clips' sound rate (resampled to the VAE's 16 kHz) and video
-
-
-def tiny_audio_vae(folder: Path, sample_rate: int = 16000):
-    """LTX-2's audio VAE, tiny and random: 2 latent channels x 2 latent mel bins (8 mel bins, 4x down in time and
-    mel, as the real one's 8 x 16 of 64) = model=ltx2_tiny's audio_in_channels 4; its latents_mean / std set away
-    from 0 / 1 so that the normalisation is seen."""
-    from diffusers import AutoencoderKLLTX2Audio
-
-    torch.manual_seed(0)
-    model = AutoencoderKLLTX2Audio(base_channels=4, output_channels=2, ch_mult=(1, 2, 4), num_res_blocks=1,
-                                   in_channels=2, resolution=32, latent_channels=2, mel_bins=8,
-                                   sample_rate=sample_rate, mel_hop_length=160)
-    model.latents_mean.copy_(torch.randn(4) * 0.1)
-    model.latents_std.copy_(torch.rand(4) + 0.5)
-    model.save_pretrained(folder)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def ltx2(tmp_path_factory) -> tuple[Path, dict]:
-    """A pipeline-shaped LTX-2 folder: vae/ (AutoencoderKLLTX2Video, 8x in space and time, 4 channels: model=ltx2_tiny's
-    in_channels), audio_vae/, and a tiny T5 as its text encoder (16 features: ltx2_tiny's caption_channels)."""
-    from diffusers import AutoencoderKLLTX2Video
-    from transformers import T5Config, T5EncoderModel
-
-    from ringdit.media.text import word_level_tokenizer
-
-    root = tmp_path_factory.mktemp("ltx2") / "LTX-2"
-    torch.manual_seed(0)
-    video = AutoencoderKLLTX2Video(
-        latent_channels=4, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8),
-        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
-        spatio_temporal_scaling=(True, True, True, False), decoder_spatio_temporal_scaling=(True, True, True),
-        downsample_type=("spatiotemporal",) * 4, decoder_inject_noise=(False,) * 4, patch_size=1)
-    video.latents_mean.copy_(torch.randn(4) * 0.1)
-    video.latents_std.copy_(torch.rand(4) + 0.5)
-    video.save_pretrained(root / "vae")
-    audio = tiny_audio_vae(root / "audio_vae")
-    T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=16, d_ff=32, d_kv=4, num_layers=1, num_heads=2)
-                   ).save_pretrained(root / "text_encoder")
-    word_level_tokenizer(WORDS).save_pretrained(root / "tokenizer")
-    return root, {"video": video.eval(), "audio": audio}
-
-
-def write_clip(path: Path, seed: int, sound: bool = True, fps: int = FPS, seconds: float = 1.0) -> None:
-    """A random clip with a two-tone stereo sound track (its pitch by seed) and a caption beside it."""
-    from ringdit.media.writing import write_mp4
-
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(RATE * seconds)) / RATE
-    wave = np.stack([np.sin(2 * np.pi * (220 + 110 * seed) * t), np.sin(2 * np.pi * (330 + 55 * seed) * t)]) * 0.5
-    frames = rng.integers(0, 256, (int(fps * seconds), SIZE, SIZE, 3), dtype=np.uint8)
-    write_mp4(frames, path, fps=fps, audio=(wave, RATE) if sound else None)
-    path.with_suffix(".txt").write_text(" ".join(WORDS[seed % len(WORDS)] for _ in range(3)))
-
-
-@pytest.fixture(scope="module")
-def clips(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("clips")
-    for seed in range(4):
-        write_clip(folder / f"clip{seed}.mp4", seed)
-    return folder
-
+from tests.helpers import logged_losses, prepare_train, read_prepared, run  # noqa: E402
+from tests.ltx2_helpers import (FPS, FRAMES, RATE, SIZE, assert_refused, clips, ltx2, tiny_audio_vae,  # noqa: E402, F401 - fixtures
+                                write_clip)
 
 def prepare(ltx2_root: Path, clips: Path, out: Path, **settings):
     return encode_folder(str(clips), str(out), str(ltx2_root), str(ltx2_root), size=SIZE, frames=FRAMES,
@@ -244,19 +181,6 @@ def test_audio_of_another_rate_than_the_models_is_refused_before_any_rank_and_th
     tiny_audio_vae(other / "audio_vae", sample_rate=24000)
     prepare(other, clips, tmp_path / "data24")
     prepare_train([*common, f"data.path={tmp_path / 'data24'}", "logger=none"], tmp_path / "run")
-
-
-def assert_refused(tmp_path: Path, overrides: list[str], message: str) -> None:
-    """train.py's checks (``train.prepare``, what runs before any rank starts) refuse ``overrides`` with the regex
-    ``message``, and no checkpoint is written."""
-    import re
-
-    from hydra.errors import InstantiationException
-
-    with pytest.raises((ValueError, InstantiationException)) as raised:
-        prepare_train(overrides, tmp_path / "run")
-    assert re.search(message, f"{raised.value} {raised.value.__cause__}"), raised.value
-    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def write_shard(path: Path, latents: torch.Tensor, audio: torch.Tensor | None) -> None:

@@ -23,7 +23,7 @@ from ringdit.common.errors import ConfigError  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from ringdit.media.text import TextEncoder  # noqa: E402
 from tests.helpers import logged_losses, read_prepared, run  # noqa: E402
-from tests.test_prepare_ltx2 import FRAMES, SIZE, clips, ltx2  # noqa: E402, F401 - the tiny LTX-2 folder, its clips
+from tests.ltx2_helpers import FRAMES, SIZE, assert_refused, clips, ltx2, save_ltx2_video_vae  # noqa: E402, F401 - fixtures
 
 VOCAB = ["<pad>", "<eos>", "<bos>", "<unk>", "a", "red", "fox", "running", "blue", "cat", "sky", "green", "field"]
 CAPTIONS = ["a red fox running", "a blue cat", "  green field sky  ", "a cat running in a red field"]
@@ -199,27 +199,12 @@ def test_ltx2_trains_on_each_samples_audio_prompt_states_and_infer_encodes_them(
     monkeypatch.setattr(ltx2, "ltx2_forward", lambda *a, **k: seen.append(a[5].get("audio_text")) or forward(*a, **k))
     run("infer.py", tmp_path / "infer", f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}",
         f"prompts=[{CAPTIONS[2]}]", "num_samples=1", "diffusion.sampling.steps=2", "diffusion.sampling.cfg_scale=2",
-        f"vae={decoder(tmp_path / 'decoder')}")
+        f"vae={save_ltx2_video_vae(tmp_path / 'decoder')}")
     assert (tmp_path / "infer" / "samples.npz").is_file() and seen and all(a is not None for a in seen)
     pair = seen[0].float().cpu()  # guidance's batch: the prompt and the empty prompt, each with its own audio states
     expected = (tensors["audio_text"][2].float(), tensors["null_audio_text"][0].float())
     matched = {i for row in pair for i, e in enumerate(expected) if torch.allclose(row, e, atol=1e-5)}
     assert pair.shape == (2, TEXT_LEN, 16) and matched == {0, 1}
-
-
-def decoder(folder: Path) -> Path:
-    """A tiny LTX-2 video VAE of 4 latent channels that decodes (the one of diffusers' LTX-2 tests, as
-    test_ltx2_infer.py's): infer.py writes its samples through it."""
-    import diffusers
-
-    torch.manual_seed(0)
-    diffusers.AutoencoderKLLTX2Video(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
-        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
-        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
-        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=1, patch_size_t=1,
-        encoder_causal=True, decoder_causal=False).save_pretrained(folder)
-    return folder
 
 
 def _tiny_config() -> dict:
@@ -259,7 +244,6 @@ def test_audio_prompt_states_for_a_model_that_does_not_read_them_are_refused(tmp
     """Shards with audio_text for model=wan_tiny: one line naming audio_text and the family, before any rank starts;
     without them (the advice: prepare without prompt_template=ltx2) the same shards train."""
     from ringdit.data.text_latent_shards import write_text_latents
-    from tests.test_prepare_ltx2 import assert_refused
     from tests.helpers import prepare_train
 
     common = ["model=wan_tiny", "data=text_latents", "data.batch_size=2"]
@@ -276,7 +260,6 @@ def test_shards_with_and_without_audio_prompt_states_are_refused_naming_both(tmp
     one line naming both shards, before anything is built; the same folder without the stray shard trains."""
     from ringdit.data.text_latent_shards import write_text_latents
     from tests.helpers import prepare_train
-    from tests.test_prepare_ltx2 import assert_refused
 
     common = ["model=ltx2_tiny", "data=text_latents", "data.batch_size=2"]
     folder = tmp_path / "mixed"

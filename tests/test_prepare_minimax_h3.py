@@ -25,8 +25,7 @@ pytest.importorskip("av")
 from ringdit.media.audio_latents import read_waveform  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from tests.helpers import WORDS, logged_losses, prepare_train, read_prepared, run  # noqa: E402
-from tests.test_minimax_h3_prompt import tiny_qwen3_vl  # noqa: E402
-from tests.test_minimax_h3_vae import tiny_vae  # noqa: E402
+from tests.minimax_h3_helpers import tiny_qwen3_vl, tiny_vae  # noqa: E402
 
 RATE, FPS, FRAMES, SIZE = 22050, 24, 22, 32  # the clips' sound (resampled to 32 kHz) and video: 7 x 4 x 4 latents
 AUDIO_MEAN, AUDIO_STD = [0.1 * i for i in range(8)], [0.5 + 0.1 * i for i in range(8)]

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from ringdit.common.errors import ConfigError
-from tests.edit_helpers import write_image
+from tests.edit_helpers import write_edit_pairs, write_image
 
 
 def test_prepare_writes_each_images_reference_latents(models, tmp_path):
@@ -94,12 +94,7 @@ def test_an_edit_model_trains_on_prepared_triples_and_samples_with_image(models,
     from tests.serving import AUTH, KEY, pixels_of, serving
 
     images, references, data = tmp_path / "images", tmp_path / "references", tmp_path / "data"
-    images.mkdir()
-    references.mkdir()
-    for i, caption in enumerate(["a red fox", "a blue cat", "a green field", "a blue sky"]):
-        write_image(images / f"{i}.png", (16, 16), seed=i)
-        write_image(references / f"{i}.png", (32, 32), seed=10 + i)
-        (images / f"{i}.txt").write_text(caption)
+    write_edit_pairs(images, references)
     prepare([f"input={images}", f"out={data}", f"vae={models['flux']}", f"text_encoder={models['flux']}", "size=16",
              f"max_text_len={TEXT_LEN}", f"reference={references}"])
     run("train.py", tmp_path / "run", "model=qwenimage_edit_tiny", "data=text_latents", f"data.path={data}",
