@@ -175,3 +175,19 @@ def test_a_guidance_scale_the_dit_would_not_be_fed_is_refused():
         DiT.check_guidance(config, {"guidance": 3.0})
     with pytest.raises(ConfigError, match="the DiT has none"):
         DiT.check_guidance({"class_dropout_prob": 0.1}, {"guidance": 3.0})
+
+
+@pytest.mark.parametrize("value", ["-3", "nan", "inf"])
+def test_a_guidance_scale_below_zero_or_not_finite_is_refused_and_the_advice_trains(tmp_path, value):
+    """model.guidance is the scale a guidance embedding is fed (the DiT's, Flux-dev's): a negative or non-finite one
+    is refused in one line naming it, for the DiT at train time and for any model at sampling time; the advised
+    scales build."""
+    from ringdit.common.errors import ConfigError
+    from ringdit.models.diffusers import DiffusersTransformer
+
+    message = rf"model.guidance={value}.* must be a finite number >= 0, e.g. model.guidance=3.5"
+    refused(tmp_path, [*DIGITS, "model.guidance_embed=true", f"model.guidance={value}"], message)
+    with pytest.raises(ConfigError, match=rf"model.guidance={float(value)!r}.* a finite number >= 0"):  # infer.py's
+        DiffusersTransformer.check_guidance({"family": "flux", "config": {"guidance_embeds": True}},
+                                            {"guidance": float(value)})
+    assert prepare_train([*DIGITS, "model.guidance_embed=true", "model.guidance=3.5"], tmp_path / "advised")

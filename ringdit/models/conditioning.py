@@ -4,6 +4,10 @@ conditions on (its ``describe()``'s ``conditioning``), and the names of the text
 
 from __future__ import annotations
 
+import math
+
+from ringdit.common.errors import ConfigError
+
 TEXT = "text"  # describe()["conditioning"] of data carrying prompts' text states; absent: class labels (or none)
 
 # HunyuanVideo 1.5's glyph text, optional, per sample: the ByT5 states of the prompt's quoted text and their mask
@@ -30,3 +34,18 @@ def text_conditioned(data: dict) -> bool:
     """Whether a model trained on ``data`` (a data module's ``describe()``, as a checkpoint records it) is prompted
     with text -- its prompts are encoded, its samples are named by captions -- rather than given class labels."""
     return data.get("conditioning") == TEXT
+
+
+def check_guidance_scale(value, setting: str = "model.guidance") -> float | None:
+    """A guidance embedding's input (Flux-dev's guidance, a DiT's ``guidance_embed``): None, or a finite number >= 0
+    (the pipelines feed the scale as it is: 3.5 to sample Flux-dev, 1.0 to fine-tune it)."""
+    if value is None:
+        return None
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        scale = math.nan
+    if isinstance(value, bool) or not math.isfinite(scale) or scale < 0:
+        raise ConfigError(f"{setting}={value!r} is the guidance scale the model's guidance embedding is fed; it must be "
+                          f"a finite number >= 0, e.g. {setting}=3.5 to sample Flux-dev or {setting}=1.0 to fine-tune")
+    return scale

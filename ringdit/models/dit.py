@@ -20,6 +20,7 @@ from ringdit.common.errors import ConfigError
 from ringdit.diffusion.schedulers import PipelineTimesteps
 from ringdit.models.block_io import BlockIO
 from ringdit.models.checkpointing import checkpoint_model_blocks
+from ringdit.models.conditioning import check_guidance_scale
 from ringdit.models.embeddings import LabelEmbedder, PatchEmbed, TimestepEmbedder, sincos_pos_embed
 from ringdit.models.parallel_plan import ParallelPlan
 from ringdit.models.protocol import KindDefaults
@@ -158,6 +159,7 @@ class DiT(KindDefaults, nn.Module):
         guidance: float | None = None,
     ):
         super().__init__()
+        guidance = check_guidance_scale(guidance)
         if guidance is not None and not guidance_embed:
             raise ConfigError(f"model.guidance={guidance} is the guidance embedding's input, but this DiT has none "
                               f"(model.guidance_embed=false); set model.guidance=null, or model.guidance_embed=true")
@@ -339,6 +341,7 @@ class DiT(KindDefaults, nn.Module):
     def check_guidance(config: dict, sampling: dict, prefix: str = "") -> None:
         """The DiT has no guidance embedding unless ``guidance_embed`` (its scale is then ``model.guidance``), and
         classifier-free guidance needs the null class it learnt only where it was trained with label dropout."""
+        check_guidance_scale(sampling.get("guidance"))
         if sampling.get("guidance") is not None and not config.get("guidance_embed"):
             raise ConfigError(f"model.guidance={sampling['guidance']!r} is the guidance embedding's value of a "
                               f"guidance-distilled model (Flux-dev); the DiT has none and would ignore it: leave it "

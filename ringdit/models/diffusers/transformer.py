@@ -30,7 +30,7 @@ from ringdit.models.diffusers.image_to_video import (channel_input, first_frame_
 from ringdit.diffusion.schedulers import PipelineTimesteps
 from ringdit.models.block_io import BlockIO
 from ringdit.models.checkpointing import checkpoint_model_blocks
-from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS, SAMPLE_KEYS, TEXT
+from ringdit.models.conditioning import GLYPH_KEYS, IMAGE_KEYS, NULL_KEYS, SAMPLE_KEYS, TEXT, check_guidance_scale
 from ringdit.models.parallelize import repeated_blocks
 from ringdit.models.parallel_plan import ParallelPlan
 from ringdit.models.protocol import KindDefaults
@@ -106,7 +106,7 @@ class DiffusersTransformer(KindDefaults, nn.Module):
         self.condition_keys = self.family.condition_keys + (("image_embeds",) if image_embeds_width(self.family, arch)
                                                             else ())
         self.condition_dropout_prob = condition_dropout_prob
-        self.guidance = guidance
+        self.guidance = guidance = check_guidance_scale(guidance)
         if arch.get("guidance_embeds") and guidance is None:
             raise ConfigError(f"model.guidance is not set: this {self.family.model_class} is guidance-distilled "
                               f"(guidance_embeds); set it, e.g. model.guidance=3.5 for sampling, 1.0 to fine-tune")
@@ -412,6 +412,7 @@ class DiffusersTransformer(KindDefaults, nn.Module):
     def check_guidance(config: dict, sampling: dict, prefix: str = "") -> None:
         """The guidance embedding's value only for a model that has one (Flux-dev); classifier-free guidance always:
         away from the empty or negative prompt, which pretrained models learnt."""
+        check_guidance_scale(sampling.get("guidance"))
         if sampling.get("guidance") is not None and guidance_embedding(config) is False:
             raise ConfigError(f"model.guidance={sampling['guidance']!r} is the guidance embedding's value of a "
                               f"guidance-distilled model (Flux-dev), but this {config['family']} model has none "
