@@ -8,6 +8,8 @@ two batch items, ``posterior.mode()``, ``(latents - mean) / std``), the inverse 
     encoder = MiniMaxAudioEncoder("path/to/MiniMax-H3")      # its audio_vae/ folder (or the folder itself)
     audio = encoder.encode_clip(path, first_frame, frames)   # (2, L, C_a): ringdit.models.diffusers.minimax_h3's layout
 
+``decode_stereo`` is the way back, as the pipeline's audio decode step (``MiniMaxH3AudioDecodeStep``) decodes.
+
 L is the window's duration in audio latents, ``round(seconds x sample_rate / hop)`` (40 a second at 32 kHz: the
 pipeline's ``audio_latent_num_frames``, ``round(frames / 24 x 40)`` for a clip at its 24 fps); the encoder reads
 L x hop samples from the window's start (silence where the track ends early), so each latent sees the sound of its
@@ -69,3 +71,16 @@ class MiniMaxAudioEncoder:
         """What a shard records of its audio latents (``audio_vae`` metadata)."""
         return {"class": AUDIO_VAE_CLASS, "path": str(self.folder.resolve()), "sample_rate": self.rate,
                 "hop_length": self.hop, "latent_channels": int(self.model.config.latent_channels)}
+
+
+def decode_stereo(latents: Tensor, audio_vae) -> Tensor:
+    """One sample's normalised latents (2, L, C_a) -> its waveform (2, L x hop) at the VAE's ``sampling_rate``, as
+    ``MiniMaxH3AudioDecodeStep`` decodes: the stereo channels two batch items ``(2, C_a, L)`` of the mono VAE,
+    ``latents x latents_std + latents_mean`` per channel, ``decode``, its ``(2, 1, samples)`` as one stereo track."""
+    parameter = next(audio_vae.parameters())
+    mean = torch.tensor(audio_vae.config.latents_mean, device=parameter.device).view(1, -1, 1)  # (1, C_a, 1)
+    std = torch.tensor(audio_vae.config.latents_std, device=parameter.device).view(1, -1, 1)
+    rows = latents.to(parameter.device).transpose(1, 2)  # (2, C_a, L): the pipeline's audio_latents
+    rows = rows * std + mean
+    audio = audio_vae.decode(rows.to(parameter.dtype), return_dict=False)[0]  # (2, 1, samples)
+    return audio.float().permute(1, 0, 2)[0]  # (2, samples)
