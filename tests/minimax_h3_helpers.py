@@ -63,3 +63,20 @@ def tiny_vae(folder: Path):
         decoder_ffn_mult=1, latents_mean=MEAN, latents_std=STD)
     model.save_pretrained(folder)
     return model.eval()
+
+
+AUDIO_MEAN, AUDIO_STD = [0.1 * i for i in range(8)], [0.5 + 0.1 * i for i in range(8)]
+
+
+def tiny_audio_vae(folder: Path, sampling_rate: int = 32000):
+    """MiniMax-H3's audio VAE, tiny and random: 8 latent channels (model=minimax_h3_tiny's audio_in_channels), the
+    released hop of 800 samples at 32 kHz in three strides, its latents_mean / std away from 0 / 1."""
+    from diffusers import AutoencoderKLMiniMaxH3Audio
+
+    torch.manual_seed(0)
+    model = AutoencoderKLMiniMaxH3Audio(
+        encoder_dim=4, encoder_rates=(8, 10, 10), latent_dim=16, latent_channels=8, num_attention_heads=2,
+        decoder_dim=16, decoder_rates=(8, 10, 10), decoder_kernel_sizes=(16, 20, 20), resblock_kernel_sizes=(3,),
+        resblock_dilation_sizes=((1,),), latents_mean=AUDIO_MEAN, latents_std=AUDIO_STD, sampling_rate=sampling_rate)
+    model.save_pretrained(folder)
+    return model.eval()

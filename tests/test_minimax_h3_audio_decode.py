@@ -15,8 +15,7 @@ import torch
 from ringdit.common.errors import ConfigError
 from ringdit.media.audio import AudioDecoder, audio_decoder_folders, check_audio_vae, sampling_audio_vae
 from tests.helpers import run
-from tests.minimax_h3_helpers import tiny_vae
-from tests.test_prepare_minimax_h3 import tiny_audio_vae
+from tests.minimax_h3_helpers import tiny_audio_vae, tiny_vae
 
 MODEL = {"audio_in_channels": 8}  # model=minimax_h3_tiny's transformer config, the part the check reads
 

@@ -25,26 +25,9 @@ pytest.importorskip("av")
 from ringdit.media.audio_latents import read_waveform  # noqa: E402
 from ringdit.media.encode_folder import encode_folder  # noqa: E402
 from tests.helpers import WORDS, logged_losses, prepare_train, read_prepared, run  # noqa: E402
-from tests.minimax_h3_helpers import tiny_qwen3_vl, tiny_vae  # noqa: E402
+from tests.minimax_h3_helpers import AUDIO_MEAN, AUDIO_STD, tiny_audio_vae, tiny_qwen3_vl, tiny_vae  # noqa: E402
 
 RATE, FPS, FRAMES, SIZE = 22050, 24, 22, 32  # the clips' sound (resampled to 32 kHz) and video: 7 x 4 x 4 latents
-AUDIO_MEAN, AUDIO_STD = [0.1 * i for i in range(8)], [0.5 + 0.1 * i for i in range(8)]
-
-
-def tiny_audio_vae(folder: Path, sampling_rate: int = 32000):
-    """MiniMax-H3's audio VAE, tiny and random: 8 latent channels (model=minimax_h3_tiny's audio_in_channels), the
-    released hop of 800 samples at 32 kHz in three strides, its latents_mean / std away from 0 / 1."""
-    from diffusers import AutoencoderKLMiniMaxH3Audio
-
-    torch.manual_seed(0)
-    model = AutoencoderKLMiniMaxH3Audio(
-        encoder_dim=4, encoder_rates=(8, 10, 10), latent_dim=16, latent_channels=8, num_attention_heads=2,
-        decoder_dim=16, decoder_rates=(8, 10, 10), decoder_kernel_sizes=(16, 20, 20), resblock_kernel_sizes=(3,),
-        resblock_dilation_sizes=((1,),), latents_mean=AUDIO_MEAN, latents_std=AUDIO_STD, sampling_rate=sampling_rate)
-    model.save_pretrained(folder)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def minimax(tmp_path_factory) -> tuple[Path, object, Path]:
     """A pipeline-shaped MiniMax-H3 folder (vae/, audio_vae/, a tiny Qwen3-VL text_encoder/ of 16 features:
