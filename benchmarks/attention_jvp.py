@@ -4,9 +4,9 @@ in one run, on CPU. Three rows per backend:
 - attention alone, one process (``USPAttention`` without a mesh);
 - ring attention on ``--ranks`` gloo CPU ranks (each rank one thread): the tangent pass rotates ``[k, v, dk, dv]``;
 - a whole DiT (``--depth`` blocks, width ``--hidden``) on one process, the JVP in the input and the time as sCM
-  takes it;
-- for scale, one linear layer of the DiT's MLP shape through PyTorch's own forward-AD formula (no ringdit code): what
-  the rest of a model pays.
+  takes it (``torch.autograd.forward_ad`` under ``linear_tangents``), and the same without ``linear_tangents``;
+- one linear layer of the DiT's MLP shape, through PyTorch's own forward-AD formula and under ``linear_tangents``:
+  what the rest of a model pays.
 
 Timings alternate plain / JVP in each repeat and keep the best of ``--repeat``, so a burst of load elsewhere hits
 both alike; the load average before and after is printed: the machine should be otherwise idle.
@@ -17,15 +17,18 @@ both alike; the load average before and after is printed: the machine should be 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import time
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ringdit.attention import USPAttention
+from ringdit.common.linear_tangents import linear_tangents
 
 
 def best_pair(plain, jvp, repeat: int) -> tuple[float, float]:
@@ -78,26 +81,35 @@ def ring_pair(backend: str, shape, ranks: int, repeat: int) -> tuple[float, floa
     return results.get()
 
 
-def dit_case(backend: str, depth: int, hidden: int, heads: int, size: int):
+def forward_ad(fn, primals, tangents, fast_linears: bool):
+    """``fn``'s output and tangent by ``torch.autograd.forward_ad`` (sCM's pass), with or without ``linear_tangents``."""
+    with fwAD.dual_level(), linear_tangents() if fast_linears else contextlib.nullcontext():
+        return fwAD.unpack_dual(fn(*(fwAD.make_dual(p, t) for p, t in zip(primals, tangents))))
+
+
+def dit_case(backend: str, depth: int, hidden: int, heads: int, size: int, fast_linears: bool):
     from ringdit.models import DiT, parallelize
 
     torch.manual_seed(0)
     model = DiT(input_size=size, patch_size=2, in_channels=4, hidden_size=hidden, depth=depth, num_heads=heads,
                 num_classes=10, learn_sigma=False)
+    for weight in (p for p in model.parameters() if p.dim() > 1):  # a trained model's tangent is not zero (adaLN-zero)
+        torch.nn.init.normal_(weight, std=0.02)
     parallelize(model, backend=backend)
     g = torch.Generator().manual_seed(1)
     x, dx = (torch.randn(2, 4, size, size, generator=g) for _ in range(2))
     t, dt, y = torch.tensor([300.0, 700.0]), torch.tensor([1.0, 1.0]), torch.tensor([1, 2])
     plain = lambda: model(x, t, y)  # noqa: E731
-    jvp = lambda: torch.func.jvp(lambda x, t: model(x, t, y), (x, t), (dx, dt))  # noqa: E731
+    jvp = lambda: forward_ad(lambda x, t: model(x, t, y), (x, t), (dx, dt), fast_linears)  # noqa: E731
     return torch.no_grad()(plain), torch.no_grad()(jvp)
 
 
-def linear_case(hidden: int, tokens: int):
+def linear_case(hidden: int, tokens: int, fast_linears: bool):
     g = torch.Generator().manual_seed(0)
     x, dx = (torch.randn(2 * tokens, hidden, generator=g) for _ in range(2))
     layer = torch.nn.Linear(hidden, 4 * hidden)
-    return torch.no_grad()(lambda: layer(x)), torch.no_grad()(lambda: torch.func.jvp(layer, (x,), (dx,)))
+    jvp = lambda: forward_ad(layer, (x,), (dx,), fast_linears)  # noqa: E731
+    return torch.no_grad()(lambda: layer(x)), torch.no_grad()(jvp)
 
 
 def main() -> None:
@@ -126,11 +138,18 @@ def main() -> None:
                  (f"ring attention, {args.ranks} ranks (S/{args.ranks} per rank)",
                   lambda: ring_pair(backend, (1, args.seq // args.ranks, args.heads, args.head_size), args.ranks,
                                     args.repeat)),
-                 ("DiT, one process", lambda: best_pair(*dit_case(backend, args.depth, args.hidden, args.heads,
-                                                                  args.image), args.repeat))]
+                 ("DiT, one process (sCM's pass)",
+                  lambda: best_pair(*dit_case(backend, args.depth, args.hidden, args.heads, args.image, True),
+                                    args.repeat)),
+                 ("DiT, one process, PyTorch's linear formula",
+                  lambda: best_pair(*dit_case(backend, args.depth, args.hidden, args.heads, args.image, False),
+                                    args.repeat))]
         if backend == args.backends[0]:
-            cases.append(("one linear layer (PyTorch's formula)",
-                          lambda: best_pair(*linear_case(args.hidden, (args.image // 2) ** 2), args.repeat)))
+            tokens = (args.image // 2) ** 2
+            cases += [("one linear layer, PyTorch's formula",
+                       lambda: best_pair(*linear_case(args.hidden, tokens, False), args.repeat)),
+                      ("one linear layer, `linear_tangents`",
+                       lambda: best_pair(*linear_case(args.hidden, tokens, True), args.repeat))]
         for name, measure in cases:
             plain, jvp = measure()
             shown = "-" if name.startswith("one linear") else backend

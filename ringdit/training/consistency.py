@@ -44,6 +44,8 @@ from typing import Callable
 import torch
 import torch.autograd.forward_ad as fwAD
 
+from ringdit.common.linear_tangents import linear_tangents
+
 Tensor = torch.Tensor
 Velocity = Callable[[Tensor, Tensor], Tensor]  # (x_t, flow time t in [0, 1]) -> the flow model's velocity
 
@@ -78,10 +80,11 @@ def trigflow_F(velocity: Velocity, x_s: Tensor, s: Tensor, sigma_d: float) -> Te
 def trigflow_F_and_tangent(velocity: Velocity, x_s: Tensor, s: Tensor, dx_ds: Tensor,
                            sigma_d: float) -> tuple[Tensor, Tensor]:
     """(F, sin(s) cos(s) dF/ds) of ``velocity`` at (x_s, s): the total derivative along the ODE direction
-    ``dx_ds``, by forward-mode AD through the model (attention's forward-mode rule: ``jvp_ring_kv_chunk``), without
-    a gradient. The tangents are pre-scaled by sin(s) cos(s) (the paper's rearrangement: bounded near s = pi/2)."""
+    ``dx_ds``, by forward-mode AD through the model (attention's forward-mode rule: ``jvp_ring_kv_chunk``; linear
+    layers' tangents as one matmul each: ``linear_tangents``), without a gradient. The tangents are pre-scaled by
+    sin(s) cos(s) (the paper's rearrangement: bounded near s = pi/2)."""
     scale = torch.sin(s) * torch.cos(s)
-    with torch.no_grad(), fwAD.dual_level():
+    with torch.no_grad(), fwAD.dual_level(), linear_tangents():
         x_dual = fwAD.make_dual(x_s, column(scale, x_s) * dx_ds)
         s_dual = fwAD.make_dual(s, scale.to(s.dtype))
         primal, tangent = fwAD.unpack_dual(trigflow_F(velocity, x_dual, s_dual, sigma_d))
