@@ -157,3 +157,40 @@ def test_help_shows_the_settings_the_command_line_composes(capsys):
         assert section in shown, section
     assert shown.index("== experiment=wan21_14b_lora") < shown.index("== model=wan_14b")
     assert "== model=dit_digits" not in shown and "== data=digits " not in shown
+
+
+def written_prompt_lists() -> list[tuple[str, str]]:
+    """(where, override) of every ``prompts=`` list written on an ``infer.py`` line of the docs, the README, conf/'s
+    comments and ringdit's docstrings (lines that build it from a shell variable, ``$P``, excepted)."""
+    found = []
+    files = [*DOCS.rglob("*.md"), REPO / "README.md", *(REPO / "conf").rglob("*.yaml"), *(REPO / "ringdit").rglob("*.py")]
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "infer.py" not in line or "prompts=" not in line or "$" in line:
+                continue
+            command = line[line.index("infer.py"):].split("#")[0].rstrip(" |`")
+            with contextlib.suppress(ValueError):  # a line of prose, not a command: nothing to check
+                for word in shlex.split(command):
+                    if word.startswith("prompts=[") and "," in word:
+                        found.append((f"{path.relative_to(REPO)}:{number}", word))
+    return found
+
+
+def test_every_written_list_of_prompts_is_one_infer_takes():
+    """infer.py refuses a list of several prompts with an unquoted one (Hydra would split it at its commas): the
+    commands the docs teach must not be refused."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from ringdit.common.errors import ConfigError
+    from ringdit.spec.infer import check_prompt_list
+
+    written = written_prompt_lists()
+    assert any("captioned_moving_digits" in where for where, _ in written)  # the conf comments are read
+    refused = []
+    for where, word in written:
+        value = OverridesParser.create().parse_overrides([word])[0].value()
+        try:
+            check_prompt_list(value, [word])
+        except ConfigError as error:
+            refused.append(f"{where}: {error}")
+    assert not refused, "\n".join(refused)

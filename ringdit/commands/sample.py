@@ -5,7 +5,7 @@
     python infer.py ckpt_path=weights.safetensors labels=[3,3,7] diffusion.sampling.cfg_scale=2 diffusion.sampling.steps=100 ring_degree=2
 
     python infer.py ckpt_path=<wan run>/checkpoints/last.ckpt text_embeds=prompts.safetensors diffusion.sampling.cfg_scale=5
-    python infer.py prompts='[a 3 moving left, a 7 moving up]'   # after train.py experiment=captioned_moving_digits
+    python infer.py 'prompts=["a 3 moving left", "a 7 moving up"]'   # after train.py experiment=captioned_moving_digits
     python infer.py prompts='[a red fox running]' size=[480,832] frames=81    # at another size than the data's
     python infer.py prompt_file=prompts.jsonl num_samples=4   # {"prompt": "...", "size": [H, W], "frames": N} a line
     python infer.py prompts='[a 3 moving left]' image=first.png   # image-to-video: the first frame given

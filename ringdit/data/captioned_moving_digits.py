@@ -11,7 +11,7 @@ The videos stay in pixel space (1 channel in [-1, 1], no VAE): the set is writte
 ``data=text_latents`` shard and read through the same code as prepared data.
 
     python train.py experiment=captioned_moving_digits
-    python infer.py prompts='[a 3 moving left, a 7 moving down]'
+    python infer.py 'prompts=["a 3 moving left", "a 7 moving down"]'
     python benchmarks/digits_accuracy.py outputs/infer/runs/<run>/samples.npz   # digit and direction recognised
 """
 
