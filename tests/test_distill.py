@@ -33,8 +33,11 @@ LAYOUTS = {
     "gan_ring3": [*FP64, *GAN, "ring_degree=3"],  # 16 tokens in shards of 6: the last shard's 2 padded tokens
     "gan_one_fp32": GAN,
     "regression_one": [*FP64, *REGRESSION],
-    "regression_ring2": [*FP64, *REGRESSION, "ring_degree=2", "distill.regression_distance=pseudo_huber"],
-    "regression_one_huber": [*FP64, *REGRESSION, "distill.regression_distance=pseudo_huber"],
+    # pseudo-Huber on 3 of the 4 pairs a update (a fresh draw, the same on both ranks and on resume)
+    "regression_ring2": [*FP64, *REGRESSION, "ring_degree=2", "distill.regression_distance=pseudo_huber",
+                         "distill.regression_batch=3"],
+    "regression_one_huber": [*FP64, *REGRESSION, "distill.regression_distance=pseudo_huber",
+                             "distill.regression_batch=3"],
     "gan_fsdp_ring2_ulysses2": [*GAN, "trainer/strategy=fsdp", "ring_degree=2", "ulysses_degree=2"],
 }
 # float64: a layout only reorders sums, each rounded at u = 1.1e-16, so the weights (max ~3) and the losses agree
@@ -176,6 +179,12 @@ BAD = {
                           "distill.regression_weight=0 must be a finite number > 0 (DMD: 0.25)"),
     "regression pairs": (["distill.regression_loss=true", "distill.regression_pairs=0"],
                          "distill.regression_pairs must be a positive integer, got 0"),
+    "regression batch": (["distill.regression_loss=true", "distill.regression_batch=0"],
+                         "distill.regression_batch must be a positive integer, got 0"),
+    "regression batch above the pairs": (["distill.regression_loss=true", "distill.regression_pairs=4",
+                                          "distill.regression_batch=8"],
+                                         "distill.regression_batch=8 is more than the 4 pairs (distill.regression_pairs);"
+                                         " set distill.regression_batch at most 4"),
     "regression distance": (["distill.regression_loss=true", "distill.regression_distance=lpips"],
                             "distill.regression_distance='lpips' must be mse or pseudo_huber"),
     "critic_steps": (["distill.critic_steps=0"], "distill.critic_steps must be a positive integer"),
@@ -337,7 +346,50 @@ def test_a_resumed_distillation_with_the_regression_loss_continues_exactly(runs,
     first = runs.trained("regression_one_huber")
     resumed = tmp_path / "resumed"
     run("train.py", resumed, *TINY, *MOMENTUM, *FP64, *REGRESSION, "distill.regression_distance=pseudo_huber",
-        "distill=dmd2", f"init_from={teacher}", "distill.critic_steps=2",
+        "distill.regression_batch=3", "distill=dmd2", f"init_from={teacher}", "distill.critic_steps=2",
         f"ckpt_path={first / 'checkpoints' / 'step_0000002.ckpt'}")
     assert distill_losses(resumed, "train/regression_loss")[2] == distill_losses(first, "train/regression_loss")[2]
     assert_same_numbers(state(resumed), state(first), where="resumed with the regression loss")
+
+
+class PairsOnlyModel(torch.nn.Module):
+    """A student whose velocity is zero: its 1-step output is its input, so the regression's distance is the
+    pairs' own (what the test computes by hand); it records which conditions it was called with."""
+
+    def forward(self, x, model_time, condition):
+        self.seen = condition
+        return torch.zeros_like(x)
+
+    def with_condition_frames(self, output, condition):
+        return output
+
+
+def regression_student(batch: int | None, pairs: int = 6) -> SimpleNamespace:
+    from ringdit.diffusion.objectives import FlowMatching
+
+    g = torch.Generator().manual_seed(0)
+    noise, samples = torch.randn(pairs, 1, 2, 2, generator=g), torch.randn(pairs, 1, 2, 2, generator=g)
+    return SimpleNamespace(teacher_pairs=(noise, torch.arange(pairs), samples), model=PairsOnlyModel(),
+                           objective=FlowMatching(), device=torch.device("cpu"), hparams=SimpleNamespace(seed=7),
+                           distill={"times": [1.0], "regression_distance": "mse", "regression_batch": batch})
+
+
+def test_the_regression_takes_a_fresh_draw_of_its_pairs_each_update():
+    """``distill.regression_batch``: each update's loss is the distance over that many of the pairs, a draw that
+    changes with the update (and is the same for the same update: every rank, a resumed run); null: all pairs."""
+    from ringdit.training.distillation_module import DistillationModule
+
+    student = regression_student(batch=None)
+    noise, labels, samples = student.teacher_pairs
+    every = DistillationModule.regression_loss(student, 0)
+    assert every == pytest.approx((noise - samples).square().mean().item(), rel=1e-6)
+    student = regression_student(batch=2)
+    draws = []
+    for step in range(4):
+        loss = DistillationModule.regression_loss(student, step)
+        picked = student.model.seen  # the labels are the pairs' indices
+        assert picked.shape == (2,) and len(set(picked.tolist())) == 2
+        assert loss == pytest.approx((noise[picked] - samples[picked]).square().mean().item(), rel=1e-6)
+        assert torch.equal(DistillationModule.regression_loss(student, step), loss)  # the same update, the same draw
+        draws.append(tuple(sorted(picked.tolist())))
+    assert len(set(draws)) > 1

@@ -169,6 +169,20 @@ def test_train_config_and_the_planner_count_dmd2(tmp_path, capsys):
     assert state[1] > 1.9 * state[0]  # bf16-mixed: fp32 state; two models' of it and a third's weights
 
 
+def test_the_memory_check_counts_the_pairs_an_update_runs(tmp_path):
+    """``distill.regression_batch``: an update runs the student on that many of the pairs, not on all of them."""
+    from ringdit.costs.check import regression_pairs_per_update, setup_from_config
+
+    regression = ["distill=dmd2", "distill.regression_loss=true", "distill.regression_pairs=4096"]
+    counts = {}
+    for name, extra in {"all": [], "batch": ["distill.regression_batch=64"], "off": ["distill.regression_loss=false"]
+                        }.items():
+        cfg = compose_train([*regression, *extra], tmp_path)
+        counts[name] = regression_pairs_per_update(cfg.distill)
+        assert setup_from_config(cfg, Layout()).regression_pairs == counts[name]
+    assert counts == {"all": 4096, "batch": 64, "off": 0}
+
+
 def test_ema_off_removes_exactly_the_ema_term():
     for layout in (Layout(), Layout(strategy="fsdp", dp_degree=4)):
         on, off = estimate_memory(XL, layout), estimate_memory(XL, layout, Setup(ema=False))

@@ -104,8 +104,16 @@ def memory_setup(layout: Layout, *, batch_size: int, precision: str, param_dtype
         distill=distill.get("method") or "none",
         gan_loss=bool(distill.get("gan_loss")),
         gan_block=distill.get("gan_block"),
-        regression_pairs=(distill.get("regression_pairs") or 0) if distill.get("regression_loss") else 0,
+        regression_pairs=regression_pairs_per_update(distill),
     )
+
+
+def regression_pairs_per_update(distill) -> int:
+    """How many teacher pairs a student update runs the student on (the memory estimates'): ``regression_batch``
+    of them, or all ``regression_pairs``; 0 without the regression loss."""
+    if not distill.get("regression_loss"):
+        return 0
+    return distill.get("regression_batch") or distill.get("regression_pairs") or 0
 
 
 def setup_from_config(cfg, layout: Layout) -> Setup:

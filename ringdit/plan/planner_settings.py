@@ -14,6 +14,7 @@ from ringdit.models.checkpointing import checkpoint_fraction
 from ringdit.models.lora import check_lora_settings, resolve_base_dtype
 from ringdit.parallel.layout import Layout, check_strategy_degrees, strategy_kind
 from ringdit.costs import DISTILL_METHODS, GiB, Setup
+from ringdit.costs.check import regression_pairs_per_update
 from ringdit.plan.search import DEGREES, Hardware, divisors
 from ringdit.spec.distill import DistillSpec
 from ringdit.training.optimizers import STATES
@@ -187,8 +188,7 @@ def settings(cfg: DictConfig) -> tuple[Hardware, Layout, Setup, tuple[str, ...],
                   ema=bool(decay), lora_base_dtype=base or "bfloat16", optimizer_states=states,
                   distill=distill, gan_loss=bool(distill_cfg.get("gan_loss", False)),
                   gan_block=distill_cfg.get("gan_block"),
-                  regression_pairs=(distill_cfg.get("regression_pairs") or 0) if distill_cfg.get("regression_loss")
-                  else 0)
+                  regression_pairs=regression_pairs_per_update(distill_cfg))
     strategies = (kind,) if kind else ("ddp", "fsdp")
     lora = (cfg.lora.rank or 0) > 0
     options = {

@@ -44,6 +44,7 @@ class DistillSpec:
     regression_loss: bool = False  # DMD's regression onto teacher pairs, with a plain distance
     regression_weight: float = 0.25  # its weight (DMD's lambda_reg)
     regression_pairs: int = 64  # the pairs, sampled by the teacher once
+    regression_batch: int | None = None  # pairs per student update (a fresh draw each update); None: all of them
     regression_distance: str = "mse"  # mse | pseudo_huber
     teacher_sampling: dict | None = None  # how the teacher samples the pairs: the run's sampler, steps, cfg_scale
     # scm / rcm (ringdit.training.consistency): TrigFlow's data scale, the logit-normal training times, the tangent
@@ -65,7 +66,8 @@ class DistillSpec:
                 "gradient_clip_val": self.gradient_clip_val, "gan_loss": self.gan_loss, "gan_block": self.gan_block,
                 "gan_generator_weight": self.gan_generator_weight, "gan_critic_weight": self.gan_critic_weight,
                 "regression_loss": self.regression_loss, "regression_weight": self.regression_weight,
-                "regression_pairs": self.regression_pairs, "regression_distance": self.regression_distance,
+                "regression_pairs": self.regression_pairs, "regression_batch": self.regression_batch,
+                "regression_distance": self.regression_distance,
                 "teacher_sampling": self.teacher_sampling, "sigma_data": self.sigma_data, "p_mean": self.p_mean,
                 "p_std": self.p_std, "warmup_steps": self.warmup_steps, "tangent_c": self.tangent_c,
                 "dmd_weight": self.dmd_weight, "critic_lr": self.critic_lr}
@@ -189,7 +191,9 @@ class DistillSpec:
                        "gan_critic_weight": float(distill.gan_critic_weight)}
         if distill.get("regression_loss"):
             options.update(regression_loss=True, regression_weight=float(distill.regression_weight),
-                           regression_pairs=distill.regression_pairs, regression_distance=distill.regression_distance,
+                           regression_pairs=distill.regression_pairs,
+                           regression_batch=distill.get("regression_batch"),
+                           regression_distance=distill.regression_distance,
                            teacher_sampling={"sampler": sampling.get("sampler"), "steps": sampling.get("steps"),
                                              "cfg_scale": cfg_scale, "cfg_scale_2": None, "times": None})
         if method in CONSISTENCY_METHODS:
@@ -267,6 +271,15 @@ def check_regression_settings(distill) -> None:
                           f"distill.regression_loss=false for no regression loss")
     require_count("distill.regression_pairs", distill.get("regression_pairs"),
                   hint="the teacher pairs sampled once at the start, e.g. distill.regression_pairs=64")
+    batch = distill.get("regression_batch")
+    if batch is not None:
+        require_count("distill.regression_batch", batch,
+                      hint="the pairs each student update regresses onto, e.g. distill.regression_batch=256; or null for "
+                           "all of them")
+        if batch > distill.regression_pairs:
+            raise ConfigError(f"distill.regression_batch={batch} is more than the {distill.regression_pairs} pairs "
+                              f"(distill.regression_pairs); set distill.regression_batch at most "
+                              f"{distill.regression_pairs}, or null for all of them")
     if distill.get("regression_distance") not in ("mse", "pseudo_huber"):
         raise ConfigError(f"distill.regression_distance={distill.get('regression_distance')!r} must be mse or "
                           f"pseudo_huber (LPIPS is not available offline)")

@@ -36,7 +36,8 @@ it, read from the critic forward the matching loss runs anyway (then with a grad
 mse or pseudo-Huber) for LPIPS: ``regression_pairs`` noises and conditions (labels cycling through the classes, or
 the training data's first prompts), sampled by the teacher once when training starts (again, the same, on resume),
 and each student update adds ``regression_weight`` x the distance of the student's 1-step
-outputs from the same noises to the teacher's samples.
+outputs from the same noises to the teacher's samples: of all of them, or of ``regression_batch`` drawn afresh each
+update (as DMD's regression takes a minibatch of its pairs; the same draw on every rank).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ Tensor = torch.Tensor
 warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
 
 # the DISTILL stream's roles: which draw of a phase a generator is for
-STUDENT_NOISE, CRITIC_LOSS, MATCHING, TRAINED_STEP, GAN, GAN_HEAD_INIT, REGRESSION, CONSISTENCY = 0, 1, 2, 3, 4, 5, 6, 7
+(STUDENT_NOISE, CRITIC_LOSS, MATCHING, TRAINED_STEP, GAN, GAN_HEAD_INIT, REGRESSION, CONSISTENCY,
+ REGRESSION_BATCH) = range(9)
 
 
 class DistillationModule(DiffusionModule):
@@ -253,10 +255,18 @@ class DistillationModule(DiffusionModule):
         picked = [picked[i % len(picked)] for i in range(count)]
         return {key: torch.stack([condition[key] for condition in picked]) for key in picked[0]}
 
-    def regression_loss(self) -> Tensor:
+    def regression_loss(self, step: int) -> Tensor:
         """The distance of the student's 1-step outputs from the pairs' noises to the teacher's samples (mse, or
-        pseudo-Huber on each sample's L2 distance, c = 0.00054 sqrt(numel) as improved consistency training's)."""
+        pseudo-Huber on each sample's L2 distance, c = 0.00054 sqrt(numel) as improved consistency training's); on
+        ``regression_batch`` of the pairs drawn for student update ``step``, or on all."""
         noise, condition, samples = self.teacher_pairs
+        batch = self.distill.get("regression_batch")  # absent from checkpoints written before the setting: all
+        if batch is not None and batch < noise.shape[0]:
+            picked = torch.randperm(noise.shape[0], generator=generator(Stream.DISTILL, self.hparams.seed, step, 0,
+                                                                        REGRESSION_BATCH))[:batch].to(noise.device)
+            noise, samples = noise[picked], samples[picked]
+            condition = ({key: value[picked] for key, value in condition.items()} if isinstance(condition, dict)
+                         else condition[picked])  # labels (K,) or a dict of (K, ...): the pairs' own conditions
         t = torch.full((noise.shape[0],), self.distill["times"][0], device=self.device)
         x = fewstep_start(noise, self.distill["times"][0])  # as the student's first step samples
         velocity = self.model(x, self.objective.model_time(t), condition)[:, :noise.shape[1]]
@@ -325,7 +335,7 @@ class DistillationModule(DiffusionModule):
                 dmd = self.distill["dmd_weight"] * dmd
             loss = loss + dmd
         if self.teacher_pairs is not None:
-            regression = self.regression_loss()
+            regression = self.regression_loss(step)
             self.log("train/regression_loss", self.trainer.strategy.reduce(regression.detach(), reduce_op="mean"))
             loss = loss + self.distill["regression_weight"] * regression
         value = self._checked("loss", loss)
