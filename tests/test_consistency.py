@@ -145,7 +145,8 @@ MOMENTUM = [*SGD, "optimizer.momentum=0.9"]  # SGD shows a wrongly scaled gradie
 # unguided teacher), the tangent's weight r = 0, 0.5, 1 over the 3 updates; rCM: r = 0 at the first update (sCM
 # alone), then the critic's 2 updates and the DMD term at weight 0.5 (so that a wrong DMD gradient shows)
 SCM = ["distill=scm", "distill.cfg_scale=2.0", "distill.warmup_steps=2"]
-RCM = ["distill=rcm", "distill.warmup_steps=1", "distill.critic_steps=2", "distill.dmd_weight=0.5"]
+RCM = ["distill=rcm", "distill.warmup_steps=1", "distill.critic_steps=2", "distill.dmd_weight=0.5",
+       "distill.first_step_share=0.75"]  # the digits preset's share of first-step updates
 LAYOUTS = {
     "scm_one": [*FP64, *SCM],
     "scm_ring2": [*FP64, *SCM, "ring_degree=2"],
@@ -254,13 +255,16 @@ BAD = {
     "dmd weight": (["distill=rcm", "distill.dmd_weight=0"],
                    "distill.dmd_weight=0 must be a finite number > 0 (the DMD term's weight; rCM: 0.01); for no DMD "
                    "term use distill=scm"),
+    "first step share": (["distill=rcm", "distill.first_step_share=1.5"],
+                         "distill.first_step_share=1.5 must be a number in [0, 1] (the share of updates whose backward "
+                         "simulation trains the student's first step, e.g. 0.75"),
     "gan head without a critic": (["distill=scm", "+distill.gan_loss=true"],
                                   "distill.gan_loss=true with distill=scm: the GAN head reads the critic"),
 }
 # the advice each refusal gives, followed: the run then trains (fp16's: 32-true; the backend's: one it names)
 ADVICE = {"no forward mode": ["distill=rcm", "attention_backend=math"], "fp16": ["distill=scm",
                                                                                  "trainer.precision=32-true"],
-          "dmd weight": ["distill=scm"], "gan head without a critic": ["distill=rcm", "distill.gan_loss=true"]}
+          "dmd weight": ["distill=scm"], "first step share": ["distill=rcm", "distill.first_step_share=0.75"], "gan head without a critic": ["distill=rcm", "distill.gan_loss=true"]}
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -339,3 +343,24 @@ def test_bad_fine_tuning_settings_are_refused_before_spawning(case, tiny_checkpo
     }[case]
     proc, seconds = fail_fast("train.py", *TINY, "distill=dmd2", *overrides, f"hydra.run.dir={tmp_path}")
     assert_refused(proc, text=text, seconds=seconds, run_dir=tmp_path)
+
+
+def test_the_first_step_share_sets_how_often_the_first_step_trains():
+    """``distill.first_step_share``: the first step drawn with that probability, the later ones alike in the rest;
+    null keeps DMD2's even draw (the same draw as before the setting: its documented students are unchanged)."""
+    from ringdit.common.seeding import Stream, generator
+    from ringdit.training.distillation_module import trained_step
+
+    def counts(steps, share, draws=4000):
+        found = [trained_step(steps, share, generator(Stream.DISTILL, 0, step, 0, 3)) for step in range(draws)]
+        return [found.count(i) / draws for i in range(steps)]
+
+    first, second = counts(2, 0.75)
+    assert abs(first - 0.75) < 0.02 and abs(second - 0.25) < 0.02
+    shares = counts(4, 0.4)
+    assert abs(shares[0] - 0.4) < 0.02 and all(abs(share - 0.2) < 0.02 for share in shares[1:])
+    assert counts(3, 1.0) == [1.0, 0.0, 0.0] and counts(1, 0.0) == [1.0]
+    assert counts(3, 0.0)[0] == 0.0
+    for step in range(50):
+        assert trained_step(4, None, generator(Stream.DISTILL, 0, step, 0, 3)) == int(
+            torch.randint(4, (1,), generator=generator(Stream.DISTILL, 0, step, 0, 3)))

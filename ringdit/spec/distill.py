@@ -56,6 +56,7 @@ class DistillSpec:
     tangent_c: float = 0.1
     dmd_weight: float = 0.01
     critic_lr: float | None = None  # the critic's learning rate; None: the optimizer's (rCM: a fifth of the student's)
+    first_step_share: float | None = None  # the share of updates that train the first step; None: 1 / steps
 
     @property
     def settings(self) -> dict:
@@ -70,7 +71,8 @@ class DistillSpec:
                 "regression_distance": self.regression_distance,
                 "teacher_sampling": self.teacher_sampling, "sigma_data": self.sigma_data, "p_mean": self.p_mean,
                 "p_std": self.p_std, "warmup_steps": self.warmup_steps, "tangent_c": self.tangent_c,
-                "dmd_weight": self.dmd_weight, "critic_lr": self.critic_lr}
+                "dmd_weight": self.dmd_weight, "critic_lr": self.critic_lr,
+                "first_step_share": self.first_step_share}
 
     def student_sampling(self, sampling: dict) -> dict:
         """The run's sampling settings for the student: its own few-step sampler and grid, no guidance (previews
@@ -103,6 +105,11 @@ class DistillSpec:
             raise ConfigError(f"distill.critic_lr={critic_lr!r} must be a finite number > 0 (the critic's learning "
                               f"rate; rCM: a fifth of the student's, e.g. distill.critic_lr=4e-5 beside "
                               f"optimizer.lr=2e-4), or null for the optimizer's")
+        share = distill.get("first_step_share")
+        if method in CRITIC_METHODS and share is not None and not (_finite(share) and 0 <= share <= 1):
+            raise ConfigError(f"distill.first_step_share={share!r} must be a number in [0, 1] (the share of updates "
+                              f"whose backward simulation trains the student's first step, e.g. 0.75 for a "
+                              f"2-step student that must also sample in 1), or null for an even share (1 / steps)")
         for key in ("t_min", "t_max") if method in CRITIC_METHODS else ():
             require_number(f"distill.{key}", distill.get(key), low=0, high=1, low_open=True)
         if method in CRITIC_METHODS and not distill.t_min < distill.t_max < 1:
@@ -204,6 +211,8 @@ class DistillSpec:
                 options.update(dmd_weight=float(distill.dmd_weight))
         if method in CRITIC_METHODS and distill.get("critic_lr") is not None:
             options.update(critic_lr=float(distill.critic_lr))
+        if method in CRITIC_METHODS and distill.get("first_step_share") is not None:
+            options.update(first_step_share=float(distill.first_step_share))
         times = tuple(student_times(distill.steps, distill.get("times"), method))
         return cls(method=method, steps=distill.steps, times=times,
                    critic_steps=distill.critic_steps if method in CRITIC_METHODS else 0, cfg_scale=cfg_scale,

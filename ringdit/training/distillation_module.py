@@ -157,8 +157,8 @@ class DistillationModule(DiffusionModule):
         """The student's clean samples ``shape`` after a step drawn for (``step``, ``phase``), whose input comes
         from its own earlier steps (backward simulation); only that last step carries a gradient, with ``grad``."""
         times = self.distill["times"]
-        trained = int(torch.randint(len(times), (1,), generator=generator(Stream.DISTILL, self.hparams.seed, step,
-                                                                          phase, TRAINED_STEP)))
+        trained = trained_step(len(times), self.distill.get("first_step_share"),
+                               generator(Stream.DISTILL, self.hparams.seed, step, phase, TRAINED_STEP))
         generators = self.draws(step, phase, STUDENT_NOISE, shape[0])
         x = fewstep_start(draw_noise(shape[1:], generators, self.device, dtype), times[0])
         for i in range(trained + 1):
@@ -398,6 +398,18 @@ class DistillationModule(DiffusionModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         pass  # the norms are logged before clipping (_update)
+
+
+def trained_step(steps: int, first_share: float | None, draw: torch.Generator) -> int:
+    """Which of the student's ``steps`` a backward simulation trains: each alike (DMD2's draw), or the first with
+    probability ``first_share`` and the others alike in the rest (a 2-step student that also samples in 1 step:
+    its 1-step outputs are those of its first step)."""
+    if first_share is None:
+        return int(torch.randint(steps, (1,), generator=draw))
+    u = float(torch.rand(1, generator=draw))
+    if steps == 1 or u < first_share:
+        return 0
+    return min(steps - 1, 1 + int((u - first_share) / (1 - first_share) * (steps - 1)))
 
 
 @contextlib.contextmanager
