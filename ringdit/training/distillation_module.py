@@ -21,7 +21,8 @@ mean|x - p_real|`` per sample (p: the clean sample each score predicts), ``loss 
 
 The student steps through ``times`` (1 first): at each it predicts the clean sample ``x - t v``, which is noised again
 with fresh noise to the next time (``ringdit.diffusion.sample_fewstep``, what infer.py runs). Backward simulation:
-each update draws which step trains, and that step's input comes from the student's own earlier steps (no gradient).
+each update draws which step trains (each alike, or the first with probability ``first_step_share``: the 1-step
+samples are its outputs), and that step's input comes from the student's own earlier steps (no gradient).
 
 Every draw comes from the ``DISTILL`` stream keyed by (student step, phase, role[, position in the global batch]),
 so every rank of a sequence-parallel group draws the same values and the gradient equals one device's (see
